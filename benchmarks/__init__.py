@@ -1,0 +1,1 @@
+"""mok benchmarks: one data-driven harness, ``python -m benchmarks.moe``."""

@@ -1,0 +1,262 @@
+"""``python -m benchmarks.moe``: mok against the baselines, every shape, one run (DESIGN.md §6).
+
+One GPU: ``python -m benchmarks.moe --json out.json --png out.png``.
+EP over N GPUs: ``torchrun --nproc-per-node N -m benchmarks.moe`` (time = slowest rank).
+Smoke test on a CPU in seconds: ``python -m benchmarks.moe --quick --device cpu``.
+
+Order: ceilings of this device, then per shape: inputs, fp32 reference, each implementation
+checked against it (a failed check is reported and never timed), then timed per pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import report
+from benchmarks.baselines import DEFAULT_ALIGN, grouped_mm_works
+from benchmarks.impls import Impl, baseline_impl
+from benchmarks.inputs import MoeInputs, make_inputs
+from benchmarks.mok_impls import MOK_IMPLS, describe_failure, unavailable_reason
+from benchmarks.reference import MAX_REL_ERR, compare, reference_results
+from benchmarks.shapes import RunShape, scale_for_run, select_shapes
+from benchmarks.timing import TimingConfig, max_over_ranks, measure_ceilings, median, time_ms
+
+PASSES = ("fwd", "fwdbwd", "bwd")
+# FLOPs of a pass in units of the forward's: backward = d_x and d_weight GEMMs = 2x forward.
+PASS_FLOP_FACTOR = {"fwd": 1, "fwdbwd": 3, "bwd": 2}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__)
+    parser.add_argument("--shapes", default="all", help="comma list of shape names, or all")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (16384)")
+    parser.add_argument("--passes", default=",".join(PASSES), help="comma list of fwd,fwdbwd,bwd")
+    parser.add_argument("--shared", action="store_true", help="add a shared expert of width I")
+    parser.add_argument("--align", type=int, default=DEFAULT_ALIGN, help="baseline group rows")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed reps (5; quick 1)")
+    parser.add_argument("--reps", type=int, default=None, help="timed reps (20; quick 3)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--json", default=None, help="write results and provenance here")
+    parser.add_argument("--png", default=None, help="write a bar chart here")
+    args = parser.parse_args(argv)
+    args.passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    bad = [p for p in args.passes if p not in PASSES]
+    if bad:
+        parser.error(f"--passes: unknown {bad}; expected a comma list of {PASSES}")
+    args.tokens = args.tokens or (64 if args.quick else 16384)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    args.reps = args.reps or (3 if args.quick else 20)
+    return args
+
+
+def init_device(args) -> tuple[torch.device, int, int, object]:
+    """Device, rank, world size and EP group (``None`` on one process); torchrun sets WORLD_SIZE."""
+    kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return torch.device(kind), 0, 1, None
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device(kind)
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", device_id=None)
+    return device, dist.get_rank(), world_size, dist.group.WORLD
+
+
+def flops(shape: RunShape, num_tokens: int, shared: bool, pass_name: str) -> float:
+    """2 * T * k * 3HI per forward (+ 2 * T * 3HI with a shared expert), times the pass factor."""
+    per_token = shape.topk + (1 if shared else 0)
+    forward = 2 * num_tokens * per_token * 3 * shape.hidden_size * shape.intermediate_size
+    return forward * PASS_FLOP_FACTOR[pass_name]
+
+
+def check(impl: Impl, inputs: MoeInputs, reference: dict, group) -> dict:
+    """Relative error of every output the reference has; same worst value on every rank."""
+    out, state = impl.forward()
+    results = {"out": out}
+    if len(reference) > 1:
+        results.update(impl.backward(state, inputs.grad_output))
+    errors = compare(results, reference)
+    worst = torch.tensor(max(errors.values()), dtype=torch.float64, device=inputs.x.device)
+    if group is not None:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return {"rel_err": errors, "max_rel_err": float(worst)}
+
+
+def time_pass(impl: Impl, inputs: MoeInputs, pass_name: str, timing, group) -> float:
+    """Median over reps of the slowest rank's ms for one pass (bwd: forward run untimed)."""
+    device, grad_output = inputs.x.device, inputs.grad_output
+
+    def forward(_):
+        impl.forward()
+
+    def forward_backward(_):
+        _, state = impl.forward()
+        impl.backward(state, grad_output)
+
+    def backward(forward_result):
+        impl.backward(forward_result[1], grad_output)
+
+    if pass_name == "fwd":
+        times = time_ms(device, timing, forward)
+    elif pass_name == "fwdbwd":
+        times = time_ms(device, timing, forward_backward)
+    else:
+        times = time_ms(device, timing, backward, setup=impl.forward)
+    return median(max_over_ranks(times, device, group))
+
+
+def build_impls(inputs: MoeInputs, args, group, probe) -> tuple[list[Impl], list[tuple]]:
+    """Baseline first, then every mok row that can run here; (name, reason) of those that can't."""
+    use_grouped_mm, detail = probe
+    impls = [
+        baseline_impl(
+            inputs, align=args.align, use_grouped_mm=use_grouped_mm, detail=detail, group=group
+        )
+    ]
+    missing = []
+    for name, build in MOK_IMPLS.items():
+        impl = build(inputs, group)
+        if impl is None:
+            missing.append((name, unavailable_reason(name)))
+        else:
+            impls.append(impl)
+    return impls, missing
+
+
+def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emit) -> list[dict]:
+    shape = scale_for_run(model, world_size, args.quick)
+    inputs = make_inputs(
+        shape,
+        args.tokens,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        seed=args.seed,
+        shared=args.shared,
+    )
+    with_grads = any(p != "fwd" for p in args.passes)
+    reference = reference_results(inputs, with_grads)
+    impls, missing = build_impls(inputs, args, group, probe)
+    base = {"shape": shape.as_dict(), "num_tokens": args.tokens, "world_size": world_size}
+    checks = {}
+    for impl in impls:
+        try:
+            checks[impl.name] = check(impl, inputs, reference, group)
+        except Exception as error:  # reported in its rows; the other impls still run
+            if group is not None:
+                raise  # the other ranks are inside a collective: stop rather than hang
+            checks[impl.name] = {"error": describe_failure(error)}
+    del reference
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rows, best_baseline = [], {}
+    for impl in impls:
+        for pass_name in args.passes:
+            row = {
+                **base,
+                "pass": pass_name,
+                "impl": impl.name,
+                "label": impl.label,
+                "baseline": impl.is_baseline,
+                **checks[impl.name],
+            }
+            if "error" in row:
+                row["status"] = row.pop("error")
+            elif row["max_rel_err"] > MAX_REL_ERR:
+                row["status"] = f"check failed: rel err {row['max_rel_err']:.2e} > {MAX_REL_ERR}"
+            else:
+                ms = time_pass(impl, inputs, pass_name, args.timing, group)
+                tflops = flops(shape, args.tokens, args.shared, pass_name) / (ms * 1e-3) / 1e12
+                if impl.is_baseline:
+                    best_baseline[pass_name] = min(ms, best_baseline.get(pass_name, ms))
+                row.update(
+                    status="ok",
+                    ms=ms,
+                    tflops=tflops,
+                    pct_of_gemm_ceiling=100 * tflops / ceilings["gemm_bf16_tflops"],
+                )
+                if pass_name in best_baseline:
+                    row["speedup"] = best_baseline[pass_name] / ms
+            emit(row)
+            rows.append(row)
+    for name, reason in missing:
+        for pass_name in args.passes:
+            row = {
+                **base,
+                "pass": pass_name,
+                "impl": name,
+                "label": name,
+                "baseline": False,
+                "status": reason,
+            }
+            emit(row)
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    # NVLink multicast (NVLS) can take shared GPU hosts out of service: never use it.
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    args = parse_args(argv)
+    args.timing = TimingConfig(warmup=args.warmup, reps=args.reps)
+    device, rank, world_size, group = init_device(args)
+    lead = rank == 0
+
+    def emit(row):
+        if lead:
+            print(report.format_row(row), flush=True)
+
+    ceilings = measure_ceilings(device, args.quick, args.timing)
+    probe = grouped_mm_works(device)
+    if lead:
+        print(f"device {device}, world size {world_size}, torch {torch.__version__}")
+        print(
+            f"ceilings: dense bf16 GEMM {ceilings['gemm_bf16_size']}^3 "
+            f"{ceilings['gemm_bf16_tflops']:.4g} TFLOP/s, copy "
+            f"{ceilings['copy_gbs']:.4g} GB/s (read + write)"
+        )
+        print(f"torch._grouped_mm: {probe[1]}")
+    rows = []
+    for model in select_shapes(args.shapes):
+        rows += run_shape(model, args, device, rank, world_size, group, ceilings, probe, emit)
+        gc.collect()
+    if lead:
+        print()
+        print(report.summary_table(rows))
+        record = {
+            "provenance": report.provenance(device, world_size),
+            "args": {k: v for k, v in vars(args).items() if k != "timing"},
+            "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
+            "reference": "benchmarks.reference.moe_reference: fp32 per-expert loop, autograd",
+            "max_rel_err": MAX_REL_ERR,
+            "grouped_mm_probe": probe[1],
+            "ceilings": ceilings,
+            "rows": rows,
+        }
+        if args.json:
+            report.write_json(args.json, record)
+            print(f"wrote {args.json}")
+        if args.png:
+            print(report.write_png(args.png, rows, ceilings))
+    if group is not None:
+        dist.barrier(group)
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Lines, summary table, JSON with provenance and the PNG chart of one harness run."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+
+import torch
+
+
+def format_row(row: dict) -> str:
+    """One line per (shape, pass, impl): ms, TFLOP/s, % of the GEMM ceiling, speedup."""
+    shape = row["shape"]
+    head = (
+        f"{shape['name']:<18} E={shape['num_experts']:<3} H={shape['hidden_size']:<5} "
+        f"I={shape['intermediate_size']:<5} k={shape['topk']:<2} T={row['num_tokens']:<6} "
+        f"{row['pass']:<6} {row['impl']:<20}"
+    )
+    if row["status"] != "ok":
+        return f"{head} {row['status']}"
+    speedup = f"{row['speedup']:.2f}x vs baseline" if row.get("speedup") else "no baseline"
+    return (
+        f"{head} {row['ms']:9.3f} ms {row['tflops']:7.3g} TFLOP/s "
+        f"{row['pct_of_gemm_ceiling']:5.1f}% of GEMM  {speedup}  err {row['max_rel_err']:.1e}"
+    )
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Shape x pass rows, one column per impl: ms (speedup) or its status."""
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    keys = list(dict.fromkeys((row["shape"]["name"], row["pass"]) for row in rows))
+    cells = {(row["shape"]["name"], row["pass"], row["impl"]): row for row in rows}
+    width = 22
+    lines = [f"{'shape':<18} {'pass':<7}" + "".join(f"{name:>{width}}" for name in impls)]
+    for shape, pass_name in keys:
+        line = f"{shape:<18} {pass_name:<7}"
+        for impl in impls:
+            row = cells.get((shape, pass_name, impl))
+            if row is None:
+                text = "-"
+            elif row["status"] != "ok":
+                text = row["status"].split(":")[0][: width - 2]
+            else:
+                speed = f" ({row['speedup']:.2f}x)" if row.get("speedup") else ""
+                text = f"{row['ms']:.3f} ms{speed}"
+            line += f"{text:>{width}}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _command(args: list[str]) -> str | None:
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def provenance(device: torch.device, world_size: int) -> dict:
+    """Where and with what this run was measured."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = _command(["git", "-C", repo, "rev-parse", "HEAD"])
+    dirty = _command(["git", "-C", repo, "status", "--porcelain"])
+    info = {
+        "git_commit": commit,
+        "git_dirty": bool(dirty) if commit else None,
+        "hostname": socket.gethostname(),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "world_size": world_size,
+        "gpu": None,
+        "driver": None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["sm_count"] = props.multi_processor_count
+        info["gpu_memory_bytes"] = props.total_memory
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        driver = _command(query)
+        info["driver"] = driver.splitlines()[0] if driver else None
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def write_json(path: str, record: dict) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        json.dump(record, handle, indent=2, default=str)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+def write_png(path: str, rows: list[dict], ceilings: dict) -> str:
+    """Bar chart of TFLOP/s per (shape, pass), one bar per impl; returns a note of what it did."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"matplotlib not installed: no PNG written to {path}"
+    measured = [row for row in rows if row["status"] == "ok"]
+    if not measured:
+        return "no measured rows: no PNG written"
+    impls = list(dict.fromkeys(row["impl"] for row in measured))
+    groups = list(dict.fromkeys(f"{r['shape']['name']}\n{r['pass']}" for r in measured))
+    values = {(f"{r['shape']['name']}\n{r['pass']}", r["impl"]): r["tflops"] for r in measured}
+    width = 0.8 / len(impls)
+    fig, axes = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 4.5))
+    for i, impl in enumerate(impls):
+        xs = [g + i * width for g in range(len(groups))]
+        axes.bar(xs, [values.get((group, impl), 0.0) for group in groups], width, label=impl)
+    axes.axhline(ceilings["gemm_bf16_tflops"], color="k", linestyle="--", label="dense GEMM")
+    axes.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=7)
+    axes.set_ylabel("TFLOP/s per GPU")
+    axes.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"

@@ -1,0 +1,111 @@
+"""Timers (CUDA events on a GPU, perf_counter on a CPU) and the ceilings of this device."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    warmup: int
+    reps: int
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(
+    device: torch.device,
+    config: TimingConfig,
+    run: Callable[[object], object],
+    setup: Callable[[], object] | None = None,
+) -> list[float]:
+    """Milliseconds of ``run(setup())`` per rep, ``setup`` (if any) outside the timed span.
+
+    On CUDA each rep is bracketed by events on the current stream, so host work of ``setup``
+    and launch gaps between reps are not counted; one synchronize at the end.
+    """
+    for _ in range(config.warmup):
+        run(setup() if setup else None)
+    synchronize(device)
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(config.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(config.reps)]
+        for start, end in zip(starts, ends, strict=True):
+            state = setup() if setup else None
+            start.record()
+            run(state)
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
+    times = []
+    for _ in range(config.reps):
+        state = setup() if setup else None
+        begin = time.perf_counter()
+        run(state)
+        times.append((time.perf_counter() - begin) * 1e3)
+    return times
+
+
+def max_over_ranks(times: list[float], device: torch.device, group=None) -> list[float]:
+    """Per-rep time of the slowest rank (a layer is done when every rank is done)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return times
+    values = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values.tolist()
+
+
+def median(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+def gemm_ceiling_tflops(device: torch.device, size: int, config: TimingConfig) -> float:
+    """Median TFLOP/s of a dense bf16 ``torch.matmul`` of size^3 on random data.
+
+    Three input pairs are rotated so that no rep finds its operands in L2 from the rep before.
+    """
+    gen = torch.Generator(device=device).manual_seed(1)
+    pairs = [
+        tuple(
+            torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+            for _ in range(2)
+        )
+        for _ in range(3)
+    ]
+    counter = iter(range(1 << 30))
+
+    def run(_state):
+        a, b = pairs[next(counter) % len(pairs)]
+        torch.matmul(a, b)
+
+    ms = median(time_ms(device, config, run))
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+def copy_bandwidth_gbs(device: torch.device, num_bytes: int, config: TimingConfig) -> float:
+    """Median GB/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = median(time_ms(device, config, lambda _state: dst.copy_(src)))
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def measure_ceilings(device: torch.device, quick: bool, config: TimingConfig) -> dict:
+    """The GEMM and copy ceilings of this device, measured now (tiny sizes with ``quick``)."""
+    gemm_size = 512 if quick else 8192
+    copy_bytes = (8 << 20) if quick else (2 << 30)
+    return {
+        "gemm_bf16_size": gemm_size,
+        "gemm_bf16_tflops": gemm_ceiling_tflops(device, gemm_size, config),
+        "copy_bytes": copy_bytes,
+        "copy_gbs": copy_bandwidth_gbs(device, copy_bytes, config),
+    }

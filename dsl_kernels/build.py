@@ -1,0 +1,405 @@
+"""Compile every registered kernel variant to cubins + one manifest, on a machine with no GPU.
+
+    python -m mok.dsl_kernels.build --arch sm_90a sm_100a [--check] [--only NAME] [--out DIR]
+
+Writes `dsl_kernels/cubins/<variant>.<arch>.cubin` and `dsl_kernels/cubins/manifest.json`.
+`--check` builds into a temporary directory and exits 1 if the committed manifest or any cubin
+differs from what the sources produce (source hash, manifest entries and cubin bytes).
+
+Where each manifest field comes from (nothing is typed in by hand twice):
+- symbol, params (order, size, alignment, kind): the `.entry` of the PTX the DSL produced;
+  parameter names come from the Python signature of the kernel's `@cute.kernel` method, and the
+  build fails if the two disagree in count or kind. A PTX `.b8` aggregate with no Python
+  counterpart (a parameter the DSL inserted) is kept as kind "bytes", named `_dsl_<index>`.
+- block: the PTX `.reqntid` directive, cross-checked against the launch config in the lowered
+  host code (`compiled.ir_module`, the struct passed to `_cudaLaunchKernelEx`).
+- dynamic_smem_bytes: the shared-memory field of that same launch config (must be a constant).
+- cluster: these kernels launch without a cluster attribute, i.e. (1, 1, 1).
+"""
+
+import argparse
+import hashlib
+import importlib.metadata
+import inspect
+import json
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+CUBIN_DIR = PACKAGE_DIR / "cubins"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
+DEFAULT_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+
+
+class BuildError(RuntimeError):
+    """A kernel does not compile, or its compiled form disagrees with its Python signature."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Source hash
+# ---------------------------------------------------------------------------------------------
+def dsl_version() -> str:
+    return importlib.metadata.version(DSL_DISTRIBUTION)
+
+
+def source_hash(version: str) -> str:
+    """sha256 over every dsl_kernels/**/*.py (sorted by relative path) and the DSL version."""
+    digest = hashlib.sha256()
+    for path in sorted(
+        PACKAGE_DIR.rglob("*.py"), key=lambda p: p.relative_to(PACKAGE_DIR).as_posix()
+    ):
+        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    digest.update(f"{DSL_DISTRIBUTION}=={version}".encode())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# PTX .entry parsing
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PtxParam:
+    kind: str  # pointer | int32 | int64 | float32 | bytes
+    size: int
+    align: int
+    text: str  # the declaration, for error messages
+
+
+_ENTRY_RE = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\((.*?)\)", re.S)
+_REQNTID_RE = re.compile(r"\.reqntid\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?")
+_SCALAR_KINDS = {
+    "u32": "int32",
+    "s32": "int32",
+    "b32": "int32",
+    "u64": "int64",
+    "s64": "int64",
+    "b64": "int64",
+    "f32": "float32",
+}
+_KIND_SIZE = {"pointer": 8, "int32": 4, "int64": 8, "float32": 4}
+
+
+def parse_ptx_param(decl: str) -> PtxParam:
+    """One `.param ...` declaration of an `.entry` -> kind, size and alignment in bytes."""
+    tokens = decl.split()
+    if not tokens or tokens[0] != ".param":
+        raise BuildError(f"unexpected PTX parameter declaration {decl!r}")
+    aggregate = re.fullmatch(r"\.param\s+\.align\s+(\d+)\s+\.b8\s+\S+\[(\d+)\]", decl.strip())
+    if aggregate:
+        return PtxParam("bytes", int(aggregate.group(2)), int(aggregate.group(1)), decl.strip())
+    ptx_type = tokens[1].lstrip(".")
+    if ".ptr" in tokens:
+        return PtxParam("pointer", 8, 8, decl.strip())
+    if ptx_type in _SCALAR_KINDS:
+        kind = _SCALAR_KINDS[ptx_type]
+        return PtxParam(kind, _KIND_SIZE[kind], _KIND_SIZE[kind], decl.strip())
+    raise BuildError(f"unsupported PTX parameter type in {decl!r}")
+
+
+def parse_ptx_entry(ptx: str) -> tuple[str, list[PtxParam], tuple[int, int, int]]:
+    """(symbol, params, reqntid) of the single `.entry` of a PTX module."""
+    entries = _ENTRY_RE.findall(ptx)
+    if len(entries) != 1:
+        raise BuildError(f"expected exactly one .entry in the PTX, found {len(entries)}")
+    symbol, body = entries[0]
+    decls = [d.strip() for d in body.split(",") if d.strip()]
+    params = [parse_ptx_param(d) for d in decls]
+    tail = ptx[ptx.index(body) + len(body) :]
+    reqntid = _REQNTID_RE.search(tail[: tail.find("{")])
+    if reqntid is None:
+        raise BuildError(f"{symbol}: no .reqntid in the PTX (block size unknown)")
+    block = tuple(int(g) if g else 1 for g in reqntid.groups())
+    return symbol, params, block
+
+
+# ---------------------------------------------------------------------------------------------
+# Python signature -> named params
+# ---------------------------------------------------------------------------------------------
+def python_params(kernel_obj) -> list[tuple[str, str]]:
+    """(name, kind) of each parameter of the kernel's `@cute.kernel` method, in order."""
+    import cutlass
+    import cutlass.cute as cute
+
+    annotation_kinds = {
+        cute.Pointer: "pointer",
+        cutlass.Int32: "int32",
+        cutlass.Int64: "int64",
+        cutlass.Float32: "float32",
+    }
+    signature = inspect.signature(type(kernel_obj).kernel)
+    params = []
+    for name, param in list(signature.parameters.items())[1:]:  # skip self
+        kind = annotation_kinds.get(param.annotation)
+        if kind is None:
+            raise BuildError(
+                f"{type(kernel_obj).__name__}.kernel argument {name!r}: annotation "
+                f"{param.annotation!r} is not one of Pointer, Int32, Int64, Float32"
+            )
+        params.append((name, kind))
+    return params
+
+
+def name_params(
+    owner: str, ptx_params: list[PtxParam], py_params: list[tuple[str, str]]
+) -> list[dict]:
+    """Pair PTX params with Python names in order; fail on any count or kind mismatch."""
+    named = []
+    remaining = list(py_params)
+    for index, ptx_param in enumerate(ptx_params):
+        if ptx_param.kind == "bytes" and (
+            not remaining or remaining[0][1] not in ("bytes", "tma_desc")
+        ):
+            name = f"_dsl_{index}"  # inserted by the DSL, not in the Python signature
+            print(f"  warning: {owner}: DSL-inserted parameter {index}: {ptx_param.text}")
+        else:
+            if not remaining:
+                raise BuildError(
+                    f"{owner}: PTX param {index} ({ptx_param.text}) has no Python argument"
+                )
+            name, py_kind = remaining.pop(0)
+            if py_kind != ptx_param.kind:
+                raise BuildError(
+                    f"{owner}: argument {name!r} is {py_kind} in Python but PTX param {index} "
+                    f"is {ptx_param.kind} ({ptx_param.text})"
+                )
+        named.append(
+            {"name": name, "kind": ptx_param.kind, "size": ptx_param.size, "align": ptx_param.align}
+        )
+    if remaining:
+        raise BuildError(
+            f"{owner}: Python arguments {[n for n, _ in remaining]} have no PTX parameter "
+            "(static or Constexpr arguments are not allowed in a kernel signature)"
+        )
+    return named
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch config from the lowered host code
+# ---------------------------------------------------------------------------------------------
+_LAUNCH_STRUCT = "!llvm.struct<(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32)>"
+
+
+def launch_config_from_host_ir(ir_text: str) -> dict[str, int]:
+    """Constant block dims and dynamic smem that the DSL's host code stores into the
+    cudaLaunchConfig struct it passes to `_cudaLaunchKernelEx` (fields 1 and 2)."""
+    funcs = [f for f in ir_text.split("llvm.func @") if "llvm.call @_cudaLaunchKernelEx" in f]
+    if len(funcs) != 1:
+        raise BuildError(f"expected one host function launching a kernel, found {len(funcs)}")
+    body = funcs[0]
+    constants = dict(re.findall(r"(%\d+) = llvm\.mlir\.constant\((-?\d+) : i\d+\)", body))
+    fields = {}
+    for ssa, index in re.findall(
+        r"(%\d+) = llvm\.getelementptr %\d+\[0, ([\d, ]+)\] : \(!llvm\.ptr\) -> !llvm\.ptr, "
+        + re.escape(_LAUNCH_STRUCT),
+        body,
+    ):
+        fields[ssa] = tuple(int(i) for i in index.split(","))
+    values = {}
+    for value, target in re.findall(r"llvm\.store (%\d+), (%\d+) : i\d+, !llvm\.ptr", body):
+        if target in fields:
+            values[fields[target]] = constants.get(value)
+    block = [values.get((1, i)) for i in range(3)]
+    smem = values.get((2,))
+    if any(v is None for v in block) or smem is None:
+        raise BuildError(f"launch config is not constant (block {block}, dynamic smem {smem})")
+    return {"block": [int(v) for v in block], "dynamic_smem_bytes": int(smem)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile one variant for one arch
+# ---------------------------------------------------------------------------------------------
+def compile_variant(variant, arch: str) -> tuple[dict, bytes, str]:
+    """(manifest entry, cubin bytes, PTX text) of one registry variant for one arch."""
+    import cutlass.cute as cute
+
+    kernel_obj = variant.kernel(**variant.config)
+    if hasattr(kernel_obj, "validate"):
+        kernel_obj.validate()
+    # The name options live on the shared @cute.kernel function: set them right before compiling.
+    type(kernel_obj).kernel.set_name_prefix(
+        variant.symbol_prefix, remove_cutlass_symbol=True, keep_mangled_name=False
+    )
+    with tempfile.TemporaryDirectory(prefix="mok_dsl_") as dump_dir:
+        compiled = cute.compile(
+            kernel_obj,
+            *kernel_obj.compile_arguments(),
+            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump_dir}",
+        )
+        ptx, cubin = compiled.__ptx__, compiled.__cubin__
+        host_ir = str(compiled.ir_module)
+    owner = f"{variant.name} ({arch})"
+    if not isinstance(ptx, str) or ".entry" not in ptx:
+        raise BuildError(f"{owner}: the DSL returned no PTX")
+    if not isinstance(cubin, bytes) or not cubin.startswith(b"\x7fELF"):
+        raise BuildError(f"{owner}: the DSL returned no cubin")
+    if f".target {arch}" not in ptx:
+        raise BuildError(f"{owner}: PTX does not target {arch}")
+
+    symbol, ptx_params, block = parse_ptx_entry(ptx)
+    if not symbol.startswith(variant.symbol_prefix):
+        raise BuildError(f"{owner}: entry symbol {symbol!r} lacks prefix {variant.symbol_prefix!r}")
+    if symbol.encode() not in cubin:
+        raise BuildError(f"{owner}: entry symbol {symbol!r} not found in the cubin")
+    launch = launch_config_from_host_ir(host_ir)
+    if tuple(launch["block"]) != block:
+        raise BuildError(f"{owner}: .reqntid {block} != host launch block {launch['block']}")
+
+    entry = {
+        "name": variant.name,
+        "kernel": variant.kernel.__name__,
+        "arch": arch,
+        "cubin": f"{variant.name}.{arch}.cubin",
+        "symbol": symbol,
+        "config": dict(variant.config),
+        "params": name_params(owner, ptx_params, python_params(kernel_obj)),
+        "block": list(block),
+        "cluster": [1, 1, 1],
+        "dynamic_smem_bytes": launch["dynamic_smem_bytes"],
+        "tma": [],
+        "launch": {"grid": variant.launch_grid},
+    }
+    return entry, cubin, ptx
+
+
+# ---------------------------------------------------------------------------------------------
+# Build / check
+# ---------------------------------------------------------------------------------------------
+def build(archs, only=None, verbose=True) -> tuple[dict, dict[str, bytes], dict[str, str]]:
+    """Compile the registry: (manifest, {cubin file name: bytes}, {cubin file name: PTX})."""
+    from .registry import variants
+
+    registry = variants()
+    names = [v.name for v in registry]
+    if len(set(names)) != len(names):
+        raise BuildError(f"duplicate variant names in the registry: {names}")
+    if only is not None and only not in names:
+        raise BuildError(f"--only {only!r}: not a registered variant (known: {names})")
+    version = dsl_version()
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "dsl_version": version,
+        "source_hash": source_hash(version),
+        "variants": [],
+    }
+    cubins, ptxs = {}, {}
+    start = time.perf_counter()
+    for variant in registry:
+        if only is not None and variant.name != only:
+            continue
+        for arch in archs:
+            t0 = time.perf_counter()
+            entry, cubin, ptx = compile_variant(variant, arch)
+            manifest["variants"].append(entry)
+            cubins[entry["cubin"]] = cubin
+            ptxs[entry["cubin"]] = ptx
+            if verbose:
+                print(
+                    f"  {variant.name:<28} {arch:<8} {time.perf_counter() - t0:6.2f} s "
+                    f"{len(cubin):>8} B  {entry['symbol']}",
+                    flush=True,
+                )
+    if verbose:
+        total = sum(len(c) for c in cubins.values())
+        print(
+            f"built {len(manifest['variants'])} kernels ({len(manifest['variants']) // max(len(archs), 1)} "
+            f"variants x {len(archs)} archs) in {time.perf_counter() - start:.1f} s, {total} cubin bytes"
+        )
+    return manifest, cubins, ptxs
+
+
+def manifest_text(manifest: dict) -> str:
+    return json.dumps(manifest, indent=2) + "\n"
+
+
+def write(out_dir: Path, manifest: dict, cubins: dict[str, bytes], only=None) -> None:
+    """Write cubins and the manifest; with `only`, merge into the existing manifest."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = out_dir / MANIFEST_NAME
+    if only is not None and manifest_path.exists():
+        previous = json.loads(manifest_path.read_text())
+        rebuilt = {(e["name"], e["arch"]) for e in manifest["variants"]}
+        kept = [e for e in previous["variants"] if (e["name"], e["arch"]) not in rebuilt]
+        manifest = dict(manifest, variants=kept + manifest["variants"])
+    for file_name, data in cubins.items():
+        _write_atomic(out_dir / file_name, data)
+    _write_atomic(manifest_path, manifest_text(manifest).encode())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def check(committed_dir: Path, manifest: dict, cubins: dict[str, bytes], only=None) -> list[str]:
+    """Differences between the committed artefacts and a fresh build (empty list: identical)."""
+    problems = []
+    manifest_path = committed_dir / MANIFEST_NAME
+    if not manifest_path.exists():
+        return [f"{manifest_path} is missing"]
+    committed = json.loads(manifest_path.read_text())
+    if committed.get("source_hash") != manifest["source_hash"]:
+        problems.append("source_hash differs: sources or DSL version changed since the last build")
+    if committed.get("dsl_version") != manifest["dsl_version"]:
+        problems.append(
+            f"dsl_version {committed.get('dsl_version')} != installed {manifest['dsl_version']}"
+        )
+    committed_entries = {(e["name"], e["arch"]): e for e in committed.get("variants", [])}
+    fresh_entries = {(e["name"], e["arch"]): e for e in manifest["variants"]}
+    if only is None and set(committed_entries) != set(fresh_entries):
+        problems.append(
+            f"variant set differs: committed {sorted(committed_entries)} vs built {sorted(fresh_entries)}"
+        )
+    for key, entry in fresh_entries.items():
+        if committed_entries.get(key) != entry:
+            problems.append(f"manifest entry {key} differs")
+        path = committed_dir / entry["cubin"]
+        if not path.exists():
+            problems.append(f"{path} is missing")
+        elif path.read_bytes() != cubins[entry["cubin"]]:
+            problems.append(f"{path} differs from the freshly built cubin")
+    return problems
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mok.dsl_kernels.build", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), choices=SUPPORTED_ARCHS)
+    parser.add_argument("--check", action="store_true", help="rebuild in a temp dir and compare")
+    parser.add_argument("--only", metavar="NAME", help="build only this variant")
+    parser.add_argument("--out", type=Path, default=CUBIN_DIR, help="output directory")
+    args = parser.parse_args(argv)
+    archs = list(dict.fromkeys(args.arch))
+
+    try:
+        manifest, cubins, _ = build(archs, only=args.only)
+    except BuildError as error:
+        print(f"build failed: {error}", file=sys.stderr)
+        return 2
+    if args.check:
+        problems = check(args.out, manifest, cubins, only=args.only)
+        for problem in problems:
+            print(f"  MISMATCH: {problem}", file=sys.stderr)
+        if problems:
+            print(
+                f"check failed: rebuild with `python -m mok.dsl_kernels.build --arch {' '.join(archs)}`",
+                file=sys.stderr,
+            )
+            return 1
+        print("check passed: committed manifest and cubins match the sources")
+        return 0
+    write(args.out, manifest, cubins, only=args.only)
+    print(f"wrote {args.out / MANIFEST_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

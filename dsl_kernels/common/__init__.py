@@ -1,0 +1,1 @@
+"""Kernels and device helpers shared by every architecture (plain CUDA-core code)."""

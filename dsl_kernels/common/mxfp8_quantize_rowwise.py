@@ -1,0 +1,152 @@
+"""MXFP8 quantisation along rows: bf16 [rows, cols] -> E4M3 [rows, cols] + UE8M0 scales.
+
+`Mxfp8QuantizeRowwise` is a pure memory-bound CUDA-core kernel (no TMA, no smem), the same
+code for sm_90a and sm_100a.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
+
+from .args import global_pointer
+from .ptx import cvt_e4m3x2_rn_satfinite, mul_rn, mxfp8_scale_from_amax
+
+TILE = 128  # rows and columns of one CTA tile (= one 512-byte scale tile)
+VECTOR = 8  # bf16 elements per thread per pass: one 16-byte load
+BLOCK = 32  # elements that share one scale
+THREADS = 256
+
+
+@dataclass(frozen=True)
+class Mxfp8QuantizeRowwise:
+    """Quantise each row of a bf16 matrix to MXFP8 (scale per 32 consecutive elements of a row).
+
+    Kernel parameters (in this order): `input_ptr` (bf16 [num_rows, num_cols] row-major),
+    `output_ptr` (E4M3 bytes [num_rows, num_cols] row-major), `scale_ptr` (uint8
+    [num_rows/128, num_cols/128, 32, 16]), `num_rows`, `num_cols` (int32).
+
+    Constraints (the caller checks them; the kernel does not):
+    - num_rows % 128 == 0 and num_cols % 128 == 0, both > 0; num_rows * num_cols < 2^36
+      (element offsets are 64-bit; scale offsets are int32).
+    - all three pointers 16-byte aligned, contiguous, not overlapping.
+    - launch: grid (num_cols/128, num_rows/128, 1), block (256, 1, 1), no dynamic smem,
+      cluster (1, 1, 1). num_rows/128 <= 65535 (grid.y limit).
+
+    Math, bit-exact (SEMANTICS.md §5): per 32 consecutive elements of a row, amax = max |v|
+    (fp32 of the bf16 values); q = amax / 448 (div.rn.f32); q = max(q, fp32(1e-12)); scale = q
+    rounded up to a power of two; scale byte = biased fp32 exponent of scale (UE8M0);
+    element = cvt.rn.satfinite.e4m3 of (v * (1/scale)) with mul.rn.f32 (1/scale is exact).
+    NaN inputs give unspecified results.
+
+    Scale layout: byte ((r//128)*(cols/128) + c//128)*512 + (r%32)*16 + ((r%128)//32)*4
+    + (c%128)//32 holds the scale of row r, columns c..c+31 (torch's SWIZZLE_32_4_4).
+
+    Work split: CTA = one 128x128 tile; thread = 8 consecutive columns of 8 rows (one row per
+    pass, 16 rows per pass); the 4 threads of a 32-element block reduce amax with 2 shuffles.
+    """
+
+    @property
+    def threads(self) -> int:
+        return THREADS
+
+    def compile_arguments(self) -> tuple:
+        """Placeholders for `__call__`, in order (see common/args.py)."""
+        return (
+            global_pointer(BFloat16, 16),
+            global_pointer(Uint8, 16),
+            global_pointer(Uint8, 16),
+            Int32(0),
+            Int32(0),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        input_ptr: cute.Pointer,
+        output_ptr: cute.Pointer,
+        scale_ptr: cute.Pointer,
+        num_rows: Int32,
+        num_cols: Int32,
+    ):
+        self.kernel(input_ptr, output_ptr, scale_ptr, num_rows, num_cols).launch(
+            grid=[num_cols // TILE, num_rows // TILE, 1], block=[THREADS, 1, 1]
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        input_ptr: cute.Pointer,
+        output_ptr: cute.Pointer,
+        scale_ptr: cute.Pointer,
+        num_rows: Int32,
+        num_cols: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_col, tile_row, _ = cute.arch.block_idx()
+        # The documented alignment lets CuTe prove every 8-element chunk is 16-byte aligned;
+        # 64-bit row strides keep row * num_cols from overflowing int32.
+        num_cols = cute.assume(num_cols, divby=TILE)
+        num_rows = cute.assume(num_rows, divby=TILE)
+
+        # ---- views: global tensors -> this CTA's tile -> 8-element chunks ----
+        mX = cute.make_tensor(
+            input_ptr,
+            cute.make_layout(
+                (num_rows, num_cols), stride=(cute.assume(Int64(num_cols), divby=TILE), 1)
+            ),
+        )
+        # E4M3 output viewed as 32-bit words: 8 bytes = 2 words per thread and pass.
+        words_per_row = num_cols // 4
+        mQ = cute.make_tensor(
+            cute.recast_ptr(output_ptr, dtype=Uint32),
+            cute.make_layout(
+                (num_rows, words_per_row),
+                stride=(cute.assume(Int64(words_per_row), divby=TILE // 4), 1),
+            ),
+        )
+        mS = cute.make_tensor(scale_ptr, cute.make_layout(num_rows * (num_cols // TILE) * 4))
+        gX = cute.flat_divide(
+            cute.local_tile(mX, (TILE, TILE), (tile_row, tile_col)), (1, VECTOR)
+        )  # (1, 8, 128, 16)
+        gQ = cute.flat_divide(
+            cute.local_tile(mQ, (TILE, TILE // 4), (tile_row, tile_col)), (1, VECTOR // 4)
+        )  # (1, 2, 128, 16)
+        scale_tile_base = (tile_row * (num_cols // TILE) + tile_col) * (TILE * 4)
+
+        chunk = tidx % (TILE // VECTOR)  # 0..15: which 8 columns of the tile
+        row_in_pass = tidx // (TILE // VECTOR)  # 0..15
+        col_block = chunk // (BLOCK // VECTOR)  # 0..3: which 32-column block
+
+        # ---- loads: all 8 passes issued up front (8 x 16 B in flight per thread) ----
+        values = cute.make_rmem_tensor((VECTOR, TILE // 16), Float32)
+        for p in cutlass.range_constexpr(TILE // 16):
+            row = p * 16 + row_in_pass
+            values[None, p].store(gX[0, None, row, chunk].load().to(Float32))
+
+        # ---- per pass: amax over 32 elements, scale, convert, store ----
+        for p in cutlass.range_constexpr(TILE // 16):
+            row = p * 16 + row_in_pass
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(VECTOR):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(values[i, p], -values[i, p]))
+            # the 4 lanes holding one 32-element block are adjacent (lane bits 0 and 1)
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
+            scale_byte, inv_scale = mxfp8_scale_from_amax(amax)
+
+            packed = cute.make_rmem_tensor((VECTOR // 4,), Uint32)
+            for w in cutlass.range_constexpr(VECTOR // 4):
+                lo = cvt_e4m3x2_rn_satfinite(
+                    mul_rn(values[4 * w, p], inv_scale), mul_rn(values[4 * w + 1, p], inv_scale)
+                )
+                hi = cvt_e4m3x2_rn_satfinite(
+                    mul_rn(values[4 * w + 2, p], inv_scale), mul_rn(values[4 * w + 3, p], inv_scale)
+                )
+                packed[w] = Uint32(lo) | (Uint32(hi) << 16)
+            gQ[0, None, row, chunk].store(packed.load())
+
+            if tidx % (BLOCK // VECTOR) == 0:
+                offset = scale_tile_base + (row % 32) * 16 + (row // 32) * 4 + col_block
+                mS[offset] = Uint8(scale_byte)

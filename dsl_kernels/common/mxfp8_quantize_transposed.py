@@ -1,0 +1,153 @@
+"""MXFP8 quantisation of the transpose: bf16 [rows, cols] -> E4M3 [cols, rows] + UE8M0 scales.
+
+`Mxfp8QuantizeTransposed` is a pure memory-bound CUDA-core kernel (no TMA, no smem), the same
+code for sm_90a and sm_100a. The transpose happens in registers: each thread loads an 8x8
+block (8 rows x 16 bytes) and writes it back as 8 output rows of 8 bytes.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
+
+from .args import global_pointer
+from .ptx import cvt_e4m3x2_rn_satfinite, mul_rn, mxfp8_scale_from_amax
+
+TILE = 128  # input rows and columns of one CTA tile (= one 512-byte scale tile)
+VECTOR = 8  # a thread owns VECTOR input rows x VECTOR input columns
+BLOCK = 32  # elements that share one scale (32 input rows of one column)
+THREADS = 256
+
+
+@dataclass(frozen=True)
+class Mxfp8QuantizeTransposed:
+    """Quantise the transpose of a bf16 matrix to MXFP8 (scale per 32 consecutive input rows).
+
+    The result equals `Mxfp8QuantizeRowwise` applied to `input.T.contiguous()`: output
+    E4M3 [num_cols, num_rows] row-major and scales [num_cols/128, num_rows/128, 32, 16].
+
+    Kernel parameters (in this order): `input_ptr` (bf16 [num_rows, num_cols] row-major),
+    `output_ptr` (E4M3 bytes [num_cols, num_rows] row-major), `scale_ptr` (uint8
+    [num_cols/128, num_rows/128, 32, 16]), `num_rows`, `num_cols` (int32).
+
+    Constraints (the caller checks them; the kernel does not):
+    - num_rows % 128 == 0 and num_cols % 128 == 0, both > 0; num_rows * num_cols < 2^36
+      (element offsets are 64-bit; scale offsets are int32).
+    - all three pointers 16-byte aligned, contiguous, not overlapping.
+    - launch: grid (num_cols/128, num_rows/128, 1), block (256, 1, 1), no dynamic smem,
+      cluster (1, 1, 1). num_rows/128 <= 65535 (grid.y limit).
+
+    Math: identical to `Mxfp8QuantizeRowwise` (div.rn.f32 by 448, clamp at fp32(1e-12),
+    round the scale up to a power of two, mul.rn.f32 by the exact inverse, then
+    cvt.rn.satfinite.e4m3x2.f32), with the 32-element blocks running down input columns.
+
+    Work split: CTA = one 128x128 input tile, 8 warps as 4 (32-row groups) x 2 (64-column
+    groups); lane = 4 (8-row chunks) x 8 (8-column chunks), so each load instruction of a warp
+    reads 4 rows x 128 contiguous bytes and each store writes 8 runs of 32 contiguous bytes.
+    The 4 lanes of one 32-row block (lane bits 3 and 4) reduce amax with 2 shuffles.
+    """
+
+    @property
+    def threads(self) -> int:
+        return THREADS
+
+    def compile_arguments(self) -> tuple:
+        """Placeholders for `__call__`, in order (see common/args.py)."""
+        return (
+            global_pointer(BFloat16, 16),
+            global_pointer(Uint8, 16),
+            global_pointer(Uint8, 16),
+            Int32(0),
+            Int32(0),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        input_ptr: cute.Pointer,
+        output_ptr: cute.Pointer,
+        scale_ptr: cute.Pointer,
+        num_rows: Int32,
+        num_cols: Int32,
+    ):
+        self.kernel(input_ptr, output_ptr, scale_ptr, num_rows, num_cols).launch(
+            grid=[num_cols // TILE, num_rows // TILE, 1], block=[THREADS, 1, 1]
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        input_ptr: cute.Pointer,
+        output_ptr: cute.Pointer,
+        scale_ptr: cute.Pointer,
+        num_rows: Int32,
+        num_cols: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_col, tile_row, _ = cute.arch.block_idx()
+        # The documented alignment lets CuTe prove every 8-element chunk is 16-byte aligned;
+        # 64-bit row strides keep row * num_cols from overflowing int32.
+        num_cols = cute.assume(num_cols, divby=TILE)
+        num_rows = cute.assume(num_rows, divby=TILE)
+
+        # ---- views: input [rows, cols] bf16; output [cols, rows] as 32-bit words ----
+        mX = cute.make_tensor(
+            input_ptr,
+            cute.make_layout(
+                (num_rows, num_cols), stride=(cute.assume(Int64(num_cols), divby=TILE), 1)
+            ),
+        )
+        words_per_row = num_rows // 4
+        mQ = cute.make_tensor(
+            cute.recast_ptr(output_ptr, dtype=Uint32),
+            cute.make_layout(
+                (num_cols, words_per_row),
+                stride=(cute.assume(Int64(words_per_row), divby=TILE // 4), 1),
+            ),
+        )
+        mS = cute.make_tensor(scale_ptr, cute.make_layout(num_cols * (num_rows // TILE) * 4))
+        gX = cute.flat_divide(
+            cute.local_tile(mX, (TILE, TILE), (tile_row, tile_col)), (1, VECTOR)
+        )  # (1, 8, 128 rows, 16 column chunks)
+        gQ = cute.flat_divide(
+            cute.local_tile(mQ, (TILE, TILE // 4), (tile_col, tile_row)), (1, VECTOR // 4)
+        )  # (1, 2, 128 output rows, 16 output chunks)
+        scale_tile_base = (tile_col * (num_rows // TILE) + tile_row) * (TILE * 4)
+
+        warp = tidx // 32
+        lane = tidx % 32
+        row_group = warp % 4  # 32-row block of the tile = output column block
+        col_chunk = (warp // 4) * 8 + lane % 8  # 0..15: which 8 input columns
+        row_chunk = row_group * 4 + lane // 8  # 0..15: which 8 input rows
+        row0 = row_chunk * VECTOR
+
+        # ---- loads: 8 input rows x 16 bytes; values[j, i] = input[row0 + i, col0 + j] ----
+        values = cute.make_rmem_tensor((VECTOR, VECTOR), Float32)
+        for i in cutlass.range_constexpr(VECTOR):
+            values[None, i].store(gX[0, None, row0 + i, col_chunk].load().to(Float32))
+
+        # ---- per input column: amax over 32 rows, scale, convert, store 8 bytes ----
+        for j in cutlass.range_constexpr(VECTOR):
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(VECTOR):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(values[j, i], -values[j, i]))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=8))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=16))
+            scale_byte, inv_scale = mxfp8_scale_from_amax(amax)
+
+            packed = cute.make_rmem_tensor((VECTOR // 4,), Uint32)
+            for w in cutlass.range_constexpr(VECTOR // 4):
+                lo = cvt_e4m3x2_rn_satfinite(
+                    mul_rn(values[j, 4 * w], inv_scale), mul_rn(values[j, 4 * w + 1], inv_scale)
+                )
+                hi = cvt_e4m3x2_rn_satfinite(
+                    mul_rn(values[j, 4 * w + 2], inv_scale), mul_rn(values[j, 4 * w + 3], inv_scale)
+                )
+                packed[w] = Uint32(lo) | (Uint32(hi) << 16)
+            out_row = col_chunk * VECTOR + j  # tile-local output row = input column
+            gQ[0, None, out_row, row_chunk].store(packed.load())
+
+            if lane // 8 == 0:
+                offset = scale_tile_base + (out_row % 32) * 16 + (out_row // 32) * 4 + row_group
+                mS[offset] = Uint8(scale_byte)

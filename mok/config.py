@@ -1,0 +1,100 @@
+"""`MoKConfig`: the only knob surface of mok, and the constants every layer agrees on."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+# Routed rows of one expert are padded to this many rows: the M height of the GEMM tile, so
+# that no GEMM tile ever straddles two experts.
+ROUTED_ROW_ALIGNMENT = 128
+# hidden_size and intermediate_size must be multiples of this: one 128-wide K block of the
+# GEMM mainloop and one 128x128 MXFP8 scale tile.
+FEATURE_ALIGNMENT = 128
+# Largest top-k the epilogues keep in registers.
+MAX_TOPK = 32
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Launch configuration of the mok megakernels (frozen: it is a compile and cache key).
+
+    Fields (names as in the original Mixture-of-Kittens API):
+        fwd_num_comm_sms: communication CTAs of the forward megakernel (even, >= 2, < SM count).
+        bwd_num_comm_sms: communication CTAs of the backward megakernel (even, >= 2, < SM count).
+        minibatch_size: overlap granularity in routed rows (multiple of 256).
+        macrobatch_size: routed rows held at once (multiple of minibatch_size).
+        schedule_capacity_multiplier: worst-case share of all routed rows of the EP group that
+            lands on one rank (> 0); see `schedule_capacity`.
+        all_gather_top_experts_chunk_bytes: chunk of the routing all-gather (multiple of 16).
+
+    The original's defaults (40/28/4096/131072/0.5/2048) were tuned for 148-SM Blackwell. The
+    communication-CTA defaults here are provisional for a 132-SM H200 (scaled by SM count)
+    until the megakernels are tuned on it; docs/NOTES.md records what has been measured.
+    """
+
+    fwd_num_comm_sms: int = 16
+    bwd_num_comm_sms: int = 16
+    minibatch_size: int = 4096
+    macrobatch_size: int = 131072
+    schedule_capacity_multiplier: float = 0.5
+    all_gather_top_experts_chunk_bytes: int = 2048
+
+    def validate(self, num_sms: int | None = None) -> MoKConfig:
+        """Raise ValueError/TypeError naming the field, what is allowed and what was given.
+
+        `num_sms` (the device's SM count) bounds the communication CTA counts when known.
+        Returns self so calls can chain.
+        """
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "schedule_capacity_multiplier":
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(
+                        f"MoKConfig.{f.name} must be a float, got {type(value).__name__}"
+                    )
+                if not math.isfinite(value) or value <= 0:
+                    raise ValueError(
+                        f"MoKConfig.{f.name} must be a finite number > 0, got {value!r}"
+                    )
+            elif isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MoKConfig.{f.name} must be an int, got {type(value).__name__}")
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
+            value = getattr(self, name)
+            # Communication CTAs work in pairs (one pulls, one pushes), so the count is even.
+            if value < 2 or value % 2:
+                raise ValueError(f"MoKConfig.{name} must be an even int >= 2, got {value}")
+            if num_sms is not None and value >= num_sms:
+                raise ValueError(
+                    f"MoKConfig.{name} must be < the device's SM count {num_sms} (leave compute "
+                    f"SMs), got {value}"
+                )
+        if self.minibatch_size <= 0 or self.minibatch_size % 256:
+            raise ValueError(
+                f"MoKConfig.minibatch_size must be a positive multiple of 256, "
+                f"got {self.minibatch_size}"
+            )
+        if self.macrobatch_size <= 0 or self.macrobatch_size % self.minibatch_size:
+            raise ValueError(
+                f"MoKConfig.macrobatch_size must be a positive multiple of minibatch_size "
+                f"({self.minibatch_size}), got {self.macrobatch_size}"
+            )
+        chunk = self.all_gather_top_experts_chunk_bytes
+        if chunk <= 0 or chunk % 16:
+            raise ValueError(
+                f"MoKConfig.all_gather_top_experts_chunk_bytes must be a positive multiple of 16, "
+                f"got {chunk}"
+            )
+        return self
+
+    def schedule_capacity(
+        self, *, num_local_tokens: int, topk: int, ep_size: int, num_local_experts: int = 0
+    ) -> int:
+        """Routed rows (padding included) one rank's schedule can hold.
+
+        `num_tokens * topk * max(2, ceil(ep_size * multiplier))` as in the original, plus, when
+        the number of local experts is known, room for every expert's padding to the tile height.
+        """
+        factor = max(2, math.ceil(ep_size * self.schedule_capacity_multiplier))
+        rows = num_local_tokens * topk * factor + num_local_experts * (ROUTED_ROW_ALIGNMENT - 1)
+        return -(-rows // ROUTED_ROW_ALIGNMENT) * ROUTED_ROW_ALIGNMENT

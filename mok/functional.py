@@ -1,0 +1,315 @@
+"""mok's public functional API (SEMANTICS §3), with the original Mixture-of-Kittens names.
+
+    config = MoKConfig()
+    ws = get_workspace(config, group, device=x.device, num_local_tokens=T, hidden_size=H, topk=k)
+    schedule = build_schedule(ws, config, top_experts, num_local_experts=E)
+    out, ctx = forward(config, ws, schedule, x, router_weights, sg, su, sd, rg, ru, rd)
+    grads = backward(config, ws, schedule, ctx, grad_output, x, router_weights, sg, ..., rd)
+
+Paths: CPU tensors run the PyTorch reference (`mok.reference`, exact same math, EP through
+torch.distributed/gloo) — the CPU path. CUDA tensors on a supported GPU run the shipped kernels;
+where a kernel has not landed yet the call raises MoKKernelUnavailableError. Any other device
+raises ValueError. There is no silent fallback between paths.
+
+Every function checks its inputs and raises ValueError/TypeError naming the argument, the
+expected and the actual value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .config import FEATURE_ALIGNMENT, MoKConfig
+from .errors import MoKKernelUnavailableError
+from .types import MoKForwardContext, MoKSchedule
+from .validation import check_int, check_swiglu_limit, check_tensor, check_type
+from .workspace import MoKWorkspace, clear_workspace_cache, get_workspace
+
+__all__ = [
+    "MoKConfig",
+    "MoKForwardContext",
+    "MoKKernelUnavailableError",
+    "MoKSchedule",
+    "MoKWorkspace",
+    "backward",
+    "build_schedule",
+    "clear_workspace_cache",
+    "forward",
+    "get_workspace",
+    "recompute_forward_context",
+]
+
+_MXFP8_NOT_YET = (
+    "{name} was given as an MXFP8 tuple; MXFP8 layers are not supported yet (BF16 only in this "
+    "release; mok.ops.mxfp8_quantize and mok.reference.mxfp8_quantize exist for the quantiser)"
+)
+
+
+def _check_common(config, workspace, schedule=None) -> None:
+    check_type("config", config, MoKConfig)
+    config.validate()
+    check_type("workspace", workspace, MoKWorkspace)
+    workspace.require_alive()
+    if schedule is not None:
+        check_type("schedule", schedule, MoKSchedule)
+        cap = workspace.schedule_capacity
+        check_tensor("schedule.peer_rank", schedule.peer_rank, dtype=torch.int32, shape=[cap],
+                     device=workspace.device)  # fmt: skip
+        check_tensor("schedule.peer_token_idx", schedule.peer_token_idx, dtype=torch.int32,
+                     shape=[cap], device=workspace.device)  # fmt: skip
+        check_tensor("schedule.num_tokens", schedule.num_tokens, dtype=torch.int32, shape=[1],
+                     device=workspace.device)  # fmt: skip
+
+
+def _check_weights(workspace, schedule, weights: dict, *, need_down: bool = True) -> int:
+    """Check the six weights (down ones only if need_down); returns the intermediate size I."""
+    hidden = workspace.hidden_size
+    num_experts = schedule.num_local_experts
+    for name in ("routed_gate_weights", "routed_up_weights", "routed_down_weights"):
+        if isinstance(weights.get(name), tuple):
+            raise TypeError(_MXFP8_NOT_YET.format(name=name))
+    gate = weights["routed_gate_weights"]
+    check_type("routed_gate_weights", gate, torch.Tensor)
+    if gate.dim() != 3:
+        raise ValueError(f"routed_gate_weights must have shape [E, I, H], got {list(gate.shape)}")
+    inter = gate.shape[1]
+    if inter == 0 or inter % FEATURE_ALIGNMENT:
+        raise ValueError(
+            f"intermediate size (routed_gate_weights.shape[1]) must be a positive multiple of "
+            f"{FEATURE_ALIGNMENT}, got {inter}"
+        )
+    shapes = {
+        "routed_gate_weights": [num_experts, inter, hidden],
+        "routed_up_weights": [num_experts, inter, hidden],
+        "routed_down_weights": [num_experts, hidden, inter],
+        "shared_gate_weights": [inter, hidden],
+        "shared_up_weights": [inter, hidden],
+        "shared_down_weights": [hidden, inter],
+    }
+    shared_names = [n for n in shapes if n.startswith("shared") and n in weights]
+    given = [n for n in shared_names if weights[n] is not None]
+    if given and len(given) != len(shared_names):
+        missing = [n for n in shared_names if weights[n] is None]
+        raise ValueError(
+            f"shared expert weights must be all given or all None; got {given} but {missing} "
+            f"is None"
+        )
+    for name, shape in shapes.items():
+        if name not in weights or weights[name] is None:
+            continue
+        if not need_down and name.endswith("down_weights"):
+            continue
+        check_tensor(name, weights[name], dtype=torch.bfloat16, shape=shape,
+                     device=workspace.device)  # fmt: skip
+    return inter
+
+
+def _check_activations(workspace, x, router_weights=None, grad_output=None) -> None:
+    t, h, k = workspace.num_local_tokens, workspace.hidden_size, workspace.topk
+    check_tensor("x", x, dtype=torch.bfloat16, shape=[t, h], device=workspace.device)
+    if router_weights is not None:
+        check_tensor("router_weights", router_weights, dtype=torch.float32, shape=[t, k],
+                     device=workspace.device)  # fmt: skip
+    if grad_output is not None:
+        check_tensor("grad_output", grad_output, dtype=torch.bfloat16, shape=[t, h],
+                     device=workspace.device)  # fmt: skip
+
+
+def _schedule_args(schedule: MoKSchedule):
+    return (schedule.peer_rank, schedule.peer_token_idx, schedule.num_tokens,
+            schedule.tokens_per_expert)  # fmt: skip
+
+
+def build_schedule(
+    workspace: MoKWorkspace,
+    config: MoKConfig,
+    top_experts: torch.Tensor,
+    *,
+    num_local_experts: int,
+) -> MoKSchedule:
+    """All-gather the routing over the EP group and build this rank's receive schedule.
+
+    top_experts: int64 [T, k], global expert ids in [0, num_local_experts * EP size).
+    Raises ValueError on ids out of range or when routed rows exceed the schedule capacity.
+    """
+    _check_common(config, workspace)
+    check_int("num_local_experts", num_local_experts, minimum=1)
+    check_tensor("top_experts", top_experts, dtype=torch.int64,
+                 shape=[workspace.num_local_tokens, workspace.topk],
+                 device=workspace.device)  # fmt: skip
+    outs = ops.build_schedule(
+        top_experts, num_local_experts, workspace.schedule_capacity, workspace.group_name
+    )
+    return MoKSchedule(*outs)
+
+
+def forward(
+    config: MoKConfig,
+    workspace: MoKWorkspace,
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: torch.Tensor,
+    routed_up_weights: torch.Tensor,
+    routed_down_weights: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor, MoKForwardContext]:
+    """out[t] = shared(x_t) + sum_j w[t, j] * expert_{top_experts[t, j]}(x_t)  (SEMANTICS §1).
+
+    Shapes: x bf16 [T, H]; router_weights fp32 [T, k] (> 0); shared gate/up bf16 [I, H] and down
+    [H, I], or all three None; routed gate/up bf16 [E, I, H], down [E, H, I]. H and I are
+    multiples of 128. Returns (out bf16 [T, H], the context backward needs).
+    """
+    _check_common(config, workspace, schedule)
+    _check_activations(workspace, x, router_weights)
+    weights = dict(
+        shared_gate_weights=shared_gate_weights, shared_up_weights=shared_up_weights,
+        shared_down_weights=shared_down_weights, routed_gate_weights=routed_gate_weights,
+        routed_up_weights=routed_up_weights, routed_down_weights=routed_down_weights,
+    )  # fmt: skip
+    _check_weights(workspace, schedule, weights)
+    limit = check_swiglu_limit(swiglu_limit)
+    out, *ctx = ops.forward(
+        workspace.handle, *_schedule_args(schedule), x, router_weights,
+        shared_gate_weights, shared_up_weights, shared_down_weights,
+        routed_gate_weights, routed_up_weights, routed_down_weights,
+        limit, config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
+    )  # fmt: skip
+    return out, _context(ctx, has_shared=shared_gate_weights is not None)
+
+
+def _context(tensors, *, has_shared: bool) -> MoKForwardContext:
+    routed, shared = tensors[:4], tensors[4:]
+    return MoKForwardContext(*routed, *(shared if has_shared else (None, None, None)))
+
+
+def recompute_forward_context(
+    config: MoKConfig,
+    workspace: MoKWorkspace,
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    routed_gate_weights: torch.Tensor,
+    routed_up_weights: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> MoKForwardContext:
+    """Rebuild forward's context bitwise, for activation checkpointing (no down GEMM)."""
+    _check_common(config, workspace, schedule)
+    _check_activations(workspace, x)
+    weights = dict(
+        shared_gate_weights=shared_gate_weights, shared_up_weights=shared_up_weights,
+        routed_gate_weights=routed_gate_weights, routed_up_weights=routed_up_weights,
+    )  # fmt: skip
+    _check_weights(workspace, schedule, weights, need_down=False)
+    limit = check_swiglu_limit(swiglu_limit)
+    ctx = ops.recompute_forward_context(
+        workspace.handle, *_schedule_args(schedule), x, shared_gate_weights, shared_up_weights,
+        routed_gate_weights, routed_up_weights, limit,
+    )  # fmt: skip
+    return _context(ctx, has_shared=shared_gate_weights is not None)
+
+
+def backward(
+    config: MoKConfig,
+    workspace: MoKWorkspace,
+    schedule: MoKSchedule,
+    forward_context: MoKForwardContext,
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: torch.Tensor,
+    routed_up_weights: torch.Tensor,
+    routed_down_weights: torch.Tensor,
+    swiglu_limit: float | None = None,
+    *,
+    main_grads: tuple[torch.Tensor | None, ...] | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of `forward` (SEMANTICS §2).
+
+    Returns (d_x bf16 [T, H], d_router_weights fp32 [T, k], d_routed_gate, d_routed_up,
+    d_routed_down, d_shared_gate, d_shared_up, d_shared_down); the shared ones are None without a
+    shared expert. Experts with no tokens get exact zeros.
+
+    main_grads: optional 6-tuple of fp32 tensors (or None entries), in the order routed gate, up,
+    down, shared gate, up, down, shaped like their weights: those gradients are accumulated in
+    place into them (fp32) and the same tensors are returned in their places.
+    """
+    _check_common(config, workspace, schedule)
+    _check_activations(workspace, x, router_weights, grad_output)
+    check_type("forward_context", forward_context, MoKForwardContext)
+    weights = dict(
+        routed_gate_weights=routed_gate_weights, routed_up_weights=routed_up_weights,
+        routed_down_weights=routed_down_weights, shared_gate_weights=shared_gate_weights,
+        shared_up_weights=shared_up_weights, shared_down_weights=shared_down_weights,
+    )  # fmt: skip
+    inter = _check_weights(workspace, schedule, weights)
+    limit = check_swiglu_limit(swiglu_limit)
+    has_shared = shared_gate_weights is not None
+    _check_context(forward_context, workspace, inter, has_shared)
+    main = _check_main_grads(main_grads, weights)
+    empty = x.new_empty(0)
+    ctx = [t if t is not None else empty for t in forward_context.tensors()]
+    grads = ops.backward(
+        workspace.handle, *_schedule_args(schedule), *ctx, grad_output, x, router_weights,
+        shared_gate_weights, shared_up_weights, shared_down_weights,
+        routed_gate_weights, routed_up_weights, routed_down_weights, limit,
+        config.bwd_num_comm_sms, config.minibatch_size, config.macrobatch_size, *main,
+    )  # fmt: skip
+    d_x, d_router, weight_grads = grads[0], grads[1], list(grads[2:])
+    for i, main_grad in enumerate(main):
+        if main_grad is not None:
+            weight_grads[i] = main_grad
+    if not has_shared:
+        weight_grads[3:] = [None, None, None]
+    return (d_x, d_router, *weight_grads)
+
+
+def _check_context(ctx: MoKForwardContext, workspace, inter: int, has_shared: bool) -> None:
+    cap, hidden, t = workspace.schedule_capacity, workspace.hidden_size, workspace.num_local_tokens
+    dev = workspace.device
+    check_tensor("forward_context.x_routed", ctx.x_routed, dtype=torch.bfloat16,
+                 shape=[cap, hidden], device=dev)  # fmt: skip
+    for name in ("gate_routed", "up_routed", "hidden_routed"):
+        check_tensor(f"forward_context.{name}", getattr(ctx, name), dtype=torch.bfloat16,
+                     shape=[cap, inter], device=dev)  # fmt: skip
+    for name in ("gate_shared", "up_shared", "hidden_shared"):
+        value = getattr(ctx, name)
+        if has_shared:
+            if value is None:
+                raise ValueError(
+                    f"forward_context.{name} is None but shared expert weights were given "
+                    f"(the context must come from a forward with the shared expert)"
+                )
+            check_tensor(f"forward_context.{name}", value, dtype=torch.bfloat16,
+                         shape=[t, inter], device=dev)  # fmt: skip
+
+
+_MAIN_GRAD_NAMES = (
+    "routed_gate_weights", "routed_up_weights", "routed_down_weights",
+    "shared_gate_weights", "shared_up_weights", "shared_down_weights",
+)  # fmt: skip
+
+
+def _check_main_grads(main_grads, weights: dict) -> tuple[torch.Tensor | None, ...]:
+    if main_grads is None:
+        return (None,) * 6
+    check_type("main_grads", main_grads, tuple)
+    if len(main_grads) != 6:
+        raise ValueError(f"main_grads must have 6 entries (or be None), got {len(main_grads)}")
+    for name, main_grad in zip(_MAIN_GRAD_NAMES, main_grads, strict=True):
+        if main_grad is None:
+            continue
+        weight = weights[name]
+        if weight is None:
+            raise ValueError(f"main_grads entry for {name} must be None: {name} is None")
+        check_tensor(f"main_grads[{name}]", main_grad, dtype=torch.float32,
+                     shape=list(weight.shape), device=weight.device)  # fmt: skip
+    return tuple(main_grads)

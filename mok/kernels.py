@@ -1,0 +1,68 @@
+"""The CUDA path of mok's ops: which shipped kernels serve an op, and their launches.
+
+Imported only for CUDA tensors. Every op either runs the kernels named in `KERNELS_BY_OP` (all
+present in the installed manifest for this device's arch) or raises MoKKernelUnavailableError
+saying what is missing; nothing falls back to another path silently.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import MoKKernelUnavailableError
+
+# op -> the manifest variants it launches; an empty tuple means no kernel has landed yet, with
+# the issue that brings it.
+KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
+    "build_schedule": ((), "the GPU schedule kernel (issue 3)"),
+    "forward": ((), "the forward megakernel (issue 4)"),
+    "recompute_forward_context": ((), "the forward megakernel (issue 4)"),
+    "backward": ((), "the backward megakernel (issue 5)"),
+    "mxfp8_quantize": ((), "the MXFP8 quantiser kernel (issue 3)"),
+    "fwd_epilogue": ((), "the forward epilogue kernel (issue 3)"),
+    "bwd_epilogue": ((), "the backward epilogue kernel (issue 3)"),
+}
+
+
+def check_device_supported(device: torch.device) -> str:
+    """The cubin arch for this CUDA device; MoKUnsupportedDeviceError for other GPUs."""
+    from mok.runtime import select_arch  # noqa: PLC0415
+
+    return select_arch(device)
+
+
+def missing_variants(op_name: str, device: torch.device) -> tuple[str, list[str]]:
+    """(arch, the variants `op_name` needs that the installed manifest lacks)."""
+    from mok.runtime import MoKManifestError, load_manifest  # noqa: PLC0415
+
+    arch = check_device_supported(device)
+    variants, _ = KERNELS_BY_OP[op_name]
+    try:
+        shipped = {v.name for v in load_manifest().variants_for(arch)}
+    except MoKManifestError:
+        shipped = set()
+    return arch, [v for v in variants if v not in shipped]
+
+
+def available(op_name: str, device: torch.device) -> bool:
+    """Whether `op_name` runs kernels on this device (False, never an error, for any reason)."""
+    try:
+        arch, missing = missing_variants(op_name, device)
+    except Exception:  # noqa: BLE001 - availability is a yes/no question
+        return False
+    return bool(KERNELS_BY_OP[op_name][0]) and not missing
+
+
+def require(op_name: str, device: torch.device):
+    """The launcher namespace for `op_name` on `device`, or MoKKernelUnavailableError."""
+    arch, missing = missing_variants(op_name, device)
+    variants, lands_with = KERNELS_BY_OP[op_name]
+    if not variants or missing:
+        what = f"variants {missing} are missing from the manifest" if variants else "none is built"
+        raise MoKKernelUnavailableError(
+            f"mok.ops.{op_name} on {device} ({arch}): no CUDA kernel is shipped for it yet "
+            f"({what}; it comes with {lands_with}). CPU tensors run the PyTorch reference path."
+        )
+    from . import launchers  # noqa: PLC0415
+
+    return launchers

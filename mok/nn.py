@@ -1,0 +1,213 @@
+"""Autograd and module front-ends over `mok.functional` (beyond the original API).
+
+    experts = MoKExperts(num_experts=128, hidden_size=2048, intermediate_size=768, topk=8)
+    out = experts(x, router_weights, top_experts)      # x bf16 [T, H]; weights fp32 [T, k]
+
+`MoKFunction` is the autograd Function underneath: forward saves the forward context (or, with
+`recompute=True`, only its inputs and rebuilds the context in backward, bitwise identical).
+Gradients flow to x, router_weights and every weight. Parameters that carry an fp32
+`main_grad` attribute (Megatron style) get their gradient accumulated into it in place when
+`accumulate_main_grad=True`, and no `.grad`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import functional
+from .config import MoKConfig
+from .types import MoKForwardContext, MoKSchedule
+from .workspace import MoKWorkspace
+
+
+class MoKFunction(torch.autograd.Function):
+    """out = mok layer(x, router_weights; weights) with its backward from `functional.backward`."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        config: MoKConfig,
+        workspace: MoKWorkspace,
+        schedule: MoKSchedule,
+        swiglu_limit: float | None,
+        recompute: bool,
+        accumulate_main_grad: bool,
+        x: torch.Tensor,
+        router_weights: torch.Tensor,
+        *weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        out, fwd_ctx = functional.forward(
+            config, workspace, schedule, x, router_weights, *weights, swiglu_limit=swiglu_limit
+        )
+        ctx.config, ctx.workspace, ctx.schedule = config, workspace, schedule
+        ctx.swiglu_limit, ctx.recompute = swiglu_limit, recompute
+        ctx.accumulate_main_grad = accumulate_main_grad
+        ctx.has_shared = weights[0] is not None
+        saved_ctx = () if recompute else tuple(t for t in fwd_ctx.tensors() if t is not None)
+        ctx.save_for_backward(x, router_weights, *weights, *saved_ctx)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, router_weights, *rest = ctx.saved_tensors
+        weights, saved_ctx = rest[:6], rest[6:]
+        shared_gate, shared_up, _, routed_gate, routed_up, _ = weights
+        if ctx.recompute:
+            fwd_ctx = functional.recompute_forward_context(
+                ctx.config, ctx.workspace, ctx.schedule, x, shared_gate, shared_up,
+                routed_gate, routed_up, swiglu_limit=ctx.swiglu_limit,
+            )  # fmt: skip
+        else:
+            shared = saved_ctx[4:] if ctx.has_shared else (None, None, None)
+            fwd_ctx = MoKForwardContext(*saved_ctx[:4], *shared)
+        # weights are (shared g/u/d, routed g/u/d); backward's main_grads are routed first.
+        main_grads = None
+        if ctx.accumulate_main_grad:
+            order = (3, 4, 5, 0, 1, 2)
+            main_grads = tuple(getattr(weights[i], "main_grad", None) for i in order)
+        grads = functional.backward(
+            ctx.config, ctx.workspace, ctx.schedule, fwd_ctx, grad_output.contiguous(), x,
+            router_weights, *weights, swiglu_limit=ctx.swiglu_limit, main_grads=main_grads,
+        )  # fmt: skip
+        d_x, d_router, dr_gate, dr_up, dr_down, ds_gate, ds_up, ds_down = grads
+        weight_grads = [ds_gate, ds_up, ds_down, dr_gate, dr_up, dr_down]
+        if main_grads is not None:
+            for i, main_grad in zip((3, 4, 5, 0, 1, 2), main_grads, strict=True):
+                if main_grad is not None:
+                    weight_grads[i] = None  # accumulated into main_grad instead
+        return (None, None, None, None, None, None, d_x, d_router, *weight_grads)
+
+
+def moe(
+    config: MoKConfig,
+    workspace: MoKWorkspace,
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: torch.Tensor,
+    routed_up_weights: torch.Tensor,
+    routed_down_weights: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    recompute: bool = False,
+    accumulate_main_grad: bool = False,
+) -> torch.Tensor:
+    """Differentiable mok layer: `functional.forward` with autograd attached."""
+    return MoKFunction.apply(
+        config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad, x,
+        router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
+        routed_gate_weights, routed_up_weights, routed_down_weights,
+    )  # fmt: skip
+
+
+class MoKExperts(nn.Module):
+    """The routed experts (and optionally one shared expert) of an MoE block, run by mok.
+
+    Args:
+        num_experts: experts in the whole EP group (this rank holds num_experts / EP size).
+        hidden_size, intermediate_size: H and I (multiples of 128).
+        topk: experts per token.
+        shared_expert: add a shared SwiGLU expert of width intermediate_size.
+        group: EP process group (None: one device holds every expert).
+        config: MoKConfig (default MoKConfig()).
+        swiglu_limit: optional clamp (SEMANTICS §1).
+        recompute: save only inputs and rebuild the forward context in backward.
+        accumulate_main_grad: accumulate weight gradients into each parameter's fp32
+            `main_grad` attribute where it has one.
+
+    forward(x bf16 [T, H], router_weights fp32 [T, k] (> 0), top_experts int64 [T, k]) -> bf16.
+    Parameters: gate_weight, up_weight [E, I, H]; down_weight [E, H, I]; with a shared expert
+    shared_gate_weight, shared_up_weight [I, H]; shared_down_weight [H, I]. Layout [out, in].
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        topk: int,
+        *,
+        shared_expert: bool = False,
+        group: dist.ProcessGroup | None = None,
+        config: MoKConfig | None = None,
+        swiglu_limit: float | None = None,
+        recompute: bool = False,
+        accumulate_main_grad: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        ep_size = 1 if group is None else dist.get_world_size(group)
+        if num_experts % ep_size:
+            raise ValueError(
+                f"num_experts must be a multiple of the EP group size {ep_size}, got {num_experts}"
+            )
+        if dtype != torch.bfloat16:
+            raise TypeError(f"dtype must be torch.bfloat16, got {dtype}")
+        self.num_experts, self.num_local_experts = num_experts, num_experts // ep_size
+        self.hidden_size, self.intermediate_size, self.topk = hidden_size, intermediate_size, topk
+        self.group, self.config = group, config or MoKConfig()
+        self.swiglu_limit, self.recompute = swiglu_limit, recompute
+        self.accumulate_main_grad = accumulate_main_grad
+        e, h, i = self.num_local_experts, hidden_size, intermediate_size
+        kw = dict(device=device, dtype=dtype)
+        self.gate_weight = nn.Parameter(torch.empty(e, i, h, **kw))
+        self.up_weight = nn.Parameter(torch.empty(e, i, h, **kw))
+        self.down_weight = nn.Parameter(torch.empty(e, h, i, **kw))
+        if shared_expert:
+            self.shared_gate_weight = nn.Parameter(torch.empty(i, h, **kw))
+            self.shared_up_weight = nn.Parameter(torch.empty(i, h, **kw))
+            self.shared_down_weight = nn.Parameter(torch.empty(h, i, **kw))
+        else:
+            self.shared_gate_weight = self.shared_up_weight = self.shared_down_weight = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal init with std 1/sqrt(fan_in) (fan_in: H for gate/up, I for down)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                fan_in = p.shape[-1]
+                p.normal_(0.0, 1.0 / math.sqrt(fan_in))
+                del name
+
+    def weights(self) -> tuple[torch.Tensor | None, ...]:
+        """(shared gate, up, down, routed gate, up, down) in functional's argument order."""
+        return (
+            self.shared_gate_weight, self.shared_up_weight, self.shared_down_weight,
+            self.gate_weight, self.up_weight, self.down_weight,
+        )  # fmt: skip
+
+    def workspace(self, num_tokens: int, device: torch.device) -> MoKWorkspace:
+        return functional.get_workspace(
+            self.config, self.group, device=device, num_local_tokens=num_tokens,
+            hidden_size=self.hidden_size, topk=self.topk,
+            num_local_experts=self.num_local_experts,
+        )  # fmt: skip
+
+    def forward(
+        self, x: torch.Tensor, router_weights: torch.Tensor, top_experts: torch.Tensor
+    ) -> torch.Tensor:
+        ws = self.workspace(x.shape[0], x.device)
+        schedule = functional.build_schedule(
+            ws, self.config, top_experts, num_local_experts=self.num_local_experts
+        )
+        return moe(
+            self.config, ws, schedule, x, router_weights, *self.weights(),
+            swiglu_limit=self.swiglu_limit, recompute=self.recompute,
+            accumulate_main_grad=self.accumulate_main_grad,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, local={self.num_local_experts}, "
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"topk={self.topk}, shared_expert={self.shared_gate_weight is not None}, "
+            f"swiglu_limit={self.swiglu_limit}, recompute={self.recompute}"
+        )

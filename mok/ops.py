@@ -1,0 +1,387 @@
+"""mok's operations as torch.library custom ops (`mok::...`), with fake implementations.
+
+Each op takes tensors, ints, floats and strings only: the workspace enters as its integer
+handle and the EP group as its name. CPU tensors run the PyTorch reference (`mok.reference`);
+CUDA tensors run the shipped kernels (`mok.kernels`), or raise MoKKernelUnavailableError where
+the kernel has not landed. The fake implementations give output shapes from input shapes alone,
+so `torch.compile(fullgraph=True)` traces a whole MoE step with no graph break.
+
+Optional tensor outputs (the shared expert's) are returned as empty [0] tensors when absent.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import reference
+from .types import MoKSchedule
+from .validation import check_expert_id_values, check_router_weight_values
+from .workspace import workspace_from_handle
+
+Tensor = torch.Tensor
+
+
+def _group(group_name: str) -> dist.ProcessGroup | None:
+    if not group_name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: PLC0415
+
+    return _resolve_process_group(group_name)
+
+
+def _gpu(op_name: str, device: torch.device):
+    from . import kernels  # noqa: PLC0415 - CUDA-only path
+
+    return kernels.require(op_name, device)
+
+
+def _none_if_empty(t: Tensor | None) -> Tensor | None:
+    return None if t is None or t.numel() == 0 else t
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+def _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert) -> MoKSchedule:
+    return MoKSchedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+
+
+# ----------------------------------------------------------------------------------------------
+# schedule
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mok::build_schedule", mutates_args=())
+def build_schedule(
+    top_experts: Tensor, num_local_experts: int, capacity: int, group_name: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """All-gather routing ids over the EP group and build this rank's receive schedule.
+
+    Inputs:
+        top_experts:       int64 [T, k]  global expert ids in [0, num_local_experts * P)
+        num_local_experts: int           E, experts on this rank
+        capacity:          int           C, routed rows (padding included) the schedule holds
+        group_name:        str           EP process group name ("" for a group of one)
+    Outputs:
+        peer_rank int32 [C], peer_token_idx int32 [C], num_tokens int32 [1],
+        tokens_per_expert int32 [E]  (SEMANTICS §3; padding rows are -1)
+    """
+    group = _group(group_name)
+    ep_size = 1 if group is None else dist.get_world_size(group)
+    check_expert_id_values(top_experts, num_local_experts * ep_size)
+    if top_experts.is_cuda:
+        return _gpu("build_schedule", top_experts.device).build_schedule(
+            top_experts, num_local_experts, capacity, group
+        )
+    s = reference.make_schedule(
+        top_experts, num_local_experts=num_local_experts, capacity=capacity, group=group
+    )
+    return s.peer_rank, s.peer_token_idx, s.num_tokens, s.tokens_per_expert
+
+
+@build_schedule.register_fake
+def _(top_experts, num_local_experts, capacity, group_name):
+    i32 = dict(dtype=torch.int32, device=top_experts.device)
+    return (
+        torch.empty(capacity, **i32),
+        torch.empty(capacity, **i32),
+        torch.empty(1, **i32),
+        torch.empty(num_local_experts, **i32),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# forward and recompute
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mok::forward", mutates_args=())
+def forward(
+    workspace_handle: int,
+    peer_rank: Tensor,
+    peer_token_idx: Tensor,
+    num_tokens: Tensor,
+    tokens_per_expert: Tensor,
+    x: Tensor,
+    router_weights: Tensor,
+    shared_gate_weights: Tensor | None,
+    shared_up_weights: Tensor | None,
+    shared_down_weights: Tensor | None,
+    routed_gate_weights: Tensor,
+    routed_up_weights: Tensor,
+    routed_down_weights: Tensor,
+    swiglu_limit: float | None,
+    fwd_num_comm_sms: int,
+    minibatch_size: int,
+    macrobatch_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The MoE layer forward: dispatch, SwiGLU experts, combine, fixed-order weighted sum.
+
+    Inputs:
+        workspace_handle: int  `MoKWorkspace.handle`
+        peer_rank, peer_token_idx, num_tokens, tokens_per_expert: the schedule (int32)
+        x:              bf16 [T, H]
+        router_weights: fp32 [T, k], finite and > 0
+        shared_*:       bf16 gate/up [I, H], down [H, I], or None (routed-only)
+        routed_*:       bf16 gate/up [E, I, H], down [E, H, I]
+        swiglu_limit:   float or None
+        fwd_num_comm_sms, minibatch_size, macrobatch_size: MoKConfig fields the kernel uses
+    Outputs:
+        out bf16 [T, H]; x_routed bf16 [C, H]; gate_routed, up_routed, hidden_routed bf16 [C, I];
+        gate_shared, up_shared, hidden_shared bf16 [T, I] (empty [0] without a shared expert)
+    """
+    check_router_weight_values(router_weights)
+    ws = workspace_from_handle(workspace_handle)
+    schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+    if x.is_cuda:
+        return _gpu("forward", x.device).forward(
+            ws, schedule, x, router_weights, shared_gate_weights, shared_up_weights,
+            shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
+            swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
+        )  # fmt: skip
+    ws.buffers["x_buffer"].copy_(x)
+    out, ctx = reference.forward(
+        schedule, x, router_weights, shared_gate_weights, shared_up_weights,
+        shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
+        group=ws.group, swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+    return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
+
+
+@forward.register_fake
+def _(
+    workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x,
+    router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
+    routed_gate_weights, routed_up_weights, routed_down_weights, swiglu_limit,
+    fwd_num_comm_sms, minibatch_size, macrobatch_size,
+):  # fmt: skip
+    capacity, (num_tokens_, hidden) = peer_rank.shape[0], x.shape
+    inter = routed_gate_weights.shape[1]
+    routed = [x.new_empty(capacity, hidden)] + [x.new_empty(capacity, inter) for _ in range(3)]
+    if shared_gate_weights is None:
+        shared = [_empty(x) for _ in range(3)]
+    else:
+        shared = [x.new_empty(num_tokens_, inter) for _ in range(3)]
+    return (torch.empty_like(x), *routed, *shared)
+
+
+@torch.library.custom_op("mok::recompute_forward_context", mutates_args=())
+def recompute_forward_context(
+    workspace_handle: int,
+    peer_rank: Tensor,
+    peer_token_idx: Tensor,
+    num_tokens: Tensor,
+    tokens_per_expert: Tensor,
+    x: Tensor,
+    shared_gate_weights: Tensor | None,
+    shared_up_weights: Tensor | None,
+    routed_gate_weights: Tensor,
+    routed_up_weights: Tensor,
+    swiglu_limit: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Rebuild the forward context bitwise (activation checkpointing): no down GEMM.
+
+    Inputs: as `mok::forward`, without router weights and down weights.
+    Outputs: the 7 context tensors of `mok::forward` (its outputs 1..7).
+    """
+    ws = workspace_from_handle(workspace_handle)
+    schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+    if x.is_cuda:
+        return _gpu("recompute_forward_context", x.device).recompute_forward_context(
+            ws, schedule, x, shared_gate_weights, shared_up_weights, routed_gate_weights,
+            routed_up_weights, swiglu_limit,
+        )  # fmt: skip
+    ctx = reference.recompute_forward_context(
+        schedule, x, shared_gate_weights, shared_up_weights, routed_gate_weights,
+        routed_up_weights, topk=ws.topk, group=ws.group, swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+    return tuple(t if t is not None else _empty(x) for t in ctx.tensors())
+
+
+@recompute_forward_context.register_fake
+def _(
+    workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x,
+    shared_gate_weights, shared_up_weights, routed_gate_weights, routed_up_weights, swiglu_limit,
+):  # fmt: skip
+    capacity, (num_tokens_, hidden) = peer_rank.shape[0], x.shape
+    inter = routed_gate_weights.shape[1]
+    routed = [x.new_empty(capacity, hidden)] + [x.new_empty(capacity, inter) for _ in range(3)]
+    if shared_gate_weights is None:
+        shared = [_empty(x) for _ in range(3)]
+    else:
+        shared = [x.new_empty(num_tokens_, inter) for _ in range(3)]
+    return (*routed, *shared)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "mok::backward",
+    mutates_args=(
+        "main_grad_routed_gate", "main_grad_routed_up", "main_grad_routed_down",
+        "main_grad_shared_gate", "main_grad_shared_up", "main_grad_shared_down",
+    ),
+)  # fmt: skip
+def backward(
+    workspace_handle: int,
+    peer_rank: Tensor,
+    peer_token_idx: Tensor,
+    num_tokens: Tensor,
+    tokens_per_expert: Tensor,
+    x_routed: Tensor,
+    gate_routed: Tensor,
+    up_routed: Tensor,
+    hidden_routed: Tensor,
+    gate_shared: Tensor,
+    up_shared: Tensor,
+    hidden_shared: Tensor,
+    grad_output: Tensor,
+    x: Tensor,
+    router_weights: Tensor,
+    shared_gate_weights: Tensor | None,
+    shared_up_weights: Tensor | None,
+    shared_down_weights: Tensor | None,
+    routed_gate_weights: Tensor,
+    routed_up_weights: Tensor,
+    routed_down_weights: Tensor,
+    swiglu_limit: float | None,
+    bwd_num_comm_sms: int,
+    minibatch_size: int,
+    macrobatch_size: int,
+    main_grad_routed_gate: Tensor | None,
+    main_grad_routed_up: Tensor | None,
+    main_grad_routed_down: Tensor | None,
+    main_grad_shared_gate: Tensor | None,
+    main_grad_shared_up: Tensor | None,
+    main_grad_shared_down: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The MoE layer backward (SEMANTICS §2).
+
+    Inputs: the schedule, the 7 forward-context tensors (shared ones empty [0] if absent),
+        grad_output bf16 [T, H], the forward's x, router weights and six weights, and optional
+        fp32 `main_grad_*` tensors shaped like their weights: a weight's gradient is added into
+        its main_grad in place (fp32) instead of being returned.
+    Outputs: d_x bf16 [T, H]; d_router_weights fp32 [T, k]; d_routed_gate, d_routed_up bf16
+        [E, I, H]; d_routed_down bf16 [E, H, I]; d_shared_gate, d_shared_up bf16 [I, H];
+        d_shared_down bf16 [H, I]. A weight gradient that went into a main_grad, or a shared one
+        without a shared expert, is empty [0].
+    """
+    check_router_weight_values(router_weights)
+    ws = workspace_from_handle(workspace_handle)
+    schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+    main_grads = (
+        main_grad_routed_gate, main_grad_routed_up, main_grad_routed_down,
+        main_grad_shared_gate, main_grad_shared_up, main_grad_shared_down,
+    )  # fmt: skip
+    ctx_tensors = (x_routed, gate_routed, up_routed, hidden_routed, gate_shared, up_shared,
+                   hidden_shared)  # fmt: skip
+    if x.is_cuda:
+        return _gpu("backward", x.device).backward(
+            ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate_weights,
+            shared_up_weights, shared_down_weights, routed_gate_weights, routed_up_weights,
+            routed_down_weights, swiglu_limit, bwd_num_comm_sms, minibatch_size,
+            macrobatch_size, main_grads,
+        )  # fmt: skip
+    from .types import MoKForwardContext  # noqa: PLC0415
+
+    ctx = MoKForwardContext(*(_none_if_empty(t) for t in ctx_tensors))
+    grads = reference.backward(
+        schedule, ctx, grad_output, x, router_weights, shared_gate_weights, shared_up_weights,
+        shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
+        group=ws.group, swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+    d_x, d_router, weight_grads = grads[0], grads[1], grads[2:]
+    outs = []
+    for grad, main_grad in zip(weight_grads, main_grads, strict=True):
+        if grad is None:
+            outs.append(_empty(x))
+        elif main_grad is not None:
+            main_grad.add_(grad)
+            outs.append(_empty(x))
+        else:
+            outs.append(grad.to(torch.bfloat16))
+    return (d_x, d_router, *outs)
+
+
+@backward.register_fake
+def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x_routed,
+      gate_routed, up_routed, hidden_routed, gate_shared, up_shared, hidden_shared, grad_output,
+      x, router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
+      routed_gate_weights, routed_up_weights, routed_down_weights, swiglu_limit,
+      bwd_num_comm_sms, minibatch_size, macrobatch_size, *main_grads):  # fmt: skip
+    weights = (routed_gate_weights, routed_up_weights, routed_down_weights,
+               shared_gate_weights, shared_up_weights, shared_down_weights)  # fmt: skip
+    outs = [
+        _empty(x) if w is None or mg is not None else torch.empty_like(w)
+        for w, mg in zip(weights, main_grads, strict=True)
+    ]
+    return (torch.empty_like(x), torch.empty_like(router_weights), *outs)
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP8 quantiser and epilogues
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mok::mxfp8_quantize", mutates_args=())
+def mxfp8_quantize(x: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
+    """MXFP8 quantisation (SEMANTICS §5), bit-exact with `mok.reference.mxfp8_quantize`.
+
+    Inputs:
+        x:         bf16 [..., R, K], R and K multiples of 128, leading dims fold into rows
+        transpose: quantise along R (output [..., K, R]) instead of along K
+    Outputs:
+        data float8_e4m3fn (x's shape, last two dims swapped if transpose);
+        scales uint8 [rows/128, cols/128, 32, 16]
+    """
+    if x.is_cuda:
+        return _gpu("mxfp8_quantize", x.device).mxfp8_quantize(x, transpose)
+    return reference.mxfp8_quantize(x, transpose=transpose)
+
+
+@mxfp8_quantize.register_fake
+def _(x, transpose):
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else tuple(x.shape)
+    rows = x.numel() // shape[-1]
+    data = x.new_empty(shape, dtype=torch.float8_e4m3fn)
+    scales = x.new_empty((rows // 128, shape[-1] // 128, 32, 16), dtype=torch.uint8)
+    return data, scales
+
+
+@torch.library.custom_op("mok::fwd_epilogue", mutates_args=())
+def fwd_epilogue(y_shared: Tensor | None, slots: Tensor, router_weights: Tensor) -> Tensor:
+    """out[t] = bf16(y_shared[t] + sum_j w[t, j] * slots[t*k + j]) in fp32, j in order.
+
+    Inputs: y_shared bf16 [T, H] or None; slots bf16 [T*k, H]; router_weights fp32 [T, k].
+    Outputs: out bf16 [T, H].
+    """
+    if slots.is_cuda:
+        return _gpu("fwd_epilogue", slots.device).fwd_epilogue(y_shared, slots, router_weights)
+    return reference.fwd_epilogue(y_shared, slots, router_weights)
+
+
+@fwd_epilogue.register_fake
+def _(y_shared, slots, router_weights):
+    return slots.new_empty(router_weights.shape[0], slots.shape[1])
+
+
+@torch.library.custom_op("mok::bwd_epilogue", mutates_args=())
+def bwd_epilogue(d_x_shared: Tensor | None, slots: Tensor, topk: int) -> Tensor:
+    """d_x[t] = bf16(d_x_shared[t] + sum_j slots[t*k + j]) in fp32, j in order.
+
+    Inputs: d_x_shared bf16 [T, H] or None; slots bf16 [T*k, H]; topk k.
+    Outputs: d_x bf16 [T, H].
+    """
+    if slots.is_cuda:
+        return _gpu("bwd_epilogue", slots.device).bwd_epilogue(d_x_shared, slots, topk)
+    return reference.bwd_epilogue(d_x_shared, slots, topk)
+
+
+@bwd_epilogue.register_fake
+def _(d_x_shared, slots, topk):
+    return slots.new_empty(slots.shape[0] // topk, slots.shape[1])

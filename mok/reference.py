@@ -1,0 +1,612 @@
+"""The mok layer written plainly in PyTorch: the oracle every kernel is tested against.
+
+Everything here follows SEMANTICS.md and the roundings the kernels make: operands of tensor-core
+GEMMs are bf16, GEMMs and SwiGLU run in fp32, results are rounded to bf16 where the kernels store
+them. Functions take and return ordinary tensors and run on any device; EP data movement goes
+through `torch.distributed` (gloo on CPU, NCCL on GPU) with the same pull/push pattern as the
+kernels: rows are pulled from the source rank by (rank, row) and pushed back into per-(token, j)
+slots.
+
+Public functions: `all_gather_top_experts`, `build_schedule`, `forward`, `backward`,
+`recompute_forward_context`, `fwd_epilogue`, `bwd_epilogue`, `swiglu`, `swiglu_backward`,
+`mxfp8_quantize`, `mxfp8_dequantize`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .config import ROUTED_ROW_ALIGNMENT
+from .types import MoKForwardContext, MoKSchedule
+
+E4M3_MAX = 448.0
+MXFP8_BLOCK = 32
+MXFP8_TILE = 128
+# Smallest scale before rounding up to a power of two (SEMANTICS §5): keeps all-zero blocks finite.
+MXFP8_MIN_SCALE = 1e-12
+
+
+# ----------------------------------------------------------------------------------------------
+# EP group helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) in the EP group; `None` is a group of one."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def _all_to_all_bytes(
+    chunks: list[torch.Tensor], group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """Exchange one uint8 tensor with every rank (chunks[p] goes to rank p)."""
+    size = len(chunks)
+    device = chunks[0].device
+    send_counts = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    recv_list = recv_counts.tolist()
+    send = torch.cat([c.reshape(-1) for c in chunks]) if size else chunks[0]
+    recv = torch.empty(sum(recv_list), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(
+        recv, send, recv_list, send_counts.tolist(), group=group
+    )
+    return list(torch.split(recv, recv_list))
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    return rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
+
+
+def pull_rows(
+    table: torch.Tensor,
+    src_rank: torch.Tensor,
+    src_row: torch.Tensor,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Dispatch: out[i] = table_on_rank[src_rank[i]][src_row[i]], zero where src_rank[i] < 0.
+
+    `table` is this rank's source table [N, W]; every rank calls this collectively.
+    """
+    out = torch.zeros((src_rank.shape[0], *table.shape[1:]), dtype=table.dtype, device=table.device)
+    rank, size = group_rank_size(group)
+    src_rank = src_rank.long()
+    src_row = src_row.long()
+    if size == 1:
+        valid = src_rank >= 0
+        out[valid] = table[src_row[valid]]
+        return out
+    # Ask each source for the rows wanted from it, in schedule order; it answers in that order.
+    wanted = [src_row[src_rank == p] for p in range(size)]
+    requests = _all_to_all_bytes([_as_bytes(w.view(-1, 1)) for w in wanted], group)
+    answers = [
+        _as_bytes(table[r.view(torch.int64)]).reshape(-1) if r.numel() else r for r in requests
+    ]
+    replies = _all_to_all_bytes(answers, group)
+    for p in range(size):
+        mask = src_rank == p
+        if mask.any():
+            out[mask] = replies[p].view(table.dtype).view(-1, *table.shape[1:])
+    return out
+
+
+def push_rows(
+    rows: torch.Tensor,
+    dst_rank: torch.Tensor,
+    dst_row: torch.Tensor,
+    num_dst_rows: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Combine: table_on_rank[dst_rank[i]][dst_row[i]] = rows[i] for dst_rank[i] >= 0.
+
+    Returns this rank's table [num_dst_rows, W] (zero where no row landed).
+    """
+    out = torch.zeros((num_dst_rows, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    rank, size = group_rank_size(group)
+    dst_rank = dst_rank.long()
+    dst_row = dst_row.long()
+    if size == 1:
+        valid = dst_rank >= 0
+        out[dst_row[valid]] = rows[valid]
+        return out
+    index_msgs = [_as_bytes(dst_row[dst_rank == p].view(-1, 1)) for p in range(size)]
+    row_msgs = [_as_bytes(rows[dst_rank == p]) for p in range(size)]
+    got_index = _all_to_all_bytes(index_msgs, group)
+    got_rows = _all_to_all_bytes(row_msgs, group)
+    for p in range(size):
+        if got_index[p].numel():
+            idx = got_index[p].view(torch.int64)
+            out[idx] = got_rows[p].view(rows.dtype).view(-1, *rows.shape[1:])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedule
+# ----------------------------------------------------------------------------------------------
+
+
+def all_gather_top_experts(
+    top_experts: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Routing ids of every rank of the group, int32 [P, T, k]."""
+    ids = top_experts.to(torch.int32).contiguous()
+    _, size = group_rank_size(group)
+    if size == 1:
+        return ids.unsqueeze(0)
+    gathered = [torch.empty_like(ids) for _ in range(size)]
+    dist.all_gather(gathered, ids, group=group)
+    return torch.stack(gathered)
+
+
+def build_schedule(
+    top_experts_all: torch.Tensor,
+    *,
+    ep_rank: int,
+    num_local_experts: int,
+    capacity: int,
+) -> MoKSchedule:
+    """This rank's receive schedule from the all-gathered routing [P, T, k].
+
+    Order (deterministic): local expert, then source rank, then slot `t * k + j` ascending.
+    Each expert's segment is padded to ROUTED_ROW_ALIGNMENT rows marked -1.
+    Raises ValueError when the padded rows exceed `capacity`.
+    """
+    num_ranks, num_tokens, topk = top_experts_all.shape
+    ids = top_experts_all.reshape(num_ranks, num_tokens * topk).long()
+    device = ids.device
+    local = ids - ep_rank * num_local_experts
+    mine = (local >= 0) & (local < num_local_experts)
+    src_rank, slot = torch.nonzero(mine, as_tuple=True)  # row-major: rank, then slot ascending
+    expert = local[src_rank, slot]
+    order = torch.sort(expert, stable=True).indices  # expert-major, (rank, slot) order kept
+    src_rank, slot, expert = src_rank[order], slot[order], expert[order]
+
+    counts = torch.bincount(expert, minlength=num_local_experts)
+    padded = (counts + ROUTED_ROW_ALIGNMENT - 1) // ROUTED_ROW_ALIGNMENT * ROUTED_ROW_ALIGNMENT
+    total = int(padded.sum())
+    if total > capacity:
+        raise ValueError(
+            f"schedule capacity overflow on EP rank {ep_rank}: {total} routed rows (padded to "
+            f"{ROUTED_ROW_ALIGNMENT} per expert) > capacity {capacity}; raise "
+            f"MoKConfig.schedule_capacity_multiplier or pass num_local_experts to get_workspace"
+        )
+    seg_start = torch.cumsum(padded, 0) - padded
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    position = seg_start[expert] + torch.arange(expert.numel(), device=device) - first_of_expert[
+        expert
+    ]
+    peer_rank = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+    peer_token_idx = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+    peer_rank[position] = src_rank.to(torch.int32)
+    peer_token_idx[position] = slot.to(torch.int32)
+    return MoKSchedule(
+        peer_rank=peer_rank,
+        peer_token_idx=peer_token_idx,
+        num_tokens=torch.tensor([total], dtype=torch.int32, device=device),
+        tokens_per_expert=padded.to(torch.int32),
+    )
+
+
+def expert_segments(schedule: MoKSchedule) -> list[tuple[int, int]]:
+    """[(start, end)) row range of each local expert in the routed buffer (host values)."""
+    sizes = schedule.tokens_per_expert.tolist()
+    bounds, start = [], 0
+    for n in sizes:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+# ----------------------------------------------------------------------------------------------
+# SwiGLU
+# ----------------------------------------------------------------------------------------------
+
+
+def _clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None):
+    g, u = gate.float(), up.float()
+    if limit is not None:
+        g = torch.clamp(g, max=limit)
+        u = torch.clamp(u, -limit, limit)
+    return g, u
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """hidden = bf16(SiLU(g) * u) in fp32, SiLU(g) = g / (1 + exp(-g)), clamp first if set."""
+    g, u = _clamped(gate, up, limit)
+    return (g / (1.0 + torch.exp(-g)) * u).to(torch.bfloat16)
+
+
+def swiglu_backward(
+    d_hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) in bf16 from fp32 d_hidden; zero where a clamp was active."""
+    g, u = _clamped(gate, up, limit)
+    sig = 1.0 / (1.0 + torch.exp(-g))
+    d_up = d_hidden * (g * sig)
+    d_gate = d_hidden * u * (sig * (1.0 + g * (1.0 - sig)))
+    if limit is not None:
+        d_gate = torch.where(gate.float() > limit, 0.0, d_gate)
+        d_up = torch.where(up.float().abs() > limit, 0.0, d_up)
+    return d_gate.to(torch.bfloat16), d_up.to(torch.bfloat16)
+
+
+def _mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """fp32 product a @ b_t.T of bf16 operands (the tensor-core GEMM: bf16 in, fp32 out)."""
+    return a.float() @ b_t.float().t()
+
+
+def _mlp(x, gate_w, up_w, down_w, limit):
+    gate = _mm(x, gate_w).to(torch.bfloat16)
+    up = _mm(x, up_w).to(torch.bfloat16)
+    hidden = swiglu(gate, up, limit)
+    y = _mm(hidden, down_w).to(torch.bfloat16)
+    return gate, up, hidden, y
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+def fwd_epilogue(
+    y_shared: torch.Tensor | None, slots: torch.Tensor, router_weights: torch.Tensor
+) -> torch.Tensor:
+    """out[t] = bf16(y_shared[t] + sum_j w[t, j] * slots[t*k + j]), fp32, j = 0..k-1 in order.
+
+    Each step is a separate fp32 multiply and add (no FMA), as the epilogue kernel does.
+    """
+    num_tokens, topk = router_weights.shape
+    slots = slots.view(num_tokens, topk, -1)
+    acc = (
+        y_shared.float()
+        if y_shared is not None
+        else torch.zeros(slots[:, 0].shape, device=slots.device)
+    )
+    for j in range(topk):
+        acc = acc + router_weights[:, j : j + 1].float() * slots[:, j].float()
+    return acc.to(torch.bfloat16)
+
+
+def bwd_epilogue(d_x_shared: torch.Tensor | None, slots: torch.Tensor, topk: int) -> torch.Tensor:
+    """d_x[t] = bf16(d_x_shared[t] + sum_j slots[t*k + j]), fp32, j = 0..k-1 in order."""
+    slots = slots.view(-1, topk, slots.shape[-1])
+    acc = (
+        d_x_shared.float()
+        if d_x_shared is not None
+        else torch.zeros(slots[:, 0].shape, device=slots.device)
+    )
+    for j in range(topk):
+        acc = acc + slots[:, j].float()
+    return acc.to(torch.bfloat16)
+
+
+def recompute_forward_context(
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    routed_gate_weights: torch.Tensor,
+    routed_up_weights: torch.Tensor,
+    *,
+    topk: int,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> MoKForwardContext:
+    """Rebuild what forward saved for backward: pull x, gate/up GEMMs, SwiGLU (no down GEMM)."""
+    ctx, _ = _routed_forward(
+        schedule,
+        x,
+        routed_gate_weights,
+        routed_up_weights,
+        None,
+        topk=topk,
+        group=group,
+        swiglu_limit=swiglu_limit,
+    )
+    if shared_gate_weights is None:
+        return ctx
+    gate_s = _mm(x, shared_gate_weights).to(torch.bfloat16)
+    up_s = _mm(x, shared_up_weights).to(torch.bfloat16)
+    return MoKForwardContext(
+        *ctx.tensors()[:4], gate_s, up_s, swiglu(gate_s, up_s, swiglu_limit)
+    )
+
+
+def _routed_forward(schedule, x, gate_w, up_w, down_w, *, topk, group, swiglu_limit):
+    x_routed = pull_rows(x, schedule.peer_rank, schedule.peer_token_idx.long() // topk, group)
+    capacity, inter = schedule.capacity, gate_w.shape[1]
+    gate = torch.zeros(capacity, inter, dtype=torch.bfloat16, device=x.device)
+    up, hidden = torch.zeros_like(gate), torch.zeros_like(gate)
+    y = torch.zeros(capacity, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    for e, (start, end) in enumerate(expert_segments(schedule)):
+        if end == start:
+            continue
+        rows = slice(start, end)
+        if down_w is None:
+            gate[rows] = _mm(x_routed[rows], gate_w[e]).to(torch.bfloat16)
+            up[rows] = _mm(x_routed[rows], up_w[e]).to(torch.bfloat16)
+            hidden[rows] = swiglu(gate[rows], up[rows], swiglu_limit)
+        else:
+            gate[rows], up[rows], hidden[rows], y[rows] = _mlp(
+                x_routed[rows], gate_w[e], up_w[e], down_w[e], swiglu_limit
+            )
+    return MoKForwardContext(x_routed, gate, up, hidden), y
+
+
+def make_schedule(
+    top_experts: torch.Tensor,
+    *,
+    num_local_experts: int,
+    capacity: int,
+    group: dist.ProcessGroup | None = None,
+) -> MoKSchedule:
+    """All-gather the routing and build this rank's schedule (collective over `group`)."""
+    rank, _ = group_rank_size(group)
+    gathered = all_gather_top_experts(top_experts, group)
+    return build_schedule(
+        gathered, ep_rank=rank, num_local_experts=num_local_experts, capacity=capacity
+    )
+
+
+def forward(
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: torch.Tensor,
+    routed_up_weights: torch.Tensor,
+    routed_down_weights: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor, MoKForwardContext]:
+    """The MoE layer forward (SEMANTICS §1); returns (out bf16 [T, H], context)."""
+    num_tokens, topk = router_weights.shape
+    ctx, y_routed = _routed_forward(
+        schedule,
+        x,
+        routed_gate_weights,
+        routed_up_weights,
+        routed_down_weights,
+        topk=topk,
+        group=group,
+        swiglu_limit=swiglu_limit,
+    )
+    slots = push_rows(
+        y_routed, schedule.peer_rank, schedule.peer_token_idx, num_tokens * topk, group
+    )
+    y_shared = None
+    if shared_gate_weights is not None:
+        gate_s, up_s, hidden_s, y_shared = _mlp(
+            x, shared_gate_weights, shared_up_weights, shared_down_weights, swiglu_limit
+        )
+        ctx = MoKForwardContext(*ctx.tensors()[:4], gate_s, up_s, hidden_s)
+    return fwd_epilogue(y_shared, slots, router_weights), ctx
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _mlp_backward(dy, x, gate, up, hidden, gate_w, up_w, down_w, limit):
+    """One SwiGLU expert's backward from bf16 dy: (d_x fp32, dW_gate, dW_up, dW_down fp32)."""
+    d_hidden = dy.float() @ down_w.float()
+    d_gate, d_up = swiglu_backward(d_hidden, gate, up, limit)
+    d_x = d_gate.float() @ gate_w.float() + d_up.float() @ up_w.float()
+    d_down = dy.float().t() @ hidden.float()
+    d_gate_w = d_gate.float().t() @ x.float()
+    d_up_w = d_up.float().t() @ x.float()
+    return d_x, d_gate_w, d_up_w, d_down
+
+
+def backward(
+    schedule: MoKSchedule,
+    forward_context: MoKForwardContext,
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: torch.Tensor,
+    routed_up_weights: torch.Tensor,
+    routed_down_weights: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """The MoE layer backward (SEMANTICS §2).
+
+    Returns (d_x, d_router_weights fp32, d_routed_gate, d_routed_up, d_routed_down,
+    d_shared_gate, d_shared_up, d_shared_down); shared gradients are None without a shared expert.
+    Weight gradients are fp32 here (the caller rounds to bf16 or accumulates into main_grad).
+    """
+    num_tokens, topk = router_weights.shape
+    ctx = forward_context
+    peer, slot = schedule.peer_rank, schedule.peer_token_idx
+    # Pull dY and w for every routed row; dY_e = bf16(w * dY) on the expert's side.
+    dy_routed = pull_rows(grad_output, peer, slot.long() // topk, group)
+    w_routed = pull_rows(router_weights.reshape(-1, 1).float(), peer, slot, group)
+    dy_e = (w_routed * dy_routed.float()).to(torch.bfloat16)
+
+    num_experts, inter, hidden_size = routed_gate_weights.shape
+    d_gate_w = torch.zeros(num_experts, inter, hidden_size, device=x.device)
+    d_up_w = torch.zeros_like(d_gate_w)
+    d_down_w = torch.zeros(num_experts, hidden_size, inter, device=x.device)
+    d_x_routed = torch.zeros(schedule.capacity, hidden_size, dtype=torch.bfloat16, device=x.device)
+    d_router_routed = torch.zeros(schedule.capacity, 1, device=x.device)
+    for e, (start, end) in enumerate(expert_segments(schedule)):
+        if end == start:
+            continue  # an expert with no rows keeps exact-zero weight gradients
+        r = slice(start, end)
+        d_x, d_gate_w[e], d_up_w[e], d_down_w[e] = _mlp_backward(
+            dy_e[r],
+            ctx.x_routed[r],
+            ctx.gate_routed[r],
+            ctx.up_routed[r],
+            ctx.hidden_routed[r],
+            routed_gate_weights[e],
+            routed_up_weights[e],
+            routed_down_weights[e],
+            swiglu_limit,
+        )
+        d_x_routed[r] = d_x.to(torch.bfloat16)
+        # d_router[t, j] = <dY[t], y_e(x_t)>, y_e in fp32 from the saved hidden.
+        y = _mm(ctx.hidden_routed[r], routed_down_weights[e])
+        d_router_routed[r, 0] = (dy_routed[r].float() * y).sum(dim=1)
+    slots = push_rows(d_x_routed, peer, slot, num_tokens * topk, group)
+    d_router = push_rows(d_router_routed, peer, slot, num_tokens * topk, group).view(
+        num_tokens, topk
+    )
+
+    d_x_shared = d_shared = None
+    if shared_gate_weights is not None:
+        d_xs, *d_shared = _mlp_backward(
+            grad_output,
+            x,
+            ctx.gate_shared,
+            ctx.up_shared,
+            ctx.hidden_shared,
+            shared_gate_weights,
+            shared_up_weights,
+            shared_down_weights,
+            swiglu_limit,
+        )
+        d_x_shared = d_xs.to(torch.bfloat16)
+    d_x = bwd_epilogue(d_x_shared, slots, topk)
+    shared_grads = tuple(d_shared) if d_shared is not None else (None, None, None)
+    return (d_x, d_router, d_gate_w, d_up_w, d_down_w, *shared_grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP8 (SEMANTICS §5)
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_rows(x: torch.Tensor, transpose: bool) -> torch.Tensor:
+    if transpose:
+        x = x.transpose(-1, -2)
+    return x.reshape(-1, x.shape[-1])
+
+
+def mxfp8_quantize(x: torch.Tensor, *, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise bf16 x [..., R, K] to E4M3 along its last dim (or along R when `transpose`).
+
+    Returns (data float8_e4m3fn with the quantised layout's shape, scales uint8
+    [rows/128, K/128, 32, 16]) where rows folds every leading dim. Scale = amax/448 (fp32) clamped
+    below at 1e-12 and rounded up to a power of two (UE8M0 byte = its biased exponent); element =
+    round-to-nearest-even, satfinite E4M3 of v * (1/scale).
+    """
+    rows = _as_rows(x, transpose).float()
+    num_rows, num_cols = rows.shape
+    blocks = rows.view(num_rows, num_cols // MXFP8_BLOCK, MXFP8_BLOCK)
+    q = blocks.abs().amax(dim=-1) / E4M3_MAX
+    q = torch.clamp_min(q, torch.tensor(MXFP8_MIN_SCALE, dtype=torch.float32))
+    bits = q.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    # 1/scale is exact: a power of two whose biased exponent is 254 - exponent.
+    inv_scale = ((254 - exponent) << 23).view(torch.float32)
+    scaled = torch.clamp(blocks * inv_scale.unsqueeze(-1), -E4M3_MAX, E4M3_MAX)
+    data = scaled.to(torch.float8_e4m3fn).view(num_rows, num_cols)
+    out_shape = x.transpose(-1, -2).shape if transpose else x.shape
+    return data.view(out_shape), _swizzle_scales(exponent.to(torch.uint8))
+
+
+def _swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """[R, K/32] row-major scale bytes -> [R/128, K/128, 32, 16] (SWIZZLE_32_4_4)."""
+    num_rows, num_blocks = scales.shape
+    s = scales.view(num_rows // 128, 4, 32, num_blocks // 4, 4)  # r = 128*a + 32*b + c
+    return s.permute(0, 3, 2, 1, 4).reshape(num_rows // 128, num_blocks // 4, 32, 16).contiguous()
+
+
+def _unswizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    row_tiles, col_tiles = scales.shape[:2]
+    s = scales.view(row_tiles, col_tiles, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return s.reshape(row_tiles * 128, col_tiles * 4)
+
+
+def mxfp8_dequantize(
+    data: torch.Tensor, scales: torch.Tensor, *, transpose: bool = False
+) -> torch.Tensor:
+    """fp32 values of an `mxfp8_quantize` result, in the layout of the original input."""
+    rows = data.reshape(-1, data.shape[-1]).float()
+    exponent = _unswizzle_scales(scales).to(torch.int32)
+    scale = (exponent << 23).view(torch.float32)
+    values = rows.view(rows.shape[0], -1, MXFP8_BLOCK) * scale.unsqueeze(-1)
+    values = values.view(data.shape)
+    return values.transpose(-1, -2) if transpose else values
+
+
+# ----------------------------------------------------------------------------------------------
+# An independent oracle: a per-expert loop differentiated by autograd
+# ----------------------------------------------------------------------------------------------
+# It shares no code with the functions above: no schedule, no padding, no hand-written backward.
+
+
+def naive_moe(
+    x,
+    router_weights,
+    top_experts,
+    routed_gate,
+    routed_up,
+    routed_down,
+    shared=None,
+    *,
+    swiglu_limit=None,
+    dtype=torch.float64,
+):
+    """out[t] = shared(x_t) + sum_j w[t, j] * expert_{top_experts[t, j]}(x_t), in `dtype`.
+
+    All global experts' weights are passed ([E_total, ...]). Returns out in `dtype`.
+    """
+
+    def mlp(rows, gate_w, up_w, down_w):
+        g = rows @ gate_w.t()
+        u = rows @ up_w.t()
+        if swiglu_limit is not None:
+            g = torch.clamp(g, max=swiglu_limit)
+            u = torch.clamp(u, -swiglu_limit, swiglu_limit)
+        return (torch.nn.functional.silu(g) * u) @ down_w.t()
+
+    xs = x.to(dtype)
+    out = torch.zeros_like(xs)
+    if shared is not None:
+        out = out + mlp(xs, *(w.to(dtype) for w in shared))
+    w = router_weights.to(dtype)
+    for e in range(routed_gate.shape[0]):
+        token, j = torch.nonzero(top_experts == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        y = mlp(xs[token], routed_gate[e].to(dtype), routed_up[e].to(dtype), routed_down[e].to(dtype))
+        out = out.index_add(0, token, w[token, j].unsqueeze(1) * y)
+    return out
+
+
+def naive_moe_with_grads(inputs: dict, grad_output, *, swiglu_limit=None, dtype=torch.float64):
+    """(out, grads dict) of naive_moe by autograd; leaves are the given tensors upcast to dtype."""
+    names = ["x", "router_weights", "routed_gate", "routed_up", "routed_down"]
+    shared_names = ["shared_gate", "shared_up", "shared_down"]
+    has_shared = inputs.get("shared_gate") is not None
+    if has_shared:
+        names += shared_names
+    leaves = {n: inputs[n].detach().to(dtype).requires_grad_(True) for n in names}
+    shared = tuple(leaves[n] for n in shared_names) if has_shared else None
+    out = naive_moe(
+        leaves["x"],
+        leaves["router_weights"],
+        inputs["top_experts"],
+        leaves["routed_gate"],
+        leaves["routed_up"],
+        leaves["routed_down"],
+        shared,
+        swiglu_limit=swiglu_limit,
+        dtype=dtype,
+    )
+    out.backward(grad_output.to(dtype))
+    return out.detach(), {n: leaves[n].grad for n in names}

@@ -1,0 +1,89 @@
+"""Helpers shared by the tests, `python -m mok` and the benchmarks: random MoE problems and the
+error bound every float result is held to.
+
+The bound (DESIGN §5): a result's error against an fp64 oracle may be at most
+`BF16_ERROR_FACTOR` times the error of the same computation done by PyTorch in bf16, plus a
+small absolute floor; NaN never passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BF16_ERROR_FACTOR = 2.0
+ERROR_FLOOR = 1e-6
+ROUTINGS = ("random", "one_expert", "empty_experts", "first_experts")
+
+
+def make_routing(
+    num_tokens: int, num_experts: int, topk: int, routing: str, generator: torch.Generator
+) -> torch.Tensor:
+    """Global expert ids int64 [T, k], distinct per token.
+
+    random: top-k of random logits. one_expert: expert 0 is every token's first choice (all
+    tokens reach it). empty_experts: only the first half of the experts are ever chosen.
+    first_experts: every token picks experts 0..k-1 (with k = E, every expert gets every token).
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    if routing == "one_expert":
+        logits[:, 0] = 1e9
+    elif routing == "empty_experts":
+        if topk > num_experts // 2:
+            raise ValueError(f"empty_experts routing needs topk <= {num_experts // 2}, got {topk}")
+        logits[:, num_experts // 2 :] = -1e9
+    elif routing == "first_experts":
+        logits = -torch.arange(num_experts, dtype=torch.float32).expand(num_tokens, -1).clone()
+    return logits.topk(topk, dim=-1).indices.contiguous()
+
+
+def make_inputs(
+    num_tokens: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_experts: int,
+    topk: int,
+    *,
+    shared: bool = False,
+    routing: str = "random",
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor | None]:
+    """Random bf16 inputs of one MoE layer (weights scaled to keep activations O(1))."""
+    gen = torch.Generator().manual_seed(seed)
+    t, h, i, e = num_tokens, hidden_size, intermediate_size, num_experts
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) / shape[-1] ** 0.5).to(torch.bfloat16)
+
+    probs = torch.rand(t, topk, generator=gen) + 0.05
+    inputs = {
+        "x": torch.randn(t, h, generator=gen).to(torch.bfloat16),
+        "router_weights": probs / probs.sum(dim=1, keepdim=True),
+        "top_experts": make_routing(t, e, topk, routing, gen),
+        "routed_gate": w(e, i, h),
+        "routed_up": w(e, i, h),
+        "routed_down": w(e, h, i),
+        "shared_gate": w(i, h) if shared else None,
+        "shared_up": w(i, h) if shared else None,
+        "shared_down": w(h, i) if shared else None,
+        "grad_output": torch.randn(t, h, generator=gen).to(torch.bfloat16),
+    }
+    return {k: (v.to(device) if v is not None else None) for k, v in inputs.items()}
+
+
+def rel_error(got: torch.Tensor, truth: torch.Tensor) -> float:
+    """||got - truth|| / ||truth|| in fp64 (inf if got has a NaN)."""
+    got64, truth64 = got.double().cpu(), truth.double().cpu()
+    if not torch.isfinite(got64).all():
+        return float("inf")
+    denom = truth64.norm().item()
+    diff = (got64 - truth64).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def within_bf16_bound(got: torch.Tensor, truth: torch.Tensor, bf16: torch.Tensor) -> tuple[bool, float, float]:
+    """(ok, error of got, error of PyTorch's bf16 computation), both against the fp64 truth."""
+    err, base = rel_error(got, truth), rel_error(bf16, truth)
+    return err <= BF16_ERROR_FACTOR * base + ERROR_FLOOR, err, base

@@ -1,0 +1,101 @@
+"""Input checks for the public API: every error names the argument, expected and actual value.
+
+Only metadata (dtype, shape, device, layout) is checked here, so the checks also run on fake
+tensors under torch.compile; value checks (router weights > 0, expert ids in range) run inside
+the ops, where the data is real.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def check_type(name: str, value, expected: type | tuple[type, ...]) -> None:
+    if not isinstance(value, expected):
+        names = (
+            " or ".join(t.__name__ for t in expected)
+            if isinstance(expected, tuple)
+            else expected.__name__
+        )
+        raise TypeError(f"{name} must be a {names}, got {type(value).__name__}")
+
+
+def check_int(name: str, value, *, minimum: int | None = None, multiple_of: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value % multiple_of:
+        raise ValueError(f"{name} must be a multiple of {multiple_of}, got {value}")
+    return value
+
+
+def check_tensor(
+    name: str,
+    tensor,
+    *,
+    dtype: torch.dtype,
+    shape: Sequence[int | None],
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """dtype, then rank/shape (None matches any size), then device, then contiguity."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
+    actual = tuple(tensor.shape)
+    if len(actual) != len(shape) or any(
+        want is not None and want != got for want, got in zip(shape, actual, strict=False)
+    ):
+        expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {expected}, got {list(actual)}")
+    if device is not None and not same_device(tensor.device, device):
+        raise ValueError(f"{name} must be on device {device}, got {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(tensor.stride())}")
+    return tensor
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device
+    return (a.index if a.index is not None else current()) == (
+        b.index if b.index is not None else current()
+    )
+
+
+def check_swiglu_limit(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"swiglu_limit must be a float or None, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"swiglu_limit must be a finite number > 0 or None, got {value!r}")
+    return float(value)
+
+
+def check_router_weight_values(router_weights: torch.Tensor) -> None:
+    """Router weights must be finite and > 0 (the original silently returned 0 gradient)."""
+    bad = ~(torch.isfinite(router_weights) & (router_weights > 0))
+    if bool(bad.any()):
+        index = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"router_weights must be finite and > 0, got {float(router_weights[index])} at "
+            f"index {list(index)}"
+        )
+
+
+def check_expert_id_values(top_experts: torch.Tensor, num_experts: int) -> None:
+    bad = (top_experts < 0) | (top_experts >= num_experts)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"top_experts must hold expert ids in [0, {num_experts}) (num_local_experts * EP "
+            f"size), got {int(top_experts[index])} at index {list(index)}"
+        )

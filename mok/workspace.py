@@ -1,0 +1,248 @@
+"""The workspace: owns every buffer a mok layer uses, for one (group, device, T, H, k, capacity).
+
+One GPU (or any CPU run): plain allocations. An EP group on CUDA: torch symmetric memory
+(`empty` + `rendezvous`), with each peer's buffer address in `peer_ptrs` for the kernels'
+unicast loads and stores (NVLink multicast is never used). Buffers are allocated once and reused
+by every call; `destroy()` releases them explicitly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .config import FEATURE_ALIGNMENT, MAX_TOPK, MoKConfig
+from .validation import check_int, check_type
+
+_NEXT_HANDLE = itertools.count(1)
+_LIVE: dict[int, MoKWorkspace] = {}
+_CACHE: dict[tuple, MoKWorkspace] = {}
+
+
+@dataclass(eq=False)
+class MoKWorkspace:
+    """Buffers and shapes of one mok layer configuration on one rank.
+
+    buffers (name: dtype [shape]):
+        x_buffer: bf16 [T, H]                 this rank's tokens, pulled by expert owners
+        combine_buffer: bf16 [T*k, H]         expert outputs pushed into slot token*k + j
+        d_y_buffer: bf16 [T, H]               grad_output, pulled in backward
+        d_x_routed_buffer: bf16 [T*k, H]      d_x rows pushed into slot token*k + j
+        router_weight_buffer: fp32 [T, k]     pulled with d_y in backward (w * dY on the expert side)
+        d_router_weight_buffer: fp32 [T, k]   router-weight gradient partials pushed back
+        all_gather_top_experts_buffer: int32 [P, T, k]   routing ids of every rank
+        barrier_buffer: int32 [P]             one arrival counter per peer (unicast flags)
+    """
+
+    handle: int
+    group: dist.ProcessGroup | None
+    ep_rank: int
+    ep_size: int
+    device: torch.device
+    num_local_tokens: int
+    hidden_size: int
+    topk: int
+    schedule_capacity: int
+    symmetric: bool
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    peer_ptrs: dict[str, list[int]] = field(default_factory=dict)
+    _handles: dict[str, object] = field(default_factory=dict, repr=False)
+    destroyed: bool = False
+
+    @property
+    def group_name(self) -> str:
+        return "" if self.group is None else self.group.group_name
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def describe(self) -> str:
+        """A size report: one line per buffer, then the total."""
+        lines = [
+            f"MoKWorkspace(rank {self.ep_rank}/{self.ep_size}, {self.device}, "
+            f"T={self.num_local_tokens}, H={self.hidden_size}, k={self.topk}, "
+            f"capacity={self.schedule_capacity}, "
+            f"{'symmetric memory' if self.symmetric else 'plain allocations'})"
+        ]
+        for name, b in self.buffers.items():
+            nbytes = b.numel() * b.element_size()
+            lines.append(f"  {name:32s} {str(b.dtype):16s} {list(b.shape)!s:24s} {nbytes:>14,d} B")
+        lines.append(f"  {'total':32s} {'':16s} {'':24s} {self.nbytes:>14,d} B")
+        return "\n".join(lines)
+
+    def require_alive(self) -> MoKWorkspace:
+        if self.destroyed:
+            raise ValueError("workspace has been destroyed; get a new one with get_workspace()")
+        return self
+
+    def destroy(self) -> None:
+        """Release every buffer now (collective for an EP group: call it on every rank)."""
+        if self.destroyed:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.symmetric and self.group is not None:
+            dist.barrier(group=self.group)
+        self.buffers.clear()
+        self.peer_ptrs.clear()
+        self._handles.clear()
+        self.destroyed = True
+        _LIVE.pop(self.handle, None)
+        for key, ws in list(_CACHE.items()):
+            if ws is self:
+                del _CACHE[key]
+
+
+def workspace_from_handle(handle: int) -> MoKWorkspace:
+    """The live workspace with this handle (custom ops receive handles, not objects)."""
+    ws = _LIVE.get(handle)
+    if ws is None:
+        raise ValueError(f"no live MoKWorkspace with handle {handle} (destroyed or never made)")
+    return ws
+
+
+def _check_device(device) -> torch.device:
+    if isinstance(device, str):
+        device = torch.device(device)
+    check_type("device", device, torch.device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"device must be a cpu or cuda device, got {device} (mok runs kernels on CUDA and its "
+            f"PyTorch reference path on CPU)"
+        )
+    if device.type == "cuda":
+        from . import kernels  # noqa: PLC0415 - GPU-only import, keeps CPU imports light
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        device = torch.device("cuda", index)
+        kernels.check_device_supported(device)
+    return device
+
+
+def _group_rank_size(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    check_type("group", group, dist.ProcessGroup)
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def get_workspace(
+    config: MoKConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | str,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+    num_local_experts: int | None = None,
+) -> MoKWorkspace:
+    """The cached workspace for (group, device, T, H, k, capacity); made on first use.
+
+    `group=None` is an EP group of one. For an EP group this is collective (every rank calls it
+    with the same shapes, checked once here). `num_local_experts` (beyond the original API)
+    reserves schedule room for each expert's padding to the GEMM tile height; without it the
+    capacity is the original's and small layers with many experts may overflow it.
+    """
+    check_type("config", config, MoKConfig)
+    config.validate()
+    device = _check_device(device)
+    check_int("num_local_tokens", num_local_tokens, minimum=1)
+    check_int("hidden_size", hidden_size, minimum=FEATURE_ALIGNMENT, multiple_of=FEATURE_ALIGNMENT)
+    check_int("topk", topk, minimum=1)
+    if topk > MAX_TOPK:
+        raise ValueError(f"topk must be <= {MAX_TOPK}, got {topk}")
+    if num_local_experts is not None:
+        check_int("num_local_experts", num_local_experts, minimum=1)
+    ep_rank, ep_size = _group_rank_size(group)
+    capacity = config.schedule_capacity(
+        num_local_tokens=num_local_tokens,
+        topk=topk,
+        ep_size=ep_size,
+        num_local_experts=num_local_experts or 0,
+    )
+    group_key = None if group is None else group.group_name
+    key = (group_key, device, num_local_tokens, hidden_size, topk, capacity)
+    cached = _CACHE.get(key)
+    if cached is not None:
+        return cached
+    if ep_size > 1:
+        _check_same_shapes(group, device, (num_local_tokens, hidden_size, topk))
+    ws = _create(group, ep_rank, ep_size, device, num_local_tokens, hidden_size, topk, capacity)
+    _CACHE[key] = ws
+    return ws
+
+
+def clear_workspace_cache() -> None:
+    """Destroy every cached workspace (collective for EP groups)."""
+    for ws in list(_CACHE.values()):
+        ws.destroy()
+    _CACHE.clear()
+
+
+def _check_same_shapes(group, device, shapes: tuple[int, int, int]) -> None:
+    # One-time setup, so a host read of the gathered shapes is fine here.
+    comm_device = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    local = torch.tensor(shapes, dtype=torch.int64, device=comm_device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    for rank, other in enumerate(gathered):
+        if tuple(other.tolist()) != shapes:
+            raise ValueError(
+                f"(num_local_tokens, hidden_size, topk) must be equal on every EP rank: this rank "
+                f"has {shapes}, rank {rank} has {tuple(other.tolist())}"
+            )
+
+
+def _buffer_specs(ep_size, num_tokens, hidden, topk):
+    bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
+    return {
+        "x_buffer": ((num_tokens, hidden), bf16),
+        "combine_buffer": ((num_tokens * topk, hidden), bf16),
+        "d_y_buffer": ((num_tokens, hidden), bf16),
+        "d_x_routed_buffer": ((num_tokens * topk, hidden), bf16),
+        "router_weight_buffer": ((num_tokens, topk), f32),
+        "d_router_weight_buffer": ((num_tokens, topk), f32),
+        "all_gather_top_experts_buffer": ((ep_size, num_tokens, topk), i32),
+        "barrier_buffer": ((ep_size,), i32),
+    }
+
+
+def _create(group, ep_rank, ep_size, device, num_tokens, hidden, topk, capacity) -> MoKWorkspace:
+    symmetric = ep_size > 1 and device.type == "cuda"
+    ws = MoKWorkspace(
+        handle=next(_NEXT_HANDLE),
+        group=group,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        device=device,
+        num_local_tokens=num_tokens,
+        hidden_size=hidden,
+        topk=topk,
+        schedule_capacity=capacity,
+        symmetric=symmetric,
+    )
+    for name, (shape, dtype) in _buffer_specs(ep_size, num_tokens, hidden, topk).items():
+        if symmetric:
+            import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
+
+            buf = symm_mem.empty(*shape, dtype=dtype, device=device)
+            handle = symm_mem.rendezvous(buf, group.group_name)
+            ws._handles[name] = handle
+            ws.peer_ptrs[name] = [int(handle.buffer_ptrs[p]) for p in range(ep_size)]
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            ws.peer_ptrs[name] = [buf.data_ptr()]
+        # Counters start at zero; data buffers are poisoned so an unwritten read shows up as NaN.
+        if dtype == torch.int32:
+            buf.zero_()
+        else:
+            buf.fill_(float("nan"))
+        ws.buffers[name] = buf
+    if symmetric:
+        dist.barrier(group=group)
+    _LIVE[ws.handle] = ws
+    return ws

@@ -1,0 +1,113 @@
+"""The benchmark harness on a CPU: smoke run with --quick, and the baseline against the reference.
+
+Sizes are the --quick ones (H 128, I 128, <= 16 experts, 64 tokens) so the file runs in seconds
+on a 2-core CI machine; the math checked is the same at every size.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# benchmarks/ is a top-level folder of the repository, not part of the installed package: a bare
+# `pytest` (rootdir tests/ on sys.path) must find it from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import moe  # noqa: E402
+from benchmarks.baselines import grouped_mm_works  # noqa: E402
+from benchmarks.impls import baseline_impl  # noqa: E402
+from benchmarks.inputs import make_inputs  # noqa: E402
+from benchmarks.reference import MAX_REL_ERR, compare, reference_results  # noqa: E402
+from benchmarks.shapes import SHAPES, scale_for_run, select_shapes  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_quick_run_writes_rows_and_provenance(tmp_path):
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--shapes", "qwen3-30b-a3b,mixtral-8x7b"]
+    assert moe.main([*argv, "--json", str(path), "--reps", "2", "--warmup", "0"]) == 0
+    record = json.loads(path.read_text())
+    provenance = record["provenance"]
+    for key in ("git_commit", "hostname", "date_utc", "torch", "cuda", "gpu", "driver"):
+        assert key in provenance
+    assert provenance["torch"] == torch.__version__
+    assert record["ceilings"]["gemm_bf16_tflops"] > 0
+    assert record["ceilings"]["copy_gbs"] > 0
+    rows = record["rows"]
+    timed = [row for row in rows if row["baseline"]]
+    assert {(r["shape"]["name"], r["pass"]) for r in timed} == {
+        (name, p) for name in ("qwen3-30b-a3b", "mixtral-8x7b") for p in moe.PASSES
+    }
+    for row in timed:
+        assert row["status"] == "ok", row["status"]
+        assert row["ms"] > 0 and row["tflops"] > 0 and row["speedup"] == 1.0
+        assert row["max_rel_err"] <= MAX_REL_ERR
+    # mok has no CPU kernel: its rows are its CPU reference path, named so, or say why not;
+    # a row that did not pass its check never carries a time.
+    mok_rows = [row for row in rows if row["impl"].startswith("mok")]
+    assert mok_rows
+    for row in mok_rows:
+        assert row["impl"] == "mok_cpu_path" if row["status"] == "ok" else "ms" not in row
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False], ids=["grouped_mm", "loop"])
+@pytest.mark.parametrize("name", ["deepseek-v4-pro", "mixtral-8x7b"])  # clamp on / k=2, E=8
+def test_baseline_matches_fp32_reference(name, use_grouped_mm):
+    if use_grouped_mm and not grouped_mm_works(CPU)[0]:
+        pytest.skip("torch._grouped_mm does not run on this CPU build")
+    shape = scale_for_run(select_shapes(name)[0], world_size=1, quick=True)
+    inputs = make_inputs(shape, 48, rank=0, world_size=1, device=CPU, seed=3, shared=True)
+    reference = reference_results(inputs, with_grads=True)
+    impl = baseline_impl(inputs, align=8, use_grouped_mm=use_grouped_mm, detail="test")
+    out, state = impl.forward()
+    results = {"out": out, **impl.backward(state, inputs.grad_output)}
+    errors = compare(results, reference)
+    assert set(errors) == set(reference)  # out, d_x, d_router_weights, every weight gradient
+    for key, error in errors.items():
+        assert error < 1e-2, f"{key}: rel err {error}"
+    assert out.dtype == torch.bfloat16 and out.shape == inputs.x.shape
+
+
+def test_wrong_result_is_refused_not_timed(monkeypatch):
+    real = moe.baseline_impl
+
+    def broken(*args, **kwargs):
+        impl = real(*args, **kwargs)
+        forward = impl.forward
+
+        def off_by_ten_percent():
+            out, state = forward()
+            return out * 1.1, state
+
+        impl.forward = off_by_ten_percent
+        return impl
+
+    monkeypatch.setattr(moe, "baseline_impl", broken)
+    args = moe.parse_args(["--quick", "--device", "cpu", "--passes", "fwd", "--reps", "1"])
+    args.timing = moe.TimingConfig(warmup=0, reps=1)
+    ceilings = {"gemm_bf16_tflops": 1.0}
+    probe = grouped_mm_works(CPU)
+    rows = moe.run_shape(SHAPES[2], args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
+    baseline = [row for row in rows if row["baseline"]]
+    assert baseline and all(row["status"].startswith("check failed") for row in baseline)
+    assert all("ms" not in row for row in baseline)
+
+
+def test_shapes_scale_per_gpu():
+    deepseek = select_shapes("deepseek-v3")[0]
+    one = scale_for_run(deepseek, world_size=1, quick=False)
+    two = scale_for_run(deepseek, world_size=2, quick=False)
+    assert (one.num_experts, one.hidden_size, one.intermediate_size, one.topk) == (
+        32,
+        7168,
+        2048,
+        8,
+    )
+    assert (two.num_experts, two.experts_per_rank) == (64, 32)
+    mixtral = scale_for_run(select_shapes("mixtral-8x7b")[0], world_size=2, quick=False)
+    assert (mixtral.num_experts, mixtral.experts_per_rank) == (8, 4)
+    with pytest.raises(ValueError, match="unknown"):
+        select_shapes("no-such-model")

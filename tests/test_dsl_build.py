@@ -1,0 +1,158 @@
+"""CPU checks of the ahead-of-time kernel build (dsl_kernels/build.py).
+
+Compiles every registered variant once per committed arch (a few seconds in total) and checks:
+the committed cubins + manifest are exactly what the sources produce (cubins are byte-for-byte
+reproducible run to run, so bytes are compared, not only the source hash), the manifest params
+match each PTX `.entry`, and each sm_90a kernel's PTX uses the instructions it is meant to use.
+"""
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install -e .[dev])")
+
+from mok.dsl_kernels import build  # noqa: E402
+from mok.dsl_kernels.registry import variants  # noqa: E402
+
+REQUIRED_ARCHS = ("sm_90a", "sm_100a")
+
+
+def _committed_manifest() -> dict:
+    return json.loads((build.CUBIN_DIR / build.MANIFEST_NAME).read_text())
+
+
+@pytest.fixture(scope="module")
+def fresh_build():
+    """One build of every variant for every committed arch (and at least sm_90a, sm_100a)."""
+    committed_archs = {e["arch"] for e in _committed_manifest()["variants"]}
+    archs = [a for a in build.SUPPORTED_ARCHS if a in committed_archs or a in REQUIRED_ARCHS]
+    manifest, cubins, ptxs = build.build(archs, verbose=False)
+    return manifest, cubins, ptxs
+
+
+def _instructions(ptx: str) -> list[str]:
+    """Opcodes of a PTX body (also those inside inline-asm blocks), predicates stripped."""
+    return re.findall(r"^\s*(?:@!?%?\w+\s+)?([a-z][\w.]*)", ptx, re.M)
+
+
+def test_every_variant_compiles_for_sm90a_and_sm100a(fresh_build):
+    manifest, cubins, _ = fresh_build
+    built = {(e["name"], e["arch"]) for e in manifest["variants"]}
+    for variant in variants():
+        for arch in REQUIRED_ARCHS:
+            assert (variant.name, arch) in built
+            assert cubins[f"{variant.name}.{arch}.cubin"].startswith(b"\x7fELF")
+
+
+def test_committed_manifest_and_cubins_match_sources(fresh_build):
+    manifest, cubins, _ = fresh_build
+    problems = build.check(build.CUBIN_DIR, manifest, cubins)
+    assert problems == [], "rebuild: python -m mok.dsl_kernels.build\n" + "\n".join(problems)
+
+
+def test_manifest_params_match_ptx_entry(fresh_build):
+    manifest, _, ptxs = fresh_build
+    for entry in manifest["variants"]:
+        symbol, params, block = build.parse_ptx_entry(ptxs[entry["cubin"]])
+        assert entry["symbol"] == symbol
+        assert entry["block"] == list(block)
+        assert [(p["kind"], p["size"], p["align"]) for p in entry["params"]] == [
+            (p.kind, p.size, p.align) for p in params
+        ]
+    for committed in _committed_manifest()["variants"]:
+        assert committed["cubin"] == f"{committed['name']}.{committed['arch']}.cubin"
+        assert committed["tma"] == [] and committed["dynamic_smem_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    "name, required, forbidden",
+    [
+        # 8 rows x 16 B per thread, exact scale math, hardware E4M3 conversion
+        (
+            "mxfp8_quantize_rowwise",
+            {
+                "ld.global.v4.b32": 8,
+                "cvt.rn.satfinite.e4m3x2.f32": 32,
+                "div.rn.f32": 8,
+                "mul.rn.f32": 64,
+            },
+            ("fma.rn.f32", "div.approx.f32", "div.full.f32"),
+        ),
+        (
+            "mxfp8_quantize_transposed",
+            {
+                "ld.global.v4.b32": 8,
+                "cvt.rn.satfinite.e4m3x2.f32": 32,
+                "div.rn.f32": 8,
+                "mul.rn.f32": 64,
+            },
+            ("fma.rn.f32", "div.approx.f32", "div.full.f32"),
+        ),
+        # 16-byte loads/stores; separately rounded mul + add, never an fma
+        (
+            "moe_combine_forward",
+            {"ld.global.v4.b32": 2, "st.global.v4.b32": 1, "mul.rn.f32": 8, "add.rn.f32": 8},
+            ("fma.rn.f32", "mul.f32", "add.f32"),
+        ),
+        (
+            "moe_combine_backward",
+            {"ld.global.v4.b32": 2, "st.global.v4.b32": 1, "add.rn.f32": 8},
+            ("fma.rn.f32", "add.f32"),
+        ),
+    ],
+)
+def test_sm90a_ptx_uses_intended_instructions(fresh_build, name, required, forbidden):
+    _, _, ptxs = fresh_build
+    ptx = ptxs[f"{name}.sm_90a.cubin"]
+    opcodes = _instructions(ptx)
+    for opcode, at_least in required.items():
+        assert opcodes.count(opcode) >= at_least, f"{name}: {opcode} x{opcodes.count(opcode)}"
+    for opcode in forbidden:
+        assert opcode not in opcodes, f"{name}: unexpected {opcode}"
+    assert ".ftz" not in ptx, f"{name}: flush-to-zero would break bit-exactness on subnormals"
+
+
+# ---- the PTX/Python pairing rules, on synthetic input (no compile) ----
+_PTX = """
+.visible .entry mok_x_0(
+\t.param .u64 .ptr .global .align 16 mok_x_0_param_0,
+\t.param .align 64 .b8 mok_x_0_param_1[128],
+\t.param .u32 mok_x_0_param_2,
+\t.param .f32 mok_x_0_param_3
+)
+.reqntid 128, 1, 1
+{
+}
+"""
+
+
+def test_parse_ptx_entry_and_dsl_inserted_bytes_param():
+    symbol, params, block = build.parse_ptx_entry(_PTX)
+    assert symbol == "mok_x_0" and block == (128, 1, 1)
+    assert [(p.kind, p.size, p.align) for p in params] == [
+        ("pointer", 8, 8),
+        ("bytes", 128, 64),
+        ("int32", 4, 4),
+        ("float32", 4, 4),
+    ]
+    named = build.name_params("x", params, [("a", "pointer"), ("n", "int32"), ("s", "float32")])
+    assert [p["name"] for p in named] == ["a", "_dsl_1", "n", "s"]
+
+
+def test_name_params_fails_on_count_or_kind_mismatch():
+    _, params, _ = build.parse_ptx_entry(_PTX)
+    with pytest.raises(build.BuildError, match="is int64 in Python"):
+        build.name_params("x", params, [("a", "pointer"), ("n", "int64"), ("s", "float32")])
+    with pytest.raises(build.BuildError, match="have no PTX parameter"):
+        build.name_params(
+            "x", params, [("a", "pointer"), ("n", "int32"), ("s", "float32"), ("extra", "int32")]
+        )
+    with pytest.raises(build.BuildError, match="has no Python argument"):
+        build.name_params("x", params, [("a", "pointer"), ("n", "int32")])
+
+
+def test_source_hash_covers_dsl_version():
+    assert build.source_hash("4.8.1") == build.source_hash("4.8.1")
+    assert build.source_hash("4.8.1") != build.source_hash("4.8.2")
