@@ -34,13 +34,18 @@ class MoeInputs:
     up: torch.Tensor
     down: torch.Tensor
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    x_all: torch.Tensor
-    top_experts_all: torch.Tensor
-    router_weights_all: torch.Tensor
-    grad_output_all: torch.Tensor
-    gate_all: torch.Tensor
-    up_all: torch.Tensor
-    down_all: torch.Tensor
+    x_all: torch.Tensor | None
+    top_experts_all: torch.Tensor | None
+    router_weights_all: torch.Tensor | None
+    grad_output_all: torch.Tensor | None
+    gate_all: torch.Tensor | None
+    up_all: torch.Tensor | None
+    down_all: torch.Tensor | None
+
+    def release_group_tensors(self) -> None:
+        """Drop the whole group's tensors (only the reference needs them) before timing."""
+        self.x_all = self.top_experts_all = self.router_weights_all = None
+        self.grad_output_all = self.gate_all = self.up_all = self.down_all = None
 
     @property
     def expert_offset(self) -> int:

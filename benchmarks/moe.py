@@ -22,7 +22,12 @@ from benchmarks import report
 from benchmarks.baselines import DEFAULT_ALIGN, grouped_mm_works
 from benchmarks.impls import Impl, baseline_impl
 from benchmarks.inputs import MoeInputs, make_inputs
-from benchmarks.mok_impls import MOK_IMPLS, describe_failure, unavailable_reason
+from benchmarks.mok_impls import (
+    MOK_IMPLS,
+    NOT_AVAILABLE,
+    describe_failure,
+    unavailable_reason,
+)
 from benchmarks.reference import MAX_REL_ERR, compare, reference_results
 from benchmarks.shapes import RunShape, scale_for_run, select_shapes
 from benchmarks.timing import TimingConfig, max_over_ranks, measure_ceilings, median, time_ms
@@ -147,6 +152,7 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
     )
     with_grads = any(p != "fwd" for p in args.passes)
     reference = reference_results(inputs, with_grads)
+    inputs.release_group_tensors()
     impls, missing = build_impls(inputs, args, group, probe)
     base = {"shape": shape.as_dict(), "num_tokens": args.tokens, "world_size": world_size}
     checks = {}
@@ -154,9 +160,12 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
         try:
             checks[impl.name] = check(impl, inputs, reference, group)
         except Exception as error:  # reported in its rows; the other impls still run
-            if group is not None:
-                raise  # the other ranks are inside a collective: stop rather than hang
-            checks[impl.name] = {"error": describe_failure(error)}
+            status = describe_failure(error)
+            if group is not None and not status.startswith(NOT_AVAILABLE):
+                # Another rank may be inside a collective: stop rather than hang. A missing
+                # kernel is raised alike on every rank, so it is reported instead.
+                raise
+            checks[impl.name] = {"error": status}
     del reference
     gc.collect()
     if device.type == "cuda":
@@ -251,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             report.write_json(args.json, record)
             print(f"wrote {args.json}")
         if args.png:
-            print(report.write_png(args.png, rows, ceilings))
+            where = record["provenance"]["gpu"] or str(device)
+            title = f"MoE layer, {args.tokens} tokens/GPU, EP {world_size}, {where}"
+            print(report.write_png(args.png, rows, ceilings, title))
     if group is not None:
         dist.barrier(group)
         dist.destroy_process_group()

@@ -100,7 +100,7 @@ def write_json(path: str, record: dict) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
-def write_png(path: str, rows: list[dict], ceilings: dict) -> str:
+def write_png(path: str, rows: list[dict], ceilings: dict, title: str) -> str:
     """Bar chart of TFLOP/s per (shape, pass), one bar per impl; returns a note of what it did."""
     try:
         import matplotlib
@@ -123,6 +123,7 @@ def write_png(path: str, rows: list[dict], ceilings: dict) -> str:
     axes.axhline(ceilings["gemm_bf16_tflops"], color="k", linestyle="--", label="dense GEMM")
     axes.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=7)
     axes.set_ylabel("TFLOP/s per GPU")
+    axes.set_title(title, fontsize=9)
     axes.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

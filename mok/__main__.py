@@ -36,7 +36,9 @@ def pick_device(requested: str) -> tuple[torch.device, str]:
             raise SystemExit("--device cuda: no CUDA device is visible")
         return torch.device("cpu"), "no CUDA device visible"
     device = torch.device("cuda", torch.cuda.current_device())
-    missing = [op for op in ("build_schedule", "forward", "backward") if not kernels.available(op, device)]
+    missing = [
+        op for op in ("build_schedule", "forward", "backward") if not kernels.available(op, device)
+    ]
     if not missing:
         return device, "kernels shipped for this GPU"
     if requested == "cuda":
@@ -83,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
         cpu_inputs, cpu_inputs["grad_output"], swiglu_limit=args.swiglu_limit, dtype=torch.bfloat16
     )
     print(f"mok {sys.modules['mok'].__version__}: one MoE layer, forward + backward")
-    print(f"  device : {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})")
+    print(
+        f"  device : {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})"
+    )
     print(f"  path   : {path} ({why})")
     print(f"  shapes : T={t} H={h} I={i} experts={e} k={k} shared={not args.no_shared} "
           f"swiglu_limit={args.swiglu_limit}")  # fmt: skip

@@ -139,7 +139,7 @@ def build_schedule(
                  shape=[workspace.num_local_tokens, workspace.topk],
                  device=workspace.device)  # fmt: skip
     outs = ops.build_schedule(
-        top_experts, num_local_experts, workspace.schedule_capacity, workspace.group_name
+        workspace.handle, top_experts, num_local_experts, workspace.schedule_capacity
     )
     return MoKSchedule(*outs)
 

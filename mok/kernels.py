@@ -18,9 +18,12 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
     "forward": ((), "the forward megakernel (issue 4)"),
     "recompute_forward_context": ((), "the forward megakernel (issue 4)"),
     "backward": ((), "the backward megakernel (issue 5)"),
-    "mxfp8_quantize": ((), "the MXFP8 quantiser kernel (issue 3)"),
-    "fwd_epilogue": ((), "the forward epilogue kernel (issue 3)"),
-    "bwd_epilogue": ((), "the backward epilogue kernel (issue 3)"),
+    "mxfp8_quantize": (
+        ("mxfp8_quantize_rowwise", "mxfp8_quantize_transposed"),
+        "the MXFP8 quantiser kernels",
+    ),
+    "fwd_epilogue": (("moe_combine_forward",), "the forward epilogue kernel"),
+    "bwd_epilogue": (("moe_combine_backward",), "the backward epilogue kernel"),
 }
 
 

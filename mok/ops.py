@@ -12,7 +12,6 @@ Optional tensor outputs (the shared expert's) are returned as empty [0] tensors 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from . import reference
 from .types import MoKSchedule
@@ -20,14 +19,6 @@ from .validation import check_expert_id_values, check_router_weight_values
 from .workspace import workspace_from_handle
 
 Tensor = torch.Tensor
-
-
-def _group(group_name: str) -> dist.ProcessGroup | None:
-    if not group_name:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: PLC0415
-
-    return _resolve_process_group(group_name)
 
 
 def _gpu(op_name: str, device: torch.device):
@@ -55,34 +46,33 @@ def _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert) -> MoKSc
 
 @torch.library.custom_op("mok::build_schedule", mutates_args=())
 def build_schedule(
-    top_experts: Tensor, num_local_experts: int, capacity: int, group_name: str
+    workspace_handle: int, top_experts: Tensor, num_local_experts: int, capacity: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """All-gather routing ids over the EP group and build this rank's receive schedule.
 
     Inputs:
+        workspace_handle:  int           `MoKWorkspace.handle` (its EP group and buffers)
         top_experts:       int64 [T, k]  global expert ids in [0, num_local_experts * P)
         num_local_experts: int           E, experts on this rank
         capacity:          int           C, routed rows (padding included) the schedule holds
-        group_name:        str           EP process group name ("" for a group of one)
     Outputs:
         peer_rank int32 [C], peer_token_idx int32 [C], num_tokens int32 [1],
         tokens_per_expert int32 [E]  (SEMANTICS §3; padding rows are -1)
     """
-    group = _group(group_name)
-    ep_size = 1 if group is None else dist.get_world_size(group)
-    check_expert_id_values(top_experts, num_local_experts * ep_size)
+    ws = workspace_from_handle(workspace_handle)
+    check_expert_id_values(top_experts, num_local_experts * ws.ep_size)
     if top_experts.is_cuda:
         return _gpu("build_schedule", top_experts.device).build_schedule(
-            top_experts, num_local_experts, capacity, group
+            ws, top_experts, num_local_experts, capacity
         )
     s = reference.make_schedule(
-        top_experts, num_local_experts=num_local_experts, capacity=capacity, group=group
+        top_experts, num_local_experts=num_local_experts, capacity=capacity, group=ws.group
     )
     return s.peer_rank, s.peer_token_idx, s.num_tokens, s.tokens_per_expert
 
 
 @build_schedule.register_fake
-def _(top_experts, num_local_experts, capacity, group_name):
+def _(workspace_handle, top_experts, num_local_experts, capacity):
     i32 = dict(dtype=torch.int32, device=top_experts.device)
     return (
         torch.empty(capacity, **i32),

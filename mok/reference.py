@@ -39,9 +39,7 @@ def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group=group), dist.get_world_size(group=group)
 
 
-def _all_to_all_bytes(
-    chunks: list[torch.Tensor], group: dist.ProcessGroup
-) -> list[torch.Tensor]:
+def _all_to_all_bytes(chunks: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Exchange one uint8 tensor with every rank (chunks[p] goes to rank p)."""
     size = len(chunks)
     device = chunks[0].device
@@ -51,9 +49,7 @@ def _all_to_all_bytes(
     recv_list = recv_counts.tolist()
     send = torch.cat([c.reshape(-1) for c in chunks]) if size else chunks[0]
     recv = torch.empty(sum(recv_list), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(
-        recv, send, recv_list, send_counts.tolist(), group=group
-    )
+    dist.all_to_all_single(recv, send, recv_list, send_counts.tolist(), group=group)
     return list(torch.split(recv, recv_list))
 
 
@@ -175,9 +171,9 @@ def build_schedule(
         )
     seg_start = torch.cumsum(padded, 0) - padded
     first_of_expert = torch.cumsum(counts, 0) - counts
-    position = seg_start[expert] + torch.arange(expert.numel(), device=device) - first_of_expert[
-        expert
-    ]
+    position = (
+        seg_start[expert] + torch.arange(expert.numel(), device=device) - first_of_expert[expert]
+    )
     peer_rank = torch.full((capacity,), -1, dtype=torch.int32, device=device)
     peer_token_idx = torch.full((capacity,), -1, dtype=torch.int32, device=device)
     peer_rank[position] = src_rank.to(torch.int32)
@@ -310,9 +306,7 @@ def recompute_forward_context(
         return ctx
     gate_s = _mm(x, shared_gate_weights).to(torch.bfloat16)
     up_s = _mm(x, shared_up_weights).to(torch.bfloat16)
-    return MoKForwardContext(
-        *ctx.tensors()[:4], gate_s, up_s, swiglu(gate_s, up_s, swiglu_limit)
-    )
+    return MoKForwardContext(*ctx.tensors()[:4], gate_s, up_s, swiglu(gate_s, up_s, swiglu_limit))
 
 
 def _routed_forward(schedule, x, gate_w, up_w, down_w, *, topk, group, swiglu_limit):
@@ -495,7 +489,9 @@ def _as_rows(x: torch.Tensor, transpose: bool) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def mxfp8_quantize(x: torch.Tensor, *, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp8_quantize(
+    x: torch.Tensor, *, transpose: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise bf16 x [..., R, K] to E4M3 along its last dim (or along R when `transpose`).
 
     Returns (data float8_e4m3fn with the quantised layout's shape, scales uint8
@@ -583,7 +579,9 @@ def naive_moe(
         token, j = torch.nonzero(top_experts == e, as_tuple=True)
         if token.numel() == 0:
             continue
-        y = mlp(xs[token], routed_gate[e].to(dtype), routed_up[e].to(dtype), routed_down[e].to(dtype))
+        y = mlp(
+            xs[token], routed_gate[e].to(dtype), routed_up[e].to(dtype), routed_down[e].to(dtype)
+        )
         out = out.index_add(0, token, w[token, j].unsqueeze(1) * y)
     return out
 

@@ -83,7 +83,9 @@ def rel_error(got: torch.Tensor, truth: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-def within_bf16_bound(got: torch.Tensor, truth: torch.Tensor, bf16: torch.Tensor) -> tuple[bool, float, float]:
+def within_bf16_bound(
+    got: torch.Tensor, truth: torch.Tensor, bf16: torch.Tensor
+) -> tuple[bool, float, float]:
     """(ok, error of got, error of PyTorch's bf16 computation), both against the fp64 truth."""
     err, base = rel_error(got, truth), rel_error(bf16, truth)
     return err <= BF16_ERROR_FACTOR * base + ERROR_FLOOR, err, base

@@ -1,0 +1,13 @@
+"""CUDA launchers of mok's ops over the shipped cubins (`mok.runtime`).
+
+`mok.kernels.require(op, device)` returns this package once the op's kernels are in the
+manifest; `mok.ops` then calls the function named like the op. Submodules hold one family of
+kernels each and import `mok.runtime` lazily, so importing this package is cheap.
+"""
+
+from __future__ import annotations
+
+from .epilogues import bwd_epilogue, fwd_epilogue
+from .mxfp8 import mxfp8_quantize
+
+__all__ = ["bwd_epilogue", "fwd_epilogue", "mxfp8_quantize"]

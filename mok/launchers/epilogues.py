@@ -1,0 +1,93 @@
+"""Forward and backward epilogues: the fixed-order sums over each token's k slots.
+
+Kernels `moe_combine_forward` / `moe_combine_backward` (dsl_kernels/common): one CTA of 128
+threads per (token, 1024-column block), 16-byte loads, fp32 sums in j order with separate
+multiply and add roundings (bit-exact with `mok.reference.fwd_epilogue` / `bwd_epilogue`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Launch constants recorded in the manifest's "launch" field: 128 threads x 8 bf16 per CTA.
+COLUMNS_PER_CTA = 8 * 128
+# grid.y carries the token index: launch in chunks of at most this many tokens.
+MAX_TOKENS_PER_LAUNCH = 65535
+HIDDEN_ALIGNMENT = 64
+
+
+def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous {dtype} tensor of shape {list(shape)}, got "
+            f"{tensor.dtype} {list(tensor.shape)} (contiguous={tensor.is_contiguous()})"
+        )
+
+
+def _chunks(num_tokens: int):
+    for start in range(0, num_tokens, MAX_TOKENS_PER_LAUNCH):
+        yield start, min(MAX_TOKENS_PER_LAUNCH, num_tokens - start)
+
+
+def fwd_epilogue(
+    y_shared: torch.Tensor | None, slots: torch.Tensor, router_weights: torch.Tensor
+) -> torch.Tensor:
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    num_tokens, topk = router_weights.shape
+    hidden = slots.shape[1]
+    if hidden % HIDDEN_ALIGNMENT:
+        raise ValueError(f"hidden size must be a multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
+    _check("slots", slots, torch.bfloat16, (num_tokens * topk, hidden))
+    _check("router_weights", router_weights, torch.float32, (num_tokens, topk))
+    if y_shared is not None:
+        _check("y_shared", y_shared, torch.bfloat16, (num_tokens, hidden))
+    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
+    kernel = get_kernel("moe_combine_forward", device=slots.device)
+    grid_x = -(-hidden // COLUMNS_PER_CTA)
+    for start, count in _chunks(num_tokens):
+        kernel.launch(
+            (grid_x, count, 1),
+            {
+                "out_ptr": out[start:],
+                "shared_ptr": None if y_shared is None else y_shared[start:],
+                "weight_ptr": router_weights[start:],
+                "slots_ptr": slots[start * topk :],
+                "num_tokens": count,
+                "hidden_size": hidden,
+                "topk": topk,
+                "has_shared": int(y_shared is not None),
+            },
+        )
+    return out
+
+
+def bwd_epilogue(d_x_shared: torch.Tensor | None, slots: torch.Tensor, topk: int) -> torch.Tensor:
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    num_slots, hidden = slots.shape
+    if hidden % HIDDEN_ALIGNMENT:
+        raise ValueError(f"hidden size must be a multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
+    if topk < 1 or num_slots % topk:
+        raise ValueError(f"slots rows ({num_slots}) must be a multiple of topk ({topk})")
+    num_tokens = num_slots // topk
+    _check("slots", slots, torch.bfloat16, (num_slots, hidden))
+    if d_x_shared is not None:
+        _check("d_x_shared", d_x_shared, torch.bfloat16, (num_tokens, hidden))
+    d_x = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
+    kernel = get_kernel("moe_combine_backward", device=slots.device)
+    grid_x = -(-hidden // COLUMNS_PER_CTA)
+    for start, count in _chunks(num_tokens):
+        kernel.launch(
+            (grid_x, count, 1),
+            {
+                "d_x_ptr": d_x[start:],
+                "d_x_shared_ptr": None if d_x_shared is None else d_x_shared[start:],
+                "slots_ptr": slots[start * topk :],
+                "num_tokens": count,
+                "hidden_size": hidden,
+                "topk": topk,
+                "has_shared": int(d_x_shared is not None),
+            },
+        )
+    return d_x
