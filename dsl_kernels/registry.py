@@ -23,10 +23,16 @@ class Variant:
 
 def variants() -> list[Variant]:
     """The registry (imports the DSL: call it only when building or testing)."""
+    from .common.all_gather_top_experts import AllGatherTopExperts
+    from .common.ep_barrier import EpBarrier
+    from .common.flag_wait_probe import FlagWaitProbe
     from .common.moe_combine_backward import MoeCombineBackward
     from .common.moe_combine_forward import MoeCombineForward
     from .common.mxfp8_quantize_rowwise import Mxfp8QuantizeRowwise
     from .common.mxfp8_quantize_transposed import Mxfp8QuantizeTransposed
+    from .common.schedule_histogram import ScheduleHistogram
+    from .common.schedule_place import SchedulePlace
+    from .common.schedule_scan import ScheduleScan
 
     return [
         Variant(
@@ -50,5 +56,27 @@ def variants() -> list[Variant]:
             MoeCombineBackward,
             {"threads": 128},
             launch_grid="(ceil(hidden_size / (8 * 128)), num_tokens, 1)",
+        ),
+        Variant(
+            "schedule_histogram",
+            ScheduleHistogram,
+            launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
+        ),
+        Variant(
+            "schedule_scan",
+            ScheduleScan,
+            launch_grid="(ceil(num_local_experts / 32), 1, 1)",
+        ),
+        Variant(
+            "schedule_place",
+            SchedulePlace,
+            launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
+        ),
+        Variant("flag_wait_probe", FlagWaitProbe, launch_grid="(1, 1, 1)"),
+        Variant("ep_barrier", EpBarrier, launch_grid="(1, 1, 1)"),
+        Variant(
+            "all_gather_top_experts",
+            AllGatherTopExperts,
+            launch_grid="(ctas_per_peer, world_size, 1)",
         ),
     ]

@@ -41,20 +41,21 @@ def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def _all_to_all_bytes(chunks: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Exchange one uint8 tensor with every rank (chunks[p] goes to rank p)."""
-    size = len(chunks)
+    len(chunks)
     device = chunks[0].device
     send_counts = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     recv_list = recv_counts.tolist()
-    send = torch.cat([c.reshape(-1) for c in chunks]) if size else chunks[0]
+    send = torch.cat([c.reshape(-1) for c in chunks])
     recv = torch.empty(sum(recv_list), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send, recv_list, send_counts.tolist(), group=group)
     return list(torch.split(recv, recv_list))
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    return rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
+    """The raw bytes of rows [N, ...] as uint8 (gloo and NCCL move any dtype's bits this way)."""
+    return rows.contiguous().view(torch.uint8).reshape(-1)
 
 
 def pull_rows(
@@ -78,9 +79,7 @@ def pull_rows(
     # Ask each source for the rows wanted from it, in schedule order; it answers in that order.
     wanted = [src_row[src_rank == p] for p in range(size)]
     requests = _all_to_all_bytes([_as_bytes(w.view(-1, 1)) for w in wanted], group)
-    answers = [
-        _as_bytes(table[r.view(torch.int64)]).reshape(-1) if r.numel() else r for r in requests
-    ]
+    answers = [_as_bytes(table[r.view(torch.int64)]) for r in requests]
     replies = _all_to_all_bytes(answers, group)
     for p in range(size):
         mask = src_rank == p

@@ -117,6 +117,11 @@ def _check_device(device) -> torch.device:
     if device.type == "cuda":
         from . import kernels  # noqa: PLC0415 - GPU-only import, keeps CPU imports light
 
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device must be an available device, got {device} but torch.cuda.is_available() "
+                f"is False"
+            )
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
         kernels.check_device_supported(device)

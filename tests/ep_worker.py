@@ -46,7 +46,9 @@ def run_on_gloo_group(fn, world_size: int, *args):
             )
         except Exception as exc:
             errors = [
-                open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")
+                open(os.path.join(tmp, f)).read()
+                for f in sorted(os.listdir(tmp))
+                if f.endswith(".err")
             ]
             raise RuntimeError("EP worker failed:\n" + "\n".join(errors)) from exc
         return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]

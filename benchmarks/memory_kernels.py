@@ -1,0 +1,96 @@
+"""`python -m benchmarks.memory_kernels`: achieved bandwidth of mok's memory-bound kernels.
+
+Each kernel's bytes are the fewest it must move (every input read once, every output written
+once); achieved GB/s is set beside the device-to-device copy bandwidth measured in the same run
+(the ceiling; the aim is >= 80% of it). Results are checked bit-exact against mok.reference
+before timing. Prints one line per case and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from mok import ops
+from mok import reference as R
+
+from .report import provenance, write_json
+from .timing import TimingConfig, copy_bandwidth_gbs, median, time_ms
+
+
+def cases():
+    """(name, make_inputs, run, bytes moved) on shapes of the named models at 16384 tokens."""
+    out = []
+    for rows, cols in ((16384, 2048), (16384, 7168), (32 * 2048, 7168)):
+        nbytes = rows * cols * 2 + rows * cols + rows * cols // 32
+        for transpose in (False, True):
+            name = f"mxfp8_quantize{'_t' if transpose else ''} [{rows}x{cols}]"
+            out.append((name, (rows, cols), transpose, nbytes))
+    for tokens, hidden, topk, shared in ((16384, 2048, 8, False), (16384, 7168, 8, True),
+                                         (16384, 4096, 2, False)):  # fmt: skip
+        slots = tokens * topk * hidden * 2
+        fwd = slots + tokens * topk * 4 + tokens * hidden * 2 * (2 if shared else 1)
+        out.append((f"fwd_epilogue [T={tokens} H={hidden} k={topk} shared={shared}]",
+                    (tokens, hidden, topk, shared), "fwd", fwd))  # fmt: skip
+        bwd = slots + tokens * hidden * 2 * (2 if shared else 1)
+        out.append((f"bwd_epilogue [T={tokens} H={hidden} k={topk} shared={shared}]",
+                    (tokens, hidden, topk, shared), "bwd", bwd))  # fmt: skip
+    return out
+
+
+def make_run(shape, kind, device):
+    if isinstance(kind, bool):
+        x = torch.randn(*shape, device=device).to(torch.bfloat16)
+        want = R.mxfp8_quantize(x.cpu(), transpose=kind)
+        got = ops.mxfp8_quantize(x, kind)
+        ok = torch.equal(got[1].cpu(), want[1]) and torch.equal(
+            got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8)
+        )
+        return ok, lambda _s: ops.mxfp8_quantize(x, kind)
+    tokens, hidden, topk, shared = shape
+    slots = torch.randn(tokens * topk, hidden, device=device).to(torch.bfloat16)
+    w = torch.rand(tokens, topk, device=device) + 0.01
+    base = torch.randn(tokens, hidden, device=device).to(torch.bfloat16) if shared else None
+    if kind == "fwd":
+        want = R.fwd_epilogue(None if base is None else base.cpu(), slots.cpu(), w.cpu())
+        ok = torch.equal(ops.fwd_epilogue(base, slots, w).cpu(), want)
+        return ok, lambda _s: ops.fwd_epilogue(base, slots, w)
+    want = R.bwd_epilogue(None if base is None else base.cpu(), slots.cpu(), topk)
+    ok = torch.equal(ops.bwd_epilogue(base, slots, topk).cpu(), want)
+    return ok, lambda _s: ops.bwd_epilogue(base, slots, topk)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_kernels")
+    parser.add_argument("--json", default="memory_kernels.json")
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.memory_kernels needs a CUDA GPU")
+        return 1
+    device = torch.device("cuda")
+    timing = TimingConfig(warmup=5, reps=args.reps)
+    copy_gbs = copy_bandwidth_gbs(device, 2 << 30, timing)
+    print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+    rows = []
+    for name, shape, kind, nbytes in cases():
+        ok, run = make_run(shape, kind, device)
+        if not ok:
+            print(f"{name:58s} CHECK FAILED (not timed)")
+            rows.append({"name": name, "ok": False})
+            continue
+        ms = median(time_ms(device, timing, run))
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        rows.append({"name": name, "ok": True, "ms": ms, "bytes": nbytes, "gbs": gbs,
+                     "pct_copy": 100 * gbs / copy_gbs})  # fmt: skip
+        print(f"{name:58s} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s {100 * gbs / copy_gbs:5.1f}% of copy")
+    write_json(args.json, {"provenance": provenance(device, 1), "copy_gbs": copy_gbs, "rows": rows})
+    print(json.dumps({"json": args.json}))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

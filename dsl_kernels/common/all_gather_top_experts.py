@@ -1,0 +1,198 @@
+"""All-gather of the routing ids across the EP group: unicast NVLink stores + a fused barrier.
+
+Every rank writes its routing ids (int64 [T, k] on the torch side, narrowed here to int32) into
+slot [rank] of every peer's `all_gather_top_experts_buffer` (int32 [P, T, k], symmetric memory),
+including its own, then arrives on the peer's barrier slot; the kernel ends on rank r only once
+all P slots of r's buffer are complete. NVLink multicast is never used.
+
+Why the kernel reads int64 and narrows itself: no extra torch op (and no temporary) per call;
+the narrowing keeps the low 32 bits (expert ids are < 2^31; the caller validates the range).
+
+Barrier counters: the same per-source slots as common/ep_barrier.py (`barrier_buffer` [P]
+of each rank; slot s counts arrivals from rank s; monotone, targets from the host's running
+total). Per call, each rank makes 2 * ctas_per_peer arrivals at each peer:
+
+1. Entry (1 per CTA): CTA (c, p) of rank r adds 1 to slot r of rank p, meaning "rank r has
+   started this call", so every earlier kernel of rank r's stream, including any reader of
+   the previous ids in r's buffer, has finished. It then waits until its own slot p has reached
+   `entry_target` (= total before this call + 1): rank p has started too, so overwriting
+   slot [r] of p's buffer cannot race with p still reading the previous call's ids.
+2. Data (1 per CTA): after its stores to rank p, CTA (c, p) adds 1 (release, after a bar.sync
+   and a system fence, so it covers every thread's stores) to slot r of rank p.
+3. Completion: CTA (0, p) of rank r waits until its own slot p has reached `final_target`
+   (= total before this call + 2 * ctas_per_peer): every CTA of rank p that writes into r's
+   buffer has stored and published. With one such CTA per peer, the kernel ends only when
+   all P slots are complete (a later kernel on r's stream sees them).
+
+Deadlock freedom: no CTA waits on another CTA of its own grid, and a wait on rank p's CTAs
+needs only that some CTA of p's grid runs (entry) or that p's grid runs to its end (its CTAs
+other than (0, *) never wait for completion). The host keeps the grid small
+(ctas_per_peer * P <= 64 CTAs, co-resident on any GPU mok runs on) so even the entry waits of
+a full grid cannot starve the CTAs they wait for.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from .args import global_pointer
+from .bounded_wait import (
+    fence_acq_rel_sys,
+    ld_global_s64_as_s32,
+    st_global_b32,
+    st_global_v4_b32,
+)
+from .ep_barrier import arrive_at_peer, peer_address, wait_for_source
+
+THREADS = 128
+VECTOR = 4  # int32 ids per 16-byte store
+
+
+@dataclass(frozen=True)
+class AllGatherTopExperts:
+    """gathered[p][rank, i] = int32(ids[i]) for every peer p, i < num_ids; then a barrier.
+
+    Kernel parameters (in this order): `ids_ptr` (int64 [num_ids], contiguous, this rank's
+    routing ids, num_ids = T * k), `peer_gather_ptrs` (int64 [world_size]: address of each
+    rank's `all_gather_top_experts_buffer`, int32 [world_size, num_ids]), `peer_barrier_ptrs`
+    (int64 [world_size]: address of each rank's `barrier_buffer`, int32 [world_size]),
+    `rank`, `world_size`, `num_ids`, `chunk_ids` (ids per chunk: chunk_bytes / 4, a multiple
+    of 4), `ctas_per_peer` (CTAs writing to one peer; each takes chunks c, c + ctas_per_peer,
+    ...), `entry_target`, `final_target` (int32, wrap-safe; module doc), `error_record_ptr`
+    (runtime/error_record.py), `entry_phase` (WaitPhase id of the entry wait), `gather_phase`
+    (WaitPhase id of the completion wait), `timeout_ns` (int64, per wait).
+
+    Stores: 16-byte `st.global.v4.b32` when num_ids % 4 == 0 (every slot then starts 16-byte
+    aligned), else 4-byte stores. On timeout the record names this rank, the phase, the
+    source rank whose slot fell short (counter_index) and the targets; the kernel traps.
+
+    Constraints: 1 <= world_size <= 65535, 0 <= rank < world_size, num_ids >= 1,
+    world_size * num_ids < 2^31, chunk_ids > 0 and % 4 == 0, 1 <= ctas_per_peer; ids 8-byte
+    aligned; each gather buffer 16-byte aligned. Launch grid (ctas_per_peer, world_size, 1),
+    block (128, 1, 1), no dynamic smem, cluster (1, 1, 1).
+    """
+
+    def compile_arguments(self) -> tuple:
+        """Placeholders for `__call__`, in order (see common/args.py)."""
+        return (
+            global_pointer(Int64, 8),
+            global_pointer(Int64, 8),
+            global_pointer(Int64, 8),
+            Int32(0),
+            Int32(0),
+            Int32(0),
+            Int32(0),
+            Int32(0),
+            Int32(0),
+            Int32(0),
+            global_pointer(Int32, 64),
+            Int32(0),
+            Int32(0),
+            Int64(0),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        ids_ptr: cute.Pointer,
+        peer_gather_ptrs: cute.Pointer,
+        peer_barrier_ptrs: cute.Pointer,
+        rank: Int32,
+        world_size: Int32,
+        num_ids: Int32,
+        chunk_ids: Int32,
+        ctas_per_peer: Int32,
+        entry_target: Int32,
+        final_target: Int32,
+        error_record_ptr: cute.Pointer,
+        entry_phase: Int32,
+        gather_phase: Int32,
+        timeout_ns: Int64,
+    ):
+        self.kernel(
+            ids_ptr,
+            peer_gather_ptrs,
+            peer_barrier_ptrs,
+            rank,
+            world_size,
+            num_ids,
+            chunk_ids,
+            ctas_per_peer,
+            entry_target,
+            final_target,
+            error_record_ptr,
+            entry_phase,
+            gather_phase,
+            timeout_ns,
+        ).launch(grid=[ctas_per_peer, world_size, 1], block=[THREADS, 1, 1])
+
+    @cute.kernel
+    def kernel(
+        self,
+        ids_ptr: cute.Pointer,
+        peer_gather_ptrs: cute.Pointer,
+        peer_barrier_ptrs: cute.Pointer,
+        rank: Int32,
+        world_size: Int32,
+        num_ids: Int32,
+        chunk_ids: Int32,
+        ctas_per_peer: Int32,
+        entry_target: Int32,
+        final_target: Int32,
+        error_record_ptr: cute.Pointer,
+        entry_phase: Int32,
+        gather_phase: Int32,
+        timeout_ns: Int64,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta_in_peer, peer, _ = cute.arch.block_idx()
+        barrier_table = peer_barrier_ptrs.toint()
+        record = error_record_ptr.toint()
+        own_barrier = peer_address(barrier_table, rank)
+
+        # ---- entry: announce this call to `peer`, wait until `peer` has started it too ----
+        if tidx == 0:
+            arrive_at_peer(barrier_table, peer, rank)
+            wait_for_source(
+                own_barrier, peer, entry_target, timeout_ns, record, rank, entry_phase
+            )
+        cute.arch.barrier()
+
+        # ---- copy: chunks cta_in_peer, cta_in_peer + ctas_per_peer, ... into slot [rank] ----
+        source = ids_ptr.toint()
+        destination = peer_address(peer_gather_ptrs.toint(), peer) + Int64(rank) * Int64(
+            num_ids
+        ) * 4
+        num_chunks = (num_ids + chunk_ids - 1) // chunk_ids
+        if num_ids % VECTOR == 0:
+            for chunk in cutlass.range(cta_in_peer, num_chunks, ctas_per_peer, unroll=1):
+                end = cutlass.min((chunk + 1) * chunk_ids, num_ids)
+                for i in cutlass.range(chunk * chunk_ids + tidx * VECTOR, end, THREADS * VECTOR):
+                    load = source + Int64(i) * 8
+                    st_global_v4_b32(
+                        destination + Int64(i) * 4,
+                        ld_global_s64_as_s32(load),
+                        ld_global_s64_as_s32(load + 8),
+                        ld_global_s64_as_s32(load + 16),
+                        ld_global_s64_as_s32(load + 24),
+                    )
+        else:
+            for chunk in cutlass.range(cta_in_peer, num_chunks, ctas_per_peer, unroll=1):
+                end = cutlass.min((chunk + 1) * chunk_ids, num_ids)
+                for i in cutlass.range(chunk * chunk_ids + tidx, end, THREADS):
+                    st_global_b32(destination + Int64(i) * 4, ld_global_s64_as_s32(source + Int64(i) * 8))
+
+        # ---- publish: every thread's stores to `peer`, then one release add on its slot ----
+        cute.arch.barrier()
+        if tidx == 0:
+            # bar.sync ordered the CTA's stores before this thread; the system-scope fence
+            # makes the release below cover them for a reader on another GPU.
+            fence_acq_rel_sys()
+            arrive_at_peer(barrier_table, peer, rank)
+            # ---- completion: one CTA per source rank waits for all of its CTAs' data ----
+            if cta_in_peer == 0:
+                wait_for_source(
+                    own_barrier, peer, final_target, timeout_ns, record, rank, gather_phase
+                )

@@ -1,0 +1,50 @@
+"""Warp-level helpers shared by the three schedule kernels (`schedule_histogram`,
+`schedule_scan`, `schedule_place`) and the constants that tie them together.
+
+The schedule is a stable counting sort of the all-gathered routing entries (flat index
+`i = rank * T * k + t * k + j`) by local expert. Every kernel walks the same chunking:
+CTA `c` owns entries [c * CHUNK, (c + 1) * CHUNK); inside it warp `w` owns the contiguous
+sub-chunk [c * CHUNK + w * WARP_CHUNK, ...), which it reads 32 entries (one per lane, lane
+order = entry order) per step. The per-CTA counts of the histogram pass and the per-CTA offsets
+of the scan pass are only consistent if all three kernels use these constants.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32
+
+WARP_SIZE = 32
+THREADS = 256  # threads of a histogram / placement CTA
+WARPS = THREADS // WARP_SIZE
+ENTRIES_PER_LANE = 16  # steps of 32 entries a warp takes over its sub-chunk
+WARP_CHUNK = WARP_SIZE * ENTRIES_PER_LANE  # 512 entries per warp
+CHUNK = WARPS * WARP_CHUNK  # 4096 entries per CTA: 256 CTAs for 8 ranks x 16384 tokens x 8
+MAX_LOCAL_EXPERTS = 1024  # static shared-memory tables are sized for this many experts
+NOT_MINE = -1  # key of an entry routed to another rank's expert (or past the end)
+ROUTED_ROW_ALIGNMENT = 128  # = mok.config.ROUTED_ROW_ALIGNMENT (dsl_kernels may not import mok)
+
+
+@cute.jit
+def local_expert_key(
+    ids: cute.Tensor, index: Int32, num_entries: Int32, expert_base: Int32, num_experts: Int32
+) -> Int32:
+    """Local expert (0..E-1) of entry `index`, or NOT_MINE (other rank, or index out of range)."""
+    key = Int32(NOT_MINE)
+    if index < num_entries:
+        local = ids[index] - expert_base
+        if local >= 0 and local < num_experts:
+            key = local
+    return key
+
+
+@cute.jit
+def warp_group_of(key: Int32) -> tuple[Uint32, Int32, Int32]:
+    """(lanes holding the same key, how many of them sit below this lane, group size).
+
+    `match.any.sync` gives the lanes of this warp whose key equals ours; masking it with
+    %lanemask_lt counts the earlier lanes (= earlier entries) of the same expert, which is what
+    keeps the placement stable inside one 32-entry step. The lane with rank 0 leads its group.
+    """
+    peers = cute.arch.match_sync(cutlass.Int32(-1), key, kind="any")
+    below = cute.arch.popc(peers & cute.arch.lanemask_lt())
+    return peers, Int32(below), Int32(cute.arch.popc(peers))

@@ -1,0 +1,226 @@
+"""The receive schedule on the GPU: three kernels back to back on one stream, no host sync.
+
+Kernels (dsl_kernels/common/schedule_*.py), a stable counting sort of the all-gathered routing
+entries (flat index i = rank * T * k + t * k + j) by local expert:
+1. `schedule_histogram`, grid (num_chunks,): counts[c, e] of each 4096-entry chunk c.
+2. `schedule_scan`, grid (ceil(E / 32),): counts[c, e] <- offset of chunk c inside expert e's
+   segment (exclusive prefix over chunks), expert_counts[e] = total of expert e.
+3. `schedule_place`, grid (num_chunks,): every CTA rebuilds the padded segment table from
+   expert_counts; CTA 0 writes tokens_per_expert, num_tokens and the status words; all CTAs
+   fill padding rows with -1 and place their chunk's entries in flat-index order.
+Integer atomics only count (shared-memory histogram); rows come from prefix sums, so the
+result is the same bits every run and equals `mok.reference.build_schedule`.
+
+Capacity overflow (padded rows > C) cannot raise at launch time without a sync. Instead the
+kernels write nothing out of bounds, set every row of peer_rank / peer_token_idx to -1,
+store the true padded total in num_tokens (and the true padded sizes in tokens_per_expert)
+and set status = [1, total, ep_rank, capacity] (status[0] = 0 when it fits).
+`check_schedule(status)` syncs and raises the reference's ValueError: call it at a natural
+sync point (or in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ROUTED_ROW_ALIGNMENT
+
+# Launch constants; they mirror dsl_kernels/common/schedule_warp.py and schedule_scan.py
+# (tests/test_schedule_ptx.py checks that they agree).
+ENTRIES_PER_CHUNK = 4096  # entries of one histogram / placement CTA
+EXPERTS_PER_SCAN_CTA = 32
+MAX_LOCAL_EXPERTS = 1024  # the kernels' shared-memory tables hold this many experts
+STATUS_WORDS = 4  # [overflow 0/1, padded total, ep_rank, capacity]
+_INT32_LIMIT = 1 << 31
+
+
+def schedule_grids(num_entries: int, num_local_experts: int) -> tuple[int, int]:
+    """(histogram / placement grid, scan grid) for P * T * k entries and E local experts."""
+    num_chunks = max(1, -(-num_entries // ENTRIES_PER_CHUNK))
+    return num_chunks, -(-num_local_experts // EXPERTS_PER_SCAN_CTA)
+
+
+def overflow_message(ep_rank: int, total: int, capacity: int) -> str:
+    """The ValueError message of a capacity overflow (the same text as the reference)."""
+    return (
+        f"schedule capacity overflow on EP rank {ep_rank}: {total} routed rows (padded to "
+        f"{ROUTED_ROW_ALIGNMENT} per expert) > capacity {capacity}; raise "
+        f"MoKConfig.schedule_capacity_multiplier or pass num_local_experts to get_workspace"
+    )
+
+
+def _check_int32_vector(name: str, tensor: torch.Tensor, size: int, device: torch.device):
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.dtype != torch.int32
+        or tensor.device != device
+        or tuple(tensor.shape) != (size,)
+        or not tensor.is_contiguous()
+    ):
+        got = (
+            f"{tensor.dtype} {list(tensor.shape)} on {tensor.device} "
+            f"(contiguous={tensor.is_contiguous()})"
+            if isinstance(tensor, torch.Tensor)
+            else type(tensor).__name__
+        )
+        raise ValueError(
+            f"{name} must be a contiguous torch.int32 tensor of shape [{size}] on {device}, "
+            f"got {got}"
+        )
+
+
+def _check_routing(top_experts_all: torch.Tensor, ep_rank: int, num_local_experts: int) -> None:
+    if not isinstance(top_experts_all, torch.Tensor):
+        raise TypeError(f"top_experts_all must be a torch.Tensor, got {type(top_experts_all)}")
+    if (
+        top_experts_all.dtype != torch.int32
+        or top_experts_all.dim() != 3
+        or not top_experts_all.is_cuda
+        or not top_experts_all.is_contiguous()
+    ):
+        raise ValueError(
+            "top_experts_all must be a contiguous CUDA torch.int32 tensor [P, T, k], got "
+            f"{top_experts_all.dtype} {list(top_experts_all.shape)} on {top_experts_all.device} "
+            f"(contiguous={top_experts_all.is_contiguous()})"
+        )
+    num_ranks = top_experts_all.shape[0]
+    if top_experts_all.numel() >= _INT32_LIMIT:
+        raise ValueError(
+            f"top_experts_all has {top_experts_all.numel()} entries; the schedule kernels "
+            f"index them with int32 (at most {_INT32_LIMIT - 1})"
+        )
+    if not 1 <= num_local_experts <= MAX_LOCAL_EXPERTS:
+        raise ValueError(
+            f"num_local_experts must be in [1, {MAX_LOCAL_EXPERTS}], got {num_local_experts}"
+        )
+    if not 0 <= ep_rank < num_ranks:
+        raise ValueError(f"ep_rank must be in [0, {num_ranks}) (P = dim 0), got {ep_rank}")
+
+
+def launch_schedule(
+    top_experts_all: torch.Tensor,
+    peer_rank: torch.Tensor,
+    peer_token_idx: torch.Tensor,
+    num_tokens: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    status: torch.Tensor,
+    *,
+    ep_rank: int,
+    num_local_experts: int,
+) -> None:
+    """Write the schedule into caller buffers (capacity = peer_rank.numel()); asynchronous.
+
+    top_experts_all: int32 [P, T, k] contiguous (global expert ids; an id outside this rank's
+    [ep_rank * E, (ep_rank + 1) * E) is simply not routed here). Outputs, int32 contiguous:
+    peer_rank [C], peer_token_idx [C], num_tokens [1], tokens_per_expert [E], status [4].
+    Launches on torch's current stream; no host sync, no allocation besides two scratch
+    buffers from torch's caching allocator, so it can be captured in a CUDA graph.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    _check_routing(top_experts_all, ep_rank, num_local_experts)
+    device = top_experts_all.device
+    capacity = peer_rank.numel() if isinstance(peer_rank, torch.Tensor) else -1
+    _check_int32_vector("peer_rank", peer_rank, capacity, device)
+    _check_int32_vector("peer_token_idx", peer_token_idx, capacity, device)
+    _check_int32_vector("num_tokens", num_tokens, 1, device)
+    _check_int32_vector("tokens_per_expert", tokens_per_expert, num_local_experts, device)
+    _check_int32_vector("status", status, STATUS_WORDS, device)
+    if capacity + num_local_experts * ROUTED_ROW_ALIGNMENT >= _INT32_LIMIT:
+        raise ValueError(f"capacity {capacity} is too large for int32 row indices")
+
+    num_ranks, tokens, topk = top_experts_all.shape
+    num_entries = num_ranks * tokens * topk
+    num_chunks, scan_ctas = schedule_grids(num_entries, num_local_experts)
+    if num_chunks * num_local_experts >= _INT32_LIMIT:
+        raise ValueError(f"{num_chunks} chunks x {num_local_experts} experts overflow int32")
+    # Scratch: per-chunk counts (then offsets) and per-expert totals; every element is
+    # written by the kernel that produces it, so torch.empty is enough.
+    counts = torch.empty(num_chunks * num_local_experts, dtype=torch.int32, device=device)
+    expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+
+    get_kernel("schedule_histogram", device=device).launch(
+        (num_chunks, 1, 1),
+        {
+            "ids_ptr": top_experts_all,
+            "counts_ptr": counts,
+            "num_entries": num_entries,
+            "ep_rank": ep_rank,
+            "num_local_experts": num_local_experts,
+        },
+    )
+    get_kernel("schedule_scan", device=device).launch(
+        (scan_ctas, 1, 1),
+        {
+            "counts_ptr": counts,
+            "expert_counts_ptr": expert_counts,
+            "num_chunks": num_chunks,
+            "num_local_experts": num_local_experts,
+        },
+    )
+    get_kernel("schedule_place", device=device).launch(
+        (num_chunks, 1, 1),
+        {
+            "ids_ptr": top_experts_all,
+            "offsets_ptr": counts,
+            "expert_counts_ptr": expert_counts,
+            "peer_rank_ptr": peer_rank,
+            "peer_token_idx_ptr": peer_token_idx,
+            "num_tokens_ptr": num_tokens,
+            "tokens_per_expert_ptr": tokens_per_expert,
+            "status_ptr": status,
+            "num_entries": num_entries,
+            "entries_per_rank": tokens * topk,
+            "ep_rank": ep_rank,
+            "num_local_experts": num_local_experts,
+            "capacity": capacity,
+        },
+    )
+
+
+def build_schedule_gpu(
+    top_experts_all: torch.Tensor,
+    *,
+    ep_rank: int,
+    num_local_experts: int,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's receive schedule from the all-gathered routing, without a host sync.
+
+    Inputs:
+        top_experts_all:   int32 [P, T, k] contiguous CUDA (all-gathered routing ids)
+        ep_rank:           int  this rank (its experts are [ep_rank * E, (ep_rank + 1) * E))
+        num_local_experts: int  E, 1..1024
+        capacity:          int  C, routed rows (padding included) the schedule holds
+    Outputs (int32, on the input's device):
+        peer_rank [C], peer_token_idx [C], num_tokens [1], tokens_per_expert [E] (equal to
+        `mok.reference.build_schedule`), status [4] (see the module doc; pass it to
+        `check_schedule` at a sync point: overflow is reported there, not here).
+    """
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    _check_routing(top_experts_all, ep_rank, num_local_experts)
+    i32 = dict(dtype=torch.int32, device=top_experts_all.device)
+    peer_rank = torch.empty(capacity, **i32)
+    peer_token_idx = torch.empty(capacity, **i32)
+    num_tokens = torch.empty(1, **i32)
+    tokens_per_expert = torch.empty(num_local_experts, **i32)
+    status = torch.empty(STATUS_WORDS, **i32)
+    launch_schedule(
+        top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status,
+        ep_rank=ep_rank, num_local_experts=num_local_experts,
+    )  # fmt: skip
+    return peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status
+
+
+def check_schedule(schedule_status: torch.Tensor) -> None:
+    """Sync on the status words of `build_schedule_gpu` and raise on capacity overflow.
+
+    Raises ValueError with the reference's message ("schedule capacity overflow on EP rank
+    ..."). This reads the device buffer (a host sync): call it only where the caller syncs
+    anyway, never on the hot path.
+    """
+    _check_int32_vector("schedule_status", schedule_status, STATUS_WORDS, schedule_status.device)
+    overflow, total, ep_rank, capacity = (int(v) for v in schedule_status.tolist())
+    if overflow:
+        raise ValueError(overflow_message(ep_rank, total, capacity))

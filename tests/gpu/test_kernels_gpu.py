@@ -1,0 +1,115 @@
+"""The first shipped kernels on the GPU, through mok.ops, against mok.reference (run on CPU).
+
+MXFP8 quantiser: bit-exact (data bytes and scale bytes). Epilogues: bit-exact (same fp32
+operation order and roundings). Outputs are poisoned before each run (the ops allocate them
+with torch.empty: we fill the caching allocator's blocks with NaN first), inputs are random,
+and every result is compared over 3 runs for determinism.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok import functional as F
+from mok import ops
+from mok import reference as R
+from mok.errors import MoKKernelUnavailableError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+CUDA = torch.device("cuda")
+
+
+def poison_allocator(nbytes: int = 1 << 28) -> None:
+    """Fill freed cached blocks with NaN bytes so torch.empty outputs start poisoned."""
+    block = torch.empty(nbytes, dtype=torch.uint8, device=CUDA)
+    block.fill_(0xFF)  # 0xFFFF is a bf16 NaN, 0xFF an E4M3 NaN, 0xFFFFFFFF an fp32 NaN
+    del block
+
+
+def random_bf16(*shape, seed=0, spread=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen)
+    if spread:  # magnitudes over 12 decades, so scales cover a wide exponent range
+        x = x * torch.logspace(-6, 6, shape[-1])
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (256, 512), (4, 256, 384), (16384, 2048)])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_mxfp8_quantize_bit_exact(shape, transpose):
+    x = random_bf16(*shape, seed=sum(shape))
+    x.view(-1)[:32] = 0.0  # an all-zero block
+    want_data, want_scales = R.mxfp8_quantize(x, transpose=transpose)
+    runs = []
+    for _ in range(3):
+        poison_allocator()
+        data, scales = ops.mxfp8_quantize(x.to(CUDA), transpose)
+        runs.append((data.cpu(), scales.cpu()))
+    for data, scales in runs:
+        assert data.shape == want_data.shape and scales.shape == want_scales.shape
+        assert torch.equal(scales, want_scales)
+        assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("num_tokens,hidden,topk", [(1, 64, 1), (300, 2048, 8), (4096, 7168, 2),
+                                                    (70000, 128, 2)])  # fmt: skip
+@pytest.mark.parametrize("shared", [False, True])
+def test_epilogues_bit_exact(num_tokens, hidden, topk, shared):
+    gen = torch.Generator().manual_seed(num_tokens + hidden)
+    slots = torch.randn(num_tokens * topk, hidden, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(num_tokens, topk, generator=gen) + 0.01
+    base = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16) if shared else None
+    want_fwd = R.fwd_epilogue(base, slots, weights)
+    want_bwd = R.bwd_epilogue(base, slots, topk)
+    g_slots, g_w = slots.to(CUDA), weights.to(CUDA)
+    g_base = base.to(CUDA) if shared else None
+    for _ in range(3):
+        poison_allocator()
+        assert torch.equal(ops.fwd_epilogue(g_base, g_slots, g_w).cpu(), want_fwd)
+        poison_allocator()
+        assert torch.equal(ops.bwd_epilogue(g_base, g_slots, topk).cpu(), want_bwd)
+
+
+def test_epilogue_in_cuda_graph_replays_identically():
+    slots = torch.randn(512 * 4, 1024, device=CUDA).to(torch.bfloat16)
+    w = torch.rand(512, 4, device=CUDA) + 0.01
+    eager = ops.fwd_epilogue(None, slots, w)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.fwd_epilogue(None, slots, w)  # warm-up on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            captured = ops.fwd_epilogue(None, slots, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+
+
+def test_megakernel_ops_say_they_are_not_shipped_yet():
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=256, hidden_size=128, topk=2,
+                         num_local_experts=4)  # fmt: skip
+    ids = torch.randint(0, 4, (256, 2), device=CUDA)
+    try:
+        F.build_schedule(ws, config, ids, num_local_experts=4)
+    except MoKKernelUnavailableError as exc:
+        assert "no CUDA kernel is shipped for it yet" in str(exc)
+    x = torch.randn(256, 128, device=CUDA).to(torch.bfloat16)
+    with pytest.raises(MoKKernelUnavailableError, match=r"mok.ops.forward on cuda:\d \(sm_90a\)"):
+        sched = F.MoKSchedule(
+            torch.full((ws.schedule_capacity,), -1, dtype=torch.int32, device=CUDA),
+            torch.full((ws.schedule_capacity,), -1, dtype=torch.int32, device=CUDA),
+            torch.zeros(1, dtype=torch.int32, device=CUDA),
+            torch.zeros(4, dtype=torch.int32, device=CUDA),
+        )
+        w = torch.randn(4, 128, 128, device=CUDA).to(torch.bfloat16)
+        F.forward(config, ws, sched, x, torch.rand(256, 2, device=CUDA) + 0.1, None, None, None,
+                  w, w, w)  # fmt: skip
