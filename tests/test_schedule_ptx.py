@@ -8,9 +8,12 @@
    integer (shared-memory) atomics, no floating-point atomics, and no dynamic shared memory.
 """
 
+import re
 
+import pytest
 import torch
 
+from mok import reference
 from mok.config import ROUTED_ROW_ALIGNMENT
 from mok.launchers import schedule as launcher
 
@@ -95,12 +98,10 @@ def emulate_schedule(ids: torch.Tensor, *, ep_rank: int, num_local_experts: int,
     thread_start = (warp_inclusive - thread_rows.view(WARPS, WARP_SIZE)) + (
         warp_totals.cumsum(0) - warp_totals
     )[:, None]
-    start = (
-        thread_start.reshape(-1, 1)
-        + torch.cat(
-            [torch.zeros(256, 1, dtype=torch.int64), padded_all.view(-1, 4).cumsum(1)[:, :-1]], 1
-        )
-    ).reshape(-1)[:num_experts]
+    within_thread = padded_all.view(-1, EXPERTS_PER_THREAD).cumsum(1) - padded_all.view(
+        -1, EXPERTS_PER_THREAD
+    )  # row = thread start, then + padded per expert
+    start = (thread_start.reshape(-1, 1) + within_thread).reshape(-1)[:num_experts]
     total = int(warp_totals.sum())
     overflow = total > capacity
 
@@ -147,8 +148,182 @@ def emulate_schedule(ids: torch.Tensor, *, ep_rank: int, num_local_experts: int,
             peer_rank[rows] = entry // entries_per_rank
             peer_token[rows] = entry % entries_per_rank
             lead = leader[:, :, step]
-            chunk_idx = torch.arange(num_chunks)[:, None].expand_as(key)[lead]
-            warp_idx = torch.arange(WARPS)[None, :].expand_as(key)[lead]
+            chunk_idx = torch.arange(num_chunks)[:, None, None].expand_as(key)[lead]
+            warp_idx = torch.arange(WARPS)[None, :, None].expand_as(key)[lead]
             warp_offset[chunk_idx, warp_idx, key[lead]] = (base + group_size[:, :, step])[lead]
     as32 = [t.to(torch.int32) for t in (peer_rank, peer_token, num_tokens, tokens_per_expert)]
     return (*as32, status.to(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Routings: random and adversarial, [P, T, k] int32 global expert ids in [0, E * P)
+# ---------------------------------------------------------------------------------------------
+def make_routing(kind: str, ranks: int, tokens: int, topk: int, experts: int, seed: int = 0):
+    """Routing [P, T, k] int32 with distinct experts per token (k <= E * P)."""
+    generator = torch.Generator().manual_seed(seed)
+    total_experts = experts * ranks
+    scores = torch.rand(ranks, tokens, total_experts, generator=generator)
+    if kind == "one_expert":  # every token's first choice is expert 0 of rank 0
+        scores[..., 0] = 2.0
+    elif kind == "empty_experts":  # only every 3rd expert is ever chosen (when k allows)
+        keep = torch.arange(total_experts) % 3 == 0
+        if int(keep.sum()) >= topk:
+            scores[..., ~keep] -= 2.0
+    elif kind == "rank_starved":  # no token routes to rank 0's experts (when k allows)
+        if total_experts - experts >= topk:
+            scores[..., :experts] -= 2.0
+    elif kind == "skewed":  # a power law over experts
+        scores = scores * torch.arange(1, total_experts + 1).float().pow(-1.5)
+    elif kind != "random":
+        raise ValueError(kind)
+    return scores.topk(topk, dim=-1).indices.to(torch.int32).contiguous()
+
+
+def _reference_or_error(ids, ep_rank, experts, capacity):
+    try:
+        s = reference.build_schedule(
+            ids, ep_rank=ep_rank, num_local_experts=experts, capacity=capacity
+        )
+    except ValueError as error:
+        return error
+    return s.peer_rank, s.peer_token_idx, s.num_tokens, s.tokens_per_expert
+
+
+def _capacity(ids, experts, factor=1.0):
+    ranks, tokens, topk = ids.shape
+    rows = int(ranks * tokens * topk * factor) + experts * (ROUTED_ROW_ALIGNMENT - 1)
+    return -(-rows // ROUTED_ROW_ALIGNMENT) * ROUTED_ROW_ALIGNMENT
+
+
+CASES = [
+    # (kind, P, T, k, E)
+    ("random", 1, 100, 2, 8),
+    ("random", 2, 777, 4, 16),
+    ("random", 4, 300, 8, 32),
+    ("one_expert", 2, 4500, 2, 8),
+    ("empty_experts", 2, 513, 3, 16),
+    ("rank_starved", 4, 200, 4, 8),
+    ("skewed", 4, 1000, 6, 64),
+    ("random", 2, 64, 1, 4),  # k = 1
+    ("random", 2, 50, 8, 4),  # k = E * P: every expert of every rank, every token
+    ("random", 1, 3, 5, 5),  # k = E, tiny T
+    ("random", 1, 0, 4, 8),  # no tokens at all
+    ("random", 1, 2000, 8, 1000),  # E close to the 1024 limit
+    ("random", 8, 2048, 8, 128),  # ~ the big case scaled down 8x (CPU time)
+    ("random", 2, 4096, 8, 512),
+]
+
+
+@pytest.mark.parametrize("kind, ranks, tokens, topk, experts", CASES)
+def test_emulation_equals_reference(kind, ranks, tokens, topk, experts):
+    ids = make_routing(kind, ranks, tokens, topk, experts, seed=tokens + topk)
+    for ep_rank in sorted({0, ranks - 1}):
+        capacity = _capacity(ids, experts)
+        expected = _reference_or_error(ids, ep_rank, experts, capacity)
+        got = emulate_schedule(ids, ep_rank=ep_rank, num_local_experts=experts, capacity=capacity)
+        assert not isinstance(expected, ValueError)
+        for want, have in zip(expected, got[:4], strict=True):
+            assert torch.equal(want, have)
+        assert got[4].tolist() == [0, int(expected[2]), ep_rank, capacity]
+
+
+def test_emulation_big_case_equals_reference():
+    """The documented performance case: 8 ranks x 16384 tokens x 8, E = 128 (~1M entries)."""
+    ids = make_routing("random", 8, 16384, 8, 128, seed=1)
+    capacity = _capacity(ids, 128, factor=0.25)
+    expected = _reference_or_error(ids, 3, 128, capacity)
+    got = emulate_schedule(ids, ep_rank=3, num_local_experts=128, capacity=capacity)
+    for want, have in zip(expected, got[:4], strict=True):
+        assert torch.equal(want, have)
+
+
+@pytest.mark.parametrize("capacity_rows", [0, 128, 4096])
+def test_emulation_overflow(capacity_rows):
+    ids = make_routing("one_expert", 2, 4500, 2, 8)
+    error = _reference_or_error(ids, 0, 8, capacity_rows)
+    assert isinstance(error, ValueError)
+    peer_rank, peer_token, num_tokens, tokens_per_expert, status = emulate_schedule(
+        ids, ep_rank=0, num_local_experts=8, capacity=capacity_rows
+    )
+    total = int(num_tokens)
+    assert status.tolist() == [1, total, 0, capacity_rows] and total > capacity_rows
+    assert bool((peer_rank == -1).all()) and bool((peer_token == -1).all())
+    with pytest.raises(ValueError) as raised:
+        raise ValueError(launcher.overflow_message(0, total, capacity_rows))
+    assert str(raised.value) == str(error)
+
+
+def test_emulation_exact_fit_and_other_ids():
+    """Capacity exactly the padded total; ids of other ranks' experts are ignored."""
+    ids = make_routing("random", 4, 333, 4, 8, seed=5)
+    for ep_rank in range(4):
+        total = int(reference.build_schedule(ids, ep_rank=ep_rank, num_local_experts=8,
+                                             capacity=1 << 24).num_tokens)  # fmt: skip
+        expected = _reference_or_error(ids, ep_rank, 8, total)
+        got = emulate_schedule(ids, ep_rank=ep_rank, num_local_experts=8, capacity=total)
+        for want, have in zip(expected, got[:4], strict=True):
+            assert torch.equal(want, have)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile checks (need nvidia-cutlass-dsl; no GPU)
+# ---------------------------------------------------------------------------------------------
+SCHEDULE_VARIANTS = ("schedule_histogram", "schedule_scan", "schedule_place")
+ARCHS = ("sm_90a", "sm_100a")
+
+
+@pytest.fixture(scope="module")
+def compiled_schedule():
+    """{(variant, arch): (manifest entry, PTX)} for the three schedule kernels (~1 s)."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    from mok.dsl_kernels import build
+    from mok.dsl_kernels.registry import variants
+
+    registry = {v.name: v for v in variants()}
+    out = {}
+    for name in SCHEDULE_VARIANTS:
+        for arch in ARCHS:
+            entry, cubin, ptx = build.compile_variant(registry[name], arch)
+            assert cubin.startswith(b"\x7fELF")
+            out[name, arch] = (entry, ptx)
+    return out
+
+
+def test_constants_agree():
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    from mok.dsl_kernels.common import schedule_place, schedule_scan, schedule_warp
+
+    assert schedule_warp.CHUNK == CHUNK == launcher.ENTRIES_PER_CHUNK
+    assert (schedule_warp.WARPS, schedule_warp.ENTRIES_PER_LANE) == (WARPS, STEPS)
+    assert schedule_warp.MAX_LOCAL_EXPERTS == launcher.MAX_LOCAL_EXPERTS
+    assert schedule_warp.ROUTED_ROW_ALIGNMENT == ROUTED_ROW_ALIGNMENT
+    assert schedule_place.EXPERTS_PER_THREAD == EXPERTS_PER_THREAD
+    assert schedule_place.STATUS_WORDS == launcher.STATUS_WORDS
+    assert schedule_scan.EXPERTS_PER_CTA == launcher.EXPERTS_PER_SCAN_CTA
+    assert schedule_scan.CHUNK_GROUPS == SCAN_GROUPS
+
+
+def _opcodes(ptx: str) -> list[str]:
+    return re.findall(r"^\s*(?:@!?%?\w+\s+)?([a-z][\w.]*)", ptx, re.M)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", SCHEDULE_VARIANTS)
+def test_schedule_ptx(compiled_schedule, name, arch):
+    entry, ptx = compiled_schedule[name, arch]
+    ops = _opcodes(ptx)
+    atomics = [op for op in ops if op.startswith(("atom", "red"))]
+    # Determinism: integer atomics on shared memory only (counts), never float, never global.
+    assert all(op.startswith("atom.shared") and re.search(r"\.[us]32$", op) for op in atomics)
+    assert not [op for op in ops if re.match(r"(atom|red)\..*\.(f16|bf16|f32|f64)", op)]
+    if name in ("schedule_histogram", "schedule_place"):
+        assert ops.count("match.any.sync.b32") == STEPS * (1 if name == "schedule_histogram" else 2)
+    if name == "schedule_histogram":
+        assert len(atomics) == STEPS
+    else:
+        assert atomics == []
+    # Static shared memory only, under the 48 KiB that needs no opt-in.
+    assert entry["dynamic_smem_bytes"] == 0
+    static = sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx))
+    assert static <= 48 * 1024
+    assert entry["block"] == [1024 if name == "schedule_scan" else 256, 1, 1]

@@ -155,16 +155,14 @@ class AllGatherTopExperts:
         # ---- entry: announce this call to `peer`, wait until `peer` has started it too ----
         if tidx == 0:
             arrive_at_peer(barrier_table, peer, rank)
-            wait_for_source(
-                own_barrier, peer, entry_target, timeout_ns, record, rank, entry_phase
-            )
+            wait_for_source(own_barrier, peer, entry_target, timeout_ns, record, rank, entry_phase)
         cute.arch.barrier()
 
         # ---- copy: chunks cta_in_peer, cta_in_peer + ctas_per_peer, ... into slot [rank] ----
         source = ids_ptr.toint()
-        destination = peer_address(peer_gather_ptrs.toint(), peer) + Int64(rank) * Int64(
-            num_ids
-        ) * 4
+        destination = (
+            peer_address(peer_gather_ptrs.toint(), peer) + Int64(rank) * Int64(num_ids) * 4
+        )
         num_chunks = (num_ids + chunk_ids - 1) // chunk_ids
         if num_ids % VECTOR == 0:
             for chunk in cutlass.range(cta_in_peer, num_chunks, ctas_per_peer, unroll=1):
@@ -182,7 +180,9 @@ class AllGatherTopExperts:
             for chunk in cutlass.range(cta_in_peer, num_chunks, ctas_per_peer, unroll=1):
                 end = cutlass.min((chunk + 1) * chunk_ids, num_ids)
                 for i in cutlass.range(chunk * chunk_ids + tidx, end, THREADS):
-                    st_global_b32(destination + Int64(i) * 4, ld_global_s64_as_s32(source + Int64(i) * 8))
+                    st_global_b32(
+                        destination + Int64(i) * 4, ld_global_s64_as_s32(source + Int64(i) * 8)
+                    )
 
         # ---- publish: every thread's stores to `peer`, then one release add on its slot ----
         cute.arch.barrier()

@@ -181,7 +181,9 @@ class SchedulePlace:
                 mPeerToken[r] = Int32(PADDING)
         else:
             # ==== phase 2: padding rows of every segment, then rows total .. C - 1 ====
-            for q in cutlass.range(chunk * THREADS + tidx, num_experts * ROUTED_ROW_ALIGNMENT, stride):
+            for q in cutlass.range(
+                chunk * THREADS + tidx, num_experts * ROUTED_ROW_ALIGNMENT, stride
+            ):
                 e = q // ROUTED_ROW_ALIGNMENT
                 filled = sCount[e] + q % ROUTED_ROW_ALIGNMENT
                 if filled < round_up_rows(sCount[e]):

@@ -1,0 +1,323 @@
+"""EP-group communication launches: device barrier, routing-id all-gather, bounded-wait probe.
+
+Kernels (dsl_kernels/common): `ep_barrier` (ep_barrier.py), `all_gather_top_experts`
+(all_gather_top_experts.py), `flag_wait_probe` (flag_wait_probe.py), all built on the bounded
+wait of bounded_wait.py. Unicast loads, stores and atomics to peer addresses only: NVLink
+multicast (multimem, NVLS) is never used.
+
+Launches never synchronise. A wait that gives up writes the device's error record (one pinned,
+mapped `mok.runtime.ErrorRecord` per device, made on first use) and traps, which kills the CUDA
+context; call `check_errors(device)` at a natural sync point: it synchronises and raises
+MoKWaitTimeoutError naming the rank, phase and counter values when a wait gave up.
+
+Barrier counters (`barrier_buffer`, int32 [P] per rank, slot s = arrivals from rank s) are
+monotone: the workspace carries the running total of arrivals each slot has received (equal on
+every rank, since every rank makes the same sequence of calls) and each call waits for that
+total plus its own arrivals. Any other kernel that arrives on `barrier_buffer` must take its
+targets from `reserve_barrier_arrivals` so the totals stay in step.
+
+Not CUDA-graph replayable: the targets are baked into the launch at capture time, and a
+replay would wait for counts that were already reached.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Default bound of every wait: long enough for a slow peer (another job's kernel, a debugger
+# attach), short enough that a lost peer becomes an error instead of a hang.
+DEFAULT_TIMEOUT_NS = 10_000_000_000
+# Upper bound on the all-gather grid: small enough to be co-resident on any supported GPU
+# (so no CTA waits on a CTA that cannot be scheduled), large enough to keep NVLink busy.
+MAX_GATHER_CTAS = 64
+# ctas_per_peer uses grid.x, world_size grid.y (limit 65535).
+MAX_WORLD_SIZE = 65535
+_INT32_RANGE = 1 << 32
+_STATE_ATTRIBUTE = "_mok_comm_state"
+
+_records_lock = threading.Lock()
+_error_records: dict[int, object] = {}
+
+
+@dataclass
+class _CommState:
+    """What the comm launchers cache on a workspace (set lazily with setattr)."""
+
+    barrier_ptrs: torch.Tensor  # int64 [P] device table: each rank's barrier_buffer address
+    gather_ptrs: torch.Tensor  # int64 [P] device table: each rank's all-gather buffer address
+    arrivals: int = 0  # running total of arrivals each barrier slot has received
+
+
+# ---------------------------------------------------------------------------------------------
+# Error records
+# ---------------------------------------------------------------------------------------------
+def get_error_record(device: int | str | torch.device | None = None):
+    """The device's ErrorRecord (pinned, mapped), made once per process and device."""
+    from mok.runtime import ErrorRecord  # noqa: PLC0415
+    from mok.runtime.arch import device_index  # noqa: PLC0415
+
+    index = device_index(device)
+    with _records_lock:
+        record = _error_records.get(index)
+        if record is None:
+            record = ErrorRecord(index)
+            _error_records[index] = record
+        return record
+
+
+def check_errors(device: int | str | torch.device | None = None) -> None:
+    """Synchronise `device`; raise MoKWaitTimeoutError if a bounded wait on it gave up.
+
+    When the sync itself fails (a trapped kernel reports as a CUDA error) and the record holds a
+    timeout, the MoKWaitTimeoutError is chained to the CUDA error; a CUDA error with a clear
+    record is re-raised as is.
+    """
+    from mok.runtime.arch import device_index  # noqa: PLC0415
+
+    index = device_index(device)
+    record = _error_records.get(index)
+    try:
+        torch.cuda.synchronize(index)
+    except Exception as exc:
+        if record is not None:
+            record.check(cause=exc)
+        raise
+    if record is not None:
+        record.check()
+
+
+# ---------------------------------------------------------------------------------------------
+# Workspace state
+# ---------------------------------------------------------------------------------------------
+def _state(workspace) -> _CommState:
+    workspace.require_alive()
+    if workspace.device.type != "cuda":
+        raise ValueError(f"workspace must be on a CUDA device, got {workspace.device}")
+    state = getattr(workspace, _STATE_ATTRIBUTE, None)
+    if state is None:
+
+        def table(name: str) -> torch.Tensor:
+            pointers = workspace.peer_ptrs[name]
+            if len(pointers) != workspace.ep_size:
+                raise ValueError(
+                    f"workspace.peer_ptrs[{name!r}] has {len(pointers)} entries, expected "
+                    f"ep_size = {workspace.ep_size}"
+                )
+            # One-time setup: a blocking host-to-device copy is fine here.
+            return torch.tensor(pointers, dtype=torch.int64, device=workspace.device)
+
+        if workspace.ep_size > MAX_WORLD_SIZE:
+            raise ValueError(f"ep_size must be <= {MAX_WORLD_SIZE}, got {workspace.ep_size}")
+        state = _CommState(
+            barrier_ptrs=table("barrier_buffer"),
+            gather_ptrs=table("all_gather_top_experts_buffer"),
+        )
+        setattr(workspace, _STATE_ATTRIBUTE, state)
+    return state
+
+
+def reserve_barrier_arrivals(workspace, arrivals_per_slot: int) -> int:
+    """Reserve `arrivals_per_slot` arrivals on every barrier slot; return the total before.
+
+    A kernel that makes n arrivals at each peer per call waits for `base + m` (m <= n) where
+    `base` is the returned value. Call it once per launch, in the same order on every rank.
+    """
+    if isinstance(arrivals_per_slot, bool) or not isinstance(arrivals_per_slot, int):
+        raise TypeError(f"arrivals_per_slot must be an int, got {type(arrivals_per_slot).__name__}")
+    if arrivals_per_slot < 1:
+        raise ValueError(f"arrivals_per_slot must be >= 1, got {arrivals_per_slot}")
+    state = _state(workspace)
+    base = state.arrivals
+    state.arrivals += arrivals_per_slot
+    return base
+
+
+def _as_int32_bits(value: int) -> int:
+    # Counters wrap modulo 2^32 on the device and the kernels compare wrap-safely.
+    return value % _INT32_RANGE
+
+
+def _phase_id(phase) -> int:
+    from mok.runtime import WaitPhase  # noqa: PLC0415
+
+    if isinstance(phase, bool) or not isinstance(phase, int):
+        raise TypeError(f"phase must be a mok.runtime.WaitPhase, got {type(phase).__name__}")
+    return int(WaitPhase(phase))
+
+
+def _check_timeout(timeout_ns: int) -> int:
+    if isinstance(timeout_ns, bool) or not isinstance(timeout_ns, int):
+        raise TypeError(f"timeout_ns must be an int, got {type(timeout_ns).__name__}")
+    if not 0 < timeout_ns < 1 << 63:
+        raise ValueError(f"timeout_ns must be in 1..2^63-1 nanoseconds, got {timeout_ns}")
+    return timeout_ns
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+def ep_barrier(
+    workspace,
+    *,
+    phase,
+    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    manifest: str | Path | None = None,
+) -> None:
+    """Device barrier of the workspace's EP group on torch's current stream (no host sync).
+
+    Every rank must call it, in the same order relative to the other comm calls. When it ends
+    on a rank's stream, every rank has finished everything it queued on its stream before its
+    call. `phase` (a WaitPhase) is what a timeout reports.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    phase_id = _phase_id(phase)
+    _check_timeout(timeout_ns)
+    state = _state(workspace)
+    kernel = get_kernel("ep_barrier", device=workspace.device, manifest=manifest)
+    record = get_error_record(workspace.device)
+    target = state.arrivals + 1
+    kernel.launch(
+        (1, 1, 1),
+        {
+            "peer_barrier_ptrs": state.barrier_ptrs,
+            "rank": workspace.ep_rank,
+            "world_size": workspace.ep_size,
+            "target": _as_int32_bits(target),
+            "error_record_ptr": record.device_ptr,
+            "phase": phase_id,
+            "timeout_ns": timeout_ns,
+        },
+    )
+    state.arrivals = target  # only once the launch is queued
+
+
+def all_gather_top_experts(
+    workspace,
+    config,
+    top_experts: torch.Tensor,
+    *,
+    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    manifest: str | Path | None = None,
+) -> torch.Tensor:
+    """Gather every rank's routing ids into the workspace's `all_gather_top_experts_buffer`.
+
+    `top_experts`: int64 [T, k] contiguous on the workspace's device (T, k of the workspace).
+    Returns the buffer, int32 [P, T, k], row p = rank p's ids (narrowed to int32 by the
+    kernel). Collective: every rank calls it, in the same order relative to the other comm
+    calls. No host sync; the buffer is complete on this rank's stream when the kernel ends.
+    The next call overwrites it (after every rank has entered that call).
+    """
+    from mok.runtime import WaitPhase, get_kernel  # noqa: PLC0415
+
+    _check_timeout(timeout_ns)
+    state = _state(workspace)
+    num_tokens, topk = workspace.num_local_tokens, workspace.topk
+    if not isinstance(top_experts, torch.Tensor):
+        raise TypeError(f"top_experts must be a torch.Tensor, got {type(top_experts).__name__}")
+    if (
+        top_experts.dtype != torch.int64
+        or tuple(top_experts.shape) != (num_tokens, topk)
+        or not top_experts.is_contiguous()
+        or top_experts.device != workspace.device
+    ):
+        raise ValueError(
+            f"top_experts must be a contiguous int64 tensor of shape [{num_tokens}, {topk}] on "
+            f"{workspace.device}, got {top_experts.dtype} {list(top_experts.shape)} on "
+            f"{top_experts.device} (contiguous={top_experts.is_contiguous()})"
+        )
+    chunk_bytes = config.all_gather_top_experts_chunk_bytes
+    if chunk_bytes <= 0 or chunk_bytes % 16:
+        raise ValueError(
+            f"config.all_gather_top_experts_chunk_bytes must be a positive multiple of 16, "
+            f"got {chunk_bytes}"
+        )
+    num_ids = num_tokens * topk
+    world_size = workspace.ep_size
+    if world_size * num_ids >= 1 << 31:
+        raise ValueError(
+            f"ep_size * num_local_tokens * topk must be < 2^31, got {world_size * num_ids}"
+        )
+    chunk_ids = chunk_bytes // 4
+    num_chunks = -(-num_ids // chunk_ids)
+    ctas_per_peer = min(num_chunks, max(1, MAX_GATHER_CTAS // world_size))
+    kernel = get_kernel("all_gather_top_experts", device=workspace.device, manifest=manifest)
+    record = get_error_record(workspace.device)
+    base = state.arrivals
+    # Per call each CTA arrives twice at its peer: once on entry, once after its stores.
+    arrivals = 2 * ctas_per_peer
+    kernel.launch(
+        (ctas_per_peer, world_size, 1),
+        {
+            "ids_ptr": top_experts,
+            "peer_gather_ptrs": state.gather_ptrs,
+            "peer_barrier_ptrs": state.barrier_ptrs,
+            "rank": workspace.ep_rank,
+            "world_size": world_size,
+            "num_ids": num_ids,
+            "chunk_ids": chunk_ids,
+            "ctas_per_peer": ctas_per_peer,
+            "entry_target": _as_int32_bits(base + 1),
+            "final_target": _as_int32_bits(base + arrivals),
+            "error_record_ptr": record.device_ptr,
+            "entry_phase": int(WaitPhase.PEER_BARRIER_START),
+            "gather_phase": int(WaitPhase.ROUTING_ALLGATHER),
+            "timeout_ns": timeout_ns,
+        },
+    )
+    state.arrivals = base + arrivals
+    return workspace.buffers["all_gather_top_experts_buffer"]
+
+
+def flag_wait_probe(
+    flag: torch.Tensor,
+    done: torch.Tensor,
+    expected: int,
+    *,
+    error_record=None,
+    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    rank: int = 0,
+    phase=None,
+    manifest: str | Path | None = None,
+) -> None:
+    """Launch one thread that waits (bounded) until int32 `flag[0]` has reached `expected`,
+    then stores 1 to int32 `done[0]`. On timeout the record (default: the device's) gets
+    (rank, phase, counter 0, flag value, expected) and the kernel traps. No host sync.
+
+    `flag` may be any int32 CUDA tensor (or a mapped host buffer's device view) whose first
+    element another stream, kernel or GPU sets; `phase` defaults to WaitPhase.UNKNOWN.
+    """
+    from mok.runtime import WaitPhase, get_kernel  # noqa: PLC0415
+
+    for name, tensor in (("flag", flag), ("done", done)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != torch.int32 or tensor.numel() < 1 or not tensor.is_cuda:
+            raise ValueError(
+                f"{name} must be a CUDA int32 tensor with >= 1 element, got {tensor.dtype} "
+                f"{list(tensor.shape)} on {tensor.device}"
+            )
+    if done.device != flag.device:
+        raise ValueError(f"done must be on {flag.device} like flag, got {done.device}")
+    if isinstance(expected, bool) or not isinstance(expected, int):
+        raise TypeError(f"expected must be an int, got {type(expected).__name__}")
+    _check_timeout(timeout_ns)
+    phase_id = _phase_id(WaitPhase.UNKNOWN if phase is None else phase)
+    record = error_record if error_record is not None else get_error_record(flag.device)
+    kernel = get_kernel("flag_wait_probe", device=flag.device, manifest=manifest)
+    kernel.launch(
+        (1, 1, 1),
+        {
+            "flag_ptr": flag,
+            "done_ptr": done,
+            "expected": _as_int32_bits(expected),
+            "error_record_ptr": record.device_ptr,
+            "rank": rank,
+            "phase": phase_id,
+            "timeout_ns": timeout_ns,
+        },
+    )

@@ -1,0 +1,252 @@
+"""The EP comm kernels across GPUs: device barrier, routing all-gather, timeout of a lost peer.
+
+Run: torchrun --nproc-per-node 2 -m pytest -m multigpu tests/multigpu
+(any N >= 2 works). Each rank runs every test in the same order (the kernels are collective).
+
+- all-gather equals torch.distributed.all_gather of the same ids exactly, over shapes that take
+  the vector and the scalar store paths, repeated with new ids each call;
+- the barrier repeated 100 times keeps every slot equal to the arrivals made, and orders memory:
+  each rank writes its symmetric x_buffer, barrier, reads every peer's, barrier (with rank 0
+  delayed so a missing wait would read stale data);
+- a lost peer: rank 1 never arrives, rank 0's barrier ends in MoKWaitTimeoutError naming the
+  phase, rank 0 and the late rank (counter 1). A trap kills the CUDA context, so this case runs
+  in a fresh 2-GPU torchrun launched from rank 0 (this file run as a script, "lost-peer"),
+  and every rank of the outer group sees the verdict.
+
+NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1 are set before the process group is made (here and in the subprocess).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [
+    pytest.mark.multigpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="needs at least 2 CUDA GPUs",
+    ),
+]
+
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+HIDDEN = 128
+TIMEOUT_NS = 10_000_000_000
+LOST_PEER_TIMEOUT_NS = 500_000_000
+HANG_GUARD_S = 300
+# Env of the outer torchrun that must not leak into the nested one.
+_LAUNCHER_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _init_group() -> bool:
+    """Init NCCL from torchrun's env (multicast off); True if this call made the group."""
+    os.environ.update(NO_MULTICAST_ENV)
+    if dist.is_initialized():
+        return False
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    return True
+
+
+@pytest.fixture(scope="module")
+def group():
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        pytest.skip("run under torchrun --nproc-per-node N (N >= 2)")
+    made = _init_group()
+    yield dist.group.WORLD
+    if made:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _workspace(group, num_tokens: int, topk: int):
+    from mok.config import MoKConfig  # noqa: PLC0415
+    from mok.functional import get_workspace  # noqa: PLC0415
+
+    return get_workspace(
+        MoKConfig(),
+        group,
+        device=torch.device("cuda", torch.cuda.current_device()),
+        num_local_tokens=num_tokens,
+        hidden_size=HIDDEN,
+        topk=topk,
+    )
+
+
+@pytest.mark.parametrize(
+    "num_tokens, topk, chunk_bytes",
+    [
+        (4096, 8, 2048),  # 16-byte stores, 64 chunks per peer
+        (7, 3, 16),  # 21 ids: 4-byte stores, one id short of a vector in the last chunk
+        (1000, 6, 64),  # 16-byte stores, many chunks per CTA, a ragged last chunk
+    ],
+)
+def test_all_gather_equals_nccl_all_gather(group, num_tokens, topk, chunk_bytes):
+    from mok.config import MoKConfig  # noqa: PLC0415
+    from mok.launchers import comm  # noqa: PLC0415
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    workspace = _workspace(group, num_tokens, topk)
+    config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
+    gen = torch.Generator().manual_seed(1000 * rank + num_tokens)
+    results, expected = [], []
+    for _ in range(5):  # back to back, no host sync: the entry barrier guards the overwrite
+        ids = torch.randint(0, 1 << 20, (num_tokens, topk), generator=gen).cuda()
+        gathered = comm.all_gather_top_experts(workspace, config, ids, timeout_ns=TIMEOUT_NS)
+        results.append(gathered.clone())  # stream-ordered: before the next call overwrites
+        reference = [torch.empty_like(ids) for _ in range(world_size)]
+        dist.all_gather(reference, ids)
+        expected.append(torch.stack(reference).to(torch.int32))
+    comm.check_errors(workspace.device)
+    for call, (got, want) in enumerate(zip(results, expected, strict=True)):
+        assert torch.equal(got, want), f"call {call}: rows differ {(got != want).any(-1).any(-1)}"
+
+
+def test_barrier_repeated_keeps_counters_in_step(group):
+    from mok.launchers import comm  # noqa: PLC0415
+    from mok.runtime import WaitPhase  # noqa: PLC0415
+
+    workspace = _workspace(group, 64, 2)
+    for _ in range(100):
+        comm.ep_barrier(workspace, phase=WaitPhase.PEER_BARRIER_START, timeout_ns=TIMEOUT_NS)
+    comm.check_errors(workspace.device)
+    counters = workspace.buffers["barrier_buffer"]
+    arrivals = workspace._mok_comm_state.arrivals
+    assert counters.tolist() == [arrivals] * dist.get_world_size()
+
+
+def test_barrier_orders_peer_writes_and_reads(group):
+    from mok.launchers import comm  # noqa: PLC0415
+    from mok.runtime import WaitPhase  # noqa: PLC0415
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    workspace = _workspace(group, 64, 2)
+    x_buffer = workspace.buffers["x_buffer"]
+    handle = workspace._handles["x_buffer"]
+    peers = [
+        handle.get_buffer(peer, tuple(x_buffer.shape), x_buffer.dtype)
+        for peer in range(world_size)
+    ]
+    seen = []
+    for step in range(20):
+        if rank == 0:
+            torch.cuda._sleep(2_000_000)  # rank 0 writes late: a barrier that does not wait fails
+        x_buffer.fill_(float(step * world_size + rank))
+        comm.ep_barrier(workspace, phase=WaitPhase.PEER_BARRIER_START, timeout_ns=TIMEOUT_NS)
+        seen.append(torch.stack([peer[0, 0].clone() for peer in peers]))
+        # Nobody overwrites its buffer for the next step before every peer has read it.
+        comm.ep_barrier(workspace, phase=WaitPhase.PEER_BARRIER_END, timeout_ns=TIMEOUT_NS)
+    comm.check_errors(workspace.device)
+    for step, values in enumerate(seen):
+        want = [float(step * world_size + peer) for peer in range(world_size)]
+        assert values.float().tolist() == want, f"step {step}"
+
+
+def test_lost_peer_times_out_with_an_error_naming_phase_and_rank(group, tmp_path_factory):
+    verdict = torch.zeros(1, dtype=torch.int32, device="cuda")
+    detail = ""
+    if dist.get_rank() == 0:
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+        env = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")}
+        env.update(NO_MULTICAST_ENV)
+        out_dir = tmp_path_factory.mktemp("lost_peer")
+        start = time.monotonic()
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(Path(__file__).resolve()),
+                "lost-peer",
+                str(out_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=HANG_GUARD_S,
+            env=env,
+        )
+        elapsed = time.monotonic() - start
+        message_file = out_dir / "rank0.txt"
+        message = message_file.read_text() if message_file.exists() else ""
+        detail = (
+            f"exit {result.returncode} after {elapsed:.0f} s\nmessage: {message}\n"
+            f"stdout: {result.stdout[-4000:]}\nstderr: {result.stderr[-4000:]}"
+        )
+        ok = result.returncode == 0 and re.search(
+            r"^MoKWaitTimeoutError: rank 0 timed out waiting in phase PEER_BARRIER_END \(id 2\): "
+            r"counter 1 in this rank's memory read 0, expected 1",
+            message,
+        )
+        verdict.fill_(1 if ok else 0)
+    dist.broadcast(verdict, src=0)
+    assert verdict.item() == 1, detail or "rank 0's lost-peer subprocess failed (see rank 0)"
+
+
+def _lost_peer_worker(out_dir: Path) -> None:
+    """Nested torchrun body: rank 1 makes the workspace but never arrives at the barrier.
+
+    Exits with os._exit: a trapped context cannot be torn down cleanly (NCCL would hang).
+    """
+    from mok.launchers import comm  # noqa: PLC0415
+    from mok.runtime import MoKWaitTimeoutError, WaitPhase  # noqa: PLC0415
+
+    _init_group()
+    rank = dist.get_rank()
+    workspace = _workspace(dist.group.WORLD, 64, 2)
+    torch.cuda.synchronize()
+    done_file = out_dir / "rank0.txt"
+    if rank == 0:
+        try:
+            comm.ep_barrier(
+                workspace, phase=WaitPhase.PEER_BARRIER_END, timeout_ns=LOST_PEER_TIMEOUT_NS
+            )
+            comm.check_errors(workspace.device)
+            text, code = "no error: the barrier passed without rank 1", 1
+        except MoKWaitTimeoutError as exc:
+            text, code = f"MoKWaitTimeoutError: {exc}", 0
+        except Exception as exc:  # noqa: BLE001 - reported to the outer test
+            text, code = f"{type(exc).__name__}: {exc}", 1
+        done_file.write_text(text)
+        print(text, flush=True)
+        os._exit(code)
+    # Rank 1 stays alive (its memory mapped) until rank 0 has its verdict, then leaves.
+    deadline = time.monotonic() + HANG_GUARD_S / 2
+    while not done_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "lost-peer":
+        _lost_peer_worker(Path(sys.argv[2]))
+    else:
+        sys.exit(f"usage: torchrun --nproc-per-node 2 {sys.argv[0]} lost-peer OUT_DIR")

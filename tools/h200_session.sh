@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: install mok on the GPU machine, run the GPU tests named in $TESTS, the
+# benchmarks named in $BENCH, and write every log under $OUT. Usage (from the repo root):
+#   TESTS="tests/gpu/test_runtime_gpu.py" BENCH="memory moe main" bash tools/h200_session.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+status=0
+if [ -n "${TESTS:-}" ]; then
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+for b in ${BENCH:-}; do
+  case $b in
+    memory) timeout 240 python3 -m benchmarks.memory_kernels --json "$OUT/memory_kernels.json" 2>&1 | tee "$OUT/memory_kernels.log" | tail -20 ;;
+    moe) timeout "${MOE_TIMEOUT:-300}" python3 -m benchmarks.moe ${MOE_ARGS:-} --json "$OUT/moe.json" --png "$OUT/moe.png" 2>&1 | tee "$OUT/moe.log" | tail -30 ;;
+    main) timeout 120 python3 -m mok 2>&1 | tee "$OUT/main.log" | tail -16 ;;
+  esac
+done
+exit $status
