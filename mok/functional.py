@@ -139,7 +139,11 @@ def build_schedule(
                  shape=[workspace.num_local_tokens, workspace.topk],
                  device=workspace.device)  # fmt: skip
     outs = ops.build_schedule(
-        workspace.handle, top_experts, num_local_experts, workspace.schedule_capacity
+        workspace.handle,
+        top_experts,
+        num_local_experts,
+        workspace.schedule_capacity,
+        config.all_gather_top_experts_chunk_bytes,
     )
     return MoKSchedule(*outs)
 

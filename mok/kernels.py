@@ -7,6 +7,8 @@ saying what is missing; nothing falls back to another path silently.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .errors import MoKKernelUnavailableError
@@ -14,7 +16,10 @@ from .errors import MoKKernelUnavailableError
 # op -> the manifest variants it launches; an empty tuple means no kernel has landed yet, with
 # the issue that brings it.
 KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
-    "build_schedule": ((), "the GPU schedule kernel (issue 3)"),
+    "build_schedule": (
+        ("all_gather_top_experts", "schedule_histogram", "schedule_scan", "schedule_place"),
+        "the routing all-gather and schedule kernels",
+    ),
     "forward": ((), "the forward megakernel (issue 4)"),
     "recompute_forward_context": ((), "the forward megakernel (issue 4)"),
     "backward": ((), "the backward megakernel (issue 5)"),
@@ -56,8 +61,22 @@ def available(op_name: str, device: torch.device) -> bool:
     return bool(KERNELS_BY_OP[op_name][0]) and not missing
 
 
+_REQUIRED: dict[tuple, object] = {}
+
+
 def require(op_name: str, device: torch.device):
-    """The launcher namespace for `op_name` on `device`, or MoKKernelUnavailableError."""
+    """The launcher namespace for `op_name` on `device`, or MoKKernelUnavailableError.
+
+    A success is cached per (op, device, MOK_ARCH): this runs on every op call.
+    """
+    key = (op_name, device.index, os.environ.get("MOK_ARCH"))
+    launchers = _REQUIRED.get(key)
+    if launchers is None:
+        _REQUIRED[key] = launchers = _require(op_name, device)
+    return launchers
+
+
+def _require(op_name: str, device: torch.device):
     arch, missing = missing_variants(op_name, device)
     variants, lands_with = KERNELS_BY_OP[op_name]
     if not variants or missing:

@@ -46,7 +46,11 @@ def _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert) -> MoKSc
 
 @torch.library.custom_op("mok::build_schedule", mutates_args=())
 def build_schedule(
-    workspace_handle: int, top_experts: Tensor, num_local_experts: int, capacity: int
+    workspace_handle: int,
+    top_experts: Tensor,
+    num_local_experts: int,
+    capacity: int,
+    all_gather_chunk_bytes: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """All-gather routing ids over the EP group and build this rank's receive schedule.
 
@@ -55,6 +59,7 @@ def build_schedule(
         top_experts:       int64 [T, k]  global expert ids in [0, num_local_experts * P)
         num_local_experts: int           E, experts on this rank
         capacity:          int           C, routed rows (padding included) the schedule holds
+        all_gather_chunk_bytes: int      MoKConfig.all_gather_top_experts_chunk_bytes
     Outputs:
         peer_rank int32 [C], peer_token_idx int32 [C], num_tokens int32 [1],
         tokens_per_expert int32 [E]  (SEMANTICS §3; padding rows are -1)
@@ -63,7 +68,7 @@ def build_schedule(
     check_expert_id_values(top_experts, num_local_experts * ws.ep_size)
     if top_experts.is_cuda:
         return _gpu("build_schedule", top_experts.device).build_schedule(
-            ws, top_experts, num_local_experts, capacity
+            ws, top_experts, num_local_experts, capacity, all_gather_chunk_bytes
         )
     s = reference.make_schedule(
         top_experts, num_local_experts=num_local_experts, capacity=capacity, group=ws.group
@@ -72,7 +77,7 @@ def build_schedule(
 
 
 @build_schedule.register_fake
-def _(workspace_handle, top_experts, num_local_experts, capacity):
+def _(workspace_handle, top_experts, num_local_experts, capacity, all_gather_chunk_bytes):
     i32 = dict(dtype=torch.int32, device=top_experts.device)
     return (
         torch.empty(capacity, **i32),

@@ -69,9 +69,24 @@ def arch_for_capability(
     return arch
 
 
+_NATIVE_ARCH: dict[int, str] = {}
+
+
 def native_arch(device: int | str | torch.device | None = None) -> str:
-    """The arch of the physical device, ignoring MOK_ARCH (MoKUnsupportedDeviceError if none)."""
+    """The arch of the physical device, ignoring MOK_ARCH (MoKUnsupportedDeviceError if none).
+
+    Cached per device index: a device's capability never changes, and querying it (device
+    properties, the manifest for the error message) costs tens of microseconds per launch.
+    """
     index = device_index(device)
+    cached = _NATIVE_ARCH.get(index)
+    if cached is not None:
+        return cached
+    _NATIVE_ARCH[index] = arch = _query_native_arch(index)
+    return arch
+
+
+def _query_native_arch(index: int) -> str:
     return arch_for_capability(
         torch.cuda.get_device_capability(index),
         device_name=f"cuda:{index} ({torch.cuda.get_device_name(index)})",

@@ -8,6 +8,7 @@ attributes the kernel needs; a mismatch refuses the kernel before any launch.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ _lock = threading.RLock()
 _primary_contexts: dict[int, Any] = {}
 _modules: dict[tuple[int, str], Any] = {}
 _kernels: dict[tuple[int, str, str, str], Kernel] = {}
+_fast_kernels: dict[tuple, Kernel] = {}
 
 
 # ---------------------------------------------------------------- contexts
@@ -312,6 +314,27 @@ def get_kernel(
     MoKUnsupportedDeviceError (arch cannot run on the device), MoKParamMismatchError (cubin
     and manifest disagree) or MoKCudaError (a driver call failed).
     """
+    # Fast path for the launchers' per-call lookups: same name, device, arch request, manifest
+    # request and MOK_ARCH value as an earlier call returns the same Kernel.
+    if not (manifest is None or isinstance(manifest, str)):
+        return _get_kernel_slow(name, device=device, arch=arch, manifest=manifest)
+    fast_key = (
+        name,
+        device if device is None or isinstance(device, (int, str)) else str(device),
+        arch,
+        manifest,
+        os.environ.get(ARCH_ENV_VAR),
+        torch.cuda.current_device() if device is None else None,
+    )
+    kernel = _fast_kernels.get(fast_key)
+    if kernel is not None:
+        return kernel
+    kernel = _get_kernel_slow(name, device=device, arch=arch, manifest=manifest)
+    _fast_kernels[fast_key] = kernel
+    return kernel
+
+
+def _get_kernel_slow(name, *, device, arch, manifest) -> Kernel:
     index = device_index(device)
     chosen_arch = select_arch(index) if arch is None else arch
     if not isinstance(manifest, Manifest):

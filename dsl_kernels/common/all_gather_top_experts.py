@@ -24,11 +24,13 @@ total). Per call, each rank makes 2 * ctas_per_peer arrivals at each peer:
    buffer has stored and published. With one such CTA per peer, the kernel ends only when
    all P slots are complete (a later kernel on r's stream sees them).
 
-Deadlock freedom: no CTA waits on another CTA of its own grid, and a wait on rank p's CTAs
-needs only that some CTA of p's grid runs (entry) or that p's grid runs to its end (its CTAs
-other than (0, *) never wait for completion). The host keeps the grid small
-(ctas_per_peer * P <= 64 CTAs, co-resident on any GPU mok runs on) so even the entry waits of
-a full grid cannot starve the CTAs they wait for.
+Deadlock freedom: the only waits are (a) entry: for one CTA of rank p's grid to have started
+(it arrives before it waits on anything), and (b) completion, in CTA (0, p) only: for rank p's
+CTAs that write to this rank to finish their stores (they wait on nothing but (a)). Neither needs
+a CTA that is itself blocked behind a completion wait, so the kernels of all ranks progress as
+long as their CTAs get scheduled; the host keeps the grid small (ctas_per_peer * P <= 64 CTAs,
+co-resident on any GPU mok runs on) so that no wait depends on a CTA still queued behind
+waiting ones.
 """
 
 from dataclasses import dataclass

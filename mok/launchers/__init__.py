@@ -9,5 +9,7 @@ from __future__ import annotations
 
 from .epilogues import bwd_epilogue, fwd_epilogue
 from .mxfp8 import mxfp8_quantize
+from .schedule_op import build_schedule, raise_pending_errors
 
-__all__ = ["bwd_epilogue", "fwd_epilogue", "mxfp8_quantize"]
+__all__ = ["build_schedule", "bwd_epilogue", "fwd_epilogue", "mxfp8_quantize",
+           "raise_pending_errors"]

@@ -129,8 +129,9 @@ def test_all_gather_equals_nccl_all_gather(group, num_tokens, topk, chunk_bytes)
 
 
 def test_barrier_repeated_keeps_counters_in_step(group):
-    from mok.launchers import comm  # noqa: PLC0415
     from mok.runtime import WaitPhase  # noqa: PLC0415
+
+    from mok.launchers import comm  # noqa: PLC0415
 
     workspace = _workspace(group, 64, 2)
     for _ in range(100):
@@ -138,20 +139,23 @@ def test_barrier_repeated_keeps_counters_in_step(group):
     comm.check_errors(workspace.device)
     counters = workspace.buffers["barrier_buffer"]
     arrivals = workspace._mok_comm_state.arrivals
-    assert counters.tolist() == [arrivals] * dist.get_world_size()
+    values = counters.tolist()
+    # Nobody starts the next test's arrivals before every rank has read its counters.
+    dist.barrier()
+    assert values == [arrivals] * dist.get_world_size()
 
 
 def test_barrier_orders_peer_writes_and_reads(group):
-    from mok.launchers import comm  # noqa: PLC0415
     from mok.runtime import WaitPhase  # noqa: PLC0415
+
+    from mok.launchers import comm  # noqa: PLC0415
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     workspace = _workspace(group, 64, 2)
     x_buffer = workspace.buffers["x_buffer"]
     handle = workspace._handles["x_buffer"]
     peers = [
-        handle.get_buffer(peer, tuple(x_buffer.shape), x_buffer.dtype)
-        for peer in range(world_size)
+        handle.get_buffer(peer, tuple(x_buffer.shape), x_buffer.dtype) for peer in range(world_size)
     ]
     seen = []
     for step in range(20):
@@ -216,8 +220,9 @@ def _lost_peer_worker(out_dir: Path) -> None:
 
     Exits with os._exit: a trapped context cannot be torn down cleanly (NCCL would hang).
     """
-    from mok.launchers import comm  # noqa: PLC0415
     from mok.runtime import MoKWaitTimeoutError, WaitPhase  # noqa: PLC0415
+
+    from mok.launchers import comm  # noqa: PLC0415
 
     _init_group()
     rank = dist.get_rank()
