@@ -63,16 +63,57 @@ def make_run(shape, kind, device):
     return ok, lambda _s: ops.bwd_epilogue(base, slots, topk)
 
 
+def host_launch_cost(device, profile_path: str | None) -> None:
+    """Host microseconds per call of a tiny epilogue (op path and bare Kernel.launch)."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    slots = torch.randn(8, 64, device=device).to(torch.bfloat16)
+    w = torch.rand(4, 2, device=device) + 0.1
+    out = torch.empty(4, 64, device=device, dtype=torch.bfloat16)
+    kernel = get_kernel("moe_combine_forward", device=device)
+    args = {"out_ptr": out, "shared_ptr": None, "weight_ptr": w, "slots_ptr": slots,
+            "num_tokens": 4, "hidden_size": 64, "topk": 2, "has_shared": 0}  # fmt: skip
+    calls = {
+        "ops.fwd_epilogue": lambda: ops.fwd_epilogue(None, slots, w),
+        "Kernel.launch": lambda: kernel.launch((1, 4, 1), args),
+        "torch add (for scale)": lambda: torch.add(slots, slots),
+    }
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(500):
+            fn()
+        host_us = (time.perf_counter() - start) / 500 * 1e6
+        torch.cuda.synchronize()
+        print(f"host cost {name:24s} {host_us:8.1f} us/call")
+    if profile_path:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            calls["ops.fwd_epilogue"]()
+        prof.disable()
+        with open(profile_path, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_kernels")
     parser.add_argument("--json", default="memory_kernels.json")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--profile", default=None, help="write a cProfile of host launch cost")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.memory_kernels needs a CUDA GPU")
         return 1
     device = torch.device("cuda")
     timing = TimingConfig(warmup=5, reps=args.reps)
+    host_launch_cost(device, args.profile)
     copy_gbs = copy_bandwidth_gbs(device, 2 << 30, timing)
     print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
     rows = []

@@ -27,6 +27,7 @@ from .validation import check_int, check_swiglu_limit, check_tensor, check_type
 from .workspace import MoKWorkspace, clear_workspace_cache, get_workspace
 
 __all__ = [
+    "check_errors",
     "MoKConfig",
     "MoKForwardContext",
     "MoKKernelUnavailableError",
@@ -317,3 +318,19 @@ def _check_main_grads(main_grads, weights: dict) -> tuple[torch.Tensor | None, .
         check_tensor(f"main_grads[{name}]", main_grad, dtype=torch.float32,
                      shape=list(weight.shape), device=weight.device)  # fmt: skip
     return tuple(main_grads)
+
+
+def check_errors(workspace: MoKWorkspace) -> None:
+    """Sync the workspace's device and raise what its kernels recorded without a host sync.
+
+    Raises ValueError for a schedule capacity overflow of the last `build_schedule`, and
+    MoKWaitTimeoutError when a cross-CTA or cross-GPU wait gave up (naming rank and phase).
+    On CPU there is nothing deferred: errors were raised by the calls themselves.
+    """
+    check_type("workspace", workspace, MoKWorkspace)
+    if workspace.device.type != "cuda":
+        return
+    from . import launchers  # noqa: PLC0415 - CUDA only
+
+    launchers.raise_pending_errors(workspace, wait=True)
+    launchers.check_errors(workspace.device)

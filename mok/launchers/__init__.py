@@ -7,9 +7,16 @@ kernels each and import `mok.runtime` lazily, so importing this package is cheap
 
 from __future__ import annotations
 
+from .comm import check_errors
 from .epilogues import bwd_epilogue, fwd_epilogue
 from .mxfp8 import mxfp8_quantize
 from .schedule_op import build_schedule, raise_pending_errors
 
-__all__ = ["build_schedule", "bwd_epilogue", "fwd_epilogue", "mxfp8_quantize",
-           "raise_pending_errors"]
+__all__ = [
+    "build_schedule",
+    "check_errors",
+    "bwd_epilogue",
+    "fwd_epilogue",
+    "mxfp8_quantize",
+    "raise_pending_errors",
+]

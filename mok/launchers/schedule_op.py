@@ -21,10 +21,8 @@ def build_schedule(
     raise_pending_errors(ws, wait=False)
     config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
     gathered = comm.all_gather_top_experts(ws, config, top_experts)
-    peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status = (
-        schedule.build_schedule_gpu(
-            gathered, ep_rank=ws.ep_rank, num_local_experts=num_local_experts, capacity=capacity
-        )
+    peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status = schedule.build_schedule_gpu(
+        gathered, ep_rank=ws.ep_rank, num_local_experts=num_local_experts, capacity=capacity
     )
     if not torch.cuda.is_current_stream_capturing():
         host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
