@@ -113,3 +113,34 @@ def test_megakernel_ops_say_they_are_not_shipped_yet():
         w = torch.randn(4, 128, 128, device=CUDA).to(torch.bfloat16)
         F.forward(config, ws, sched, x, torch.rand(256, 2, device=CUDA) + 0.1, None, None, None,
                   w, w, w)  # fmt: skip
+
+
+def test_functional_build_schedule_on_gpu_equals_reference():
+    from mok.testing import make_routing
+
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=4096, hidden_size=128,
+                         topk=8, num_local_experts=64)  # fmt: skip
+    ids = make_routing(4096, 64, 8, "random", torch.Generator().manual_seed(3))
+    want = R.make_schedule(ids, num_local_experts=64, capacity=ws.schedule_capacity)
+    for _ in range(3):
+        got = F.build_schedule(ws, config, ids.to(CUDA), num_local_experts=64)
+        for a, b in zip(
+            (got.peer_rank, got.peer_token_idx, got.num_tokens, got.tokens_per_expert),
+            (want.peer_rank, want.peer_token_idx, want.num_tokens, want.tokens_per_expert),
+            strict=True,
+        ):
+            assert torch.equal(a.cpu(), b)
+    F.check_errors(ws)  # nothing recorded
+
+
+def test_functional_schedule_overflow_is_reported_without_a_sync():
+    from mok.testing import make_routing
+
+    config = F.MoKConfig()
+    # No num_local_experts: capacity 2*T*k = 1024 rows, but 16 experts pad to >= 2048.
+    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=256, hidden_size=128, topk=2)
+    ids = make_routing(256, 16, 2, "random", torch.Generator().manual_seed(4)).to(CUDA)
+    F.build_schedule(ws, config, ids, num_local_experts=16)  # returns: no host sync
+    with pytest.raises(ValueError, match=r"schedule capacity overflow on EP rank 0: \d+ routed"):
+        F.check_errors(ws)
