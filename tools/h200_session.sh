@@ -13,9 +13,13 @@ if [ -n "${TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
+if [ -n "${MULTI:-}" ]; then
+  timeout "${MULTI_TIMEOUT:-240}" torchrun --nproc-per-node 2 -m pytest -m multigpu -q -rfE -p no:cacheprovider $MULTI 2>&1 | tee "$OUT/pytest_multigpu.log" | tail -30
+  status=$(( status | PIPESTATUS[0] ))
+fi
 for b in ${BENCH:-}; do
   case $b in
-    memory) timeout 240 python3 -m benchmarks.memory_kernels --json "$OUT/memory_kernels.json" 2>&1 | tee "$OUT/memory_kernels.log" | tail -20 ;;
+    memory) timeout 240 python3 -m benchmarks.memory_kernels --json "$OUT/memory_kernels.json" --profile "$OUT/launch_profile.txt" 2>&1 | tee "$OUT/memory_kernels.log" | tail -20 ;;
     moe) timeout "${MOE_TIMEOUT:-300}" python3 -m benchmarks.moe ${MOE_ARGS:-} --json "$OUT/moe.json" --png "$OUT/moe.png" 2>&1 | tee "$OUT/moe.log" | tail -30 ;;
     main) timeout 120 python3 -m mok 2>&1 | tee "$OUT/main.log" | tail -16 ;;
   esac
