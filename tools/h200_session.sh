@@ -9,10 +9,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 status=0
-if [ -n "${TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
-  status=${PIPESTATUS[0]}
-fi
+[ -n "${DIAG:-}" ] && timeout 200 python3 $DIAG 2>&1 | tee "$OUT/diag.log"
+# Each test file in its own process: a trapped kernel kills its CUDA context, and must not
+# take the other files' tests with it.
+for t in ${TESTS:-}; do
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $t ${TEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -12
+  status=$(( status | PIPESTATUS[0] ))
+done
 if [ -n "${MULTI:-}" ]; then
   timeout "${MULTI_TIMEOUT:-240}" torchrun --nproc-per-node 2 -m pytest -m multigpu -q -rfE -p no:cacheprovider $MULTI 2>&1 | tee "$OUT/pytest_multigpu.log" | tail -30
   status=$(( status | PIPESTATUS[0] ))
