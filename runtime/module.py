@@ -125,6 +125,12 @@ class Kernel:
                 f"cuModuleGetFunction({variant.symbol!r}) in {cubin_path.name} "
                 f"(variant {variant.name!r})",
             )
+            # Under CUDA's lazy module loading a function's code is loaded at its first launch,
+            # which may wait for the kernels already running in the context. A mok kernel
+            # that is the producer of another kernel's bounded wait must never be held back
+            # that way, so load it now (cuFuncLoad, CUDA >= 12.4 drivers).
+            if hasattr(cu, "cuFuncLoad"):
+                _driver.check(cu.cuFuncLoad(self.function), f"cuFuncLoad({variant.symbol!r})")
             check_param_layout(variant, self._param_info())
             self._set_attributes()
         finally:

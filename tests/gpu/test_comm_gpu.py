@@ -72,9 +72,16 @@ def test_probe_completes_when_another_stream_sets_the_flag():
     device = torch.device("cuda")
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     done = torch.zeros(1, dtype=torch.int32, device=device)
+    setter = torch.cuda.Stream(device)
+    # Load the setter's kernels before the probe spins: under CUDA lazy module loading the
+    # first launch of a kernel may wait for the running ones, i.e. for the probe (measured on
+    # the H200: without this warm-up the flag is never set and the probe times out).
+    with torch.cuda.stream(setter):
+        torch.cuda._sleep(1)
+        flag.fill_(7)
+        flag.fill_(0)
     torch.cuda.synchronize()
     comm.flag_wait_probe(flag, done, 7, timeout_ns=10_000_000_000)
-    setter = torch.cuda.Stream(device)
     with torch.cuda.stream(setter):
         torch.cuda._sleep(20_000_000)  # ~10 ms of spinning, so the probe really waits
         flag.fill_(7)
