@@ -25,6 +25,7 @@ for b in ${BENCH:-}; do
     memory) timeout 240 python3 -m benchmarks.memory_kernels --json "$OUT/memory_kernels.json" --profile "$OUT/launch_profile.txt" 2>&1 | tee "$OUT/memory_kernels.log" | tail -20 ;;
     moe) timeout "${MOE_TIMEOUT:-300}" python3 -m benchmarks.moe ${MOE_ARGS:-} --json "$OUT/moe.json" --png "$OUT/moe.png" 2>&1 | tee "$OUT/moe.log" | tail -30 ;;
     main) timeout 120 python3 -m mok 2>&1 | tee "$OUT/main.log" | tail -16 ;;
+    moe2) timeout "${MOE_TIMEOUT:-300}" torchrun --nproc-per-node 2 -m benchmarks.moe ${MOE_ARGS:-} --json "$OUT/moe_ep2.json" --png "$OUT/moe_ep2.png" 2>&1 | tee "$OUT/moe_ep2.log" | grep -v "^W1" | tail -30 ;;
   esac
 done
 exit $status
