@@ -35,6 +35,15 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
+def _fake_context(peer_rank, x, routed_gate_weights, has_shared: bool) -> tuple[Tensor, ...]:
+    """Empty tensors shaped like the 7 forward-context outputs (fake implementations)."""
+    capacity, (num_tokens, hidden) = peer_rank.shape[0], x.shape
+    inter = routed_gate_weights.shape[1]
+    routed = [x.new_empty(capacity, hidden)] + [x.new_empty(capacity, inter) for _ in range(3)]
+    shared = [x.new_empty(num_tokens, inter) if has_shared else _empty(x) for _ in range(3)]
+    return (*routed, *shared)
+
+
 def _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert) -> MoKSchedule:
     return MoKSchedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
 
@@ -152,14 +161,10 @@ def _(
     routed_gate_weights, routed_up_weights, routed_down_weights, swiglu_limit,
     fwd_num_comm_sms, minibatch_size, macrobatch_size,
 ):  # fmt: skip
-    capacity, (num_tokens_, hidden) = peer_rank.shape[0], x.shape
-    inter = routed_gate_weights.shape[1]
-    routed = [x.new_empty(capacity, hidden)] + [x.new_empty(capacity, inter) for _ in range(3)]
-    if shared_gate_weights is None:
-        shared = [_empty(x) for _ in range(3)]
-    else:
-        shared = [x.new_empty(num_tokens_, inter) for _ in range(3)]
-    return (torch.empty_like(x), *routed, *shared)
+    return (
+        torch.empty_like(x),
+        *_fake_context(peer_rank, x, routed_gate_weights, shared_gate_weights is not None),
+    )
 
 
 @torch.library.custom_op("mok::recompute_forward_context", mutates_args=())
@@ -200,14 +205,7 @@ def _(
     workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x,
     shared_gate_weights, shared_up_weights, routed_gate_weights, routed_up_weights, swiglu_limit,
 ):  # fmt: skip
-    capacity, (num_tokens_, hidden) = peer_rank.shape[0], x.shape
-    inter = routed_gate_weights.shape[1]
-    routed = [x.new_empty(capacity, hidden)] + [x.new_empty(capacity, inter) for _ in range(3)]
-    if shared_gate_weights is None:
-        shared = [_empty(x) for _ in range(3)]
-    else:
-        shared = [x.new_empty(num_tokens_, inter) for _ in range(3)]
-    return (*routed, *shared)
+    return _fake_context(peer_rank, x, routed_gate_weights, shared_gate_weights is not None)
 
 
 # ----------------------------------------------------------------------------------------------
