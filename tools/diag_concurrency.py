@@ -1,6 +1,5 @@
 """Do kernels of two streams overlap on this GPU, and does the probe see a host write?"""
 
-import ctypes
 import subprocess
 import sys
 import time
@@ -23,14 +22,9 @@ from mok.launchers import comm
 from mok.runtime import ErrorRecord
 flagbuf = ErrorRecord()  # any mapped pinned host buffer: word 0 is our flag
 flagbuf.clear()
-dev = torch.tensor([], dtype=torch.int32, device="cuda")
 done = torch.zeros(1, dtype=torch.int32, device="cuda")
 record = comm.get_error_record(done.device)
 words = (ctypes.c_int32 * 16).from_address(flagbuf.host_ptr)
-class Ptr:  # a CUDA "tensor" stand-in: the launcher takes data_ptr() of tensors only
-    pass
-import mok.launchers.comm as c
-flag_view = torch.zeros(1, dtype=torch.int32, device="cuda")
 kernel = __import__("mok.runtime", fromlist=["get_kernel"]).get_kernel("flag_wait_probe")
 t0 = time.perf_counter()
 kernel.launch((1, 1, 1), {"flag_ptr": flagbuf.device_ptr, "done_ptr": done, "expected": 3,
