@@ -15,6 +15,13 @@ Where each manifest field comes from (nothing is typed in by hand twice):
   host code (`compiled.ir_module`, the struct passed to `_cudaLaunchKernelEx`).
 - dynamic_smem_bytes: the shared-memory field of that same launch config (must be a constant).
 - cluster: these kernels launch without a cluster attribute, i.e. (1, 1, 1).
+- tma: a kernel that takes TMA descriptors (`cute.CopyAtom` arguments of its `@cute.kernel`,
+  kind "tma_desc") lists their specs in `tma_specs()` (dtype, rank, box innermost first,
+  swizzle, ...), the same constants its `__call__` builds the atoms from; the build checks each
+  spec against the PTX (a 128-byte param; a `cp.async.bulk.tensor.<rank>d` in the body).
+  Static `cute.Tensor` arguments (TMA coordinate tensors of static shape) have no PTX param
+  and are skipped; a dynamic one would leave unnamed PTX params and fail the pairing.
+- archs: a variant with `archs` set is compiled only for those (sm_90a-only wgmma kernels).
 """
 
 import argparse
@@ -136,11 +143,17 @@ def python_params(kernel_obj) -> list[tuple[str, str]]:
     signature = inspect.signature(type(kernel_obj).kernel)
     params = []
     for name, param in list(signature.parameters.items())[1:]:  # skip self
+        if param.annotation is cute.Tensor:
+            continue  # static TMA coordinate tensor: no PTX param (checked by the pairing)
+        if param.annotation is cute.CopyAtom:
+            params.append((name, "tma_desc"))
+            continue
         kind = annotation_kinds.get(param.annotation)
         if kind is None:
             raise BuildError(
                 f"{type(kernel_obj).__name__}.kernel argument {name!r}: annotation "
-                f"{param.annotation!r} is not one of Pointer, Int32, Int64, Float32"
+                f"{param.annotation!r} is not one of Pointer, Int32, Int64, Float32, CopyAtom "
+                "(TMA descriptor) or a static Tensor"
             )
         params.append((name, kind))
     return params
@@ -164,6 +177,11 @@ def name_params(
                     f"{owner}: PTX param {index} ({ptx_param.text}) has no Python argument"
                 )
             name, py_kind = remaining.pop(0)
+            if py_kind == "tma_desc" and (ptx_param.kind, ptx_param.size) == ("bytes", 128):
+                named.append(
+                    {"name": name, "kind": "tma_desc", "size": 128, "align": ptx_param.align}
+                )
+                continue
             if py_kind != ptx_param.kind:
                 raise BuildError(
                     f"{owner}: argument {name!r} is {py_kind} in Python but PTX param {index} "
@@ -250,6 +268,8 @@ def compile_variant(variant, arch: str) -> tuple[dict, bytes, str]:
     launch = launch_config_from_host_ir(host_ir)
     if tuple(launch["block"]) != block:
         raise BuildError(f"{owner}: .reqntid {block} != host launch block {launch['block']}")
+    params = name_params(owner, ptx_params, python_params(kernel_obj))
+    tma = tma_specs(owner, kernel_obj, params, ptx)
 
     entry = {
         "name": variant.name,
@@ -258,14 +278,39 @@ def compile_variant(variant, arch: str) -> tuple[dict, bytes, str]:
         "cubin": f"{variant.name}.{arch}.cubin",
         "symbol": symbol,
         "config": dict(variant.config),
-        "params": name_params(owner, ptx_params, python_params(kernel_obj)),
+        "params": params,
         "block": list(block),
         "cluster": [1, 1, 1],
         "dynamic_smem_bytes": launch["dynamic_smem_bytes"],
-        "tma": [],
+        "tma": tma,
         "launch": {"grid": variant.launch_grid},
     }
     return entry, cubin, ptx
+
+
+_TMA_SPEC_KEYS = ("param", "dtype", "rank", "box", "swizzle", "l2_promotion", "oob_fill")
+
+
+def tma_specs(owner: str, kernel_obj, params: list[dict], ptx: str) -> list[dict]:
+    """The kernel's `tma_specs()` (none without it), checked against its params and PTX."""
+    specs = [dict(s) for s in kernel_obj.tma_specs()] if hasattr(kernel_obj, "tma_specs") else []
+    descriptor_params = [p["name"] for p in params if p["kind"] == "tma_desc"]
+    if sorted(s.get("param") for s in specs) != sorted(descriptor_params):
+        raise BuildError(
+            f"{owner}: tma_specs() name params {[s.get('param') for s in specs]}, the kernel "
+            f"takes TMA descriptors {descriptor_params}"
+        )
+    for spec in specs:
+        if tuple(spec) != _TMA_SPEC_KEYS:
+            raise BuildError(f"{owner}: TMA spec {spec} must have keys {_TMA_SPEC_KEYS} in order")
+        if len(spec["box"]) != spec["rank"]:
+            raise BuildError(f"{owner}: TMA spec {spec}: box rank != rank")
+        if f"cp.async.bulk.tensor.{spec['rank']}d" not in ptx:
+            raise BuildError(
+                f"{owner}: TMA spec {spec['param']!r} is rank {spec['rank']}, the PTX has no "
+                f"cp.async.bulk.tensor.{spec['rank']}d"
+            )
+    return specs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +339,8 @@ def build(archs, only=None, verbose=True) -> tuple[dict, dict[str, bytes], dict[
         if only is not None and variant.name != only:
             continue
         for arch in archs:
+            if getattr(variant, "archs", None) and arch not in variant.archs:
+                continue  # e.g. wgmma kernels: sm_90a only
             t0 = time.perf_counter()
             entry, cubin, ptx = compile_variant(variant, arch)
             manifest["variants"].append(entry)
@@ -308,7 +355,7 @@ def build(archs, only=None, verbose=True) -> tuple[dict, dict[str, bytes], dict[
     if verbose:
         total = sum(len(c) for c in cubins.values())
         print(
-            f"built {len(manifest['variants'])} kernels ({len(manifest['variants']) // max(len(archs), 1)} "
+            f"built {len(manifest['variants'])} kernels ({len({e['name'] for e in manifest['variants']})} "
             f"variants x {len(archs)} archs) in {time.perf_counter() - start:.1f} s, {total} cubin bytes"
         )
     return manifest, cubins, ptxs

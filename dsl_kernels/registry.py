@@ -15,6 +15,8 @@ class Variant:
     kernel: type
     config: dict[str, Any] = field(default_factory=dict)
     launch_grid: str = ""
+    # Empty: every arch the build is asked for. Set for arch-specific engines (wgmma: sm_90a).
+    archs: tuple[str, ...] = ()
 
     @property
     def symbol_prefix(self) -> str:
@@ -33,6 +35,7 @@ def variants() -> list[Variant]:
     from .common.schedule_histogram import ScheduleHistogram
     from .common.schedule_place import SchedulePlace
     from .common.schedule_scan import ScheduleScan
+    from .sm90.expert_gemm import Sm90ExpertGemm
 
     return [
         Variant(
@@ -48,14 +51,14 @@ def variants() -> list[Variant]:
         Variant(
             "moe_combine_forward",
             MoeCombineForward,
-            {"threads": 128},
-            launch_grid="(ceil(hidden_size / (8 * 128)), num_tokens, 1)",
+            {"threads": 128, "tokens_per_cta": 4},
+            launch_grid="(ceil(hidden_size / (8 * 128)), ceil(num_tokens / 4), 1)",
         ),
         Variant(
             "moe_combine_backward",
             MoeCombineBackward,
-            {"threads": 128},
-            launch_grid="(ceil(hidden_size / (8 * 128)), num_tokens, 1)",
+            {"threads": 128, "tokens_per_cta": 4},
+            launch_grid="(ceil(hidden_size / (8 * 128)), ceil(num_tokens / 4), 1)",
         ),
         Variant(
             "schedule_histogram",
@@ -78,5 +81,21 @@ def variants() -> list[Variant]:
             "all_gather_top_experts",
             AllGatherTopExperts,
             launch_grid="(ctas_per_peer, world_size, 1)",
+        ),
+        # Grouped expert GEMMs (sm90/expert_gemm.py): wgmma + setmaxnreg, Hopper only; the
+        # sm_100a/sm_103a versions wait for the tcgen05/TMEM engine (dsl_kernels/sm100).
+        Variant(
+            "expert_gemm_gate_up_swiglu",
+            Sm90ExpertGemm,
+            {"epilogue": "swiglu", "stages": 4},
+            launch_grid="(min(sm_count, capacity / 128 * intermediate_size / 128), 1, 1)",
+            archs=("sm_90a",),
+        ),
+        Variant(
+            "expert_gemm_down",
+            Sm90ExpertGemm,
+            {"epilogue": "store", "stages": 4},
+            launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
+            archs=("sm_90a",),
         ),
     ]

@@ -35,6 +35,7 @@ class MoKWorkspace:
         d_router_weight_buffer: fp32 [T, k]   router-weight gradient partials pushed back
         all_gather_top_experts_buffer: int32 [P, T, k]   routing ids of every rank
         barrier_buffer: int32 [P]             one arrival counter per peer (unicast flags)
+        barrier_epoch_buffer: int32 [2]       this rank's arrival epoch + reader count (own use)
     """
 
     handle: int
@@ -213,6 +214,7 @@ def _buffer_specs(ep_size, num_tokens, hidden, topk):
         "d_router_weight_buffer": ((num_tokens, topk), f32),
         "all_gather_top_experts_buffer": ((ep_size, num_tokens, topk), i32),
         "barrier_buffer": ((ep_size,), i32),
+        "barrier_epoch_buffer": ((2,), i32),
     }
 
 

@@ -19,7 +19,7 @@ import torch
 from . import _driver
 from .arch import ARCH_ENV_VAR, device_index, native_arch, select_arch
 from .errors import MoKCudaError, MoKManifestError, MoKUnsupportedDeviceError
-from .launch import check_param_layout, normalize_grid, pack_args
+from .launch import ArgPacker, PackedArgs, check_param_layout, normalize_grid
 from .manifest import Manifest, TmaSpec, VariantSpec, load_manifest
 from .tma import TmaDescriptor, make_tma_descriptor
 
@@ -35,6 +35,45 @@ _primary_contexts: dict[int, Any] = {}
 _modules: dict[tuple[int, str], Any] = {}
 _kernels: dict[tuple[int, str, str, str], Kernel] = {}
 _fast_kernels: dict[tuple, Kernel] = {}
+_current_raw_stream: Any = None  # resolved on first use, see _current_stream_handle
+
+
+def _current_stream_handle(index: int) -> int:
+    """torch's current CUstream of device `index`, as an int.
+
+    `torch._C._cuda_getCurrentRawStream` (what torch inductor's generated code calls) answers
+    without building a torch.cuda.Stream object; the public spelling is the fallback where a
+    torch build lacks it. Both read the same current stream, the capture stream included.
+    """
+    global _current_raw_stream
+    if _current_raw_stream is None:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _current_raw_stream = raw if raw is not None else _public_current_stream_handle
+    return _current_raw_stream(index)
+
+
+def _public_current_stream_handle(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+_environ_key: Any = None  # MOK_ARCH as os.environ stores keys, resolved on first use
+
+
+def arch_env_token() -> Any:
+    """MOK_ARCH's raw value now (None when unset), for cache keys only: never validated.
+
+    `os.environ.get` encodes the key on every call (~0.7 us); the mapping's own dict answers
+    the same question in ~0.05 us, and os.environ's setters keep it current. Falls back to
+    `os.environ.get` where os.environ has no such dict.
+    """
+    global _environ_key
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    if data is None:
+        return environ.get(ARCH_ENV_VAR)
+    if _environ_key is None:
+        _environ_key = environ.encodekey(ARCH_ENV_VAR)
+    return data.get(_environ_key)
 
 
 # ---------------------------------------------------------------- contexts
@@ -105,6 +144,17 @@ def load_module(index: int, cubin_path: Path) -> Any:
         return module
 
 
+class _LaunchState:
+    """One thread's reusable launch buffers for one Kernel (see `Kernel.launch`)."""
+
+    __slots__ = ("packed", "config", "stream_handle")
+
+    def __init__(self, packed: PackedArgs, config: Any):
+        self.packed = packed
+        self.config = config
+        self.stream_handle = 0  # what config.hStream holds
+
+
 class Kernel:
     """One kernel variant loaded on one device, ready to launch.
 
@@ -136,6 +186,7 @@ class Kernel:
         finally:
             _restore(previous)
         self._cluster_attribute = self._make_cluster_attribute()
+        self._prepare_launches()
 
     # ------------------------------------------------------------ load-time checks
 
@@ -219,6 +270,16 @@ class Kernel:
 
     # ------------------------------------------------------------ launching
 
+    def _prepare_launches(self) -> None:
+        """Everything a launch needs that does not change between launches (see `launch`)."""
+        cu = _driver.driver()
+        self._cu = cu
+        self._success = cu.CUresult.CUDA_SUCCESS
+        self._packer = ArgPacker(self.variant)
+        self._context = primary_context(self.device_index)
+        self._context_handle = int(self._context)
+        self._thread_state = threading.local()
+
     def _launch_config(self, grid: tuple[int, int, int], stream_handle: int) -> Any:
         cu = _driver.driver()
         config = cu.CUlaunchConfig()
@@ -230,9 +291,14 @@ class Kernel:
         config.numAttrs = 1
         return config
 
+    def _new_thread_state(self) -> _LaunchState:
+        state = _LaunchState(self._packer.new_args(), self._launch_config(self.variant.cluster, 0))
+        self._thread_state.state = state
+        return state
+
     def _stream_handle(self, stream: Any) -> int:
         if stream is None:
-            return torch.cuda.current_stream(self.device_index).cuda_stream
+            return _current_stream_handle(self.device_index)
         if isinstance(stream, torch.cuda.Stream):
             if stream.device_index != self.device_index:
                 raise ValueError(
@@ -256,30 +322,64 @@ class Kernel:
     ) -> None:
         """Launch on `stream` (default: torch's current stream of this kernel's device).
 
-        `args` maps every manifest param name to its value (see `pack_args`). Asynchronous:
-        no host sync, no device allocation, so it can be captured in a CUDA graph.
+        `args` maps every manifest param name to its value (see `pack_args`); every launch
+        checks names, kinds and ranges. Asynchronous: no host sync, no device allocation, so
+        it can be captured in a CUDA graph.
+
+        Thread-safe: each thread packs into its own param buffer and CUlaunchConfig (held in
+        a threading.local), which are rewritten, never shared, on every launch. Reusing them
+        is safe because cuLaunchKernelEx copies the param values and the config during the
+        call (also under graph capture, where the node keeps its own copy).
         """
         grid3 = normalize_grid(grid, self.variant.cluster)
-        packed = pack_args(self.variant, args, device_index=self.device_index)
-        config = self._launch_config(grid3, self._stream_handle(stream))
-        cu = _driver.driver()
-        previous = _make_current(primary_context(self.device_index))
         try:
-            _driver.check(
-                cu.cuLaunchKernelEx(config, self.function, packed.address, 0),
-                f"cuLaunchKernelEx({self.variant.name!r}, grid {list(grid3)}, block "
-                f"{list(self.variant.block)}, cluster {list(self.variant.cluster)})",
-            )
+            state = self._thread_state.state
+        except AttributeError:
+            state = self._new_thread_state()
+        packed = self._packer.pack_into(state.packed, args, self.device_index)
+        handle = (
+            _current_stream_handle(self.device_index)
+            if stream is None
+            else self._stream_handle(stream)
+        )
+        config = state.config
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid3
+        if handle != state.stream_handle:
+            config.hStream = self._cu.CUstream(handle)
+            state.stream_handle = handle
+        # torch keeps its device's primary context current, so this is one cuCtxGetCurrent
+        # (a thread-local read in the driver); a switch happens only when it is another one.
+        status, current = self._cu.cuCtxGetCurrent()
+        if status != self._success or int(current) != self._context_handle:
+            self._launch_switching_context(config, packed, grid3)
+            return
+        result = self._cu.cuLaunchKernelEx(config, self.function, packed.address, 0)
+        if result[0] != self._success:
+            self._raise_launch_error(result, grid3)
+
+    def _launch_switching_context(self, config: Any, packed: PackedArgs, grid3: tuple) -> None:
+        previous = _make_current(self._context)
+        try:
+            result = self._cu.cuLaunchKernelEx(config, self.function, packed.address, 0)
+            if result[0] != self._success:
+                self._raise_launch_error(result, grid3)
         finally:
             _restore(previous)
-        del packed  # the driver has copied the param values; the buffer may go now
+
+    def _raise_launch_error(self, result: Any, grid3: tuple) -> None:
+        # The message is built only on failure: formatting it costs more than a launch.
+        _driver.check(
+            result,
+            f"cuLaunchKernelEx({self.variant.name!r}, grid {list(grid3)}, block "
+            f"{list(self.variant.block)}, cluster {list(self.variant.cluster)})",
+        )
 
     def max_active_clusters(self) -> int:
         """Clusters of this kernel that can be co-resident on the device (persistent grids)."""
         cu = _driver.driver()
         # The grid of the query config is ignored beyond being a multiple of the cluster.
         config = self._launch_config(self.variant.cluster, 0)
-        previous = _make_current(primary_context(self.device_index))
+        previous = _make_current(self._context)
         try:
             return _driver.check(
                 cu.cuOccupancyMaxActiveClusters(self.function, config),
@@ -320,22 +420,23 @@ def get_kernel(
     MoKUnsupportedDeviceError (arch cannot run on the device), MoKParamMismatchError (cubin
     and manifest disagree) or MoKCudaError (a driver call failed).
     """
-    # Fast path for the launchers' per-call lookups: same name, device, arch request, manifest
-    # request and MOK_ARCH value as an earlier call returns the same Kernel.
+    # Fast path for the launchers' per-call lookups: same name, device index, arch request,
+    # manifest request and MOK_ARCH value as an earlier call returns the same Kernel. The
+    # device is resolved to its index first (an index-less "cuda" means torch's current
+    # device, which may change between calls).
     if not (manifest is None or isinstance(manifest, str)):
         return _get_kernel_slow(name, device=device, arch=arch, manifest=manifest)
-    fast_key = (
-        name,
-        device if device is None or isinstance(device, (int, str)) else str(device),
-        arch,
-        manifest,
-        os.environ.get(ARCH_ENV_VAR),
-        torch.cuda.current_device() if device is None else None,
-    )
+    if device.__class__ is torch.device and device.type == "cuda" and device.index is not None:
+        index = device.index
+    elif device.__class__ is int and device >= 0:
+        index = device
+    else:
+        index = device_index(device)
+    fast_key = (name, index, arch, manifest, arch_env_token())
     kernel = _fast_kernels.get(fast_key)
     if kernel is not None:
         return kernel
-    kernel = _get_kernel_slow(name, device=device, arch=arch, manifest=manifest)
+    kernel = _get_kernel_slow(name, device=index, arch=arch, manifest=manifest)
     _fast_kernels[fast_key] = kernel
     return kernel
 

@@ -1,8 +1,10 @@
 """CPU checks of the EP comm kernels (dsl_kernels/common/{bounded_wait, flag_wait_probe,
 ep_barrier, all_gather_top_experts}.py): they compile for sm_90a and sm_100a, their PTX uses
 the memory orders the protocol needs (acquire polls, release arrivals at system scope, the
-error-record CAS + fence), backs off with nanosleep, bounds waits with %globaltimer and traps,
-and never uses NVLink multicast. Their parameters are the names mok/launchers/comm.py passes.
+error-record CAS + fence, the arrival epoch read with an acquire first and retired with an
+acq_rel count last), backs off with nanosleep, bounds waits with %globaltimer and traps, and
+never uses NVLink multicast. Their parameters are the names mok/launchers/comm.py passes: no
+wait target is a launch argument (CUDA-graph replays read the epoch from the device).
 About a second in total.
 """
 
@@ -28,6 +30,8 @@ BOUNDED_WAIT = (
     "trap;",
 )
 ARRIVAL = ("red.release.sys.global.add.s32",)
+# The arrival epoch (ep_barrier.py): read with an acquire, retired with an acq_rel CTA count.
+EPOCH_RETIRE = "atom.acq_rel.gpu.global.add.s32"
 PARAMS = {
     "flag_wait_probe": [
         "flag_ptr",
@@ -42,7 +46,7 @@ PARAMS = {
         "peer_barrier_ptrs",
         "rank",
         "world_size",
-        "target",
+        "barrier_epoch_ptr",
         "error_record_ptr",
         "phase",
         "timeout_ns",
@@ -56,8 +60,7 @@ PARAMS = {
         "num_ids",
         "chunk_ids",
         "ctas_per_peer",
-        "entry_target",
-        "final_target",
+        "barrier_epoch_ptr",
         "error_record_ptr",
         "entry_phase",
         "gather_phase",
@@ -66,10 +69,10 @@ PARAMS = {
 }
 REQUIRED = {
     "flag_wait_probe": BOUNDED_WAIT,
-    "ep_barrier": BOUNDED_WAIT + ARRIVAL + ("bar.sync",),
+    "ep_barrier": BOUNDED_WAIT + ARRIVAL + (EPOCH_RETIRE, "bar.sync"),
     "all_gather_top_experts": BOUNDED_WAIT
     + ARRIVAL
-    + ("st.global.v4.b32", "st.global.b32", "fence.acq_rel.sys", "ld.global.nc.s64"),
+    + (EPOCH_RETIRE, "st.global.v4.b32", "st.global.b32", "fence.acq_rel.sys", "ld.global.nc.s64"),
 }
 
 
@@ -112,3 +115,19 @@ def test_release_arrivals_follow_the_fence_in_the_all_gather(compiled):
     fence = body.index("fence.acq_rel.sys", last_store)
     assert body.index("bar.sync", last_store) < fence
     assert "red.release.sys.global.add.s32" in body[fence:]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", ["ep_barrier", "all_gather_top_experts"])
+def test_epoch_is_read_first_and_retired_last(compiled, name, arch):
+    """Targets come from the device epoch: read (acquire) before any arrival, retired (one
+    acq_rel count per CTA) after the last arrival and after the bar.sync that orders every
+    thread's read of it."""
+    _, _, ptx = compiled[(name, arch)]
+    body = ptx[ptx.index(".entry") :]
+    assert body.count(EPOCH_RETIRE) == 1
+    first_read = body.index("ld.acquire.sys.global.b32")
+    retire = body.index(EPOCH_RETIRE)
+    assert first_read < body.index("red.release.sys.global.add.s32")
+    assert body.rindex("red.release.sys.global.add.s32") < retire
+    assert body.rindex("bar.sync") < retire

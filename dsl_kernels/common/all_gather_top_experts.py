@@ -9,20 +9,28 @@ Why the kernel reads int64 and narrows itself: no extra torch op (and no tempora
 the narrowing keeps the low 32 bits (expert ids are < 2^31; the caller validates the range).
 
 Barrier counters: the same per-source slots as common/ep_barrier.py (`barrier_buffer` [P]
-of each rank; slot s counts arrivals from rank s; monotone, targets from the host's running
-total). Per call, each rank makes 2 * ctas_per_peer arrivals at each peer:
+of each rank; slot s counts arrivals from rank s; monotone). The targets come from the arrival
+epoch of common/ep_barrier.py (`epoch`: arrivals every slot received before this call, a word
+in this rank's own memory that every CTA reads when it starts; the launch's last CTA advances it
+by 2 * ctas_per_peer when it ends), never from a launch argument, so a CUDA-graph replay waits
+for fresh targets. Per call, each rank makes 2 * ctas_per_peer arrivals at each peer:
 
 1. Entry (1 per CTA): CTA (c, p) of rank r adds 1 to slot r of rank p, meaning "rank r has
    started this call", so every earlier kernel of rank r's stream, including any reader of
    the previous ids in r's buffer, has finished. It then waits until its own slot p has reached
-   `entry_target` (= total before this call + 1): rank p has started too, so overwriting
-   slot [r] of p's buffer cannot race with p still reading the previous call's ids.
+   `epoch + 1`: rank p has started too, so overwriting slot [r] of p's buffer cannot race with
+   p still reading the previous call's ids.
 2. Data (1 per CTA): after its stores to rank p, CTA (c, p) adds 1 (release, after a bar.sync
    and a system fence, so it covers every thread's stores) to slot r of rank p.
-3. Completion: CTA (0, p) of rank r waits until its own slot p has reached `final_target`
-   (= total before this call + 2 * ctas_per_peer): every CTA of rank p that writes into r's
-   buffer has stored and published. With one such CTA per peer, the kernel ends only when
-   all P slots are complete (a later kernel on r's stream sees them).
+3. Completion: CTA (0, p) of rank r waits until its own slot p has reached
+   `epoch + 2 * ctas_per_peer`: every CTA of rank p that writes into r's buffer has stored and
+   published. With one such CTA per peer, the kernel ends only when all P slots are complete
+   (a later kernel on r's stream sees them). A fast peer's arrivals of the next call only push
+   the slot past the target (ep_barrier.py's module doc says why that is all they can do), and
+   they come after all of that peer's arrivals of this call (its next kernel starts after this
+   one ends), so a reached target still means all of this call's data has landed.
+4. Retire: thread 0 of each CTA, after the publish bar.sync (every thread of the CTA has read
+   the epoch by then) and its waits, counts the CTA; the last of the grid advances the epoch.
 
 Deadlock freedom: the only waits are (a) entry: for one CTA of rank p's grid to have started
 (it arrives before it waits on anything), and (b) completion, in CTA (0, p) only: for rank p's
@@ -46,7 +54,13 @@ from .bounded_wait import (
     st_global_b32,
     st_global_v4_b32,
 )
-from .ep_barrier import arrive_at_peer, peer_address, wait_for_source
+from .ep_barrier import (
+    arrive_at_peer,
+    peer_address,
+    read_arrival_epoch,
+    retire_arrival_epoch,
+    wait_for_source,
+)
 
 THREADS = 128
 VECTOR = 4  # int32 ids per 16-byte store
@@ -62,7 +76,8 @@ class AllGatherTopExperts:
     (int64 [world_size]: address of each rank's `barrier_buffer`, int32 [world_size]),
     `rank`, `world_size`, `num_ids`, `chunk_ids` (ids per chunk: chunk_bytes / 4, a multiple
     of 4), `ctas_per_peer` (CTAs writing to one peer; each takes chunks c, c + ctas_per_peer,
-    ...), `entry_target`, `final_target` (int32, wrap-safe; module doc), `error_record_ptr`
+    ...), `barrier_epoch_ptr` (int32 [2]: this rank's `barrier_epoch_buffer`, the arrival epoch
+    of common/ep_barrier.py; targets are derived from it, wrap-safe), `error_record_ptr`
     (runtime/error_record.py), `entry_phase` (WaitPhase id of the entry wait), `gather_phase`
     (WaitPhase id of the completion wait), `timeout_ns` (int64, per wait).
 
@@ -72,7 +87,8 @@ class AllGatherTopExperts:
 
     Constraints: 1 <= world_size <= 65535, 0 <= rank < world_size, num_ids >= 1,
     world_size * num_ids < 2^31, chunk_ids > 0 and % 4 == 0, 1 <= ctas_per_peer; ids 8-byte
-    aligned; each gather buffer 16-byte aligned. Launch grid (ctas_per_peer, world_size, 1),
+    aligned; each gather buffer 16-byte aligned; comm launches of one workspace stream-ordered
+    (ep_barrier.py). Launch grid (ctas_per_peer, world_size, 1),
     block (128, 1, 1), no dynamic smem, cluster (1, 1, 1).
     """
 
@@ -87,8 +103,7 @@ class AllGatherTopExperts:
             Int32(0),
             Int32(0),
             Int32(0),
-            Int32(0),
-            Int32(0),
+            global_pointer(Int32, 8),
             global_pointer(Int32, 64),
             Int32(0),
             Int32(0),
@@ -106,8 +121,7 @@ class AllGatherTopExperts:
         num_ids: Int32,
         chunk_ids: Int32,
         ctas_per_peer: Int32,
-        entry_target: Int32,
-        final_target: Int32,
+        barrier_epoch_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
         entry_phase: Int32,
         gather_phase: Int32,
@@ -122,8 +136,7 @@ class AllGatherTopExperts:
             num_ids,
             chunk_ids,
             ctas_per_peer,
-            entry_target,
-            final_target,
+            barrier_epoch_ptr,
             error_record_ptr,
             entry_phase,
             gather_phase,
@@ -141,8 +154,7 @@ class AllGatherTopExperts:
         num_ids: Int32,
         chunk_ids: Int32,
         ctas_per_peer: Int32,
-        entry_target: Int32,
-        final_target: Int32,
+        barrier_epoch_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
         entry_phase: Int32,
         gather_phase: Int32,
@@ -154,10 +166,18 @@ class AllGatherTopExperts:
         record = error_record_ptr.toint()
         own_barrier = peer_address(barrier_table, rank)
 
+        # ---- targets: from the device epoch, never a launch argument (graph replays) ----
+        # Every thread reads it (one cached word); the publish bar.sync orders all these reads
+        # before thread 0 retires the CTA.
+        epoch_buffer = barrier_epoch_ptr.toint()
+        epoch = read_arrival_epoch(epoch_buffer)
+        # Per call each CTA arrives twice at its peer: once on entry, once after its stores.
+        arrivals_per_slot = 2 * ctas_per_peer
+
         # ---- entry: announce this call to `peer`, wait until `peer` has started it too ----
         if tidx == 0:
             arrive_at_peer(barrier_table, peer, rank)
-            wait_for_source(own_barrier, peer, entry_target, timeout_ns, record, rank, entry_phase)
+            wait_for_source(own_barrier, peer, epoch + 1, timeout_ns, record, rank, entry_phase)
         cute.arch.barrier()
 
         # ---- copy: chunks cta_in_peer, cta_in_peer + ctas_per_peer, ... into slot [rank] ----
@@ -196,5 +216,13 @@ class AllGatherTopExperts:
             # ---- completion: one CTA per source rank waits for all of its CTAs' data ----
             if cta_in_peer == 0:
                 wait_for_source(
-                    own_barrier, peer, final_target, timeout_ns, record, rank, gather_phase
+                    own_barrier,
+                    peer,
+                    epoch + arrivals_per_slot,
+                    timeout_ns,
+                    record,
+                    rank,
+                    gather_phase,
                 )
+            # ---- retire: the last CTA of the grid advances the epoch for the next call ----
+            retire_arrival_epoch(epoch_buffer, epoch, arrivals_per_slot, ctas_per_peer * world_size)

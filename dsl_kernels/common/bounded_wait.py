@@ -9,13 +9,15 @@ NVLink multicast (multimem / NVLS) is never used: every remote access is a unica
 or atomic to one peer address.
 
 Counters are monotone. A counter is never reset between uses; each use waits for a larger
-target that the host computes (e.g. `previous arrivals + arrivals of this call`). A reset would
-race: a fast peer may already have arrived for the next use when the slow owner resets, and its
-arrival would be erased. With monotone counters the only state is the running total, which
-every rank knows without talking to the others because every rank makes the same sequence of
-calls. Comparisons are wrap-safe: "reached" means `int32(value - target) >= 0` (two's
-complement), which equals `value >= target` as long as the counter and the target are less than
-2^31 apart, so a counter may wrap around 2^32 without breaking a wait.
+target (`arrivals before this call + arrivals of this call`). A reset would race: a fast peer
+may already have arrived for the next use when the slow owner resets, and its arrival would be
+erased. With monotone counters the only state is the running total, which every rank knows
+without talking to the others because every rank makes the same sequence of calls. The kernels
+read that total from a word in device memory when they start (common/ep_barrier.py, "Arrival
+epoch"), never from a launch argument, so a CUDA-graph replay waits for fresh targets.
+Comparisons are wrap-safe: "reached" means `int32(value - target) >= 0` (two's complement),
+which equals `value >= target` as long as the counter and the target are less than 2^31 apart,
+so a counter may wrap around 2^32 without breaking a wait.
 
 `bounded_wait_reached` is the one wait every kernel uses. It polls with `ld.acquire.sys`,
 sleeps between polls with an exponential `nanosleep` back-off (32 ns doubling to 1 us: a
@@ -125,6 +127,23 @@ def atom_add_release_sys_s32(address: Int64, value: Int32, *, loc=None, ip=None)
             T.i32(),
             [_i64(address, loc, ip), _i32(value, loc, ip)],
             "atom.release.sys.global.add.s32 $0, [$1], $2;",
+            "=r,l,r,~{memory}",
+            loc,
+            ip,
+        )
+    )
+
+
+@dsl_user_op
+def atom_add_acq_rel_gpu_s32(address: Int64, value: Int32, *, loc=None, ip=None) -> Int32:
+    """`atom.acq_rel.gpu.global.add.s32`: old value; orders this thread's earlier accesses
+    before, and its later ones after, those of every thread on this GPU that adds to the same
+    word (a count of CTAs that have finished a step; GPU scope: only this GPU's CTAs count)."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i64(address, loc, ip), _i32(value, loc, ip)],
+            "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
             "=r,l,r,~{memory}",
             loc,
             ip,

@@ -5,19 +5,41 @@ slot s of rank r counts the arrivals rank s has made at rank r, ever (monotone, 
 see common/bounded_wait.py for why). To arrive, rank r adds 1 with `red.release.sys` to slot r
 of every peer's buffer (itself included), through the peer base addresses of `barrier_buffer`
 (a device table of P int64, `peer_barrier_ptrs`). To wait, rank r polls its own P slots with
-the bounded acquire wait until each has reached `target`. The host keeps, per workspace, the
-running total of arrivals each slot has received (the same on every rank, because every rank
-makes the same sequence of collective calls) and passes `target = total before this call +
-arrivals of this call` (1 for a plain barrier).
+the bounded acquire wait until each has reached `target = base + arrivals of this call`.
+
+Arrival epoch (what makes the launches CUDA-graph replayable): `base`, the number of arrivals
+every slot has received from the comm calls before this one, lives on the device, in word 0
+(EPOCH_WORD) of this rank's own `barrier_epoch_buffer` (int32 [2], not shared with peers; word 1,
+READERS_WORD, counts the CTAs of the running launch that have read word 0). Every comm kernel
+that arrives on `barrier_buffer` reads the epoch when it starts (`read_arrival_epoch`) and
+advances it by its per-slot arrivals when it ends (`retire_arrival_epoch`): each CTA adds 1 to
+the reader count with an acq_rel atomic once all of its readers are done, and the CTA that
+brings the count to the grid size (the last) stores `base + arrivals` and resets the count to 0.
+No launch argument carries a target, so a replayed graph waits for fresh ones. Every rank makes
+the same sequence of comm calls with the same per-slot arrivals, so every rank's epoch and every
+slot of every rank agree after each call: the invariant "epoch == each slot's arrivals before
+this call" holds by induction from the zeroed buffers.
+
+Why the epoch is race-free:
+- Within a launch: every CTA reads the epoch before its count increment (program order, or a
+  bar.sync for a CTA whose other threads read it), and the last CTA's store follows every
+  increment (acq_rel chain on one word), so no CTA of the launch reads the new value. The last
+  CTA alone writes both words; nobody else writes them during the launch.
+- Between launches: comm kernels of one workspace run in stream order (one stream, or graph
+  edges; no programmatic dependent launch), so the next launch starts after the last CTA's
+  stores and reads the new epoch and a zero count. Only this rank's own kernels touch the
+  words, so a fast peer cannot disturb them.
+- A fast peer and the slots: slot s of rank r exceeds `base` only once rank s has entered this
+  call, and rank s cannot arrive for the call after next before rank r has arrived for the next
+  one, which r does only after finishing this call. So while r waits in call n, slot s holds
+  `base_n + a` with 0 <= a <= arrivals of call n + arrivals of call n+1: an early arrival of
+  call n+1 only pushes the slot past the target, which the wrap-safe `>=` accepts, and it is
+  never lost (no reset). Counters and targets stay far less than 2^31 apart, so wrapping
+  around 2^32 is harmless.
 
 Why one slot per source rather than one shared counter: the slot that falls short names the
 rank that did not arrive (the error record's counter_index is the late rank), and no two ranks
 ever add to the same word, so arrivals do not contend.
-
-Why the monotone target is safe without a reset: slot s of rank r exceeds the total of earlier
-calls only once rank s has entered this call, and rank s cannot arrive for the next call before
-it has finished waiting in this one, which needs rank r's arrival for this call. So ranks are
-at most one barrier apart and no arrival is ever counted for the wrong call.
 
 Ordering: the release add orders everything the arriving rank did before (its earlier kernels
 on the stream included) before the peer's acquire that sees it, so after the barrier each rank
@@ -37,18 +59,52 @@ from .args import global_pointer
 from .bounded_wait import (
     NO_TASK,
     OWN_MEMORY,
+    atom_add_acq_rel_gpu_s32,
     bounded_wait_reached,
+    ld_acquire_sys_s32,
     ld_global_b64,
     red_add_release_sys_s32,
+    st_relaxed_sys_b32,
 )
 
 THREADS = 128  # thread t arrives at peers t, t+128, ... and waits on slots t, t+128, ...
+# Words of `barrier_epoch_buffer` (int32 [2], this rank's own memory; module doc).
+EPOCH_WORD = 0  # arrivals every barrier slot has received before the running comm call
+READERS_WORD = 1  # CTAs of the running comm launch that are done with the epoch
+ARRIVALS_PER_BARRIER = 1  # per slot and call
 
 
 @cute.jit
 def peer_address(peer_table: Int64, peer: Int32) -> Int64:
     """Entry `peer` of a device table of int64 base addresses (one per rank)."""
     return ld_global_b64(peer_table + Int64(peer) * 8)
+
+
+@cute.jit
+def read_arrival_epoch(epoch_buffer: Int64) -> Int32:
+    """The arrivals every barrier slot has received before this launch (module doc).
+
+    Acquire, so that this read stays before the `retire_arrival_epoch` that follows it. Not the
+    non-coherent path: the previous launch wrote the word.
+    """
+    return ld_acquire_sys_s32(epoch_buffer + 4 * EPOCH_WORD)
+
+
+@cute.jit
+def retire_arrival_epoch(
+    epoch_buffer: Int64, epoch: Int32, arrivals_per_slot: Int32, num_ctas: Int32
+):
+    """One thread per CTA, once every thread of its CTA is done reading the epoch: count the
+    CTA; the last of the launch's `num_ctas` CTAs advances the epoch to `epoch +
+    arrivals_per_slot` (wrapping) and resets the count for the next launch.
+
+    acq_rel: the earlier CTAs' reads happen before the last CTA's store, which therefore
+    no CTA of this launch can read; the next launch (stream order) sees both stores.
+    """
+    readers_before = atom_add_acq_rel_gpu_s32(epoch_buffer + 4 * READERS_WORD, Int32(1))
+    if readers_before == num_ctas - 1:
+        st_relaxed_sys_b32(epoch_buffer + 4 * READERS_WORD, Int32(0))
+        st_relaxed_sys_b32(epoch_buffer + 4 * EPOCH_WORD, epoch + arrivals_per_slot)
 
 
 @cute.jit
@@ -91,19 +147,18 @@ class EpBarrier:
 
     Kernel parameters (in this order): `peer_barrier_ptrs` (int64 [world_size]: the address
     of `barrier_buffer` of each rank, as this rank maps it; entry `rank` is its own), `rank`,
-    `world_size` (int32), `target` (int32: the value every own slot must reach, i.e. the
-    host's running arrival total per slot after this call; wrap-safe), `error_record_ptr`
-    (runtime/error_record.py), `phase` (int32 WaitPhase id for the record), `timeout_ns`
-    (int64, per wait).
+    `world_size` (int32), `barrier_epoch_ptr` (int32 [2]: this rank's `barrier_epoch_buffer`,
+    the arrival epoch of the module doc), `error_record_ptr` (runtime/error_record.py), `phase`
+    (int32 WaitPhase id for the record), `timeout_ns` (int64, per wait).
 
-    Each rank adds 1 to slot `rank` of every peer (red.release.sys), then waits (bounded,
-    ld.acquire.sys) until each of its own slots has reached `target`. On timeout the error
-    record names this rank, `phase`, the late source rank (counter_index), what its slot read
-    and `target`; the kernel traps.
+    Reads the epoch, adds 1 to slot `rank` of every peer (red.release.sys), waits (bounded,
+    ld.acquire.sys) until each of its own slots has reached `epoch + 1` (wrap-safe), then
+    advances the epoch by 1. On timeout the error record names this rank, `phase`, the late
+    source rank (counter_index), what its slot read and the target; the kernel traps.
 
     Constraints: 1 <= world_size; 0 <= rank < world_size; the table and every barrier_buffer
-    8- and 4-byte aligned; launch grid (1, 1, 1), block (128, 1, 1), no dynamic smem,
-    cluster (1, 1, 1).
+    8- and 4-byte aligned; comm launches of one workspace stream-ordered (module doc); launch
+    grid (1, 1, 1), block (128, 1, 1), no dynamic smem, cluster (1, 1, 1).
     """
 
     def compile_arguments(self) -> tuple:
@@ -112,7 +167,7 @@ class EpBarrier:
             global_pointer(Int64, 8),
             Int32(0),
             Int32(0),
-            Int32(0),
+            global_pointer(Int32, 8),
             global_pointer(Int32, 64),
             Int32(0),
             Int64(0),
@@ -124,13 +179,19 @@ class EpBarrier:
         peer_barrier_ptrs: cute.Pointer,
         rank: Int32,
         world_size: Int32,
-        target: Int32,
+        barrier_epoch_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
         phase: Int32,
         timeout_ns: Int64,
     ):
         self.kernel(
-            peer_barrier_ptrs, rank, world_size, target, error_record_ptr, phase, timeout_ns
+            peer_barrier_ptrs,
+            rank,
+            world_size,
+            barrier_epoch_ptr,
+            error_record_ptr,
+            phase,
+            timeout_ns,
         ).launch(grid=[1, 1, 1], block=[THREADS, 1, 1])
 
     @cute.kernel
@@ -139,14 +200,19 @@ class EpBarrier:
         peer_barrier_ptrs: cute.Pointer,
         rank: Int32,
         world_size: Int32,
-        target: Int32,
+        barrier_epoch_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
         phase: Int32,
         timeout_ns: Int64,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         peer_table = peer_barrier_ptrs.toint()
+        epoch_buffer = barrier_epoch_ptr.toint()
         record = error_record_ptr.toint()
+
+        # ---- target: from the device epoch, never a launch argument (graph replays) ----
+        epoch = read_arrival_epoch(epoch_buffer)
+        target = epoch + ARRIVALS_PER_BARRIER
 
         # ---- arrive: +1 on slot `rank` of every peer (release: our earlier work is visible) ----
         for peer in cutlass.range(tidx, world_size, THREADS, unroll=1):
@@ -156,5 +222,10 @@ class EpBarrier:
         own_barrier = peer_address(peer_table, rank)
         for source in cutlass.range(tidx, world_size, THREADS, unroll=1):
             wait_for_source(own_barrier, source, target, timeout_ns, record, rank, phase)
-        # The waiters' acquires extend to the whole CTA (and, at kernel end, to later kernels).
+        # The waiters' acquires extend to the whole CTA (and, at kernel end, to later kernels);
+        # every thread has read the epoch before thread 0 advances it.
         cute.arch.barrier()
+
+        # ---- retire: the next comm call waits for one arrival more ----
+        if tidx == 0:
+            retire_arrival_epoch(epoch_buffer, epoch, Int32(ARRIVALS_PER_BARRIER), Int32(1))

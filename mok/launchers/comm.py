@@ -11,13 +11,20 @@ context; call `check_errors(device)` at a natural sync point: it synchronises an
 MoKWaitTimeoutError naming the rank, phase and counter values when a wait gave up.
 
 Barrier counters (`barrier_buffer`, int32 [P] per rank, slot s = arrivals from rank s) are
-monotone: the workspace carries the running total of arrivals each slot has received (equal on
-every rank, since every rank makes the same sequence of calls) and each call waits for that
-total plus its own arrivals. Any other kernel that arrives on `barrier_buffer` must take its
-targets from `reserve_barrier_arrivals` so the totals stay in step.
+monotone. The running total of arrivals each slot has received before the next call (equal on
+every rank, since every rank makes the same sequence of calls) is kept on the device, in the
+workspace's `barrier_epoch_buffer` (int32 [2], this rank's own memory): each kernel reads it
+when it starts, waits for it plus its own arrivals, and its last CTA advances it when it ends
+(dsl_kernels/common/ep_barrier.py, "Arrival epoch", says why that is race-free). The host keeps
+no count, so every launch here can be captured in a CUDA graph and replayed any number of times,
+mixed freely with eager calls. Any other kernel that arrives on `barrier_buffer` must read and
+retire the epoch the same way (`read_arrival_epoch` / `retire_arrival_epoch`).
 
-Not CUDA-graph replayable: the targets are baked into the launch at capture time, and a
-replay would wait for counts that were already reached.
+Rules: every rank makes the same comm calls on a workspace in the same order, with the same
+`config` (the all-gather's arrivals per call depend on its chunk size), and they run in stream
+order on each rank (one stream, or a graph whose comm nodes form a chain; no programmatic
+dependent launch). The first comm call on a workspace must run outside graph capture (warm-up):
+it uploads the peer-pointer tables and maps the error record.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ class _CommState:
 
     barrier_ptrs: torch.Tensor  # int64 [P] device table: each rank's barrier_buffer address
     gather_ptrs: torch.Tensor  # int64 [P] device table: each rank's all-gather buffer address
-    arrivals: int = 0  # running total of arrivals each barrier slot has received
+    epoch: torch.Tensor  # int32 [2]: this rank's barrier_epoch_buffer (arrival epoch, readers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,30 +117,28 @@ def _state(workspace) -> _CommState:
             # One-time setup: a blocking host-to-device copy is fine here.
             return torch.tensor(pointers, dtype=torch.int64, device=workspace.device)
 
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the first comm call on a workspace must run outside CUDA graph capture (it "
+                "uploads the peer-pointer tables and maps the error record): make one eager "
+                "call (a warm-up) before capturing"
+            )
         if workspace.ep_size > MAX_WORLD_SIZE:
             raise ValueError(f"ep_size must be <= {MAX_WORLD_SIZE}, got {workspace.ep_size}")
+        epoch = workspace.buffers.get("barrier_epoch_buffer")
+        if epoch is None or epoch.dtype != torch.int32 or epoch.numel() != 2:
+            raise ValueError(
+                "workspace.buffers['barrier_epoch_buffer'] must be an int32 tensor of 2 "
+                f"elements, got {None if epoch is None else (epoch.dtype, list(epoch.shape))}"
+            )
         state = _CommState(
             barrier_ptrs=table("barrier_buffer"),
             gather_ptrs=table("all_gather_top_experts_buffer"),
+            epoch=epoch,
         )
+        get_error_record(workspace.device)  # made here, outside capture
         setattr(workspace, _STATE_ATTRIBUTE, state)
     return state
-
-
-def reserve_barrier_arrivals(workspace, arrivals_per_slot: int) -> int:
-    """Reserve `arrivals_per_slot` arrivals on every barrier slot; return the total before.
-
-    A kernel that makes n arrivals at each peer per call waits for `base + m` (m <= n) where
-    `base` is the returned value. Call it once per launch, in the same order on every rank.
-    """
-    if isinstance(arrivals_per_slot, bool) or not isinstance(arrivals_per_slot, int):
-        raise TypeError(f"arrivals_per_slot must be an int, got {type(arrivals_per_slot).__name__}")
-    if arrivals_per_slot < 1:
-        raise ValueError(f"arrivals_per_slot must be >= 1, got {arrivals_per_slot}")
-    state = _state(workspace)
-    base = state.arrivals
-    state.arrivals += arrivals_per_slot
-    return base
 
 
 def _as_int32_bits(value: int) -> int:
@@ -171,7 +176,8 @@ def ep_barrier(
 
     Every rank must call it, in the same order relative to the other comm calls. When it ends
     on a rank's stream, every rank has finished everything it queued on its stream before its
-    call. `phase` (a WaitPhase) is what a timeout reports.
+    call. `phase` (a WaitPhase) is what a timeout reports. Capturable in a CUDA graph (after
+    one eager comm call on the workspace): the target comes from the device epoch.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -180,20 +186,18 @@ def ep_barrier(
     state = _state(workspace)
     kernel = get_kernel("ep_barrier", device=workspace.device, manifest=manifest)
     record = get_error_record(workspace.device)
-    target = state.arrivals + 1
     kernel.launch(
         (1, 1, 1),
         {
             "peer_barrier_ptrs": state.barrier_ptrs,
             "rank": workspace.ep_rank,
             "world_size": workspace.ep_size,
-            "target": _as_int32_bits(target),
+            "barrier_epoch_ptr": state.epoch,
             "error_record_ptr": record.device_ptr,
             "phase": phase_id,
             "timeout_ns": timeout_ns,
         },
     )
-    state.arrivals = target  # only once the launch is queued
 
 
 def all_gather_top_experts(
@@ -209,8 +213,10 @@ def all_gather_top_experts(
     `top_experts`: int64 [T, k] contiguous on the workspace's device (T, k of the workspace).
     Returns the buffer, int32 [P, T, k], row p = rank p's ids (narrowed to int32 by the
     kernel). Collective: every rank calls it, in the same order relative to the other comm
-    calls. No host sync; the buffer is complete on this rank's stream when the kernel ends.
-    The next call overwrites it (after every rank has entered that call).
+    calls, with the same `config`. No host sync; the buffer is complete on this rank's stream
+    when the kernel ends. The next call overwrites it (after every rank has entered that call).
+    Capturable in a CUDA graph (after one eager comm call on the workspace): the targets come
+    from the device epoch.
     """
     from mok.runtime import WaitPhase, get_kernel  # noqa: PLC0415
 
@@ -247,9 +253,6 @@ def all_gather_top_experts(
     ctas_per_peer = min(num_chunks, max(1, MAX_GATHER_CTAS // world_size))
     kernel = get_kernel("all_gather_top_experts", device=workspace.device, manifest=manifest)
     record = get_error_record(workspace.device)
-    base = state.arrivals
-    # Per call each CTA arrives twice at its peer: once on entry, once after its stores.
-    arrivals = 2 * ctas_per_peer
     kernel.launch(
         (ctas_per_peer, world_size, 1),
         {
@@ -261,15 +264,13 @@ def all_gather_top_experts(
             "num_ids": num_ids,
             "chunk_ids": chunk_ids,
             "ctas_per_peer": ctas_per_peer,
-            "entry_target": _as_int32_bits(base + 1),
-            "final_target": _as_int32_bits(base + arrivals),
+            "barrier_epoch_ptr": state.epoch,
             "error_record_ptr": record.device_ptr,
             "entry_phase": int(WaitPhase.PEER_BARRIER_START),
             "gather_phase": int(WaitPhase.ROUTING_ALLGATHER),
             "timeout_ns": timeout_ns,
         },
     )
-    state.arrivals = base + arrivals
     return workspace.buffers["all_gather_top_experts_buffer"]
 
 

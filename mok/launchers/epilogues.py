@@ -1,18 +1,20 @@
 """Forward and backward epilogues: the fixed-order sums over each token's k slots.
 
-Kernels `moe_combine_forward` / `moe_combine_backward` (dsl_kernels/common): one CTA of 128
-threads per (token, 1024-column block), 16-byte loads, fp32 sums in j order with separate
-multiply and add roundings (bit-exact with `mok.reference.fwd_epilogue` / `bwd_epilogue`).
+Kernels `moe_combine_forward` / `moe_combine_backward` (dsl_kernels/common): one CTA of
+`threads` threads per (block of `tokens_per_cta` tokens, 8 * threads columns), 16-byte loads,
+fp32 sums in j order with separate multiply and add roundings (bit-exact with
+`mok.reference.fwd_epilogue` / `bwd_epilogue`). Both numbers come from the manifest's config
+of the loaded variant, so the grid always matches the cubin.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Launch constants recorded in the manifest's "launch" field: 128 threads x 8 bf16 per CTA.
-COLUMNS_PER_CTA = 8 * 128
-# grid.y carries the token index: launch in chunks of at most this many tokens.
-MAX_TOKENS_PER_LAUNCH = 65535
+# bf16 columns per thread (one 16-byte vector).
+COLUMNS_PER_THREAD = 8
+# grid.y carries the token-block index and may not exceed this.
+MAX_GRID_Y = 65535
 HIDDEN_ALIGNMENT = 64
 
 
@@ -24,9 +26,23 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int
         )
 
 
-def _chunks(num_tokens: int):
-    for start in range(0, num_tokens, MAX_TOKENS_PER_LAUNCH):
-        yield start, min(MAX_TOKENS_PER_LAUNCH, num_tokens - start)
+def _launches(kernel, num_tokens: int, hidden: int):
+    """(grid, first token, token count) of each launch: grid (ceil(hidden / (8 * threads)),
+    ceil(count / tokens_per_cta), 1), the manifest's `launch.grid` formula, in chunks of at
+    most 65535 token blocks (grid.y limit; 262140 tokens per launch with 4 tokens per CTA)."""
+    config = kernel.variant.config
+    try:
+        threads, tokens_per_cta = int(config["threads"]), int(config["tokens_per_cta"])
+    except KeyError as error:
+        raise RuntimeError(
+            f"kernel {kernel.variant.name!r}: manifest config {dict(config)} lacks {error}; "
+            "rebuild the cubins (python -m mok.dsl_kernels.build)"
+        ) from None
+    grid_x = -(-hidden // (COLUMNS_PER_THREAD * threads))
+    max_tokens = MAX_GRID_Y * tokens_per_cta
+    for start in range(0, num_tokens, max_tokens):
+        count = min(max_tokens, num_tokens - start)
+        yield (grid_x, -(-count // tokens_per_cta), 1), start, count
 
 
 def fwd_epilogue(
@@ -44,10 +60,9 @@ def fwd_epilogue(
         _check("y_shared", y_shared, torch.bfloat16, (num_tokens, hidden))
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
     kernel = get_kernel("moe_combine_forward", device=slots.device)
-    grid_x = -(-hidden // COLUMNS_PER_CTA)
-    for start, count in _chunks(num_tokens):
+    for grid, start, count in _launches(kernel, num_tokens, hidden):
         kernel.launch(
-            (grid_x, count, 1),
+            grid,
             {
                 "out_ptr": out[start:],
                 "shared_ptr": None if y_shared is None else y_shared[start:],
@@ -76,10 +91,9 @@ def bwd_epilogue(d_x_shared: torch.Tensor | None, slots: torch.Tensor, topk: int
         _check("d_x_shared", d_x_shared, torch.bfloat16, (num_tokens, hidden))
     d_x = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
     kernel = get_kernel("moe_combine_backward", device=slots.device)
-    grid_x = -(-hidden // COLUMNS_PER_CTA)
-    for start, count in _chunks(num_tokens):
+    for grid, start, count in _launches(kernel, num_tokens, hidden):
         kernel.launch(
-            (grid_x, count, 1),
+            grid,
             {
                 "d_x_ptr": d_x[start:],
                 "d_x_shared_ptr": None if d_x_shared is None else d_x_shared[start:],

@@ -7,9 +7,14 @@
 2. Success: the flag is set by another stream while the probe waits (or was set before; or is
    past the target, since counters are monotone), and the probe completes.
 3. EP group of one (workspace from mok.functional.get_workspace(config, None, ...)): the
-   barrier runs 100 times and its counter equals the arrivals made; the routing all-gather
-   gives exactly the local ids narrowed to int32, on the vector and scalar store paths, with
-   one chunk and with many.
+   barrier runs 100 times and its counter equals the arrivals made and the device arrival
+   epoch; the routing all-gather gives exactly the local ids narrowed to int32, on the vector
+   and scalar store paths, with one chunk and with many; counters and epoch wrap around 2^31
+   and 2^32 in step.
+4. CUDA graphs: mok.functional.build_schedule (all-gather + schedule kernels) captured once and
+   replayed with new routing ids in the same input tensor equals mok.reference.build_schedule
+   each time, and every replay advances the device epoch (the wait targets are not frozen into
+   the graph).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from mok.runtime import WaitPhase
 
 from mok.config import MoKConfig
 from mok.launchers import comm
+from mok.testing import make_routing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -118,12 +124,15 @@ def _workspace(num_tokens: int, topk: int):
 def test_ep_barrier_group_of_one_repeats():
     workspace = _workspace(64, 2)
     counter = workspace.buffers["barrier_buffer"]
+    epoch = workspace.buffers["barrier_epoch_buffer"]
     before = int(counter[0].item())
     for _ in range(100):
         comm.ep_barrier(workspace, phase=WaitPhase.PEER_BARRIER_START, timeout_ns=5_000_000_000)
     comm.check_errors(workspace.device)
     assert int(counter[0].item()) == before + 100
-    assert int(counter[0].item()) == workspace._mok_comm_state.arrivals
+    # The device epoch (the base of the next call's targets) follows the arrivals; the CTA
+    # count is back to zero for the next launch.
+    assert epoch.tolist() == [before + 100, 0]
 
 
 @pytest.mark.parametrize(
@@ -151,7 +160,86 @@ def test_all_gather_group_of_one_is_the_local_ids(num_tokens, topk, chunk_bytes)
         assert out.shape == (1, num_tokens, topk) and out.dtype == torch.int32
         assert torch.equal(out[0], ids.to(torch.int32)), f"call {call}"
     counter = workspace.buffers["barrier_buffer"]
-    assert int(counter[0].item()) == workspace._mok_comm_state.arrivals
+    epoch = workspace.buffers["barrier_epoch_buffer"]
+    assert epoch.tolist() == [int(counter[0].item()), 0]
+
+
+def _arrivals_per_all_gather(num_ids: int, chunk_bytes: int, world_size: int = 1) -> int:
+    """Arrivals per barrier slot of one all-gather call: 2 per CTA writing to one peer."""
+    num_chunks = -(-num_ids // (chunk_bytes // 4))
+    return 2 * min(num_chunks, max(1, comm.MAX_GATHER_CTAS // world_size))
+
+
+@pytest.mark.parametrize("start", [2**31 - 5, -3])  # across the signed wrap; across 2^32
+def test_counters_and_epoch_wrap_in_step(start):
+    workspace = _workspace(64, 2)
+    config = MoKConfig(all_gather_top_experts_chunk_bytes=64)  # 8 CTAs: 16 arrivals per call
+    ids = torch.arange(128, dtype=torch.int64, device="cuda").reshape(64, 2)
+    comm.ep_barrier(workspace, phase=WaitPhase.PEER_BARRIER_START)  # state made before the poke
+    comm.check_errors(workspace.device)
+    counter = workspace.buffers["barrier_buffer"]
+    epoch = workspace.buffers["barrier_epoch_buffer"]
+    counter.fill_(start)  # both moved together: the invariant "slot == epoch" still holds
+    epoch[0] = start
+    for _ in range(3):
+        comm.ep_barrier(workspace, phase=WaitPhase.PEER_BARRIER_START, timeout_ns=5_000_000_000)
+        out = comm.all_gather_top_experts(workspace, config, ids, timeout_ns=5_000_000_000)
+    comm.check_errors(workspace.device)
+    assert torch.equal(out[0], ids.to(torch.int32))
+    expected = start + 3 * (1 + _arrivals_per_all_gather(128, 64))
+    expected = (expected + 2**31) % 2**32 - 2**31  # as int32
+    assert int(counter[0].item()) == expected
+    assert epoch.tolist() == [expected, 0]
+
+
+def test_functional_build_schedule_replays_in_a_cuda_graph():
+    from mok import functional as F  # noqa: PLC0415
+    from mok import reference as R  # noqa: PLC0415
+
+    num_tokens, topk, num_experts = 1024, 4, 32
+    config = MoKConfig()
+    workspace = F.get_workspace(config, None, device="cuda", num_local_tokens=num_tokens,
+                                hidden_size=HIDDEN, topk=topk,
+                                num_local_experts=num_experts)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    static_ids = make_routing(num_tokens, num_experts, topk, "random", gen).cuda()
+    # Warm-up outside capture: loads the cubins, uploads the peer tables, maps the record.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        F.build_schedule(workspace, config, static_ids, num_local_experts=num_experts)
+    torch.cuda.current_stream().wait_stream(stream)
+    F.check_errors(workspace)  # also collects the eager call's pending status copy
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = F.build_schedule(workspace, config, static_ids, num_local_experts=num_experts)
+    counter = workspace.buffers["barrier_buffer"]
+    epoch = workspace.buffers["barrier_epoch_buffer"]
+    per_call = _arrivals_per_all_gather(
+        num_tokens * topk, config.all_gather_top_experts_chunk_bytes
+    )
+    for replay, routing in enumerate(["random", "one_expert", "empty_experts"]):
+        ids = make_routing(num_tokens, num_experts, topk, routing, gen)
+        static_ids.copy_(ids.cuda())
+        before = int(epoch[0].item())
+        for out in (graphed.peer_rank, graphed.peer_token_idx, graphed.num_tokens):
+            out.fill_(-7)  # poison: a replay that wrote nothing fails
+        graph.replay()
+        comm.check_errors(workspace.device)
+        want = R.build_schedule(
+            ids[None], ep_rank=0, num_local_experts=num_experts,
+            capacity=workspace.schedule_capacity,
+        )  # fmt: skip
+        for name in ("peer_rank", "peer_token_idx", "num_tokens", "tokens_per_expert"):
+            got = getattr(graphed, name).cpu()
+            assert torch.equal(got, getattr(want, name)), f"replay {replay} ({routing}): {name}"
+        # The replay read its targets from the device epoch and advanced it.
+        assert epoch.tolist() == [before + per_call, 0], f"replay {replay}"
+        assert int(counter[0].item()) == before + per_call, f"replay {replay}"
+    # Eager calls after the replays keep the same device state in step.
+    F.build_schedule(workspace, config, static_ids, num_local_experts=num_experts)
+    F.check_errors(workspace)
+    assert epoch.tolist() == [int(counter[0].item()), 0]
 
 
 def test_all_gather_rejects_bad_ids():

@@ -5,7 +5,12 @@ Run: torchrun --nproc-per-node 2 -m pytest -m multigpu tests/multigpu
 
 - all-gather equals torch.distributed.all_gather of the same ids exactly, over shapes that take
   the vector and the scalar store paths, repeated with new ids each call;
-- the barrier repeated 100 times keeps every slot equal to the arrivals made, and orders memory:
+- CUDA graphs: each rank captures its own graph of a barrier + an all-gather once and replays
+  it 10 times with new ids in the same input tensor (the late rank alternating), and every
+  replay equals torch.distributed.all_gather: the wait targets come from the device epoch, so
+  a replay waits for its own peers' data rather than for counts reached long ago;
+- the barrier repeated 100 times keeps every slot equal to the arrivals made (and to the device
+  arrival epoch), and orders memory:
   each rank writes its symmetric x_buffer, barrier, reads every peer's, barrier (with rank 0
   delayed so a missing wait would read stale data);
 - a lost peer: rank 1 never arrives, rank 0's barrier ends in MoKWaitTimeoutError naming the
@@ -128,6 +133,60 @@ def test_all_gather_equals_nccl_all_gather(group, num_tokens, topk, chunk_bytes)
         assert torch.equal(got, want), f"call {call}: rows differ {(got != want).any(-1).any(-1)}"
 
 
+def test_barrier_and_all_gather_replay_in_a_cuda_graph(group):
+    from mok.runtime import WaitPhase  # noqa: PLC0415
+
+    from mok.config import MoKConfig  # noqa: PLC0415
+    from mok.launchers import comm  # noqa: PLC0415
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    num_tokens, topk = 1000, 6
+    workspace = _workspace(group, num_tokens, topk)
+    # 64-byte chunks: 375 chunks, many CTAs per peer, so many arrivals per replay.
+    config = MoKConfig(all_gather_top_experts_chunk_bytes=64)
+    static_ids = torch.zeros(num_tokens, topk, dtype=torch.int64, device="cuda")
+
+    def step():
+        comm.ep_barrier(workspace, phase=WaitPhase.PEER_BARRIER_START, timeout_ns=TIMEOUT_NS)
+        gathered = comm.all_gather_top_experts(workspace, config, static_ids, timeout_ns=TIMEOUT_NS)
+        return gathered.clone()  # before the next step overwrites the buffer
+
+    step()  # warm-up outside capture: loads the cubins, uploads the peer tables
+    comm.check_errors(workspace.device)
+    dist.barrier()  # no NCCL work in flight while capturing
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: NCCL's watchdog thread may query events while this thread captures.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        captured = step()
+    gen = torch.Generator().manual_seed(77 + rank)
+    results, expected = [], []
+    for replay in range(10):
+        ids = torch.randint(0, 1 << 20, (num_tokens, topk), generator=gen).cuda()
+        if replay % 2 == rank % 2:
+            # This rank replays late: a replay that did not wait would clone a buffer its
+            # peers have not written yet (or overwrite one they are still reading).
+            torch.cuda._sleep(2_000_000)
+        static_ids.copy_(ids)
+        graph.replay()
+        results.append(captured.clone())
+        reference = [torch.empty_like(ids) for _ in range(world_size)]
+        dist.all_gather(reference, ids)
+        expected.append(torch.stack(reference).to(torch.int32))
+    eager = step()  # eager after replays: the device epoch is shared by both
+    reference = [torch.empty_like(static_ids) for _ in range(world_size)]
+    dist.all_gather(reference, static_ids)
+    comm.check_errors(workspace.device)
+    for replay, (got, want) in enumerate(zip(results, expected, strict=True)):
+        assert torch.equal(got, want), (
+            f"replay {replay}: rows differ {(got != want).any(-1).any(-1)}"
+        )
+    assert torch.equal(eager, torch.stack(reference).to(torch.int32))
+    values = workspace.buffers["barrier_buffer"].tolist()
+    epoch = workspace.buffers["barrier_epoch_buffer"].tolist()
+    dist.barrier()  # every rank has read its counters before the next test arrives
+    assert epoch[1] == 0 and values == [epoch[0]] * world_size
+
+
 def test_barrier_repeated_keeps_counters_in_step(group):
     from mok.runtime import WaitPhase  # noqa: PLC0415
 
@@ -138,11 +197,12 @@ def test_barrier_repeated_keeps_counters_in_step(group):
         comm.ep_barrier(workspace, phase=WaitPhase.PEER_BARRIER_START, timeout_ns=TIMEOUT_NS)
     comm.check_errors(workspace.device)
     counters = workspace.buffers["barrier_buffer"]
-    arrivals = workspace._mok_comm_state.arrivals
     values = counters.tolist()
+    epoch = workspace.buffers["barrier_epoch_buffer"].tolist()
     # Nobody starts the next test's arrivals before every rank has read its counters.
     dist.barrier()
-    assert values == [arrivals] * dist.get_world_size()
+    assert epoch[1] == 0
+    assert values == [epoch[0]] * dist.get_world_size()
 
 
 def test_barrier_orders_peer_writes_and_reads(group):

@@ -1,0 +1,535 @@
+"""SM90 grouped expert GEMM: persistent, warp-specialised, TMA + wgmma, two epilogues.
+
+`Sm90ExpertGemm(epilogue="swiglu")` is the gate/up projection with SwiGLU fused:
+    gate[r, :] = bf16(x[r, :] @ W_gate[e].T),  up[r, :] = bf16(x[r, :] @ W_up[e].T)
+    hidden[r, :] = bf16(SiLU(g) * u),  g, u = fp32(gate), fp32(up), clamped first if has_limit
+`Sm90ExpertGemm(epilogue="store")` is the down projection:
+    out[r, :] = bf16(hidden[r, :] @ W_down[e].T)
+for every routed row r of expert e (rows grouped by expert, see expert_tiles.py).
+
+Engine (DESIGN §4): one producer warpgroup (warp 0 issues TMA loads, 40 registers) and two
+consumer warpgroups (232 registers each) that each own 64 rows of the 128-row tile and run
+wgmma from shared memory into fp32 register accumulators. A `stages`-deep ring of shared-memory
+buffers, each guarded by a full mbarrier (TMA transaction bytes) and an empty mbarrier (one arrive
+per consumer warp), lets the producer run ahead across tile boundaries.
+
+Each CTA tile is 128 rows x (2 x 128) columns, computed as two 128x128 accumulators that share
+the A tile: B0/B1 are the gate and up weight rows of the same 128 output columns (swiglu), or two
+adjacent 128-column blocks of W_down (store). Two accumulators with the same register layout put
+gate[i, j] and up[i, j] in the same thread, so SwiGLU is an elementwise register operation.
+
+Epilogue: direct st.global of the register fragments (bf16 pairs, 4-byte stores). It writes
+3 x 32 KiB per gate/up tile against 1.5 MiB of TMA loads per tile at H = 2048, and needs no
+shared memory, so all of it goes to the operand ring (4 stages). A shared-memory + TMA-store
+epilogue is the next step if profiling shows the store tail matters.
+
+Kernel parameters, in order (the runtime encodes the three descriptors from the manifest's tma
+specs; tensors are row-major, innermost dim last):
+- `tma_a`   A = x_routed bf16 [C, H] (swiglu) or hidden bf16 [C, I] (store): box 64 x 128
+- `tma_b0`  swiglu: W_gate viewed [E * I, H]; store: W_down viewed [E * H, I]: box 64 x 128
+- `tma_b1`  swiglu: W_up viewed [E * I, H];   store: the same W_down descriptor again
+- `out_ptr`  bf16 [C, n_size]: hidden (swiglu) or y (store)
+- `gate_ptr`, `up_ptr`  bf16 [C, I] pre-clamp gate and up (swiglu; ignored by store, pass null)
+- `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes, read on the device
+- `num_experts`, `k_size` (H for swiglu, I for store), `n_size` (I for swiglu, H for store)
+- `has_limit` (int32, 0/1), `swiglu_limit` (fp32; ignored unless has_limit)
+
+Constraints (the launcher checks them; the kernel does not):
+- tokens_per_expert[e] % 128 == 0, sum <= C; rows past the sum are not written.
+- k_size % 64 == 0; swiglu: n_size % 128 == 0; store: n_size % 256 == 0.
+- every tensor 16-byte aligned and contiguous; C, E * n_size < 2^30 rows; k_size < 2^16.
+- launch: grid (num_ctas, 1, 1) with num_ctas <= SM count (one CTA per SM: it takes all of the
+  shared memory), block (384, 1, 1), cluster (1, 1, 1), dynamic smem from the manifest.
+
+Why sm_90a only: wgmma and setmaxnreg-based warp specialisation are Hopper instructions; on
+sm_100a the same job runs on tcgen05 MMAs with accumulators in tensor memory, a different engine.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..common.args import global_pointer
+from .expert_tiles import TILE_ROWS, locate_tile, segment_row_tiles
+
+EPILOGUES = ("swiglu", "store")
+TILE_M = TILE_ROWS  # rows per CTA tile (two consumer warpgroups x 64 rows)
+TILE_N = 128  # columns of each of the two accumulators
+TILE_K = 64  # bf16 elements per K block: one 128-byte swizzle atom row
+# The TMA coordinate tensors are given static extents (the runtime's descriptor carries the
+# real ones): coordinates only need to fit, and static shapes add no kernel parameters.
+MAX_ROWS = 1 << 30
+MAX_K = 1 << 16
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+THREADS_PER_WARPGROUP = 128
+NUM_CONSUMER_WARPGROUPS = 2
+
+
+@dataclass(frozen=True)
+class Sm90ExpertGemm:
+    """See the module docstring. `stages`: depth of the shared-memory operand ring."""
+
+    epilogue: str = "swiglu"
+    stages: int = 4
+
+    def validate(self) -> None:
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if not 2 <= self.stages <= 4:
+            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages is what fits in 227 KiB.
+            raise ValueError(f"stages must be in 2..4, got {self.stages}")
+
+    # ------------------------------------------------------------------ static configuration
+
+    @property
+    def threads(self) -> int:
+        return THREADS_PER_WARPGROUP * (1 + NUM_CONSUMER_WARPGROUPS)
+
+    def _tiled_mma(self):
+        # Two warpgroups along M (64 rows each), each running m64n128k16 wgmma instructions.
+        return sm90_utils.make_trivial_tiled_mma(
+            BFloat16,
+            BFloat16,
+            cute.nvgpu.warpgroup.OperandMajorMode.K,
+            cute.nvgpu.warpgroup.OperandMajorMode.K,
+            Float32,
+            (NUM_CONSUMER_WARPGROUPS, 1, 1),
+            tiler_mn=(64, TILE_N),
+        )
+
+    def _smem_layout(self, rows: int):
+        """Staged (rows, TILE_K, stages) K-major layout with the 128-byte swizzle."""
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, BFloat16, TILE_K),
+            BFloat16,
+        )
+        return cute.tile_to_shape(atom, (rows, TILE_K, self.stages), order=(0, 1, 2))
+
+    def tma_specs(self) -> list[dict]:
+        """How the runtime encodes each descriptor param (see runtime/tma.py): a rank-2 bf16
+        tensor [rows, K] (dims innermost first: K, rows), one 64 x 128 box per stage load, the
+        128-byte swizzle of the shared-memory layout built in `_smem_layout`."""
+        box = [TILE_K, TILE_M]  # == [TILE_K, TILE_N]: A and B tiles have the same box
+        return [
+            {
+                "param": param,
+                "dtype": "bf16",
+                "rank": 2,
+                "box": list(box),
+                "swizzle": "128B",
+                "l2_promotion": "128B",
+                "oob_fill": "none",
+            }
+            for param in ("tma_a", "tma_b0", "tma_b1")
+        ]
+
+    def stage_bytes(self) -> int:
+        """Bytes one ring stage receives (the mbarrier expect_tx count): A + B0 + B1 tiles."""
+        return 2 * TILE_K * (TILE_M + 2 * TILE_N)
+
+    def compile_arguments(self) -> tuple:
+        """Placeholders for `__call__`, in order (see common/args.py)."""
+        return (
+            global_pointer(BFloat16, 16),  # a_ptr
+            global_pointer(BFloat16, 16),  # b0_ptr
+            global_pointer(BFloat16, 16),  # b1_ptr
+            global_pointer(BFloat16, 16),  # out_ptr
+            global_pointer(BFloat16, 16),  # gate_ptr
+            global_pointer(BFloat16, 16),  # up_ptr
+            global_pointer(Int32, 4),  # tokens_per_expert_ptr
+            Int32(0),  # num_experts
+            Int32(0),  # k_size
+            Int32(0),  # n_size
+            Int32(0),  # has_limit
+            Float32(0.0),  # swiglu_limit
+            Int32(1),  # num_ctas
+        )
+
+    # ------------------------------------------------------------------ host side
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b0_ptr: cute.Pointer,
+        b1_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        gate_ptr: cute.Pointer,
+        up_ptr: cute.Pointer,
+        tokens_per_expert_ptr: cute.Pointer,
+        num_experts: Int32,
+        k_size: Int32,
+        n_size: Int32,
+        has_limit: Int32,
+        swiglu_limit: Float32,
+        num_ctas: Int32,
+    ):
+        # The descriptors the DSL would build here are thrown away: the runtime encodes its own
+        # from the manifest (same box, swizzle and element type, the caller's real extents).
+        operand_layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
+        load = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        a_smem = cute.slice_(self._smem_layout(TILE_M), (None, None, 0))
+        b_smem = cute.slice_(self._smem_layout(TILE_N), (None, None, 0))
+        tma_a, mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            load, cute.make_tensor(a_ptr, operand_layout), a_smem, (TILE_M, TILE_K)
+        )
+        tma_b0, mB0 = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            load, cute.make_tensor(b0_ptr, operand_layout), b_smem, (TILE_N, TILE_K)
+        )
+        tma_b1, mB1 = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            load, cute.make_tensor(b1_ptr, operand_layout), b_smem, (TILE_N, TILE_K)
+        )
+        self.kernel(
+            tma_a,
+            mA,
+            tma_b0,
+            mB0,
+            tma_b1,
+            mB1,
+            out_ptr,
+            gate_ptr,
+            up_ptr,
+            tokens_per_expert_ptr,
+            num_experts,
+            k_size,
+            n_size,
+            has_limit,
+            swiglu_limit,
+        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b0: cute.CopyAtom,
+        mB0: cute.Tensor,
+        tma_b1: cute.CopyAtom,
+        mB1: cute.Tensor,
+        out_ptr: cute.Pointer,
+        gate_ptr: cute.Pointer,
+        up_ptr: cute.Pointer,
+        tokens_per_expert_ptr: cute.Pointer,
+        num_experts: Int32,
+        k_size: Int32,
+        n_size: Int32,
+        has_limit: Int32,
+        swiglu_limit: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid_size, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+
+        # ---- static layouts, MMA, shared storage ----
+        tiled_mma = self._tiled_mma()
+        a_layout = self._smem_layout(TILE_M)
+        b_layout = self._smem_layout(TILE_N)
+        stage_bytes = cute.size_in_bytes(
+            BFloat16, cute.slice_(a_layout, (None, None, 0))
+        ) + 2 * cute.size_in_bytes(BFloat16, cute.slice_(b_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            ring_barriers: cute.struct.MemRange[Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
+            sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
+            sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sB0 = storage.sB0.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        sB1 = storage.sB1.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b0)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b1)
+
+        # ---- operand ring: full barrier = TMA bytes landed, empty = every consumer warp done ----
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ring_barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, NUM_CONSUMER_WARPGROUPS * 4
+            ),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        # mbarrier inits must be visible to the async proxy and every warp before first use.
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        # ---- tile list inputs ----
+        tokens_per_expert = cute.make_tensor(
+            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+        )
+        k_tiles = k_size // TILE_K
+        col_tiles = n_size // TILE_N
+        if cutlass.const_expr(self.epilogue == "store"):
+            col_tiles = n_size // (2 * TILE_N)
+
+        if warpgroup == 0:
+            # ================= producer warpgroup: warp 0 issues TMA, warps 1-3 exit =========
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                gA = cute.local_tile(mA, (TILE_M, TILE_K), (None, None))
+                gB0 = cute.local_tile(mB0, (TILE_N, TILE_K), (None, None))
+                gB1 = cute.local_tile(mB1, (TILE_N, TILE_K), (None, None))
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_a,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sA, 0, 2),
+                    cute.group_modes(gA, 0, 2),
+                )
+                tBsB0, tBgB0 = cute.nvgpu.cpasync.tma_partition(
+                    tma_b0,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sB0, 0, 2),
+                    cute.group_modes(gB0, 0, 2),
+                )
+                tBsB1, tBgB1 = cute.nvgpu.cpasync.tma_partition(
+                    tma_b1,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sB1, 0, 2),
+                    cute.group_modes(gB1, 0, 2),
+                )
+                state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                expert = Int32(0)
+                tile_base = Int32(0)
+                row_base = Int32(0)
+                row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
+                tile = bidx
+                expert, tile_base, row_base, row_tiles = locate_tile(
+                    tokens_per_expert,
+                    num_experts,
+                    col_tiles,
+                    tile,
+                    expert,
+                    tile_base,
+                    row_base,
+                    row_tiles,
+                )
+                while expert < num_experts:
+                    local = tile - tile_base
+                    a_row_tile = row_base // TILE_M + local % row_tiles
+                    b0_row_tile, b1_row_tile = self._weight_row_tiles(
+                        expert, local // row_tiles, n_size
+                    )
+                    for k_tile in cutlass.range(k_tiles, unroll=1):
+                        ring.producer_acquire(state)
+                        full = ring.producer_get_barrier(state)
+                        cute.copy(
+                            tma_a,
+                            tAgA[(None, a_row_tile, k_tile)],
+                            tAsA[(None, state.index)],
+                            tma_bar_ptr=full,
+                        )
+                        cute.copy(
+                            tma_b0,
+                            tBgB0[(None, b0_row_tile, k_tile)],
+                            tBsB0[(None, state.index)],
+                            tma_bar_ptr=full,
+                        )
+                        cute.copy(
+                            tma_b1,
+                            tBgB1[(None, b1_row_tile, k_tile)],
+                            tBsB1[(None, state.index)],
+                            tma_bar_ptr=full,
+                        )
+                        ring.producer_commit(state)
+                        state.advance()
+                    tile = tile + grid_size
+                    expert, tile_base, row_base, row_tiles = locate_tile(
+                        tokens_per_expert,
+                        num_experts,
+                        col_tiles,
+                        tile,
+                        expert,
+                        tile_base,
+                        row_base,
+                        row_tiles,
+                    )
+                # Keep the CTA alive until the consumers released every stage it filled.
+                ring.producer_tail(state)
+        else:
+            # ================= consumer warpgroups: wgmma mainloop + epilogue ================
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            consumer_tidx = tidx - THREADS_PER_WARPGROUP
+            thr_mma = tiled_mma.get_slice(consumer_tidx)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB0))
+            tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB1))
+            acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
+            acc0 = cute.make_rmem_tensor(acc_shape, Float32)
+            acc1 = cute.make_rmem_tensor(acc_shape, Float32)
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            read_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            release_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            expert = Int32(0)
+            tile_base = Int32(0)
+            row_base = Int32(0)
+            row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
+            tile = bidx
+            expert, tile_base, row_base, row_tiles = locate_tile(
+                tokens_per_expert,
+                num_experts,
+                col_tiles,
+                tile,
+                expert,
+                tile_base,
+                row_base,
+                row_tiles,
+            )
+            while expert < num_experts:
+                local = tile - tile_base
+                first_row = row_base + (local % row_tiles) * TILE_M
+                col_tile = local // row_tiles
+
+                # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
+                acc0.fill(0.0)
+                acc1.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                for k_tile in cutlass.range(k_tiles, unroll=1):
+                    ring.consumer_wait(read_state)
+                    for k_block in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, k_block, read_state.index)
+                        cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
+                        cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
+                    cute.nvgpu.warpgroup.commit_group()
+                    read_state.advance()
+                    if k_tile > 0:
+                        # The batch of k_tile - 1 is complete: its stage can be refilled.
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        ring.consumer_release(release_state)
+                        release_state.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ring.consumer_release(release_state)
+                release_state.advance()
+
+                # ---- epilogue: registers -> global, no shared memory ----
+                self._epilogue(
+                    thr_mma,
+                    acc0,
+                    acc1,
+                    out_ptr,
+                    gate_ptr,
+                    up_ptr,
+                    first_row,
+                    col_tile,
+                    n_size,
+                    has_limit,
+                    swiglu_limit,
+                )
+
+                tile = tile + grid_size
+                expert, tile_base, row_base, row_tiles = locate_tile(
+                    tokens_per_expert,
+                    num_experts,
+                    col_tiles,
+                    tile,
+                    expert,
+                    tile_base,
+                    row_base,
+                    row_tiles,
+                )
+
+    # ------------------------------------------------------------------ device helpers
+
+    @cute.jit
+    def _weight_row_tiles(self, expert: Int32, col_tile: Int32, n_size: Int32):
+        """128-row tile indices of B0 and B1 in the [E * n_size, K] weight views."""
+        expert_tiles = expert * (n_size // TILE_N)
+        b0 = expert_tiles + col_tile
+        b1 = b0
+        if cutlass.const_expr(self.epilogue == "store"):
+            b0 = expert_tiles + 2 * col_tile
+            b1 = b0 + 1
+        return b0, b1
+
+    @cute.jit
+    def _output_tile(self, ptr: cute.Pointer, first_row: Int32, first_col: Int32, n_size: Int32):
+        """The 128 x 128 output block at (first_row, first_col) of a row-major [*, n_size]."""
+        row_stride = cute.assume(Int64(n_size), divby=TILE_N)
+        # first_row and first_col are multiples of 128: 16-byte stores stay provably aligned.
+        offset = cute.assume(Int64(first_row) * row_stride + Int64(first_col), divby=TILE_N)
+        return cute.make_tensor(
+            ptr + offset, cute.make_layout((TILE_M, TILE_N), stride=(row_stride, 1))
+        )
+
+    @cute.jit
+    def _epilogue(
+        self,
+        thr_mma,
+        acc0: cute.Tensor,
+        acc1: cute.Tensor,
+        out_ptr: cute.Pointer,
+        gate_ptr: cute.Pointer,
+        up_ptr: cute.Pointer,
+        first_row: Int32,
+        col_tile: Int32,
+        n_size: Int32,
+        has_limit: Int32,
+        swiglu_limit: Float32,
+    ):
+        if cutlass.const_expr(self.epilogue == "store"):
+            first_col = col_tile * (2 * TILE_N)
+            tCgOut0 = thr_mma.partition_C(self._output_tile(out_ptr, first_row, first_col, n_size))
+            tCgOut1 = thr_mma.partition_C(
+                self._output_tile(out_ptr, first_row, first_col + TILE_N, n_size)
+            )
+            out0 = cute.make_rmem_tensor(acc0.shape, BFloat16)
+            out0.store(acc0.load().to(BFloat16))
+            cute.autovec_copy(out0, tCgOut0)
+            out1 = cute.make_rmem_tensor(acc1.shape, BFloat16)
+            out1.store(acc1.load().to(BFloat16))
+            cute.autovec_copy(out1, tCgOut1)
+        else:
+            first_col = col_tile * TILE_N
+            gate = cute.make_rmem_tensor(acc0.shape, BFloat16)
+            gate.store(acc0.load().to(BFloat16))
+            up = cute.make_rmem_tensor(acc1.shape, BFloat16)
+            up.store(acc1.load().to(BFloat16))
+            # SwiGLU from the bf16-rounded values, in fp32 (mok.reference.swiglu); the
+            # result overwrites acc0 so no third fp32 fragment is live.
+            for i in cutlass.range_constexpr(cute.size(acc0)):
+                g = Float32(gate[i])
+                u = Float32(up[i])
+                if has_limit != 0:
+                    g = cutlass.min(g, swiglu_limit)
+                    u = cutlass.max(cutlass.min(u, swiglu_limit), -swiglu_limit)
+                acc0[i] = g / (Float32(1.0) + cute.math.exp(-g)) * u
+            hidden = cute.make_rmem_tensor(acc0.shape, BFloat16)
+            hidden.store(acc0.load().to(BFloat16))
+            cute.autovec_copy(
+                gate, thr_mma.partition_C(self._output_tile(gate_ptr, first_row, first_col, n_size))
+            )
+            cute.autovec_copy(
+                up, thr_mma.partition_C(self._output_tile(up_ptr, first_row, first_col, n_size))
+            )
+            cute.autovec_copy(
+                hidden,
+                thr_mma.partition_C(self._output_tile(out_ptr, first_row, first_col, n_size)),
+            )

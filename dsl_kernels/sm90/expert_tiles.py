@@ -1,0 +1,60 @@
+"""Device-side tile list of a grouped GEMM over the expert-major routed buffer.
+
+The routed buffer holds each local expert's rows contiguously, expert 0 first, each segment
+padded to a multiple of `TILE_ROWS` rows; `tokens_per_expert[e]` (int32, device memory) is the
+padded size of segment e. A grouped GEMM's tiles are numbered expert by expert; inside one
+expert, m (row tile) runs fastest and n (column tile) slowest:
+
+    tile = tiles_before(e) + n * row_tiles(e) + m,   row_tiles(e) = tokens_per_expert[e] / 128
+
+m fastest keeps the CTAs that run at the same time on a few column tiles of the same expert,
+so each weight tile is read from HBM about once and then served from L2 (a wave of 132 tiles of
+Mixtral's gate/up GEMM touches ~4 weight tiles and ~32 row tiles instead of 132 weight tiles).
+
+Every CTA walks its own tiles in increasing order (tile = CTA index, then + grid size), so a
+cursor (expert, tiles before it, rows before it) only ever moves forward: the whole walk reads
+`tokens_per_expert` once per expert, whatever the number of tiles. No host sync, no atomics,
+and the tile -> CTA map depends only on the grid size: results are deterministic.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+TILE_ROWS = 128
+
+
+@cute.jit
+def segment_row_tiles(tokens_per_expert: cute.Tensor, expert: Int32, num_experts: Int32) -> Int32:
+    """Row tiles of `expert`, or 0 past the last expert (no read out of bounds)."""
+    rows = tokens_per_expert[cutlass.min(expert, num_experts - 1)]
+    tiles = rows // TILE_ROWS
+    if expert >= num_experts:
+        tiles = Int32(0)
+    return tiles
+
+
+@cute.jit
+def locate_tile(
+    tokens_per_expert: cute.Tensor,
+    num_experts: Int32,
+    col_tiles: Int32,
+    tile: Int32,
+    expert: Int32,
+    tile_base: Int32,
+    row_base: Int32,
+    row_tiles: Int32,
+):
+    """Advance the cursor (expert, tile_base, row_base, row_tiles) to the expert owning `tile`.
+
+    `tile` must not be smaller than the tile of the previous call (the cursor only moves
+    forward). Returns the new cursor; `expert == num_experts` means `tile` is past the end.
+    """
+    advance = (expert < num_experts) & (tile >= tile_base + row_tiles * col_tiles)
+    while advance:
+        tile_base = tile_base + row_tiles * col_tiles
+        row_base = row_base + row_tiles * TILE_ROWS
+        expert = expert + 1
+        row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
+        advance = (expert < num_experts) & (tile >= tile_base + row_tiles * col_tiles)
+    return expert, tile_base, row_base, row_tiles

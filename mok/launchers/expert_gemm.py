@@ -1,0 +1,236 @@
+"""Grouped expert GEMMs over the expert-major routed buffer (SM90, TMA + wgmma).
+
+Kernels `expert_gemm_gate_up_swiglu` and `expert_gemm_down` (dsl_kernels/sm90/expert_gemm.py):
+persistent, one CTA per SM at most, each CTA walking 128 x 256 output tiles that it locates by
+scanning `tokens_per_expert` on the device (no host sync: the launch reads no device value).
+
+    gate_up_swiglu: gate, up = bf16(x @ W_gate[e].T), bf16(x @ W_up[e].T);
+                    hidden = bf16(SiLU(g) * u) in fp32 from the bf16 g, u (clamped if a limit)
+    down:           y = bf16(hidden @ W_down[e].T)
+
+for every row of expert e's segment; segments are contiguous, expert 0 first, each padded to a
+multiple of 128 rows (`mok.reference.expert_segments`). Rows past sum(tokens_per_expert) are
+not written. TMA descriptors are encoded from the manifest specs and cached by value (address,
+shape, strides, spec): a descriptor depends on nothing else, so a workspace's buffers, reused
+call after call, are encoded once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+GATE_UP_KERNEL = "expert_gemm_gate_up_swiglu"
+DOWN_KERNEL = "expert_gemm_down"
+TILE_ROWS = 128  # rows per tile; segment sizes must be multiples of it
+K_ALIGNMENT = 64  # K block of the mainloop
+GATE_UP_N_ALIGNMENT = 128  # intermediate_size: one 128-column block of gate and of up per tile
+DOWN_N_ALIGNMENT = 256  # hidden_size: two 128-column blocks per tile
+# TMA coordinates are int32 and the kernel's coordinate tensors assume these extents.
+MAX_ROWS = 1 << 30
+MAX_K = 1 << 16
+_DESCRIPTOR_CACHE_SIZE = 256
+
+_descriptors: OrderedDict[tuple, object] = OrderedDict()
+_sm_counts: dict[int, int] = {}
+
+
+def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if (
+        tensor.dtype != dtype
+        or tuple(tensor.shape) != shape
+        or not tensor.is_contiguous()
+        or not tensor.is_cuda
+    ):
+        raise ValueError(
+            f"{name} must be a contiguous CUDA {dtype} tensor of shape {list(shape)}, got "
+            f"{tensor.dtype} {list(tensor.shape)} on {tensor.device} "
+            f"(contiguous={tensor.is_contiguous()})"
+        )
+    if tensor.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned, got address {tensor.data_ptr():#x}")
+
+
+def _check_multiple(name: str, value: int, multiple: int) -> None:
+    if value <= 0 or value % multiple:
+        raise ValueError(f"{name} must be a positive multiple of {multiple}, got {value}")
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = torch.cuda.get_device_properties(index).multi_processor_count
+        _sm_counts[index] = count
+    return count
+
+
+def _descriptor(kernel, param: str, tensor: torch.Tensor):
+    """The kernel's TMA descriptor for `tensor`, encoded once per (address, shape, strides)."""
+    spec = kernel.variant.tma_spec(param)
+    key = (
+        kernel.device_index,
+        None if spec is None else spec.layout_key(),
+        tensor.data_ptr(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
+    descriptor = _descriptors.get(key)
+    if descriptor is None:
+        descriptor = kernel.make_tma_descriptor(param, tensor)
+        # The bytes depend only on the key, so the cached copy must not pin the tensor.
+        descriptor.tensor = None
+        _descriptors[key] = descriptor
+        if len(_descriptors) > _DESCRIPTOR_CACHE_SIZE:
+            _descriptors.popitem(last=False)
+    return descriptor
+
+
+def clear_descriptor_cache() -> None:
+    _descriptors.clear()
+
+
+def _grid(device: torch.device, capacity: int, col_tiles: int) -> int:
+    # Persistent: at most one CTA per SM (each takes ~194 KiB of shared memory), and never
+    # more CTAs than tiles the largest possible schedule could have.
+    return max(1, min(_sm_count(device), (capacity // TILE_ROWS) * col_tiles))
+
+
+def gate_up_swiglu(
+    x_routed: torch.Tensor,
+    gate_weights: torch.Tensor,
+    up_weights: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    gate: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    manifest=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate, up, hidden), each bf16 [C, I], for x_routed bf16 [C, H] and weights [E, I, H].
+
+    Inputs: `tokens_per_expert` int32 [E] on the same device (padded segment sizes, multiples
+    of 128, sum <= C: not checked, it would need a host sync). `gate`/`up`/`hidden` may be
+    given to write into (contiguous bf16 [C, I]). Constraints: H % 64 == 0, I % 128 == 0.
+    Runs on torch's current stream; no host sync.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    capacity, hidden_size = x_routed.shape if x_routed.dim() == 2 else (-1, -1)
+    num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
+    _check("x_routed", x_routed, torch.bfloat16, (capacity, hidden_size))
+    _check_multiple("hidden_size (x_routed.shape[1])", hidden_size, K_ALIGNMENT)
+    _check_multiple(
+        "intermediate_size (gate_weights.shape[1])", intermediate_size, GATE_UP_N_ALIGNMENT
+    )
+    weight_shape = (num_experts, intermediate_size, hidden_size)
+    _check("gate_weights", gate_weights, torch.bfloat16, weight_shape)
+    _check("up_weights", up_weights, torch.bfloat16, weight_shape)
+    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    if capacity >= MAX_ROWS or num_experts * intermediate_size >= MAX_ROWS:
+        raise ValueError(
+            f"routed rows ({capacity}) and num_experts * intermediate_size "
+            f"({num_experts * intermediate_size}) must be below {MAX_ROWS}"
+        )
+    if hidden_size >= MAX_K:
+        raise ValueError(f"hidden_size must be below {MAX_K}, got {hidden_size}")
+    device = x_routed.device
+    outputs = []
+    for name, given in (("gate", gate), ("up", up), ("hidden", hidden)):
+        if given is None:
+            given = torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
+        _check(name, given, torch.bfloat16, (capacity, intermediate_size))
+        outputs.append(given)
+    gate, up, hidden = outputs
+    if capacity == 0 or num_experts == 0:
+        return gate, up, hidden
+
+    kernel = get_kernel(GATE_UP_KERNEL, device=device, manifest=manifest)
+    col_tiles = intermediate_size // GATE_UP_N_ALIGNMENT
+    flat = (num_experts * intermediate_size, hidden_size)
+    kernel.launch(
+        (_grid(device, capacity, col_tiles), 1, 1),
+        {
+            "tma_a": _descriptor(kernel, "tma_a", x_routed),
+            "tma_b0": _descriptor(kernel, "tma_b0", gate_weights.view(flat)),
+            "tma_b1": _descriptor(kernel, "tma_b1", up_weights.view(flat)),
+            "out_ptr": hidden,
+            "gate_ptr": gate,
+            "up_ptr": up,
+            "tokens_per_expert_ptr": tokens_per_expert,
+            "num_experts": num_experts,
+            "k_size": hidden_size,
+            "n_size": intermediate_size,
+            "has_limit": int(swiglu_limit is not None),
+            "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+        },
+    )
+    return gate, up, hidden
+
+
+def down(
+    hidden: torch.Tensor,
+    down_weights: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    manifest=None,
+) -> torch.Tensor:
+    """y bf16 [C, H] = hidden bf16 [C, I] x W_down[e]^T, W_down bf16 [E, H, I].
+
+    Constraints: I % 64 == 0, H % 256 == 0; `tokens_per_expert` as for `gate_up_swiglu`.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    capacity, intermediate_size = hidden.shape if hidden.dim() == 2 else (-1, -1)
+    num_experts, hidden_size = down_weights.shape[0], down_weights.shape[1]
+    _check("hidden", hidden, torch.bfloat16, (capacity, intermediate_size))
+    _check_multiple("intermediate_size (hidden.shape[1])", intermediate_size, K_ALIGNMENT)
+    _check_multiple("hidden_size (down_weights.shape[1])", hidden_size, DOWN_N_ALIGNMENT)
+    _check(
+        "down_weights", down_weights, torch.bfloat16, (num_experts, hidden_size, intermediate_size)
+    )
+    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    if capacity >= MAX_ROWS or num_experts * hidden_size >= MAX_ROWS:
+        raise ValueError(
+            f"routed rows ({capacity}) and num_experts * hidden_size "
+            f"({num_experts * hidden_size}) must be below {MAX_ROWS}"
+        )
+    if intermediate_size >= MAX_K:
+        raise ValueError(f"intermediate_size must be below {MAX_K}, got {intermediate_size}")
+    device = hidden.device
+    if out is None:
+        out = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
+    _check("out", out, torch.bfloat16, (capacity, hidden_size))
+    if capacity == 0 or num_experts == 0:
+        return out
+
+    kernel = get_kernel(DOWN_KERNEL, device=device, manifest=manifest)
+    col_tiles = hidden_size // DOWN_N_ALIGNMENT
+    weights = _descriptor(
+        kernel, "tma_b0", down_weights.view(num_experts * hidden_size, intermediate_size)
+    )
+    kernel.launch(
+        (_grid(device, capacity, col_tiles), 1, 1),
+        {
+            "tma_a": _descriptor(kernel, "tma_a", hidden),
+            # Both B descriptors are W_down: the two 128-column halves of a 256-column tile.
+            "tma_b0": weights,
+            "tma_b1": weights,
+            "out_ptr": out,
+            "gate_ptr": None,
+            "up_ptr": None,
+            "tokens_per_expert_ptr": tokens_per_expert,
+            "num_experts": num_experts,
+            "k_size": intermediate_size,
+            "n_size": hidden_size,
+            "has_limit": 0,
+            "swiglu_limit": 0.0,
+        },
+    )
+    return out
