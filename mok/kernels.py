@@ -20,8 +20,12 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
         ("all_gather_top_experts", "schedule_histogram", "schedule_scan", "schedule_place"),
         "the routing all-gather and schedule kernels",
     ),
-    "forward": ((), "the forward megakernel (issue 4)"),
-    "recompute_forward_context": ((), "the forward megakernel (issue 4)"),
+    # Interim multi-kernel path (mok/launchers/forward.py) until the megakernel lands.
+    "forward": (
+        ("expert_gemm_gate_up_swiglu", "expert_gemm_down", "moe_combine_forward"),
+        "the SM90 expert GEMMs",
+    ),
+    "recompute_forward_context": (("expert_gemm_gate_up_swiglu",), "the SM90 expert GEMMs"),
     "backward": ((), "the backward megakernel (issue 5)"),
     "mxfp8_quantize": (
         ("mxfp8_quantize_rowwise", "mxfp8_quantize_transposed"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .comm import check_errors
 from .epilogues import bwd_epilogue, fwd_epilogue
+from .forward import forward, recompute_forward_context
 from .mxfp8 import mxfp8_quantize
 from .schedule_op import build_schedule, raise_pending_errors
 
@@ -16,7 +17,9 @@ __all__ = [
     "build_schedule",
     "check_errors",
     "bwd_epilogue",
+    "forward",
     "fwd_epilogue",
     "mxfp8_quantize",
     "raise_pending_errors",
+    "recompute_forward_context",
 ]

@@ -1,0 +1,113 @@
+"""Interim GPU forward (EP group of one): the layer as a short sequence of kernels.
+
+This is NOT the persistent megakernel of DESIGN §4 (issue 4): it runs the same math with the
+kernels that exist today, back to back on one stream, with no host sync:
+
+    x_routed = x[peer_token_idx // k]  (padding rows zero)           torch gather
+    gate, up, hidden = SwiGLU(x_routed @ W_gate/up[e]^T)            expert_gemm_gate_up_swiglu
+    y = hidden @ W_down[e]^T                                         expert_gemm_down
+    slots[peer_token_idx] = y                                        torch gather by a stable sort
+    shared expert: the same two kernels on one 'expert' of T rows (padded to 128)
+    out = y_shared + sum_j w[t, j] * slots[t*k + j]  (fixed j order)   moe_combine_forward
+
+Every step is deterministic (no atomics, no split-K; the slot permutation comes from a stable
+sort of unique keys), so results are bitwise identical run to run. An EP group larger than one
+raises MoKKernelUnavailableError: cross-GPU dispatch and combine come with the megakernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MoKKernelUnavailableError
+from . import epilogues, expert_gemm
+
+ROW_TILE = expert_gemm.TILE_ROWS
+
+
+def _require_group_of_one(ws, op: str) -> None:
+    if ws.ep_size != 1:
+        raise MoKKernelUnavailableError(
+            f"mok.ops.{op} on CUDA with an EP group of {ws.ep_size}: the interim multi-kernel "
+            f"GPU path runs a group of one only; EP > 1 comes with the forward megakernel "
+            f"(issue 4). CPU tensors run the reference path for any EP size."
+        )
+    if ws.hidden_size % expert_gemm.DOWN_N_ALIGNMENT:
+        raise ValueError(
+            f"hidden_size must be a multiple of {expert_gemm.DOWN_N_ALIGNMENT} on the sm_90a "
+            f"kernel path, got {ws.hidden_size}"
+        )
+
+
+def gather_routed_rows(x: torch.Tensor, peer_rank, peer_token_idx, topk: int) -> torch.Tensor:
+    """Dispatch for a group of one: x_routed[i] = x[peer_token_idx[i] // k], 0 for padding."""
+    valid = peer_rank >= 0
+    rows = torch.where(valid, peer_token_idx, 0).long() // topk
+    x_routed = x.index_select(0, rows)
+    return x_routed.masked_fill_(~valid.unsqueeze(1), 0)
+
+
+def scatter_to_slots(y: torch.Tensor, peer_rank, peer_token_idx, num_slots: int) -> torch.Tensor:
+    """Combine for a group of one: slots[peer_token_idx[i]] = y[i] for every real row i.
+
+    Real rows hold each slot 0..num_slots-1 exactly once; the others (padding and rows past
+    num_tokens) get the key num_slots. A stable sort of the keys puts the row of slot s at
+    position s, so slots = y[order[:num_slots]]: a gather, deterministic and free of duplicates.
+    """
+    keys = torch.where(peer_rank >= 0, peer_token_idx, num_slots).long()
+    order = torch.sort(keys, stable=True).indices[:num_slots]
+    return y.index_select(0, order)
+
+
+def _routed(ws, schedule, x, gate_w, up_w, down_w, limit):
+    x_routed = gather_routed_rows(x, schedule.peer_rank, schedule.peer_token_idx, ws.topk)
+    gate, up, hidden = expert_gemm.gate_up_swiglu(
+        x_routed, gate_w, up_w, schedule.tokens_per_expert, swiglu_limit=limit
+    )
+    if down_w is None:
+        return (x_routed, gate, up, hidden), None
+    y = expert_gemm.down(hidden, down_w, schedule.tokens_per_expert)
+    return (x_routed, gate, up, hidden), y
+
+
+def _shared(x, gate_w, up_w, down_w, limit):
+    """The shared expert as one expert over all T rows (padded to the 128-row tile)."""
+    num_tokens = x.shape[0]
+    padded = -(-num_tokens // ROW_TILE) * ROW_TILE
+    rows = x if padded == num_tokens else torch.nn.functional.pad(x, (0, 0, 0, padded - num_tokens))
+    tokens = torch.full((1,), padded, dtype=torch.int32, device=x.device)
+    gate, up, hidden = expert_gemm.gate_up_swiglu(
+        rows, gate_w.unsqueeze(0), up_w.unsqueeze(0), tokens, swiglu_limit=limit
+    )
+    y = None
+    if down_w is not None:
+        y = expert_gemm.down(hidden, down_w.unsqueeze(0), tokens)[:num_tokens]
+    return gate[:num_tokens], up[:num_tokens], hidden[:num_tokens], y
+
+
+def forward(
+    ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
+    routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
+):  # fmt: skip
+    _require_group_of_one(ws, "forward")
+    routed_ctx, y = _routed(ws, schedule, x, routed_gate, routed_up, routed_down, swiglu_limit)
+    num_tokens, topk = router_weights.shape
+    slots = scatter_to_slots(y, schedule.peer_rank, schedule.peer_token_idx, num_tokens * topk)
+    empty = x.new_empty(0)
+    shared_ctx, y_shared = (empty, empty, empty), None
+    if shared_gate is not None:
+        *shared_ctx, y_shared = _shared(x, shared_gate, shared_up, shared_down, swiglu_limit)
+    out = epilogues.fwd_epilogue(y_shared, slots, router_weights)
+    return (out, *routed_ctx, *shared_ctx)
+
+
+def recompute_forward_context(
+    ws, schedule, x, shared_gate, shared_up, routed_gate, routed_up, swiglu_limit
+):
+    _require_group_of_one(ws, "recompute_forward_context")
+    routed_ctx, _ = _routed(ws, schedule, x, routed_gate, routed_up, None, swiglu_limit)
+    empty = x.new_empty(0)
+    shared_ctx = (empty, empty, empty)
+    if shared_gate is not None:
+        shared_ctx = _shared(x, shared_gate, shared_up, None, swiglu_limit)[:3]
+    return (*routed_ctx, *shared_ctx)
