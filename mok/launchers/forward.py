@@ -93,8 +93,8 @@ def forward(
     routed_ctx, y = _routed(ws, schedule, x, routed_gate, routed_up, routed_down, swiglu_limit)
     num_tokens, topk = router_weights.shape
     slots = scatter_to_slots(y, schedule.peer_rank, schedule.peer_token_idx, num_tokens * topk)
-    empty = x.new_empty(0)
-    shared_ctx, y_shared = (empty, empty, empty), None
+    # Distinct empty tensors: custom-op outputs may not alias each other.
+    shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
     if shared_gate is not None:
         *shared_ctx, y_shared = _shared(x, shared_gate, shared_up, shared_down, swiglu_limit)
     out = epilogues.fwd_epilogue(y_shared, slots, router_weights)
@@ -106,8 +106,7 @@ def recompute_forward_context(
 ):
     _require_group_of_one(ws, "recompute_forward_context")
     routed_ctx, _ = _routed(ws, schedule, x, routed_gate, routed_up, None, swiglu_limit)
-    empty = x.new_empty(0)
-    shared_ctx = (empty, empty, empty)
+    shared_ctx = tuple(x.new_empty(0) for _ in range(3))
     if shared_gate is not None:
         shared_ctx = _shared(x, shared_gate, shared_up, None, swiglu_limit)[:3]
     return (*routed_ctx, *shared_ctx)
