@@ -92,9 +92,13 @@ class MoKConfig:
     ) -> int:
         """Routed rows (padding included) one rank's schedule can hold.
 
-        `num_tokens * topk * max(2, ceil(ep_size * multiplier))` as in the original, plus, when
-        the number of local experts is known, room for every expert's padding to the tile height.
+        The original's `T * k * max(2, ceil(P * multiplier))` rows. With the number of local
+        experts known, the factor is also capped at P (a rank never receives more than the
+        group's P*T*k rows) and E * 127 rows are added for every expert's padding to the tile
+        height: for one GPU that is exactly the worst case, T*k + E*127.
         """
         factor = max(2, math.ceil(ep_size * self.schedule_capacity_multiplier))
+        if num_local_experts:
+            factor = min(ep_size, factor)
         rows = num_local_tokens * topk * factor + num_local_experts * (ROUTED_ROW_ALIGNMENT - 1)
         return -(-rows // ROUTED_ROW_ALIGNMENT) * ROUTED_ROW_ALIGNMENT

@@ -323,7 +323,9 @@ def _check_main_grads(main_grads, weights: dict) -> tuple[torch.Tensor | None, .
 def check_errors(workspace: MoKWorkspace) -> None:
     """Sync the workspace's device and raise what its kernels recorded without a host sync.
 
-    Raises ValueError for a schedule capacity overflow of the last `build_schedule`, and
+    Raises ValueError for a bad input value found on the GPU without a host sync (router
+    weights <= 0 or non-finite, expert ids out of range), for a schedule capacity overflow of
+    the last `build_schedule`, and
     MoKWaitTimeoutError when a cross-CTA or cross-GPU wait gave up (naming rank and phase).
     On CPU there is nothing deferred: errors were raised by the calls themselves.
     """
@@ -331,6 +333,8 @@ def check_errors(workspace: MoKWorkspace) -> None:
     if workspace.device.type != "cuda":
         return
     from . import launchers  # noqa: PLC0415 - CUDA only
+    from .validation import raise_deferred_value_errors  # noqa: PLC0415
 
+    raise_deferred_value_errors(wait=True)
     launchers.raise_pending_errors(workspace, wait=True)
     launchers.check_errors(workspace.device)

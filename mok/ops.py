@@ -15,7 +15,11 @@ import torch
 
 from . import reference
 from .types import MoKSchedule
-from .validation import check_expert_id_values, check_router_weight_values
+from .validation import (
+    check_expert_id_values,
+    check_router_weight_values,
+    raise_deferred_value_errors,
+)
 from .workspace import workspace_from_handle
 
 Tensor = torch.Tensor
@@ -24,6 +28,8 @@ Tensor = torch.Tensor
 def _gpu(op_name: str, device: torch.device):
     from . import kernels  # noqa: PLC0415 - CUDA-only path
 
+    if not torch.cuda.is_current_stream_capturing():
+        raise_deferred_value_errors(wait=False)
     return kernels.require(op_name, device)
 
 
@@ -74,7 +80,7 @@ def build_schedule(
         tokens_per_expert int32 [E]  (SEMANTICS §3; padding rows are -1)
     """
     ws = workspace_from_handle(workspace_handle)
-    check_expert_id_values(top_experts, num_local_experts * ws.ep_size)
+    check_expert_id_values(top_experts, num_local_experts * ws.ep_size, "mok.ops.build_schedule")
     if top_experts.is_cuda:
         return _gpu("build_schedule", top_experts.device).build_schedule(
             ws, top_experts, num_local_experts, capacity, all_gather_chunk_bytes
@@ -136,7 +142,7 @@ def forward(
         out bf16 [T, H]; x_routed bf16 [C, H]; gate_routed, up_routed, hidden_routed bf16 [C, I];
         gate_shared, up_shared, hidden_shared bf16 [T, I] (empty [0] without a shared expert)
     """
-    check_router_weight_values(router_weights)
+    check_router_weight_values(router_weights, "mok.ops.forward")
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     if x.is_cuda:
@@ -264,7 +270,7 @@ def backward(
         d_shared_down bf16 [H, I]. A weight gradient that went into a main_grad, or a shared one
         without a shared expert, is empty [0].
     """
-    check_router_weight_values(router_weights)
+    check_router_weight_values(router_weights, "mok.ops.backward")
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     main_grads = (

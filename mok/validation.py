@@ -80,20 +80,52 @@ def check_swiglu_limit(value) -> float | None:
     return float(value)
 
 
-def _capturing(tensor: torch.Tensor) -> bool:
-    """True inside CUDA graph capture, where a value check (a host read) is impossible.
+# Value checks of CUDA inputs never sync with the host: each one leaves its verdict in pinned
+# host memory behind an event, and the next mok op (or mok.functional.check_errors, which
+# syncs) raises the first failed verdict that has landed.
+_DEFERRED: list[tuple[torch.cuda.Event, torch.Tensor, str]] = []
 
-    Outside capture, value checks on CUDA tensors cost one small device-to-host read; moving
-    them into the kernels' status words (no sync) is tracked in docs/NOTES.md.
-    """
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """True inside CUDA graph capture, where neither a host read nor an event query is allowed."""
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def check_router_weight_values(router_weights: torch.Tensor) -> None:
-    """Router weights must be finite and > 0 (the original silently returned 0 gradient)."""
-    if _capturing(router_weights):
-        return
+def _defer(bad: torch.Tensor, message: str) -> None:
+    verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
+    verdict.copy_(bad.any(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _DEFERRED.append((event, verdict, message))
+
+
+def raise_deferred_value_errors(*, wait: bool) -> None:
+    """Raise ValueError for a failed deferred value check (wait=True syncs on all of them)."""
+    pending, failed = [], None
+    for event, verdict, message in _DEFERRED:
+        if not wait and not event.query():
+            pending.append((event, verdict, message))
+            continue
+        event.synchronize()
+        if failed is None and bool(verdict):
+            failed = message
+    _DEFERRED[:] = pending
+    if failed is not None:
+        raise ValueError(failed)
+
+
+def check_router_weight_values(router_weights: torch.Tensor, op: str = "mok op") -> None:
+    """Router weights must be finite and > 0 (the original silently returned 0 gradient).
+
+    CPU: checked now, naming the first bad value and its index. CUDA: deferred (no host sync).
+    """
     bad = ~(torch.isfinite(router_weights) & (router_weights > 0))
+    if router_weights.is_cuda:
+        if not _capturing(router_weights):
+            _defer(bad, f"router_weights must be finite and > 0, got a value <= 0 or non-finite "
+                        f"in a call of {op} on {router_weights.device} (found without a host "
+                        f"sync; reported at the next mok call or check_errors)")  # fmt: skip
+        return
     if bool(bad.any()):
         index = tuple(int(i) for i in torch.nonzero(bad)[0])
         raise ValueError(
@@ -102,10 +134,15 @@ def check_router_weight_values(router_weights: torch.Tensor) -> None:
         )
 
 
-def check_expert_id_values(top_experts: torch.Tensor, num_experts: int) -> None:
-    if _capturing(top_experts):
-        return
+def check_expert_id_values(top_experts: torch.Tensor, num_experts: int, op: str = "mok op") -> None:
     bad = (top_experts < 0) | (top_experts >= num_experts)
+    if top_experts.is_cuda:
+        if not _capturing(top_experts):
+            _defer(bad, f"top_experts must hold expert ids in [0, {num_experts}) (num_local_experts"
+                        f" * EP size), got one outside in a call of {op} on {top_experts.device} "
+                        f"(found without a host sync; reported at the next mok call or "
+                        f"check_errors)")  # fmt: skip
+        return
     if bool(bad.any()):
         index = tuple(int(i) for i in torch.nonzero(bad)[0])
         raise ValueError(

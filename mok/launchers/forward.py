@@ -40,11 +40,15 @@ def _require_group_of_one(ws, op: str) -> None:
 
 
 def gather_routed_rows(x: torch.Tensor, peer_rank, peer_token_idx, topk: int) -> torch.Tensor:
-    """Dispatch for a group of one: x_routed[i] = x[peer_token_idx[i] // k], 0 for padding."""
-    valid = peer_rank >= 0
-    rows = torch.where(valid, peer_token_idx, 0).long() // topk
-    x_routed = x.index_select(0, rows)
-    return x_routed.masked_fill_(~valid.unsqueeze(1), 0)
+    """Dispatch for a group of one: x_routed[i] = x[peer_token_idx[i] // k], 0 for padding.
+
+    Padding rows gather from one zero row appended to x (a copy of T rows), which is cheaper
+    than zeroing them afterwards (C rows, C >= T*k).
+    """
+    num_tokens = x.shape[0]
+    x_ext = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    rows = torch.where(peer_rank >= 0, peer_token_idx.long() // topk, num_tokens)
+    return x_ext.index_select(0, rows)
 
 
 def scatter_to_slots(y: torch.Tensor, peer_rank, peer_token_idx, num_slots: int) -> torch.Tensor:

@@ -123,3 +123,24 @@ def test_schedule_and_forward_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, step())
+
+
+def test_bad_values_on_the_gpu_are_reported_without_a_host_sync():
+    t, h, i, e, k = 256, 256, 128, 4, 2
+    inputs = make_inputs(t, h, i, e, k, seed=9, device=CUDA)
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=t, hidden_size=h, topk=k,
+                         num_local_experts=e)  # fmt: skip
+    weights = [inputs[n] for n in WEIGHTS]
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
+    bad_weights = inputs["router_weights"].clone()
+    bad_weights[3, 1] = 0.0
+    F.forward(config, ws, schedule, inputs["x"], bad_weights, *weights)  # returns: no sync
+    with pytest.raises(ValueError, match=r"router_weights must be finite and > 0, got a value"):
+        F.check_errors(ws)
+    bad_ids = inputs["top_experts"].clone()
+    bad_ids[0, 0] = e
+    F.build_schedule(ws, config, bad_ids, num_local_experts=e)
+    with pytest.raises(ValueError, match=r"top_experts must hold expert ids in \[0, 4\)"):
+        F.check_errors(ws)
+    F.check_errors(ws)  # reported once, then clear
