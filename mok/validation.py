@@ -81,8 +81,9 @@ def check_swiglu_limit(value) -> float | None:
 
 
 # Value checks of CUDA inputs never sync with the host: each one leaves its verdict in pinned
-# host memory behind an event, and the next mok op (or mok.functional.check_errors, which
-# syncs) raises the first failed verdict that has landed.
+# host memory behind an event. Every mok op on CUDA starts by raising the first failed verdict
+# that has landed (often already in the op that made the check), and
+# mok.functional.check_errors syncs and raises any that remain.
 _DEFERRED: list[tuple[torch.cuda.Event, torch.Tensor, str]] = []
 
 
@@ -124,7 +125,7 @@ def check_router_weight_values(router_weights: torch.Tensor, op: str = "mok op")
         if not _capturing(router_weights):
             _defer(bad, f"router_weights must be finite and > 0, got a value <= 0 or non-finite "
                         f"in a call of {op} on {router_weights.device} (found without a host "
-                        f"sync; reported at the next mok call or check_errors)")  # fmt: skip
+                        f"sync; reported by a mok call once known, or check_errors)")  # fmt: skip
         return
     if bool(bad.any()):
         index = tuple(int(i) for i in torch.nonzero(bad)[0])
