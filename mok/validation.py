@@ -141,7 +141,7 @@ def check_expert_id_values(top_experts: torch.Tensor, num_experts: int, op: str 
         if not _capturing(top_experts):
             _defer(bad, f"top_experts must hold expert ids in [0, {num_experts}) (num_local_experts"
                         f" * EP size), got one outside in a call of {op} on {top_experts.device} "
-                        f"(found without a host sync; reported at the next mok call or "
+                        f"(found without a host sync; reported by a mok call once known, or "
                         f"check_errors)")  # fmt: skip
         return
     if bool(bad.any()):
