@@ -4,13 +4,12 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32
 
 from .args import global_pointer
 from .ptx import add_rn, mul_rn
+from .row_chunks import VECTOR, chunked_row_views
 
-VECTOR = 8  # bf16 per 16-byte load
-HIDDEN_ALIGN = 64  # documented alignment of hidden_size
 # Slots of each token loaded per step: with 4 tokens, 8 independent 16-byte loads per thread
 # are in flight at once, and k = 2 (the latency-bound case) is a single step.
 SLOTS_PER_STEP = 2
@@ -119,22 +118,12 @@ class MoeCombineForward:
         tokens = self.tokens_per_cta
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
-        # The documented alignment lets CuTe prove every 8-element chunk is 16-byte aligned;
-        # 64-bit row strides keep row * hidden_size from overflowing int32.
-        hidden_size = cute.assume(hidden_size, divby=HIDDEN_ALIGN)
-        row_stride = cute.assume(Int64(hidden_size), divby=HIDDEN_ALIGN)
-        chunks = hidden_size // VECTOR
-
-        # ---- views: [rows, hidden] -> (8, hidden/8, rows) chunks ----
-        def chunked(ptr, num_rows):
-            return cute.make_tensor(
-                ptr,
-                cute.make_layout((VECTOR, chunks, num_rows), stride=(1, VECTOR, row_stride)),
-            )
-
-        mOut = chunked(out_ptr, num_tokens)
-        mShared = chunked(shared_ptr, num_tokens)
-        mSlots = chunked(slots_ptr, num_tokens * topk)
+        chunks, (mOut, mShared, mSlots) = chunked_row_views(
+            hidden_size,
+            (out_ptr, num_tokens),
+            (shared_ptr, num_tokens),
+            (slots_ptr, num_tokens * topk),
+        )
         mWeight = cute.make_tensor(weight_ptr, cute.make_layout(num_tokens * topk))
 
         chunk = bidx * self.threads + tidx
