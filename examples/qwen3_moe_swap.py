@@ -85,42 +85,47 @@ def make_hf_block(config, *, seed: int = 0, device: str | torch.device = "cpu") 
 
 
 def detect_expert_layout(hf_block: nn.Module) -> str:
-    """One of LAYOUT_*; raises UnknownExpertLayoutError with what was found otherwise."""
+    """One of LAYOUT_*; raises UnknownExpertLayoutError saying what was found otherwise."""
     experts = getattr(hf_block, "experts", None)
+    projs = ("gate_proj", "up_proj", "down_proj")
     if isinstance(experts, nn.ModuleList) and len(experts) > 0:
-        if all(
-            all(isinstance(getattr(m, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj"))
-            for m in experts
-        ):
-            if any(getattr(m, p).bias is not None for m in experts for p in ("gate_proj", "up_proj", "down_proj")):
+        linears = [getattr(m, p, None) for m in experts for p in projs]
+        if all(isinstance(lin, nn.Linear) for lin in linears):
+            if any(lin.bias is not None for lin in linears):
                 raise UnknownExpertLayoutError("expert Linear layers with a bias are not supported")
             return LAYOUT_MODULELIST
     gate_up = getattr(experts, "gate_up_proj", None)
     down = getattr(experts, "down_proj", None)
     if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
         if gate_up.dim() == 3 and down.dim() == 3:
-            unsupported = {
-                "is_concatenated": (getattr(experts, "is_concatenated", True), True),
-                "has_bias": (getattr(experts, "has_bias", False), False),
-                "has_gate": (getattr(experts, "has_gate", True), True),
-                "has_post_expert_norm": (getattr(experts, "has_post_expert_norm", False), False),
+            # Flags of transformers' @use_experts_implementation; mok needs the plain SwiGLU.
+            needed = {
+                "is_concatenated": True,
+                "has_bias": False,
+                "has_gate": True,
+                "has_post_expert_norm": False,
             }
-            for name, (got, want) in unsupported.items():
+            for name, want in needed.items():
+                got = getattr(experts, name, want)
                 if got != want:
                     raise UnknownExpertLayoutError(
                         f"fused experts with {name}={got} are not supported (need {want})"
                     )
             return LAYOUT_FUSED_T if getattr(experts, "is_transposed", False) else LAYOUT_FUSED
+    found = None
+    if isinstance(experts, nn.Module):
+        found = [(n, list(p.shape)) for n, p in experts.named_parameters()][:6]
     raise UnknownExpertLayoutError(
         f"unknown expert layout in {type(hf_block).__name__}: experts is "
-        f"{type(experts).__name__} with parameters "
-        f"{[(n, list(p.shape)) for n, p in experts.named_parameters()] if isinstance(experts, nn.Module) else None}; "
-        f"supported: a ModuleList of MLPs with gate_proj/up_proj/down_proj Linear layers, or fused "
-        f"3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters"
+        f"{type(experts).__name__} with parameters {found}; supported: a ModuleList of MLPs with "
+        f"gate_proj/up_proj/down_proj Linear layers, or fused 3-D gate_up_proj [E, 2I, H] and "
+        f"down_proj [E, H, I] parameters"
     )
 
 
-def expert_weights(hf_block: nn.Module, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_weights(
+    hf_block: nn.Module, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The HF expert weights as mok wants them: gate, up [E, I, H]; down [E, H, I] ([out, in])."""
     experts = hf_block.experts
     if layout == LAYOUT_MODULELIST:
@@ -249,7 +254,10 @@ def check_forward(hf_block, swapped, *, num_tokens: int, seed: int, device) -> d
 
 
 class Teacher:
-    """A fixed random SwiGLU MLP (fp32) that the MoE blocks learn to imitate."""
+    """A fixed random SwiGLU MLP (fp32) that the MoE blocks learn to imitate.
+
+    Narrower than one expert, so each expert can represent it and the loss can go far down.
+    """
 
     def __init__(self, hidden: int, inter: int, *, seed: int, device) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -321,13 +329,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--teacher-width", type=int, default=32, help="teacher MLP's hidden width")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--moe-intermediate", type=int, default=128)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -356,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not fwd["ok"]:
         raise AssertionError(f"swapped forward is not within the bf16 bound of HF's: {fwd}")
 
-    teacher = Teacher(args.hidden, 2 * args.moe_intermediate, seed=args.seed + 2, device=device)
+    teacher = Teacher(args.hidden, args.teacher_width, seed=args.seed + 2, device=device)
     kw = dict(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
               data_seed=args.seed + 3, device=device)  # fmt: skip
 
@@ -374,8 +387,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     mok_losses_again = train(fresh_mok_block(), teacher, **kw)
     deterministic = mok_losses == mok_losses_again
 
-    print(f"final loss after {args.steps} steps: HF {hf_losses[-1]:.6f}  mok {mok_losses[-1]:.6f} "
-          f"(initial {hf_losses[0]:.6f} / {mok_losses[0]:.6f})")  # fmt: skip
+    last = max(1, min(20, args.steps // 10))
+    print(f"loss HF / mok: initial {hf_losses[0]:.6f} / {mok_losses[0]:.6f}; final (step "
+          f"{args.steps}) {hf_losses[-1]:.6f} / {mok_losses[-1]:.6f}; mean of the last {last} "
+          f"steps {_mean(hf_losses[-last:]):.6f} / {_mean(mok_losses[-last:]):.6f}")  # fmt: skip
     print(f"mok run 1 vs run 2, {args.steps} losses compared with ==: "
           f"bitwise identical: {deterministic}")  # fmt: skip
     if args.png:
@@ -384,7 +399,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
              f"k={args.top_k}, bf16, {args.device}): HF vs mok experts")  # fmt: skip
         print(f"wrote {args.png}")
     total = time.perf_counter() - t0
-    print(f"time: HF train {timings['hf']:.1f}s, mok train {timings['mok']:.1f}s, total {total:.1f}s")
+    print(
+        f"time: HF train {timings['hf']:.1f}s, mok train {timings['mok']:.1f}s, total {total:.1f}s"
+    )
     return {
         "transformers_version": transformers.__version__,
         "layout": swapped.layout,
