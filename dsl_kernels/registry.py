@@ -36,6 +36,8 @@ def variants() -> list[Variant]:
     from .common.schedule_place import SchedulePlace
     from .common.schedule_scan import ScheduleScan
     from .sm90.expert_gemm import Sm90ExpertGemm
+    from .sm90.expert_gemm_bwd import Sm90ExpertGemmBwd
+    from .sm90.expert_gemm_bwd_weights import Sm90ExpertGemmBwdWeights
 
     return [
         Variant(
@@ -96,6 +98,31 @@ def variants() -> list[Variant]:
             Sm90ExpertGemm,
             {"epilogue": "store", "stages": 4},
             launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
+            archs=("sm_90a",),
+        ),
+        # Backward activation-gradient GEMMs (sm90/expert_gemm_bwd.py): weights read as stored
+        # (MN-major B, wgmma transposed), Hopper only like the forward engine.
+        Variant(
+            "expert_gemm_bwd_d_hidden_swiglu",
+            Sm90ExpertGemmBwd,
+            {"job": "d_hidden_swiglu", "stages": 4},
+            launch_grid="(min(sm_count, capacity / 128 * intermediate_size / 256), 1, 1)",
+            archs=("sm_90a",),
+        ),
+        Variant(
+            "expert_gemm_bwd_d_x",
+            Sm90ExpertGemmBwd,
+            {"job": "d_x", "stages": 4},
+            launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
+            archs=("sm_90a",),
+        ),
+        # Weight gradients out[e] = A_e^T B_e (sm90/expert_gemm_bwd_weights.py): one CTA per
+        # output tile over the expert's whole token range, zeros for an expert without tokens.
+        Variant(
+            "expert_gemm_bwd_weights",
+            Sm90ExpertGemmBwdWeights,
+            {"stages": 4},
+            launch_grid="(min(sm_count, num_experts * m_size / 128 * n_size / 256), 1, 1)",
             archs=("sm_90a",),
         ),
     ]

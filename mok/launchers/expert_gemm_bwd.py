@@ -1,0 +1,253 @@
+"""Backward grouped expert GEMMs over the expert-major routed buffer (SM90, TMA + wgmma).
+
+Kernels `expert_gemm_bwd_d_hidden_swiglu` and `expert_gemm_bwd_d_x`
+(dsl_kernels/sm90/expert_gemm_bwd.py) and `expert_gemm_bwd_weights`
+(dsl_kernels/sm90/expert_gemm_bwd_weights.py). The first two are persistent, one CTA per SM at most, each CTA walking
+128 x 256 output tiles located on the device from `tokens_per_expert` (no host sync).
+
+    d_hidden_swiglu: d_hidden = dY_e @ W_down[e] (fp32, never stored);
+                     d_gate, d_up = mok.reference.swiglu_backward(d_hidden, gate, up, limit)
+    d_x:             d_x = bf16(d_gate @ W_gate[e] + d_up @ W_up[e]), one fp32 accumulation
+                     over 2 I, the gate half first
+    weight_gradient: out[e] = A[rows of e]^T @ B[rows of e] in fp32 (dW_down = dY_e^T hidden,
+                     dW_gate = d_gate^T x_routed, dW_up = d_up^T x_routed); each output tile
+                     is summed by one CTA over the expert's rows in order; zeros for an
+                     expert with no rows
+
+for every row of expert e's segment (segments contiguous, expert 0 first, each a multiple of
+128 rows). The weights are read as stored ([E, K, N], N contiguous): no transposed copy.
+Rows past sum(tokens_per_expert) are not written. Descriptors are cached by value as in
+`mok.launchers.expert_gemm`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .expert_gemm import (
+    K_ALIGNMENT,
+    MAX_K,
+    MAX_ROWS,
+    _check,
+    _check_multiple,
+    _descriptor,
+    _grid,
+    _sm_count,
+)
+
+D_HIDDEN_KERNEL = "expert_gemm_bwd_d_hidden_swiglu"
+D_X_KERNEL = "expert_gemm_bwd_d_x"
+WEIGHTS_KERNEL = "expert_gemm_bwd_weights"
+M_ALIGNMENT = 128  # weight_gradient: output rows per tile
+N_ALIGNMENT = 256  # output columns per tile: two 128-column accumulators
+
+
+def _check_extents(what: str, capacity: int, weight_rows: int, k_size: int, n_size: int):
+    if capacity >= MAX_ROWS or weight_rows >= MAX_ROWS:
+        raise ValueError(
+            f"routed rows ({capacity}) and {what} ({weight_rows}) must be below {MAX_ROWS}"
+        )
+    for name, value in (("K", k_size), ("N", n_size)):
+        if value >= MAX_K:
+            raise ValueError(f"{name} extent must be below {MAX_K}, got {value}")
+
+
+def d_hidden_swiglu(
+    dy_routed: torch.Tensor,
+    down_weights: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    d_gate: torch.Tensor | None = None,
+    d_up: torch.Tensor | None = None,
+    manifest=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up), each bf16 [C, I], from dY_e bf16 [C, H] and W_down bf16 [E, H, I].
+
+    Inputs: `gate`, `up` bf16 [C, I] are the forward's pre-clamp gate/up (the forward
+    context); `tokens_per_expert` int32 [E] on the same device (padded segment sizes,
+    multiples of 128, sum <= C: not checked, it would need a host sync). `d_gate`/`d_up` may be
+    given to write into. Constraints: H % 64 == 0, I % 256 == 0. Runs on torch's current
+    stream; no host sync.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    capacity, hidden_size = dy_routed.shape if dy_routed.dim() == 2 else (-1, -1)
+    if down_weights.dim() != 3:
+        raise ValueError(f"down_weights must be [E, H, I], got shape {list(down_weights.shape)}")
+    num_experts, intermediate_size = down_weights.shape[0], down_weights.shape[2]
+    _check("dy_routed", dy_routed, torch.bfloat16, (capacity, hidden_size))
+    _check_multiple("hidden_size (dy_routed.shape[1])", hidden_size, K_ALIGNMENT)
+    _check_multiple("intermediate_size (down_weights.shape[2])", intermediate_size, N_ALIGNMENT)
+    _check(
+        "down_weights", down_weights, torch.bfloat16, (num_experts, hidden_size, intermediate_size)
+    )
+    _check("gate", gate, torch.bfloat16, (capacity, intermediate_size))
+    _check("up", up, torch.bfloat16, (capacity, intermediate_size))
+    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    _check_extents(
+        "num_experts * hidden_size",
+        capacity,
+        num_experts * hidden_size,
+        hidden_size,
+        intermediate_size,
+    )
+    device = dy_routed.device
+    outputs = []
+    for name, given in (("d_gate", d_gate), ("d_up", d_up)):
+        if given is None:
+            given = torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
+        _check(name, given, torch.bfloat16, (capacity, intermediate_size))
+        outputs.append(given)
+    d_gate, d_up = outputs
+    if capacity == 0 or num_experts == 0:
+        return d_gate, d_up
+
+    kernel = get_kernel(D_HIDDEN_KERNEL, device=device, manifest=manifest)
+    dy = _descriptor(kernel, "tma_a0", dy_routed)
+    weights = _descriptor(
+        kernel, "tma_b0", down_weights.view(num_experts * hidden_size, intermediate_size)
+    )
+    kernel.launch(
+        (_grid(device, capacity, intermediate_size // N_ALIGNMENT), 1, 1),
+        {
+            # One K range: the second A/B descriptors are not read; pass the same ones.
+            "tma_a0": dy,
+            "tma_a1": dy,
+            "tma_b0": weights,
+            "tma_b1": weights,
+            "out0_ptr": d_gate,
+            "out1_ptr": d_up,
+            "gate_ptr": gate,
+            "up_ptr": up,
+            "tokens_per_expert_ptr": tokens_per_expert,
+            "num_experts": num_experts,
+            "k_size": hidden_size,
+            "n_size": intermediate_size,
+            "has_limit": int(swiglu_limit is not None),
+            "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+        },
+    )
+    return d_gate, d_up
+
+
+def d_x(
+    d_gate: torch.Tensor,
+    d_up: torch.Tensor,
+    gate_weights: torch.Tensor,
+    up_weights: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    manifest=None,
+) -> torch.Tensor:
+    """d_x_routed bf16 [C, H] = d_gate @ W_gate[e] + d_up @ W_up[e] (one fp32 sum, gate half
+    first), d_gate/d_up bf16 [C, I], weights bf16 [E, I, H].
+
+    Constraints: I % 64 == 0, H % 256 == 0; `tokens_per_expert` as for `d_hidden_swiglu`.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    capacity, intermediate_size = d_gate.shape if d_gate.dim() == 2 else (-1, -1)
+    if gate_weights.dim() != 3:
+        raise ValueError(f"gate_weights must be [E, I, H], got shape {list(gate_weights.shape)}")
+    num_experts, hidden_size = gate_weights.shape[0], gate_weights.shape[2]
+    _check("d_gate", d_gate, torch.bfloat16, (capacity, intermediate_size))
+    _check("d_up", d_up, torch.bfloat16, (capacity, intermediate_size))
+    _check_multiple("intermediate_size (d_gate.shape[1])", intermediate_size, K_ALIGNMENT)
+    _check_multiple("hidden_size (gate_weights.shape[2])", hidden_size, N_ALIGNMENT)
+    weight_shape = (num_experts, intermediate_size, hidden_size)
+    _check("gate_weights", gate_weights, torch.bfloat16, weight_shape)
+    _check("up_weights", up_weights, torch.bfloat16, weight_shape)
+    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    _check_extents(
+        "num_experts * intermediate_size",
+        capacity,
+        num_experts * intermediate_size,
+        intermediate_size,
+        hidden_size,
+    )
+    device = d_gate.device
+    if out is None:
+        out = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
+    _check("out", out, torch.bfloat16, (capacity, hidden_size))
+    if capacity == 0 or num_experts == 0:
+        return out
+
+    kernel = get_kernel(D_X_KERNEL, device=device, manifest=manifest)
+    flat = (num_experts * intermediate_size, hidden_size)
+    kernel.launch(
+        (_grid(device, capacity, hidden_size // N_ALIGNMENT), 1, 1),
+        {
+            "tma_a0": _descriptor(kernel, "tma_a0", d_gate),
+            "tma_a1": _descriptor(kernel, "tma_a1", d_up),
+            "tma_b0": _descriptor(kernel, "tma_b0", gate_weights.view(flat)),
+            "tma_b1": _descriptor(kernel, "tma_b1", up_weights.view(flat)),
+            "out0_ptr": out,
+            "out1_ptr": None,
+            "gate_ptr": None,
+            "up_ptr": None,
+            "tokens_per_expert_ptr": tokens_per_expert,
+            "num_experts": num_experts,
+            "k_size": intermediate_size,
+            "n_size": hidden_size,
+            "has_limit": 0,
+            "swiglu_limit": 0.0,
+        },
+    )
+    return out
+
+
+def weight_gradient(
+    a_routed: torch.Tensor,
+    b_routed: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    manifest=None,
+) -> torch.Tensor:
+    """out fp32 [E, M, N], out[e] = a_routed[rows of e].T @ b_routed[rows of e], for a_routed
+    bf16 [C, M], b_routed bf16 [C, N] in the expert-major routed layout.
+
+    dW_down = weight_gradient(dy_routed, hidden); dW_gate = weight_gradient(d_gate, x_routed);
+    dW_up = weight_gradient(d_up, x_routed). Every element of `out` is written (exact zeros
+    for an expert with no rows). Constraints: M % 128 == 0, N % 256 == 0, both < 2^16;
+    `tokens_per_expert` int32 [E] as for `d_hidden_swiglu` (its length gives E).
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    capacity, m_size = a_routed.shape if a_routed.dim() == 2 else (-1, -1)
+    n_size = b_routed.shape[1] if b_routed.dim() == 2 else -1
+    num_experts = tokens_per_expert.shape[0] if tokens_per_expert.dim() == 1 else -1
+    _check("a_routed", a_routed, torch.bfloat16, (capacity, m_size))
+    _check("b_routed", b_routed, torch.bfloat16, (capacity, n_size))
+    _check_multiple("M (a_routed.shape[1])", m_size, M_ALIGNMENT)
+    _check_multiple("N (b_routed.shape[1])", n_size, N_ALIGNMENT)
+    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    _check_extents("M", capacity, m_size, m_size, n_size)
+    device = a_routed.device
+    if out is None:
+        out = torch.empty(num_experts, m_size, n_size, dtype=torch.float32, device=device)
+    _check("out", out, torch.float32, (num_experts, m_size, n_size))
+    if num_experts == 0:
+        return out
+    if capacity == 0:
+        return out.zero_()
+
+    kernel = get_kernel(WEIGHTS_KERNEL, device=device, manifest=manifest)
+    tiles = num_experts * (m_size // M_ALIGNMENT) * (n_size // N_ALIGNMENT)
+    kernel.launch(
+        (max(1, min(_sm_count(device), tiles)), 1, 1),
+        {
+            "tma_a": _descriptor(kernel, "tma_a", a_routed),
+            "tma_b": _descriptor(kernel, "tma_b", b_routed),
+            "out_ptr": out,
+            "tokens_per_expert_ptr": tokens_per_expert,
+            "num_experts": num_experts,
+            "m_size": m_size,
+            "n_size": n_size,
+        },
+    )
+    return out
