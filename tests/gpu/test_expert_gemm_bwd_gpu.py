@@ -29,7 +29,7 @@ import torch
 
 from mok import reference
 from mok.launchers import expert_gemm_bwd
-from mok.testing import within_bf16_bound
+from mok.testing import rel_error, within_bf16_bound
 
 pytestmark = [
     pytest.mark.gpu,
@@ -213,7 +213,10 @@ def test_weight_gradients(case):
             a_e, b_e = a[start:end], b[start:end]
             truth = a_e.double().t() @ b_e.double()
             _check_bound(f"{label}[{e}] vs bf16 GEMM", out[e], truth, a_e.t() @ b_e)
-            _check_bound(f"{label}[{e}] vs fp32 GEMM", out[e], truth, a_e.float().t() @ b_e.float())
+            # fp32 output against an fp32 GEMM in another summation order: an fp32-level
+            # bound, not the bf16 one (the bf16 bound above is the contract).
+            fp32_err = rel_error(out[e], truth)
+            assert fp32_err <= 2e-5, f"{label}[{e}]: fp32 error {fp32_err:.3e} > 2e-5"
 
 
 # (name, num_experts, hidden_size, intermediate_size, tokens, topk): evenly routed.
