@@ -1,0 +1,94 @@
+"""The interim GPU backward's composition (mok/launchers/backward.py), checked on CPU.
+
+The SM90 kernels are replaced by the reference's math on the same operands (each kernel is
+tested against that math on the H200 in tests/gpu/test_expert_gemm_bwd_gpu.py), so this test
+checks the glue: gathers, dY_e scaling, slot scatter, router-weight partials, the shared
+expert's padding and main_grad accumulation, against mok.reference.backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok import reference as R
+from mok.launchers import backward as bwd
+from mok.launchers import epilogues, expert_gemm, expert_gemm_bwd
+from mok.testing import make_inputs, rel_error
+
+T, H, I, E, K = 200, 256, 256, 6, 2
+WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
+
+
+def _segments(tokens):
+    return R.expert_segments(R.MoKSchedule(None, None, None, tokens))
+
+
+def fake_down(hidden, down_w, tokens):
+    y = torch.zeros(hidden.shape[0], down_w.shape[1], dtype=torch.bfloat16)
+    for e, (s, t) in enumerate(_segments(tokens)):
+        y[s:t] = R._mm(hidden[s:t], down_w[e]).to(torch.bfloat16)
+    return y
+
+
+def fake_d_hidden(dy, down_w, gate, up, tokens, *, swiglu_limit=None):
+    d_gate, d_up = torch.zeros_like(gate), torch.zeros_like(up)
+    for e, (s, t) in enumerate(_segments(tokens)):
+        d_hidden = dy[s:t].float() @ down_w[e].float()
+        d_gate[s:t], d_up[s:t] = R.swiglu_backward(d_hidden, gate[s:t], up[s:t], swiglu_limit)
+    return d_gate, d_up
+
+
+def fake_d_x(d_gate, d_up, gate_w, up_w, tokens):
+    out = torch.zeros(d_gate.shape[0], gate_w.shape[2], dtype=torch.bfloat16)
+    for e, (s, t) in enumerate(_segments(tokens)):
+        out[s:t] = (d_gate[s:t].float() @ gate_w[e].float()
+                    + d_up[s:t].float() @ up_w[e].float()).to(torch.bfloat16)  # fmt: skip
+    return out
+
+
+def fake_weight_gradient(a, b, tokens):
+    out = torch.zeros(tokens.shape[0], a.shape[1], b.shape[1])
+    for e, (s, t) in enumerate(_segments(tokens)):
+        out[e] = a[s:t].float().t() @ b[s:t].float()
+    return out
+
+
+@pytest.fixture()
+def fake_kernels(monkeypatch):
+    monkeypatch.setattr(expert_gemm, "down", fake_down)
+    monkeypatch.setattr(expert_gemm_bwd, "d_hidden_swiglu", fake_d_hidden)
+    monkeypatch.setattr(expert_gemm_bwd, "d_x", fake_d_x)
+    monkeypatch.setattr(expert_gemm_bwd, "weight_gradient", fake_weight_gradient)
+    monkeypatch.setattr(epilogues, "bwd_epilogue", R.bwd_epilogue)
+
+
+class _Workspace:
+    ep_size, hidden_size, topk = 1, H, K
+
+
+@pytest.mark.parametrize("shared,limit,main", [(True, None, False), (False, 0.5, True)])
+def test_composition_equals_reference_backward(fake_kernels, shared, limit, main):
+    inp = make_inputs(T, H, I, E, K, shared=shared, seed=3)
+    schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
+    weights = [inp[n] for n in WEIGHTS]
+    _, ctx = R.forward(schedule, inp["x"], inp["router_weights"], *weights, swiglu_limit=limit)
+    want = R.backward(schedule, ctx, inp["grad_output"], inp["x"], inp["router_weights"],
+                      *weights, swiglu_limit=limit)  # fmt: skip
+    empty = inp["x"].new_empty(0)
+    ctx_tensors = [t if t is not None else empty for t in ctx.tensors()]
+    order = (3, 4, 5, 0, 1, 2)  # routed gate/up/down, then shared
+    mains = tuple(torch.zeros(weights[i].shape) if main and weights[i] is not None else None
+                  for i in order)  # fmt: skip
+    got = bwd.backward(_Workspace(), schedule, ctx_tensors, inp["grad_output"], inp["x"],
+                       inp["router_weights"], *weights, limit, 16, 4096, 131072, mains)  # fmt: skip
+    assert torch.equal(got[0], want[0])  # d_x: same bf16 slots, same fixed-order epilogue
+    # d_router uses the bf16-rounded expert output (the kernel's y): within bf16 rounding.
+    assert rel_error(got[1], want[1]) < 2**-8
+    for i, (g, w) in enumerate(zip(got[2:], want[2:], strict=True)):
+        if w is None:
+            assert g.numel() == 0
+        elif main:
+            assert g.numel() == 0 and torch.allclose(mains[i], w, rtol=1e-5, atol=1e-5)
+        else:
+            assert rel_error(g.float(), w) < 2**-8 and g.dtype == torch.bfloat16
