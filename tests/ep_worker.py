@@ -20,6 +20,9 @@ def _entry(rank, world_size, store_path, fn, args, result_dir):
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+        # Leave together: a rank tearing gloo down while its peer still talks to it can abort
+        # in C++ ("terminate called without an active exception").
+        dist.barrier()
     except BaseException:
         with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
@@ -50,5 +53,9 @@ def run_on_gloo_group(fn, world_size: int, *args):
                 for f in sorted(os.listdir(tmp))
                 if f.endswith(".err")
             ]
-            raise RuntimeError("EP worker failed:\n" + "\n".join(errors)) from exc
+            results = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
+            if errors or not all(os.path.exists(p) for p in results):
+                raise RuntimeError("EP worker failed:\n" + "\n".join(errors)) from exc
+            # Every rank finished and saved its result; only process teardown failed (gloo's
+            # shutdown is not always clean). The results stand.
         return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]
