@@ -50,25 +50,24 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32
 
 from ..common.args import global_pointer
-from .expert_tiles import TILE_ROWS, locate_tile, segment_row_tiles
+from . import gemm_phases as phases
+from .expert_tiles import TileList, locate_first_tile, locate_tile
+from .gemm_phases import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    TILE_K,
+    TILE_M,
+    TILE_N,
+)
 
 EPILOGUES = ("swiglu", "store")
-TILE_M = TILE_ROWS  # rows per CTA tile (two consumer warpgroups x 64 rows)
-TILE_N = 128  # columns of each of the two accumulators
-TILE_K = 64  # bf16 elements per K block: one 128-byte swizzle atom row
 # The TMA coordinate tensors are given static extents (the runtime's descriptor carries the
 # real ones): coordinates only need to fit, and static shapes add no kernel parameters.
 MAX_ROWS = 1 << 30
 MAX_K = 1 << 16
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
-THREADS_PER_WARPGROUP = 128
-NUM_CONSUMER_WARPGROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -89,49 +88,26 @@ class Sm90ExpertGemm:
 
     @property
     def threads(self) -> int:
-        return THREADS_PER_WARPGROUP * (1 + NUM_CONSUMER_WARPGROUPS)
+        return phases.THREADS
 
     def _tiled_mma(self):
-        # Two warpgroups along M (64 rows each), each running m64n128k16 wgmma instructions.
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16,
-            BFloat16,
-            cute.nvgpu.warpgroup.OperandMajorMode.K,
-            cute.nvgpu.warpgroup.OperandMajorMode.K,
-            Float32,
-            (NUM_CONSUMER_WARPGROUPS, 1, 1),
-            tiler_mn=(64, TILE_N),
-        )
+        # Both operands K-major (activations [C, K], weights viewed [E * N, K]).
+        K = cute.nvgpu.warpgroup.OperandMajorMode.K
+        return phases.make_tiled_mma(K, K)
 
     def _smem_layout(self, rows: int):
-        """Staged (rows, TILE_K, stages) K-major layout with the 128-byte swizzle."""
-        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, BFloat16, TILE_K),
-            BFloat16,
-        )
-        return cute.tile_to_shape(atom, (rows, TILE_K, self.stages), order=(0, 1, 2))
+        return phases.k_major_smem_layout(rows, self.stages)
 
     def tma_specs(self) -> list[dict]:
         """How the runtime encodes each descriptor param (see runtime/tma.py): a rank-2 bf16
         tensor [rows, K] (dims innermost first: K, rows), one 64 x 128 box per stage load, the
         128-byte swizzle of the shared-memory layout built in `_smem_layout`."""
         box = [TILE_K, TILE_M]  # == [TILE_K, TILE_N]: A and B tiles have the same box
-        return [
-            {
-                "param": param,
-                "dtype": "bf16",
-                "rank": 2,
-                "box": list(box),
-                "swizzle": "128B",
-                "l2_promotion": "128B",
-                "oob_fill": "none",
-            }
-            for param in ("tma_a", "tma_b0", "tma_b1")
-        ]
+        return [phases.tma_spec(param, box) for param in ("tma_a", "tma_b0", "tma_b1")]
 
     def stage_bytes(self) -> int:
         """Bytes one ring stage receives (the mbarrier expect_tx count): A + B0 + B1 tiles."""
-        return 2 * TILE_K * (TILE_M + 2 * TILE_N)
+        return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
         """Placeholders for `__call__`, in order (see common/args.py)."""
@@ -173,18 +149,11 @@ class Sm90ExpertGemm:
         # The descriptors the DSL would build here are thrown away: the runtime encodes its own
         # from the manifest (same box, swizzle and element type, the caller's real extents).
         operand_layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
-        load = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        a_smem = cute.slice_(self._smem_layout(TILE_M), (None, None, 0))
-        b_smem = cute.slice_(self._smem_layout(TILE_N), (None, None, 0))
-        tma_a, mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, cute.make_tensor(a_ptr, operand_layout), a_smem, (TILE_M, TILE_K)
-        )
-        tma_b0, mB0 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, cute.make_tensor(b0_ptr, operand_layout), b_smem, (TILE_N, TILE_K)
-        )
-        tma_b1, mB1 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, cute.make_tensor(b1_ptr, operand_layout), b_smem, (TILE_N, TILE_K)
-        )
+        a_smem = self._smem_layout(TILE_M)
+        b_smem = self._smem_layout(TILE_N)
+        tma_a, mA = phases.make_tma_load(a_ptr, operand_layout, a_smem, (TILE_M, TILE_K))
+        tma_b0, mB0 = phases.make_tma_load(b0_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
+        tma_b1, mB1 = phases.make_tma_load(b1_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
         self.kernel(
             tma_a,
             mA,
@@ -224,52 +193,23 @@ class Sm90ExpertGemm:
         has_limit: Int32,
         swiglu_limit: Float32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        grid_size, _, _ = cute.arch.grid_dim()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        warpgroup = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
 
         # ---- static layouts, MMA, shared storage ----
         tiled_mma = self._tiled_mma()
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
-        stage_bytes = cute.size_in_bytes(
-            BFloat16, cute.slice_(a_layout, (None, None, 0))
-        ) + 2 * cute.size_in_bytes(BFloat16, cute.slice_(b_layout, (None, None, 0)))
-
-        @cute.struct
-        class SharedStorage:
-            ring_barriers: cute.struct.MemRange[Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
-            sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-            sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-        sB0 = storage.sB0.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        sB1 = storage.sB1.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
+            a_layout, b_layout, self.stages
+        )
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b0)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b1)
 
-        # ---- operand ring: full barrier = TMA bytes landed, empty = every consumer warp done ----
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ring_barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, NUM_CONSUMER_WARPGROUPS * 4
-            ),
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
-        # mbarrier inits must be visible to the async proxy and every warp before first use.
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        # ---- operand ring ----
+        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list inputs ----
         tokens_per_expert = cute.make_tensor(
@@ -279,155 +219,56 @@ class Sm90ExpertGemm:
         col_tiles = n_size // TILE_N
         if cutlass.const_expr(self.epilogue == "store"):
             col_tiles = n_size // (2 * TILE_N)
+        tiles = TileList(tokens_per_expert, num_experts, col_tiles)
 
         if warpgroup == 0:
             # ================= producer warpgroup: warp 0 issues TMA, warps 1-3 exit =========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                gA = cute.local_tile(mA, (TILE_M, TILE_K), (None, None))
-                gB0 = cute.local_tile(mB0, (TILE_N, TILE_K), (None, None))
-                gB1 = cute.local_tile(mB1, (TILE_N, TILE_K), (None, None))
-                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                    tma_a,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sA, 0, 2),
-                    cute.group_modes(gA, 0, 2),
-                )
-                tBsB0, tBgB0 = cute.nvgpu.cpasync.tma_partition(
-                    tma_b0,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sB0, 0, 2),
-                    cute.group_modes(gB0, 0, 2),
-                )
-                tBsB1, tBgB1 = cute.nvgpu.cpasync.tma_partition(
-                    tma_b1,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sB1, 0, 2),
-                    cute.group_modes(gB1, 0, 2),
-                )
+                tAsA, tAgA = phases.partition_tma_load(tma_a, sA, mA, (TILE_M, TILE_K))
+                tBsB0, tBgB0 = phases.partition_tma_load(tma_b0, sB0, mB0, (TILE_N, TILE_K))
+                tBsB1, tBgB1 = phases.partition_tma_load(tma_b1, sB1, mB1, (TILE_N, TILE_K))
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                expert = Int32(0)
-                tile_base = Int32(0)
-                row_base = Int32(0)
-                row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
                 tile = bidx
-                expert, tile_base, row_base, row_tiles = locate_tile(
-                    tokens_per_expert,
-                    num_experts,
-                    col_tiles,
-                    tile,
-                    expert,
-                    tile_base,
-                    row_base,
-                    row_tiles,
-                )
+                expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
                 while expert < num_experts:
                     local = tile - tile_base
                     a_row_tile = row_base // TILE_M + local % row_tiles
                     b0_row_tile, b1_row_tile = self._weight_row_tiles(
                         expert, local // row_tiles, n_size
                     )
-                    for k_tile in cutlass.range(k_tiles, unroll=1):
-                        ring.producer_acquire(state)
-                        full = ring.producer_get_barrier(state)
-                        cute.copy(
-                            tma_a,
-                            tAgA[(None, a_row_tile, k_tile)],
-                            tAsA[(None, state.index)],
-                            tma_bar_ptr=full,
-                        )
-                        cute.copy(
-                            tma_b0,
-                            tBgB0[(None, b0_row_tile, k_tile)],
-                            tBsB0[(None, state.index)],
-                            tma_bar_ptr=full,
-                        )
-                        cute.copy(
-                            tma_b1,
-                            tBgB1[(None, b1_row_tile, k_tile)],
-                            tBsB1[(None, state.index)],
-                            tma_bar_ptr=full,
-                        )
-                        ring.producer_commit(state)
-                        state.advance()
+                    loads = (
+                        (tma_a, tAgA, a_row_tile, None, tAsA),
+                        (tma_b0, tBgB0, b0_row_tile, None, tBsB0),
+                        (tma_b1, tBgB1, b1_row_tile, None, tBsB1),
+                    )
+                    state = phases.load_k_tiles(ring, state, k_tiles, loads)
                     tile = tile + grid_size
                     expert, tile_base, row_base, row_tiles = locate_tile(
-                        tokens_per_expert,
-                        num_experts,
-                        col_tiles,
-                        tile,
-                        expert,
-                        tile_base,
-                        row_base,
-                        row_tiles,
+                        tiles, tile, (expert, tile_base, row_base, row_tiles)
                     )
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            consumer_tidx = tidx - THREADS_PER_WARPGROUP
-            thr_mma = tiled_mma.get_slice(consumer_tidx)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB0))
-            tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB1))
-            acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
-            acc0 = cute.make_rmem_tensor(acc_shape, Float32)
-            acc1 = cute.make_rmem_tensor(acc_shape, Float32)
-            k_blocks = cute.size(tCrA, mode=[2])
-
-            read_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
+            thr_mma, operands, (acc0, acc1) = phases.make_consumer_fragments(
+                tiled_mma, tidx, sA, sB0, sB1
             )
-            release_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
-            )
-            expert = Int32(0)
-            tile_base = Int32(0)
-            row_base = Int32(0)
-            row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
+            read_state, release_state = phases.make_consumer_states(self.stages)
             tile = bidx
-            expert, tile_base, row_base, row_tiles = locate_tile(
-                tokens_per_expert,
-                num_experts,
-                col_tiles,
-                tile,
-                expert,
-                tile_base,
-                row_base,
-                row_tiles,
-            )
+            expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
             while expert < num_experts:
                 local = tile - tile_base
                 first_row = row_base + (local % row_tiles) * TILE_M
                 col_tile = local // row_tiles
 
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
-                acc0.fill(0.0)
-                acc1.fill(0.0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                for k_tile in cutlass.range(k_tiles, unroll=1):
-                    ring.consumer_wait(read_state)
-                    for k_block in cutlass.range_constexpr(k_blocks):
-                        coord = (None, None, k_block, read_state.index)
-                        cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
-                        cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
-                    cute.nvgpu.warpgroup.commit_group()
-                    read_state.advance()
-                    if k_tile > 0:
-                        # The batch of k_tile - 1 is complete: its stage can be refilled.
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        ring.consumer_release(release_state)
-                        release_state.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                ring.consumer_release(release_state)
-                release_state.advance()
+                read_state, release_state = phases.mma_k_tiles(
+                    tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
+                )
 
                 # ---- epilogue: registers -> global, no shared memory ----
                 self._epilogue(
@@ -446,14 +287,7 @@ class Sm90ExpertGemm:
 
                 tile = tile + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
-                    tokens_per_expert,
-                    num_experts,
-                    col_tiles,
-                    tile,
-                    expert,
-                    tile_base,
-                    row_base,
-                    row_tiles,
+                    tiles, tile, (expert, tile_base, row_base, row_tiles)
                 )
 
     # ------------------------------------------------------------------ device helpers
@@ -472,12 +306,7 @@ class Sm90ExpertGemm:
     @cute.jit
     def _output_tile(self, ptr: cute.Pointer, first_row: Int32, first_col: Int32, n_size: Int32):
         """The 128 x 128 output block at (first_row, first_col) of a row-major [*, n_size]."""
-        row_stride = cute.assume(Int64(n_size), divby=TILE_N)
-        # first_row and first_col are multiples of 128: 16-byte stores stay provably aligned.
-        offset = cute.assume(Int64(first_row) * row_stride + Int64(first_col), divby=TILE_N)
-        return cute.make_tensor(
-            ptr + offset, cute.make_layout((TILE_M, TILE_N), stride=(row_stride, 1))
-        )
+        return phases.output_tile(ptr, None, first_row, first_col, n_size, TILE_N)
 
     @cute.jit
     def _epilogue(

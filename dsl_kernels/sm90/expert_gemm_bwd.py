@@ -63,24 +63,17 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32
 
 from ..common.args import global_pointer
-from .expert_tiles import TILE_ROWS, locate_tile, segment_row_tiles
+from . import gemm_phases as phases
+from .expert_tiles import TileList, locate_first_tile, locate_tile
+from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 JOBS = ("d_hidden_swiglu", "d_x")
-TILE_M = TILE_ROWS  # rows per CTA tile (two consumer warpgroups x 64 rows)
-TILE_N = 128  # columns of each of the two accumulators
-TILE_K = 64  # K elements per ring stage
 # The TMA coordinate tensors get static extents (the runtime's descriptor carries the real ones).
 MAX_ROWS = 1 << 30
 MAX_COLS = 1 << 16
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
-THREADS_PER_WARPGROUP = 128
-NUM_CONSUMER_WARPGROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -101,7 +94,7 @@ class Sm90ExpertGemmBwd:
 
     @property
     def threads(self) -> int:
-        return THREADS_PER_WARPGROUP * (1 + NUM_CONSUMER_WARPGROUPS)
+        return phases.THREADS
 
     @property
     def k_halves(self) -> int:
@@ -110,61 +103,32 @@ class Sm90ExpertGemmBwd:
 
     def _tiled_mma(self):
         # A K-major (activations, row-major [C, K]); B MN-major (weights stored [K, N]):
-        # wgmma reads B transposed. Two warpgroups along M, m64n128k16 instructions.
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16,
-            BFloat16,
-            cute.nvgpu.warpgroup.OperandMajorMode.K,
-            cute.nvgpu.warpgroup.OperandMajorMode.MN,
-            Float32,
-            (NUM_CONSUMER_WARPGROUPS, 1, 1),
-            tiler_mn=(64, TILE_N),
+        # wgmma reads B transposed.
+        return phases.make_tiled_mma(
+            cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.MN
         )
 
     def _a_smem_layout(self):
-        """Staged (TILE_M, TILE_K, stages) K-major layout with the 128-byte swizzle."""
-        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, BFloat16, TILE_K),
-            BFloat16,
-        )
-        return cute.tile_to_shape(atom, (TILE_M, TILE_K, self.stages), order=(0, 1, 2))
+        return phases.k_major_smem_layout(TILE_M, self.stages)
 
     def _b_smem_layout(self):
-        """Staged (TILE_N, TILE_K, stages) MN-major layout with the 128-byte swizzle: atoms of
-        64 N x 8 K, tiled along K first (a 64 x 64 block is one TMA box), then along N."""
-        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.COL_MAJOR, BFloat16, TILE_N),
-            BFloat16,
-        )
-        return cute.tile_to_shape(atom, (TILE_N, TILE_K, self.stages), order=(1, 0, 2))
+        return phases.mn_major_smem_layout(TILE_N, self.stages)
 
     def tma_specs(self) -> list[dict]:
         """How the runtime encodes each descriptor param (see runtime/tma.py): rank-2 bf16
         tensors, box dims innermost first. A: [C, K] with a 64 (K) x 128 (rows) box. B: the
         weights viewed [E * K, N] with a 64 (N) x 64 (K rows) box: the innermost box is capped
         at the 128-byte swizzle span, so a 128-column B tile is two boxes."""
-
-        def spec(param, box):
-            return {
-                "param": param,
-                "dtype": "bf16",
-                "rank": 2,
-                "box": box,
-                "swizzle": "128B",
-                "l2_promotion": "128B",
-                "oob_fill": "none",
-            }
-
         return [
-            spec("tma_a0", [TILE_K, TILE_M]),
-            spec("tma_a1", [TILE_K, TILE_M]),
-            spec("tma_b0", [64, TILE_K]),
-            spec("tma_b1", [64, TILE_K]),
+            phases.tma_spec("tma_a0", [TILE_K, TILE_M]),
+            phases.tma_spec("tma_a1", [TILE_K, TILE_M]),
+            phases.tma_spec("tma_b0", [64, TILE_K]),
+            phases.tma_spec("tma_b1", [64, TILE_K]),
         ]
 
     def stage_bytes(self) -> int:
         """Bytes one ring stage receives (the mbarrier expect_tx count): A + B0 + B1 tiles."""
-        return 2 * TILE_K * (TILE_M + 2 * TILE_N)
+        return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
         """Placeholders for `__call__`, in order (see common/args.py)."""
@@ -211,21 +175,12 @@ class Sm90ExpertGemmBwd:
         # manifest (same box, swizzle and element type, the caller's real extents).
         a_layout = cute.make_layout((MAX_ROWS, MAX_COLS), stride=(MAX_COLS, 1))  # (rows, K)
         b_layout = cute.make_layout((MAX_COLS, MAX_ROWS), stride=(1, MAX_COLS))  # (N, K rows)
-        load = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        a_smem = cute.slice_(self._a_smem_layout(), (None, None, 0))
-        b_smem = cute.slice_(self._b_smem_layout(), (None, None, 0))
-        tma_a0, mA0 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, cute.make_tensor(a0_ptr, a_layout), a_smem, (TILE_M, TILE_K)
-        )
-        tma_a1, mA1 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, cute.make_tensor(a1_ptr, a_layout), a_smem, (TILE_M, TILE_K)
-        )
-        tma_b0, mB0 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, cute.make_tensor(b0_ptr, b_layout), b_smem, (TILE_N, TILE_K)
-        )
-        tma_b1, mB1 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, cute.make_tensor(b1_ptr, b_layout), b_smem, (TILE_N, TILE_K)
-        )
+        a_smem = self._a_smem_layout()
+        b_smem = self._b_smem_layout()
+        tma_a0, mA0 = phases.make_tma_load(a0_ptr, a_layout, a_smem, (TILE_M, TILE_K))
+        tma_a1, mA1 = phases.make_tma_load(a1_ptr, a_layout, a_smem, (TILE_M, TILE_K))
+        tma_b0, mB0 = phases.make_tma_load(b0_ptr, b_layout, b_smem, (TILE_N, TILE_K))
+        tma_b1, mB1 = phases.make_tma_load(b1_ptr, b_layout, b_smem, (TILE_N, TILE_K))
         self.kernel(
             tma_a0,
             mA0,
@@ -271,31 +226,15 @@ class Sm90ExpertGemmBwd:
         has_limit: Int32,
         swiglu_limit: Float32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        grid_size, _, _ = cute.arch.grid_dim()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        warpgroup = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
 
         # ---- static layouts, MMA, shared storage ----
         tiled_mma = self._tiled_mma()
         a_layout = self._a_smem_layout()
         b_layout = self._b_smem_layout()
-        stage_bytes = cute.size_in_bytes(
-            BFloat16, cute.slice_(a_layout, (None, None, 0))
-        ) + 2 * cute.size_in_bytes(BFloat16, cute.slice_(b_layout, (None, None, 0)))
-
-        @cute.struct
-        class SharedStorage:
-            ring_barriers: cute.struct.MemRange[Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
-            sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-            sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-        sB0 = storage.sB0.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        sB1 = storage.sB1.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
+            a_layout, b_layout, self.stages
+        )
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a0)
@@ -304,21 +243,8 @@ class Sm90ExpertGemmBwd:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_a1)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_b1)
 
-        # ---- operand ring: full barrier = TMA bytes landed, empty = every consumer warp done ----
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ring_barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, NUM_CONSUMER_WARPGROUPS * 4
-            ),
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
-        # mbarrier inits must be visible to the async proxy and every warp before first use.
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        # ---- operand ring ----
+        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list inputs ----
         tokens_per_expert = cute.make_tensor(
@@ -326,37 +252,26 @@ class Sm90ExpertGemmBwd:
         )
         k_half_tiles = k_size // TILE_K
         col_tiles = n_size // (2 * TILE_N)
+        tiles = TileList(tokens_per_expert, num_experts, col_tiles)
 
         if warpgroup == 0:
             # ================= producer warpgroup: warp 0 issues TMA, warps 1-3 exit =========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
+                # Per K half: (atom, smem, gmem) of A; (atom, smem of B0, smem of B1, gmem) of B.
                 a_loads = (
-                    self._partition_a(tma_a0, sA, mA0),
-                    self._partition_a(tma_a1, sA, mA1),
+                    (tma_a0, *phases.partition_tma_load(tma_a0, sA, mA0, (TILE_M, TILE_K))),
+                    (tma_a1, *phases.partition_tma_load(tma_a1, sA, mA1, (TILE_M, TILE_K))),
                 )
                 b_loads = (
-                    self._partition_b(tma_b0, sB0, sB1, mB0),
-                    self._partition_b(tma_b1, sB0, sB1, mB1),
+                    (tma_b0, *phases.partition_tma_load_pair(tma_b0, sB0, sB1, mB0)),
+                    (tma_b1, *phases.partition_tma_load_pair(tma_b1, sB0, sB1, mB1)),
                 )
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                expert = Int32(0)
-                tile_base = Int32(0)
-                row_base = Int32(0)
-                row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
                 tile = bidx
-                expert, tile_base, row_base, row_tiles = locate_tile(
-                    tokens_per_expert,
-                    num_experts,
-                    col_tiles,
-                    tile,
-                    expert,
-                    tile_base,
-                    row_base,
-                    row_tiles,
-                )
+                expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
                 while expert < num_experts:
                     local = tile - tile_base
                     a_row_tile = row_base // TILE_M + local % row_tiles
@@ -367,103 +282,37 @@ class Sm90ExpertGemmBwd:
                     for half in cutlass.range_constexpr(self.k_halves):
                         tma_a, tAsA, tAgA = a_loads[half]
                         tma_b, tBsB0, tBsB1, tBgB = b_loads[half]
-                        for k_tile in cutlass.range(k_half_tiles, unroll=1):
-                            ring.producer_acquire(state)
-                            full = ring.producer_get_barrier(state)
-                            cute.copy(
-                                tma_a,
-                                tAgA[(None, a_row_tile, k_tile)],
-                                tAsA[(None, state.index)],
-                                tma_bar_ptr=full,
-                            )
-                            cute.copy(
-                                tma_b,
-                                tBgB[(None, b_col_tile, b_k_base + k_tile)],
-                                tBsB0[(None, state.index)],
-                                tma_bar_ptr=full,
-                            )
-                            cute.copy(
-                                tma_b,
-                                tBgB[(None, b_col_tile + 1, b_k_base + k_tile)],
-                                tBsB1[(None, state.index)],
-                                tma_bar_ptr=full,
-                            )
-                            ring.producer_commit(state)
-                            state.advance()
+                        loads = (
+                            (tma_a, tAgA, a_row_tile, None, tAsA),
+                            (tma_b, tBgB, b_col_tile, b_k_base, tBsB0),
+                            (tma_b, tBgB, b_col_tile + 1, b_k_base, tBsB1),
+                        )
+                        state = phases.load_k_tiles(ring, state, k_half_tiles, loads)
                     tile = tile + grid_size
                     expert, tile_base, row_base, row_tiles = locate_tile(
-                        tokens_per_expert,
-                        num_experts,
-                        col_tiles,
-                        tile,
-                        expert,
-                        tile_base,
-                        row_base,
-                        row_tiles,
+                        tiles, tile, (expert, tile_base, row_base, row_tiles)
                     )
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            consumer_tidx = tidx - THREADS_PER_WARPGROUP
-            thr_mma = tiled_mma.get_slice(consumer_tidx)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB0))
-            tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB1))
-            acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
-            acc0 = cute.make_rmem_tensor(acc_shape, Float32)
-            acc1 = cute.make_rmem_tensor(acc_shape, Float32)
-            k_blocks = cute.size(tCrA, mode=[2])
+            thr_mma, operands, (acc0, acc1) = phases.make_consumer_fragments(
+                tiled_mma, tidx, sA, sB0, sB1
+            )
             k_tiles = self.k_halves * k_half_tiles
-
-            read_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
-            )
-            release_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
-            )
-            expert = Int32(0)
-            tile_base = Int32(0)
-            row_base = Int32(0)
-            row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
+            read_state, release_state = phases.make_consumer_states(self.stages)
             tile = bidx
-            expert, tile_base, row_base, row_tiles = locate_tile(
-                tokens_per_expert,
-                num_experts,
-                col_tiles,
-                tile,
-                expert,
-                tile_base,
-                row_base,
-                row_tiles,
-            )
+            expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
             while expert < num_experts:
                 local = tile - tile_base
                 first_row = row_base + (local % row_tiles) * TILE_M
                 first_col = (local // row_tiles) * (2 * TILE_N)
 
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
-                acc0.fill(0.0)
-                acc1.fill(0.0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                for k_tile in cutlass.range(k_tiles, unroll=1):
-                    ring.consumer_wait(read_state)
-                    for k_block in cutlass.range_constexpr(k_blocks):
-                        coord = (None, None, k_block, read_state.index)
-                        cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
-                        cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
-                    cute.nvgpu.warpgroup.commit_group()
-                    read_state.advance()
-                    if k_tile > 0:
-                        # The batch of k_tile - 1 is complete: its stage can be refilled.
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        ring.consumer_release(release_state)
-                        release_state.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                ring.consumer_release(release_state)
-                release_state.advance()
+                read_state, release_state = phases.mma_k_tiles(
+                    tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
+                )
 
                 # ---- epilogue: registers -> global, no shared memory ----
                 if cutlass.const_expr(self.job == "d_x"):
@@ -487,49 +336,15 @@ class Sm90ExpertGemmBwd:
 
                 tile = tile + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
-                    tokens_per_expert,
-                    num_experts,
-                    col_tiles,
-                    tile,
-                    expert,
-                    tile_base,
-                    row_base,
-                    row_tiles,
+                    tiles, tile, (expert, tile_base, row_base, row_tiles)
                 )
 
     # ------------------------------------------------------------------ device helpers
 
     @cute.jit
-    def _partition_a(self, tma_a: cute.CopyAtom, sA: cute.Tensor, mA: cute.Tensor):
-        gA = cute.local_tile(mA, (TILE_M, TILE_K), (None, None))
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-        )
-        return tma_a, tAsA, tAgA
-
-    @cute.jit
-    def _partition_b(
-        self, tma_b: cute.CopyAtom, sB0: cute.Tensor, sB1: cute.Tensor, mB: cute.Tensor
-    ):
-        """One global partition (N tile, K tile) feeding either 128-column shared buffer."""
-        gB = cute.local_tile(mB, (TILE_N, TILE_K), (None, None))
-        tBsB0, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_b, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB, 0, 2)
-        )
-        tBsB1, _ = cute.nvgpu.cpasync.tma_partition(
-            tma_b, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB, 0, 2)
-        )
-        return tma_b, tBsB0, tBsB1, tBgB
-
-    @cute.jit
     def _output_tile(self, ptr: cute.Pointer, first_row: Int32, first_col: Int32, n_size: Int32):
         """The 128 x 128 block at (first_row, first_col) of a row-major [*, n_size] tensor."""
-        row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
-        # first_row and first_col are multiples of 128: 16-byte accesses stay provably aligned.
-        offset = cute.assume(Int64(first_row) * row_stride + Int64(first_col), divby=TILE_N)
-        return cute.make_tensor(
-            ptr + offset, cute.make_layout((TILE_M, TILE_N), stride=(row_stride, 1))
-        )
+        return phases.output_tile(ptr, None, first_row, first_col, n_size, 2 * TILE_N)
 
     @cute.jit
     def _store(

@@ -17,6 +17,8 @@ cursor (expert, tiles before it, rows before it) only ever moves forward: the wh
 and the tile -> CTA map depends only on the grid size: results are deterministic.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
@@ -34,22 +36,24 @@ def segment_row_tiles(tokens_per_expert: cute.Tensor, expert: Int32, num_experts
     return tiles
 
 
+class TileList(NamedTuple):
+    """What numbers a grouped GEMM's tiles: the padded segment sizes (device memory), the
+    number of experts, and the column tiles of every expert."""
+
+    tokens_per_expert: cute.Tensor
+    num_experts: Int32
+    col_tiles: Int32
+
+
 @cute.jit
-def locate_tile(
-    tokens_per_expert: cute.Tensor,
-    num_experts: Int32,
-    col_tiles: Int32,
-    tile: Int32,
-    expert: Int32,
-    tile_base: Int32,
-    row_base: Int32,
-    row_tiles: Int32,
-):
+def locate_tile(tiles: TileList, tile: Int32, cursor: tuple):
     """Advance the cursor (expert, tile_base, row_base, row_tiles) to the expert owning `tile`.
 
     `tile` must not be smaller than the tile of the previous call (the cursor only moves
     forward). Returns the new cursor; `expert == num_experts` means `tile` is past the end.
     """
+    tokens_per_expert, num_experts, col_tiles = tiles
+    expert, tile_base, row_base, row_tiles = cursor
     advance = (expert < num_experts) & (tile >= tile_base + row_tiles * col_tiles)
     while advance:
         tile_base = tile_base + row_tiles * col_tiles
@@ -58,3 +62,13 @@ def locate_tile(
         row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
         advance = (expert < num_experts) & (tile >= tile_base + row_tiles * col_tiles)
     return expert, tile_base, row_base, row_tiles
+
+
+@cute.jit
+def locate_first_tile(tiles: TileList, tile: Int32):
+    """The cursor (expert, tile_base, row_base, row_tiles) of a CTA's first tile, `tile`."""
+    expert = Int32(0)
+    tile_base = Int32(0)
+    row_base = Int32(0)
+    row_tiles = segment_row_tiles(tiles.tokens_per_expert, expert, tiles.num_experts)
+    return locate_tile(tiles, tile, (expert, tile_base, row_base, row_tiles))
