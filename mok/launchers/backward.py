@@ -4,7 +4,7 @@ NOT YET REGISTERED: `mok.kernels.KERNELS_BY_OP["backward"]` stays empty, so `mok
 on CUDA still raises MoKKernelUnavailableError. Each kernel used here passed its own GPU tests on
 the H200 (tests/gpu/test_expert_gemm_bwd_gpu.py, 17 passed). This composition has been checked
 only on CPU, with the kernels replaced by the reference's math
-(tests/test_backward_composition_cpu.py). Register it once tests/gpu pass with it.
+(tests/test_launcher_composition_cpu.py). Register it once tests/gpu pass with it.
 
     dy_routed = dY[peer_token_idx // k], w_routed = w[peer_token_idx]   gathers (padding 0)
     dY_e = bf16(w * dy_routed)                                          elementwise

@@ -1,12 +1,15 @@
-"""The interim GPU backward's composition (mok/launchers/backward.py), checked on CPU.
+"""The interim GPU forward and backward compositions (mok/launchers/forward.py, backward.py),
+checked on CPU.
 
 The SM90 kernels are replaced by the reference's math on the same operands (each kernel is
-tested against that math on the H200 in tests/gpu/test_expert_gemm_bwd_gpu.py), so this test
-checks the glue: gathers, dY_e scaling, slot scatter, router-weight partials, the shared
-expert's padding and main_grad accumulation, against mok.reference.backward.
+tested against that math on the H200 in tests/gpu/), so these tests check the glue against
+mok.reference: gathers, dY_e scaling, slot scatter, router-weight partials, the shared expert's
+padding and main_grad accumulation.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -15,6 +18,9 @@ from mok import reference as R
 from mok.launchers import backward as bwd
 from mok.launchers import epilogues, expert_gemm, expert_gemm_bwd
 from mok.testing import make_inputs, rel_error
+
+# The module, not the `forward` function that mok.launchers re-exports under the same name.
+fwd = importlib.import_module("mok.launchers.forward")
 
 T, H, I, E, K = 200, 256, 256, 6, 2
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
@@ -54,8 +60,20 @@ def fake_weight_gradient(a, b, tokens):
     return out
 
 
+def fake_gate_up_swiglu(x, gate_w, up_w, tokens, *, swiglu_limit=None):
+    shape = (x.shape[0], gate_w.shape[1])
+    gate, up, hidden = (torch.zeros(shape, dtype=torch.bfloat16) for _ in range(3))
+    for e, (s, t) in enumerate(_segments(tokens)):
+        gate[s:t] = R._mm(x[s:t], gate_w[e]).to(torch.bfloat16)
+        up[s:t] = R._mm(x[s:t], up_w[e]).to(torch.bfloat16)
+        hidden[s:t] = R.swiglu(gate[s:t], up[s:t], swiglu_limit)
+    return gate, up, hidden
+
+
 @pytest.fixture()
 def fake_kernels(monkeypatch):
+    monkeypatch.setattr(expert_gemm, "gate_up_swiglu", fake_gate_up_swiglu)
+    monkeypatch.setattr(epilogues, "fwd_epilogue", R.fwd_epilogue)
     monkeypatch.setattr(expert_gemm, "down", fake_down)
     monkeypatch.setattr(expert_gemm_bwd, "d_hidden_swiglu", fake_d_hidden)
     monkeypatch.setattr(expert_gemm_bwd, "d_x", fake_d_x)
@@ -92,3 +110,23 @@ def test_composition_equals_reference_backward(fake_kernels, shared, limit, main
             assert g.numel() == 0 and torch.allclose(mains[i], w, rtol=1e-5, atol=1e-5)
         else:
             assert rel_error(g.float(), w) < 2**-8 and g.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shared,limit", [(True, None), (False, 0.5)])
+def test_forward_composition_equals_reference(fake_kernels, shared, limit):
+    inp = make_inputs(T, H, I, E, K, shared=shared, seed=4)
+    schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
+    weights = [inp[n] for n in WEIGHTS]
+    out, ctx = R.forward(schedule, inp["x"], inp["router_weights"], *weights, swiglu_limit=limit)
+    got = fwd.forward(_Workspace(), schedule, inp["x"], inp["router_weights"], *weights, limit,
+                      16, 4096, 131072)  # fmt: skip
+    assert torch.equal(got[0], out)
+    rows = int(schedule.num_tokens)
+    for g, w in zip(got[1:5], ctx.tensors()[:4], strict=True):
+        assert torch.equal(g[:rows], w[:rows])
+    for g, w in zip(got[5:], ctx.tensors()[4:], strict=True):
+        assert g.numel() == 0 if w is None else torch.equal(g, w)
+    again = fwd.recompute_forward_context(_Workspace(), schedule, inp["x"], *weights[:2],
+                                          *weights[3:5], limit)  # fmt: skip
+    for a, b in zip(again, got[1:], strict=True):
+        assert torch.equal(a, b)
