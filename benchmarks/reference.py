@@ -1,6 +1,7 @@
 """A plain fp32 reference of the layer (per-expert loop, autograd for gradients) and the check.
 
-Independent of mok: written from SEMANTICS.md §1-2 with no bf16 rounding anywhere, so every
+The layer is mok.reference.naive_moe in fp32: written from SEMANTICS.md §1-2 with no schedule
+and no bf16 rounding anywhere, sharing no code with mok's reference path or kernels, so every
 implementation's error is measured against the exact math, not against another bf16 pipeline.
 """
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.inputs import MoeInputs
+from mok.reference import naive_moe
 
 # Relative Frobenius error above which a result is wrong and is not timed. bf16 rounding of
 # operands and outputs gives ~3e-3; 2e-2 leaves room for long sums but not for a bug.
@@ -51,23 +53,12 @@ def moe_reference(
     """fp32 output [T, H] of experts ``expert_offset .. expert_offset + len(gate)`` (+ shared).
 
     Slots routed to other experts contribute nothing, so a rank can compute its own experts'
-    share of the group's tokens. Weights may be bf16 (cast per expert) or fp32 leaves.
+    share of the group's tokens. Weights may be bf16 (cast per expert) or fp32 leaves. This is
+    mok.reference.naive_moe (a per-expert loop with no schedule and no bf16 rounding) in fp32.
     """
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for local in range(gate.shape[0]):
-        token, slot = torch.nonzero(top_experts == local + expert_offset, as_tuple=True)
-        if token.numel() == 0:
-            continue
-        x_e = x[token].float()
-        hidden = swiglu_fp32(x_e @ gate[local].float().T, x_e @ up[local].float().T, swiglu_limit)
-        y_e = hidden @ down[local].float().T
-        out = out.index_add(0, token, y_e * router_weights[token, slot].float().unsqueeze(-1))
-    if shared is not None:
-        shared_gate, shared_up, shared_down = (w.float() for w in shared)
-        x_f = x.float()
-        hidden = swiglu_fp32(x_f @ shared_gate.T, x_f @ shared_up.T, swiglu_limit)
-        out = out + hidden @ shared_down.T
-    return out
+    return naive_moe(x, router_weights, top_experts, gate, up, down, shared,
+                     swiglu_limit=swiglu_limit, dtype=torch.float32,
+                     expert_offset=expert_offset)  # fmt: skip
 
 
 def _leaf(tensor: torch.Tensor) -> torch.Tensor:

@@ -555,10 +555,13 @@ def naive_moe(
     *,
     swiglu_limit=None,
     dtype=torch.float64,
+    expert_offset=0,
 ):
     """out[t] = shared(x_t) + sum_j w[t, j] * expert_{top_experts[t, j]}(x_t), in `dtype`.
 
-    All global experts' weights are passed ([E_total, ...]). Returns out in `dtype`.
+    The routed weights are those of experts expert_offset .. expert_offset + E - 1 (all global
+    experts by default); slots routed to other experts contribute nothing, so an EP rank can
+    compute its own experts' share. Returns out in `dtype`.
     """
 
     def mlp(rows, gate_w, up_w, down_w):
@@ -575,7 +578,7 @@ def naive_moe(
         out = out + mlp(xs, *(w.to(dtype) for w in shared))
     w = router_weights.to(dtype)
     for e in range(routed_gate.shape[0]):
-        token, j = torch.nonzero(top_experts == e, as_tuple=True)
+        token, j = torch.nonzero(top_experts == e + expert_offset, as_tuple=True)
         if token.numel() == 0:
             continue
         y = mlp(
