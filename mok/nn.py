@@ -20,6 +20,7 @@ from torch import nn
 
 from . import functional
 from .config import MoKConfig
+from .reference import group_rank_size
 from .types import MoKForwardContext, MoKSchedule
 from .workspace import MoKWorkspace
 
@@ -144,7 +145,7 @@ class MoKExperts(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
-        ep_size = 1 if group is None else dist.get_world_size(group)
+        _, ep_size = group_rank_size(group)
         if num_experts % ep_size:
             raise ValueError(
                 f"num_experts must be a multiple of the EP group size {ep_size}, got {num_experts}"

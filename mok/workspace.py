@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .config import FEATURE_ALIGNMENT, MAX_TOPK, MoKConfig
+from .reference import group_rank_size
 from .validation import check_int, check_type
 
 _NEXT_HANDLE = itertools.count(1)
@@ -130,10 +131,9 @@ def _check_device(device) -> torch.device:
 
 
 def _group_rank_size(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    check_type("group", group, dist.ProcessGroup)
-    return dist.get_rank(group=group), dist.get_world_size(group=group)
+    if group is not None:
+        check_type("group", group, dist.ProcessGroup)
+    return group_rank_size(group)
 
 
 def get_workspace(

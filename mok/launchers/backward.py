@@ -21,18 +21,13 @@ from __future__ import annotations
 import torch
 
 from . import epilogues, expert_gemm, expert_gemm_bwd
-from .forward import ROW_TILE, _require_group_of_one, gather_routed_rows, scatter_to_slots
-
-
-def gather_slot_values(values: torch.Tensor, peer_rank, peer_token_idx) -> torch.Tensor:
-    """values [T*k] by routed row: values[peer_token_idx[i]], 0 for padding rows."""
-    ext = torch.cat([values.reshape(-1), values.new_zeros(1)])
-    index = torch.where(peer_rank >= 0, peer_token_idx.long(), values.numel())
-    return ext.index_select(0, index)
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return t if t.shape[0] == rows else torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
+from .forward import (
+    ROW_TILE,
+    _require_group_of_one,
+    gather_routed_rows,
+    pad_rows,
+    scatter_to_slots,
+)
 
 
 def _expert_backward(dy_e, x_rows, gate, up, hidden, gate_w, up_w, down_w, tokens, limit):
@@ -52,10 +47,10 @@ def _shared_backward(grad_output, x, ctx_shared, weights, limit):
     num_tokens = x.shape[0]
     padded = -(-num_tokens // ROW_TILE) * ROW_TILE
     tokens = torch.full((1,), padded, dtype=torch.int32, device=x.device)
-    gate_s, up_s, hidden_s = (_pad_rows(t, padded) for t in ctx_shared)
+    gate_s, up_s, hidden_s = (pad_rows(t, padded) for t in ctx_shared)
     gate_w, up_w, down_w = (w.unsqueeze(0) for w in weights)
     d_x_rows, *grads = _expert_backward(
-        _pad_rows(grad_output, padded), _pad_rows(x, padded), gate_s, up_s, hidden_s,
+        pad_rows(grad_output, padded), pad_rows(x, padded), gate_s, up_s, hidden_s,
         gate_w, up_w, down_w, tokens, limit,
     )  # fmt: skip
     return d_x_rows[:num_tokens], [g[0] for g in grads]
@@ -73,8 +68,9 @@ def backward(
 
     # ---- pull dY and w; dY_e = bf16(w * dY) on the expert's side ----
     dy_routed = gather_routed_rows(grad_output, peer, slot, topk)
-    w_routed = gather_slot_values(router_weights, peer, slot)
-    dy_e = (w_routed.unsqueeze(1) * dy_routed.float()).to(torch.bfloat16)
+    # w[peer_token_idx] is the same gather as dY's with one "token" per slot (k = 1).
+    w_routed = gather_routed_rows(router_weights.view(-1, 1), peer, slot, 1)
+    dy_e = (w_routed * dy_routed.float()).to(torch.bfloat16)
 
     # ---- routed experts ----
     d_x_routed, d_gate_w, d_up_w, d_down_w = _expert_backward(

@@ -63,6 +63,11 @@ def scatter_to_slots(y: torch.Tensor, peer_rank, peer_token_idx, num_slots: int)
     return y.index_select(0, order)
 
 
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t [n, ...] with zero rows appended up to `rows` (t itself when n == rows)."""
+    return t if t.shape[0] == rows else torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
+
+
 def _routed(ws, schedule, x, gate_w, up_w, down_w, limit):
     x_routed = gather_routed_rows(x, schedule.peer_rank, schedule.peer_token_idx, ws.topk)
     gate, up, hidden = expert_gemm.gate_up_swiglu(
@@ -78,7 +83,7 @@ def _shared(x, gate_w, up_w, down_w, limit):
     """The shared expert as one expert over all T rows (padded to the 128-row tile)."""
     num_tokens = x.shape[0]
     padded = -(-num_tokens // ROW_TILE) * ROW_TILE
-    rows = x if padded == num_tokens else torch.nn.functional.pad(x, (0, 0, 0, padded - num_tokens))
+    rows = pad_rows(x, padded)
     tokens = torch.full((1,), padded, dtype=torch.int32, device=x.device)
     gate, up, hidden = expert_gemm.gate_up_swiglu(
         rows, gate_w.unsqueeze(0), up_w.unsqueeze(0), tokens, swiglu_limit=limit
