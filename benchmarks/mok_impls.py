@@ -88,7 +88,7 @@ def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
 
     if inputs.x.device.type == "cpu":
         return Impl("mok_cpu_path", "mok CPU path (PyTorch reference)", False, forward, backward)
-    return Impl("mok", "mok kernels (bf16; interim multi-kernel forward)", False, forward, backward)
+    return Impl("mok", "mok kernels (bf16; interim multi-kernel path)", False, forward, backward)
 
 
 MOK_IMPLS: dict[str, Callable[[MoeInputs, object], Impl | None]] = {

@@ -26,7 +26,17 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
         "the SM90 expert GEMMs",
     ),
     "recompute_forward_context": (("expert_gemm_gate_up_swiglu",), "the SM90 expert GEMMs"),
-    "backward": ((), "the backward megakernel (issue 5)"),
+    # Interim multi-kernel path (mok/launchers/backward.py) until the megakernel lands.
+    "backward": (
+        (
+            "expert_gemm_bwd_d_hidden_swiglu",
+            "expert_gemm_bwd_d_x",
+            "expert_gemm_bwd_weights",
+            "expert_gemm_down",
+            "moe_combine_backward",
+        ),
+        "the SM90 backward expert GEMMs",
+    ),  # fmt: skip
     "mxfp8_quantize": (
         ("mxfp8_quantize_rowwise", "mxfp8_quantize_transposed"),
         "the MXFP8 quantiser kernels",

@@ -89,3 +89,39 @@ def within_bf16_bound(
     """(ok, error of got, error of PyTorch's bf16 computation), both against the fp64 truth."""
     err, base = rel_error(got, truth), rel_error(bf16, truth)
     return err <= BF16_ERROR_FACTOR * base + ERROR_FLOOR, err, base
+
+
+# The 9 results of a forward + backward (out, then mok.functional.backward's 8), and the name
+# of each in mok.reference.naive_moe_with_grads' gradient dict (None: the forward output).
+OUTPUT_NAMES = (
+    "out", "d_x", "d_router_weights", "d_routed_gate", "d_routed_up", "d_routed_down",
+    "d_shared_gate", "d_shared_up", "d_shared_down",
+)  # fmt: skip
+NAIVE_NAMES = (
+    None, "x", "router_weights", "routed_gate", "routed_up", "routed_down",
+    "shared_gate", "shared_up", "shared_down",
+)  # fmt: skip
+
+
+def oracle_errors(
+    results, inputs: dict, *, swiglu_limit=None
+) -> list[tuple[str, bool, float, float]]:
+    """(name, ok, error, PyTorch bf16 error) of each non-None result of a forward + backward
+    (`results` in OUTPUT_NAMES order) against the fp64 autograd oracle on `inputs`' CPU copies."""
+    from . import reference  # noqa: PLC0415
+
+    cpu = {n: (v.cpu() if v is not None else None) for n, v in inputs.items()}
+    truth_out, truth_grads = reference.naive_moe_with_grads(
+        cpu, cpu["grad_output"], swiglu_limit=swiglu_limit
+    )
+    bf16_out, bf16_grads = reference.naive_moe_with_grads(
+        cpu, cpu["grad_output"], swiglu_limit=swiglu_limit, dtype=torch.bfloat16
+    )
+    rows = []
+    for name, naive_name, got in zip(OUTPUT_NAMES, NAIVE_NAMES, results, strict=True):
+        if got is None:
+            continue
+        truth = truth_out if naive_name is None else truth_grads[naive_name]
+        bf16 = bf16_out if naive_name is None else bf16_grads[naive_name]
+        rows.append((name, *within_bf16_bound(got, truth, bf16)))
+    return rows

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from mok import reference as R
-from mok.launchers import backward as bwd
 from mok.launchers import epilogues, expert_gemm, expert_gemm_bwd
 from mok.testing import make_inputs, rel_error
 
-# The module, not the `forward` function that mok.launchers re-exports under the same name.
+# The modules, not the `forward` and `backward` functions mok.launchers re-exports by name.
 fwd = importlib.import_module("mok.launchers.forward")
+bwd = importlib.import_module("mok.launchers.backward")
 
 T, H, I, E, K = 200, 256, 256, 6, 2
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")

@@ -7,6 +7,7 @@ kernels each and import `mok.runtime` lazily, so importing this package is cheap
 
 from __future__ import annotations
 
+from .backward import backward
 from .comm import check_errors
 from .epilogues import bwd_epilogue, fwd_epilogue
 from .forward import forward, recompute_forward_context
@@ -14,6 +15,7 @@ from .mxfp8 import mxfp8_quantize
 from .schedule_op import build_schedule, raise_pending_errors
 
 __all__ = [
+    "backward",
     "build_schedule",
     "check_errors",
     "bwd_epilogue",

@@ -1,10 +1,9 @@
 """Interim GPU backward (EP group of one) composed of the SM90 backward kernels.
 
-NOT YET REGISTERED: `mok.kernels.KERNELS_BY_OP["backward"]` stays empty, so `mok.ops.backward`
-on CUDA still raises MoKKernelUnavailableError. Each kernel used here passed its own GPU tests on
-the H200 (tests/gpu/test_expert_gemm_bwd_gpu.py, 17 passed). This composition has been checked
-only on CPU, with the kernels replaced by the reference's math
-(tests/test_launcher_composition_cpu.py). Register it once tests/gpu pass with it.
+Registered as `mok.ops.backward`'s CUDA path. Each kernel passed its own GPU tests on the H200
+(tests/gpu/test_expert_gemm_bwd_gpu.py); the composition is checked against the fp64 oracle in
+tests/gpu/test_backward_gpu.py, and bitwise against the reference's math on CPU
+(tests/test_launcher_composition_cpu.py). Not the backward megakernel of DESIGN §4 (issue 5).
 
     dy_routed = dY[peer_token_idx // k], w_routed = w[peer_token_idx]   gathers (padding 0)
     dY_e = bf16(w * dy_routed)                                          elementwise
@@ -62,6 +61,11 @@ def backward(
     minibatch_size, macrobatch_size, main_grads,
 ):  # fmt: skip
     _require_group_of_one(ws, "backward")
+    if routed_down.shape[2] % expert_gemm_bwd.N_ALIGNMENT:
+        raise ValueError(
+            f"intermediate_size must be a multiple of {expert_gemm_bwd.N_ALIGNMENT} on the "
+            f"sm_90a backward kernel path, got {routed_down.shape[2]}"
+        )
     x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
     num_tokens, topk = router_weights.shape
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
