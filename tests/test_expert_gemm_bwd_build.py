@@ -72,9 +72,11 @@ def test_engine_instructions(built, name):
 def test_d_hidden_epilogue(built):
     _, _, ptx = built[D_HIDDEN]
     # Two 128 x 128 blocks per tile, 32 bf16 pairs per thread each: gate and up loaded,
-    # d_gate and d_up stored, 4-byte accesses.
+    # d_gate and d_up stored, 4-byte accesses; plus one fp32 router partial per row (two rows
+    # per thread per block), summed over the row's quad by two butterfly shuffles.
     assert _count(ptx, "ld.global.v2.b16") + _count(ptx, "ld.global.b32") - 6 == 2 * 2 * 32
-    assert _count(ptx, "st.global.b32") == 2 * 2 * 32
+    assert _count(ptx, "st.global.b32") == 2 * 2 * 32 + 2 * 2
+    assert _count(ptx, "shfl.sync.bfly") == 2 * 2 * 2
     assert _count(ptx, "st.global.b16") == 0
     # sigmoid = 1 / (1 + exp(-g)): one exp (range-reduced ex2.approx) and one correctly
     # rounded reciprocal per element (IEEE 1/x, what torch's division gives).
@@ -153,6 +155,7 @@ def test_manifest_entry(built, name):
         ("out1_ptr", "pointer"),
         ("gate_ptr", "pointer"),
         ("up_ptr", "pointer"),
+        ("partials_ptr", "pointer"),
         ("tokens_per_expert_ptr", "pointer"),
         ("num_experts", "int32"),
         ("k_size", "int32"),
@@ -200,6 +203,7 @@ def test_manifest_parses_and_packs(built):
                 "out1_ptr": None,
                 "gate_ptr": None,
                 "up_ptr": None,
+                "partials_ptr": None,
                 "tokens_per_expert_ptr": 0x20000,
                 "num_experts": 128,
                 "k_size": 2048,

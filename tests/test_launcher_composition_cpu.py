@@ -37,11 +37,15 @@ def fake_down(hidden, down_w, tokens):
     return y
 
 
-def fake_d_hidden(dy, down_w, gate, up, tokens, *, swiglu_limit=None):
+def fake_d_hidden(dy, down_w, gate, up, tokens, *, swiglu_limit=None, router_partials=None):
     d_gate, d_up = torch.zeros_like(gate), torch.zeros_like(up)
     for e, (s, t) in enumerate(_segments(tokens)):
         d_hidden = dy[s:t].float() @ down_w[e].float()
         d_gate[s:t], d_up[s:t] = R.swiglu_backward(d_hidden, gate[s:t], up[s:t], swiglu_limit)
+        if router_partials is not None:  # per 128-column block: sum of hidden * d_hidden
+            hidden = R.swiglu(gate[s:t], up[s:t], swiglu_limit).float()
+            blocks = (hidden * d_hidden).view(t - s, -1, 128).sum(dim=2)
+            router_partials[s:t] = blocks
     return d_gate, d_up
 
 
@@ -53,11 +57,13 @@ def fake_d_x(d_gate, d_up, gate_w, up_w, tokens):
     return out
 
 
-def fake_weight_gradient(a, b, tokens):
-    out = torch.zeros(tokens.shape[0], a.shape[1], b.shape[1])
+def fake_weight_gradient(a, b, tokens, *, output="fp32", out=None):
+    grad = torch.zeros(tokens.shape[0], a.shape[1], b.shape[1])
     for e, (s, t) in enumerate(_segments(tokens)):
-        out[e] = a[s:t].float().t() @ b[s:t].float()
-    return out
+        grad[e] = a[s:t].float().t() @ b[s:t].float()
+    if output == "accumulate":
+        return out.add_(grad)
+    return grad.to(torch.bfloat16) if output == "bf16" else grad
 
 
 def fake_gate_up_swiglu(x, gate_w, up_w, tokens, *, swiglu_limit=None):

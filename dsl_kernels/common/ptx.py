@@ -76,3 +76,28 @@ def mxfp8_scale_from_amax(amax: Float32, *, loc=None, ip=None) -> tuple[Uint32, 
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def fence_operand(value: Float32, *, loc=None, ip=None) -> Float32:
+    """`value`, passed through an empty volatile asm (CUTLASS's warpgroup_fence_operand).
+
+    LLVM may move plain arithmetic on a wgmma accumulator across `wgmma.wait_group`, which is an
+    asm it cannot see the registers of: reading an accumulator before its wgmma completed. ptxas
+    then serialises every wgmma of the kernel (warning C7514) to stay correct. Routing each
+    accumulator register through this fence right after the wait (and before the first wgmma)
+    pins the order: the fence is ordered after the wait (both have side effects), and every
+    later use depends on the fence's result.
+    """
+    from cutlass._mlir.dialects import llvm  # noqa: PLC0415
+
+    result = llvm.inline_asm(
+        Float32.mlir_type,
+        [Float32(value).ir_value(loc=loc, ip=ip)],
+        "",
+        "=f,0",
+        has_side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    return Float32(result)

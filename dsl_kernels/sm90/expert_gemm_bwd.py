@@ -26,6 +26,13 @@ fp32 expression order:
     g, u = clamp(gate), clamp(up);  sig = 1 / (1 + exp(-g))
     d_up = dh * (g * sig);  d_gate = (dh * u) * (sig * (1 + g * (1 - sig)))
     d_gate = 0 where gate > limit;  d_up = 0 where |up| > limit   (only if has_limit)
+The same epilogue also writes the router-weight partials (SEMANTICS §2's d_router, fused):
+    hidden = bf16((g * sig) * u)                        (the forward's hidden, recomputed)
+    partials[r, b] = sum over the 128 columns c of block b of hidden[r, c] * d_hidden[r, c]
+in fp32, each thread's columns in increasing order, then across the 4 lanes that share a row
+(butterfly: lanes ^1 then ^2), so every partial has one fixed summation order. Since
+d_hidden = dY_e @ W_down[e] with dY_e = w * dY, sum_b partials[r, b] = w * <dY, y> for
+y = hidden @ W_down[e]^T: the launcher divides by w.
 `exp` is CuTe's `cute.math.exp`: a range-reduced expf (x = n ln2 + r with a two-constant
 log2(e), `ex2.approx.ftz.f32` on r, times 2^n) within ~2 fp32 ulp of a correctly rounded expf;
 1 / (1 + e) is `rcp.rn.f32`, correctly rounded like torch's division. ptxas contracts
@@ -44,6 +51,7 @@ tensors are row-major, innermost dim last):
 - `out0_ptr`  d_hidden_swiglu: d_gate bf16 [C, I];  d_x: d_x bf16 [C, H]
 - `out1_ptr`  d_hidden_swiglu: d_up bf16 [C, I];  d_x: unused (pass null)
 - `gate_ptr`, `up_ptr`  d_hidden_swiglu: forward gate/up bf16 [C, I] (pre-clamp); d_x: null
+- `partials_ptr`  d_hidden_swiglu: fp32 [C, I / 128] router-weight partials; d_x: null
 - `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes, read on the device
 - `num_experts`, `k_size` (one K half: H for d_hidden_swiglu, I for d_x), `n_size` (I or H)
 - `has_limit` (int32, 0/1), `swiglu_limit` (fp32; ignored unless has_limit)
@@ -141,6 +149,7 @@ class Sm90ExpertGemmBwd:
             global_pointer(BFloat16, 16),  # out1_ptr
             global_pointer(BFloat16, 16),  # gate_ptr
             global_pointer(BFloat16, 16),  # up_ptr
+            global_pointer(Float32, 4),  # partials_ptr
             global_pointer(Int32, 4),  # tokens_per_expert_ptr
             Int32(0),  # num_experts
             Int32(0),  # k_size
@@ -163,6 +172,7 @@ class Sm90ExpertGemmBwd:
         out1_ptr: cute.Pointer,
         gate_ptr: cute.Pointer,
         up_ptr: cute.Pointer,
+        partials_ptr: cute.Pointer,
         tokens_per_expert_ptr: cute.Pointer,
         num_experts: Int32,
         k_size: Int32,
@@ -194,6 +204,7 @@ class Sm90ExpertGemmBwd:
             out1_ptr,
             gate_ptr,
             up_ptr,
+            partials_ptr,
             tokens_per_expert_ptr,
             num_experts,
             k_size,
@@ -219,6 +230,7 @@ class Sm90ExpertGemmBwd:
         out1_ptr: cute.Pointer,
         gate_ptr: cute.Pointer,
         up_ptr: cute.Pointer,
+        partials_ptr: cute.Pointer,
         tokens_per_expert_ptr: cute.Pointer,
         num_experts: Int32,
         k_size: Int32,
@@ -327,6 +339,7 @@ class Sm90ExpertGemmBwd:
                             out1_ptr,
                             gate_ptr,
                             up_ptr,
+                            partials_ptr,
                             first_row,
                             first_col + j * TILE_N,
                             n_size,
@@ -371,13 +384,15 @@ class Sm90ExpertGemmBwd:
         d_up_ptr: cute.Pointer,
         gate_ptr: cute.Pointer,
         up_ptr: cute.Pointer,
+        partials_ptr: cute.Pointer,
         first_row: Int32,
         first_col: Int32,
         n_size: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
     ):
-        """d_gate, d_up of one 128 x 128 block from fp32 d_hidden (mok.reference order)."""
+        """d_gate, d_up of one 128 x 128 block from fp32 d_hidden (mok.reference order), and
+        the block's router-weight partial of each of its rows."""
         gate = cute.make_rmem_tensor(acc.shape, BFloat16)
         up = cute.make_rmem_tensor(acc.shape, BFloat16)
         cute.autovec_copy(
@@ -394,6 +409,11 @@ class Sm90ExpertGemmBwd:
         limit = swiglu_limit
         if has_limit == 0:
             limit = Float32(float("inf"))
+        # Rows of this thread's elements: two per thread (r0 and r0 + 8 in the wgmma layout).
+        coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        row0 = coords[0][0]
+        partial0 = Float32(0.0)
+        partial1 = Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(acc)):
             gate_raw = Float32(gate[i])
             up_raw = Float32(up[i])
@@ -401,7 +421,13 @@ class Sm90ExpertGemmBwd:
             u = cutlass.max(cutlass.min(up_raw, limit), -limit)
             sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
             dh = acc[i]
-            d_up_i = dh * (g * sig)
+            silu = g * sig
+            d_up_i = dh * silu
+            hidden_i = Float32((silu * u).to(BFloat16))
+            if coords[i][0] == row0:
+                partial0 = partial0 + hidden_i * dh
+            else:
+                partial1 = partial1 + hidden_i * dh
             d_gate_i = (dh * u) * (sig * (Float32(1.0) + g * (Float32(1.0) - sig)))
             # Zero where the clamp was active (torch.where(gate > limit, 0, d_gate) etc.).
             d_gate_i = Float32(cutlass.select_(gate_raw > limit, Float32(0.0), d_gate_i))
@@ -418,3 +444,35 @@ class Sm90ExpertGemmBwd:
             up,
             thr_mma.partition_C(self._output_tile(d_up_ptr, first_row, first_col, n_size)),
         )
+        self._store_partials(partials_ptr, coords, row0, partial0, partial1, first_row, first_col,
+                             n_size)  # fmt: skip
+
+    @cute.jit
+    def _store_partials(
+        self,
+        partials_ptr: cute.Pointer,
+        coords: cute.Tensor,
+        row0: Int32,
+        partial0: Float32,
+        partial1: Float32,
+        first_row: Int32,
+        first_col: Int32,
+        n_size: Int32,
+    ):
+        """Sum each row's partial over the 4 lanes that hold it (fixed butterfly order) and
+        store it from lane 0 of the quad into partials[row, first_col / 128]."""
+        for offset in cutlass.range_constexpr(2):
+            partial0 = partial0 + cute.arch.shuffle_sync_bfly(partial0, offset=1 << offset)
+            partial1 = partial1 + cute.arch.shuffle_sync_bfly(partial1, offset=1 << offset)
+        # The other row of this thread: the first element whose row differs from row0.
+        row1 = row0
+        for i in cutlass.range_constexpr(cute.size(coords)):
+            row1 = cutlass.select_(coords[i][0] != row0, coords[i][0], row1)
+        lane = cute.arch.lane_idx()
+        if lane % 4 == 0:
+            blocks = n_size // TILE_N
+            partials = cute.make_tensor(partials_ptr, cute.make_layout((1 << 30, blocks),
+                                                                        stride=(blocks, 1)))  # fmt: skip
+            block = first_col // TILE_N
+            partials[first_row + row0, block] = partial0
+            partials[first_row + row1, block] = partial1

@@ -1,6 +1,10 @@
 """SM90 weight-gradient GEMMs of the MoE backward (SEMANTICS §2), one per weight:
 
-    out[e] = A[rows of e]^T @ B[rows of e]      fp32 [E, M, N]
+    out[e] = A[rows of e]^T @ B[rows of e]      [E, M, N], by `output`:
+        "fp32"             stored fp32
+        "bf16"             stored rounded to bf16 (the weight gradient mok.ops.backward returns)
+        "fp32_accumulate"  added in place into fp32 out (a caller's main_grad: out += A^T B,
+                           one read-modify-write per element by the tile's owner CTA)
     dW_down[e] = dY_e^T hidden      (A = dY_e [C, H], B = hidden [C, I]: M = H, N = I)
     dW_gate[e] = d_gate^T x_routed  (A = d_gate [C, I], B = x_routed [C, H]: M = I, N = H)
     dW_up[e]   = d_up^T x_routed    (A = d_up [C, I],   B = x_routed [C, H])
@@ -19,12 +23,13 @@ Engine: the forward's (expert_gemm.py): a TMA producer warp, two wgmma consumer 
 + grid size. Tiles are numbered expert by expert, inside an expert m fastest, then n:
     tile = e * (M / 128) * (N / 256) + n * (M / 128) + m
 A forward-only cursor (expert, rows before it) follows the walk, reading tokens_per_expert once
-per expert. The epilogue stores the fp32 accumulators directly (8-byte fp32 pairs).
+per expert. The epilogue stores the accumulators directly from registers (fp32 pairs, bf16
+pairs, or fp32 pairs after adding the loaded ones).
 
 Kernel parameters, in order:
 - `tma_a`  A bf16 [C, M] (dims innermost first: M, C): box 64 (M) x 64 (rows)
 - `tma_b`  B bf16 [C, N]: box 64 (N) x 64 (rows)
-- `out_ptr`  fp32 [E, M, N]
+- `out_ptr`  fp32 [E, M, N] (bf16 for output="bf16")
 - `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes, read on the device
 - `num_experts`, `m_size`, `n_size`
 
@@ -48,15 +53,20 @@ from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M,
 # TILE_M: output rows per CTA tile; TILE_K here is tokens per ring stage.
 MAX_ROWS = 1 << 30
 MAX_COLS = 1 << 16
+OUTPUTS = ("fp32", "bf16", "fp32_accumulate")
 
 
 @dataclass(frozen=True)
 class Sm90ExpertGemmBwdWeights:
-    """See the module docstring. `stages`: depth of the shared-memory operand ring."""
+    """See the module docstring. `stages`: depth of the shared-memory operand ring;
+    `output`: how the result reaches `out` (OUTPUTS)."""
 
     stages: int = 4
+    output: str = "fp32"
 
     def validate(self) -> None:
+        if self.output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
         if not 2 <= self.stages <= 4:
             # 48 KiB per stage (A + B0 + B1 tiles): 4 stages is what fits in 227 KiB.
             raise ValueError(f"stages must be in 2..4, got {self.stages}")
@@ -87,7 +97,7 @@ class Sm90ExpertGemmBwdWeights:
         return (
             global_pointer(BFloat16, 16),  # a_ptr
             global_pointer(BFloat16, 16),  # b_ptr
-            global_pointer(Float32, 16),  # out_ptr
+            global_pointer(BFloat16 if self.output == "bf16" else Float32, 16),  # out_ptr
             global_pointer(Int32, 4),  # tokens_per_expert_ptr
             Int32(0),  # num_experts
             Int32(0),  # m_size
@@ -216,13 +226,13 @@ class Sm90ExpertGemmBwdWeights:
                     may_be_empty=True,
                 )
 
-                # ---- epilogue: fp32 registers -> global ----
+                # ---- epilogue: registers -> global ----
                 expert_offset = Int64(expert) * Int64(m_size) * Int64(n_size)
                 for j in cutlass.range_constexpr(2):
                     tile_out = self._output_tile(
                         out_ptr, expert_offset, first_row, first_col + j * TILE_N, n_size
                     )
-                    cute.autovec_copy(acc0 if j == 0 else acc1, thr_mma.partition_C(tile_out))
+                    self._store(acc0 if j == 0 else acc1, thr_mma.partition_C(tile_out))
                 tile = tile + grid_size
 
     # ------------------------------------------------------------------ device helpers
@@ -234,6 +244,22 @@ class Sm90ExpertGemmBwdWeights:
             row_base = row_base + tokens_per_expert[cursor]
             cursor = cursor + 1
         return cursor, row_base
+
+    @cute.jit
+    def _store(self, acc: cute.Tensor, tCgOut: cute.Tensor):
+        """One 128 x 128 accumulator into its output block, as `output` says."""
+        if cutlass.const_expr(self.output == "bf16"):
+            out = cute.make_rmem_tensor(acc.shape, BFloat16)
+            out.store(acc.load().to(BFloat16))
+            cute.autovec_copy(out, tCgOut)
+        elif cutlass.const_expr(self.output == "fp32_accumulate"):
+            # old + acc in fp32, the order of torch's main_grad.add_(grad): the same bits.
+            old = cute.make_rmem_tensor(acc.shape, Float32)
+            cute.autovec_copy(tCgOut, old)
+            acc.store(old.load() + acc.load())
+            cute.autovec_copy(acc, tCgOut)
+        else:
+            cute.autovec_copy(acc, tCgOut)
 
     @cute.jit
     def _output_tile(

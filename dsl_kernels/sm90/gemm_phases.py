@@ -20,6 +20,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from ..common.ptx import fence_operand
 from .expert_tiles import TILE_ROWS
 
 TILE_M = TILE_ROWS  # rows per CTA tile (two consumer warpgroups x 64 rows)
@@ -246,6 +247,7 @@ def mma_k_tiles(
     k_blocks = cute.size(tCrA, mode=[2])
     acc0.fill(0.0)
     acc1.fill(0.0)
+    fence_accumulators(accumulators)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     cute.nvgpu.warpgroup.fence()
     for k_tile in cutlass.range(k_tiles, unroll=1):
@@ -262,6 +264,7 @@ def mma_k_tiles(
             ring.consumer_release(release_state)
             release_state.advance()
     cute.nvgpu.warpgroup.wait_group(0)
+    fence_accumulators(accumulators)
     if cutlass.const_expr(may_be_empty):
         if k_tiles > 0:
             ring.consumer_release(release_state)
@@ -270,6 +273,16 @@ def mma_k_tiles(
         ring.consumer_release(release_state)
         release_state.advance()
     return read_state, release_state
+
+
+@cute.jit
+def fence_accumulators(accumulators: tuple):
+    """Every register of the fp32 accumulators through `ptx.fence_operand`: nothing that reads
+    them is scheduled before the wgmma.wait_group that precedes this, and the zero-fill before
+    the first wgmma stays before it (else ptxas serialises the wgmmas, warning C7514)."""
+    for acc in accumulators:
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = fence_operand(acc[i])
 
 
 # ---------------------------------------------------------------------- epilogues

@@ -9,8 +9,9 @@ tests/gpu/test_backward_gpu.py, and bitwise against the reference's math on CPU
     dY_e = bf16(w * dy_routed)                                          elementwise
     d_gate, d_up = SwiGLU'(dY_e @ W_down[e], gate, up)                  expert_gemm_bwd_d_hidden_swiglu
     d_x_routed = d_gate @ W_gate[e] + d_up @ W_up[e]                    expert_gemm_bwd_d_x
-    d_router = <dy_routed, y> with y = hidden @ W_down[e]^T (bf16)      expert_gemm_down + row sums
-    dW_down, dW_gate, dW_up = per-expert A^T B (fp32, one CTA a tile)   expert_gemm_bwd_weights
+    d_router = sum_b partials[:, b] / w, partials from the d_hidden epilogue (= <dY, y>)
+    dW_down, dW_gate, dW_up = per-expert A^T B (one CTA a tile)          expert_gemm_bwd_weights_bf16
+                             (or added into fp32 main_grads in place)  expert_gemm_bwd_weights_accumulate
     slots = d_x_routed by slot; d_x = d_x_shared + sum_j slots          stable sort + moe_combine_backward
     shared expert: the same kernels on one 'expert' of T rows (padded to 128)
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import epilogues, expert_gemm, expert_gemm_bwd
+from . import epilogues, expert_gemm_bwd
 from .forward import (
     ROW_TILE,
     _require_group_of_one,
@@ -29,30 +30,46 @@ from .forward import (
 )
 
 
-def _expert_backward(dy_e, x_rows, gate, up, hidden, gate_w, up_w, down_w, tokens, limit):
-    """(d_x rows bf16, dW_gate, dW_up, dW_down fp32) of grouped experts over routed rows."""
+def _weight_gradient(a_rows, b_rows, tokens, main_grad):
+    """bf16 [E, M, N] gradient, or empty after adding it into the fp32 main_grad in place."""
+    if main_grad is None:
+        return expert_gemm_bwd.weight_gradient(a_rows, b_rows, tokens, output="bf16")
+    out = main_grad if main_grad.dim() == 3 else main_grad.unsqueeze(0)
+    expert_gemm_bwd.weight_gradient(a_rows, b_rows, tokens, output="accumulate", out=out)
+    return a_rows.new_empty(0)
+
+
+def _expert_backward(
+    dy_e, x_rows, gate, up, hidden, weights, tokens, limit, main_grads, router_partials=None
+):
+    """(d_x rows bf16, [dW_gate, dW_up, dW_down]) of grouped experts over routed rows; each
+    weight gradient bf16, or added into its main_grad (fp32) and returned empty.
+    `router_partials` (fp32 [C, I / 128]) receives the d_hidden epilogue's router partials."""
+    gate_w, up_w, down_w = weights
     d_gate, d_up = expert_gemm_bwd.d_hidden_swiglu(
-        dy_e, down_w, gate, up, tokens, swiglu_limit=limit
+        dy_e, down_w, gate, up, tokens, swiglu_limit=limit, router_partials=router_partials
     )
     d_x_rows = expert_gemm_bwd.d_x(d_gate, d_up, gate_w, up_w, tokens)
-    d_down = expert_gemm_bwd.weight_gradient(dy_e, hidden, tokens)
-    d_gate_w = expert_gemm_bwd.weight_gradient(d_gate, x_rows, tokens)
-    d_up_w = expert_gemm_bwd.weight_gradient(d_up, x_rows, tokens)
-    return d_x_rows, d_gate_w, d_up_w, d_down
+    main_gate, main_up, main_down = main_grads
+    grads = [
+        _weight_gradient(d_gate, x_rows, tokens, main_gate),
+        _weight_gradient(d_up, x_rows, tokens, main_up),
+        _weight_gradient(dy_e, hidden, tokens, main_down),
+    ]
+    return d_x_rows, grads
 
 
-def _shared_backward(grad_output, x, ctx_shared, weights, limit):
+def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
     """The shared expert (router weight 1) as one expert over all T rows, padded to 128."""
     num_tokens = x.shape[0]
     padded = -(-num_tokens // ROW_TILE) * ROW_TILE
     tokens = torch.full((1,), padded, dtype=torch.int32, device=x.device)
     gate_s, up_s, hidden_s = (pad_rows(t, padded) for t in ctx_shared)
-    gate_w, up_w, down_w = (w.unsqueeze(0) for w in weights)
-    d_x_rows, *grads = _expert_backward(
+    d_x_rows, grads = _expert_backward(
         pad_rows(grad_output, padded), pad_rows(x, padded), gate_s, up_s, hidden_s,
-        gate_w, up_w, down_w, tokens, limit,
+        [w.unsqueeze(0) for w in weights], tokens, limit, main_grads,
     )  # fmt: skip
-    return d_x_rows[:num_tokens], [g[0] for g in grads]
+    return d_x_rows[:num_tokens], [g[0] if g.numel() else g for g in grads]
 
 
 def backward(
@@ -77,35 +94,28 @@ def backward(
     dy_e = (w_routed * dy_routed.float()).to(torch.bfloat16)
 
     # ---- routed experts ----
-    d_x_routed, d_gate_w, d_up_w, d_down_w = _expert_backward(
-        dy_e, x_routed, gate, up, hidden, routed_gate, routed_up, routed_down, tokens,
-        swiglu_limit,
+    partials = torch.empty(dy_e.shape[0], gate.shape[1] // 128, dtype=torch.float32,
+                           device=x.device)  # fmt: skip
+    d_x_routed, routed_grads = _expert_backward(
+        dy_e, x_routed, gate, up, hidden, (routed_gate, routed_up, routed_down), tokens,
+        swiglu_limit, main_grads[:3], router_partials=partials,
     )  # fmt: skip
-    # d_router[t, j] = <dY[t], y_e(x_t)>, y from the saved hidden (fp32 row sums, fixed order).
-    y = expert_gemm.down(hidden, routed_down, tokens)
-    d_router_routed = (dy_routed.float() * y.float()).sum(dim=1, keepdim=True)
+    # d_router[t, j] = <dY[t], y_e(x_t)> = (sum_b partials[r, b]) / w[r]: the partials hold
+    # <dY_e, y> with dY_e = w * dY (fixed-order sums). Padding rows (w = 0) give 0 and are
+    # never scattered.
+    tiny = torch.finfo(torch.float32).tiny
+    d_router_routed = partials.sum(dim=1, keepdim=True) / w_routed.clamp_min(tiny)
     slots = scatter_to_slots(d_x_routed, peer, slot, num_tokens * topk)
     d_router = scatter_to_slots(d_router_routed, peer, slot, num_tokens * topk)
     d_router = d_router.view(num_tokens, topk)
 
     # ---- shared expert ----
-    d_x_shared, shared_grads = None, [None, None, None]
+    # Distinct empty tensors: custom-op outputs may not alias each other.
+    d_x_shared, shared_grads = None, [x.new_empty(0) for _ in range(3)]
     if shared_gate is not None:
         d_x_shared, shared_grads = _shared_backward(
             grad_output, x, (gate_s, up_s, hidden_s), (shared_gate, shared_up, shared_down),
-            swiglu_limit,
+            swiglu_limit, main_grads[3:],
         )  # fmt: skip
     d_x = epilogues.bwd_epilogue(d_x_shared, slots, topk)
-
-    # ---- weight gradients: bf16 results, or accumulated into fp32 main_grads ----
-    outs = []
-    grads = (d_gate_w, d_up_w, d_down_w, *shared_grads)
-    for grad, main_grad in zip(grads, main_grads, strict=True):
-        if grad is None:
-            outs.append(x.new_empty(0))
-        elif main_grad is not None:
-            main_grad.add_(grad)
-            outs.append(x.new_empty(0))
-        else:
-            outs.append(grad.to(torch.bfloat16))
-    return (d_x, d_router, *outs)
+    return (d_x, d_router, *routed_grads, *shared_grads)

@@ -37,7 +37,12 @@ from .expert_gemm import (
 
 D_HIDDEN_KERNEL = "expert_gemm_bwd_d_hidden_swiglu"
 D_X_KERNEL = "expert_gemm_bwd_d_x"
-WEIGHTS_KERNEL = "expert_gemm_bwd_weights"
+# weight_gradient's `output` -> (kernel, dtype of out)
+WEIGHTS_KERNELS = {
+    "fp32": ("expert_gemm_bwd_weights", torch.float32),
+    "bf16": ("expert_gemm_bwd_weights_bf16", torch.bfloat16),
+    "accumulate": ("expert_gemm_bwd_weights_accumulate", torch.float32),
+}
 M_ALIGNMENT = 128  # weight_gradient: output rows per tile
 N_ALIGNMENT = 256  # output columns per tile: two 128-column accumulators
 
@@ -62,6 +67,7 @@ def d_hidden_swiglu(
     swiglu_limit: float | None = None,
     d_gate: torch.Tensor | None = None,
     d_up: torch.Tensor | None = None,
+    router_partials: torch.Tensor | None = None,
     manifest=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up), each bf16 [C, I], from dY_e bf16 [C, H] and W_down bf16 [E, H, I].
@@ -69,7 +75,9 @@ def d_hidden_swiglu(
     Inputs: `gate`, `up` bf16 [C, I] are the forward's pre-clamp gate/up (the forward
     context); `tokens_per_expert` int32 [E] on the same device (padded segment sizes,
     multiples of 128, sum <= C: not checked, it would need a host sync). `d_gate`/`d_up` may be
-    given to write into. Constraints: H % 64 == 0, I % 256 == 0. Runs on torch's current
+    given to write into. `router_partials` fp32 [C, I / 128], if given, receives the fused
+    router-weight partials: sum over each 128-column block of hidden * d_hidden per row (see
+    dsl_kernels/sm90/expert_gemm_bwd.py); summed over blocks they give w * <dY, y>. Constraints: H % 64 == 0, I % 256 == 0. Runs on torch's current
     stream; no host sync.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
@@ -102,6 +110,10 @@ def d_hidden_swiglu(
         _check(name, given, torch.bfloat16, (capacity, intermediate_size))
         outputs.append(given)
     d_gate, d_up = outputs
+    blocks = intermediate_size // 128
+    if router_partials is None:
+        router_partials = torch.empty(capacity, blocks, dtype=torch.float32, device=device)
+    _check("router_partials", router_partials, torch.float32, (capacity, blocks))
     if capacity == 0 or num_experts == 0:
         return d_gate, d_up
 
@@ -122,6 +134,7 @@ def d_hidden_swiglu(
             "out1_ptr": d_up,
             "gate_ptr": gate,
             "up_ptr": up,
+            "partials_ptr": router_partials,
             "tokens_per_expert_ptr": tokens_per_expert,
             "num_experts": num_experts,
             "k_size": hidden_size,
@@ -189,6 +202,7 @@ def d_x(
             "out1_ptr": None,
             "gate_ptr": None,
             "up_ptr": None,
+            "partials_ptr": None,
             "tokens_per_expert_ptr": tokens_per_expert,
             "num_experts": num_experts,
             "k_size": intermediate_size,
@@ -205,11 +219,16 @@ def weight_gradient(
     b_routed: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     *,
+    output: str = "fp32",
     out: torch.Tensor | None = None,
     manifest=None,
 ) -> torch.Tensor:
-    """out fp32 [E, M, N], out[e] = a_routed[rows of e].T @ b_routed[rows of e], for a_routed
+    """out [E, M, N], out[e] = a_routed[rows of e].T @ b_routed[rows of e], for a_routed
     bf16 [C, M], b_routed bf16 [C, N] in the expert-major routed layout.
+
+    output: "fp32" (out fp32), "bf16" (out bf16, rounded from the fp32 sum) or "accumulate"
+    (out fp32 is required and the sum is added into it in place: out[e] += ..., the order of
+    torch's `out.add_(fp32 result)`, bitwise).
 
     dW_down = weight_gradient(dy_routed, hidden); dW_gate = weight_gradient(d_gate, x_routed);
     dW_up = weight_gradient(d_up, x_routed). Every element of `out` is written (exact zeros
@@ -227,16 +246,21 @@ def weight_gradient(
     _check_multiple("N (b_routed.shape[1])", n_size, N_ALIGNMENT)
     _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
     _check_extents("M", capacity, m_size, m_size, n_size)
+    if output not in WEIGHTS_KERNELS:
+        raise ValueError(f"output must be one of {sorted(WEIGHTS_KERNELS)}, got {output!r}")
+    kernel_name, out_dtype = WEIGHTS_KERNELS[output]
     device = a_routed.device
     if out is None:
-        out = torch.empty(num_experts, m_size, n_size, dtype=torch.float32, device=device)
-    _check("out", out, torch.float32, (num_experts, m_size, n_size))
+        if output == "accumulate":
+            raise ValueError("output='accumulate' needs `out`, the fp32 tensor to add into")
+        out = torch.empty(num_experts, m_size, n_size, dtype=out_dtype, device=device)
+    _check("out", out, out_dtype, (num_experts, m_size, n_size))
     if num_experts == 0:
         return out
     if capacity == 0:
-        return out.zero_()
+        return out if output == "accumulate" else out.zero_()
 
-    kernel = get_kernel(WEIGHTS_KERNEL, device=device, manifest=manifest)
+    kernel = get_kernel(kernel_name, device=device, manifest=manifest)
     tiles = num_experts * (m_size // M_ALIGNMENT) * (n_size // N_ALIGNMENT)
     kernel.launch(
         (max(1, min(_sm_count(device), tiles)), 1, 1),

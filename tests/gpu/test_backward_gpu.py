@@ -109,7 +109,9 @@ def test_main_grads_accumulate_the_returned_gradients():
 def test_bad_intermediate_size_names_the_alignment():
     t, h, i, e, k = 256, 256, 128, 4, 2
     inputs = make_inputs(t, h, i, e, k, seed=3, device=CUDA)
-    with pytest.raises(ValueError, match=r"intermediate_size must be a multiple of 256 .*, got 128"):
+    with pytest.raises(
+        ValueError, match=r"intermediate_size must be a multiple of 256 .*, got 128"
+    ):
         run_step(inputs, e, None)
 
 

@@ -85,6 +85,7 @@ def _run(inp, limit):
     capacity, inter = inp["gate"].shape
     hidden_size = inp["dy"].shape[1]
     d_gate, d_up = _poisoned(capacity, inter), _poisoned(capacity, inter)
+    partials = torch.full((capacity, inter // 128), float("nan"), device="cuda")
     expert_gemm_bwd.d_hidden_swiglu(
         inp["dy"],
         inp["down_w"],
@@ -94,6 +95,7 @@ def _run(inp, limit):
         swiglu_limit=limit,
         d_gate=d_gate,
         d_up=d_up,
+        router_partials=partials,
         manifest=MANIFEST,
     )
     d_x = _poisoned(capacity, hidden_size)
@@ -107,7 +109,7 @@ def _run(inp, limit):
         manifest=MANIFEST,
     )
     torch.cuda.synchronize()
-    return d_gate, d_up, d_x
+    return d_gate, d_up, d_x, partials
 
 
 def _swiglu_backward64(d_hidden, gate, up, limit):
@@ -135,10 +137,11 @@ def test_matches_reference(case, limit):
     _, hidden_size, inter, sizes, extra = case
     inp = _inputs(hidden_size, inter, sizes, extra)
     runs = [_run(inp, limit) for _ in range(3)]
-    d_gate, d_up, d_x = runs[0]
+    d_gate, d_up, d_x, partials = runs[0]
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "not bitwise stable"
+            bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(a.view(bits), b.view(bits)), "not bitwise stable"
 
     bounds, total = _segments(sizes)
     # Rows past the last segment are not the kernel's: still poisoned.
@@ -161,6 +164,14 @@ def test_matches_reference(case, limit):
             dg_ref, du_ref = reference.swiglu_backward(dh, gate, up, limit)
             _check_bound(f"d_gate[{e}] vs {label}", d_gate[r], dg64, dg_ref)
             _check_bound(f"d_up[{e}] vs {label}", d_up[r], du64, du_ref)
+        # ---- router-weight partials: sum_b partials = <d_hidden, hidden> per row ----
+        hidden_ref = reference.swiglu(gate, up, limit)
+        _check_bound(
+            f"router partials[{e}]",
+            partials[r].sum(dim=1),
+            (dh64 * hidden_ref.double()).sum(dim=1),
+            ((dy @ down_w) * hidden_ref).float().sum(dim=1),
+        )
         if limit is not None:
             assert (d_gate[r][gate.float() > limit] == 0).all()
             assert (d_up[r][up.float().abs() > limit] == 0).all()
@@ -217,6 +228,17 @@ def test_weight_gradients(case):
             # bound, not the bf16 one (the bf16 bound above is the contract).
             fp32_err = rel_error(out[e], truth)
             assert fp32_err <= 2e-5, f"{label}[{e}]: fp32 error {fp32_err:.3e} > 2e-5"
+        # bf16 output: the fp32 result rounded, bitwise; accumulate: start + fp32 result.
+        bf16 = torch.full(out.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        expert_gemm_bwd.weight_gradient(a, b, tpe, output="bf16", out=bf16, manifest=MANIFEST)
+        start = torch.randn(out.shape, generator=gen).cuda()
+        accumulated = start.clone()
+        expert_gemm_bwd.weight_gradient(
+            a, b, tpe, output="accumulate", out=accumulated, manifest=MANIFEST
+        )
+        torch.cuda.synchronize()
+        assert torch.equal(bf16, out.to(torch.bfloat16)), f"{label}: bf16 output"
+        assert torch.equal(accumulated, start + out), f"{label}: accumulated output"
 
 
 # (name, num_experts, hidden_size, intermediate_size, tokens, topk): evenly routed.
