@@ -100,6 +100,13 @@ def variants() -> list[Variant]:
             launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
             archs=("sm_90a",),
         ),
+        Variant(
+            "expert_gemm_down_to_slots",
+            Sm90ExpertGemm,
+            {"epilogue": "slots", "stages": 4},
+            launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
+            archs=("sm_90a",),
+        ),
         # Backward activation-gradient GEMMs (sm90/expert_gemm_bwd.py): weights read as stored
         # (MN-major B, wgmma transposed), Hopper only like the forward engine.
         Variant(
@@ -113,6 +120,13 @@ def variants() -> list[Variant]:
             "expert_gemm_bwd_d_x",
             Sm90ExpertGemmBwd,
             {"job": "d_x", "stages": 4},
+            launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
+            archs=("sm_90a",),
+        ),
+        Variant(
+            "expert_gemm_bwd_d_x_to_slots",
+            Sm90ExpertGemmBwd,
+            {"job": "d_x_slots", "stages": 4},
             launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
             archs=("sm_90a",),
         ),

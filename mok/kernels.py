@@ -22,7 +22,12 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     # Interim multi-kernel path (mok/launchers/forward.py) until the megakernel lands.
     "forward": (
-        ("expert_gemm_gate_up_swiglu", "expert_gemm_down", "moe_combine_forward"),
+        (
+            "expert_gemm_gate_up_swiglu",
+            "expert_gemm_down",
+            "expert_gemm_down_to_slots",
+            "moe_combine_forward",
+        ),  # fmt: skip
         "the SM90 expert GEMMs",
     ),
     "recompute_forward_context": (("expert_gemm_gate_up_swiglu",), "the SM90 expert GEMMs"),

@@ -30,11 +30,22 @@ def _segments(tokens):
     return R.expert_segments(R.MoKSchedule(None, None, None, tokens))
 
 
-def fake_down(hidden, down_w, tokens):
+def fake_down(hidden, down_w, tokens, *, slots=None):
     y = torch.zeros(hidden.shape[0], down_w.shape[1], dtype=torch.bfloat16)
     for e, (s, t) in enumerate(_segments(tokens)):
         y[s:t] = R._mm(hidden[s:t], down_w[e]).to(torch.bfloat16)
-    return y
+    return _to_slots(y, slots)
+
+
+def _to_slots(y, slots):
+    """The kernels' slot epilogue: row r of y at row peer_token_idx[r], padding dropped."""
+    if slots is None:
+        return y
+    peer_rank, peer_token_idx, num_slots = slots
+    out = torch.full((num_slots, y.shape[1]), float("nan"), dtype=torch.bfloat16)
+    real = peer_rank >= 0
+    out[peer_token_idx[real].long()] = y[real]
+    return out
 
 
 def fake_d_hidden(dy, down_w, gate, up, tokens, *, swiglu_limit=None, router_partials=None):
@@ -49,12 +60,12 @@ def fake_d_hidden(dy, down_w, gate, up, tokens, *, swiglu_limit=None, router_par
     return d_gate, d_up
 
 
-def fake_d_x(d_gate, d_up, gate_w, up_w, tokens):
+def fake_d_x(d_gate, d_up, gate_w, up_w, tokens, *, slots=None):
     out = torch.zeros(d_gate.shape[0], gate_w.shape[2], dtype=torch.bfloat16)
     for e, (s, t) in enumerate(_segments(tokens)):
         out[s:t] = (d_gate[s:t].float() @ gate_w[e].float()
                     + d_up[s:t].float() @ up_w[e].float()).to(torch.bfloat16)  # fmt: skip
-    return out
+    return _to_slots(out, slots)
 
 
 def fake_weight_gradient(a, b, tokens, *, output="fp32", out=None):

@@ -5,6 +5,10 @@
     hidden[r, :] = bf16(SiLU(g) * u),  g, u = fp32(gate), fp32(up), clamped first if has_limit
 `Sm90ExpertGemm(epilogue="store")` is the down projection:
     out[r, :] = bf16(hidden[r, :] @ W_down[e].T)
+`Sm90ExpertGemm(epilogue="slots")` is the down projection stored where the combine reads it
+(DESIGN §4, group of one): out[peer_token_idx[r], :] = bf16(hidden[r, :] @ W_down[e].T) for
+every row with peer_rank[r] >= 0; padding rows are not stored. `out` is then [T * k, H], one
+row per (token, j) slot, each written exactly once.
 for every routed row r of expert e (rows grouped by expert, see expert_tiles.py).
 
 Engine (DESIGN §4): one producer warpgroup (warp 0 issues TMA loads, 40 registers) and two
@@ -30,6 +34,7 @@ specs; tensors are row-major, innermost dim last):
 - `tma_b1`  swiglu: W_up viewed [E * I, H];   store: the same W_down descriptor again
 - `out_ptr`  bf16 [C, n_size]: hidden (swiglu) or y (store)
 - `gate_ptr`, `up_ptr`  bf16 [C, I] pre-clamp gate and up (swiglu; ignored by store, pass null)
+- `peer_rank_ptr`, `peer_token_idx_ptr`  int32 [C], the schedule's (slots; null otherwise)
 - `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes, read on the device
 - `num_experts`, `k_size` (H for swiglu, I for store), `n_size` (I for swiglu, H for store)
 - `has_limit` (int32, 0/1), `swiglu_limit` (fp32; ignored unless has_limit)
@@ -63,7 +68,7 @@ from .gemm_phases import (
     TILE_N,
 )
 
-EPILOGUES = ("swiglu", "store")
+EPILOGUES = ("swiglu", "store", "slots")
 # The TMA coordinate tensors are given static extents (the runtime's descriptor carries the
 # real ones): coordinates only need to fit, and static shapes add no kernel parameters.
 MAX_ROWS = 1 << 30
@@ -118,6 +123,8 @@ class Sm90ExpertGemm:
             global_pointer(BFloat16, 16),  # out_ptr
             global_pointer(BFloat16, 16),  # gate_ptr
             global_pointer(BFloat16, 16),  # up_ptr
+            global_pointer(Int32, 4),  # peer_rank_ptr
+            global_pointer(Int32, 4),  # peer_token_idx_ptr
             global_pointer(Int32, 4),  # tokens_per_expert_ptr
             Int32(0),  # num_experts
             Int32(0),  # k_size
@@ -138,6 +145,8 @@ class Sm90ExpertGemm:
         out_ptr: cute.Pointer,
         gate_ptr: cute.Pointer,
         up_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
         tokens_per_expert_ptr: cute.Pointer,
         num_experts: Int32,
         k_size: Int32,
@@ -164,6 +173,8 @@ class Sm90ExpertGemm:
             out_ptr,
             gate_ptr,
             up_ptr,
+            peer_rank_ptr,
+            peer_token_idx_ptr,
             tokens_per_expert_ptr,
             num_experts,
             k_size,
@@ -186,6 +197,8 @@ class Sm90ExpertGemm:
         out_ptr: cute.Pointer,
         gate_ptr: cute.Pointer,
         up_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
         tokens_per_expert_ptr: cute.Pointer,
         num_experts: Int32,
         k_size: Int32,
@@ -217,7 +230,7 @@ class Sm90ExpertGemm:
         )
         k_tiles = k_size // TILE_K
         col_tiles = n_size // TILE_N
-        if cutlass.const_expr(self.epilogue == "store"):
+        if cutlass.const_expr(self.epilogue != "swiglu"):
             col_tiles = n_size // (2 * TILE_N)
         tiles = TileList(tokens_per_expert, num_experts, col_tiles)
 
@@ -278,6 +291,8 @@ class Sm90ExpertGemm:
                     out_ptr,
                     gate_ptr,
                     up_ptr,
+                    peer_rank_ptr,
+                    peer_token_idx_ptr,
                     first_row,
                     col_tile,
                     n_size,
@@ -298,7 +313,7 @@ class Sm90ExpertGemm:
         expert_tiles = expert * (n_size // TILE_N)
         b0 = expert_tiles + col_tile
         b1 = b0
-        if cutlass.const_expr(self.epilogue == "store"):
+        if cutlass.const_expr(self.epilogue != "swiglu"):
             b0 = expert_tiles + 2 * col_tile
             b1 = b0 + 1
         return b0, b1
@@ -317,13 +332,28 @@ class Sm90ExpertGemm:
         out_ptr: cute.Pointer,
         gate_ptr: cute.Pointer,
         up_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
         first_row: Int32,
         col_tile: Int32,
         n_size: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
     ):
-        if cutlass.const_expr(self.epilogue == "store"):
+        if cutlass.const_expr(self.epilogue == "slots"):
+            first_col = col_tile * (2 * TILE_N)
+            for j in cutlass.range_constexpr(2):
+                phases.store_to_slots(
+                    thr_mma,
+                    acc0 if j == 0 else acc1,
+                    out_ptr,
+                    peer_rank_ptr,
+                    peer_token_idx_ptr,
+                    first_row,
+                    first_col + j * TILE_N,
+                    n_size,
+                )
+        elif cutlass.const_expr(self.epilogue == "store"):
             first_col = col_tile * (2 * TILE_N)
             tCgOut0 = thr_mma.partition_C(self._output_tile(out_ptr, first_row, first_col, n_size))
             tCgOut1 = thr_mma.partition_C(

@@ -5,6 +5,9 @@
     d_gate, d_up   = mok.reference.swiglu_backward(d_hidden, gate[r, :], up[r, :], limit)
 `Sm90ExpertGemmBwd(job="d_x")`, one fused K loop over 2 I (gate half first, then up half):
     d_x[r, :] = bf16(d_gate[r, :] @ W_gate[e] + d_up[r, :] @ W_up[e])
+`Sm90ExpertGemmBwd(job="d_x_slots")` is d_x stored where the backward's combine reads it:
+    d_x_slots[peer_token_idx[r], :] = d_x[r, :] for rows with peer_rank[r] >= 0 (padding rows
+    are not stored), one row per (token, j) slot (gemm_phases.store_to_slots)
 for every routed row r of expert e (rows grouped by expert, see expert_tiles.py).
 
 The engine is the forward's (expert_gemm.py): one producer warpgroup (warp 0 issues TMA, 40
@@ -52,6 +55,7 @@ tensors are row-major, innermost dim last):
 - `out1_ptr`  d_hidden_swiglu: d_up bf16 [C, I];  d_x: unused (pass null)
 - `gate_ptr`, `up_ptr`  d_hidden_swiglu: forward gate/up bf16 [C, I] (pre-clamp); d_x: null
 - `partials_ptr`  d_hidden_swiglu: fp32 [C, I / 128] router-weight partials; d_x: null
+- `peer_rank_ptr`, `peer_token_idx_ptr`  d_x_slots: int32 [C], the schedule's; others: null
 - `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes, read on the device
 - `num_experts`, `k_size` (one K half: H for d_hidden_swiglu, I for d_x), `n_size` (I or H)
 - `has_limit` (int32, 0/1), `swiglu_limit` (fp32; ignored unless has_limit)
@@ -78,7 +82,7 @@ from . import gemm_phases as phases
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
-JOBS = ("d_hidden_swiglu", "d_x")
+JOBS = ("d_hidden_swiglu", "d_x", "d_x_slots")
 # The TMA coordinate tensors get static extents (the runtime's descriptor carries the real ones).
 MAX_ROWS = 1 << 30
 MAX_COLS = 1 << 16
@@ -107,7 +111,7 @@ class Sm90ExpertGemmBwd:
     @property
     def k_halves(self) -> int:
         """K segments of the fused loop: d_x runs over [d_gate | d_up] x [W_gate ; W_up]."""
-        return 2 if self.job == "d_x" else 1
+        return 2 if self.job != "d_hidden_swiglu" else 1
 
     def _tiled_mma(self):
         # A K-major (activations, row-major [C, K]); B MN-major (weights stored [K, N]):
@@ -150,6 +154,8 @@ class Sm90ExpertGemmBwd:
             global_pointer(BFloat16, 16),  # gate_ptr
             global_pointer(BFloat16, 16),  # up_ptr
             global_pointer(Float32, 4),  # partials_ptr
+            global_pointer(Int32, 4),  # peer_rank_ptr
+            global_pointer(Int32, 4),  # peer_token_idx_ptr
             global_pointer(Int32, 4),  # tokens_per_expert_ptr
             Int32(0),  # num_experts
             Int32(0),  # k_size
@@ -173,6 +179,8 @@ class Sm90ExpertGemmBwd:
         gate_ptr: cute.Pointer,
         up_ptr: cute.Pointer,
         partials_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
         tokens_per_expert_ptr: cute.Pointer,
         num_experts: Int32,
         k_size: Int32,
@@ -205,6 +213,8 @@ class Sm90ExpertGemmBwd:
             gate_ptr,
             up_ptr,
             partials_ptr,
+            peer_rank_ptr,
+            peer_token_idx_ptr,
             tokens_per_expert_ptr,
             num_experts,
             k_size,
@@ -231,6 +241,8 @@ class Sm90ExpertGemmBwd:
         gate_ptr: cute.Pointer,
         up_ptr: cute.Pointer,
         partials_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
         tokens_per_expert_ptr: cute.Pointer,
         num_experts: Int32,
         k_size: Int32,
@@ -327,7 +339,19 @@ class Sm90ExpertGemmBwd:
                 )
 
                 # ---- epilogue: registers -> global, no shared memory ----
-                if cutlass.const_expr(self.job == "d_x"):
+                if cutlass.const_expr(self.job == "d_x_slots"):
+                    for j in cutlass.range_constexpr(2):
+                        phases.store_to_slots(
+                            thr_mma,
+                            acc0 if j == 0 else acc1,
+                            out0_ptr,
+                            peer_rank_ptr,
+                            peer_token_idx_ptr,
+                            first_row,
+                            first_col + j * TILE_N,
+                            n_size,
+                        )
+                elif cutlass.const_expr(self.job == "d_x"):
                     self._store(thr_mma, acc0, out0_ptr, first_row, first_col, n_size)
                     self._store(thr_mma, acc1, out0_ptr, first_row, first_col + TILE_N, n_size)
                 else:

@@ -310,3 +310,46 @@ def output_tile(
     return cute.make_tensor(
         ptr + offset, cute.make_layout((TILE_M, TILE_N), stride=(row_stride, 1))
     )
+
+
+@cute.jit
+def store_to_slots(
+    thr_mma,
+    acc: cute.Tensor,
+    out_ptr: cute.Pointer,
+    peer_rank_ptr: cute.Pointer,
+    peer_token_idx_ptr: cute.Pointer,
+    first_row: Int32,
+    first_col: Int32,
+    n_size: Int32,
+):
+    """One 128 x 128 accumulator block, rounded to bf16, into the combine's slot layout:
+    routed row r goes to row peer_token_idx[r] of `out` ([num_slots, n_size] row-major) when
+    peer_rank[r] >= 0, and nowhere when it is padding (-1). Columns stay where they are.
+
+    In the wgmma accumulator layout a thread holds two rows (r0 and r0 + 8) and, per row,
+    pairs of adjacent columns: each pair is one 4-byte store at its row's slot.
+    """
+    coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+    values = cute.make_rmem_tensor(acc.shape, BFloat16)
+    values.store(acc.load().to(BFloat16))
+    row0 = coords[0][0]
+    row1 = row0
+    for i in cutlass.range_constexpr(cute.size(coords)):
+        row1 = cutlass.select_(coords[i][0] != row0, coords[i][0], row1)
+    rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(1 << 30))
+    slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(1 << 30))
+    slot0 = Int64(slot[first_row + row0])
+    slot1 = Int64(slot[first_row + row1])
+    keep0 = rank[first_row + row0] >= 0
+    keep1 = rank[first_row + row1] >= 0
+    row_stride = Int64(n_size)
+    pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+    for p in cutlass.range_constexpr(cute.size(coords) // 2):
+        row, col = coords[2 * p]
+        target = cutlass.select_(row == row0, slot0, slot1)
+        if cutlass.select_(row == row0, keep0, keep1):
+            offset = cute.assume(target * row_stride + Int64(first_col + col), divby=2)
+            pair[0] = values[2 * p]
+            pair[1] = values[2 * p + 1]
+            cute.autovec_copy(pair, cute.make_tensor(out_ptr + offset, cute.make_layout(2)))

@@ -8,11 +8,11 @@ tests/gpu/test_backward_gpu.py, and bitwise against the reference's math on CPU
     dy_routed = dY[peer_token_idx // k], w_routed = w[peer_token_idx]   gathers (padding 0)
     dY_e = bf16(w * dy_routed)                                          elementwise
     d_gate, d_up = SwiGLU'(dY_e @ W_down[e], gate, up)                  expert_gemm_bwd_d_hidden_swiglu
-    d_x_routed = d_gate @ W_gate[e] + d_up @ W_up[e]                    expert_gemm_bwd_d_x
+    slots[peer_token_idx] = d_gate @ W_gate[e] + d_up @ W_up[e]         expert_gemm_bwd_d_x_to_slots
     d_router = sum_b partials[:, b] / w, partials from the d_hidden epilogue (= <dY, y>)
     dW_down, dW_gate, dW_up = per-expert A^T B (one CTA a tile)          expert_gemm_bwd_weights_bf16
                              (or added into fp32 main_grads in place)  expert_gemm_bwd_weights_accumulate
-    slots = d_x_routed by slot; d_x = d_x_shared + sum_j slots          stable sort + moe_combine_backward
+    d_x = d_x_shared + sum_j slots                                      moe_combine_backward
     shared expert: the same kernels on one 'expert' of T rows (padded to 128)
 """
 
@@ -40,16 +40,27 @@ def _weight_gradient(a_rows, b_rows, tokens, main_grad):
 
 
 def _expert_backward(
-    dy_e, x_rows, gate, up, hidden, weights, tokens, limit, main_grads, router_partials=None
+    dy_e,
+    x_rows,
+    gate,
+    up,
+    hidden,
+    weights,
+    tokens,
+    limit,
+    main_grads,
+    router_partials=None,
+    slots=None,
 ):
     """(d_x rows bf16, [dW_gate, dW_up, dW_down]) of grouped experts over routed rows; each
     weight gradient bf16, or added into its main_grad (fp32) and returned empty.
-    `router_partials` (fp32 [C, I / 128]) receives the d_hidden epilogue's router partials."""
+    `router_partials` (fp32 [C, I / 128]) receives the d_hidden epilogue's router partials;
+    with `slots` (peer_rank, peer_token_idx, num_slots) the d_x rows go to their slots."""
     gate_w, up_w, down_w = weights
     d_gate, d_up = expert_gemm_bwd.d_hidden_swiglu(
         dy_e, down_w, gate, up, tokens, swiglu_limit=limit, router_partials=router_partials
     )
-    d_x_rows = expert_gemm_bwd.d_x(d_gate, d_up, gate_w, up_w, tokens)
+    d_x_rows = expert_gemm_bwd.d_x(d_gate, d_up, gate_w, up_w, tokens, slots=slots)
     main_gate, main_up, main_down = main_grads
     grads = [
         _weight_gradient(d_gate, x_rows, tokens, main_gate),
@@ -91,7 +102,9 @@ def backward(
     dy_routed = gather_routed_rows(grad_output, peer, slot, topk)
     # w[peer_token_idx] is the same gather as dY's with one "token" per slot (k = 1).
     w_routed = gather_routed_rows(router_weights.view(-1, 1), peer, slot, 1)
-    dy_e = (w_routed * dy_routed.float()).to(torch.bfloat16)
+    # bf16 * fp32 computes in fp32 and rounds once into the bf16 output (TensorIterator's
+    # common dtype): bf16(w * dY) in one pass, with no fp32 [C, H] temporary.
+    dy_e = dy_routed.mul_(w_routed)
 
     # ---- routed experts ----
     partials = torch.empty(dy_e.shape[0], gate.shape[1] // 128, dtype=torch.float32,
@@ -99,13 +112,14 @@ def backward(
     d_x_routed, routed_grads = _expert_backward(
         dy_e, x_routed, gate, up, hidden, (routed_gate, routed_up, routed_down), tokens,
         swiglu_limit, main_grads[:3], router_partials=partials,
+        slots=(peer, slot, num_tokens * topk),
     )  # fmt: skip
     # d_router[t, j] = <dY[t], y_e(x_t)> = (sum_b partials[r, b]) / w[r]: the partials hold
     # <dY_e, y> with dY_e = w * dY (fixed-order sums). Padding rows (w = 0) give 0 and are
     # never scattered.
     tiny = torch.finfo(torch.float32).tiny
     d_router_routed = partials.sum(dim=1, keepdim=True) / w_routed.clamp_min(tiny)
-    slots = scatter_to_slots(d_x_routed, peer, slot, num_tokens * topk)
+    slots = d_x_routed  # already in slot order: [T * k, H]
     d_router = scatter_to_slots(d_router_routed, peer, slot, num_tokens * topk)
     d_router = d_router.view(num_tokens, topk)
 

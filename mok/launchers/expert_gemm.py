@@ -23,6 +23,7 @@ import torch
 
 GATE_UP_KERNEL = "expert_gemm_gate_up_swiglu"
 DOWN_KERNEL = "expert_gemm_down"
+DOWN_SLOTS_KERNEL = "expert_gemm_down_to_slots"
 TILE_ROWS = 128  # rows per tile; segment sizes must be multiples of it
 K_ALIGNMENT = 64  # K block of the mainloop
 GATE_UP_N_ALIGNMENT = 128  # intermediate_size: one 128-column block of gate and of up per tile
@@ -57,6 +58,18 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int
 def _check_multiple(name: str, value: int, multiple: int) -> None:
     if value <= 0 or value % multiple:
         raise ValueError(f"{name} must be a positive multiple of {multiple}, got {value}")
+
+
+def slot_rows(slots, capacity: int) -> tuple[int, tuple | None]:
+    """(output rows, (peer_rank, peer_token_idx) or None) of a launcher's `slots` argument:
+    None stores routed rows in place (C rows); (peer_rank, peer_token_idx, num_slots), int32
+    [C] each, stores them at their slots (num_slots rows)."""
+    if slots is None:
+        return capacity, None
+    peer_rank, peer_token_idx, num_slots = slots
+    _check("peer_rank", peer_rank, torch.int32, (capacity,))
+    _check("peer_token_idx", peer_token_idx, torch.int32, (capacity,))
+    return num_slots, (peer_rank, peer_token_idx)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -162,6 +175,8 @@ def gate_up_swiglu(
             "out_ptr": hidden,
             "gate_ptr": gate,
             "up_ptr": up,
+            "peer_rank_ptr": None,
+            "peer_token_idx_ptr": None,
             "tokens_per_expert_ptr": tokens_per_expert,
             "num_experts": num_experts,
             "k_size": hidden_size,
@@ -179,10 +194,15 @@ def down(
     tokens_per_expert: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    slots: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     manifest=None,
 ) -> torch.Tensor:
     """y bf16 [C, H] = hidden bf16 [C, I] x W_down[e]^T, W_down bf16 [E, H, I].
 
+    slots = (peer_rank, peer_token_idx, num_slots), int32 [C] from the schedule: y goes
+    straight into the combine's layout instead, out bf16 [num_slots, H] with
+    out[peer_token_idx[r]] = y[r] for every row with peer_rank[r] >= 0 (padding is not stored;
+    every slot is written once when the schedule covers all T * k of them).
     Constraints: I % 64 == 0, H % 256 == 0; `tokens_per_expert` as for `gate_up_swiglu`.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
@@ -204,13 +224,15 @@ def down(
     if intermediate_size >= MAX_K:
         raise ValueError(f"intermediate_size must be below {MAX_K}, got {intermediate_size}")
     device = hidden.device
+    rows, slots = slot_rows(slots, capacity)
     if out is None:
-        out = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
-    _check("out", out, torch.bfloat16, (capacity, hidden_size))
+        out = torch.empty(rows, hidden_size, dtype=torch.bfloat16, device=device)
+    _check("out", out, torch.bfloat16, (rows, hidden_size))
     if capacity == 0 or num_experts == 0:
         return out
 
-    kernel = get_kernel(DOWN_KERNEL, device=device, manifest=manifest)
+    kernel = get_kernel(DOWN_SLOTS_KERNEL if slots else DOWN_KERNEL, device=device,
+                        manifest=manifest)  # fmt: skip
     col_tiles = hidden_size // DOWN_N_ALIGNMENT
     weights = _descriptor(
         kernel, "tma_b0", down_weights.view(num_experts * hidden_size, intermediate_size)
@@ -225,6 +247,8 @@ def down(
             "out_ptr": out,
             "gate_ptr": None,
             "up_ptr": None,
+            "peer_rank_ptr": slots[0] if slots else None,
+            "peer_token_idx_ptr": slots[1] if slots else None,
             "tokens_per_expert_ptr": tokens_per_expert,
             "num_experts": num_experts,
             "k_size": intermediate_size,

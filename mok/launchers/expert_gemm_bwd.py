@@ -33,10 +33,12 @@ from .expert_gemm import (
     _descriptor,
     _grid,
     _sm_count,
+    slot_rows,
 )
 
 D_HIDDEN_KERNEL = "expert_gemm_bwd_d_hidden_swiglu"
 D_X_KERNEL = "expert_gemm_bwd_d_x"
+D_X_SLOTS_KERNEL = "expert_gemm_bwd_d_x_to_slots"
 # weight_gradient's `output` -> (kernel, dtype of out)
 WEIGHTS_KERNELS = {
     "fp32": ("expert_gemm_bwd_weights", torch.float32),
@@ -135,6 +137,8 @@ def d_hidden_swiglu(
             "gate_ptr": gate,
             "up_ptr": up,
             "partials_ptr": router_partials,
+            "peer_rank_ptr": None,
+            "peer_token_idx_ptr": None,
             "tokens_per_expert_ptr": tokens_per_expert,
             "num_experts": num_experts,
             "k_size": hidden_size,
@@ -154,10 +158,14 @@ def d_x(
     tokens_per_expert: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    slots: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     manifest=None,
 ) -> torch.Tensor:
     """d_x_routed bf16 [C, H] = d_gate @ W_gate[e] + d_up @ W_up[e] (one fp32 sum, gate half
     first), d_gate/d_up bf16 [C, I], weights bf16 [E, I, H].
+
+    slots = (peer_rank, peer_token_idx, num_slots): rows go to their (token, j) slots instead,
+    out bf16 [num_slots, H], as `mok.launchers.expert_gemm.down` does.
 
     Constraints: I % 64 == 0, H % 256 == 0; `tokens_per_expert` as for `d_hidden_swiglu`.
     """
@@ -183,13 +191,15 @@ def d_x(
         hidden_size,
     )
     device = d_gate.device
+    rows, slots = slot_rows(slots, capacity)
     if out is None:
-        out = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
-    _check("out", out, torch.bfloat16, (capacity, hidden_size))
+        out = torch.empty(rows, hidden_size, dtype=torch.bfloat16, device=device)
+    _check("out", out, torch.bfloat16, (rows, hidden_size))
     if capacity == 0 or num_experts == 0:
         return out
 
-    kernel = get_kernel(D_X_KERNEL, device=device, manifest=manifest)
+    kernel = get_kernel(D_X_SLOTS_KERNEL if slots else D_X_KERNEL, device=device,
+                        manifest=manifest)  # fmt: skip
     flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
         (_grid(device, capacity, hidden_size // N_ALIGNMENT), 1, 1),
@@ -203,6 +213,8 @@ def d_x(
             "gate_ptr": None,
             "up_ptr": None,
             "partials_ptr": None,
+            "peer_rank_ptr": slots[0] if slots else None,
+            "peer_token_idx_ptr": slots[1] if slots else None,
             "tokens_per_expert_ptr": tokens_per_expert,
             "num_experts": num_experts,
             "k_size": intermediate_size,

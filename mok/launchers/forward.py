@@ -5,8 +5,8 @@ kernels that exist today, back to back on one stream, with no host sync:
 
     x_routed = x[peer_token_idx // k]  (padding rows zero)           torch gather
     gate, up, hidden = SwiGLU(x_routed @ W_gate/up[e]^T)            expert_gemm_gate_up_swiglu
-    y = hidden @ W_down[e]^T                                         expert_gemm_down
-    slots[peer_token_idx] = y                                        torch gather by a stable sort
+    slots[peer_token_idx[r]] = hidden[r] @ W_down[e]^T               expert_gemm_down_to_slots
+                              (the down epilogue stores each row at its (token, j) slot)
     shared expert: the same two kernels on one 'expert' of T rows (padded to 128)
     out = y_shared + sum_j w[t, j] * slots[t*k + j]  (fixed j order)   moe_combine_forward
 
@@ -54,13 +54,12 @@ def gather_routed_rows(x: torch.Tensor, peer_rank, peer_token_idx, topk: int) ->
 def scatter_to_slots(y: torch.Tensor, peer_rank, peer_token_idx, num_slots: int) -> torch.Tensor:
     """Combine for a group of one: slots[peer_token_idx[i]] = y[i] for every real row i.
 
-    Real rows hold each slot 0..num_slots-1 exactly once; the others (padding and rows past
-    num_tokens) get the key num_slots. A stable sort of the keys puts the row of slot s at
-    position s, so slots = y[order[:num_slots]]: a gather, deterministic and free of duplicates.
+    Real rows hold each slot 0..num_slots-1 exactly once, so their copies never collide: the
+    result is deterministic. Padding rows (peer_rank -1) all go to one extra row, dropped.
     """
     keys = torch.where(peer_rank >= 0, peer_token_idx, num_slots).long()
-    order = torch.sort(keys, stable=True).indices[:num_slots]
-    return y.index_select(0, order)
+    out = y.new_empty(num_slots + 1, *y.shape[1:])
+    return out.index_copy_(0, keys, y)[:num_slots]
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -69,14 +68,20 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _routed(ws, schedule, x, gate_w, up_w, down_w, limit):
-    x_routed = gather_routed_rows(x, schedule.peer_rank, schedule.peer_token_idx, ws.topk)
+    """(context, slots): the routed experts; slots bf16 [T * k, H] holds each routed row's
+    output at its (token, j) slot, stored there by the down GEMM's epilogue (None without
+    down_w)."""
+    peer, slot = schedule.peer_rank, schedule.peer_token_idx
+    x_routed = gather_routed_rows(x, peer, slot, ws.topk)
     gate, up, hidden = expert_gemm.gate_up_swiglu(
         x_routed, gate_w, up_w, schedule.tokens_per_expert, swiglu_limit=limit
     )
     if down_w is None:
         return (x_routed, gate, up, hidden), None
-    y = expert_gemm.down(hidden, down_w, schedule.tokens_per_expert)
-    return (x_routed, gate, up, hidden), y
+    num_slots = x.shape[0] * ws.topk
+    slots = expert_gemm.down(hidden, down_w, schedule.tokens_per_expert,
+                             slots=(peer, slot, num_slots))  # fmt: skip
+    return (x_routed, gate, up, hidden), slots
 
 
 def _shared(x, gate_w, up_w, down_w, limit):
@@ -99,9 +104,7 @@ def forward(
     routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
 ):  # fmt: skip
     _require_group_of_one(ws, "forward")
-    routed_ctx, y = _routed(ws, schedule, x, routed_gate, routed_up, routed_down, swiglu_limit)
-    num_tokens, topk = router_weights.shape
-    slots = scatter_to_slots(y, schedule.peer_rank, schedule.peer_token_idx, num_tokens * topk)
+    routed_ctx, slots = _routed(ws, schedule, x, routed_gate, routed_up, routed_down, swiglu_limit)
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
     if shared_gate is not None:
