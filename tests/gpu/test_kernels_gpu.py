@@ -14,7 +14,6 @@ import torch
 from mok import functional as F
 from mok import ops
 from mok import reference as R
-from mok.errors import MoKKernelUnavailableError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,21 +90,6 @@ def test_epilogue_in_cuda_graph_replays_identically():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
-
-
-def test_backward_says_it_is_not_shipped_yet():
-    config = F.MoKConfig()
-    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=256, hidden_size=256, topk=2,
-                         num_local_experts=4)  # fmt: skip
-    ids = torch.randint(0, 4, (256, 2), device=CUDA)
-    sched = F.build_schedule(ws, config, ids, num_local_experts=4)
-    x = torch.randn(256, 256, device=CUDA).to(torch.bfloat16)
-    w = torch.rand(256, 2, device=CUDA) + 0.1
-    gw = (torch.randn(4, 128, 256, device=CUDA) / 16).to(torch.bfloat16)
-    dw = (torch.randn(4, 256, 128, device=CUDA) / 16).to(torch.bfloat16)
-    _, ctx = F.forward(config, ws, sched, x, w, None, None, None, gw, gw, dw)
-    with pytest.raises(MoKKernelUnavailableError, match=r"mok.ops.backward on cuda:\d \(sm_90a\)"):
-        F.backward(config, ws, sched, ctx, x, x, w, None, None, None, gw, gw, dw)
 
 
 def test_functional_build_schedule_on_gpu_equals_reference():
