@@ -28,6 +28,7 @@ def variants() -> list[Variant]:
     from .common.all_gather_top_experts import AllGatherTopExperts
     from .common.ep_barrier import EpBarrier
     from .common.flag_wait_probe import FlagWaitProbe
+    from .common.gather_rows import GatherRows
     from .common.moe_combine_backward import MoeCombineBackward
     from .common.moe_combine_forward import MoeCombineForward
     from .common.mxfp8_quantize_rowwise import Mxfp8QuantizeRowwise
@@ -61,6 +62,16 @@ def variants() -> list[Variant]:
             MoeCombineBackward,
             {"threads": 128, "tokens_per_cta": 4},
             launch_grid="(ceil(hidden_size / (8 * 128)), ceil(num_tokens / 4), 1)",
+        ),
+        # Dispatch for a group of one (common/gather_rows.py): x rows, or w * dY rows.
+        *(
+            Variant(
+                name,
+                GatherRows,
+                {"scaled": scaled, "threads": 128, "rows_per_cta": 4},
+                launch_grid="(ceil(hidden_size / (8 * 128)), min(ceil(num_rows / 4), 65535), 1)",
+            )
+            for name, scaled in (("gather_rows", False), ("gather_rows_scaled", True))
         ),
         Variant(
             "schedule_histogram",

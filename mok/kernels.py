@@ -30,7 +30,10 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
         ),  # fmt: skip
         "the SM90 expert GEMMs",
     ),
-    "recompute_forward_context": (("expert_gemm_gate_up_swiglu",), "the SM90 expert GEMMs"),
+    "recompute_forward_context": (
+        ("gather_rows", "expert_gemm_gate_up_swiglu"),
+        "the SM90 expert GEMMs",
+    ),
     # Interim multi-kernel path (mok/launchers/backward.py) until the megakernel lands.
     "backward": (
         (

@@ -5,8 +5,8 @@ Registered as `mok.ops.backward`'s CUDA path. Each kernel passed its own GPU tes
 tests/gpu/test_backward_gpu.py, and bitwise against the reference's math on CPU
 (tests/test_launcher_composition_cpu.py). Not the backward megakernel of DESIGN §4 (issue 5).
 
-    dy_routed = dY[peer_token_idx // k], w_routed = w[peer_token_idx]   gathers (padding 0)
-    dY_e = bf16(w * dy_routed)                                          elementwise
+    dY_e = bf16(w[peer_token_idx] * dY[peer_token_idx // k])           gather_rows_scaled
+    w_routed = w[peer_token_idx]  (padding 0)                           torch gather
     d_gate, d_up = SwiGLU'(dY_e @ W_down[e], gate, up)                  expert_gemm_bwd_d_hidden_swiglu
     slots[peer_token_idx] = d_gate @ W_gate[e] + d_up @ W_up[e]         expert_gemm_bwd_d_x_to_slots
     d_router = sum_b partials[:, b] / w, partials from the d_hidden epilogue (= <dY, y>)
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import epilogues, expert_gemm_bwd
+from . import dispatch, epilogues, expert_gemm_bwd
 from .forward import (
     ROW_TILE,
     _require_group_of_one,
@@ -99,12 +99,10 @@ def backward(
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
 
     # ---- pull dY and w; dY_e = bf16(w * dY) on the expert's side ----
-    dy_routed = gather_routed_rows(grad_output, peer, slot, topk)
+    dy_e = dispatch.gather_rows(grad_output, peer, slot, schedule.num_tokens, topk,
+                                weights=router_weights)  # fmt: skip
     # w[peer_token_idx] is the same gather as dY's with one "token" per slot (k = 1).
     w_routed = gather_routed_rows(router_weights.view(-1, 1), peer, slot, 1)
-    # bf16 * fp32 computes in fp32 and rounds once into the bf16 output (TensorIterator's
-    # common dtype): bf16(w * dY) in one pass, with no fp32 [C, H] temporary.
-    dy_e = dy_routed.mul_(w_routed)
 
     # ---- routed experts ----
     partials = torch.empty(dy_e.shape[0], gate.shape[1] // 128, dtype=torch.float32,

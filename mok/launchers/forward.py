@@ -3,7 +3,7 @@
 This is NOT the persistent megakernel of DESIGN §4 (issue 4): it runs the same math with the
 kernels that exist today, back to back on one stream, with no host sync:
 
-    x_routed = x[peer_token_idx // k]  (padding rows zero)           torch gather
+    x_routed = x[peer_token_idx // k]  (padding rows zero)           gather_rows
     gate, up, hidden = SwiGLU(x_routed @ W_gate/up[e]^T)            expert_gemm_gate_up_swiglu
     slots[peer_token_idx[r]] = hidden[r] @ W_down[e]^T               expert_gemm_down_to_slots
                               (the down epilogue stores each row at its (token, j) slot)
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import MoKKernelUnavailableError
-from . import epilogues, expert_gemm
+from . import dispatch, epilogues, expert_gemm
 
 ROW_TILE = expert_gemm.TILE_ROWS
 
@@ -72,7 +72,7 @@ def _routed(ws, schedule, x, gate_w, up_w, down_w, limit):
     output at its (token, j) slot, stored there by the down GEMM's epilogue (None without
     down_w)."""
     peer, slot = schedule.peer_rank, schedule.peer_token_idx
-    x_routed = gather_routed_rows(x, peer, slot, ws.topk)
+    x_routed = dispatch.gather_rows(x, peer, slot, schedule.num_tokens, ws.topk)
     gate, up, hidden = expert_gemm.gate_up_swiglu(
         x_routed, gate_w, up_w, schedule.tokens_per_expert, swiglu_limit=limit
     )

@@ -1,0 +1,156 @@
+"""Dispatch for an EP group of one: gather each routed row from its token, optionally scaled."""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from .args import global_pointer
+from .ptx import mul_rn
+from .row_chunks import VECTOR, chunked_row_views
+
+
+@dataclass(frozen=True)
+class GatherRows:
+    """out[r, :] = src[peer_token_idx[r] // topk, :] for every routed row r < num_tokens with
+    peer_rank[r] >= 0, and zeros for padding rows (peer_rank[r] < 0).
+
+    `scaled=True` multiplies in fp32 by the row's router weight and rounds once:
+        out[r, h] = bf16(weight[peer_token_idx[r]] * float(src[t, h]))   (mul.rn.f32, RNE)
+    which is `(w_routed * dy_routed.float()).to(torch.bfloat16)` bit for bit: the backward's
+    dY_e = w * dY, pulled on the expert side (SEMANTICS §2).
+
+    Kernel parameters (in this order): `out_ptr` (bf16 [num_rows, hidden_size]), `src_ptr`
+    (bf16 [num_src_rows, hidden_size]), `weight_ptr` (fp32 [num_src_rows * topk]; unused and
+    may be null unless scaled), `peer_rank_ptr`, `peer_token_idx_ptr` (int32 [num_rows], the
+    schedule's), `num_tokens_ptr` (int32 [1], the schedule's routed-row count, read on the
+    device: rows at or past it are not written), `num_rows`, `num_src_rows`, `hidden_size`,
+    `topk`.
+
+    Work split (as the combine kernels): a thread owns 8 consecutive columns (16-byte loads
+    and stores) of `rows_per_cta` consecutive rows, issues every load of its rows before any
+    store, and walks row blocks with a stride of grid.y (so any number of rows fits the
+    65535 grid.y limit).
+
+    Constraints (the launcher checks them): hidden_size % 64 == 0; out and src 16-byte
+    aligned and contiguous; the schedule's peer_token_idx // topk < num_src_rows for real rows.
+    Launch: grid (ceil(hidden_size / (8 * threads)), min(ceil(num_rows / rows_per_cta), 65535),
+    1), block (threads, 1, 1), no dynamic shared memory.
+    """
+
+    scaled: bool = False
+    threads: int = 128
+    rows_per_cta: int = 4
+
+    def validate(self) -> None:
+        if self.threads not in (64, 128, 256, 512):
+            raise ValueError(f"threads must be one of 64, 128, 256, 512, got {self.threads}")
+        if self.rows_per_cta not in (1, 2, 4, 8):
+            raise ValueError(f"rows_per_cta must be one of 1, 2, 4, 8, got {self.rows_per_cta}")
+
+    def compile_arguments(self) -> tuple:
+        """Placeholders for `__call__`, in order (see common/args.py)."""
+        return (
+            global_pointer(BFloat16, 16),  # out_ptr
+            global_pointer(BFloat16, 16),  # src_ptr
+            global_pointer(Float32, 4),  # weight_ptr
+            global_pointer(Int32, 4),  # peer_rank_ptr
+            global_pointer(Int32, 4),  # peer_token_idx_ptr
+            global_pointer(Int32, 4),  # num_tokens_ptr
+            Int32(0),  # num_rows
+            Int32(0),  # num_src_rows
+            Int32(0),  # hidden_size
+            Int32(1),  # topk
+            Int32(1),  # grid_y
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        out_ptr: cute.Pointer,
+        src_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
+        num_tokens_ptr: cute.Pointer,
+        num_rows: Int32,
+        num_src_rows: Int32,
+        hidden_size: Int32,
+        topk: Int32,
+        grid_y: Int32,
+    ):
+        columns_per_cta = VECTOR * self.threads
+        self.kernel(
+            out_ptr,
+            src_ptr,
+            weight_ptr,
+            peer_rank_ptr,
+            peer_token_idx_ptr,
+            num_tokens_ptr,
+            num_rows,
+            num_src_rows,
+            hidden_size,
+            topk,
+        ).launch(
+            grid=[(hidden_size + columns_per_cta - 1) // columns_per_cta, grid_y, 1],
+            block=[self.threads, 1, 1],
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        out_ptr: cute.Pointer,
+        src_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
+        num_tokens_ptr: cute.Pointer,
+        num_rows: Int32,
+        num_src_rows: Int32,
+        hidden_size: Int32,
+        topk: Int32,
+    ):
+        rows_per_cta = self.rows_per_cta
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, _ = cute.arch.block_idx()
+        _, grid_y, _ = cute.arch.grid_dim()
+        chunks, (mOut, mSrc) = chunked_row_views(
+            hidden_size, (out_ptr, num_rows), (src_ptr, num_src_rows)
+        )
+        rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(num_rows))
+        slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(num_rows))
+        weight = cute.make_tensor(weight_ptr, cute.make_layout(num_src_rows * topk))
+        rows = cutlass.min(num_rows, cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0])
+
+        chunk = bidx * self.threads + tidx
+        blocks = (rows + rows_per_cta - 1) // rows_per_cta
+        rIn = cute.make_rmem_tensor((VECTOR, rows_per_cta), BFloat16)
+        rWeight = cute.make_rmem_tensor((rows_per_cta,), Float32)
+        rScaled = cute.make_rmem_tensor((VECTOR,), Float32)
+        # Only `chunk < chunks` can diverge, in the last column block.
+        if chunk < chunks:
+            for block in cutlass.range(bidy, blocks, grid_y, unroll=1):
+                first = block * rows_per_cta
+                # ---- load: every row of the block, before any store ----
+                for t in cutlass.range_constexpr(rows_per_cta):
+                    row = first + t
+                    rIn[None, t].fill(0.0)
+                    rWeight[t] = Float32(0.0)
+                    if row < rows:
+                        if rank[row] >= 0:
+                            source = slot[row]
+                            rIn[None, t].store(mSrc[None, chunk, source // topk].load())
+                            if cutlass.const_expr(self.scaled):
+                                rWeight[t] = weight[source]
+                # ---- store (padding rows: zeros; scaled: 0 * 0.0 is +0.0) ----
+                for t in cutlass.range_constexpr(rows_per_cta):
+                    row = first + t
+                    if row < rows:
+                        if cutlass.const_expr(self.scaled):
+                            rScaled.store(rIn[None, t].load().to(Float32))
+                            for i in cutlass.range_constexpr(VECTOR):
+                                rScaled[i] = mul_rn(rWeight[t], rScaled[i])
+                            mOut[None, chunk, row].store(rScaled.load().to(BFloat16))
+                        else:
+                            mOut[None, chunk, row].store(rIn[None, t].load())
