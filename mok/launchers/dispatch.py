@@ -63,7 +63,6 @@ def gather_rows(
             "num_src_rows": num_src,
             "hidden_size": hidden,
             "topk": topk,
-            "grid_y": grid_y,
         },
     )
     return out
