@@ -27,9 +27,11 @@ def gather_rows(
     topk: int,
     *,
     weights: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed rows bf16 [C, H] of `src` bf16 [T, H] (C = peer_rank's length), each scaled by
-    its router weight (fp32 [T, k], as a product rounded once) when `weights` is given."""
+    its router weight (fp32 [T, k], as a product rounded once) when `weights` is given; into
+    `out` when given (its rows at or past num_tokens are left as they are)."""
     from mok.runtime import get_kernel  # noqa: PLC0415
 
     num_src, hidden = src.shape if src.dim() == 2 else (-1, -1)
@@ -42,7 +44,9 @@ def gather_rows(
     _check("num_tokens", num_tokens, torch.int32, (1,))
     if weights is not None:
         _check("weights", weights, torch.float32, (num_src, topk))
-    out = torch.empty(capacity, hidden, dtype=src.dtype, device=src.device)
+    if out is None:
+        out = torch.empty(capacity, hidden, dtype=src.dtype, device=src.device)
+    _check("out", out, torch.bfloat16, (capacity, hidden))
     if capacity == 0 or num_src == 0:
         return out.zero_()
     kernel = get_kernel("gather_rows_scaled" if weights is not None else "gather_rows",

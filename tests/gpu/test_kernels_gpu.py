@@ -145,9 +145,10 @@ def test_gather_rows_bitwise(t, h, e, k):
     want_x = torch.where(real[:, None], src[token], 0)
     want_dy = (w[:, None] * src[token].float()).to(torch.bfloat16)
     for _ in range(3):
-        poison_allocator()
-        got_x = dispatch.gather_rows(src, peer, slot, sched.num_tokens, k)
-        got_dy = dispatch.gather_rows(src, peer, slot, sched.num_tokens, k, weights=weights)
+        got_x, got_dy = (torch.full((peer.shape[0], h), float("nan"), dtype=torch.bfloat16,
+                                    device=CUDA) for _ in range(2))  # fmt: skip
+        dispatch.gather_rows(src, peer, slot, sched.num_tokens, k, out=got_x)
+        dispatch.gather_rows(src, peer, slot, sched.num_tokens, k, weights=weights, out=got_dy)
         torch.cuda.synchronize()
         assert torch.equal(got_x[:rows], want_x)
         assert torch.equal(got_dy[:rows], want_dy)
