@@ -32,8 +32,9 @@ def describe_failure(error: Exception) -> str:
     return f"error: {type(error).__name__}: {error}"
 
 
-def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
-    """mok's bf16 layer: schedule + forward timed together, backward from the saved context."""
+def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "megakernel") -> Impl | None:
+    """mok's bf16 layer: schedule + forward timed together, backward from the saved context.
+    `forward_path`: how the GPU forward runs its routed experts (mok.launchers.forward)."""
     try:
         import mok.functional as functional
 
@@ -56,6 +57,17 @@ def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
     limit = inputs.shape.swiglu_limit
 
     def forward():
+        if inputs.x.device.type == "cuda":
+            from mok.launchers import forward as gpu_forward  # noqa: PLC0415
+
+            previous = gpu_forward.set_forward_path(forward_path)
+            try:
+                return run_forward()
+            finally:
+                gpu_forward.set_forward_path(previous)
+        return run_forward()
+
+    def run_forward():
         schedule = functional.build_schedule(
             workspace, config, inputs.top_experts, num_local_experts=inputs.shape.experts_per_rank
         )
@@ -87,10 +99,22 @@ def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
         return {n: g for n, g in zip(GRAD_ORDER, grads, strict=True) if g is not None}
 
     if inputs.x.device.type == "cpu":
+        if forward_path != "megakernel":
+            return None  # one CPU row is enough: the path only changes the GPU launches
         return Impl("mok_cpu_path", "mok CPU path (PyTorch reference)", False, forward, backward)
-    return Impl("mok", "mok kernels (bf16; interim multi-kernel path)", False, forward, backward)
+    if forward_path == "megakernel":
+        label = "mok (bf16; forward megakernel, interim multi-kernel backward)"
+        return Impl("mok", label, False, forward, backward)
+    label = "mok, forward as separate kernels (A/B of the megakernel)"
+    return Impl("mok_kernels", label, False, forward, backward)
+
+
+def _build_mok_kernels(inputs: MoeInputs, group) -> Impl | None:
+    _REASONS["mok_kernels"] = "only on CUDA (an A/B row of the GPU forward)"
+    return _build_mok_bf16(inputs, group, forward_path="kernels")
 
 
 MOK_IMPLS: dict[str, Callable[[MoeInputs, object], Impl | None]] = {
     "mok": _build_mok_bf16,
+    "mok_kernels": _build_mok_kernels,
 }

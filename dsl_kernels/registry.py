@@ -39,6 +39,7 @@ def variants() -> list[Variant]:
     from .sm90.expert_gemm import Sm90ExpertGemm
     from .sm90.expert_gemm_bwd import Sm90ExpertGemmBwd
     from .sm90.expert_gemm_bwd_weights import Sm90ExpertGemmBwdWeights
+    from .sm90.moe_forward import Sm90MoeForward
 
     return [
         Variant(
@@ -116,6 +117,15 @@ def variants() -> list[Variant]:
             Sm90ExpertGemm,
             {"epilogue": "slots", "stages": 4},
             launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
+            archs=("sm_90a",),
+        ),
+        # The forward megakernel, group of one (sm90/moe_forward.py): dispatch + gate/up +
+        # down to slots in one persistent launch.
+        Variant(
+            "moe_forward",
+            Sm90MoeForward,
+            {"stages": 4},
+            launch_grid="(sm_count, 1, 1)",
             archs=("sm_90a",),
         ),
         # Backward activation-gradient GEMMs (sm90/expert_gemm_bwd.py): weights read as stored

@@ -1,4 +1,4 @@
-"""The dispatch launcher's argument dict against the shipped manifest, on CPU.
+"""Launchers' argument dicts against the shipped manifest, on CPU (dispatch, megakernel).
 
 A fake kernel records the launch and packs its arguments with the runtime's `pack_args` for the
 real sm_90a manifest entry: a name the kernel does not take, or one it lacks, fails here
@@ -16,9 +16,16 @@ from mok.launchers import dispatch
 
 
 class _FakeKernel:
+    device_index = 0
+
     def __init__(self, name: str):
         self.variant = runtime.load_manifest().variant(name, "sm_90a")
         self.launches = []
+
+    def make_tma_descriptor(self, param, tensor):
+        spec = self.variant.tma_spec(param)
+        assert spec is not None, f"no TMA spec for {param}"
+        return runtime.TmaDescriptor(spec, bytes(128))
 
     def launch(self, grid, args):
         addresses = {
@@ -48,3 +55,39 @@ def test_gather_rows_launch_packs(monkeypatch, scaled):
     assert name == ("gather_rows_scaled" if scaled else "gather_rows")
     ((grid, args),) = kernel.launches
     assert grid == (1, capacity // 4, 1) and args["num_rows"] == capacity
+
+
+def test_forward_megakernel_launch_packs(monkeypatch):
+    from mok import reference as R
+    from mok.launchers import comm, expert_gemm, moe_forward
+
+    kernels = {}
+
+    def fake_get_kernel(name, device=None, **_):
+        kernels[name] = _FakeKernel(name)
+        return kernels[name]
+
+    class _Record:
+        device_ptr = 0x1000
+
+    monkeypatch.setattr(runtime, "get_kernel", fake_get_kernel)
+    monkeypatch.setattr(moe_forward, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(expert_gemm, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(moe_forward, "_sm_count", lambda device: 132)
+
+    def check_on_cpu(name, tensor, dtype, shape):  # the launcher's check, minus "on CUDA"
+        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
+
+    monkeypatch.setattr(moe_forward, "_check", check_on_cpu)
+    expert_gemm.clear_descriptor_cache()
+    t, h, i, e, k = 256, 256, 128, 4, 2
+    ids = torch.randint(0, e, (t, k))
+    schedule = R.make_schedule(ids, num_local_experts=e, capacity=t * k + e * 128)
+    x = torch.zeros(t, h, dtype=torch.bfloat16)
+    gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
+    down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
+    (x_routed, *_), slots = moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w)
+    expert_gemm.clear_descriptor_cache()
+    ((grid, args),) = kernels["moe_forward"].launches
+    assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
+    assert slots.shape == (t * k, h) and x_routed.shape == (schedule.capacity, h)

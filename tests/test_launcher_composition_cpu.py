@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mok import reference as R
-from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd
+from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd, moe_forward
 from mok.testing import make_inputs, rel_error
 
 # The modules, not the `forward` and `backward` functions mok.launchers re-exports by name.
@@ -99,9 +99,20 @@ def fake_gather_rows(src, peer_rank, peer_token_idx, num_tokens, topk, *, weight
     return out
 
 
+def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit=None):
+    """The forward megakernel's math: the three kernels' fakes in sequence."""
+    peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
+    x_routed = fake_gather_rows(x, peer, slot, schedule.num_tokens, topk)
+    gate, up, hidden = fake_gate_up_swiglu(x_routed, gate_w, up_w, tokens,
+                                           swiglu_limit=swiglu_limit)  # fmt: skip
+    slots = fake_down(hidden, down_w, tokens, slots=(peer, slot, x.shape[0] * topk))
+    return (x_routed, gate, up, hidden), slots
+
+
 @pytest.fixture()
 def fake_kernels(monkeypatch):
     monkeypatch.setattr(dispatch, "gather_rows", fake_gather_rows)
+    monkeypatch.setattr(moe_forward, "routed_forward", fake_routed_forward)
     monkeypatch.setattr(expert_gemm, "gate_up_swiglu", fake_gate_up_swiglu)
     monkeypatch.setattr(epilogues, "fwd_epilogue", R.fwd_epilogue)
     monkeypatch.setattr(expert_gemm, "down", fake_down)
@@ -142,8 +153,17 @@ def test_composition_equals_reference_backward(fake_kernels, shared, limit, main
             assert rel_error(g.float(), w) < 2**-8 and g.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("path", ["megakernel", "kernels"])
 @pytest.mark.parametrize("shared,limit", [(True, None), (False, 0.5)])
-def test_forward_composition_equals_reference(fake_kernels, shared, limit):
+def test_forward_composition_equals_reference(fake_kernels, shared, limit, path):
+    previous = fwd.set_forward_path(path)
+    try:
+        _check_forward_composition(shared, limit)
+    finally:
+        fwd.set_forward_path(previous)
+
+
+def _check_forward_composition(shared, limit):
     inp = make_inputs(T, H, I, E, K, shared=shared, seed=4)
     schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
     weights = [inp[n] for n in WEIGHTS]

@@ -1,7 +1,9 @@
-"""Interim GPU forward (EP group of one): the layer as a short sequence of kernels.
+"""GPU forward for an EP group of one.
 
-This is NOT the persistent megakernel of DESIGN §4 (issue 4): it runs the same math with the
-kernels that exist today, back to back on one stream, with no host sync:
+The routed experts run in the forward megakernel (mok/launchers/moe_forward.py: dispatch,
+gate/up + SwiGLU and down to slots in one persistent launch); the shared expert and the
+fixed-order combine are separate launches on the same stream, with no host sync. The same math
+as a sequence of kernels (set_forward_path("kernels"), for A/B measurements):
 
     x_routed = x[peer_token_idx // k]  (padding rows zero)           gather_rows
     gate, up, hidden = SwiGLU(x_routed @ W_gate/up[e]^T)            expert_gemm_gate_up_swiglu
@@ -10,9 +12,10 @@ kernels that exist today, back to back on one stream, with no host sync:
     shared expert: the same two kernels on one 'expert' of T rows (padded to 128)
     out = y_shared + sum_j w[t, j] * slots[t*k + j]  (fixed j order)   moe_combine_forward
 
-Every step is deterministic (no atomics, no split-K; the slot permutation comes from a stable
-sort of unique keys), so results are bitwise identical run to run. An EP group larger than one
-raises MoKKernelUnavailableError: cross-GPU dispatch and combine come with the megakernel.
+Every step is deterministic (no atomics, no split-K, each output element written by one
+thread in a fixed order), so results are bitwise identical run to run. An EP group larger than
+one raises MoKKernelUnavailableError: cross-GPU dispatch (peers in the megakernel's
+communication warps) is not written yet.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import MoKKernelUnavailableError
-from . import dispatch, epilogues, expert_gemm
+from . import dispatch, epilogues, expert_gemm, moe_forward
 
 ROW_TILE = expert_gemm.TILE_ROWS
 
@@ -67,10 +70,29 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t if t.shape[0] == rows else torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
 
 
+# How the routed experts of a forward run: "megakernel" (one persistent launch,
+# mok/launchers/moe_forward.py) or "kernels" (gather, gate/up, down as three launches). Both
+# give the same bits; the switch exists for A/B measurements (benchmarks/mok_impls.py).
+FORWARD_PATHS = ("megakernel", "kernels")
+_forward_path = "megakernel"
+
+
+def set_forward_path(path: str) -> str:
+    """Select how forward runs the routed experts (FORWARD_PATHS); returns the previous one."""
+    global _forward_path
+    if path not in FORWARD_PATHS:
+        raise ValueError(f"path must be one of {FORWARD_PATHS}, got {path!r}")
+    previous, _forward_path = _forward_path, path
+    return previous
+
+
 def _routed(ws, schedule, x, gate_w, up_w, down_w, limit):
     """(context, slots): the routed experts; slots bf16 [T * k, H] holds each routed row's
     output at its (token, j) slot, stored there by the down GEMM's epilogue (None without
     down_w)."""
+    if down_w is not None and _forward_path == "megakernel":
+        return moe_forward.routed_forward(x, schedule, ws.topk, gate_w, up_w, down_w,
+                                          swiglu_limit=limit)  # fmt: skip
     peer, slot = schedule.peer_rank, schedule.peer_token_idx
     x_routed = dispatch.gather_rows(x, peer, slot, schedule.num_tokens, ws.topk)
     gate, up, hidden = expert_gemm.gate_up_swiglu(

@@ -1,0 +1,443 @@
+"""SM90 forward megakernel, EP group of one: dispatch, gate/up + SwiGLU, down to slots, in one
+persistent launch (DESIGN §4). The fixed-order combine stays a separate kernel
+(moe_combine_forward), as DESIGN §4 allows.
+
+One CTA per SM (grid = SM count, all of shared memory each), 384 threads in three roles:
+
+- warp 0, the TMA producer: walks this CTA's tasks and fills the operand ring; before the A
+  loads of a task it waits (bounded) for the counter that guards those rows;
+- warps 1-3, the communication warps: pull the routed rows of x into the routed buffer
+  (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), 128-row tile by 128-row
+  tile, and release a counter per tile;
+- warpgroups 1-2, the wgmma consumers (setmaxnreg 232): mainloop and epilogue of each task,
+  then release a counter per finished gate/up tile.
+
+Task list, in dependency order: every gate/up tile (tile list of expert_tiles.py: expert by
+expert, m fastest, then the 128-column block of I), then every down tile (expert by expert, m
+fastest, then the 256-column block of H). CTA c runs tasks c, c + grid, c + 2 grid, ... (a
+static ticket: the task -> CTA map depends only on the grid, so results are deterministic).
+Every CTA runs all of its gate/up tasks before any down task, and gate/up tasks depend only on
+dispatch, which waits for nothing: the waits cannot deadlock.
+
+Dependencies are int32 counters in global memory (zeroed by the launcher before each launch):
+    dispatched[m]   routed-row tile m (rows 128 m .. 128 m + 127) is in x_routed: reaches 1
+    hidden_done[m]  gate/up tiles of row tile m written (gate, up, hidden): reaches I / 128
+Writers store their data, `fence.proxy.async.global` (the readers load it with TMA, the async
+proxy), meet at a named barrier, then one thread adds 1 with `red.release.sys`. The producer
+polls with `ld.acquire.sys` (common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM, giving
+up after `timeout_ns` with the error record written and a trap), then fences the async proxy
+before its TMA loads.
+
+Why the communication role is three warps of each CTA and not separate CTAs: the producer
+warpgroup's warps 1-3 idle in the GEMM engine (one warp issues all TMA), so dispatch costs no
+SM of GEMM throughput; separate communication CTAs (`fwd_num_comm_sms`) would take SMs from
+the GEMMs for the whole launch unless they could take GEMM tasks after dispatch. EP > 1 adds
+peers to the same warps (a peer pointer instead of x), not a second code path.
+
+Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`):
+- `tma_x`   x_routed bf16 [C, H]        `tma_wg`, `tma_wu`  W_gate, W_up viewed [E * I, H]
+- `tma_h`   hidden bf16 [C, I]          `tma_wd`  W_down viewed [E * H, I]   (all box 64 x 128)
+- `x_ptr` bf16 [T, H]; `x_routed_ptr` bf16 [C, H]; `gate_ptr`, `up_ptr`, `hidden_ptr` bf16
+  [C, I]; `slots_ptr` bf16 [T * k, H]
+- `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
+  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128)], zeroed
+- `error_record_ptr` (the device's error record, may be null), `timeout_ns` (int64)
+- `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T),
+  `capacity` (C), `has_limit`, `swiglu_limit`
+
+Constraints (the launcher checks them): H % 256 == 0, I % 128 == 0, both < 2^16; the schedule's
+segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..common.args import global_pointer
+from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, red_add_release_sys_s32
+from ..common.row_chunks import VECTOR, chunked_row_views
+from . import gemm_phases as phases
+from .expert_gemm import MAX_K, MAX_ROWS, Sm90ExpertGemm
+from .expert_tiles import TileList, locate_first_tile, locate_tile
+from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
+
+# WaitPhase ids (mok.runtime.WaitPhase; a wire format).
+PHASE_DISPATCH = 5
+PHASE_GATE_UP_GEMM = 6
+COMM_WARPS = 3
+COMM_THREADS = 32 * COMM_WARPS
+CONSUMER_THREADS = 2 * phases.THREADS_PER_WARPGROUP
+COMM_BARRIER = 1  # named barrier ids (0 is __syncthreads)
+CONSUMER_BARRIER = 2
+
+
+@dataclass(frozen=True)
+class Sm90MoeForward:
+    """See the module docstring. `stages`: depth of the shared-memory operand ring."""
+
+    stages: int = 4
+
+    def validate(self) -> None:
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"stages must be in 2..4, got {self.stages}")
+
+    @property
+    def threads(self) -> int:
+        return phases.THREADS
+
+    def _tiled_mma(self):
+        K = cute.nvgpu.warpgroup.OperandMajorMode.K
+        return phases.make_tiled_mma(K, K)
+
+    def _smem_layout(self, rows: int):
+        return phases.k_major_smem_layout(rows, self.stages)
+
+    def tma_specs(self) -> list[dict]:
+        box = [TILE_K, TILE_M]
+        return [
+            phases.tma_spec(param, box)
+            for param in ("tma_x", "tma_wg", "tma_wu", "tma_h", "tma_wd")
+        ]
+
+    def stage_bytes(self) -> int:
+        return phases.stage_bytes()
+
+    def compile_arguments(self) -> tuple:
+        bf16 = global_pointer(BFloat16, 16)
+        i32 = global_pointer(Int32, 4)
+        return (
+            *(bf16 for _ in range(5)),  # tma_x, tma_wg, tma_wu, tma_h, tma_wd sources
+            bf16,  # x_ptr
+            bf16,  # x_routed_ptr
+            bf16,  # gate_ptr
+            bf16,  # up_ptr
+            bf16,  # hidden_ptr
+            bf16,  # slots_ptr
+            i32,  # peer_rank_ptr
+            i32,  # peer_token_idx_ptr
+            i32,  # num_tokens_ptr
+            i32,  # tokens_per_expert_ptr
+            i32,  # counters_ptr
+            i32,  # error_record_ptr
+            Int64(0),  # timeout_ns
+            Int32(0),  # num_experts
+            Int32(0),  # hidden_size
+            Int32(0),  # intermediate_size
+            Int32(1),  # topk
+            Int32(0),  # num_src_rows
+            Int32(0),  # capacity
+            Int32(0),  # has_limit
+            Float32(0.0),  # swiglu_limit
+            Int32(1),  # num_ctas
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        a_x: cute.Pointer,
+        b_wg: cute.Pointer,
+        b_wu: cute.Pointer,
+        a_h: cute.Pointer,
+        b_wd: cute.Pointer,
+        x_ptr: cute.Pointer,
+        x_routed_ptr: cute.Pointer,
+        gate_ptr: cute.Pointer,
+        up_ptr: cute.Pointer,
+        hidden_ptr: cute.Pointer,
+        slots_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
+        num_tokens_ptr: cute.Pointer,
+        tokens_per_expert_ptr: cute.Pointer,
+        counters_ptr: cute.Pointer,
+        error_record_ptr: cute.Pointer,
+        timeout_ns: Int64,
+        num_experts: Int32,
+        hidden_size: Int32,
+        intermediate_size: Int32,
+        topk: Int32,
+        num_src_rows: Int32,
+        capacity: Int32,
+        has_limit: Int32,
+        swiglu_limit: Float32,
+        num_ctas: Int32,
+    ):
+        layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
+        a_smem = self._smem_layout(TILE_M)
+        b_smem = self._smem_layout(TILE_N)
+        tile_a = (TILE_M, TILE_K)
+        tile_b = (TILE_N, TILE_K)
+        tma_x, mX = phases.make_tma_load(a_x, layout, a_smem, tile_a)
+        tma_wg, mWg = phases.make_tma_load(b_wg, layout, b_smem, tile_b)
+        tma_wu, mWu = phases.make_tma_load(b_wu, layout, b_smem, tile_b)
+        tma_h, mH = phases.make_tma_load(a_h, layout, a_smem, tile_a)
+        tma_wd, mWd = phases.make_tma_load(b_wd, layout, b_smem, tile_b)
+        self.kernel(
+            tma_x,
+            mX,
+            tma_wg,
+            mWg,
+            tma_wu,
+            mWu,
+            tma_h,
+            mH,
+            tma_wd,
+            mWd,
+            x_ptr,
+            x_routed_ptr,
+            gate_ptr,
+            up_ptr,
+            hidden_ptr,
+            slots_ptr,
+            peer_rank_ptr,
+            peer_token_idx_ptr,
+            num_tokens_ptr,
+            tokens_per_expert_ptr,
+            counters_ptr,
+            error_record_ptr,
+            timeout_ns,
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            topk,
+            num_src_rows,
+            capacity,
+            has_limit,
+            swiglu_limit,
+        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_x: cute.CopyAtom,
+        mX: cute.Tensor,
+        tma_wg: cute.CopyAtom,
+        mWg: cute.Tensor,
+        tma_wu: cute.CopyAtom,
+        mWu: cute.Tensor,
+        tma_h: cute.CopyAtom,
+        mH: cute.Tensor,
+        tma_wd: cute.CopyAtom,
+        mWd: cute.Tensor,
+        x_ptr: cute.Pointer,
+        x_routed_ptr: cute.Pointer,
+        gate_ptr: cute.Pointer,
+        up_ptr: cute.Pointer,
+        hidden_ptr: cute.Pointer,
+        slots_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
+        num_tokens_ptr: cute.Pointer,
+        tokens_per_expert_ptr: cute.Pointer,
+        counters_ptr: cute.Pointer,
+        error_record_ptr: cute.Pointer,
+        timeout_ns: Int64,
+        num_experts: Int32,
+        hidden_size: Int32,
+        intermediate_size: Int32,
+        topk: Int32,
+        num_src_rows: Int32,
+        capacity: Int32,
+        has_limit: Int32,
+        swiglu_limit: Float32,
+    ):
+        tma = (tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd)
+        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+
+        tiled_mma = self._tiled_mma()
+        a_layout = self._smem_layout(TILE_M)
+        b_layout = self._smem_layout(TILE_N)
+        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
+            a_layout, b_layout, self.stages
+        )
+        if warp_idx == 0:
+            for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+
+        # ---- the two tile lists and the counters ----
+        tokens_per_expert = cute.make_tensor(
+            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+        )
+        gate_up_cols = intermediate_size // TILE_N
+        gate_up_tiles = TileList(tokens_per_expert, num_experts, gate_up_cols)
+        down_tiles = TileList(tokens_per_expert, num_experts, hidden_size // (2 * TILE_N))
+        routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
+        row_tiles_total = routed_rows // TILE_M
+        num_gate_up = row_tiles_total * gate_up_cols
+        counter_base = counters_ptr.toint()
+        dispatched = counter_base
+        hidden_done = counter_base + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        record = error_record_ptr.toint()
+
+        if warpgroup == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                self._producer(
+                    ring, (sA, sB0, sB1), tma, gate_up_tiles, down_tiles, num_gate_up,
+                    hidden_size, intermediate_size, dispatched, hidden_done, record, timeout_ns,
+                    bidx, grid_size,
+                )  # fmt: skip
+            else:
+                self._dispatch(
+                    x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
+                    hidden_size, topk, num_src_rows, capacity, dispatched, tidx, bidx,
+                    grid_size,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
+            read_state, release_state = phases.make_consumer_states(self.stages)
+            swiglu = Sm90ExpertGemm(epilogue="swiglu", stages=self.stages)
+            acc0, acc1 = accs
+            # ---- gate/up tasks ----
+            task = bidx
+            expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
+            while expert < num_experts:
+                local = task - tile_base
+                row_tile = row_base // TILE_M + local % row_tiles
+                read_state, release_state = phases.mma_k_tiles(
+                    tiled_mma, ring, read_state, release_state, hidden_size // TILE_K,
+                    operands, accs,
+                )  # fmt: skip
+                swiglu._epilogue(
+                    thr_mma, acc0, acc1, hidden_ptr, gate_ptr, up_ptr, None, None,
+                    row_tile * TILE_M, local // row_tiles, intermediate_size, has_limit,
+                    swiglu_limit,
+                )  # fmt: skip
+                # Publish: this tile's gate/up/hidden columns of row tile `row_tile`.
+                cute.arch.fence_proxy("async.global")
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+                if tidx == phases.THREADS_PER_WARPGROUP:
+                    red_add_release_sys_s32(hidden_done + Int64(4) * Int64(row_tile), Int32(1))
+                task = task + grid_size
+                expert, tile_base, row_base, row_tiles = locate_tile(
+                    gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
+                )
+            # ---- down tasks: rows stored at their (token, j) slots ----
+            task = task - num_gate_up
+            # A fresh MMA object: `mma_k_tiles` sets its accumulate field inside the loop above,
+            # and a value made inside one loop may not be used by another.
+            down_mma = self._tiled_mma()
+            down_thr = down_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
+            expert, tile_base, row_base, row_tiles = locate_first_tile(down_tiles, task)
+            while expert < num_experts:
+                local = task - tile_base
+                first_row = row_base + (local % row_tiles) * TILE_M
+                read_state, release_state = phases.mma_k_tiles(
+                    down_mma, ring, read_state, release_state, intermediate_size // TILE_K,
+                    operands, accs,
+                )  # fmt: skip
+                first_col = (local // row_tiles) * (2 * TILE_N)
+                for j in cutlass.range_constexpr(2):
+                    phases.store_to_slots(
+                        down_thr, acc0 if j == 0 else acc1, slots_ptr, peer_rank_ptr,
+                        peer_token_idx_ptr, first_row, first_col + j * TILE_N, hidden_size,
+                    )  # fmt: skip
+                task = task + grid_size
+                expert, tile_base, row_base, row_tiles = locate_tile(
+                    down_tiles, task, (expert, tile_base, row_base, row_tiles)
+                )
+
+    # ------------------------------------------------------------------ roles
+
+    @cute.jit
+    def _producer(
+        self, ring, smem, tma, gate_up_tiles, down_tiles, num_gate_up, hidden_size,
+        intermediate_size, dispatched, hidden_done, record, timeout_ns, bidx, grid_size,
+    ):  # fmt: skip
+        """Warp 0: TMA loads of every task of this CTA, each after its rows' counter."""
+        sA, sB0, sB1 = smem
+        tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd = tma
+        tile_a = (TILE_M, TILE_K)
+        tile_b = (TILE_N, TILE_K)
+        tXsX, tXgX = phases.partition_tma_load(tma_x, sA, mX, tile_a)
+        tGsG, tGgG = phases.partition_tma_load(tma_wg, sB0, mWg, tile_b)
+        tUsU, tUgU = phases.partition_tma_load(tma_wu, sB1, mWu, tile_b)
+        tHsH, tHgH = phases.partition_tma_load(tma_h, sA, mH, tile_a)
+        tDsD0, tDgD = phases.partition_tma_load(tma_wd, sB0, mWd, tile_b)
+        tDsD1, _ = phases.partition_tma_load(tma_wd, sB1, mWd, tile_b)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        num_experts = gate_up_tiles.num_experts
+        gate_up_cols = intermediate_size // TILE_N
+
+        task = bidx
+        expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
+        while expert < num_experts:
+            local = task - tile_base
+            row_tile = row_base // TILE_M + local % row_tiles
+            bounded_wait_reached(
+                dispatched + Int64(4) * Int64(row_tile), Int32(1), timeout_ns, record,
+                Int32(0), Int32(PHASE_DISPATCH), row_tile, Int32(OWN_MEMORY), task,
+            )  # fmt: skip
+            cute.arch.fence_proxy("async.global")
+            weight_tile = expert * gate_up_cols + local // row_tiles
+            loads = (
+                (tma_x, tXgX, row_tile, None, tXsX),
+                (tma_wg, tGgG, weight_tile, None, tGsG),
+                (tma_wu, tUgU, weight_tile, None, tUsU),
+            )
+            state = phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+            task = task + grid_size
+            expert, tile_base, row_base, row_tiles = locate_tile(
+                gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
+            )
+
+        task = task - num_gate_up
+        expert, tile_base, row_base, row_tiles = locate_first_tile(down_tiles, task)
+        while expert < num_experts:
+            local = task - tile_base
+            row_tile = row_base // TILE_M + local % row_tiles
+            bounded_wait_reached(
+                hidden_done + Int64(4) * Int64(row_tile), gate_up_cols, timeout_ns, record,
+                Int32(0), Int32(PHASE_GATE_UP_GEMM), row_tile, Int32(OWN_MEMORY),
+                task + num_gate_up,
+            )  # fmt: skip
+            cute.arch.fence_proxy("async.global")
+            weight_tile = expert * (hidden_size // TILE_N) + 2 * (local // row_tiles)
+            loads = (
+                (tma_h, tHgH, row_tile, None, tHsH),
+                (tma_wd, tDgD, weight_tile, None, tDsD0),
+                (tma_wd, tDgD, weight_tile + 1, None, tDsD1),
+            )
+            state = phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
+            task = task + grid_size
+            expert, tile_base, row_base, row_tiles = locate_tile(
+                down_tiles, task, (expert, tile_base, row_base, row_tiles)
+            )
+        ring.producer_tail(state)
+
+    @cute.jit
+    def _dispatch(
+        self, x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
+        hidden_size, topk, num_src_rows, capacity, dispatched, tidx, bidx, grid_size,
+    ):  # fmt: skip
+        """Warps 1-3: x_routed row tiles bidx, bidx + grid, ...; a counter per tile."""
+        chunks, (mX, mRouted) = chunked_row_views(
+            hidden_size, (x_ptr, num_src_rows), (x_routed_ptr, capacity)
+        )
+        rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
+        slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
+        comm_tidx = tidx - 32
+        lane = comm_tidx % 32
+        warp = comm_tidx // 32
+        zeros = cute.make_rmem_tensor((VECTOR,), BFloat16)
+        zeros.fill(0.0)
+        for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
+            for r in cutlass.range(warp, TILE_M, COMM_WARPS, unroll=1):
+                row = row_tile * TILE_M + r
+                source = rank[row]
+                if source >= 0:
+                    token = slot[row] // topk
+                    for c in cutlass.range(lane, chunks, 32, unroll=4):
+                        mRouted[None, c, row].store(mX[None, c, token].load())
+                else:
+                    for c in cutlass.range(lane, chunks, 32, unroll=4):
+                        mRouted[None, c, row].store(zeros.load())
+            cute.arch.fence_proxy("async.global")
+            cute.arch.barrier(barrier_id=COMM_BARRIER, number_of_threads=COMM_THREADS)
+            if comm_tidx == 0:
+                red_add_release_sys_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))

@@ -1,0 +1,114 @@
+"""The forward megakernel for an EP group of one (dsl_kernels/sm90/moe_forward.py).
+
+One persistent launch pulls the routed rows of x, runs every gate/up + SwiGLU tile and every
+down tile, and stores each down row at its (token, j) slot; the fixed-order combine
+(`epilogues.fwd_epilogue`) follows. Its dependency counters are zeroed right before the launch
+on the same stream (graph-capturable, no host sync); a wait that gives up reports through the
+device's error record (MoKWaitTimeoutError at the next `check_errors`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import DEFAULT_TIMEOUT_NS, get_error_record
+from .expert_gemm import (
+    DOWN_N_ALIGNMENT,
+    GATE_UP_N_ALIGNMENT,
+    K_ALIGNMENT,
+    MAX_K,
+    MAX_ROWS,
+    TILE_ROWS,
+    _check,
+    _check_multiple,
+    _descriptor,
+    _sm_count,
+)
+
+KERNEL = "moe_forward"
+
+
+def routed_forward(
+    x: torch.Tensor,
+    schedule,
+    topk: int,
+    gate_weights: torch.Tensor,
+    up_weights: torch.Tensor,
+    down_weights: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((x_routed, gate, up, hidden), slots) of the routed experts, in one launch.
+
+    x bf16 [T, H]; weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
+    MoKSchedule of this rank (a group of one). slots bf16 [T * k, H]: row t * k + j is the
+    output of token t's j-th expert. Routed rows at or past schedule.num_tokens are not written.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    num_tokens, hidden_size = x.shape
+    num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
+    capacity = schedule.peer_rank.shape[0]
+    _check("x", x, torch.bfloat16, (num_tokens, hidden_size))
+    _check_multiple("hidden_size", hidden_size, DOWN_N_ALIGNMENT)
+    _check_multiple("intermediate_size", intermediate_size, GATE_UP_N_ALIGNMENT)
+    _check_multiple("intermediate_size", intermediate_size, K_ALIGNMENT)
+    for name, w, shape in (
+        ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
+        ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
+        ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
+    ):
+        _check(name, w, torch.bfloat16, shape)
+    if max(hidden_size, intermediate_size) >= MAX_K:
+        raise ValueError(f"hidden and intermediate sizes must be below {MAX_K}")
+    if capacity >= MAX_ROWS or num_experts * max(hidden_size, intermediate_size) >= MAX_ROWS:
+        raise ValueError(f"routed rows and weight rows must be below {MAX_ROWS}")
+    device = x.device
+    x_routed = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
+    gate, up, hidden = (
+        torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
+        for _ in range(3)
+    )
+    slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
+    if capacity == 0 or num_experts == 0 or num_tokens == 0:
+        return (x_routed, gate, up, hidden), slots
+    # dispatched[m] then hidden_done[m], one int32 per 128-row tile of the routed buffer.
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)), dtype=torch.int32, device=device)
+    record = get_error_record(device)
+    kernel = get_kernel(KERNEL, device=device)
+    gate_up_flat = (num_experts * intermediate_size, hidden_size)
+    kernel.launch(
+        (_sm_count(device), 1, 1),
+        {
+            "tma_x": _descriptor(kernel, "tma_x", x_routed),
+            "tma_wg": _descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
+            "tma_wu": _descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
+            "tma_h": _descriptor(kernel, "tma_h", hidden),
+            "tma_wd": _descriptor(
+                kernel, "tma_wd", down_weights.view(num_experts * hidden_size, intermediate_size)
+            ),
+            "x_ptr": x,
+            "x_routed_ptr": x_routed,
+            "gate_ptr": gate,
+            "up_ptr": up,
+            "hidden_ptr": hidden,
+            "slots_ptr": slots,
+            "peer_rank_ptr": schedule.peer_rank,
+            "peer_token_idx_ptr": schedule.peer_token_idx,
+            "num_tokens_ptr": schedule.num_tokens,
+            "tokens_per_expert_ptr": schedule.tokens_per_expert,
+            "counters_ptr": counters,
+            "error_record_ptr": record.device_ptr,
+            "timeout_ns": timeout_ns,
+            "num_experts": num_experts,
+            "hidden_size": hidden_size,
+            "intermediate_size": intermediate_size,
+            "topk": topk,
+            "num_src_rows": num_tokens,
+            "capacity": capacity,
+            "has_limit": int(swiglu_limit is not None),
+            "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+        },
+    )
+    return (x_routed, gate, up, hidden), slots
