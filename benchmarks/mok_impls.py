@@ -58,13 +58,13 @@ def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "megakernel") 
 
     def forward():
         if inputs.x.device.type == "cuda":
-            from mok.launchers import forward as gpu_forward  # noqa: PLC0415
+            from mok.launchers import set_forward_path  # noqa: PLC0415
 
-            previous = gpu_forward.set_forward_path(forward_path)
+            previous = set_forward_path(forward_path)
             try:
                 return run_forward()
             finally:
-                gpu_forward.set_forward_path(previous)
+                set_forward_path(previous)
         return run_forward()
 
     def run_forward():

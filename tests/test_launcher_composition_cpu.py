@@ -163,6 +163,15 @@ def test_forward_composition_equals_reference(fake_kernels, shared, limit, path)
         fwd.set_forward_path(previous)
 
 
+def test_forward_path_switch_is_exported():
+    import mok.launchers
+
+    assert mok.launchers.set_forward_path("kernels") == "megakernel"
+    assert mok.launchers.set_forward_path("megakernel") == "kernels"
+    with pytest.raises(ValueError, match="path must be one of"):
+        mok.launchers.set_forward_path("fused")
+
+
 def _check_forward_composition(shared, limit):
     inp = make_inputs(T, H, I, E, K, shared=shared, seed=4)
     schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from .backward import backward
 from .comm import check_errors
 from .epilogues import bwd_epilogue, fwd_epilogue
-from .forward import forward, recompute_forward_context
+from .forward import forward, recompute_forward_context, set_forward_path
 from .mxfp8 import mxfp8_quantize
 from .schedule_op import build_schedule, raise_pending_errors
 
@@ -24,4 +24,5 @@ __all__ = [
     "mxfp8_quantize",
     "raise_pending_errors",
     "recompute_forward_context",
+    "set_forward_path",
 ]
