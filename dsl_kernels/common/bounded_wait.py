@@ -120,6 +120,35 @@ def red_add_release_sys_s32(address: Int64, value: Int32, *, loc=None, ip=None) 
 
 
 @dsl_user_op
+def ld_acquire_gpu_s32(address: Int64, *, loc=None, ip=None) -> Int32:
+    """`ld.acquire.gpu.global.b32`: `ld_acquire_sys_s32` for a counter only this GPU's CTAs
+    write (a megakernel's local dependency): no system-scope coherence to wait for."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i64(address, loc, ip)],
+            "ld.acquire.gpu.global.b32 $0, [$1];",
+            "=r,l,~{memory}",
+            loc,
+            ip,
+        )
+    )
+
+
+@dsl_user_op
+def red_add_release_gpu_s32(address: Int64, value: Int32, *, loc=None, ip=None) -> None:
+    """`red.release.gpu.global.add.s32`: the GPU-scope release matching `ld_acquire_gpu_s32`."""
+    _asm(
+        None,
+        [_i64(address, loc, ip), _i32(value, loc, ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;",
+        "l,r,~{memory}",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def atom_add_release_sys_s32(address: Int64, value: Int32, *, loc=None, ip=None) -> Int32:
     """`atom.release.sys.global.add.s32`: as `red_add_release_sys_s32`, returning the old value."""
     return Int32(
@@ -351,8 +380,12 @@ def bounded_wait_reached(
     counter_index: Int32,
     peer_rank: Int32,
     task: Int32,
+    acquire=ld_acquire_sys_s32,
 ) -> Int32:
     """Spin (one thread) until the int32 counter at `counter_address` has reached `target`.
+
+    `acquire` (trace time): the polling load, `ld_acquire_sys_s32` by default (counters that
+    cross NVLink), `ld_acquire_gpu_s32` for a counter written only by this GPU.
 
     "Reached" is `int32(value - target) >= 0` (monotone counters, wrap-safe: module doc).
     Each poll is `ld.acquire.sys`, so once this returns, the calling thread sees every write
@@ -367,7 +400,7 @@ def bounded_wait_reached(
     `peer_rank`: rank whose memory holds the counter, -1 for this rank's own memory.
     `task`: the task-list index, -1 outside the task list.
     """
-    observed = ld_acquire_sys_s32(counter_address)
+    observed = acquire(counter_address)
     if wrapping_difference(observed, target) < Int32(0):
         start = global_timer_ns()
         backoff = Int32(BACKOFF_MIN_NS)
@@ -378,5 +411,5 @@ def bounded_wait_reached(
                 record_timeout_and_trap(
                     record_address, rank, phase, counter_index, observed, target, peer_rank, task
                 )
-            observed = ld_acquire_sys_s32(counter_address)
+            observed = acquire(counter_address)
     return observed

@@ -23,8 +23,8 @@ Dependencies are int32 counters in global memory (zeroed by the launcher before 
     dispatched[m]   routed-row tile m (rows 128 m .. 128 m + 127) is in x_routed: reaches 1
     hidden_done[m]  gate/up tiles of row tile m written (gate, up, hidden): reaches I / 128
 Writers store their data, `fence.proxy.async.global` (the readers load it with TMA, the async
-proxy), meet at a named barrier, then one thread adds 1 with `red.release.sys`. The producer
-polls with `ld.acquire.sys` (common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM, giving
+proxy), meet at a named barrier, then one thread adds 1 with `red.release.gpu`. The producer
+polls with `ld.acquire.gpu` (GPU scope: only this GPU writes these counters; common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM, giving
 up after `timeout_ns` with the error record written and a trap), then fences the async proxy
 before its TMA loads.
 
@@ -57,7 +57,12 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
-from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, red_add_release_sys_s32
+from ..common.bounded_wait import (
+    OWN_MEMORY,
+    bounded_wait_reached,
+    ld_acquire_gpu_s32,
+    red_add_release_gpu_s32,
+)
 from ..common.row_chunks import VECTOR, chunked_row_views
 from . import gemm_phases as phases
 from .expert_gemm import MAX_K, MAX_ROWS, Sm90ExpertGemm
@@ -312,7 +317,7 @@ class Sm90MoeForward:
                 cute.arch.fence_proxy("async.global")
                 cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
                 if tidx == phases.THREADS_PER_WARPGROUP:
-                    red_add_release_sys_s32(hidden_done + Int64(4) * Int64(row_tile), Int32(1))
+                    red_add_release_gpu_s32(hidden_done + Int64(4) * Int64(row_tile), Int32(1))
                 task = task + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
                     gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
@@ -371,7 +376,7 @@ class Sm90MoeForward:
             row_tile = row_base // TILE_M + local % row_tiles
             bounded_wait_reached(
                 dispatched + Int64(4) * Int64(row_tile), Int32(1), timeout_ns, record,
-                Int32(0), Int32(PHASE_DISPATCH), row_tile, Int32(OWN_MEMORY), task,
+                Int32(0), Int32(PHASE_DISPATCH), row_tile, Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
             )  # fmt: skip
             cute.arch.fence_proxy("async.global")
             weight_tile = expert * gate_up_cols + local // row_tiles
@@ -394,7 +399,7 @@ class Sm90MoeForward:
             bounded_wait_reached(
                 hidden_done + Int64(4) * Int64(row_tile), gate_up_cols, timeout_ns, record,
                 Int32(0), Int32(PHASE_GATE_UP_GEMM), row_tile, Int32(OWN_MEMORY),
-                task + num_gate_up,
+                task + num_gate_up, ld_acquire_gpu_s32,
             )  # fmt: skip
             cute.arch.fence_proxy("async.global")
             weight_tile = expert * (hidden_size // TILE_N) + 2 * (local // row_tiles)
@@ -440,4 +445,4 @@ class Sm90MoeForward:
             cute.arch.fence_proxy("async.global")
             cute.arch.barrier(barrier_id=COMM_BARRIER, number_of_threads=COMM_THREADS)
             if comm_tidx == 0:
-                red_add_release_sys_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))
+                red_add_release_gpu_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))

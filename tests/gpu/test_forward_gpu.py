@@ -55,9 +55,19 @@ def run_forward(inputs, num_experts, limit):
     return config, ws, schedule, out, ctx
 
 
+@pytest.fixture(params=["megakernel", "kernels"])
+def forward_path(request):
+    """Each forward test runs the megakernel and the separate-kernel forward."""
+    from mok.launchers import set_forward_path
+
+    previous = set_forward_path(request.param)
+    yield request.param
+    set_forward_path(previous)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}H{c[1]}I{c[2]}E{c[3]}k{c[4]}-{c[7]}"
                          f"{'-shared' if c[5] else ''}{'-clamp' if c[6] else ''}")  # fmt: skip
-def test_forward_matches_fp64_oracle_and_is_deterministic(case):
+def test_forward_matches_fp64_oracle_and_is_deterministic(case, forward_path):
     t, h, i, e, k, shared, limit, routing = case
     inputs = make_inputs(t, h, i, e, k, shared=shared, routing=routing, seed=t + i, device=CUDA)
     config, ws, schedule, out, ctx = run_forward(inputs, e, limit)
@@ -92,7 +102,7 @@ def test_forward_matches_fp64_oracle_and_is_deterministic(case):
         assert (a is None and b is None) or torch.equal(a[:rows], b[:rows])
 
 
-def test_schedule_and_forward_in_a_cuda_graph():
+def test_schedule_and_forward_in_a_cuda_graph(forward_path):
     t, h, i, e, k = 512, 256, 256, 8, 2
     inputs = make_inputs(t, h, i, e, k, shared=True, seed=5, device=CUDA)
     config = F.MoKConfig()
