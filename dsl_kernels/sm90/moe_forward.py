@@ -2,6 +2,10 @@
 persistent launch (DESIGN §4). The fixed-order combine stays a separate kernel
 (moe_combine_forward), as DESIGN §4 allows.
 
+Status (v1): correct (the forward GPU tests run it), but 4-18% slower on the H200 than the
+same tiles as separate kernels, so it is not the default forward path; docs/NOTES.md has the
+A/B (fences and the dispatch copy ruled out as the cause).
+
 One CTA per SM (grid = SM count, all of shared memory each), 384 threads in three roles:
 
 - warp 0, the TMA producer: walks this CTA's tasks and fills the operand ring; before the A
