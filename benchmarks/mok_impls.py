@@ -39,6 +39,11 @@ def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "kernels") -> 
         import mok.functional as functional
 
         config = functional.MoKConfig()
+        # The GPU path holds every routed row at once: a macrobatch of at least T * k rows.
+        rows = inputs.num_tokens * inputs.shape.topk
+        if config.macrobatch_size < rows:
+            step = config.minibatch_size
+            config = functional.MoKConfig(macrobatch_size=-(-rows // step) * step)
         workspace = functional.get_workspace(
             config,
             group,

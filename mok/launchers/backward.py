@@ -24,6 +24,7 @@ from . import dispatch, epilogues, expert_gemm_bwd
 from .forward import (
     ROW_TILE,
     _require_group_of_one,
+    check_macrobatch,
     gather_routed_rows,
     pad_rows,
     scatter_to_slots,
@@ -89,6 +90,7 @@ def backward(
     minibatch_size, macrobatch_size, main_grads,
 ):  # fmt: skip
     _require_group_of_one(ws, "backward")
+    check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "backward")
     if routed_down.shape[2] % expert_gemm_bwd.N_ALIGNMENT:
         raise ValueError(
             f"intermediate_size must be a multiple of {expert_gemm_bwd.N_ALIGNMENT} on the "

@@ -42,6 +42,19 @@ def _require_group_of_one(ws, op: str) -> None:
         )
 
 
+def check_macrobatch(macrobatch_size: int, num_tokens: int, topk: int, op: str) -> None:
+    """The GPU path holds every routed row at once (no ring reuse with replay yet): a
+    macrobatch smaller than the T * k routed rows is rejected, not silently exceeded."""
+    rows = num_tokens * topk
+    if macrobatch_size < rows:
+        raise ValueError(
+            f"MoKConfig.macrobatch_size must be at least the routed rows T * k = "
+            f"{num_tokens} * {topk} = {rows} on the GPU path ({op}): ring reuse of a smaller "
+            f"macrobatch is not built yet; got {macrobatch_size} (pass a MoKConfig with "
+            f"macrobatch_size >= {rows}, a multiple of its minibatch_size)"
+        )
+
+
 def gather_routed_rows(x: torch.Tensor, peer_rank, peer_token_idx, topk: int) -> torch.Tensor:
     """Dispatch for a group of one: x_routed[i] = x[peer_token_idx[i] // k], 0 for padding.
 
@@ -127,6 +140,7 @@ def forward(
     routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
 ):  # fmt: skip
     _require_group_of_one(ws, "forward")
+    check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "forward")
     routed_ctx, slots = _routed(ws, schedule, x, routed_gate, routed_up, routed_down, swiglu_limit)
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
