@@ -24,7 +24,10 @@ def report(name: str, arch: str = "sm_90a") -> str:
             ["ptxas", f"-arch={arch}", "-v", str(path), "-o", str(Path(tmp) / "k.cubin")],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
-    lines = [ln for ln in out.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    # Register and spill counts, and every "Potential Performance Loss" (e.g. C7514 / C7520:
+    # wgmma serialised by ptxas).
+    keys = ("registers", "spill", "Performance Loss")
+    lines = [ln for ln in out.stderr.splitlines() if any(key in ln for key in keys)]
     return f"{name}: " + " | ".join(ln.split("ptxas info    : ")[-1] for ln in lines)
 
 

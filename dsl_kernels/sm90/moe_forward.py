@@ -2,19 +2,24 @@
 persistent launch (DESIGN §4). The fixed-order combine stays a separate kernel
 (moe_combine_forward), as DESIGN §4 allows.
 
-Status (v1): correct (the forward GPU tests run it), but 4-18% slower on the H200 than the
-same tiles as separate kernels, so it is not the default forward path; docs/NOTES.md has the
-A/B (fences and the dispatch copy ruled out as the cause).
+Status: v1 was correct on the H200 (the forward GPU tests run it) but 4-18% slower than the
+same tiles as separate kernels: its consumers released the gate/up counter themselves, and
+ptxas serialised every wgmma of the kernel for it (C7520). v2, this file, moves the release to
+a signal warp; ptxas now keeps the wgmmas asynchronous (tests/test_wgmma_not_serialised.py)
+and the SASS has the separate kernels' HGMMA batches, but v2 has NOT run on a GPU yet (the
+session's device time was spent), so the separate kernels stay the default forward path.
 
 One CTA per SM (grid = SM count, all of shared memory each), 384 threads in three roles:
 
 - warp 0, the TMA producer: walks this CTA's tasks and fills the operand ring; before the A
   loads of a task it waits (bounded) for the counter that guards those rows;
-- warps 1-3, the communication warps: pull the routed rows of x into the routed buffer
+- warps 1-2, the communication warps: pull the routed rows of x into the routed buffer
   (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), 128-row tile by 128-row
   tile, and release a counter per tile;
-- warpgroups 1-2, the wgmma consumers (setmaxnreg 232): mainloop and epilogue of each task,
-  then release a counter per finished gate/up tile.
+- warp 3, the signal warp: releases a counter per gate/up tile the consumers finished (they
+  only `bar.arrive`: a release atomic in the wgmma consumers' code made ptxas serialise every
+  wgmma of the kernel, warning C7520, which cost v1 4-18%);
+- warpgroups 1-2, the wgmma consumers (setmaxnreg 232): mainloop and epilogue of each task.
 
 Task list, in dependency order: every gate/up tile (tile list of expert_tiles.py: expert by
 expert, m fastest, then the 128-column block of I), then every down tile (expert by expert, m
@@ -27,12 +32,13 @@ Dependencies are int32 counters in global memory (zeroed by the launcher before 
     dispatched[m]   routed-row tile m (rows 128 m .. 128 m + 127) is in x_routed: reaches 1
     hidden_done[m]  gate/up tiles of row tile m written (gate, up, hidden): reaches I / 128
 Writers store their data, `fence.proxy.async.global` (the readers load it with TMA, the async
-proxy), meet at a named barrier, then one thread adds 1 with `red.release.gpu`. The producer
+proxy), meet at a named barrier (the consumers arrive, the signal warp syncs), then one thread
+adds 1 with `red.release.gpu`. The producer
 polls with `ld.acquire.gpu` (GPU scope: only this GPU writes these counters; common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM, giving
 up after `timeout_ns` with the error record written and a trap), then fences the async proxy
 before its TMA loads.
 
-Why the communication role is three warps of each CTA and not separate CTAs: the producer
+Why the communication role is two warps of each CTA and not separate CTAs: the producer
 warpgroup's warps 1-3 idle in the GEMM engine (one warp issues all TMA), so dispatch costs no
 SM of GEMM throughput; separate communication CTAs (`fwd_num_comm_sms`) would take SMs from
 the GEMMs for the whole launch unless they could take GEMM tasks after dispatch. EP > 1 adds
@@ -76,11 +82,16 @@ from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M,
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
 PHASE_DISPATCH = 5
 PHASE_GATE_UP_GEMM = 6
-COMM_WARPS = 3
+COMM_WARPS = 2  # warps 1-2; warp 3 signals finished gate/up tiles
 COMM_THREADS = 32 * COMM_WARPS
+SIGNAL_WARP = 3
 CONSUMER_THREADS = 2 * phases.THREADS_PER_WARPGROUP
 COMM_BARRIER = 1  # named barrier ids (0 is __syncthreads)
-CONSUMER_BARRIER = 2
+# Consumers -> signal warp, one barrier per finished gate/up tile, ids alternating by parity:
+# the consumers only `bar.arrive` (a release atomic, or any branch around one, in the wgmma
+# consumer path makes ptxas serialise every wgmma: warning C7520).
+SIGNAL_BARRIERS = (2, 3)
+SIGNAL_THREADS = CONSUMER_THREADS + 32
 
 
 @dataclass(frozen=True)
@@ -297,6 +308,8 @@ class Sm90MoeForward:
                     hidden_size, intermediate_size, dispatched, hidden_done, record, timeout_ns,
                     bidx, grid_size,
                 )  # fmt: skip
+            elif warp_idx == SIGNAL_WARP:
+                self._signal(gate_up_tiles, hidden_done, tidx, bidx, grid_size)
             else:
                 self._dispatch(
                     x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
@@ -310,6 +323,7 @@ class Sm90MoeForward:
             swiglu = Sm90ExpertGemm(epilogue="swiglu", stages=self.stages)
             acc0, acc1 = accs
             # ---- gate/up tasks ----
+            parity = Int32(0)
             task = bidx
             expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
             while expert < num_experts:
@@ -324,12 +338,14 @@ class Sm90MoeForward:
                     row_tile * TILE_M, local // row_tiles, intermediate_size, has_limit,
                     swiglu_limit,
                 )  # fmt: skip
-                # Publish: this tile's gate/up/hidden columns of row tile `row_tile`.
+                # Publish this tile's gate/up/hidden columns of row tile `row_tile`: the
+                # signal warp releases the counter once all 256 consumer threads arrived.
                 if cutlass.const_expr(self.writer_fence):
                     cute.arch.fence_proxy("async.global")
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-                if tidx == phases.THREADS_PER_WARPGROUP:
-                    red_add_release_gpu_s32(hidden_done + Int64(4) * Int64(row_tile), Int32(1))
+                cute.arch.barrier_arrive(
+                    barrier_id=SIGNAL_BARRIERS[0] + parity, number_of_threads=SIGNAL_THREADS
+                )
+                parity = 1 - parity
                 task = task + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
                     gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
@@ -428,6 +444,29 @@ class Sm90MoeForward:
                 down_tiles, task, (expert, tile_base, row_base, row_tiles)
             )
         ring.producer_tail(state)
+
+    @cute.jit
+    def _signal(self, gate_up_tiles, hidden_done, tidx, bidx, grid_size):
+        """Warp 3: for each of this CTA's gate/up tasks, in the consumers' order, wait at the
+        tile's named barrier for the 256 consumer threads (their stores and async-proxy fence
+        come before their arrival), then release hidden_done[row tile] (lane 0)."""
+        num_experts = gate_up_tiles.num_experts
+        parity = Int32(0)
+        task = bidx
+        expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
+        while expert < num_experts:
+            local = task - tile_base
+            row_tile = row_base // TILE_M + local % row_tiles
+            cute.arch.barrier(
+                barrier_id=SIGNAL_BARRIERS[0] + parity, number_of_threads=SIGNAL_THREADS
+            )
+            if tidx % 32 == 0:
+                red_add_release_gpu_s32(hidden_done + Int64(4) * Int64(row_tile), Int32(1))
+            parity = 1 - parity
+            task = task + grid_size
+            expert, tile_base, row_base, row_tiles = locate_tile(
+                gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
+            )
 
     @cute.jit
     def _dispatch(
