@@ -73,6 +73,15 @@ def make_inputs(
     return {k: (v.to(device) if v is not None else None) for k, v in inputs.items()}
 
 
+def poison_cuda_allocator(nbytes: int = 1 << 28) -> None:
+    """Fill a block of torch's CUDA caching allocator with 0xFF bytes and free it, so that the
+    next `torch.empty` outputs of that size start as NaN (0xFFFF is a bf16 NaN, 0xFFFFFFFF an
+    fp32 NaN, 0xFF an E4M3 NaN): an output a kernel does not write shows up."""
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    block.fill_(0xFF)
+    del block
+
+
 def rel_error(got: torch.Tensor, truth: torch.Tensor) -> float:
     """||got - truth|| / ||truth|| in fp64 (inf if got has a NaN)."""
     got64, truth64 = got.double().cpu(), truth.double().cpu()

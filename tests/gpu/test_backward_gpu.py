@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mok import functional as F
-from mok.testing import make_inputs, oracle_errors
+from mok.testing import make_inputs, oracle_errors, poison_cuda_allocator
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,12 +33,6 @@ CASES = [
 ]
 
 
-def poison_allocator(nbytes: int = 1 << 28) -> None:
-    block = torch.empty(nbytes, dtype=torch.uint8, device=CUDA)
-    block.fill_(0xFF)  # NaN in bf16 / fp32
-    del block
-
-
 def setup(inputs, num_experts):
     t, h = inputs["x"].shape
     k = inputs["top_experts"].shape[1]
@@ -52,7 +46,7 @@ def run_step(inputs, num_experts, limit, main_grads=None):
     """(out, *8 backward outputs) of one schedule + forward + backward, outputs poisoned."""
     config, ws = setup(inputs, num_experts)
     weights = [inputs[n] for n in WEIGHTS]
-    poison_allocator()
+    poison_cuda_allocator()
     schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=num_experts)
     out, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights,
                          swiglu_limit=limit)  # fmt: skip

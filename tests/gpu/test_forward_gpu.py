@@ -13,7 +13,7 @@ import torch
 
 from mok import functional as F
 from mok import reference as R
-from mok.testing import make_inputs, within_bf16_bound
+from mok.testing import make_inputs, poison_cuda_allocator, within_bf16_bound
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,12 +34,6 @@ CASES = [
 ]
 
 
-def poison_allocator(nbytes: int = 1 << 28) -> None:
-    block = torch.empty(nbytes, dtype=torch.uint8, device=CUDA)
-    block.fill_(0xFF)  # NaN in bf16 / fp32
-    del block
-
-
 def run_forward(inputs, num_experts, limit):
     t, h = inputs["x"].shape
     k = inputs["top_experts"].shape[1]
@@ -48,7 +42,7 @@ def run_forward(inputs, num_experts, limit):
                          num_local_experts=num_experts)  # fmt: skip
     schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=num_experts)
     weights = [inputs[n] for n in WEIGHTS]
-    poison_allocator()
+    poison_cuda_allocator()
     out, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights,
                          swiglu_limit=limit)  # fmt: skip
     torch.cuda.synchronize()

@@ -14,19 +14,13 @@ import torch
 from mok import functional as F
 from mok import ops
 from mok import reference as R
+from mok.testing import poison_cuda_allocator
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 CUDA = torch.device("cuda")
-
-
-def poison_allocator(nbytes: int = 1 << 28) -> None:
-    """Fill freed cached blocks with NaN bytes so torch.empty outputs start poisoned."""
-    block = torch.empty(nbytes, dtype=torch.uint8, device=CUDA)
-    block.fill_(0xFF)  # 0xFFFF is a bf16 NaN, 0xFF an E4M3 NaN, 0xFFFFFFFF an fp32 NaN
-    del block
 
 
 def random_bf16(*shape, seed=0, spread=True):
@@ -45,7 +39,7 @@ def test_mxfp8_quantize_bit_exact(shape, transpose):
     want_data, want_scales = R.mxfp8_quantize(x, transpose=transpose)
     runs = []
     for _ in range(3):
-        poison_allocator()
+        poison_cuda_allocator()
         data, scales = ops.mxfp8_quantize(x.to(CUDA), transpose)
         runs.append((data.cpu(), scales.cpu()))
     for data, scales in runs:
@@ -67,9 +61,9 @@ def test_epilogues_bit_exact(num_tokens, hidden, topk, shared):
     g_slots, g_w = slots.to(CUDA), weights.to(CUDA)
     g_base = base.to(CUDA) if shared else None
     for _ in range(3):
-        poison_allocator()
+        poison_cuda_allocator()
         assert torch.equal(ops.fwd_epilogue(g_base, g_slots, g_w).cpu(), want_fwd)
-        poison_allocator()
+        poison_cuda_allocator()
         assert torch.equal(ops.bwd_epilogue(g_base, g_slots, topk).cpu(), want_bwd)
 
 
