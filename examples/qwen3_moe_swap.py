@@ -17,8 +17,9 @@ What it does:
    AdamW) and plots the two loss curves. Then trains the mok block a second time from the same
    init and checks the two loss curves are bitwise identical.
 
-On CPU tensors mok runs its PyTorch reference path. With `--device cuda`, mok runs its GPU kernels;
-an op whose kernel has not landed yet (today: the GPU backward) raises
+On CPU tensors mok runs its PyTorch reference path. With `--device cuda`, mok runs its GPU kernels
+(forward and backward on one Hopper GPU; the sm_90a backward needs the intermediate size to be a
+multiple of 256, hence the default 256); an op whose kernel has not landed raises
 `mok.functional.MoKKernelUnavailableError`, which this script lets propagate.
 """
 
@@ -51,7 +52,7 @@ class UnknownExpertLayoutError(TypeError):
 
 def make_qwen3_config(
     hidden_size: int = 256,
-    moe_intermediate_size: int = 128,
+    moe_intermediate_size: int = 256,
     num_experts: int = 8,
     top_k: int = 2,
 ):
@@ -332,7 +333,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--teacher-width", type=int, default=32, help="teacher MLP's hidden width")
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--moe-intermediate", type=int, default=128)
+    p.add_argument("--moe-intermediate", type=int, default=256)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
