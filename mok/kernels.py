@@ -20,27 +20,34 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
         ("all_gather_top_experts", "schedule_histogram", "schedule_scan", "schedule_place"),
         "the routing all-gather and schedule kernels",
     ),
-    # Interim multi-kernel path (mok/launchers/forward.py) until the megakernel lands.
+    # mok/launchers/forward.py: gather + GEMMs with fused epilogues by default, the forward
+    # megakernel (moe_forward) when selected with set_forward_path; the shared expert runs the
+    # plain down GEMM.
     "forward": (
         (
+            "gather_rows",
             "expert_gemm_gate_up_swiglu",
             "expert_gemm_down",
             "expert_gemm_down_to_slots",
+            "moe_forward",
             "moe_combine_forward",
-        ),  # fmt: skip
+        ),
         "the SM90 expert GEMMs",
-    ),
+    ),  # fmt: skip
     "recompute_forward_context": (
         ("gather_rows", "expert_gemm_gate_up_swiglu"),
         "the SM90 expert GEMMs",
     ),
-    # Interim multi-kernel path (mok/launchers/backward.py) until the megakernel lands.
+    # mok/launchers/backward.py (interim multi-kernel path until the backward megakernel); the
+    # shared expert runs the plain d_x GEMM.
     "backward": (
         (
+            "gather_rows_scaled",
             "expert_gemm_bwd_d_hidden_swiglu",
             "expert_gemm_bwd_d_x",
-            "expert_gemm_bwd_weights",
-            "expert_gemm_down",
+            "expert_gemm_bwd_d_x_to_slots",
+            "expert_gemm_bwd_weights_bf16",
+            "expert_gemm_bwd_weights_accumulate",
             "moe_combine_backward",
         ),
         "the SM90 backward expert GEMMs",
