@@ -434,8 +434,7 @@ class Sm90ExpertGemmBwd:
         if has_limit == 0:
             limit = Float32(float("inf"))
         # Rows of this thread's elements: two per thread (r0 and r0 + 8 in the wgmma layout).
-        coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-        row0 = coords[0][0]
+        coords, row0, row1 = phases.accumulator_rows(thr_mma)
         partial0 = Float32(0.0)
         partial1 = Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(acc)):
@@ -468,30 +467,26 @@ class Sm90ExpertGemmBwd:
             up,
             thr_mma.partition_C(self._output_tile(d_up_ptr, first_row, first_col, n_size)),
         )
-        self._store_partials(partials_ptr, coords, row0, partial0, partial1, first_row, first_col,
-                             n_size)  # fmt: skip
+        self._store_partials(partials_ptr, (row0, row1), (partial0, partial1), first_row,
+                             first_col, n_size)  # fmt: skip
 
     @cute.jit
     def _store_partials(
         self,
         partials_ptr: cute.Pointer,
-        coords: cute.Tensor,
-        row0: Int32,
-        partial0: Float32,
-        partial1: Float32,
+        rows: tuple,
+        row_partials: tuple,
         first_row: Int32,
         first_col: Int32,
         n_size: Int32,
     ):
         """Sum each row's partial over the 4 lanes that hold it (fixed butterfly order) and
         store it from lane 0 of the quad into partials[row, first_col / 128]."""
+        row0, row1 = rows
+        partial0, partial1 = row_partials
         for offset in cutlass.range_constexpr(2):
             partial0 = partial0 + cute.arch.shuffle_sync_bfly(partial0, offset=1 << offset)
             partial1 = partial1 + cute.arch.shuffle_sync_bfly(partial1, offset=1 << offset)
-        # The other row of this thread: the first element whose row differs from row0.
-        row1 = row0
-        for i in cutlass.range_constexpr(cute.size(coords)):
-            row1 = cutlass.select_(coords[i][0] != row0, coords[i][0], row1)
         lane = cute.arch.lane_idx()
         if lane % 4 == 0:
             blocks = n_size // TILE_N

@@ -313,6 +313,19 @@ def output_tile(
 
 
 @cute.jit
+def accumulator_rows(thr_mma):
+    """(coords, row0, row1): the (row, col) of each of this thread's elements of a 128 x 128
+    accumulator block, and the two rows they lie on (r0 and r0 + 8 in the wgmma layout),
+    relative to the block."""
+    coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+    row0 = coords[0][0]
+    row1 = row0
+    for i in cutlass.range_constexpr(cute.size(coords)):
+        row1 = cutlass.select_(coords[i][0] != row0, coords[i][0], row1)
+    return coords, row0, row1
+
+
+@cute.jit
 def store_to_slots(
     thr_mma,
     acc: cute.Tensor,
@@ -330,13 +343,9 @@ def store_to_slots(
     In the wgmma accumulator layout a thread holds two rows (r0 and r0 + 8) and, per row,
     pairs of adjacent columns: each pair is one 4-byte store at its row's slot.
     """
-    coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+    coords, row0, row1 = accumulator_rows(thr_mma)
     values = cute.make_rmem_tensor(acc.shape, BFloat16)
     values.store(acc.load().to(BFloat16))
-    row0 = coords[0][0]
-    row1 = row0
-    for i in cutlass.range_constexpr(cute.size(coords)):
-        row1 = cutlass.select_(coords[i][0] != row0, coords[i][0], row1)
     rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(1 << 30))
     slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(1 << 30))
     slot0 = Int64(slot[first_row + row0])
