@@ -288,6 +288,21 @@ def compile_variant(variant, arch: str) -> tuple[dict, bytes, str]:
     return entry, cubin, ptx
 
 
+def ptxas_report(ptx: str, arch: str) -> str:
+    """What `ptxas -v` prints for the PTX: registers, spills and every "Potential Performance
+    Loss" (e.g. C7514 / C7520, wgmmas serialised). Needs ptxas (the CUDA toolkit) on PATH."""
+    import subprocess  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="mok_ptxas_") as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        result = subprocess.run(
+            ["ptxas", f"-arch={arch}", "-v", str(source), "-o", str(Path(tmp) / "kernel.cubin")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    return result.stderr
+
+
 _TMA_SPEC_KEYS = ("param", "dtype", "rank", "box", "swizzle", "l2_promotion", "oob_fill")
 
 
