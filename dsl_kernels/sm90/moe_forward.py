@@ -96,16 +96,9 @@ SIGNAL_THREADS = CONSUMER_THREADS + 32
 
 @dataclass(frozen=True)
 class Sm90MoeForward:
-    """See the module docstring. `stages`: depth of the shared-memory operand ring.
-
-    Measurement switches (never off in a shipped variant: each off switch breaks the contract):
-    `reader_fence` / `writer_fence` drop the async-proxy fence after the acquire / before the
-    release; `copy_rows` False makes dispatch release its counters without copying."""
+    """See the module docstring. `stages`: depth of the shared-memory operand ring."""
 
     stages: int = 4
-    reader_fence: bool = True
-    writer_fence: bool = True
-    copy_rows: bool = True
 
     def validate(self) -> None:
         if not 2 <= self.stages <= 4:
@@ -340,8 +333,7 @@ class Sm90MoeForward:
                 )  # fmt: skip
                 # Publish this tile's gate/up/hidden columns of row tile `row_tile`: the
                 # signal warp releases the counter once all 256 consumer threads arrived.
-                if cutlass.const_expr(self.writer_fence):
-                    cute.arch.fence_proxy("async.global")
+                cute.arch.fence_proxy("async.global")
                 cute.arch.barrier_arrive(
                     barrier_id=SIGNAL_BARRIERS[0] + parity, number_of_threads=SIGNAL_THREADS
                 )
@@ -406,8 +398,7 @@ class Sm90MoeForward:
                 dispatched + Int64(4) * Int64(row_tile), Int32(1), timeout_ns, record,
                 Int32(0), Int32(PHASE_DISPATCH), row_tile, Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
             )  # fmt: skip
-            if cutlass.const_expr(self.reader_fence):
-                cute.arch.fence_proxy("async.global")
+            cute.arch.fence_proxy("async.global")
             weight_tile = expert * gate_up_cols + local // row_tiles
             loads = (
                 (tma_x, tXgX, row_tile, None, tXsX),
@@ -430,8 +421,7 @@ class Sm90MoeForward:
                 Int32(0), Int32(PHASE_GATE_UP_GEMM), row_tile, Int32(OWN_MEMORY),
                 task + num_gate_up, ld_acquire_gpu_s32,
             )  # fmt: skip
-            if cutlass.const_expr(self.reader_fence):
-                cute.arch.fence_proxy("async.global")
+            cute.arch.fence_proxy("async.global")
             weight_tile = expert * (hidden_size // TILE_N) + 2 * (local // row_tiles)
             loads = (
                 (tma_h, tHgH, row_tile, None, tHsH),
@@ -488,17 +478,14 @@ class Sm90MoeForward:
             for r in cutlass.range(warp, TILE_M, COMM_WARPS, unroll=1):
                 row = row_tile * TILE_M + r
                 source = rank[row]
-                if cutlass.const_expr(not self.copy_rows):
-                    source = Int32(-2)  # measurement only: skip the copy, release anyway
                 if source >= 0:
                     token = slot[row] // topk
                     for c in cutlass.range(lane, chunks, 32, unroll=4):
                         mRouted[None, c, row].store(mX[None, c, token].load())
-                elif source == -1:
+                else:
                     for c in cutlass.range(lane, chunks, 32, unroll=4):
                         mRouted[None, c, row].store(zeros.load())
-            if cutlass.const_expr(self.writer_fence):
-                cute.arch.fence_proxy("async.global")
+            cute.arch.fence_proxy("async.global")
             cute.arch.barrier(barrier_id=COMM_BARRIER, number_of_threads=COMM_THREADS)
             if comm_tidx == 0:
                 red_add_release_gpu_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))

@@ -38,15 +38,12 @@ def routed_forward(
     *,
     swiglu_limit: float | None = None,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
-    kernel_name: str = KERNEL,
-    manifest=None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((x_routed, gate, up, hidden), slots) of the routed experts, in one launch.
 
     x bf16 [T, H]; weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
     MoKSchedule of this rank (a group of one). slots bf16 [T * k, H]: row t * k + j is the
     output of token t's j-th expert. Routed rows at or past schedule.num_tokens are not written.
-    `kernel_name` / `manifest`: another build of the kernel (tools/diag_moe_forward.py).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -79,7 +76,7 @@ def routed_forward(
     # dispatched[m] then hidden_done[m], one int32 per 128-row tile of the routed buffer.
     counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)), dtype=torch.int32, device=device)
     record = get_error_record(device)
-    kernel = get_kernel(kernel_name, device=device, manifest=manifest)
+    kernel = get_kernel(KERNEL, device=device)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
         (_sm_count(device), 1, 1),
