@@ -110,7 +110,7 @@ def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "kernels") -> 
     if forward_path == "kernels":
         label = "mok (bf16; default forward: separate fused-epilogue kernels)"
         return Impl("mok", label, False, forward, backward)
-    label = "mok, forward megakernel v1 (A/B)"
+    label = "mok, forward megakernel (A/B)"
     return Impl("mok_megakernel", label, False, forward, backward)
 
 
