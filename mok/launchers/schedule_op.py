@@ -41,6 +41,10 @@ def raise_pending_errors(ws, *, wait: bool) -> None:
     pending = getattr(ws, "pending_schedule_status", None)
     if pending is None:
         return
+    if not wait and torch.cuda.is_current_stream_capturing():
+        # An event may not be queried while a stream captures; the status stays pending and
+        # the first mok op after the capture raises it.
+        return
     event, host = pending
     if not wait and not event.query():
         return
