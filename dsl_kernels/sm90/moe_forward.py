@@ -2,23 +2,23 @@
 persistent launch (DESIGN §4). The fixed-order combine stays a separate kernel
 (moe_combine_forward), as DESIGN §4 allows.
 
-Status: v1 was correct on the H200 (the forward GPU tests run it) but 4-18% slower than the
-same tiles as separate kernels: its consumers released the gate/up counter themselves, and
-ptxas serialised every wgmma of the kernel for it (C7520). v2, this file, moves the release to
-a signal warp; ptxas now keeps the wgmmas asynchronous (tests/test_wgmma_not_serialised.py)
-and the SASS has the separate kernels' HGMMA batches, but v2 has NOT run on a GPU yet (the
-session's device time was spent), so the separate kernels stay the default forward path.
+Status: v1 was correct on the H200 but 4-18% slower than the same tiles as separate kernels
+(ptxas serialised its wgmmas, C7520). v2 fixed that and measured 1.54x / 1.40x / 1.05x of the
+baseline (Qwen / DeepSeek / Mixtral) against the separate kernels' 2.27x / 1.45x / 1.11x: its two
+dispatch warps copied x through registers, one 16-byte load in flight per lane (~135 GB/s over
+the GPU), so the GEMMs waited for rows. v3, this file, moves rows with bulk copies (tens of KiB
+in flight per SM) and makes the signal handshake two-way (see `_signal`).
 
 One CTA per SM (grid = SM count, all of shared memory each), 384 threads in three roles:
 
 - warp 0, the TMA producer: walks this CTA's tasks and fills the operand ring; before the A
   loads of a task it waits (bounded) for the counter that guards those rows;
-- warps 1-2, the communication warps: pull the routed rows of x into the routed buffer
+- warp 1, the communication warp: pulls the routed rows of x into the routed buffer
   (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), 128-row tile by 128-row
-  tile, and release a counter per tile;
+  tile, with bulk copies through shared-memory staging slots, and releases a counter per tile;
 - warp 3, the signal warp: releases a counter per gate/up tile the consumers finished (they
-  only `bar.arrive`: a release atomic in the wgmma consumers' code made ptxas serialise every
-  wgmma of the kernel, warning C7520, which cost v1 4-18%);
+  only meet it at named barriers: a release atomic, or a polling loop, in the wgmma
+  consumers' code made ptxas serialise every wgmma of the kernel, warning C7520);
 - warpgroups 1-2, the wgmma consumers (setmaxnreg 232): mainloop and epilogue of each task.
 
 Task list, in dependency order: every gate/up tile (tile list of expert_tiles.py: expert by
@@ -32,13 +32,13 @@ Dependencies are int32 counters in global memory (zeroed by the launcher before 
     dispatched[m]   routed-row tile m (rows 128 m .. 128 m + 127) is in x_routed: reaches 1
     hidden_done[m]  gate/up tiles of row tile m written (gate, up, hidden): reaches I / 128
 Writers store their data, `fence.proxy.async.global` (the readers load it with TMA, the async
-proxy), meet at a named barrier (the consumers arrive, the signal warp syncs), then one thread
-adds 1 with `red.release.gpu`. The producer
-polls with `ld.acquire.gpu` (GPU scope: only this GPU writes these counters; common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM, giving
-up after `timeout_ns` with the error record written and a trap), then fences the async proxy
+proxy), meet at a named barrier (the consumers arrive, the signal warp syncs) or, for bulk
+copies, wait for their completion, then one thread adds 1 with `red.release.gpu`. The producer
+polls with `ld.acquire.gpu` (GPU scope: only this GPU writes these counters;
+common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM), giving up after `timeout_ns` with the error record written and a trap, then fences the async proxy
 before its TMA loads.
 
-Why the communication role is two warps of each CTA and not separate CTAs: the producer
+Why the communication role is a warp of each CTA and not separate CTAs: the producer
 warpgroup's warps 1-3 idle in the GEMM engine (one warp issues all TMA), so dispatch costs no
 SM of GEMM throughput; separate communication CTAs (`fwd_num_comm_sms`) would take SMs from
 the GEMMs for the whole launch unless they could take GEMM tasks after dispatch. EP > 1 adds
@@ -52,8 +52,8 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
 - `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
   `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128)], zeroed
 - `error_record_ptr` (the device's error record, may be null), `timeout_ns` (int64)
-- `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T),
-  `capacity` (C), `has_limit`, `swiglu_limit`
+- `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T, unused: the
+  schedule never names a token past it), `capacity` (C), `has_limit`, `swiglu_limit`
 
 Constraints (the launcher checks them): H % 256 == 0, I % 128 == 0, both < 2^16; the schedule's
 segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
@@ -73,6 +73,7 @@ from ..common.bounded_wait import (
     ld_acquire_gpu_s32,
     red_add_release_gpu_s32,
 )
+from ..common.bulk_copy import bulk_load_to_shared, bulk_store_from_shared
 from ..common.row_chunks import VECTOR, chunked_row_views
 from . import gemm_phases as phases
 from .expert_gemm import MAX_K, MAX_ROWS, Sm90ExpertGemm
@@ -82,16 +83,25 @@ from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M,
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
 PHASE_DISPATCH = 5
 PHASE_GATE_UP_GEMM = 6
-COMM_WARPS = 2  # warps 1-2; warp 3 signals finished gate/up tiles
-COMM_THREADS = 32 * COMM_WARPS
-SIGNAL_WARP = 3
+COMM_WARP = 1  # pulls x rows with bulk copies (lane 0 issues them)
+SIGNAL_WARP = 3  # releases a counter per finished gate/up tile
 CONSUMER_THREADS = 2 * phases.THREADS_PER_WARPGROUP
-COMM_BARRIER = 1  # named barrier ids (0 is __syncthreads)
-# Consumers -> signal warp, one barrier per finished gate/up tile, ids alternating by parity:
-# the consumers only `bar.arrive` (a release atomic, or any branch around one, in the wgmma
-# consumer path makes ptxas serialise every wgmma: warning C7520).
-SIGNAL_BARRIERS = (2, 3)
+# Consumers -> signal warp, one handshake per finished gate/up tile on two named barriers of
+# SIGNAL_THREADS: the consumers `bar.arrive` on TILE_DONE, the signal warp `bar.sync`s it,
+# releases the counter and `bar.arrive`s on NEXT_TILE, which the consumers `bar.sync` before
+# their next arrival (so no barrier ever has two generations pending). Named barriers and not
+# mbarriers or atomics: a release atomic, or a polling loop, in the wgmma consumer path makes
+# ptxas serialise every wgmma of the kernel (warning C7520).
+TILE_DONE_BARRIER = 2  # named barrier ids (0 is __syncthreads)
+NEXT_TILE_BARRIER = 3
 SIGNAL_THREADS = CONSUMER_THREADS + 32
+# Dispatch staging: x rows travel global -> shared -> global in pieces of at most
+# MAX_PIECE_BYTES through up to MAX_SLOTS slots in STAGING_BYTES after the operand ring (what
+# shared memory has left: the 4-stage ring takes 193 KiB of 227).
+STAGING_BYTES = 32768
+MAX_SLOTS = 8
+MAX_PIECE_BYTES = 16384
+EXTRA_BARRIERS = MAX_SLOTS
 
 
 @dataclass(frozen=True)
@@ -271,11 +281,16 @@ class Sm90MoeForward:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages
+            a_layout, b_layout, self.stages, EXTRA_BARRIERS, STAGING_BYTES
         )
+        extra_barriers = storage.extra_barriers.data_ptr()
         if warp_idx == 0:
             for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(MAX_SLOTS):
+                    cute.arch.mbarrier_init(extra_barriers + s, 1)
+        # The ring's set-up fences and syncs the staging mbarriers initialised above too.
         ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- the two tile lists and the counters ----
@@ -303,11 +318,11 @@ class Sm90MoeForward:
                 )  # fmt: skip
             elif warp_idx == SIGNAL_WARP:
                 self._signal(gate_up_tiles, hidden_done, tidx, bidx, grid_size)
-            else:
+            elif warp_idx == COMM_WARP:
                 self._dispatch(
                     x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-                    hidden_size, topk, num_src_rows, capacity, dispatched, tidx, bidx,
-                    grid_size,
+                    hidden_size, topk, capacity, dispatched, storage.staging.data_ptr(),
+                    extra_barriers, tidx, bidx, grid_size,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -316,7 +331,6 @@ class Sm90MoeForward:
             swiglu = Sm90ExpertGemm(epilogue="swiglu", stages=self.stages)
             acc0, acc1 = accs
             # ---- gate/up tasks ----
-            parity = Int32(0)
             task = bidx
             expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
             while expert < num_experts:
@@ -334,10 +348,10 @@ class Sm90MoeForward:
                 # Publish this tile's gate/up/hidden columns of row tile `row_tile`: the
                 # signal warp releases the counter once all 256 consumer threads arrived.
                 cute.arch.fence_proxy("async.global")
+                cute.arch.barrier(barrier_id=NEXT_TILE_BARRIER, number_of_threads=SIGNAL_THREADS)
                 cute.arch.barrier_arrive(
-                    barrier_id=SIGNAL_BARRIERS[0] + parity, number_of_threads=SIGNAL_THREADS
+                    barrier_id=TILE_DONE_BARRIER, number_of_threads=SIGNAL_THREADS
                 )
-                parity = 1 - parity
                 task = task + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
                     gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
@@ -437,22 +451,19 @@ class Sm90MoeForward:
 
     @cute.jit
     def _signal(self, gate_up_tiles, hidden_done, tidx, bidx, grid_size):
-        """Warp 3: for each of this CTA's gate/up tasks, in the consumers' order, wait at the
-        tile's named barrier for the 256 consumer threads (their stores and async-proxy fence
-        come before their arrival), then release hidden_done[row tile] (lane 0)."""
+        """Warp 3: for each of this CTA's gate/up tasks, in the consumers' order: let the
+        consumers arrive (NEXT_TILE), wait for all 256 of them (TILE_DONE: their stores and
+        async-proxy fence come before), then release hidden_done[row tile] (lane 0)."""
         num_experts = gate_up_tiles.num_experts
-        parity = Int32(0)
         task = bidx
         expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
         while expert < num_experts:
             local = task - tile_base
             row_tile = row_base // TILE_M + local % row_tiles
-            cute.arch.barrier(
-                barrier_id=SIGNAL_BARRIERS[0] + parity, number_of_threads=SIGNAL_THREADS
-            )
+            cute.arch.barrier_arrive(barrier_id=NEXT_TILE_BARRIER, number_of_threads=SIGNAL_THREADS)
+            cute.arch.barrier(barrier_id=TILE_DONE_BARRIER, number_of_threads=SIGNAL_THREADS)
             if tidx % 32 == 0:
                 red_add_release_gpu_s32(hidden_done + Int64(4) * Int64(row_tile), Int32(1))
-            parity = 1 - parity
             task = task + grid_size
             expert, tile_base, row_base, row_tiles = locate_tile(
                 gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
@@ -461,31 +472,124 @@ class Sm90MoeForward:
     @cute.jit
     def _dispatch(
         self, x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-        hidden_size, topk, num_src_rows, capacity, dispatched, tidx, bidx, grid_size,
+        hidden_size, topk, capacity, dispatched, staging, slot_barriers, tidx, bidx, grid_size,
     ):  # fmt: skip
-        """Warps 1-3: x_routed row tiles bidx, bidx + grid, ...; a counter per tile."""
-        chunks, (mX, mRouted) = chunked_row_views(
-            hidden_size, (x_ptr, num_src_rows), (x_routed_ptr, capacity)
-        )
+        """Warp 1: x_routed row tiles bidx, bidx + grid, ... and a counter per tile.
+
+        A routed row is a contiguous run of x (row peer_token_idx // k), moved in pieces by bulk
+        copies through the staging slots: lane 0 keeps `slots - 1` loads in flight ahead of the
+        store it issues (a slot is refilled once the store that read it last has read it,
+        `wait_group.read 1`). Padding rows get zeros from all 32 lanes (plain stores). A tile's
+        counter is released after its stores completed (`wait_group 0`) and the async proxy
+        is fenced (the GEMM reads x_routed with TMA)."""
+        lane = tidx % 32
+        row_bytes = hidden_size * 2
+        piece = row_bytes
+        while piece > MAX_PIECE_BYTES:
+            piece = piece // 2  # row_bytes is a multiple of 512: pieces stay 16-byte multiples
+        pieces = row_bytes // piece
+        slots = cutlass.min(Int32(MAX_SLOTS), Int32(STAGING_BYTES) // piece)
         rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
-        slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
-        comm_tidx = tidx - 32
-        lane = comm_tidx % 32
-        warp = comm_tidx // 32
+        slot_of = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
+        x_base = x_ptr.toint()
+        routed_base = x_routed_ptr.toint()
+        staging_base = staging.toint()
+        chunks, (mRouted,) = chunked_row_views(hidden_size, (x_routed_ptr, capacity))
         zeros = cute.make_rmem_tensor((VECTOR,), BFloat16)
         zeros.fill(0.0)
+
+        # The load cursor: the next (row tile, row, piece) to load, padding rows skipped.
+        cursor = self._first_routed_row(rank, bidx, Int32(0), row_tiles_total, grid_size)
+        cursor = (cursor[0], cursor[1], Int32(0))
+        loads = Int32(0)
+        stores = Int32(0)
+        for _ in cutlass.range(slots - 1, unroll=1):
+            if cursor[0] < row_tiles_total:
+                self._load_piece(
+                    cursor, loads % slots, rank, slot_of, x_base, row_bytes, piece, topk,
+                    staging_base, slot_barriers, lane,
+                )  # fmt: skip
+                loads = loads + 1
+                cursor = self._next_piece(rank, cursor, pieces, row_tiles_total, grid_size)
+
         for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
-            for r in cutlass.range(warp, TILE_M, COMM_WARPS, unroll=1):
+            for r in cutlass.range(TILE_M, unroll=1):
                 row = row_tile * TILE_M + r
-                source = rank[row]
-                if source >= 0:
-                    token = slot[row] // topk
-                    for c in cutlass.range(lane, chunks, 32, unroll=4):
-                        mRouted[None, c, row].store(mX[None, c, token].load())
+                if rank[row] >= 0:
+                    for p in cutlass.range(pieces, unroll=1):
+                        s = stores % slots
+                        cute.arch.mbarrier_wait(slot_barriers + s, (stores // slots) % 2)
+                        if lane == 0:
+                            bulk_store_from_shared(
+                                routed_base + Int64(row) * Int64(row_bytes) + Int64(p * piece),
+                                Int32(staging_base + s * piece),
+                                piece,
+                            )
+                            cute.arch.cp_async_bulk_commit_group()
+                        stores = stores + 1
+                        if cursor[0] < row_tiles_total:
+                            if lane == 0:
+                                # The slot's last reader is the store before this one.
+                                cute.arch.cp_async_bulk_wait_group(1, read=True)
+                            self._load_piece(
+                                cursor, loads % slots, rank, slot_of, x_base, row_bytes, piece,
+                                topk, staging_base, slot_barriers, lane,
+                            )  # fmt: skip
+                            loads = loads + 1
+                            cursor = self._next_piece(
+                                rank, cursor, pieces, row_tiles_total, grid_size
+                            )
                 else:
                     for c in cutlass.range(lane, chunks, 32, unroll=4):
                         mRouted[None, c, row].store(zeros.load())
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
             cute.arch.fence_proxy("async.global")
-            cute.arch.barrier(barrier_id=COMM_BARRIER, number_of_threads=COMM_THREADS)
-            if comm_tidx == 0:
+            cute.arch.sync_warp()
+            if lane == 0:
                 red_add_release_gpu_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))
+
+    @cute.jit
+    def _load_piece(
+        self, cursor, s, rank, slot_of, x_base, row_bytes, piece, topk, staging_base,
+        slot_barriers, lane,
+    ):  # fmt: skip
+        """Lane 0: bulk-load piece cursor[2] of routed row (cursor[0], cursor[1]) into slot s."""
+        if lane == 0:
+            row = cursor[0] * TILE_M + cursor[1]
+            token = slot_of[row] // topk
+            cute.arch.mbarrier_arrive_and_expect_tx(slot_barriers + s, piece)
+            bulk_load_to_shared(
+                Int32(staging_base + s * piece),
+                x_base + Int64(token) * Int64(row_bytes) + Int64(cursor[2] * piece),
+                piece,
+                Int32((slot_barriers + s).toint()),
+            )
+
+    @cute.jit
+    def _next_piece(self, rank, cursor, pieces, row_tiles_total, grid_size):
+        """The load cursor after (row tile, row, piece): the next piece, or the first piece
+        of the next routed (not padding) row of this CTA's tiles."""
+        row_tile, r, p = cursor
+        p = p + 1
+        if p == pieces:
+            p = Int32(0)
+            row_tile, r = self._first_routed_row(rank, row_tile, r + 1, row_tiles_total, grid_size)
+        return row_tile, r, p
+
+    @cute.jit
+    def _first_routed_row(self, rank, row_tile, r, row_tiles_total, grid_size):
+        """(row tile, row) of the first routed row at or after row r of `row_tile`, walking
+        this CTA's tiles (row_tile, + grid, ...); row_tile >= row_tiles_total when none is."""
+        searching = row_tile < row_tiles_total
+        while searching:
+            if r == TILE_M:
+                r = Int32(0)
+                row_tile = row_tile + grid_size
+                searching = row_tile < row_tiles_total
+            else:
+                if rank[row_tile * TILE_M + r] >= 0:
+                    searching = False
+                else:
+                    r = r + 1
+        return row_tile, r
