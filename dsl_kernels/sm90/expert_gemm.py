@@ -22,10 +22,15 @@ the A tile: B0/B1 are the gate and up weight rows of the same 128 output columns
 adjacent 128-column blocks of W_down (store). Two accumulators with the same register layout put
 gate[i, j] and up[i, j] in the same thread, so SwiGLU is an elementwise register operation.
 
-Epilogue: direct st.global of the register fragments (bf16 pairs, 4-byte stores). It writes
-3 x 32 KiB per gate/up tile against 1.5 MiB of TMA loads per tile at H = 2048, and needs no
-shared memory, so all of it goes to the operand ring (4 stages). A shared-memory + TMA-store
-epilogue is the next step if profiling shows the store tail matters.
+Epilogue (`staged_stores=True`, every shipped variant): each consumer warpgroup writes its 64
+rows of a rounded 128 x 128 block to a padded shared-memory buffer (4-byte stores, no bank
+conflicts), meets its own named barrier and copies the rows out in 16-byte chunks (a warp
+covers two whole 256-byte rows per store; slot rows are looked up before any store). The
+direct 4-byte st.global from the accumulator layout (`staged_stores=False`, kept for the
+megakernel, whose spare shared memory stages dispatch) stalled the consumers on the LSU queue
+(ncu: lg_throttle, 14% of warp samples in Qwen's gate/up); staging made Qwen's gate/up 18%
+and down 28% faster on the H200 (docs/NOTES.md). The buffer is 34 KiB: with the 4-stage ring
+exactly the 227 KiB an SM90 CTA may have.
 
 Kernel parameters, in order (the runtime encodes the three descriptors from the manifest's tma
 specs; tensors are row-major, innermost dim last):
@@ -55,7 +60,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
 from . import gemm_phases as phases
@@ -69,6 +74,13 @@ from .gemm_phases import (
 )
 
 EPILOGUES = ("swiglu", "store", "slots")
+# Staged epilogue: one 128 x 128 bf16 block, rows padded by 8 elements (16 bytes) so the
+# accumulator layout's 4-byte shared stores hit 32 distinct banks; 34 KiB, which with the
+# 4-stage ring is exactly the 227 KiB an SM90 CTA may have.
+STAGED_PAD = 8
+STAGED_ROW = TILE_N + STAGED_PAD
+STAGED_BYTES = 2 * TILE_M * STAGED_ROW
+STAGED_CHUNKS = TILE_N // 8  # 16-byte chunks per staged row
 # The TMA coordinate tensors are given static extents (the runtime's descriptor carries the
 # real ones): coordinates only need to fit, and static shapes add no kernel parameters.
 MAX_ROWS = 1 << 30
@@ -81,6 +93,9 @@ class Sm90ExpertGemm:
 
     epilogue: str = "swiglu"
     stages: int = 4
+    # Stores staged through shared memory (coalesced 16-byte rows) instead of 4-byte stores
+    # straight from the accumulator layout; needs STAGED_BYTES of shared memory after the ring.
+    staged_stores: bool = False
 
     def validate(self) -> None:
         if self.epilogue not in EPILOGUES:
@@ -213,8 +228,14 @@ class Sm90ExpertGemm:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages
+            a_layout, b_layout, self.stages, 0, STAGED_BYTES if self.staged_stores else 0
         )
+        staged = None
+        if cutlass.const_expr(self.staged_stores):
+            staged = cute.make_tensor(
+                cute.recast_ptr(storage.staging.data_ptr(), dtype=BFloat16),
+                cute.make_layout((TILE_M, TILE_N), stride=(STAGED_ROW, 1)),
+            )
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -283,7 +304,7 @@ class Sm90ExpertGemm:
                     tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
                 )
 
-                # ---- epilogue: registers -> global, no shared memory ----
+                # ---- epilogue: registers -> global (staged: through shared memory) ----
                 self._epilogue(
                     thr_mma,
                     acc0,
@@ -298,6 +319,8 @@ class Sm90ExpertGemm:
                     n_size,
                     has_limit,
                     swiglu_limit,
+                    staged,
+                    tidx,
                 )
 
                 tile = tile + grid_size
@@ -339,32 +362,31 @@ class Sm90ExpertGemm:
         n_size: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
+        staged=None,
+        tidx=None,
     ):
+        """Round and store one tile. `staged` (a 128 x 128 bf16 shared tensor, with the calling
+        thread's `tidx`) routes every store through shared memory; None stores straight from
+        the accumulator layout (the megakernel, whose shared memory holds dispatch staging)."""
+        slots = None
         if cutlass.const_expr(self.epilogue == "slots"):
+            slots = (peer_rank_ptr, peer_token_idx_ptr)
+        if cutlass.const_expr(self.epilogue != "swiglu"):
             first_col = col_tile * (2 * TILE_N)
             for j in cutlass.range_constexpr(2):
-                phases.store_to_slots(
-                    thr_mma,
-                    acc0 if j == 0 else acc1,
-                    out_ptr,
-                    peer_rank_ptr,
-                    peer_token_idx_ptr,
-                    first_row,
-                    first_col + j * TILE_N,
-                    n_size,
-                )
-        elif cutlass.const_expr(self.epilogue == "store"):
-            first_col = col_tile * (2 * TILE_N)
-            tCgOut0 = thr_mma.partition_C(self._output_tile(out_ptr, first_row, first_col, n_size))
-            tCgOut1 = thr_mma.partition_C(
-                self._output_tile(out_ptr, first_row, first_col + TILE_N, n_size)
-            )
-            out0 = cute.make_rmem_tensor(acc0.shape, BFloat16)
-            out0.store(acc0.load().to(BFloat16))
-            cute.autovec_copy(out0, tCgOut0)
-            out1 = cute.make_rmem_tensor(acc1.shape, BFloat16)
-            out1.store(acc1.load().to(BFloat16))
-            cute.autovec_copy(out1, tCgOut1)
+                acc = acc0 if j == 0 else acc1
+                if cutlass.const_expr(staged is None and slots is not None):
+                    phases.store_to_slots(
+                        thr_mma, acc, out_ptr, peer_rank_ptr, peer_token_idx_ptr, first_row,
+                        first_col + j * TILE_N, n_size,
+                    )  # fmt: skip
+                else:
+                    values = cute.make_rmem_tensor(acc.shape, BFloat16)
+                    values.store(acc.load().to(BFloat16))
+                    self._store_block(
+                        thr_mma, values, out_ptr, first_row, first_col + j * TILE_N, n_size,
+                        staged, tidx, slots,
+                    )  # fmt: skip
         else:
             first_col = col_tile * TILE_N
             gate = cute.make_rmem_tensor(acc0.shape, BFloat16)
@@ -382,13 +404,61 @@ class Sm90ExpertGemm:
                 acc0[i] = g / (Float32(1.0) + cute.math.exp(-g)) * u
             hidden = cute.make_rmem_tensor(acc0.shape, BFloat16)
             hidden.store(acc0.load().to(BFloat16))
+            for values, ptr in ((gate, gate_ptr), (up, up_ptr), (hidden, out_ptr)):
+                self._store_block(
+                    thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, None
+                )
+
+    @cute.jit
+    def _store_block(
+        self, thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, slots
+    ):  # fmt: skip
+        """bf16 fragment `values` (accumulator layout) -> the 128 x 128 block at (first_row,
+        first_col) of row-major [*, n_size] `ptr`; `slots` (peer_rank, peer_token_idx
+        pointers): routed row r goes to row peer_token_idx[r] instead, padding rows nowhere.
+
+        Staged: each consumer warpgroup writes its 64 rows to shared memory (4-byte stores, no
+        bank conflicts), meets its own named barrier, and copies them out in 16-byte chunks, a
+        warp covering two whole 256-byte rows per instruction."""
+        if cutlass.const_expr(staged is None):
             cute.autovec_copy(
-                gate, thr_mma.partition_C(self._output_tile(gate_ptr, first_row, first_col, n_size))
+                values, thr_mma.partition_C(self._output_tile(ptr, first_row, first_col, n_size))
             )
-            cute.autovec_copy(
-                up, thr_mma.partition_C(self._output_tile(up_ptr, first_row, first_col, n_size))
+        else:
+            consumer = tidx - phases.THREADS_PER_WARPGROUP
+            warpgroup = consumer // phases.THREADS_PER_WARPGROUP
+            barrier = 1 + warpgroup  # named barriers 1 and 2, one per consumer warpgroup
+            lane = consumer % phases.THREADS_PER_WARPGROUP
+            threads = phases.THREADS_PER_WARPGROUP
+            # The previous block's copy-out has read the buffer.
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=threads)
+            cute.autovec_copy(values, thr_mma.partition_C(staged))
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=threads)
+            chunks_in = cute.make_tensor(
+                staged.iterator,
+                cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
             )
-            cute.autovec_copy(
-                hidden,
-                thr_mma.partition_C(self._output_tile(out_ptr, first_row, first_col, n_size)),
-            )
+            row_stride = cute.assume(Int64(n_size), divby=TILE_N)
+            chunk = lane % STAGED_CHUNKS
+            rows_per_pass = threads // STAGED_CHUNKS
+            passes = 64 // rows_per_pass
+            # Every destination row first: the slot reads must not wait behind the stores.
+            targets = cute.make_rmem_tensor((passes,), Int64)
+            for i in cutlass.range_constexpr(passes):
+                row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
+                targets[i] = Int64(first_row + row)
+                if cutlass.const_expr(slots is not None):
+                    rank = cute.make_tensor(slots[0], cute.make_layout(1 << 30))
+                    slot = cute.make_tensor(slots[1], cute.make_layout(1 << 30))
+                    # -1: a padding row, not stored.
+                    targets[i] = cutlass.select_(
+                        rank[first_row + row] >= 0, Int64(slot[first_row + row]), Int64(-1)
+                    )
+            for i in cutlass.range_constexpr(passes):
+                row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
+                if targets[i] >= 0:
+                    offset = cute.assume(
+                        targets[i] * row_stride + Int64(first_col + chunk * 8), divby=8
+                    )
+                    out = cute.make_tensor(ptr + offset, cute.make_layout(8))
+                    out.store(chunks_in[None, chunk, row].load())
