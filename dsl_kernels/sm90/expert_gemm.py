@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32
 
 from ..common.args import global_pointer
 from . import gemm_phases as phases
@@ -74,13 +74,6 @@ from .gemm_phases import (
 )
 
 EPILOGUES = ("swiglu", "store", "slots")
-# Staged epilogue: one 128 x 128 bf16 block, rows padded by 8 elements (16 bytes) so the
-# accumulator layout's 4-byte shared stores hit 32 distinct banks; 34 KiB, which with the
-# 4-stage ring is exactly the 227 KiB an SM90 CTA may have.
-STAGED_PAD = 8
-STAGED_ROW = TILE_N + STAGED_PAD
-STAGED_BYTES = 2 * TILE_M * STAGED_ROW
-STAGED_CHUNKS = TILE_N // 8  # 16-byte chunks per staged row
 # The TMA coordinate tensors are given static extents (the runtime's descriptor carries the
 # real ones): coordinates only need to fit, and static shapes add no kernel parameters.
 MAX_ROWS = 1 << 30
@@ -94,7 +87,7 @@ class Sm90ExpertGemm:
     epilogue: str = "swiglu"
     stages: int = 4
     # Stores staged through shared memory (coalesced 16-byte rows) instead of 4-byte stores
-    # straight from the accumulator layout; needs STAGED_BYTES of shared memory after the ring.
+    # straight from the accumulator layout; needs gemm_phases.STAGED_BYTES after the ring.
     staged_stores: bool = False
 
     def validate(self) -> None:
@@ -228,14 +221,11 @@ class Sm90ExpertGemm:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, STAGED_BYTES if self.staged_stores else 0
+            a_layout, b_layout, self.stages, 0, phases.STAGED_BYTES if self.staged_stores else 0
         )
         staged = None
         if cutlass.const_expr(self.staged_stores):
-            staged = cute.make_tensor(
-                cute.recast_ptr(storage.staging.data_ptr(), dtype=BFloat16),
-                cute.make_layout((TILE_M, TILE_N), stride=(STAGED_ROW, 1)),
-            )
+            staged = phases.staged_block(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -342,11 +332,6 @@ class Sm90ExpertGemm:
         return b0, b1
 
     @cute.jit
-    def _output_tile(self, ptr: cute.Pointer, first_row: Int32, first_col: Int32, n_size: Int32):
-        """The 128 x 128 output block at (first_row, first_col) of a row-major [*, n_size]."""
-        return phases.output_tile(ptr, None, first_row, first_col, n_size, TILE_N)
-
-    @cute.jit
     def _epilogue(
         self,
         thr_mma,
@@ -383,7 +368,7 @@ class Sm90ExpertGemm:
                 else:
                     values = cute.make_rmem_tensor(acc.shape, BFloat16)
                     values.store(acc.load().to(BFloat16))
-                    self._store_block(
+                    phases.store_block(
                         thr_mma, values, out_ptr, first_row, first_col + j * TILE_N, n_size,
                         staged, tidx, slots,
                     )  # fmt: skip
@@ -405,60 +390,6 @@ class Sm90ExpertGemm:
             hidden = cute.make_rmem_tensor(acc0.shape, BFloat16)
             hidden.store(acc0.load().to(BFloat16))
             for values, ptr in ((gate, gate_ptr), (up, up_ptr), (hidden, out_ptr)):
-                self._store_block(
+                phases.store_block(
                     thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, None
                 )
-
-    @cute.jit
-    def _store_block(
-        self, thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, slots
-    ):  # fmt: skip
-        """bf16 fragment `values` (accumulator layout) -> the 128 x 128 block at (first_row,
-        first_col) of row-major [*, n_size] `ptr`; `slots` (peer_rank, peer_token_idx
-        pointers): routed row r goes to row peer_token_idx[r] instead, padding rows nowhere.
-
-        Staged: each consumer warpgroup writes its 64 rows to shared memory (4-byte stores, no
-        bank conflicts), meets its own named barrier, and copies them out in 16-byte chunks, a
-        warp covering two whole 256-byte rows per instruction."""
-        if cutlass.const_expr(staged is None):
-            cute.autovec_copy(
-                values, thr_mma.partition_C(self._output_tile(ptr, first_row, first_col, n_size))
-            )
-        else:
-            consumer = tidx - phases.THREADS_PER_WARPGROUP
-            warpgroup = consumer // phases.THREADS_PER_WARPGROUP
-            barrier = 1 + warpgroup  # named barriers 1 and 2, one per consumer warpgroup
-            lane = consumer % phases.THREADS_PER_WARPGROUP
-            threads = phases.THREADS_PER_WARPGROUP
-            # The previous block's copy-out has read the buffer.
-            cute.arch.barrier(barrier_id=barrier, number_of_threads=threads)
-            cute.autovec_copy(values, thr_mma.partition_C(staged))
-            cute.arch.barrier(barrier_id=barrier, number_of_threads=threads)
-            chunks_in = cute.make_tensor(
-                staged.iterator,
-                cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
-            )
-            row_stride = cute.assume(Int64(n_size), divby=TILE_N)
-            chunk = lane % STAGED_CHUNKS
-            rows_per_pass = threads // STAGED_CHUNKS
-            passes = 64 // rows_per_pass
-            # Every destination row first: the slot reads must not wait behind the stores.
-            targets = cute.make_rmem_tensor((passes,), Int64)
-            for i in cutlass.range_constexpr(passes):
-                row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
-                targets[i] = Int64(first_row + row)
-                if cutlass.const_expr(slots is not None):
-                    rank = cute.make_tensor(slots[0], cute.make_layout(1 << 30))
-                    slot = cute.make_tensor(slots[1], cute.make_layout(1 << 30))
-                    # -1: a padding row, not stored.
-                    targets[i] = cutlass.select_(
-                        rank[first_row + row] >= 0, Int64(slot[first_row + row]), Int64(-1)
-                    )
-            for i in cutlass.range_constexpr(passes):
-                row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
-                if targets[i] >= 0:
-                    offset = cute.assume(
-                        targets[i] * row_stride + Int64(first_col + chunk * 8), divby=8
-                    )
-                    out = cute.make_tensor(ptr + offset, cute.make_layout(8))
-                    out.store(chunks_in[None, chunk, row].load())

@@ -94,6 +94,9 @@ class Sm90ExpertGemmBwd:
 
     job: str = "d_hidden_swiglu"
     stages: int = 4
+    # Epilogue stores through shared memory in 16-byte rows (gemm_phases.store_block); the
+    # d_hidden job's gate/up loads stay direct.
+    staged_stores: bool = False
 
     def validate(self) -> None:
         if self.job not in JOBS:
@@ -257,8 +260,11 @@ class Sm90ExpertGemmBwd:
         a_layout = self._a_smem_layout()
         b_layout = self._b_smem_layout()
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages
+            a_layout, b_layout, self.stages, 0, phases.STAGED_BYTES if self.staged_stores else 0
         )
+        staged = None
+        if cutlass.const_expr(self.staged_stores):
+            staged = phases.staged_block(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a0)
@@ -339,7 +345,7 @@ class Sm90ExpertGemmBwd:
                 )
 
                 # ---- epilogue: registers -> global, no shared memory ----
-                if cutlass.const_expr(self.job == "d_x_slots"):
+                if cutlass.const_expr(self.job == "d_x_slots" and staged is None):
                     for j in cutlass.range_constexpr(2):
                         phases.store_to_slots(
                             thr_mma,
@@ -351,9 +357,18 @@ class Sm90ExpertGemmBwd:
                             first_col + j * TILE_N,
                             n_size,
                         )
-                elif cutlass.const_expr(self.job == "d_x"):
-                    self._store(thr_mma, acc0, out0_ptr, first_row, first_col, n_size)
-                    self._store(thr_mma, acc1, out0_ptr, first_row, first_col + TILE_N, n_size)
+                elif cutlass.const_expr(self.job in ("d_x", "d_x_slots")):
+                    slots = None
+                    if cutlass.const_expr(self.job == "d_x_slots"):
+                        slots = (peer_rank_ptr, peer_token_idx_ptr)
+                    for j in cutlass.range_constexpr(2):
+                        acc = acc0 if j == 0 else acc1
+                        values = cute.make_rmem_tensor(acc.shape, BFloat16)
+                        values.store(acc.load().to(BFloat16))
+                        phases.store_block(
+                            thr_mma, values, out0_ptr, first_row, first_col + j * TILE_N,
+                            n_size, staged, tidx, slots,
+                        )  # fmt: skip
                 else:
                     for j in cutlass.range_constexpr(2):
                         self._swiglu_backward(
@@ -369,6 +384,8 @@ class Sm90ExpertGemmBwd:
                             n_size,
                             has_limit,
                             swiglu_limit,
+                            staged,
+                            tidx,
                         )
 
                 tile = tile + grid_size
@@ -382,22 +399,6 @@ class Sm90ExpertGemmBwd:
     def _output_tile(self, ptr: cute.Pointer, first_row: Int32, first_col: Int32, n_size: Int32):
         """The 128 x 128 block at (first_row, first_col) of a row-major [*, n_size] tensor."""
         return phases.output_tile(ptr, None, first_row, first_col, n_size, 2 * TILE_N)
-
-    @cute.jit
-    def _store(
-        self,
-        thr_mma,
-        acc: cute.Tensor,
-        out_ptr: cute.Pointer,
-        first_row: Int32,
-        first_col: Int32,
-        n_size: Int32,
-    ):
-        out = cute.make_rmem_tensor(acc.shape, BFloat16)
-        out.store(acc.load().to(BFloat16))
-        cute.autovec_copy(
-            out, thr_mma.partition_C(self._output_tile(out_ptr, first_row, first_col, n_size))
-        )
 
     @cute.jit
     def _swiglu_backward(
@@ -414,6 +415,8 @@ class Sm90ExpertGemmBwd:
         n_size: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
+        staged,
+        tidx,
     ):
         """d_gate, d_up of one 128 x 128 block from fp32 d_hidden (mok.reference order), and
         the block's router-weight partial of each of its rows."""
@@ -459,14 +462,10 @@ class Sm90ExpertGemmBwd:
             )
             gate[i] = d_gate_i.to(BFloat16)
             up[i] = d_up_i.to(BFloat16)
-        cute.autovec_copy(
-            gate,
-            thr_mma.partition_C(self._output_tile(d_gate_ptr, first_row, first_col, n_size)),
-        )
-        cute.autovec_copy(
-            up,
-            thr_mma.partition_C(self._output_tile(d_up_ptr, first_row, first_col, n_size)),
-        )
+        for values, ptr in ((gate, d_gate_ptr), (up, d_up_ptr)):
+            phases.store_block(
+                thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, None
+            )
         self._store_partials(partials_ptr, (row0, row1), (partial0, partial1), first_row,
                              first_col, n_size)  # fmt: skip
 

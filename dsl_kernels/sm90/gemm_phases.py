@@ -31,6 +31,13 @@ CONSUMER_REGISTERS = 232
 THREADS_PER_WARPGROUP = 128
 NUM_CONSUMER_WARPGROUPS = 2
 THREADS = THREADS_PER_WARPGROUP * (1 + NUM_CONSUMER_WARPGROUPS)
+# Staged epilogue (`store_block`): one 128 x 128 bf16 block, rows padded by 8 elements (16
+# bytes) so the accumulator layout's 4-byte shared stores hit 32 distinct banks; 34 KiB, which
+# with the 4-stage ring is exactly the 227 KiB an SM90 CTA may have.
+STAGED_PAD = 8
+STAGED_ROW = TILE_N + STAGED_PAD
+STAGED_BYTES = 2 * TILE_M * STAGED_ROW
+STAGED_CHUNKS = TILE_N // 8  # 16-byte chunks per staged row
 
 
 # ---------------------------------------------------------------------- static configuration
@@ -381,3 +388,66 @@ def store_to_slots(
             pair[0] = values[2 * p]
             pair[1] = values[2 * p + 1]
             cute.autovec_copy(pair, cute.make_tensor(out_ptr + offset, cute.make_layout(2)))
+
+
+def staged_block(storage):
+    """The staged epilogue's padded 128 x 128 bf16 buffer in `storage.staging` (allocated with
+    `allocate_operand_ring_storage(..., staging_bytes=STAGED_BYTES)`)."""
+    return cute.make_tensor(
+        cute.recast_ptr(storage.staging.data_ptr(), dtype=BFloat16),
+        cute.make_layout((TILE_M, TILE_N), stride=(STAGED_ROW, 1)),
+    )
+
+
+@cute.jit
+def store_block(thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, slots):
+    """bf16 fragment `values` (accumulator layout) -> the 128 x 128 block at (first_row,
+    first_col) of row-major [*, n_size] `ptr`; `slots` (peer_rank, peer_token_idx pointers):
+    routed row r goes to row peer_token_idx[r] instead, padding rows nowhere.
+
+    `staged` None: 4-byte stores straight from the accumulator layout (no slots). Else (the
+    `staged_block` buffer, with the thread's `tidx`): each consumer warpgroup writes its 64 rows
+    to shared memory (no bank conflicts), meets its own named barrier (1 or 2), and copies them
+    out in 16-byte chunks, a warp covering two whole 256-byte rows per store; every
+    destination row is read before any store, so slot look-ups do not wait behind stores."""
+    if cutlass.const_expr(staged is None):
+        cute.autovec_copy(
+            values,
+            thr_mma.partition_C(output_tile(ptr, None, first_row, first_col, n_size, TILE_N)),
+        )
+    else:
+        consumer = tidx - THREADS_PER_WARPGROUP
+        warpgroup = consumer // THREADS_PER_WARPGROUP
+        barrier = 1 + warpgroup
+        lane = consumer % THREADS_PER_WARPGROUP
+        # The previous block's copy-out has read the buffer.
+        cute.arch.barrier(barrier_id=barrier, number_of_threads=THREADS_PER_WARPGROUP)
+        cute.autovec_copy(values, thr_mma.partition_C(staged))
+        cute.arch.barrier(barrier_id=barrier, number_of_threads=THREADS_PER_WARPGROUP)
+        chunks_in = cute.make_tensor(
+            staged.iterator,
+            cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
+        )
+        row_stride = cute.assume(Int64(n_size), divby=TILE_N)
+        chunk = lane % STAGED_CHUNKS
+        rows_per_pass = THREADS_PER_WARPGROUP // STAGED_CHUNKS
+        passes = 64 // rows_per_pass
+        targets = cute.make_rmem_tensor((passes,), Int64)
+        for i in cutlass.range_constexpr(passes):
+            row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
+            targets[i] = Int64(first_row + row)
+            if cutlass.const_expr(slots is not None):
+                rank = cute.make_tensor(slots[0], cute.make_layout(1 << 30))
+                slot = cute.make_tensor(slots[1], cute.make_layout(1 << 30))
+                # -1: a padding row, not stored.
+                targets[i] = cutlass.select_(
+                    rank[first_row + row] >= 0, Int64(slot[first_row + row]), Int64(-1)
+                )
+        for i in cutlass.range_constexpr(passes):
+            row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
+            if targets[i] >= 0:
+                offset = cute.assume(
+                    targets[i] * row_stride + Int64(first_col + chunk * 8), divby=8
+                )
+                out = cute.make_tensor(ptr + offset, cute.make_layout(8))
+                out.store(chunks_in[None, chunk, row].load())
