@@ -32,7 +32,7 @@ def describe_failure(error: Exception) -> str:
     return f"error: {type(error).__name__}: {error}"
 
 
-def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "kernels") -> Impl | None:
+def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "megakernel") -> Impl | None:
     """mok's bf16 layer: schedule + forward timed together, backward from the saved context.
     `forward_path`: how the GPU forward runs its routed experts (mok.launchers.forward)."""
     try:
@@ -104,22 +104,22 @@ def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "kernels") -> 
         return {n: g for n, g in zip(GRAD_ORDER, grads, strict=True) if g is not None}
 
     if inputs.x.device.type == "cpu":
-        if forward_path != "kernels":
+        if forward_path != "megakernel":
             return None  # one CPU row is enough: the path only changes the GPU launches
         return Impl("mok_cpu_path", "mok CPU path (PyTorch reference)", False, forward, backward)
-    if forward_path == "kernels":
-        label = "mok (bf16; default forward: separate fused-epilogue kernels)"
+    if forward_path == "megakernel":
+        label = "mok (bf16; default forward: the megakernel, one persistent launch)"
         return Impl("mok", label, False, forward, backward)
-    label = "mok, forward megakernel (A/B)"
-    return Impl("mok_megakernel", label, False, forward, backward)
+    label = "mok, forward as separate fused-epilogue kernels (A/B)"
+    return Impl("mok_kernels", label, False, forward, backward)
 
 
-def _build_mok_megakernel(inputs: MoeInputs, group) -> Impl | None:
-    _REASONS["mok_megakernel"] = "only on CUDA (an A/B row of the GPU forward)"
-    return _build_mok_bf16(inputs, group, forward_path="megakernel")
+def _build_mok_kernels(inputs: MoeInputs, group) -> Impl | None:
+    _REASONS["mok_kernels"] = "only on CUDA (an A/B row of the GPU forward)"
+    return _build_mok_bf16(inputs, group, forward_path="kernels")
 
 
 MOK_IMPLS: dict[str, Callable[[MoeInputs, object], Impl | None]] = {
     "mok": _build_mok_bf16,
-    "mok_megakernel": _build_mok_megakernel,
+    "mok_kernels": _build_mok_kernels,
 }

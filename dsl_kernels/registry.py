@@ -124,7 +124,7 @@ def variants() -> list[Variant]:
         Variant(
             "moe_forward",
             Sm90MoeForward,
-            {"stages": 4},
+            {"stages": 3, "staged_stores": True},
             launch_grid="(sm_count, 1, 1)",
             archs=("sm_90a",),
         ),

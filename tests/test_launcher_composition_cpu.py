@@ -166,8 +166,9 @@ def test_forward_composition_equals_reference(fake_kernels, shared, limit, path)
 def test_forward_path_switch_is_exported():
     import mok.launchers
 
-    assert mok.launchers.set_forward_path("megakernel") == "kernels"
+    # The megakernel is the default forward path.
     assert mok.launchers.set_forward_path("kernels") == "megakernel"
+    assert mok.launchers.set_forward_path("megakernel") == "kernels"
     with pytest.raises(ValueError, match="path must be one of"):
         mok.launchers.set_forward_path("fused")
 

@@ -390,11 +390,11 @@ def store_to_slots(
             cute.autovec_copy(pair, cute.make_tensor(out_ptr + offset, cute.make_layout(2)))
 
 
-def staged_block(storage):
-    """The staged epilogue's padded 128 x 128 bf16 buffer in `storage.staging` (allocated with
-    `allocate_operand_ring_storage(..., staging_bytes=STAGED_BYTES)`)."""
+def staged_block(storage, offset_bytes: int = 0):
+    """The staged epilogue's padded 128 x 128 bf16 buffer at `offset_bytes` (a multiple of 128)
+    into `storage.staging` (allocated with at least offset_bytes + STAGED_BYTES)."""
     return cute.make_tensor(
-        cute.recast_ptr(storage.staging.data_ptr(), dtype=BFloat16),
+        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=BFloat16),
         cute.make_layout((TILE_M, TILE_N), stride=(STAGED_ROW, 1)),
     )
 

@@ -2,12 +2,14 @@
 persistent launch (DESIGN §4). The fixed-order combine stays a separate kernel
 (moe_combine_forward), as DESIGN §4 allows.
 
-Status: v1 was correct on the H200 but 4-18% slower than the same tiles as separate kernels
-(ptxas serialised its wgmmas, C7520). v2 fixed that and measured 1.54x / 1.40x / 1.05x of the
-baseline (Qwen / DeepSeek / Mixtral) against the separate kernels' 2.27x / 1.45x / 1.11x: its two
-dispatch warps copied x through registers, one 16-byte load in flight per lane (~135 GB/s over
-the GPU), so the GEMMs waited for rows. v3, this file, moves rows with bulk copies (tens of KiB
-in flight per SM) and makes the signal handshake two-way (see `_signal`).
+History (H200, docs/NOTES.md): v1 was 4-18% slower than the same tiles as separate kernels
+(ptxas serialised its wgmmas, C7520). v2 fixed that but its two dispatch warps copied x
+through registers, one 16-byte load in flight per lane, and the GEMMs waited for rows (1.54x /
+1.40x / 1.05x of the baseline on Qwen / DeepSeek / Mixtral against the kernels' 2.27x / 1.45x /
+1.11x). v3 moved rows with bulk copies (within 0-5% of the kernels). v4, this file, stages the
+epilogue stores through shared memory like the separate GEMMs (`staged_stores`, which costs one
+ring stage: 3 stages + 32 KiB dispatch staging + 34 KiB epilogue buffer) and is the default
+forward: 0.6-3.4% faster than the separate kernels on DeepSeek and Mixtral, 4% slower on Qwen.
 
 One CTA per SM (grid = SM count, all of shared memory each), 384 threads in three roles:
 
@@ -92,8 +94,8 @@ CONSUMER_THREADS = 2 * phases.THREADS_PER_WARPGROUP
 # their next arrival (so no barrier ever has two generations pending). Named barriers and not
 # mbarriers or atomics: a release atomic, or a polling loop, in the wgmma consumer path makes
 # ptxas serialise every wgmma of the kernel (warning C7520).
-TILE_DONE_BARRIER = 2  # named barrier ids (0 is __syncthreads)
-NEXT_TILE_BARRIER = 3
+TILE_DONE_BARRIER = 3  # named barrier ids (0 is __syncthreads, 1-2 the staged epilogue's)
+NEXT_TILE_BARRIER = 4
 SIGNAL_THREADS = CONSUMER_THREADS + 32
 # Dispatch staging: x rows travel global -> shared -> global in pieces of at most
 # MAX_PIECE_BYTES through up to MAX_SLOTS slots in STAGING_BYTES after the operand ring (what
@@ -109,10 +111,18 @@ class Sm90MoeForward:
     """See the module docstring. `stages`: depth of the shared-memory operand ring."""
 
     stages: int = 4
+    # The gate/up and down epilogues stage their stores through shared memory
+    # (gemm_phases.store_block); its 34 KiB and the dispatch staging fit beside 3 ring stages.
+    staged_stores: bool = False
 
     def validate(self) -> None:
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages must be in 2..4, got {self.stages}")
+        if self.staged_stores and self.stages > 3:
+            raise ValueError("staged_stores needs stages <= 3 (shared memory)")
+
+    def _staging_bytes(self) -> int:
+        return STAGING_BYTES + (phases.STAGED_BYTES if self.staged_stores else 0)
 
     @property
     def threads(self) -> int:
@@ -281,8 +291,11 @@ class Sm90MoeForward:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, EXTRA_BARRIERS, STAGING_BYTES
+            a_layout, b_layout, self.stages, EXTRA_BARRIERS, self._staging_bytes()
         )
+        staged = None
+        if cutlass.const_expr(self.staged_stores):
+            staged = phases.staged_block(storage, STAGING_BYTES)
         extra_barriers = storage.extra_barriers.data_ptr()
         if warp_idx == 0:
             for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
@@ -328,7 +341,8 @@ class Sm90MoeForward:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
             read_state, release_state = phases.make_consumer_states(self.stages)
-            swiglu = Sm90ExpertGemm(epilogue="swiglu", stages=self.stages)
+            swiglu = Sm90ExpertGemm("swiglu", self.stages, self.staged_stores)
+            to_slots = Sm90ExpertGemm("slots", self.stages, self.staged_stores)
             acc0, acc1 = accs
             # ---- gate/up tasks ----
             task = bidx
@@ -343,7 +357,7 @@ class Sm90MoeForward:
                 swiglu._epilogue(
                     thr_mma, acc0, acc1, hidden_ptr, gate_ptr, up_ptr, None, None,
                     row_tile * TILE_M, local // row_tiles, intermediate_size, has_limit,
-                    swiglu_limit,
+                    swiglu_limit, staged, tidx,
                 )  # fmt: skip
                 # Publish this tile's gate/up/hidden columns of row tile `row_tile`: the
                 # signal warp releases the counter once all 256 consumer threads arrived.
@@ -370,12 +384,11 @@ class Sm90MoeForward:
                     down_mma, ring, read_state, release_state, intermediate_size // TILE_K,
                     operands, accs,
                 )  # fmt: skip
-                first_col = (local // row_tiles) * (2 * TILE_N)
-                for j in cutlass.range_constexpr(2):
-                    phases.store_to_slots(
-                        down_thr, acc0 if j == 0 else acc1, slots_ptr, peer_rank_ptr,
-                        peer_token_idx_ptr, first_row, first_col + j * TILE_N, hidden_size,
-                    )  # fmt: skip
+                to_slots._epilogue(
+                    down_thr, acc0, acc1, slots_ptr, None, None, peer_rank_ptr,
+                    peer_token_idx_ptr, first_row, local // row_tiles, hidden_size, has_limit,
+                    swiglu_limit, staged, tidx,
+                )  # fmt: skip
                 task = task + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
                     down_tiles, task, (expert, tile_base, row_base, row_tiles)

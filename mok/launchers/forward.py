@@ -1,9 +1,9 @@
 """GPU forward for an EP group of one.
 
-The routed experts run either in the forward megakernel (mok/launchers/moe_forward.py:
-dispatch, gate/up + SwiGLU and down to slots in one persistent launch) or, by default while it
-is slower, as a sequence of kernels (`set_forward_path`); the shared expert and the fixed-order
-combine are separate launches on the same stream, with no host sync:
+The routed experts run in the forward megakernel (mok/launchers/moe_forward.py: dispatch,
+gate/up + SwiGLU and down to slots in one persistent launch; the default) or as the same steps
+in a sequence of kernels (`set_forward_path("kernels")`), below; the shared expert and the
+fixed-order combine are separate launches on the same stream, with no host sync:
 
     x_routed = x[peer_token_idx // k]  (padding rows zero)           gather_rows
     gate, up, hidden = SwiGLU(x_routed @ W_gate/up[e]^T)            expert_gemm_gate_up_swiglu
@@ -83,12 +83,13 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t if t.shape[0] == rows else torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
 
 
-# How the routed experts of a forward run: "kernels" (gather, gate/up, down as three launches)
-# or "megakernel" (one persistent launch, mok/launchers/moe_forward.py). Both give the same
-# bits. The default is the one measured faster on the H200: today the separate kernels (the
-# megakernel v1 is 4-18% slower, docs/NOTES.md); benchmarks/mok_impls.py times both.
+# How the routed experts of a forward run: "megakernel" (one persistent launch,
+# mok/launchers/moe_forward.py, the default) or "kernels" (gather, gate/up, down as three
+# launches). Both give the same bits. On the H200 the megakernel (v4) is 0.6-3.4% faster on the
+# DeepSeek-V3 and Mixtral shapes and 4% slower on Qwen3-30B-A3B (docs/NOTES.md);
+# benchmarks/mok_impls.py times both.
 FORWARD_PATHS = ("kernels", "megakernel")
-_forward_path = "kernels"
+_forward_path = "megakernel"
 
 
 def set_forward_path(path: str) -> str:
