@@ -85,9 +85,8 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 # How the routed experts of a forward run: "megakernel" (one persistent launch,
 # mok/launchers/moe_forward.py, the default) or "kernels" (gather, gate/up, down as three
-# launches). Both give the same bits. On the H200 the megakernel (v4) is 0.6-3.4% faster on the
-# DeepSeek-V3 and Mixtral shapes and 4% slower on Qwen3-30B-A3B (docs/NOTES.md);
-# benchmarks/mok_impls.py times both.
+# launches). Both give the same bits. On the H200 they are within 2-4% of each other, either
+# way by shape and run (docs/NOTES.md, session 4); benchmarks/mok_impls.py times both.
 FORWARD_PATHS = ("kernels", "megakernel")
 _forward_path = "megakernel"
 
