@@ -9,7 +9,7 @@ through registers, one 16-byte load in flight per lane, and the GEMMs waited for
 1.11x). v3 moved rows with bulk copies (within 0-5% of the kernels). v4, this file, stages the
 epilogue stores through shared memory like the separate GEMMs (`staged_stores`, which costs one
 ring stage: 3 stages + 32 KiB dispatch staging + 34 KiB epilogue buffer) and is the default
-forward: 0.6-3.4% faster than the separate kernels on DeepSeek and Mixtral, 4% slower on Qwen.
+forward: within 2-4% of the separate kernels, either way by shape and run.
 
 One CTA per SM (grid = SM count, all of shared memory each), 384 threads in three roles:
 
