@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_arg
+
 # bf16 columns per thread (one 16-byte vector).
 COLUMNS_PER_THREAD = 8
 # grid.y carries the token-block index and may not exceed this.
@@ -19,11 +21,7 @@ HIDDEN_ALIGNMENT = 64
 
 
 def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
-        raise ValueError(
-            f"{name} must be a contiguous {dtype} tensor of shape {list(shape)}, got "
-            f"{tensor.dtype} {list(tensor.shape)} (contiguous={tensor.is_contiguous()})"
-        )
+    check_arg(name, tensor, dtype, shape, cuda=False)
 
 
 def _launches(kernel, num_tokens: int, hidden: int):

@@ -21,6 +21,8 @@ from collections import OrderedDict
 
 import torch
 
+from .checks import check_arg, check_multiple
+
 GATE_UP_KERNEL = "expert_gemm_gate_up_swiglu"
 DOWN_KERNEL = "expert_gemm_down"
 DOWN_SLOTS_KERNEL = "expert_gemm_down_to_slots"
@@ -38,26 +40,10 @@ _sm_counts: dict[int, int] = {}
 
 
 def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if (
-        tensor.dtype != dtype
-        or tuple(tensor.shape) != shape
-        or not tensor.is_contiguous()
-        or not tensor.is_cuda
-    ):
-        raise ValueError(
-            f"{name} must be a contiguous CUDA {dtype} tensor of shape {list(shape)}, got "
-            f"{tensor.dtype} {list(tensor.shape)} on {tensor.device} "
-            f"(contiguous={tensor.is_contiguous()})"
-        )
-    if tensor.data_ptr() % 16:
-        raise ValueError(f"{name} must be 16-byte aligned, got address {tensor.data_ptr():#x}")
+    check_arg(name, tensor, dtype, shape, cuda=True)
 
 
-def _check_multiple(name: str, value: int, multiple: int) -> None:
-    if value <= 0 or value % multiple:
-        raise ValueError(f"{name} must be a positive multiple of {multiple}, got {value}")
+_check_multiple = check_multiple
 
 
 def slot_rows(slots, capacity: int) -> tuple[int, tuple | None]:
