@@ -1,6 +1,6 @@
-"""Argument checks shared by the launchers: one place for the rules every kernel argument obeys
-(a torch.Tensor of the expected dtype and shape, contiguous, 16-byte aligned for the kernels'
-vector and TMA accesses), so each launcher raises the same clear error."""
+"""Argument checks shared by the launchers: one place for the rules a kernel argument obeys (a
+torch.Tensor of the expected dtype and shape, contiguous; for the GEMMs also on CUDA and 16-byte
+aligned, as TMA needs), so each launcher raises the same clear error."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ def check_arg(
 ) -> None:
     """Raise TypeError / ValueError naming `name`, the expectation and what was given.
 
-    `cuda`: the tensor must also live on a CUDA device (the GEMM launchers encode TMA
-    descriptors from it); launchers whose argument packing is tested on CPU pass False.
+    `cuda`: the tensor must also live on a CUDA device and be 16-byte aligned (the GEMM
+    launchers encode TMA descriptors from it); the epilogue and dispatch launchers, whose
+    argument packing is tested on CPU, pass False (their router-weight arguments may be views
+    that are only 4-byte aligned, which their scalar loads accept).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -34,7 +36,7 @@ def check_arg(
             f"{tensor.dtype} {list(tensor.shape)} on {tensor.device} "
             f"(contiguous={tensor.is_contiguous()})"
         )
-    if tensor.data_ptr() % 16:
+    if cuda and tensor.data_ptr() % 16:
         raise ValueError(f"{name} must be 16-byte aligned, got address {tensor.data_ptr():#x}")
 
 
