@@ -14,8 +14,7 @@ Where each manifest field comes from (nothing is typed in by hand twice):
 - block: the PTX `.reqntid` directive, cross-checked against the launch config in the lowered
   host code (`compiled.ir_module`, the struct passed to `_cudaLaunchKernelEx`).
 - dynamic_smem_bytes: the shared-memory field of that same launch config (must be a constant).
-- cluster: the kernel object's `cluster` property (x, y, z), else (1, 1, 1); the runtime sets
-  it as the launch's cluster attribute.
+- cluster: these kernels launch without a cluster attribute, i.e. (1, 1, 1).
 - tma: a kernel that takes TMA descriptors (`cute.CopyAtom` arguments of its `@cute.kernel`,
   kind "tma_desc") lists their specs in `tma_specs()` (dtype, rank, box innermost first,
   swizzle, ...), the same constants its `__call__` builds the atoms from; the build checks each
@@ -281,7 +280,7 @@ def compile_variant(variant, arch: str) -> tuple[dict, bytes, str]:
         "config": dict(variant.config),
         "params": params,
         "block": list(block),
-        "cluster": list(getattr(kernel_obj, "cluster", (1, 1, 1))),
+        "cluster": [1, 1, 1],
         "dynamic_smem_bytes": launch["dynamic_smem_bytes"],
         "tma": tma,
         "launch": {"grid": variant.launch_grid},

@@ -375,26 +375,18 @@ class Kernel:
         )
 
     def max_active_clusters(self) -> int:
-        """Clusters of this kernel that can be co-resident on the device (persistent grids);
-        asked once, then cached (it depends only on the kernel and the device)."""
-        cached = getattr(self, "_max_active_clusters", None)
-        if cached is not None:
-            return cached
+        """Clusters of this kernel that can be co-resident on the device (persistent grids)."""
         cu = _driver.driver()
         # The grid of the query config is ignored beyond being a multiple of the cluster.
         config = self._launch_config(self.variant.cluster, 0)
         previous = _make_current(self._context)
         try:
-            cached = int(
-                _driver.check(
-                    cu.cuOccupancyMaxActiveClusters(self.function, config),
-                    f"cuOccupancyMaxActiveClusters({self.variant.name!r})",
-                )
+            return _driver.check(
+                cu.cuOccupancyMaxActiveClusters(self.function, config),
+                f"cuOccupancyMaxActiveClusters({self.variant.name!r})",
             )
         finally:
             _restore(previous)
-        self._max_active_clusters = cached
-        return cached
 
     def make_tma_descriptor(self, param: str, tensor: torch.Tensor) -> TmaDescriptor:
         """A TMA descriptor for `tensor` as this kernel's manifest spec for `param` says."""

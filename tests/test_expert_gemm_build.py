@@ -176,20 +176,3 @@ def test_manifest_parses_and_packs(built):
                 variant.tma_spec("tma_a"), shape, (shape[1], 1), torch.bfloat16, 0x100000
             )
             assert args.box == (64, 128) and args.swizzle == "128B"
-
-
-def test_cluster_pair_variant_multicasts_the_weights():
-    """cluster_m=2 (measured on the H200 at parity with 1, so not shipped): each CTA of the pair
-    loads half of every B tile and multicasts it; A stays per CTA; the manifest records the
-    cluster and the halved B box."""
-    import dataclasses
-
-    registry = {v.name: v for v in variants()}
-    base = registry["expert_gemm_gate_up_swiglu"]
-    pair = dataclasses.replace(base, config={**base.config, "cluster_m": 2})
-    entry, _, ptx = build.compile_variant(pair, "sm_90a")
-    assert entry["cluster"] == [2, 1, 1]
-    assert [t["box"] for t in entry["tma"]] == [[64, 128], [64, 64], [64, 64]]
-    # B0 and B1 multicast to the pair; A stays per CTA.
-    assert ptx.count("complete_tx::bytes.multicast::cluster") == 2
-    assert _count(ptx, "cp.async.bulk.tensor.2d.shared") == 3

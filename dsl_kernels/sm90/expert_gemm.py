@@ -64,7 +64,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from ..common.args import global_pointer
 from . import gemm_phases as phases
-from .expert_tiles import TileList, locate_first_tile, locate_tile, m_units
+from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
@@ -89,17 +89,10 @@ class Sm90ExpertGemm:
     # Stores staged through shared memory (coalesced 16-byte rows) instead of 4-byte stores
     # straight from the accumulator layout; needs gemm_phases.STAGED_BYTES after the ring.
     staged_stores: bool = False
-    # CTAs per cluster along M: 2 pairs the CTAs of a cluster on two row tiles of the same
-    # column tile, and each loads half of every B tile and multicasts it to both (a third less
-    # L2 -> SM traffic per tile; an expert with an odd number of row tiles leaves the second
-    # CTA of its last pair a duplicate tile, computed and not stored).
-    cluster_m: int = 1
 
     def validate(self) -> None:
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
-        if self.cluster_m not in (1, 2):
-            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
         if not 2 <= self.stages <= 4:
             # 48 KiB per stage (A + B0 + B1 tiles): 4 stages is what fits in 227 KiB.
             raise ValueError(f"stages must be in 2..4, got {self.stages}")
@@ -109,10 +102,6 @@ class Sm90ExpertGemm:
     @property
     def threads(self) -> int:
         return phases.THREADS
-
-    @property
-    def cluster(self) -> tuple[int, int, int]:
-        return (self.cluster_m, 1, 1)
 
     def _tiled_mma(self):
         # Both operands K-major (activations [C, K], weights viewed [E * N, K]).
@@ -126,14 +115,8 @@ class Sm90ExpertGemm:
         """How the runtime encodes each descriptor param (see runtime/tma.py): a rank-2 bf16
         tensor [rows, K] (dims innermost first: K, rows), one 64 x 128 box per stage load, the
         128-byte swizzle of the shared-memory layout built in `_smem_layout`."""
-        # A: one 64 x 128 box; B: the 1/cluster_m of a 128-row tile each CTA multicasts.
-        a_box = [TILE_K, TILE_M]
-        b_box = [TILE_K, TILE_N // self.cluster_m]
-        return [
-            phases.tma_spec("tma_a", a_box),
-            phases.tma_spec("tma_b0", b_box),
-            phases.tma_spec("tma_b1", b_box),
-        ]
+        box = [TILE_K, TILE_M]  # == [TILE_K, TILE_N]: A and B tiles have the same box
+        return [phases.tma_spec(param, box) for param in ("tma_a", "tma_b0", "tma_b1")]
 
     def stage_bytes(self) -> int:
         """Bytes one ring stage receives (the mbarrier expect_tx count): A + B0 + B1 tiles."""
@@ -186,12 +169,8 @@ class Sm90ExpertGemm:
         a_smem = self._smem_layout(TILE_M)
         b_smem = self._smem_layout(TILE_N)
         tma_a, mA = phases.make_tma_load(a_ptr, operand_layout, a_smem, (TILE_M, TILE_K))
-        tile_b = (TILE_N, TILE_K)
-        tma_b0, mB0 = phases.make_tma_load(b0_ptr, operand_layout, b_smem, tile_b, self.cluster_m)
-        tma_b1, mB1 = phases.make_tma_load(b1_ptr, operand_layout, b_smem, tile_b, self.cluster_m)
-        launch = {}
-        if cutlass.const_expr(self.cluster_m > 1):
-            launch = {"cluster": [self.cluster_m, 1, 1]}
+        tma_b0, mB0 = phases.make_tma_load(b0_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
+        tma_b1, mB1 = phases.make_tma_load(b1_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
         self.kernel(
             tma_a,
             mA,
@@ -210,7 +189,7 @@ class Sm90ExpertGemm:
             n_size,
             has_limit,
             swiglu_limit,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, **launch)
+        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
 
@@ -254,15 +233,7 @@ class Sm90ExpertGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b1)
 
         # ---- operand ring ----
-        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages, self.cluster_m)
-        # Tiles are walked per cluster: cluster c takes tiles c, c + clusters, ...
-        rank = 0
-        first_tile = bidx
-        clusters = grid_size
-        if cutlass.const_expr(self.cluster_m > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            first_tile = bidx // self.cluster_m
-            clusters = grid_size // self.cluster_m
+        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list inputs ----
         tokens_per_expert = cute.make_tensor(
@@ -272,34 +243,33 @@ class Sm90ExpertGemm:
         col_tiles = n_size // TILE_N
         if cutlass.const_expr(self.epilogue != "swiglu"):
             col_tiles = n_size // (2 * TILE_N)
-        tiles = TileList(tokens_per_expert, num_experts, col_tiles, self.cluster_m)
+        tiles = TileList(tokens_per_expert, num_experts, col_tiles)
 
         if warpgroup == 0:
             # ================= producer warpgroup: warp 0 issues TMA, warps 1-3 exit =========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                mc = self.cluster_m
-                tile_b = (TILE_N, TILE_K)
                 tAsA, tAgA = phases.partition_tma_load(tma_a, sA, mA, (TILE_M, TILE_K))
-                tBsB0, tBgB0 = phases.partition_tma_load(tma_b0, sB0, mB0, tile_b, rank, mc)
-                tBsB1, tBgB1 = phases.partition_tma_load(tma_b1, sB1, mB1, tile_b, rank, mc)
+                tBsB0, tBgB0 = phases.partition_tma_load(tma_b0, sB0, mB0, (TILE_N, TILE_K))
+                tBsB1, tBgB1 = phases.partition_tma_load(tma_b1, sB1, mB1, (TILE_N, TILE_K))
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                tile = first_tile
+                tile = bidx
                 expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
                 while expert < num_experts:
-                    row_tile, col_tile, _ = self._tile_coords(
-                        tiles, tile - tile_base, row_tiles, rank
+                    local = tile - tile_base
+                    a_row_tile = row_base // TILE_M + local % row_tiles
+                    b0_row_tile, b1_row_tile = self._weight_row_tiles(
+                        expert, local // row_tiles, n_size
                     )
-                    b0_row_tile, b1_row_tile = self._weight_row_tiles(expert, col_tile, n_size)
                     loads = (
-                        (tma_a, tAgA, row_base // TILE_M + row_tile, None, tAsA),
-                        self._b_load(tma_b0, tBgB0, b0_row_tile, tBsB0),
-                        self._b_load(tma_b1, tBgB1, b1_row_tile, tBsB1),
+                        (tma_a, tAgA, a_row_tile, None, tAsA),
+                        (tma_b0, tBgB0, b0_row_tile, None, tBsB0),
+                        (tma_b1, tBgB1, b1_row_tile, None, tBsB1),
                     )
                     state = phases.load_k_tiles(ring, state, k_tiles, loads)
-                    tile = tile + clusters
+                    tile = tile + grid_size
                     expert, tile_base, row_base, row_tiles = locate_tile(
                         tiles, tile, (expert, tile_base, row_base, row_tiles)
                     )
@@ -312,13 +282,12 @@ class Sm90ExpertGemm:
                 tiled_mma, tidx, sA, sB0, sB1
             )
             read_state, release_state = phases.make_consumer_states(self.stages)
-            tile = first_tile
+            tile = bidx
             expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
             while expert < num_experts:
-                row_tile, col_tile, real = self._tile_coords(
-                    tiles, tile - tile_base, row_tiles, rank
-                )
-                first_row = row_base + row_tile * TILE_M
+                local = tile - tile_base
+                first_row = row_base + (local % row_tiles) * TILE_M
+                col_tile = local // row_tiles
 
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
                 read_state, release_state = phases.mma_k_tiles(
@@ -326,56 +295,30 @@ class Sm90ExpertGemm:
                 )
 
                 # ---- epilogue: registers -> global (staged: through shared memory) ----
-                if real:
-                    self._epilogue(
-                        thr_mma,
-                        acc0,
-                        acc1,
-                        out_ptr,
-                        gate_ptr,
-                        up_ptr,
-                        peer_rank_ptr,
-                        peer_token_idx_ptr,
-                        first_row,
-                        col_tile,
-                        n_size,
-                        has_limit,
-                        swiglu_limit,
-                        staged,
-                        tidx,
-                    )
+                self._epilogue(
+                    thr_mma,
+                    acc0,
+                    acc1,
+                    out_ptr,
+                    gate_ptr,
+                    up_ptr,
+                    peer_rank_ptr,
+                    peer_token_idx_ptr,
+                    first_row,
+                    col_tile,
+                    n_size,
+                    has_limit,
+                    swiglu_limit,
+                    staged,
+                    tidx,
+                )
 
-                tile = tile + clusters
+                tile = tile + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
                     tiles, tile, (expert, tile_base, row_base, row_tiles)
                 )
 
     # ------------------------------------------------------------------ device helpers
-
-    def _b_load(self, tma, gmem, row_tile, smem) -> tuple:
-        """A B-operand entry of `phases.load_k_tiles`: multicast to every CTA of the cluster
-        when cluster_m > 1."""
-        if self.cluster_m > 1:
-            return (tma, gmem, row_tile, None, smem, (1 << self.cluster_m) - 1)
-        return (tma, gmem, row_tile, None, smem)
-
-    @cute.jit
-    def _tile_coords(self, tiles: TileList, local: Int32, row_tiles: Int32, rank):
-        """(row tile within the expert, column tile, real) of tile `local` of an expert with
-        `row_tiles` row tiles, for CTA `rank` of its cluster. With cluster_m > 1 the tile is a
-        group of cluster_m row tiles; a CTA whose row tile is past the expert's last
-        (an odd count) duplicates the group's first one, and `real` is False: it loads and
-        computes it (its B halves feed the other CTA) but stores nothing."""
-        units = m_units(tiles, row_tiles)
-        row_tile = local % units
-        col_tile = local // units
-        real = True
-        if cutlass.const_expr(self.cluster_m > 1):
-            first = row_tile * self.cluster_m
-            row_tile = first + rank
-            real = row_tile < row_tiles
-            row_tile = cutlass.select_(real, row_tile, first)
-        return row_tile, col_tile, real
 
     @cute.jit
     def _weight_row_tiles(self, expert: Int32, col_tile: Int32, n_size: Int32):

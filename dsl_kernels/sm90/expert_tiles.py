@@ -38,24 +38,11 @@ def segment_row_tiles(tokens_per_expert: cute.Tensor, expert: Int32, num_experts
 
 class TileList(NamedTuple):
     """What numbers a grouped GEMM's tiles: the padded segment sizes (device memory), the
-    number of experts, and the column tiles of every expert.
-
-    `group` (a Python int) > 1 numbers groups of that many consecutive row tiles instead of
-    row tiles, for a cluster whose CTAs share one column tile's weights: the m coordinate of
-    a tile is then a group, m_units(e) = ceil(row_tiles(e) / group), and the last group of an
-    expert may hold fewer real row tiles than the cluster has CTAs."""
+    number of experts, and the column tiles of every expert."""
 
     tokens_per_expert: cute.Tensor
     num_experts: Int32
     col_tiles: Int32
-    group: int = 1
-
-
-def m_units(tiles: TileList, row_tiles: Int32) -> Int32:
-    """Tiles (group 1) or row-tile groups of an expert with `row_tiles` row tiles."""
-    if cutlass.const_expr(tiles.group == 1):
-        return row_tiles
-    return (row_tiles + (tiles.group - 1)) // tiles.group
 
 
 @cute.jit
@@ -65,17 +52,15 @@ def locate_tile(tiles: TileList, tile: Int32, cursor: tuple):
     `tile` must not be smaller than the tile of the previous call (the cursor only moves
     forward). Returns the new cursor; `expert == num_experts` means `tile` is past the end.
     """
-    tokens_per_expert, num_experts, col_tiles, _ = tiles
+    tokens_per_expert, num_experts, col_tiles = tiles
     expert, tile_base, row_base, row_tiles = cursor
-    advance = (expert < num_experts) & (tile >= tile_base + m_units(tiles, row_tiles) * col_tiles)
+    advance = (expert < num_experts) & (tile >= tile_base + row_tiles * col_tiles)
     while advance:
-        tile_base = tile_base + m_units(tiles, row_tiles) * col_tiles
+        tile_base = tile_base + row_tiles * col_tiles
         row_base = row_base + row_tiles * TILE_ROWS
         expert = expert + 1
         row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
-        advance = (expert < num_experts) & (
-            tile >= tile_base + m_units(tiles, row_tiles) * col_tiles
-        )
+        advance = (expert < num_experts) & (tile >= tile_base + row_tiles * col_tiles)
     return expert, tile_base, row_base, row_tiles
 
 

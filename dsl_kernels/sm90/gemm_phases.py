@@ -18,7 +18,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int8, Int16, Int32, Int64
+from cutlass import BFloat16, Float32, Int8, Int32, Int64
 
 from ..common.ptx import fence_operand
 from .expert_tiles import TILE_ROWS
@@ -95,23 +95,13 @@ def stage_bytes() -> int:
     return 2 * TILE_K * (TILE_M + 2 * TILE_N)
 
 
-def make_tma_load(ptr: cute.Pointer, gmem_layout, smem_layout, tile_shape, multicast: int = 1):
-    """Host side: a TMA load atom for one stage of `smem_layout` and its coordinate tensor.
-    `multicast` > 1: each of that many CTAs of a cluster loads 1/multicast of the tile and
-    multicasts it to all of them (the box shrinks accordingly)."""
-    if multicast == 1:
-        return cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            cute.make_tensor(ptr, gmem_layout),
-            cute.slice_(smem_layout, (None, None, 0)),
-            tile_shape,
-        )
+def make_tma_load(ptr: cute.Pointer, gmem_layout, smem_layout, tile_shape):
+    """Host side: a TMA load atom for one stage of `smem_layout` and its coordinate tensor."""
     return cute.nvgpu.cpasync.make_tiled_tma_atom(
-        cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(),
+        cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
         cute.make_tensor(ptr, gmem_layout),
         cute.slice_(smem_layout, (None, None, 0)),
         tile_shape,
-        num_multicast=multicast,
     )
 
 
@@ -165,12 +155,8 @@ def allocate_operand_ring_storage(
     return storage, sA, sB0, sB1
 
 
-def make_operand_ring(storage, a_layout, b_layout, stages: int, cluster_m: int = 1):
-    """The operand ring: full barrier = TMA bytes landed, empty = every consumer warp done.
-
-    `cluster_m` CTAs along M share the B tiles (each loads 1/cluster_m and multicasts): a
-    stage may be refilled only when the consumer warps of every CTA of the cluster released
-    it, so each consumer warp arrives on the empty barrier of every CTA (lane i -> CTA i)."""
+def make_operand_ring(storage, a_layout, b_layout, stages: int):
+    """The operand ring: full barrier = TMA bytes landed, empty = every consumer warp done."""
     tx_count = cute.size_in_bytes(
         BFloat16, cute.slice_(a_layout, (None, None, 0))
     ) + 2 * cute.size_in_bytes(BFloat16, cute.slice_(b_layout, (None, None, 0)))
@@ -179,16 +165,15 @@ def make_operand_ring(storage, a_layout, b_layout, stages: int, cluster_m: int =
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
         consumer_group=pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, NUM_CONSUMER_WARPGROUPS * 4 * cluster_m
+            pipeline.Agent.Thread, NUM_CONSUMER_WARPGROUPS * 4
         ),
         tx_count=tx_count,
-        cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)),
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         defer_sync=True,
     )
-    # mbarrier inits must be visible to the async proxy and every warp (of every CTA of the
-    # cluster) before first use.
-    pipeline.pipeline_init_arrive(cluster_shape_mn=(cluster_m, 1), is_relaxed=True)
-    pipeline.pipeline_init_wait(cluster_shape_mn=(cluster_m, 1))
+    # mbarrier inits must be visible to the async proxy and every warp before first use.
+    pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+    pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
     return ring
 
 
@@ -196,21 +181,13 @@ def make_operand_ring(storage, a_layout, b_layout, stages: int, cluster_m: int =
 
 
 @cute.jit
-def partition_tma_load(
-    tma: cute.CopyAtom,
-    smem: cute.Tensor,
-    coords: cute.Tensor,
-    tile_shape,
-    cta_rank=0,
-    multicast: int = 1,
-):
-    """(smem, gmem) TMA partitions of one operand: gmem indexed (box, MN tile, K tile).
-    `multicast` > 1: the slice CTA `cta_rank` of the multicast group loads."""
+def partition_tma_load(tma: cute.CopyAtom, smem: cute.Tensor, coords: cute.Tensor, tile_shape):
+    """(smem, gmem) TMA partitions of one operand: gmem indexed (box, MN tile, K tile)."""
     tiles = cute.local_tile(coords, tile_shape, (None, None))
     return cute.nvgpu.cpasync.tma_partition(
         tma,
-        cta_rank,
-        cute.make_layout(multicast),
+        0,
+        cute.make_layout(1),
         cute.group_modes(smem, 0, 2),
         cute.group_modes(tiles, 0, 2),
     )
@@ -236,30 +213,17 @@ def partition_tma_load_pair(
 def load_k_tiles(ring, state, k_tiles: Int32, loads):
     """Fill `k_tiles` ring stages in K order; returns the advanced producer state.
 
-    `loads`: one (atom, gmem partition, MN tile, first K tile or None, smem partition[,
-    multicast mask]) per TMA box of a stage, issued in that order on the stage's full
-    barrier."""
+    `loads`: one (atom, gmem partition, MN tile, first K tile or None, smem partition) per TMA
+    box of a stage, issued in that order on the stage's full barrier."""
     for k_tile in cutlass.range(k_tiles, unroll=1):
         ring.producer_acquire(state)
         full = ring.producer_get_barrier(state)
         for i in cutlass.range_constexpr(len(loads)):
-            tma, tXgX, mn_tile, k_base, tXsX = loads[i][:5]
+            tma, tXgX, mn_tile, k_base, tXsX = loads[i]
             k = k_tile
             if cutlass.const_expr(k_base is not None):
                 k = k_base + k_tile
-            if cutlass.const_expr(len(loads[i]) > 5):
-                # A multicast load: (..., mask of the cluster's CTAs that receive it).
-                cute.copy(
-                    tma,
-                    tXgX[(None, mn_tile, k)],
-                    tXsX[(None, state.index)],
-                    tma_bar_ptr=full,
-                    mcast_mask=Int16(loads[i][5]),
-                )
-            else:
-                cute.copy(
-                    tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)], tma_bar_ptr=full
-                )
+            cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)], tma_bar_ptr=full)
         ring.producer_commit(state)
         state.advance()
     return state

@@ -93,15 +93,10 @@ def clear_descriptor_cache() -> None:
     _descriptors.clear()
 
 
-def _grid(device: torch.device, capacity: int, col_tiles: int, kernel=None) -> int:
+def _grid(device: torch.device, capacity: int, col_tiles: int) -> int:
     # Persistent: at most one CTA per SM (each takes ~194 KiB of shared memory), and never
-    # more CTAs than tiles the largest possible schedule could have. A clustered kernel
-    # launches whole clusters, no more than fit at once (a GPC's SM count may be odd).
-    tiles = max(1, (capacity // TILE_ROWS) * col_tiles)
-    cluster = kernel.variant.cluster_size if kernel is not None else 1
-    if cluster == 1:
-        return min(_sm_count(device), tiles)
-    return cluster * min(kernel.max_active_clusters(), -(-tiles // cluster))
+    # more CTAs than tiles the largest possible schedule could have.
+    return max(1, min(_sm_count(device), (capacity // TILE_ROWS) * col_tiles))
 
 
 def gate_up_swiglu(
@@ -158,7 +153,7 @@ def gate_up_swiglu(
     col_tiles = intermediate_size // GATE_UP_N_ALIGNMENT
     flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
-        (_grid(device, capacity, col_tiles, kernel), 1, 1),
+        (_grid(device, capacity, col_tiles), 1, 1),
         {
             "tma_a": _descriptor(kernel, "tma_a", x_routed),
             "tma_b0": _descriptor(kernel, "tma_b0", gate_weights.view(flat)),
@@ -229,7 +224,7 @@ def down(
         kernel, "tma_b0", down_weights.view(num_experts * hidden_size, intermediate_size)
     )
     kernel.launch(
-        (_grid(device, capacity, col_tiles, kernel), 1, 1),
+        (_grid(device, capacity, col_tiles), 1, 1),
         {
             "tma_a": _descriptor(kernel, "tma_a", hidden),
             # Both B descriptors are W_down: the two 128-column halves of a 256-column tile.

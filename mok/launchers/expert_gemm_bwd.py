@@ -125,7 +125,7 @@ def d_hidden_swiglu(
         kernel, "tma_b0", down_weights.view(num_experts * hidden_size, intermediate_size)
     )
     kernel.launch(
-        (_grid(device, capacity, intermediate_size // N_ALIGNMENT, kernel), 1, 1),
+        (_grid(device, capacity, intermediate_size // N_ALIGNMENT), 1, 1),
         {
             # One K range: the second A/B descriptors are not read; pass the same ones.
             "tma_a0": dy,
@@ -202,7 +202,7 @@ def d_x(
                         manifest=manifest)  # fmt: skip
     flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
-        (_grid(device, capacity, hidden_size // N_ALIGNMENT, kernel), 1, 1),
+        (_grid(device, capacity, hidden_size // N_ALIGNMENT), 1, 1),
         {
             "tma_a0": _descriptor(kernel, "tma_a0", d_gate),
             "tma_a1": _descriptor(kernel, "tma_a1", d_up),
