@@ -44,7 +44,7 @@ def test_counters_and_handshake(built):
 
 def test_staged_epilogue_and_shared_memory(built):
     entry, _, ptx = built
-    assert entry["config"] == {"stages": 3, "staged_stores": True}
+    assert entry["config"] == {"stages": 3}
     assert ptx.count("st.global.v4") >= 3 * 8  # gate, up, hidden: 8 row chunks per thread each
     assert entry["dynamic_smem_bytes"] <= H200_SMEM_OPTIN
     assert entry["cluster"] == [1, 1, 1]

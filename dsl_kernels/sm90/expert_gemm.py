@@ -22,15 +22,14 @@ the A tile: B0/B1 are the gate and up weight rows of the same 128 output columns
 adjacent 128-column blocks of W_down (store). Two accumulators with the same register layout put
 gate[i, j] and up[i, j] in the same thread, so SwiGLU is an elementwise register operation.
 
-Epilogue (`staged_stores=True`, every shipped variant): each consumer warpgroup writes its 64
-rows of a rounded 128 x 128 block to a padded shared-memory buffer (4-byte stores, no bank
-conflicts), meets its own named barrier and copies the rows out in 16-byte chunks (a warp
-covers two whole 256-byte rows per store; slot rows are looked up before any store). The
-direct 4-byte st.global from the accumulator layout (`staged_stores=False`, kept for the
-megakernel, whose spare shared memory stages dispatch) stalled the consumers on the LSU queue
-(ncu: lg_throttle, 14% of warp samples in Qwen's gate/up); staging made Qwen's gate/up 18%
-and down 28% faster on the H200 (docs/NOTES.md). The buffer is 34 KiB: with the 4-stage ring
-exactly the 227 KiB an SM90 CTA may have.
+Epilogue (gemm_phases.store_block): each consumer warpgroup writes its 64 rows of a rounded
+128 x 128 block to a padded shared-memory buffer (4-byte stores, no bank conflicts), meets its
+own named barrier and copies the rows out in 16-byte chunks (a warp covers two whole 256-byte
+rows per store; slot rows are looked up before any store). 4-byte st.global straight from the
+accumulator layout stalled the consumers on the LSU queue (ncu: lg_throttle, 14% of warp
+samples in Qwen's gate/up); staging made Qwen's gate/up 18% and down 28% faster on the H200
+(docs/NOTES.md). The buffer is 34 KiB: with the 4-stage ring exactly the 227 KiB an SM90 CTA
+may have.
 
 Kernel parameters, in order (the runtime encodes the three descriptors from the manifest's tma
 specs; tensors are row-major, innermost dim last):
@@ -86,15 +85,13 @@ class Sm90ExpertGemm:
 
     epilogue: str = "swiglu"
     stages: int = 4
-    # Stores staged through shared memory (coalesced 16-byte rows) instead of 4-byte stores
-    # straight from the accumulator layout; needs gemm_phases.STAGED_BYTES after the ring.
-    staged_stores: bool = False
 
     def validate(self) -> None:
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
         if not 2 <= self.stages <= 4:
-            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages is what fits in 227 KiB.
+            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages and the 34 KiB epilogue buffer
+            # are what fits in 227 KiB.
             raise ValueError(f"stages must be in 2..4, got {self.stages}")
 
     # ------------------------------------------------------------------ static configuration
@@ -221,11 +218,9 @@ class Sm90ExpertGemm:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, phases.STAGED_BYTES if self.staged_stores else 0
+            a_layout, b_layout, self.stages, 0, phases.STAGED_BYTES
         )
-        staged = None
-        if cutlass.const_expr(self.staged_stores):
-            staged = phases.staged_block(storage)
+        staged = phases.staged_block(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -347,12 +342,11 @@ class Sm90ExpertGemm:
         n_size: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
-        staged=None,
-        tidx=None,
+        staged,
+        tidx,
     ):
-        """Round and store one tile. `staged` (a 128 x 128 bf16 shared tensor, with the calling
-        thread's `tidx`) routes every store through shared memory; None stores straight from
-        the accumulator layout (the megakernel, whose shared memory holds dispatch staging)."""
+        """Round and store one tile through `staged` (the 128 x 128 bf16 shared buffer of
+        gemm_phases.staged_block; `tidx` the calling thread's index)."""
         slots = None
         if cutlass.const_expr(self.epilogue == "slots"):
             slots = (peer_rank_ptr, peer_token_idx_ptr)
@@ -360,18 +354,12 @@ class Sm90ExpertGemm:
             first_col = col_tile * (2 * TILE_N)
             for j in cutlass.range_constexpr(2):
                 acc = acc0 if j == 0 else acc1
-                if cutlass.const_expr(staged is None and slots is not None):
-                    phases.store_to_slots(
-                        thr_mma, acc, out_ptr, peer_rank_ptr, peer_token_idx_ptr, first_row,
-                        first_col + j * TILE_N, n_size,
-                    )  # fmt: skip
-                else:
-                    values = cute.make_rmem_tensor(acc.shape, BFloat16)
-                    values.store(acc.load().to(BFloat16))
-                    phases.store_block(
-                        thr_mma, values, out_ptr, first_row, first_col + j * TILE_N, n_size,
-                        staged, tidx, slots,
-                    )  # fmt: skip
+                values = cute.make_rmem_tensor(acc.shape, BFloat16)
+                values.store(acc.load().to(BFloat16))
+                phases.store_block(
+                    thr_mma, values, out_ptr, first_row, first_col + j * TILE_N, n_size,
+                    staged, tidx, slots,
+                )  # fmt: skip
         else:
             first_col = col_tile * TILE_N
             gate = cute.make_rmem_tensor(acc0.shape, BFloat16)

@@ -7,7 +7,7 @@
     d_x[r, :] = bf16(d_gate[r, :] @ W_gate[e] + d_up[r, :] @ W_up[e])
 `Sm90ExpertGemmBwd(job="d_x_slots")` is d_x stored where the backward's combine reads it:
     d_x_slots[peer_token_idx[r], :] = d_x[r, :] for rows with peer_rank[r] >= 0 (padding rows
-    are not stored), one row per (token, j) slot (gemm_phases.store_to_slots)
+    are not stored), one row per (token, j) slot (gemm_phases.store_block)
 for every routed row r of expert e (rows grouped by expert, see expert_tiles.py).
 
 The engine is the forward's (expert_gemm.py): one producer warpgroup (warp 0 issues TMA, 40
@@ -94,9 +94,6 @@ class Sm90ExpertGemmBwd:
 
     job: str = "d_hidden_swiglu"
     stages: int = 4
-    # Epilogue stores through shared memory in 16-byte rows (gemm_phases.store_block); the
-    # d_hidden job's gate/up loads stay direct.
-    staged_stores: bool = False
 
     def validate(self) -> None:
         if self.job not in JOBS:
@@ -260,11 +257,11 @@ class Sm90ExpertGemmBwd:
         a_layout = self._a_smem_layout()
         b_layout = self._b_smem_layout()
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, phases.STAGED_BYTES if self.staged_stores else 0
+            a_layout, b_layout, self.stages, 0, phases.STAGED_BYTES
         )
-        staged = None
-        if cutlass.const_expr(self.staged_stores):
-            staged = phases.staged_block(storage)
+        # Epilogue stores go through shared memory in 16-byte rows (gemm_phases.store_block);
+        # the d_hidden job's gate/up loads stay direct.
+        staged = phases.staged_block(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a0)
@@ -344,20 +341,8 @@ class Sm90ExpertGemmBwd:
                     tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
                 )
 
-                # ---- epilogue: registers -> global, no shared memory ----
-                if cutlass.const_expr(self.job == "d_x_slots" and staged is None):
-                    for j in cutlass.range_constexpr(2):
-                        phases.store_to_slots(
-                            thr_mma,
-                            acc0 if j == 0 else acc1,
-                            out0_ptr,
-                            peer_rank_ptr,
-                            peer_token_idx_ptr,
-                            first_row,
-                            first_col + j * TILE_N,
-                            n_size,
-                        )
-                elif cutlass.const_expr(self.job in ("d_x", "d_x_slots")):
+                # ---- epilogue: registers -> shared -> global ----
+                if cutlass.const_expr(self.job in ("d_x", "d_x_slots")):
                     slots = None
                     if cutlass.const_expr(self.job == "d_x_slots"):
                         slots = (peer_rank_ptr, peer_token_idx_ptr)

@@ -351,45 +351,6 @@ def accumulator_rows(thr_mma):
     return coords, row0, row1
 
 
-@cute.jit
-def store_to_slots(
-    thr_mma,
-    acc: cute.Tensor,
-    out_ptr: cute.Pointer,
-    peer_rank_ptr: cute.Pointer,
-    peer_token_idx_ptr: cute.Pointer,
-    first_row: Int32,
-    first_col: Int32,
-    n_size: Int32,
-):
-    """One 128 x 128 accumulator block, rounded to bf16, into the combine's slot layout:
-    routed row r goes to row peer_token_idx[r] of `out` ([num_slots, n_size] row-major) when
-    peer_rank[r] >= 0, and nowhere when it is padding (-1). Columns stay where they are.
-
-    In the wgmma accumulator layout a thread holds two rows (r0 and r0 + 8) and, per row,
-    pairs of adjacent columns: each pair is one 4-byte store at its row's slot.
-    """
-    coords, row0, row1 = accumulator_rows(thr_mma)
-    values = cute.make_rmem_tensor(acc.shape, BFloat16)
-    values.store(acc.load().to(BFloat16))
-    rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(1 << 30))
-    slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(1 << 30))
-    slot0 = Int64(slot[first_row + row0])
-    slot1 = Int64(slot[first_row + row1])
-    keep0 = rank[first_row + row0] >= 0
-    keep1 = rank[first_row + row1] >= 0
-    row_stride = Int64(n_size)
-    pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-    for p in cutlass.range_constexpr(cute.size(coords) // 2):
-        row, col = coords[2 * p]
-        target = cutlass.select_(row == row0, slot0, slot1)
-        if cutlass.select_(row == row0, keep0, keep1):
-            offset = cute.assume(target * row_stride + Int64(first_col + col), divby=2)
-            pair[0] = values[2 * p]
-            pair[1] = values[2 * p + 1]
-            cute.autovec_copy(pair, cute.make_tensor(out_ptr + offset, cute.make_layout(2)))
-
-
 def staged_block(storage, offset_bytes: int = 0):
     """The staged epilogue's padded 128 x 128 bf16 buffer at `offset_bytes` (a multiple of 128)
     into `storage.staging` (allocated with at least offset_bytes + STAGED_BYTES)."""
@@ -405,49 +366,42 @@ def store_block(thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx
     first_col) of row-major [*, n_size] `ptr`; `slots` (peer_rank, peer_token_idx pointers):
     routed row r goes to row peer_token_idx[r] instead, padding rows nowhere.
 
-    `staged` None: 4-byte stores straight from the accumulator layout (no slots). Else (the
-    `staged_block` buffer, with the thread's `tidx`): each consumer warpgroup writes its 64 rows
-    to shared memory (no bank conflicts), meets its own named barrier (1 or 2), and copies them
-    out in 16-byte chunks, a warp covering two whole 256-byte rows per store; every
-    destination row is read before any store, so slot look-ups do not wait behind stores."""
-    if cutlass.const_expr(staged is None):
-        cute.autovec_copy(
-            values,
-            thr_mma.partition_C(output_tile(ptr, None, first_row, first_col, n_size, TILE_N)),
-        )
-    else:
-        consumer = tidx - THREADS_PER_WARPGROUP
-        warpgroup = consumer // THREADS_PER_WARPGROUP
-        barrier = 1 + warpgroup
-        lane = consumer % THREADS_PER_WARPGROUP
-        # The previous block's copy-out has read the buffer.
-        cute.arch.barrier(barrier_id=barrier, number_of_threads=THREADS_PER_WARPGROUP)
-        cute.autovec_copy(values, thr_mma.partition_C(staged))
-        cute.arch.barrier(barrier_id=barrier, number_of_threads=THREADS_PER_WARPGROUP)
-        chunks_in = cute.make_tensor(
-            staged.iterator,
-            cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
-        )
-        row_stride = cute.assume(Int64(n_size), divby=TILE_N)
-        chunk = lane % STAGED_CHUNKS
-        rows_per_pass = THREADS_PER_WARPGROUP // STAGED_CHUNKS
-        passes = 64 // rows_per_pass
-        targets = cute.make_rmem_tensor((passes,), Int64)
-        for i in cutlass.range_constexpr(passes):
-            row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
-            targets[i] = Int64(first_row + row)
-            if cutlass.const_expr(slots is not None):
-                rank = cute.make_tensor(slots[0], cute.make_layout(1 << 30))
-                slot = cute.make_tensor(slots[1], cute.make_layout(1 << 30))
-                # -1: a padding row, not stored.
-                targets[i] = cutlass.select_(
-                    rank[first_row + row] >= 0, Int64(slot[first_row + row]), Int64(-1)
-                )
-        for i in cutlass.range_constexpr(passes):
-            row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
-            if targets[i] >= 0:
-                offset = cute.assume(
-                    targets[i] * row_stride + Int64(first_col + chunk * 8), divby=8
-                )
-                out = cute.make_tensor(ptr + offset, cute.make_layout(8))
-                out.store(chunks_in[None, chunk, row].load())
+    Through `staged` (the `staged_block` buffer; `tidx` the thread's index): each consumer
+    warpgroup writes its 64 rows to shared memory (no bank conflicts), meets its own named
+    barrier (1 or 2), and copies them out in 16-byte chunks, a warp covering two whole 256-byte
+    rows per store; every destination row is read before any store, so slot look-ups do not
+    wait behind stores (4-byte stores straight from the accumulator layout stalled the LSU
+    queue)."""
+    consumer = tidx - THREADS_PER_WARPGROUP
+    warpgroup = consumer // THREADS_PER_WARPGROUP
+    barrier = 1 + warpgroup
+    lane = consumer % THREADS_PER_WARPGROUP
+    # The previous block's copy-out has read the buffer.
+    cute.arch.barrier(barrier_id=barrier, number_of_threads=THREADS_PER_WARPGROUP)
+    cute.autovec_copy(values, thr_mma.partition_C(staged))
+    cute.arch.barrier(barrier_id=barrier, number_of_threads=THREADS_PER_WARPGROUP)
+    chunks_in = cute.make_tensor(
+        staged.iterator,
+        cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
+    )
+    row_stride = cute.assume(Int64(n_size), divby=TILE_N)
+    chunk = lane % STAGED_CHUNKS
+    rows_per_pass = THREADS_PER_WARPGROUP // STAGED_CHUNKS
+    passes = 64 // rows_per_pass
+    targets = cute.make_rmem_tensor((passes,), Int64)
+    for i in cutlass.range_constexpr(passes):
+        row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
+        targets[i] = Int64(first_row + row)
+        if cutlass.const_expr(slots is not None):
+            rank = cute.make_tensor(slots[0], cute.make_layout(1 << 30))
+            slot = cute.make_tensor(slots[1], cute.make_layout(1 << 30))
+            # -1: a padding row, not stored.
+            targets[i] = cutlass.select_(
+                rank[first_row + row] >= 0, Int64(slot[first_row + row]), Int64(-1)
+            )
+    for i in cutlass.range_constexpr(passes):
+        row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
+        if targets[i] >= 0:
+            offset = cute.assume(targets[i] * row_stride + Int64(first_col + chunk * 8), divby=8)
+            out = cute.make_tensor(ptr + offset, cute.make_layout(8))
+            out.store(chunks_in[None, chunk, row].load())

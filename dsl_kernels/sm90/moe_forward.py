@@ -7,7 +7,7 @@ History (H200, docs/NOTES.md): v1 was 4-18% slower than the same tiles as separa
 through registers, one 16-byte load in flight per lane, and the GEMMs waited for rows (1.54x /
 1.40x / 1.05x of the baseline on Qwen / DeepSeek / Mixtral against the kernels' 2.27x / 1.45x /
 1.11x). v3 moved rows with bulk copies (within 0-5% of the kernels). v4, this file, stages the
-epilogue stores through shared memory like the separate GEMMs (`staged_stores`, which costs one
+epilogue stores through shared memory like the separate GEMMs (which costs one
 ring stage: 3 stages + 32 KiB dispatch staging + 34 KiB epilogue buffer) and is the default
 forward: within 2-4% of the separate kernels, either way by shape and run.
 
@@ -110,19 +110,13 @@ EXTRA_BARRIERS = MAX_SLOTS
 class Sm90MoeForward:
     """See the module docstring. `stages`: depth of the shared-memory operand ring."""
 
-    stages: int = 4
     # The gate/up and down epilogues stage their stores through shared memory
-    # (gemm_phases.store_block); its 34 KiB and the dispatch staging fit beside 3 ring stages.
-    staged_stores: bool = False
+    # (gemm_phases.store_block): its 34 KiB and the dispatch staging fit beside 3 ring stages.
+    stages: int = 3
 
     def validate(self) -> None:
-        if not 2 <= self.stages <= 4:
-            raise ValueError(f"stages must be in 2..4, got {self.stages}")
-        if self.staged_stores and self.stages > 3:
-            raise ValueError("staged_stores needs stages <= 3 (shared memory)")
-
-    def _staging_bytes(self) -> int:
-        return STAGING_BYTES + (phases.STAGED_BYTES if self.staged_stores else 0)
+        if not 2 <= self.stages <= 3:
+            raise ValueError(f"stages must be in 2..3, got {self.stages}")
 
     @property
     def threads(self) -> int:
@@ -291,11 +285,9 @@ class Sm90MoeForward:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, EXTRA_BARRIERS, self._staging_bytes()
+            a_layout, b_layout, self.stages, EXTRA_BARRIERS, STAGING_BYTES + phases.STAGED_BYTES
         )
-        staged = None
-        if cutlass.const_expr(self.staged_stores):
-            staged = phases.staged_block(storage, STAGING_BYTES)
+        staged = phases.staged_block(storage, STAGING_BYTES)
         extra_barriers = storage.extra_barriers.data_ptr()
         if warp_idx == 0:
             for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
@@ -341,8 +333,8 @@ class Sm90MoeForward:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
             read_state, release_state = phases.make_consumer_states(self.stages)
-            swiglu = Sm90ExpertGemm("swiglu", self.stages, self.staged_stores)
-            to_slots = Sm90ExpertGemm("slots", self.stages, self.staged_stores)
+            swiglu = Sm90ExpertGemm("swiglu", self.stages)
+            to_slots = Sm90ExpertGemm("slots", self.stages)
             acc0, acc1 = accs
             # ---- gate/up tasks ----
             task = bidx
