@@ -64,7 +64,8 @@ BACKOFF_MIN_NS = 32
 BACKOFF_MAX_NS = 1024
 
 
-def _asm(result_type, operands, asm: str, constraints: str, loc, ip):
+def side_effect_asm(result_type, operands, asm: str, constraints: str, loc, ip):
+    """An inline-PTX statement LLVM keeps where it is (also used by common/bulk_copy.py)."""
     # has_side_effects + "~{memory}": never hoisted out of a polling loop, never reordered
     # against other memory operations, never removed when the result is unused.
     return llvm.inline_asm(
@@ -95,7 +96,7 @@ def _i64(value, loc, ip):
 def ld_acquire_sys_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """`ld.acquire.sys.global.b32`: reads after it see what the releasing writer wrote before."""
     return Int32(
-        _asm(
+        side_effect_asm(
             T.i32(),
             [_i64(address, loc, ip)],
             "ld.acquire.sys.global.b32 $0, [$1];",
@@ -109,7 +110,7 @@ def ld_acquire_sys_s32(address: Int64, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def red_add_release_sys_s32(address: Int64, value: Int32, *, loc=None, ip=None) -> None:
     """`red.release.sys.global.add.s32`: writes before it are visible to whoever acquires it."""
-    _asm(
+    side_effect_asm(
         None,
         [_i64(address, loc, ip), _i32(value, loc, ip)],
         "red.release.sys.global.add.s32 [$0], $1;",
@@ -124,7 +125,7 @@ def ld_acquire_gpu_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """`ld.acquire.gpu.global.b32`: `ld_acquire_sys_s32` for a counter only this GPU's CTAs
     write (a megakernel's local dependency): no system-scope coherence to wait for."""
     return Int32(
-        _asm(
+        side_effect_asm(
             T.i32(),
             [_i64(address, loc, ip)],
             "ld.acquire.gpu.global.b32 $0, [$1];",
@@ -138,7 +139,7 @@ def ld_acquire_gpu_s32(address: Int64, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def red_add_release_gpu_s32(address: Int64, value: Int32, *, loc=None, ip=None) -> None:
     """`red.release.gpu.global.add.s32`: the GPU-scope release matching `ld_acquire_gpu_s32`."""
-    _asm(
+    side_effect_asm(
         None,
         [_i64(address, loc, ip), _i32(value, loc, ip)],
         "red.release.gpu.global.add.s32 [$0], $1;",
@@ -152,7 +153,7 @@ def red_add_release_gpu_s32(address: Int64, value: Int32, *, loc=None, ip=None) 
 def atom_add_release_sys_s32(address: Int64, value: Int32, *, loc=None, ip=None) -> Int32:
     """`atom.release.sys.global.add.s32`: as `red_add_release_sys_s32`, returning the old value."""
     return Int32(
-        _asm(
+        side_effect_asm(
             T.i32(),
             [_i64(address, loc, ip), _i32(value, loc, ip)],
             "atom.release.sys.global.add.s32 $0, [$1], $2;",
@@ -169,7 +170,7 @@ def atom_add_acq_rel_gpu_s32(address: Int64, value: Int32, *, loc=None, ip=None)
     before, and its later ones after, those of every thread on this GPU that adds to the same
     word (a count of CTAs that have finished a step; GPU scope: only this GPU's CTAs count)."""
     return Int32(
-        _asm(
+        side_effect_asm(
             T.i32(),
             [_i64(address, loc, ip), _i32(value, loc, ip)],
             "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
@@ -186,7 +187,7 @@ def atom_cas_relaxed_sys_b32(
 ) -> Int32:
     """`atom.relaxed.sys.global.cas.b32`: old value; stores `value` if old == `compare`."""
     return Int32(
-        _asm(
+        side_effect_asm(
             T.i32(),
             [_i64(address, loc, ip), _i32(compare, loc, ip), _i32(value, loc, ip)],
             "atom.relaxed.sys.global.cas.b32 $0, [$1], $2, $3;",
@@ -200,7 +201,7 @@ def atom_cas_relaxed_sys_b32(
 @dsl_user_op
 def st_relaxed_sys_b32(address: Int64, value: Int32, *, loc=None, ip=None) -> None:
     """`st.relaxed.sys.global.b32`: a store other GPUs and the host may observe."""
-    _asm(
+    side_effect_asm(
         None,
         [_i64(address, loc, ip), _i32(value, loc, ip)],
         "st.relaxed.sys.global.b32 [$0], $1;",
@@ -216,7 +217,7 @@ def st_global_v4_b32(
 ) -> None:
     """`st.global.v4.b32`: one 16-byte store (address 16-byte aligned); weak, so publish it
     with a release (fence + red.release) before anyone reads it."""
-    _asm(
+    side_effect_asm(
         None,
         [
             _i64(address, loc, ip),
@@ -235,7 +236,7 @@ def st_global_v4_b32(
 @dsl_user_op
 def st_global_b32(address: Int64, value: Int32, *, loc=None, ip=None) -> None:
     """`st.global.b32`: one weak 4-byte store (published like `st_global_v4_b32`)."""
-    _asm(
+    side_effect_asm(
         None,
         [_i64(address, loc, ip), _i32(value, loc, ip)],
         "st.global.b32 [$0], $1;",
@@ -249,7 +250,7 @@ def st_global_b32(address: Int64, value: Int32, *, loc=None, ip=None) -> None:
 def ld_global_s64_as_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     """Load one int64 and keep its low 32 bits (`ld.global.nc.s64` + `cvt.u32.u64`)."""
     return Int32(
-        _asm(
+        side_effect_asm(
             T.i32(),
             [_i64(address, loc, ip)],
             "{\n.reg .b64 wide;\nld.global.nc.s64 wide, [$1];\ncvt.u32.u64 $0, wide;\n}",
@@ -264,7 +265,7 @@ def ld_global_s64_as_s32(address: Int64, *, loc=None, ip=None) -> Int32:
 def ld_global_b64(address: Int64, *, loc=None, ip=None) -> Int64:
     """`ld.global.nc.b64`: one 64-bit word (an entry of a peer-pointer table)."""
     return Int64(
-        _asm(
+        side_effect_asm(
             T.i64(),
             [_i64(address, loc, ip)],
             "ld.global.nc.b64 $0, [$1];",
@@ -278,21 +279,21 @@ def ld_global_b64(address: Int64, *, loc=None, ip=None) -> Int64:
 @dsl_user_op
 def fence_sc_sys(*, loc=None, ip=None) -> None:
     """`fence.sc.sys` (__threadfence_system): orders every earlier access before every later one."""
-    _asm(None, [], "fence.sc.sys;", "~{memory}", loc, ip)
+    side_effect_asm(None, [], "fence.sc.sys;", "~{memory}", loc, ip)
 
 
 @dsl_user_op
 def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
     """`fence.acq_rel.sys`: makes a following relaxed/release op cumulative over the CTA's writes
     that a preceding bar.sync ordered before this thread."""
-    _asm(None, [], "fence.acq_rel.sys;", "~{memory}", loc, ip)
+    side_effect_asm(None, [], "fence.acq_rel.sys;", "~{memory}", loc, ip)
 
 
 @dsl_user_op
 def wrapping_difference(value: Int32, target: Int32, *, loc=None, ip=None) -> Int32:
     """`value - target` in two's complement (`sub.s32` wraps): >= 0 means "reached"."""
     return Int32(
-        _asm(
+        side_effect_asm(
             T.i32(),
             [_i32(value, loc, ip), _i32(target, loc, ip)],
             "sub.s32 $0, $1, $2;",
@@ -306,19 +307,19 @@ def wrapping_difference(value: Int32, target: Int32, *, loc=None, ip=None) -> In
 @dsl_user_op
 def global_timer_ns(*, loc=None, ip=None) -> Int64:
     """`%globaltimer`: a 64-bit nanosecond clock shared by the whole GPU."""
-    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l,~{memory}", loc, ip))
+    return Int64(side_effect_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l,~{memory}", loc, ip))
 
 
 @dsl_user_op
 def nanosleep(duration_ns: Int32, *, loc=None, ip=None) -> None:
     """`nanosleep.u32`: suspend this warp for about `duration_ns` (0 .. 1 ms)."""
-    _asm(None, [_i32(duration_ns, loc, ip)], "nanosleep.u32 $0;", "r,~{memory}", loc, ip)
+    side_effect_asm(None, [_i32(duration_ns, loc, ip)], "nanosleep.u32 $0;", "r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     """`trap`: abort the kernel (the CUDA context becomes unusable; the error record survives)."""
-    _asm(None, [], "trap;", "~{memory}", loc, ip)
+    side_effect_asm(None, [], "trap;", "~{memory}", loc, ip)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,26 +5,14 @@ aligned) on the TMA engine: one thread issues it, no registers hold the data, an
 in flight. The load completes on an mbarrier (transaction bytes); the store joins the issuing
 thread's bulk async-group, waited for with `cp.async.bulk.wait_group[.read]` (the DSL's
 `cute.arch.cp_async_bulk_commit_group` / `cp_async_bulk_wait_group`). The DSL has no op for the
-non-tensor form, hence the asm. Shared addresses are 32-bit `shared::cta` addresses.
+non-tensor form, hence the asm (bounded_wait.side_effect_asm). Shared addresses are 32-bit
+`shared::cta` addresses.
 """
 
 from cutlass import Int32, Int64
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-
-def _issue(operands, asm: str, constraints: str, loc, ip) -> None:
-    llvm.inline_asm(
-        None,
-        operands,
-        asm,
-        constraints,
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+from .bounded_wait import side_effect_asm
 
 
 @dsl_user_op
@@ -33,7 +21,8 @@ def bulk_load_to_shared(
 ) -> None:
     """`size` bytes global -> shared; completes `size` transaction bytes on `mbarrier` (whose
     expected count the issuer raised first, e.g. with `mbarrier_arrive_and_expect_tx`)."""
-    _issue(
+    side_effect_asm(
+        None,
         [
             Int32(smem_address).ir_value(loc=loc, ip=ip),
             Int64(gmem_address).ir_value(loc=loc, ip=ip),
@@ -52,7 +41,8 @@ def bulk_store_from_shared(
     gmem_address: Int64, smem_address: Int32, size: Int32, *, loc=None, ip=None
 ) -> None:
     """`size` bytes shared -> global, in the issuing thread's current bulk async-group."""
-    _issue(
+    side_effect_asm(
+        None,
         [
             Int64(gmem_address).ir_value(loc=loc, ip=ip),
             Int32(smem_address).ir_value(loc=loc, ip=ip),
