@@ -82,14 +82,30 @@ def test_engine_instructions(built, name):
     assert _count(ptx, "wgmma.commit_group") >= 1 and _count(ptx, "wgmma.wait_group") >= 2
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", ptx)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)
-    assert _count(ptx, "mbarrier.init") >= 2 * 4  # full + empty barrier per stage
+    stages = {v.name: v for v in variants()}[name].config["stages"]
+    assert _count(ptx, "mbarrier.init") >= 2 * stages  # full + empty barrier per stage
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.expect_tx" in ptx
-    # Staged epilogue, per 128 x 128 block and thread: bf16 pairs into shared memory, then
-    # eight 16-byte rows chunks out (swiglu writes gate, up and hidden: 3 blocks; down 2).
-    blocks = 3 if name == "expert_gemm_gate_up_swiglu" else 2
-    assert _count(ptx, "st.global.v4") == _count(ptx, "st.global") == 8 * blocks
-    assert _count(ptx, "ld.shared.v4") == 8 * blocks
-    assert _count(ptx, "st.shared") >= 1
+    # Epilogue warps: swiglu stores gate, up and hidden per 16-byte chunk; down two blocks.
+    assert_epilogue_handoff(ptx, 3 if name == "expert_gemm_gate_up_swiglu" else 2, slots=False)
+
+
+def assert_epilogue_handoff(ptx: str, stores_per_chunk: int, slots: bool) -> None:
+    """The epilogue-warps hand-off (dsl_kernels/sm90/epilogue_warps.py) is what the PTX does:
+    the consumers write their 2 x 32 bf16 pairs of the two accumulators to shared memory
+    between `bar.sync BUFFERS_FREE` and `bar.arrive TILE_READY` (352 threads: 256 consumers +
+    96 epilogue-warp threads); the epilogue warps arrive on BUFFERS_FREE (before the first tile
+    and after each tile), wait on TILE_READY, and copy each 16-byte chunk of both blocks out
+    with 16-byte stores; slots tiles look their 128 destination rows up between two
+    96-thread barriers."""
+    barriers = re.findall(r"^\s*(bar\.(?:sync|arrive))\s+(\d+)(?:,\s*(\d+))?;", ptx, re.M)
+    assert barriers.count(("bar.sync", "4", "352")) == 1
+    assert barriers.count(("bar.arrive", "3", "352")) == 1
+    assert barriers.count(("bar.sync", "3", "352")) == 1
+    assert barriers.count(("bar.arrive", "4", "352")) == 2
+    assert barriers.count(("bar.sync", "5", "96")) == (2 if slots else 0)
+    assert _count(ptx, "st.shared.b32") == 2 * 32 + (1 if slots else 0)
+    assert _count(ptx, "ld.shared.v4") == 2
+    assert _count(ptx, "st.global.v4") == _count(ptx, "st.global") == stores_per_chunk
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -176,3 +192,12 @@ def test_manifest_parses_and_packs(built):
                 variant.tma_spec("tma_a"), shape, (shape[1], 1), torch.bfloat16, 0x100000
             )
             assert args.box == (64, 128) and args.swizzle == "128B"
+
+
+@pytest.mark.parametrize("name", ["expert_gemm_down_to_slots", "expert_gemm_bwd_d_x_to_slots"])
+def test_slots_epilogue_handoff(name):
+    """The to-slots GEMMs: the same hand-off, the destination rows looked up by the epilogue
+    warps into shared memory first."""
+    variant = {v.name: v for v in variants()}[name]
+    _, _, ptx = build.compile_variant(variant, "sm_90a")
+    assert_epilogue_handoff(ptx, 2, slots=True)

@@ -22,14 +22,20 @@ the A tile: B0/B1 are the gate and up weight rows of the same 128 output columns
 adjacent 128-column blocks of W_down (store). Two accumulators with the same register layout put
 gate[i, j] and up[i, j] in the same thread, so SwiGLU is an elementwise register operation.
 
-Epilogue (gemm_phases.store_block): each consumer warpgroup writes its 64 rows of a rounded
-128 x 128 block to a padded shared-memory buffer (4-byte stores, no bank conflicts), meets its
-own named barrier and copies the rows out in 16-byte chunks (a warp covers two whole 256-byte
-rows per store; slot rows are looked up before any store). 4-byte st.global straight from the
-accumulator layout stalled the consumers on the LSU queue (ncu: lg_throttle, 14% of warp
-samples in Qwen's gate/up); staging made Qwen's gate/up 18% and down 28% faster on the H200
-(docs/NOTES.md). The buffer is 34 KiB: with the 4-stage ring exactly the 227 KiB an SM90 CTA
-may have.
+Epilogue, two forms:
+- `epilogue_warps=True` (every shipped variant; epilogue_warps.py): the consumers round their
+  accumulators into two padded shared-memory blocks and go straight on to the next tile's
+  mainloop; warps 1-3 of the producer warpgroup compute SwiGLU and store the tile in 16-byte
+  row chunks meanwhile. The mainloop alone runs at 93-100% of the GEMM ceiling and the
+  epilogue took 15-18% of each tile when the consumers ran it; moving it off them made gate/up
+  9-13% faster on the H200 (docs/NOTES.md, session 5). The two 34 KiB blocks leave 3 ring
+  stages.
+- otherwise (the forward megakernel's consumers use it through `_epilogue`):
+  gemm_phases.store_block, where each consumer warpgroup writes its 64 rows of a rounded
+  128 x 128 block to a padded shared-memory buffer (no bank conflicts), meets its own named
+  barrier and copies the rows out in 16-byte chunks. It replaced 4-byte st.global straight from
+  the accumulator layout, which stalled the consumers on the LSU queue (ncu: lg_throttle),
+  and made Qwen's gate/up 18% and down 28% faster. One 34 KiB buffer: 4 ring stages fit.
 
 Kernel parameters, in order (the runtime encodes the three descriptors from the manifest's tma
 specs; tensors are row-major, innermost dim last):
@@ -59,9 +65,10 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
+from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import (
@@ -85,14 +92,19 @@ class Sm90ExpertGemm:
 
     epilogue: str = "swiglu"
     stages: int = 4
+    # Epilogue warps (epilogue_warps.py): the consumers hand each rounded tile to the producer
+    # warpgroup's warps 1-3, which store it while the next tile's mainloop runs. Its two
+    # 34 KiB blocks leave room for 3 stages.
+    epilogue_warps: bool = False
 
     def validate(self) -> None:
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
-        if not 2 <= self.stages <= 4:
-            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages and the 34 KiB epilogue buffer
-            # are what fits in 227 KiB.
-            raise ValueError(f"stages must be in 2..4, got {self.stages}")
+        max_stages = 3 if self.epilogue_warps else 4
+        if not 2 <= self.stages <= max_stages:
+            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages and the 34 KiB epilogue buffer,
+            # or 3 stages and the epilogue warps' two, are what fits in 227 KiB.
+            raise ValueError(f"stages must be in 2..{max_stages}, got {self.stages}")
 
     # ------------------------------------------------------------------ static configuration
 
@@ -217,10 +229,16 @@ class Sm90ExpertGemm:
         tiled_mma = self._tiled_mma()
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
+        staging_bytes = phases.STAGED_BYTES
+        if cutlass.const_expr(self.epilogue_warps):
+            staging_bytes = handoff.BUFFER_BYTES
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, phases.STAGED_BYTES
+            a_layout, b_layout, self.stages, 0, staging_bytes
         )
         staged = phases.staged_block(storage)
+        buffers = None
+        if cutlass.const_expr(self.epilogue_warps):
+            buffers = handoff.handoff_buffers(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -241,7 +259,7 @@ class Sm90ExpertGemm:
         tiles = TileList(tokens_per_expert, num_experts, col_tiles)
 
         if warpgroup == 0:
-            # ================= producer warpgroup: warp 0 issues TMA, warps 1-3 exit =========
+            # ====== producer warpgroup: warp 0 issues TMA, warps 1-3 exit or store tiles ======
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 tAsA, tAgA = phases.partition_tma_load(tma_a, sA, mA, (TILE_M, TILE_K))
@@ -270,6 +288,13 @@ class Sm90ExpertGemm:
                     )
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
+            if cutlass.const_expr(self.epilogue_warps):
+                if warp_idx != 0:
+                    self._epilogue_warps(
+                        tiles, bidx, grid_size, buffers, out_ptr, gate_ptr, up_ptr,
+                        peer_rank_ptr, peer_token_idx_ptr, n_size, has_limit, swiglu_limit,
+                        tidx - 32,
+                    )  # fmt: skip
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -289,24 +314,27 @@ class Sm90ExpertGemm:
                     tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
                 )
 
-                # ---- epilogue: registers -> global (staged: through shared memory) ----
-                self._epilogue(
-                    thr_mma,
-                    acc0,
-                    acc1,
-                    out_ptr,
-                    gate_ptr,
-                    up_ptr,
-                    peer_rank_ptr,
-                    peer_token_idx_ptr,
-                    first_row,
-                    col_tile,
-                    n_size,
-                    has_limit,
-                    swiglu_limit,
-                    staged,
-                    tidx,
-                )
+                # ---- epilogue: registers -> global through shared memory, or hand-off ----
+                if cutlass.const_expr(self.epilogue_warps):
+                    handoff.hand_off(thr_mma, (acc0, acc1), buffers)
+                else:
+                    self._epilogue(
+                        thr_mma,
+                        acc0,
+                        acc1,
+                        out_ptr,
+                        gate_ptr,
+                        up_ptr,
+                        peer_rank_ptr,
+                        peer_token_idx_ptr,
+                        first_row,
+                        col_tile,
+                        n_size,
+                        has_limit,
+                        swiglu_limit,
+                        staged,
+                        tidx,
+                    )
 
                 tile = tile + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
@@ -381,3 +409,45 @@ class Sm90ExpertGemm:
                 phases.store_block(
                     thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, None
                 )
+
+    @cute.jit
+    def _epilogue_warps(
+        self, tiles, bidx, grid_size, buffers, out_ptr, gate_ptr, up_ptr, peer_rank_ptr,
+        peer_token_idx_ptr, n_size, has_limit, swiglu_limit, lane,
+    ):  # fmt: skip
+        """Warps 1-3 (`lane` 0..95): store this CTA's tiles from the hand-off blocks."""
+        row_stride = cute.assume(Int64(n_size), divby=TILE_N)
+        if cutlass.const_expr(self.epilogue == "swiglu"):
+            store_args = (out_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit)
+            handoff.run(tiles, bidx, grid_size, buffers, lane, TILE_N, None,
+                        self._store_swiglu_chunk, store_args)  # fmt: skip
+        else:
+            slots = None
+            if cutlass.const_expr(self.epilogue == "slots"):
+                slots = (peer_rank_ptr, peer_token_idx_ptr)
+            handoff.run(tiles, bidx, grid_size, buffers, lane, 2 * TILE_N, slots,
+                        handoff.store_pair, (out_ptr, row_stride))  # fmt: skip
+
+    @cute.jit
+    def _store_swiglu_chunk(
+        self, gate_chunk, up_chunk, target, chunk, first_col, out_ptr, gate_ptr, up_ptr,
+        row_stride, has_limit, swiglu_limit,
+    ):  # fmt: skip
+        """One 16-byte chunk of row `target`: gate, up, and hidden = SwiGLU from the
+        bf16-rounded values in fp32 (mok.reference.swiglu)."""
+        at = cute.assume(target * row_stride + Int64(first_col + chunk * 8), divby=8)
+        cute.make_tensor(gate_ptr + at, cute.make_layout(8)).store(gate_chunk)
+        cute.make_tensor(up_ptr + at, cute.make_layout(8)).store(up_chunk)
+        gate = cute.make_rmem_tensor((8,), BFloat16)
+        up = cute.make_rmem_tensor((8,), BFloat16)
+        hidden = cute.make_rmem_tensor((8,), Float32)
+        gate.store(gate_chunk)
+        up.store(up_chunk)
+        for i in cutlass.range_constexpr(8):
+            g = Float32(gate[i])
+            u = Float32(up[i])
+            if has_limit != 0:
+                g = cutlass.min(g, swiglu_limit)
+                u = cutlass.max(cutlass.min(u, swiglu_limit), -swiglu_limit)
+            hidden[i] = g / (Float32(1.0) + cute.math.exp(-g)) * u
+        cute.make_tensor(out_ptr + at, cute.make_layout(8)).store(hidden.load().to(BFloat16))

@@ -7,8 +7,12 @@
     d_x[r, :] = bf16(d_gate[r, :] @ W_gate[e] + d_up[r, :] @ W_up[e])
 `Sm90ExpertGemmBwd(job="d_x_slots")` is d_x stored where the backward's combine reads it:
     d_x_slots[peer_token_idx[r], :] = d_x[r, :] for rows with peer_rank[r] >= 0 (padding rows
-    are not stored), one row per (token, j) slot (gemm_phases.store_block)
+    are not stored), one row per (token, j) slot
 for every routed row r of expert e (rows grouped by expert, see expert_tiles.py).
+
+The shipped d_x variants hand each tile to the epilogue warps (epilogue_warps.py: warps 1-3
+store it while the consumers run the next tile; 3 ring stages); d_hidden_swiglu's consumers
+run its epilogue themselves through gemm_phases.store_block (4 stages).
 
 The engine is the forward's (expert_gemm.py): one producer warpgroup (warp 0 issues TMA, 40
 registers), two consumer warpgroups (232 registers, 64 rows each) running wgmma from a
@@ -75,9 +79,10 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
+from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
@@ -94,13 +99,20 @@ class Sm90ExpertGemmBwd:
 
     job: str = "d_hidden_swiglu"
     stages: int = 4
+    # d_x jobs: the epilogue warps of epilogue_warps.py store each tile while the consumers
+    # run the next one (two 34 KiB hand-off blocks: at most 3 stages).
+    epilogue_warps: bool = False
 
     def validate(self) -> None:
         if self.job not in JOBS:
             raise ValueError(f"job must be one of {JOBS}, got {self.job!r}")
-        if not 2 <= self.stages <= 4:
-            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages is what fits in 227 KiB.
-            raise ValueError(f"stages must be in 2..4, got {self.stages}")
+        if self.epilogue_warps and self.job == "d_hidden_swiglu":
+            raise ValueError("epilogue_warps is for the d_x jobs only")
+        max_stages = 3 if self.epilogue_warps else 4
+        if not 2 <= self.stages <= max_stages:
+            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages and the 34 KiB epilogue buffer,
+            # or 3 stages and the epilogue warps' two, are what fits in 227 KiB.
+            raise ValueError(f"stages must be in 2..{max_stages}, got {self.stages}")
 
     # ------------------------------------------------------------------ static configuration
 
@@ -256,12 +268,18 @@ class Sm90ExpertGemmBwd:
         tiled_mma = self._tiled_mma()
         a_layout = self._a_smem_layout()
         b_layout = self._b_smem_layout()
+        staging_bytes = phases.STAGED_BYTES
+        if cutlass.const_expr(self.epilogue_warps):
+            staging_bytes = handoff.BUFFER_BYTES
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, phases.STAGED_BYTES
+            a_layout, b_layout, self.stages, 0, staging_bytes
         )
-        # Epilogue stores go through shared memory in 16-byte rows (gemm_phases.store_block);
-        # the d_hidden job's gate/up loads stay direct.
+        # Epilogue stores go through shared memory in 16-byte rows (gemm_phases.store_block, or
+        # the epilogue warps' hand-off blocks); the d_hidden job's gate/up loads stay direct.
         staged = phases.staged_block(storage)
+        buffers = None
+        if cutlass.const_expr(self.epilogue_warps):
+            buffers = handoff.handoff_buffers(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a0)
@@ -282,7 +300,7 @@ class Sm90ExpertGemmBwd:
         tiles = TileList(tokens_per_expert, num_experts, col_tiles)
 
         if warpgroup == 0:
-            # ================= producer warpgroup: warp 0 issues TMA, warps 1-3 exit =========
+            # ====== producer warpgroup: warp 0 issues TMA, warps 1-3 exit or store tiles ======
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 # Per K half: (atom, smem, gmem) of A; (atom, smem of B0, smem of B1, gmem) of B.
@@ -321,6 +339,14 @@ class Sm90ExpertGemmBwd:
                     )
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
+            if cutlass.const_expr(self.epilogue_warps):
+                if warp_idx != 0:
+                    slots = None
+                    if cutlass.const_expr(self.job == "d_x_slots"):
+                        slots = (peer_rank_ptr, peer_token_idx_ptr)
+                    row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
+                    handoff.run(tiles, bidx, grid_size, buffers, tidx - 32, 2 * TILE_N, slots,
+                                handoff.store_pair, (out0_ptr, row_stride))  # fmt: skip
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -341,8 +367,10 @@ class Sm90ExpertGemmBwd:
                     tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
                 )
 
-                # ---- epilogue: registers -> shared -> global ----
-                if cutlass.const_expr(self.job in ("d_x", "d_x_slots")):
+                # ---- epilogue: registers -> shared -> global (or to the epilogue warps) ----
+                if cutlass.const_expr(self.epilogue_warps):
+                    handoff.hand_off(thr_mma, (acc0, acc1), buffers)
+                elif cutlass.const_expr(self.job in ("d_x", "d_x_slots")):
                     slots = None
                     if cutlass.const_expr(self.job == "d_x_slots"):
                         slots = (peer_rank_ptr, peer_token_idx_ptr)

@@ -1,0 +1,168 @@
+"""Epilogue warps for the SM90 GEMM engine (gemm_phases): the epilogue runs beside the next
+tile's mainloop instead of after it.
+
+Measured on the H200 (docs/NOTES.md, session 4): the TMA + wgmma mainloop alone runs at 93-100%
+of the GEMM ceiling, and the epilogue (rounding, SwiGLU, stores) took 15-18% of each tile's time
+while the tensor cores idled. Here the consumer warpgroups only round their two fp32
+accumulators to bf16 into two padded shared-memory blocks (`gemm_phases.staged_block`, 34 KiB
+each) and go straight on to the next tile's wgmmas; warps 1-3 of the producer warpgroup, idle
+until now, do the rest of the epilogue from those blocks (SwiGLU, 16-byte global stores, slot
+look-ups) while the next tile's mainloop runs.
+
+Hand-off, per tile, on two named barriers of the 256 consumer threads plus the 96 epilogue
+threads (ids 1 and 2 stay the consumers' staged epilogue's):
+- BUFFERS_FREE: the epilogue warps arrive when the blocks may be overwritten (once before the
+  first tile, then after storing each tile that has a successor); the consumers wait on it
+  before writing.
+- TILE_READY: the consumers arrive after writing; the epilogue warps wait on it.
+Each barrier has at most one generation pending: the epilogue warps arrive on BUFFERS_FREE for
+tile i + 1 only after TILE_READY of tile i, which the consumers reach only after BUFFERS_FREE
+of tile i. Both sides walk the same tile sequence, so the arrivals match one for one; no
+arrival is left pending at exit (none for a tile that does not exist).
+
+A third barrier (TARGETS, the 96 epilogue threads) guards the 128 destination rows of a `slots`
+tile, looked up into shared memory before TILE_READY so the look-ups overlap the wait.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Int32, Int64
+
+from .expert_tiles import locate_first_tile, locate_tile
+from .gemm_phases import (
+    STAGED_BYTES,
+    STAGED_CHUNKS,
+    STAGED_ROW,
+    THREADS_PER_WARPGROUP,
+    TILE_M,
+    TILE_N,
+    staged_block,
+)
+
+TILE_READY = 3
+BUFFERS_FREE = 4
+TARGETS = 5
+EPILOGUE_THREADS = 96  # warps 1-3
+HANDOFF_THREADS = 2 * THREADS_PER_WARPGROUP + EPILOGUE_THREADS
+# Two staged blocks and the 128 destination rows of a slots tile.
+TARGETS_OFFSET = 2 * STAGED_BYTES
+BUFFER_BYTES = TARGETS_OFFSET + 4 * TILE_M
+CHUNKS_PER_TILE = TILE_M * STAGED_CHUNKS
+
+
+def handoff_buffers(storage, offset_bytes: int = 0):
+    """(block 0, block 1, targets) in `storage.staging` from `offset_bytes` (BUFFER_BYTES)."""
+    targets = cute.make_tensor(
+        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes + TARGETS_OFFSET, dtype=Int32),
+        cute.make_layout(TILE_M),
+    )
+    return (
+        staged_block(storage, offset_bytes),
+        staged_block(storage, offset_bytes + STAGED_BYTES),
+        targets,
+    )
+
+
+# ---------------------------------------------------------------------- consumer side
+
+
+@cute.jit
+def hand_off(thr_mma, accumulators: tuple, buffers: tuple):
+    """Consumers: round both accumulators into the two blocks once the epilogue warps freed
+    them, then tell the epilogue warps the tile is there (arrive: no waiting for them)."""
+    cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=HANDOFF_THREADS)
+    for j in cutlass.range_constexpr(2):
+        acc = accumulators[j]
+        values = cute.make_rmem_tensor(acc.shape, BFloat16)
+        values.store(acc.load().to(BFloat16))
+        cute.autovec_copy(values, thr_mma.partition_C(buffers[j]))
+    cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=HANDOFF_THREADS)
+
+
+# ---------------------------------------------------------------------- epilogue-warp side
+
+
+def release_buffers():
+    """Epilogue warps: the blocks may be overwritten (before the first tile, and after each
+    tile that has a successor)."""
+    cute.arch.barrier_arrive(barrier_id=BUFFERS_FREE, number_of_threads=HANDOFF_THREADS)
+
+
+def wait_tile():
+    """Epilogue warps: the consumers have written this tile's blocks."""
+    cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=HANDOFF_THREADS)
+
+
+@cute.jit
+def look_up_targets(targets: cute.Tensor, lane, first_row, peer_rank_ptr, peer_token_idx_ptr):
+    """Epilogue warps, before `wait_tile`: targets[r] = the slot of routed row first_row + r,
+    or -1 for a padding row (not stored). Waits until the previous tile's copy-out stopped
+    reading `targets`, and until every entry is written."""
+    rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(1 << 30))
+    slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(1 << 30))
+    cute.arch.barrier(barrier_id=TARGETS, number_of_threads=EPILOGUE_THREADS)
+    for row in cutlass.range(lane, TILE_M, EPILOGUE_THREADS, unroll=1):
+        targets[row] = cutlass.select_(rank[first_row + row] >= 0, slot[first_row + row], Int32(-1))
+    cute.arch.barrier(barrier_id=TARGETS, number_of_threads=EPILOGUE_THREADS)
+
+
+@cute.jit
+def copy_out(buffers: tuple, lane, first_row, first_col, targets, store_chunk, store_args):
+    """Epilogue warps: every 16-byte chunk of the tile, a warp covering two whole 256-byte
+    rows per pass: store_chunk(block 0 chunk, block 1 chunk, destination row (Int64), chunk
+    index, first_col, *store_args) for each row whose destination is not -1 (`targets` None:
+    row first_row + r)."""
+    views = [
+        cute.make_tensor(
+            buffers[j].iterator,
+            cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
+        )
+        for j in range(2)
+    ]
+    for idx in cutlass.range(lane, CHUNKS_PER_TILE, EPILOGUE_THREADS, unroll=1):
+        row = idx // STAGED_CHUNKS
+        chunk = idx % STAGED_CHUNKS
+        target = Int64(first_row + row)
+        if cutlass.const_expr(targets is not None):
+            target = Int64(targets[row])
+        if target >= 0:
+            store_chunk(
+                views[0][None, chunk, row].load(), views[1][None, chunk, row].load(), target,
+                chunk, first_col, *store_args,
+            )  # fmt: skip
+
+
+@cute.jit
+def store_pair(first, second, target, chunk, first_col, out_ptr, row_stride):
+    """A `store_chunk` for tiles of two adjacent 128-column blocks (block 0 at first_col)."""
+    at = cute.assume(target * row_stride + Int64(first_col + chunk * 8), divby=8)
+    cute.make_tensor(out_ptr + at, cute.make_layout(8)).store(first)
+    cute.make_tensor(out_ptr + at + TILE_N, cute.make_layout(8)).store(second)
+
+
+@cute.jit
+def run(tiles, bidx, grid_size, buffers, lane, tile_cols: int, slots, store_chunk, store_args):
+    """Warps 1-3 (`lane` 0..95) of a persistent GEMM: store each of this CTA's tiles (tile =
+    bidx, then + grid_size, as the consumers walk them; `tile_cols` output columns per tile)
+    from the hand-off blocks while the consumers run the next one. `slots` (peer_rank,
+    peer_token_idx pointers) or None: rows go to their slots, padding rows nowhere."""
+    tile = bidx
+    expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
+    if expert < tiles.num_experts:
+        release_buffers()
+    while expert < tiles.num_experts:
+        local = tile - tile_base
+        first_row = row_base + (local % row_tiles) * TILE_M
+        first_col = (local // row_tiles) * tile_cols
+        tile = tile + grid_size
+        expert, tile_base, row_base, row_tiles = locate_tile(
+            tiles, tile, (expert, tile_base, row_base, row_tiles)
+        )
+        targets = None
+        if cutlass.const_expr(slots is not None):
+            targets = buffers[2]
+            look_up_targets(targets, lane, first_row, slots[0], slots[1])
+        wait_tile()
+        copy_out(buffers, lane, first_row, first_col, targets, store_chunk, store_args)
+        if expert < tiles.num_experts:
+            release_buffers()
