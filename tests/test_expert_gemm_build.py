@@ -89,20 +89,23 @@ def test_engine_instructions(built, name):
     assert_epilogue_handoff(ptx, 3 if name == "expert_gemm_gate_up_swiglu" else 2, slots=False)
 
 
-def assert_epilogue_handoff(ptx: str, stores_per_chunk: int, slots: bool) -> None:
+def assert_epilogue_handoff(ptx: str, stores_per_chunk: int, slots: bool, crew: int = 96) -> None:
     """The epilogue-warps hand-off (dsl_kernels/sm90/epilogue_warps.py) is what the PTX does:
     the consumers write their 2 x 32 bf16 pairs of the two accumulators to shared memory
-    between `bar.sync BUFFERS_FREE` and `bar.arrive TILE_READY` (352 threads: 256 consumers +
-    96 epilogue-warp threads); the epilogue warps arrive on BUFFERS_FREE (before the first tile
-    and after each tile), wait on TILE_READY, and copy each 16-byte chunk of both blocks out
-    with 16-byte stores; slots tiles look their 128 destination rows up between two
-    96-thread barriers."""
+    between `bar.sync BUFFERS_FREE` and `bar.arrive TILE_READY` (256 consumer threads + the
+    crew's `crew` threads); the crew arrives on BUFFERS_FREE at the start of each tile, waits
+    on TILE_READY, and copies each 16-byte chunk of both blocks out with 16-byte stores; slots
+    tiles look their 128 destination rows up between two crew-wide barriers."""
+    handoff = str(256 + crew)
     barriers = re.findall(r"^\s*(bar\.(?:sync|arrive))\s+(\d+)(?:,\s*(\d+))?;", ptx, re.M)
-    assert barriers.count(("bar.sync", "4", "352")) == 1
-    assert barriers.count(("bar.arrive", "3", "352")) == 1
-    assert barriers.count(("bar.sync", "3", "352")) == 1
-    assert barriers.count(("bar.arrive", "4", "352")) == 2
-    assert barriers.count(("bar.sync", "5", "96")) == (2 if slots else 0)
+    for op, barrier_id in (
+        ("bar.sync", "4"),
+        ("bar.arrive", "3"),
+        ("bar.sync", "3"),
+        ("bar.arrive", "4"),
+    ):
+        assert barriers.count((op, barrier_id, handoff)) == 1, (op, barrier_id)
+    assert barriers.count(("bar.sync", "5", str(crew))) == (2 if slots else 0)
     assert _count(ptx, "st.shared.b32") == 2 * 32 + (1 if slots else 0)
     assert _count(ptx, "ld.shared.v4") == 2
     assert _count(ptx, "st.global.v4") == _count(ptx, "st.global") == stores_per_chunk

@@ -9,20 +9,24 @@ each) and go straight on to the next tile's wgmmas; warps 1-3 of the producer wa
 until now, do the rest of the epilogue from those blocks (SwiGLU, 16-byte global stores, slot
 look-ups) while the next tile's mainloop runs.
 
-Hand-off, per tile, on two named barriers of the 256 consumer threads plus the 96 epilogue
-threads (ids 1 and 2 stay the consumers' staged epilogue's):
-- BUFFERS_FREE: the epilogue warps arrive when the blocks may be overwritten (once before the
-  first tile, then after storing each tile that has a successor); the consumers wait on it
-  before writing.
-- TILE_READY: the consumers arrive after writing; the epilogue warps wait on it.
-Each barrier has at most one generation pending: the epilogue warps arrive on BUFFERS_FREE for
-tile i + 1 only after TILE_READY of tile i, which the consumers reach only after BUFFERS_FREE
-of tile i. Both sides walk the same tile sequence, so the arrivals match one for one; no
-arrival is left pending at exit (none for a tile that does not exist).
+The crew is `EpilogueCrew(first_warp, num_warps)`: warps 1-3 in the GEMMs; warps 2-3 in the
+forward megakernel, whose warp 1 dispatches.
 
-A third barrier (TARGETS, the 96 epilogue threads) guards the 128 destination rows of a `slots`
+Hand-off, per tile, on two named barriers of the 256 consumer threads plus the crew's threads
+(ids 1 and 2 stay the consumers' staged epilogue's):
+- BUFFERS_FREE: the crew arrives when the blocks may be overwritten: at the start of each of
+  its tiles, i.e. once the previous tile is stored; the consumers wait on it before writing.
+- TILE_READY: the consumers arrive after writing; the crew waits on it.
+Each barrier has at most one generation pending: the crew arrives on BUFFERS_FREE for tile
+i + 1 only after TILE_READY of tile i, which the consumers reach only after BUFFERS_FREE of
+tile i. Both sides walk the same tile sequence, so the arrivals match one for one and none is
+left pending at exit.
+
+A third barrier (TARGETS, the crew's threads) guards the 128 destination rows of a `slots`
 tile, looked up into shared memory before TILE_READY so the look-ups overlap the wait.
 """
+
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -39,11 +43,10 @@ from .gemm_phases import (
     staged_block,
 )
 
-TILE_READY = 3
+TILE_READY = 3  # named barrier ids
 BUFFERS_FREE = 4
 TARGETS = 5
-EPILOGUE_THREADS = 96  # warps 1-3
-HANDOFF_THREADS = 2 * THREADS_PER_WARPGROUP + EPILOGUE_THREADS
+CONSUMER_THREADS = 2 * THREADS_PER_WARPGROUP
 # Two staged blocks and the 128 destination rows of a slots tile.
 TARGETS_OFFSET = 2 * STAGED_BYTES
 BUFFER_BYTES = TARGETS_OFFSET + 4 * TILE_M
@@ -63,75 +66,6 @@ def handoff_buffers(storage, offset_bytes: int = 0):
     )
 
 
-# ---------------------------------------------------------------------- consumer side
-
-
-@cute.jit
-def hand_off(thr_mma, accumulators: tuple, buffers: tuple):
-    """Consumers: round both accumulators into the two blocks once the epilogue warps freed
-    them, then tell the epilogue warps the tile is there (arrive: no waiting for them)."""
-    cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=HANDOFF_THREADS)
-    for j in cutlass.range_constexpr(2):
-        acc = accumulators[j]
-        values = cute.make_rmem_tensor(acc.shape, BFloat16)
-        values.store(acc.load().to(BFloat16))
-        cute.autovec_copy(values, thr_mma.partition_C(buffers[j]))
-    cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=HANDOFF_THREADS)
-
-
-# ---------------------------------------------------------------------- epilogue-warp side
-
-
-def release_buffers():
-    """Epilogue warps: the blocks may be overwritten (before the first tile, and after each
-    tile that has a successor)."""
-    cute.arch.barrier_arrive(barrier_id=BUFFERS_FREE, number_of_threads=HANDOFF_THREADS)
-
-
-def wait_tile():
-    """Epilogue warps: the consumers have written this tile's blocks."""
-    cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=HANDOFF_THREADS)
-
-
-@cute.jit
-def look_up_targets(targets: cute.Tensor, lane, first_row, peer_rank_ptr, peer_token_idx_ptr):
-    """Epilogue warps, before `wait_tile`: targets[r] = the slot of routed row first_row + r,
-    or -1 for a padding row (not stored). Waits until the previous tile's copy-out stopped
-    reading `targets`, and until every entry is written."""
-    rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(1 << 30))
-    slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(1 << 30))
-    cute.arch.barrier(barrier_id=TARGETS, number_of_threads=EPILOGUE_THREADS)
-    for row in cutlass.range(lane, TILE_M, EPILOGUE_THREADS, unroll=1):
-        targets[row] = cutlass.select_(rank[first_row + row] >= 0, slot[first_row + row], Int32(-1))
-    cute.arch.barrier(barrier_id=TARGETS, number_of_threads=EPILOGUE_THREADS)
-
-
-@cute.jit
-def copy_out(buffers: tuple, lane, first_row, first_col, targets, store_chunk, store_args):
-    """Epilogue warps: every 16-byte chunk of the tile, a warp covering two whole 256-byte
-    rows per pass: store_chunk(block 0 chunk, block 1 chunk, destination row (Int64), chunk
-    index, first_col, *store_args) for each row whose destination is not -1 (`targets` None:
-    row first_row + r)."""
-    views = [
-        cute.make_tensor(
-            buffers[j].iterator,
-            cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
-        )
-        for j in range(2)
-    ]
-    for idx in cutlass.range(lane, CHUNKS_PER_TILE, EPILOGUE_THREADS, unroll=1):
-        row = idx // STAGED_CHUNKS
-        chunk = idx % STAGED_CHUNKS
-        target = Int64(first_row + row)
-        if cutlass.const_expr(targets is not None):
-            target = Int64(targets[row])
-        if target >= 0:
-            store_chunk(
-                views[0][None, chunk, row].load(), views[1][None, chunk, row].load(), target,
-                chunk, first_col, *store_args,
-            )  # fmt: skip
-
-
 @cute.jit
 def store_pair(first, second, target, chunk, first_col, out_ptr, row_stride):
     """A `store_chunk` for tiles of two adjacent 128-column blocks (block 0 at first_col)."""
@@ -140,29 +74,109 @@ def store_pair(first, second, target, chunk, first_col, out_ptr, row_stride):
     cute.make_tensor(out_ptr + at + TILE_N, cute.make_layout(8)).store(second)
 
 
-@cute.jit
-def run(tiles, bidx, grid_size, buffers, lane, tile_cols: int, slots, store_chunk, store_args):
-    """Warps 1-3 (`lane` 0..95) of a persistent GEMM: store each of this CTA's tiles (tile =
-    bidx, then + grid_size, as the consumers walk them; `tile_cols` output columns per tile)
-    from the hand-off blocks while the consumers run the next one. `slots` (peer_rank,
-    peer_token_idx pointers) or None: rows go to their slots, padding rows nowhere."""
-    tile = bidx
-    expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
-    if expert < tiles.num_experts:
-        release_buffers()
-    while expert < tiles.num_experts:
-        local = tile - tile_base
-        first_row = row_base + (local % row_tiles) * TILE_M
-        first_col = (local // row_tiles) * tile_cols
-        tile = tile + grid_size
-        expert, tile_base, row_base, row_tiles = locate_tile(
-            tiles, tile, (expert, tile_base, row_base, row_tiles)
-        )
-        targets = None
-        if cutlass.const_expr(slots is not None):
-            targets = buffers[2]
-            look_up_targets(targets, lane, first_row, slots[0], slots[1])
-        wait_tile()
-        copy_out(buffers, lane, first_row, first_col, targets, store_chunk, store_args)
-        if expert < tiles.num_experts:
-            release_buffers()
+@dataclass(frozen=True)
+class EpilogueCrew:
+    """The warps of the producer warpgroup that store the tiles: warps first_warp ..
+    first_warp + num_warps - 1."""
+
+    first_warp: int = 1
+    num_warps: int = 3
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def handoff_threads(self) -> int:
+        return CONSUMER_THREADS + self.threads
+
+    # ------------------------------------------------------------------ consumer side
+
+    @cute.jit
+    def hand_off(self, thr_mma, accumulators: tuple, buffers: tuple):
+        """Consumers: round both accumulators into the two blocks once the crew freed them,
+        then tell the crew the tile is there (arrive: no waiting for it)."""
+        cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
+        for j in cutlass.range_constexpr(2):
+            acc = accumulators[j]
+            values = cute.make_rmem_tensor(acc.shape, BFloat16)
+            values.store(acc.load().to(BFloat16))
+            cute.autovec_copy(values, thr_mma.partition_C(buffers[j]))
+        cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
+
+    # ------------------------------------------------------------------ crew side
+
+    @cute.jit
+    def look_up_targets(self, targets, lane, first_row, peer_rank_ptr, peer_token_idx_ptr):
+        """targets[r] = the slot of routed row first_row + r, or -1 for a padding row (not
+        stored). Waits until the previous tile's copy-out stopped reading `targets`, and
+        until every entry is written."""
+        rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(1 << 30))
+        slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(1 << 30))
+        cute.arch.barrier(barrier_id=TARGETS, number_of_threads=self.threads)
+        for row in cutlass.range(lane, TILE_M, self.threads, unroll=1):
+            targets[row] = cutlass.select_(
+                rank[first_row + row] >= 0, slot[first_row + row], Int32(-1)
+            )
+        cute.arch.barrier(barrier_id=TARGETS, number_of_threads=self.threads)
+
+    @cute.jit
+    def copy_out(self, buffers, lane, first_row, first_col, targets, store_chunk, store_args):
+        """Every 16-byte chunk of the tile, a warp covering two whole 256-byte rows per pass:
+        store_chunk(block 0 chunk, block 1 chunk, destination row (Int64), chunk index,
+        first_col, *store_args) for each row whose destination is not -1 (`targets` None: row
+        first_row + r)."""
+        views = [
+            cute.make_tensor(
+                buffers[j].iterator,
+                cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
+            )
+            for j in range(2)
+        ]
+        for idx in cutlass.range(lane, CHUNKS_PER_TILE, self.threads, unroll=1):
+            row = idx // STAGED_CHUNKS
+            chunk = idx % STAGED_CHUNKS
+            target = Int64(first_row + row)
+            if cutlass.const_expr(targets is not None):
+                target = Int64(targets[row])
+            if target >= 0:
+                store_chunk(
+                    views[0][None, chunk, row].load(), views[1][None, chunk, row].load(),
+                    target, chunk, first_col, *store_args,
+                )  # fmt: skip
+
+    @cute.jit
+    def run(
+        self, tiles, first_tile, grid_size, buffers, tidx, tile_cols: int, slots, store_chunk,
+        store_args, after_tile=None, after_args=(),
+    ):  # fmt: skip
+        """Store each of this CTA's tiles of `tiles` (first_tile, then + grid_size, as the
+        consumers walk them; `tile_cols` output columns per tile) from the hand-off blocks
+        while the consumers run the next one. `slots` (peer_rank, peer_token_idx pointers)
+        or None: rows go to their slots, padding rows nowhere. `after_tile(lane, first_row,
+        *after_args)`, if given, runs after each tile's stores. Returns the first tile past
+        the end of the walk."""
+        lane = tidx - 32 * self.first_warp
+        tile = first_tile
+        expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
+        while expert < tiles.num_experts:
+            local = tile - tile_base
+            first_row = row_base + (local % row_tiles) * TILE_M
+            first_col = (local // row_tiles) * tile_cols
+            tile = tile + grid_size
+            expert, tile_base, row_base, row_tiles = locate_tile(
+                tiles, tile, (expert, tile_base, row_base, row_tiles)
+            )
+            targets = None
+            if cutlass.const_expr(slots is not None):
+                targets = buffers[2]
+                self.look_up_targets(targets, lane, first_row, slots[0], slots[1])
+            # The previous tile is stored: the blocks are free; wait for this one.
+            cute.arch.barrier_arrive(
+                barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads
+            )
+            cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
+            self.copy_out(buffers, lane, first_row, first_col, targets, store_chunk, store_args)
+            if cutlass.const_expr(after_tile is not None):
+                after_tile(lane, first_row, *after_args)
+        return tile

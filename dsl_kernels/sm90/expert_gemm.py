@@ -70,6 +70,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from ..common.args import global_pointer
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
+from .epilogue_warps import EpilogueCrew
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import (
     CONSUMER_REGISTERS,
@@ -80,6 +81,7 @@ from .gemm_phases import (
 )
 
 EPILOGUES = ("swiglu", "store", "slots")
+CREW = EpilogueCrew(first_warp=1, num_warps=3)  # epilogue_warps=True: warps 1-3 store tiles
 # The TMA coordinate tensors are given static extents (the runtime's descriptor carries the
 # real ones): coordinates only need to fit, and static shapes add no kernel parameters.
 MAX_ROWS = 1 << 30
@@ -293,7 +295,7 @@ class Sm90ExpertGemm:
                     self._epilogue_warps(
                         tiles, bidx, grid_size, buffers, out_ptr, gate_ptr, up_ptr,
                         peer_rank_ptr, peer_token_idx_ptr, n_size, has_limit, swiglu_limit,
-                        tidx - 32,
+                        tidx,
                     )  # fmt: skip
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
@@ -316,7 +318,7 @@ class Sm90ExpertGemm:
 
                 # ---- epilogue: registers -> global through shared memory, or hand-off ----
                 if cutlass.const_expr(self.epilogue_warps):
-                    handoff.hand_off(thr_mma, (acc0, acc1), buffers)
+                    CREW.hand_off(thr_mma, (acc0, acc1), buffers)
                 else:
                     self._epilogue(
                         thr_mma,
@@ -413,23 +415,23 @@ class Sm90ExpertGemm:
     @cute.jit
     def _epilogue_warps(
         self, tiles, bidx, grid_size, buffers, out_ptr, gate_ptr, up_ptr, peer_rank_ptr,
-        peer_token_idx_ptr, n_size, has_limit, swiglu_limit, lane,
+        peer_token_idx_ptr, n_size, has_limit, swiglu_limit, tidx,
     ):  # fmt: skip
-        """Warps 1-3 (`lane` 0..95): store this CTA's tiles from the hand-off blocks."""
+        """Warps 1-3: store this CTA's tiles from the hand-off blocks."""
         row_stride = cute.assume(Int64(n_size), divby=TILE_N)
         if cutlass.const_expr(self.epilogue == "swiglu"):
             store_args = (out_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit)
-            handoff.run(tiles, bidx, grid_size, buffers, lane, TILE_N, None,
-                        self._store_swiglu_chunk, store_args)  # fmt: skip
+            CREW.run(tiles, bidx, grid_size, buffers, tidx, TILE_N, None,
+                     self.store_swiglu_chunk, store_args)  # fmt: skip
         else:
             slots = None
             if cutlass.const_expr(self.epilogue == "slots"):
                 slots = (peer_rank_ptr, peer_token_idx_ptr)
-            handoff.run(tiles, bidx, grid_size, buffers, lane, 2 * TILE_N, slots,
-                        handoff.store_pair, (out_ptr, row_stride))  # fmt: skip
+            CREW.run(tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, slots,
+                     handoff.store_pair, (out_ptr, row_stride))  # fmt: skip
 
     @cute.jit
-    def _store_swiglu_chunk(
+    def store_swiglu_chunk(
         self, gate_chunk, up_chunk, target, chunk, first_col, out_ptr, gate_ptr, up_ptr,
         row_stride, has_limit, swiglu_limit,
     ):  # fmt: skip

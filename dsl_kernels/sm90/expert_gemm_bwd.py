@@ -84,6 +84,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from ..common.args import global_pointer
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
+from .expert_gemm import CREW
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
@@ -345,8 +346,8 @@ class Sm90ExpertGemmBwd:
                     if cutlass.const_expr(self.job == "d_x_slots"):
                         slots = (peer_rank_ptr, peer_token_idx_ptr)
                     row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
-                    handoff.run(tiles, bidx, grid_size, buffers, tidx - 32, 2 * TILE_N, slots,
-                                handoff.store_pair, (out0_ptr, row_stride))  # fmt: skip
+                    CREW.run(tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, slots,
+                             handoff.store_pair, (out0_ptr, row_stride))  # fmt: skip
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -369,7 +370,7 @@ class Sm90ExpertGemmBwd:
 
                 # ---- epilogue: registers -> shared -> global (or to the epilogue warps) ----
                 if cutlass.const_expr(self.epilogue_warps):
-                    handoff.hand_off(thr_mma, (acc0, acc1), buffers)
+                    CREW.hand_off(thr_mma, (acc0, acc1), buffers)
                 elif cutlass.const_expr(self.job in ("d_x", "d_x_slots")):
                     slots = None
                     if cutlass.const_expr(self.job == "d_x_slots"):

@@ -6,10 +6,11 @@ History (H200, docs/NOTES.md): v1 was 4-18% slower than the same tiles as separa
 (ptxas serialised its wgmmas, C7520). v2 fixed that but its two dispatch warps copied x
 through registers, one 16-byte load in flight per lane, and the GEMMs waited for rows (1.54x /
 1.40x / 1.05x of the baseline on Qwen / DeepSeek / Mixtral against the kernels' 2.27x / 1.45x /
-1.11x). v3 moved rows with bulk copies (within 0-5% of the kernels). v4, this file, stages the
-epilogue stores through shared memory like the separate GEMMs (which costs one
-ring stage: 3 stages + 32 KiB dispatch staging + 34 KiB epilogue buffer) and is the default
-forward: within 2-4% of the separate kernels, either way by shape and run.
+1.11x). v3 moved rows with bulk copies (within 0-5% of the kernels). v4 staged the epilogue
+stores through shared memory like the separate GEMMs (3 stages + 32 KiB dispatch staging + 34
+KiB epilogue buffer): within 2-4% of the separate kernels. v5, this file, hands every tile to
+epilogue warps like the separate GEMMs do since session 5 (they got 9-15% faster on gate/up):
+3 stages + 68.5 KiB of hand-off blocks + 12 KiB dispatch staging.
 
 One CTA per SM (grid = SM count, all of shared memory each), 384 threads in three roles:
 
@@ -18,10 +19,13 @@ One CTA per SM (grid = SM count, all of shared memory each), 384 threads in thre
 - warp 1, the communication warp: pulls the routed rows of x into the routed buffer
   (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), 128-row tile by 128-row
   tile, with bulk copies through shared-memory staging slots, and releases a counter per tile;
-- warp 3, the signal warp: releases a counter per gate/up tile the consumers finished (they
-  only meet it at named barriers: a release atomic, or a polling loop, in the wgmma
-  consumers' code made ptxas serialise every wgmma of the kernel, warning C7520);
-- warpgroups 1-2, the wgmma consumers (setmaxnreg 232): mainloop and epilogue of each task.
+- warps 2-3, the crew (epilogue_warps.py): store each tile the consumers hand off through two
+  shared-memory blocks (gate/up: SwiGLU, gate, up, hidden; down: rows at their slots) while
+  the consumers run the next task, and release a counter per stored gate/up tile (in the
+  consumers' code, a release atomic or a polling loop made ptxas serialise every wgmma of the
+  kernel, warning C7520);
+- warpgroups 1-2, the wgmma consumers (setmaxnreg 232): the mainloop of each task, then the
+  hand-off of its rounded accumulators.
 
 Task list, in dependency order: every gate/up tile (tile list of expert_tiles.py: expert by
 expert, m fastest, then the 128-column block of I), then every down tile (expert by expert, m
@@ -34,8 +38,8 @@ Dependencies are int32 counters in global memory (zeroed by the launcher before 
     dispatched[m]   routed-row tile m (rows 128 m .. 128 m + 127) is in x_routed: reaches 1
     hidden_done[m]  gate/up tiles of row tile m written (gate, up, hidden): reaches I / 128
 Writers store their data, `fence.proxy.async.global` (the readers load it with TMA, the async
-proxy), meet at a named barrier (the consumers arrive, the signal warp syncs) or, for bulk
-copies, wait for their completion, then one thread adds 1 with `red.release.gpu`. The producer
+proxy), meet at a named barrier (the crew's 64 threads) or, for bulk copies, wait for their
+completion, then one thread adds 1 with `red.release.gpu`. The producer
 polls with `ld.acquire.gpu` (GPU scope: only this GPU writes these counters;
 common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM), giving up after `timeout_ns` with the error record written and a trap, then fences the async proxy
 before its TMA loads.
@@ -77,7 +81,9 @@ from ..common.bounded_wait import (
 )
 from ..common.bulk_copy import bulk_load_to_shared, bulk_store_from_shared
 from ..common.row_chunks import VECTOR, chunked_row_views
+from . import epilogue_warps as handoff
 from . import gemm_phases as phases
+from .epilogue_warps import EpilogueCrew
 from .expert_gemm import MAX_K, MAX_ROWS, Sm90ExpertGemm
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
@@ -86,23 +92,18 @@ from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M,
 PHASE_DISPATCH = 5
 PHASE_GATE_UP_GEMM = 6
 COMM_WARP = 1  # pulls x rows with bulk copies (lane 0 issues them)
-SIGNAL_WARP = 3  # releases a counter per finished gate/up tile
-CONSUMER_THREADS = 2 * phases.THREADS_PER_WARPGROUP
-# Consumers -> signal warp, one handshake per finished gate/up tile on two named barriers of
-# SIGNAL_THREADS: the consumers `bar.arrive` on TILE_DONE, the signal warp `bar.sync`s it,
-# releases the counter and `bar.arrive`s on NEXT_TILE, which the consumers `bar.sync` before
-# their next arrival (so no barrier ever has two generations pending). Named barriers and not
-# mbarriers or atomics: a release atomic, or a polling loop, in the wgmma consumer path makes
-# ptxas serialise every wgmma of the kernel (warning C7520).
-TILE_DONE_BARRIER = 3  # named barrier ids (0 is __syncthreads, 1-2 the staged epilogue's)
-NEXT_TILE_BARRIER = 4
-SIGNAL_THREADS = CONSUMER_THREADS + 32
+# Warps 2-3 store the tiles the consumers hand off (epilogue_warps.py) and release a counter
+# per stored gate/up tile. The release atomic stays out of the consumers' code: there, a
+# release atomic or a polling loop makes ptxas serialise every wgmma of the kernel (C7520).
+CREW = EpilogueCrew(first_warp=2, num_warps=2)
+CREW_BARRIER = 6  # named barrier of the crew's threads (1-2 staged epilogue, 3-5 hand-off)
 # Dispatch staging: x rows travel global -> shared -> global in pieces of at most
-# MAX_PIECE_BYTES through up to MAX_SLOTS slots in STAGING_BYTES after the operand ring (what
-# shared memory has left: the 4-stage ring takes 193 KiB of 227).
-STAGING_BYTES = 32768
+# MAX_PIECE_BYTES through up to MAX_SLOTS slots in STAGING_BYTES, what shared memory has left
+# beside the 3-stage ring (145 KiB) and the hand-off blocks (68.5 KiB). Small pieces keep
+# more bytes in flight: STAGING_BYTES - piece.
+STAGING_BYTES = 12288
 MAX_SLOTS = 8
-MAX_PIECE_BYTES = 16384
+MAX_PIECE_BYTES = 2048
 EXTRA_BARRIERS = MAX_SLOTS
 
 
@@ -285,9 +286,9 @@ class Sm90MoeForward:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, EXTRA_BARRIERS, STAGING_BYTES + phases.STAGED_BYTES
+            a_layout, b_layout, self.stages, EXTRA_BARRIERS, STAGING_BYTES + handoff.BUFFER_BYTES
         )
-        staged = phases.staged_block(storage, STAGING_BYTES)
+        buffers = handoff.handoff_buffers(storage, STAGING_BYTES)
         extra_barriers = storage.extra_barriers.data_ptr()
         if warp_idx == 0:
             for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
@@ -321,48 +322,38 @@ class Sm90MoeForward:
                     hidden_size, intermediate_size, dispatched, hidden_done, record, timeout_ns,
                     bidx, grid_size,
                 )  # fmt: skip
-            elif warp_idx == SIGNAL_WARP:
-                self._signal(gate_up_tiles, hidden_done, tidx, bidx, grid_size)
             elif warp_idx == COMM_WARP:
                 self._dispatch(
                     x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
                     hidden_size, topk, capacity, dispatched, storage.staging.data_ptr(),
                     extra_barriers, tidx, bidx, grid_size,
                 )  # fmt: skip
+            else:
+                self._store_tiles(
+                    gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
+                    slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
+                    has_limit, swiglu_limit, hidden_done, tidx, bidx, grid_size,
+                )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
             read_state, release_state = phases.make_consumer_states(self.stages)
-            swiglu = Sm90ExpertGemm("swiglu", self.stages)
-            to_slots = Sm90ExpertGemm("slots", self.stages)
             acc0, acc1 = accs
-            # ---- gate/up tasks ----
+            # ---- gate/up tasks, handed to the crew (which stores them and releases the
+            # counter of their row tile) ----
             task = bidx
             expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
             while expert < num_experts:
-                local = task - tile_base
-                row_tile = row_base // TILE_M + local % row_tiles
                 read_state, release_state = phases.mma_k_tiles(
                     tiled_mma, ring, read_state, release_state, hidden_size // TILE_K,
                     operands, accs,
                 )  # fmt: skip
-                swiglu._epilogue(
-                    thr_mma, acc0, acc1, hidden_ptr, gate_ptr, up_ptr, None, None,
-                    row_tile * TILE_M, local // row_tiles, intermediate_size, has_limit,
-                    swiglu_limit, staged, tidx,
-                )  # fmt: skip
-                # Publish this tile's gate/up/hidden columns of row tile `row_tile`: the
-                # signal warp releases the counter once all 256 consumer threads arrived.
-                cute.arch.fence_proxy("async.global")
-                cute.arch.barrier(barrier_id=NEXT_TILE_BARRIER, number_of_threads=SIGNAL_THREADS)
-                cute.arch.barrier_arrive(
-                    barrier_id=TILE_DONE_BARRIER, number_of_threads=SIGNAL_THREADS
-                )
+                CREW.hand_off(thr_mma, accs, buffers)
                 task = task + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
                     gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
                 )
-            # ---- down tasks: rows stored at their (token, j) slots ----
+            # ---- down tasks: the crew stores rows at their (token, j) slots ----
             task = task - num_gate_up
             # A fresh MMA object: `mma_k_tiles` sets its accumulate field inside the loop above,
             # and a value made inside one loop may not be used by another.
@@ -370,17 +361,11 @@ class Sm90MoeForward:
             down_thr = down_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
             expert, tile_base, row_base, row_tiles = locate_first_tile(down_tiles, task)
             while expert < num_experts:
-                local = task - tile_base
-                first_row = row_base + (local % row_tiles) * TILE_M
                 read_state, release_state = phases.mma_k_tiles(
                     down_mma, ring, read_state, release_state, intermediate_size // TILE_K,
                     operands, accs,
                 )  # fmt: skip
-                to_slots._epilogue(
-                    down_thr, acc0, acc1, slots_ptr, None, None, peer_rank_ptr,
-                    peer_token_idx_ptr, first_row, local // row_tiles, hidden_size, has_limit,
-                    swiglu_limit, staged, tidx,
-                )  # fmt: skip
+                CREW.hand_off(down_thr, (acc0, acc1), buffers)
                 task = task + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
                     down_tiles, task, (expert, tile_base, row_base, row_tiles)
@@ -455,24 +440,38 @@ class Sm90MoeForward:
         ring.producer_tail(state)
 
     @cute.jit
-    def _signal(self, gate_up_tiles, hidden_done, tidx, bidx, grid_size):
-        """Warp 3: for each of this CTA's gate/up tasks, in the consumers' order: let the
-        consumers arrive (NEXT_TILE), wait for all 256 of them (TILE_DONE: their stores and
-        async-proxy fence come before), then release hidden_done[row tile] (lane 0)."""
-        num_experts = gate_up_tiles.num_experts
-        task = bidx
-        expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
-        while expert < num_experts:
-            local = task - tile_base
-            row_tile = row_base // TILE_M + local % row_tiles
-            cute.arch.barrier_arrive(barrier_id=NEXT_TILE_BARRIER, number_of_threads=SIGNAL_THREADS)
-            cute.arch.barrier(barrier_id=TILE_DONE_BARRIER, number_of_threads=SIGNAL_THREADS)
-            if tidx % 32 == 0:
-                red_add_release_gpu_s32(hidden_done + Int64(4) * Int64(row_tile), Int32(1))
-            task = task + grid_size
-            expert, tile_base, row_base, row_tiles = locate_tile(
-                gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
-            )
+    def _store_tiles(
+        self, gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
+        slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
+        has_limit, swiglu_limit, hidden_done, tidx, bidx, grid_size,
+    ):  # fmt: skip
+        """Warps 2-3, the crew: store every tile the consumers hand off, in their order: each
+        gate/up tile's gate, up and hidden (then release its row tile's counter), then each
+        down tile's rows at their slots."""
+        swiglu_args = (
+            hidden_ptr, gate_ptr, up_ptr, cute.assume(Int64(intermediate_size), divby=TILE_N),
+            has_limit, swiglu_limit,
+        )  # fmt: skip
+        end = CREW.run(
+            gate_up_tiles, bidx, grid_size, buffers, tidx, TILE_N, None,
+            Sm90ExpertGemm("swiglu").store_swiglu_chunk, swiglu_args, self._release_row_tile,
+            (hidden_done,),
+        )  # fmt: skip
+        CREW.run(
+            down_tiles, end - num_gate_up, grid_size, buffers, tidx, 2 * TILE_N,
+            (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
+            (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
+        )  # fmt: skip
+
+    @cute.jit
+    def _release_row_tile(self, lane, first_row, hidden_done):
+        """After a gate/up tile's stores: every crew thread fences its stores for the async
+        proxy (the down tasks read hidden with TMA), the crew meets, and one thread releases
+        hidden_done[row tile]."""
+        cute.arch.fence_proxy("async.global")
+        cute.arch.barrier(barrier_id=CREW_BARRIER, number_of_threads=CREW.threads)
+        if lane == 0:
+            red_add_release_gpu_s32(hidden_done + Int64(4) * Int64(first_row // TILE_M), Int32(1))
 
     @cute.jit
     def _dispatch(
