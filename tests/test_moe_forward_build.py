@@ -1,10 +1,9 @@
 """CPU checks of the SM90 forward megakernel's build (dsl_kernels/sm90/moe_forward.py), no GPU.
 
-What its GPU run depends on and a refactor could silently lose: the dispatch warp's bulk copies
-(load on an mbarrier, store in a bulk group, the read-wait before a slot is refilled and the
-full wait before a counter is released), the GPU-scope release/acquire counters, the hand-off
-of every tile from the consumers to the crew of warps 2-3 (epilogue_warps.py: named barriers 3
-and 4 of 256 + 64 threads) and the crew's 16-byte stores and counter release, and shared
+What its GPU run depends on and a refactor could silently lose: the dispatch's batched loads
+and its fence and barrier before the counters are released, the GPU-scope release/acquire
+counters, the hand-off of every tile from the consumers to the crew of warps 1-3
+(epilogue_warps.py: named barriers 3 and 4 of 256 + 96 threads) and the crew's 16-byte stores and counter release, and shared
 memory within the H100/H200 opt-in.
 """
 
@@ -26,13 +25,18 @@ def built():
     return build.compile_variant(variant, "sm_90a")
 
 
-def test_dispatch_moves_rows_with_bulk_copies(built):
+def test_dispatch_batches_its_loads(built):
     _, _, ptx = built
-    assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") >= 1
-    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == 1
-    assert "cp.async.bulk.commit_group" in ptx
-    assert "cp.async.bulk.wait_group.read \t1;" in ptx  # a slot is refilled once its store read it
-    assert "cp.async.bulk.wait_group \t0;" in ptx  # a tile's counter waits for its stores
+    # Every thread: DISPATCH_BATCH (8) 16-byte loads of x rows before their 8 stores, source
+    # rows from a shared-memory table; then the async-proxy fence and the CTA barrier before
+    # thread 0's counter releases.
+    lines = [line.strip() for line in ptx.splitlines()]
+    loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.v4")]
+    assert len(loads) == 8
+    first_store = next(i for i, line in enumerate(lines) if line.startswith("st.global.v4"))
+    assert max(loads) < first_store
+    fence = lines.index("fence.proxy.async.global;")
+    assert first_store < fence < lines.index("bar.sync \t0;", fence)
 
 
 def test_counters_and_handshake(built):
@@ -40,19 +44,18 @@ def test_counters_and_handshake(built):
     assert "red.release.gpu.global.add.s32" in ptx and "ld.acquire.gpu.global.b32" in ptx
     # Two tile walks (gate/up, then down) on each side of the hand-off; the crew meets on
     # barrier 6 before it releases a gate/up tile's counter, and on 5 around slot look-ups.
-    for line, count in (("bar.sync \t4, 320;", 2), ("bar.arrive 3, 320;", 2),
-                        ("bar.arrive 4, 320;", 2), ("bar.sync \t3, 320;", 2),
-                        ("bar.sync \t6, 64;", 1), ("bar.sync \t5, 64;", 2)):  # fmt: skip
+    for line, count in (("bar.sync \t4, 352;", 2), ("bar.arrive 3, 352;", 2),
+                        ("bar.arrive 4, 352;", 2), ("bar.sync \t3, 352;", 2),
+                        ("bar.sync \t6, 96;", 1), ("bar.sync \t5, 96;", 2)):  # fmt: skip
         assert ptx.count(line) == count, line
 
 
 def test_crew_stores_and_shared_memory(built):
     entry, _, ptx = built
     assert entry["config"] == {"stages": 3}
-    # gate, up, hidden per gate/up chunk and the two blocks per down chunk; the rest are the
-    # dispatch warp's zero-filled padding rows.
-    stores = [line for line in ptx.splitlines() if "st.global.v4" in line]
-    assert len([line for line in stores if "{0, 0, 0, 0}" not in line]) == 3 + 2
+    # The dispatch's 8 per batch, gate, up, hidden per gate/up chunk and the two blocks per
+    # down chunk.
+    assert ptx.count("st.global.v4") == 8 + 3 + 2
     assert ptx.count("st.shared.b32") >= 2 * 2 * 32  # both walks round 2 accumulators
     assert entry["dynamic_smem_bytes"] <= H200_SMEM_OPTIN
     assert entry["cluster"] == [1, 1, 1]

@@ -65,7 +65,7 @@ BACKOFF_MAX_NS = 1024
 
 
 def side_effect_asm(result_type, operands, asm: str, constraints: str, loc, ip):
-    """An inline-PTX statement LLVM keeps where it is (also used by common/bulk_copy.py)."""
+    """An inline-PTX statement LLVM keeps where it is."""
     # has_side_effects + "~{memory}": never hoisted out of a polling loop, never reordered
     # against other memory operations, never removed when the result is unused.
     return llvm.inline_asm(

@@ -6,20 +6,21 @@ History (H200, docs/NOTES.md): v1 was 4-18% slower than the same tiles as separa
 (ptxas serialised its wgmmas, C7520). v2 fixed that but its two dispatch warps copied x
 through registers, one 16-byte load in flight per lane, and the GEMMs waited for rows (1.54x /
 1.40x / 1.05x of the baseline on Qwen / DeepSeek / Mixtral against the kernels' 2.27x / 1.45x /
-1.11x). v3 moved rows with bulk copies (within 0-5% of the kernels). v4 staged the epilogue
-stores through shared memory like the separate GEMMs (3 stages + 32 KiB dispatch staging + 34
-KiB epilogue buffer): within 2-4% of the separate kernels. v5, this file, hands every tile to
-epilogue warps like the separate GEMMs do since session 5 (they got 9-15% faster on gate/up):
-3 stages + 68.5 KiB of hand-off blocks + 12 KiB dispatch staging.
+1.11x). v3 moved rows with bulk copies through shared memory (within 0-5% of the kernels). v4
+staged the epilogue stores like the separate GEMMs. v5 handed every tile to epilogue warps
+(which made the separate GEMMs 9-15% faster on gate/up) but its dispatch warp, left 12 KiB
+of staging, became the bound: the kernel without the copy was 2-5 ms faster on DeepSeek and
+Mixtral. v6, this file, dispatches first, with all 384 threads of every CTA at copy speed
+(the rows a CTA's first tasks need come from many CTAs anyway), then runs the GEMM tasks.
 
-One CTA per SM (grid = SM count, all of shared memory each), 384 threads in three roles:
+One CTA per SM (grid = SM count, all of shared memory each), 384 threads:
 
+- dispatch, all threads, before the roles split: the CTA's row tiles of the routed buffer
+  (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), then a counter release
+  per tile;
 - warp 0, the TMA producer: walks this CTA's tasks and fills the operand ring; before the A
   loads of a task it waits (bounded) for the counter that guards those rows;
-- warp 1, the communication warp: pulls the routed rows of x into the routed buffer
-  (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), 128-row tile by 128-row
-  tile, with bulk copies through shared-memory staging slots, and releases a counter per tile;
-- warps 2-3, the crew (epilogue_warps.py): store each tile the consumers hand off through two
+- warps 1-3, the crew (epilogue_warps.py): store each tile the consumers hand off through two
   shared-memory blocks (gate/up: SwiGLU, gate, up, hidden; down: rows at their slots) while
   the consumers run the next task, and release a counter per stored gate/up tile (in the
   consumers' code, a release atomic or a polling loop made ptxas serialise every wgmma of the
@@ -38,17 +39,18 @@ Dependencies are int32 counters in global memory (zeroed by the launcher before 
     dispatched[m]   routed-row tile m (rows 128 m .. 128 m + 127) is in x_routed: reaches 1
     hidden_done[m]  gate/up tiles of row tile m written (gate, up, hidden): reaches I / 128
 Writers store their data, `fence.proxy.async.global` (the readers load it with TMA, the async
-proxy), meet at a named barrier (the crew's 64 threads) or, for bulk copies, wait for their
-completion, then one thread adds 1 with `red.release.gpu`. The producer
+proxy), meet at a barrier (the CTA's after dispatch, the crew's 96 threads after a gate/up
+tile), then one thread adds 1 with `red.release.gpu`. The producer
 polls with `ld.acquire.gpu` (GPU scope: only this GPU writes these counters;
 common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM), giving up after `timeout_ns` with the error record written and a trap, then fences the async proxy
 before its TMA loads.
 
-Why the communication role is a warp of each CTA and not separate CTAs: the producer
-warpgroup's warps 1-3 idle in the GEMM engine (one warp issues all TMA), so dispatch costs no
-SM of GEMM throughput; separate communication CTAs (`fwd_num_comm_sms`) would take SMs from
-the GEMMs for the whole launch unless they could take GEMM tasks after dispatch. EP > 1 adds
-peers to the same warps (a peer pointer instead of x), not a second code path.
+Why dispatch is a phase of every CTA and not `fwd_num_comm_sms` separate CTAs: the first GEMM
+tasks need rows from many CTAs' tiles, so dispatch gates the start either way; run by every
+thread at once it takes about the time of a copy kernel (0.1-0.9 ms at these shapes), while
+communication CTAs would keep SMs from the GEMMs for the whole launch. Overlapping it with
+the GEMMs needs shared memory the ring and the hand-off blocks already take (v5). EP > 1 adds
+peers to the same phase (a peer pointer instead of x), not a second code path.
 
 Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`):
 - `tma_x`   x_routed bf16 [C, H]        `tma_wg`, `tma_wu`  W_gate, W_up viewed [E * I, H]
@@ -58,8 +60,8 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
 - `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
   `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128)], zeroed
 - `error_record_ptr` (the device's error record, may be null), `timeout_ns` (int64)
-- `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T, unused: the
-  schedule never names a token past it), `capacity` (C), `has_limit`, `swiglu_limit`
+- `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T: rows of x),
+  `capacity` (C), `has_limit`, `swiglu_limit`
 
 Constraints (the launcher checks them): H % 256 == 0, I % 128 == 0, both < 2^16; the schedule's
 segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
@@ -79,7 +81,6 @@ from ..common.bounded_wait import (
     ld_acquire_gpu_s32,
     red_add_release_gpu_s32,
 )
-from ..common.bulk_copy import bulk_load_to_shared, bulk_store_from_shared
 from ..common.row_chunks import VECTOR, chunked_row_views
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
@@ -91,28 +92,21 @@ from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M,
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
 PHASE_DISPATCH = 5
 PHASE_GATE_UP_GEMM = 6
-COMM_WARP = 1  # pulls x rows with bulk copies (lane 0 issues them)
-# Warps 2-3 store the tiles the consumers hand off (epilogue_warps.py) and release a counter
+# Warps 1-3 store the tiles the consumers hand off (epilogue_warps.py) and release a counter
 # per stored gate/up tile. The release atomic stays out of the consumers' code: there, a
 # release atomic or a polling loop makes ptxas serialise every wgmma of the kernel (C7520).
-CREW = EpilogueCrew(first_warp=2, num_warps=2)
+CREW = EpilogueCrew(first_warp=1, num_warps=3)
 CREW_BARRIER = 6  # named barrier of the crew's threads (1-2 staged epilogue, 3-5 hand-off)
-# Dispatch staging: x rows travel global -> shared -> global in pieces of at most
-# MAX_PIECE_BYTES through up to MAX_SLOTS slots in STAGING_BYTES, what shared memory has left
-# beside the 3-stage ring (145 KiB) and the hand-off blocks (68.5 KiB). Small pieces keep
-# more bytes in flight: STAGING_BYTES - piece.
-STAGING_BYTES = 12288
-MAX_SLOTS = 8
-MAX_PIECE_BYTES = 2048
-EXTRA_BARRIERS = MAX_SLOTS
+# Dispatch: each thread keeps DISPATCH_BATCH 16-byte loads in flight (384 threads: 48 KiB
+# per SM), every load of a batch issued before its stores.
+DISPATCH_BATCH = 8
 
 
 @dataclass(frozen=True)
 class Sm90MoeForward:
     """See the module docstring. `stages`: depth of the shared-memory operand ring."""
 
-    # The gate/up and down epilogues stage their stores through shared memory
-    # (gemm_phases.store_block): its 34 KiB and the dispatch staging fit beside 3 ring stages.
+    # The hand-off blocks (68.5 KiB) leave room for 3 ring stages.
     stages: int = 3
 
     def validate(self) -> None:
@@ -286,17 +280,12 @@ class Sm90MoeForward:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, EXTRA_BARRIERS, STAGING_BYTES + handoff.BUFFER_BYTES
+            a_layout, b_layout, self.stages, 0, handoff.BUFFER_BYTES
         )
-        buffers = handoff.handoff_buffers(storage, STAGING_BYTES)
-        extra_barriers = storage.extra_barriers.data_ptr()
+        buffers = handoff.handoff_buffers(storage)
         if warp_idx == 0:
             for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
-            with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(MAX_SLOTS):
-                    cute.arch.mbarrier_init(extra_barriers + s, 1)
-        # The ring's set-up fences and syncs the staging mbarriers initialised above too.
         ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- the two tile lists and the counters ----
@@ -314,6 +303,12 @@ class Sm90MoeForward:
         hidden_done = counter_base + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
         record = error_record_ptr.toint()
 
+        # ---- dispatch: every thread of the CTA, before the roles split ----
+        self._dispatch(
+            x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
+            topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx, grid_size,
+        )  # fmt: skip
+
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
@@ -321,12 +316,6 @@ class Sm90MoeForward:
                     ring, (sA, sB0, sB1), tma, gate_up_tiles, down_tiles, num_gate_up,
                     hidden_size, intermediate_size, dispatched, hidden_done, record, timeout_ns,
                     bidx, grid_size,
-                )  # fmt: skip
-            elif warp_idx == COMM_WARP:
-                self._dispatch(
-                    x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-                    hidden_size, topk, capacity, dispatched, storage.staging.data_ptr(),
-                    extra_barriers, tidx, bidx, grid_size,
                 )  # fmt: skip
             else:
                 self._store_tiles(
@@ -476,124 +465,46 @@ class Sm90MoeForward:
     @cute.jit
     def _dispatch(
         self, x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-        hidden_size, topk, capacity, dispatched, staging, slot_barriers, tidx, bidx, grid_size,
+        hidden_size, topk, num_src_rows, capacity, dispatched, sources, tidx, bidx, grid_size,
     ):  # fmt: skip
-        """Warp 1: x_routed row tiles bidx, bidx + grid, ... and a counter per tile.
-
-        A routed row is a contiguous run of x (row peer_token_idx // k), moved in pieces by bulk
-        copies through the staging slots: lane 0 keeps `slots - 1` loads in flight ahead of the
-        store it issues (a slot is refilled once the store that read it last has read it,
-        `wait_group.read 1`). Padding rows get zeros from all 32 lanes (plain stores). A tile's
-        counter is released after its stores completed (`wait_group 0`) and the async proxy
-        is fenced (the GEMM reads x_routed with TMA)."""
-        lane = tidx % 32
-        row_bytes = hidden_size * 2
-        piece = row_bytes
-        while piece > MAX_PIECE_BYTES:
-            piece = piece // 2  # row_bytes is a multiple of 512: pieces stay 16-byte multiples
-        pieces = row_bytes // piece
-        slots = cutlass.min(Int32(MAX_SLOTS), Int32(STAGING_BYTES) // piece)
+        """All 384 threads: x_routed row tiles bidx, bidx + grid, ... (x_routed[r] =
+        x[peer_token_idx[r] // k], zeros for padding rows). Per tile the 128 source rows are
+        looked up once into shared memory (`sources`: the crew's slot table, free until the
+        roles split), then the 16-byte chunks are spread over the threads, DISPATCH_BATCH
+        independent loads in flight per thread. Then every thread fences its stores for the
+        async proxy (the GEMMs read x_routed with TMA), the CTA meets, and thread 0 releases
+        the counter of each of its row tiles."""
+        chunks, (mRouted, mX) = chunked_row_views(
+            hidden_size, (x_routed_ptr, capacity), (x_ptr, num_src_rows)
+        )
         rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
         slot_of = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
-        x_base = x_ptr.toint()
-        routed_base = x_routed_ptr.toint()
-        staging_base = staging.toint()
-        chunks, (mRouted,) = chunked_row_views(hidden_size, (x_routed_ptr, capacity))
-        zeros = cute.make_rmem_tensor((VECTOR,), BFloat16)
-        zeros.fill(0.0)
-
-        # The load cursor: the next (row tile, row, piece) to load, padding rows skipped.
-        cursor = self._first_routed_row(rank, bidx, Int32(0), row_tiles_total, grid_size)
-        cursor = (cursor[0], cursor[1], Int32(0))
-        loads = Int32(0)
-        stores = Int32(0)
-        for _ in cutlass.range(slots - 1, unroll=1):
-            if cursor[0] < row_tiles_total:
-                self._load_piece(
-                    cursor, loads % slots, rank, slot_of, x_base, row_bytes, piece, topk,
-                    staging_base, slot_barriers, lane,
-                )  # fmt: skip
-                loads = loads + 1
-                cursor = self._next_piece(rank, cursor, pieces, row_tiles_total, grid_size)
-
+        tile_chunks = TILE_M * chunks
+        values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH), BFloat16)
         for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
-            for r in cutlass.range(TILE_M, unroll=1):
-                row = row_tile * TILE_M + r
-                if rank[row] >= 0:
-                    for p in cutlass.range(pieces, unroll=1):
-                        s = stores % slots
-                        cute.arch.mbarrier_wait(slot_barriers + s, (stores // slots) % 2)
-                        if lane == 0:
-                            bulk_store_from_shared(
-                                routed_base + Int64(row) * Int64(row_bytes) + Int64(p * piece),
-                                Int32(staging_base + s * piece),
-                                piece,
-                            )
-                            cute.arch.cp_async_bulk_commit_group()
-                        stores = stores + 1
-                        if cursor[0] < row_tiles_total:
-                            if lane == 0:
-                                # The slot's last reader is the store before this one.
-                                cute.arch.cp_async_bulk_wait_group(1, read=True)
-                            self._load_piece(
-                                cursor, loads % slots, rank, slot_of, x_base, row_bytes, piece,
-                                topk, staging_base, slot_barriers, lane,
-                            )  # fmt: skip
-                            loads = loads + 1
-                            cursor = self._next_piece(
-                                rank, cursor, pieces, row_tiles_total, grid_size
-                            )
-                else:
-                    for c in cutlass.range(lane, chunks, 32, unroll=4):
-                        mRouted[None, c, row].store(zeros.load())
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0)
-            cute.arch.fence_proxy("async.global")
-            cute.arch.sync_warp()
-            if lane == 0:
+            first_row = row_tile * TILE_M
+            cute.arch.sync_threads()  # the previous tile's copy is done with `sources`
+            if tidx < TILE_M:
+                row = first_row + tidx
+                sources[tidx] = cutlass.select_(rank[row] >= 0, slot_of[row] // topk, Int32(-1))
+            cute.arch.sync_threads()
+            step = phases.THREADS * DISPATCH_BATCH
+            for base in cutlass.range(tidx, tile_chunks, step, unroll=1):
+                for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                    idx = base + j * phases.THREADS
+                    values[None, j].fill(0.0)
+                    if idx < tile_chunks:
+                        source = sources[idx // chunks]
+                        if source >= 0:
+                            values[None, j].store(mX[None, idx % chunks, source].load())
+                for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                    idx = base + j * phases.THREADS
+                    if idx < tile_chunks:
+                        mRouted[None, idx % chunks, first_row + idx // chunks].store(
+                            values[None, j].load()
+                        )
+        cute.arch.fence_proxy("async.global")
+        cute.arch.sync_threads()
+        if tidx == 0:
+            for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
                 red_add_release_gpu_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))
-
-    @cute.jit
-    def _load_piece(
-        self, cursor, s, rank, slot_of, x_base, row_bytes, piece, topk, staging_base,
-        slot_barriers, lane,
-    ):  # fmt: skip
-        """Lane 0: bulk-load piece cursor[2] of routed row (cursor[0], cursor[1]) into slot s."""
-        if lane == 0:
-            row = cursor[0] * TILE_M + cursor[1]
-            token = slot_of[row] // topk
-            cute.arch.mbarrier_arrive_and_expect_tx(slot_barriers + s, piece)
-            bulk_load_to_shared(
-                Int32(staging_base + s * piece),
-                x_base + Int64(token) * Int64(row_bytes) + Int64(cursor[2] * piece),
-                piece,
-                Int32((slot_barriers + s).toint()),
-            )
-
-    @cute.jit
-    def _next_piece(self, rank, cursor, pieces, row_tiles_total, grid_size):
-        """The load cursor after (row tile, row, piece): the next piece, or the first piece
-        of the next routed (not padding) row of this CTA's tiles."""
-        row_tile, r, p = cursor
-        p = p + 1
-        if p == pieces:
-            p = Int32(0)
-            row_tile, r = self._first_routed_row(rank, row_tile, r + 1, row_tiles_total, grid_size)
-        return row_tile, r, p
-
-    @cute.jit
-    def _first_routed_row(self, rank, row_tile, r, row_tiles_total, grid_size):
-        """(row tile, row) of the first routed row at or after row r of `row_tile`, walking
-        this CTA's tiles (row_tile, + grid, ...); row_tile >= row_tiles_total when none is."""
-        searching = row_tile < row_tiles_total
-        while searching:
-            if r == TILE_M:
-                r = Int32(0)
-                row_tile = row_tile + grid_size
-                searching = row_tile < row_tiles_total
-            else:
-                if rank[row_tile * TILE_M + r] >= 0:
-                    searching = False
-                else:
-                    r = r + 1
-        return row_tile, r
