@@ -133,7 +133,7 @@ def variants() -> list[Variant]:
         Variant(
             "expert_gemm_bwd_d_hidden_swiglu",
             Sm90ExpertGemmBwd,
-            {"job": "d_hidden_swiglu", "stages": 4},
+            {"job": "d_hidden_swiglu", "stages": 3, "epilogue_warps": True},
             launch_grid="(min(sm_count, capacity / 128 * intermediate_size / 256), 1, 1)",
             archs=("sm_90a",),
         ),

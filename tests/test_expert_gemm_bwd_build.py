@@ -74,14 +74,17 @@ def test_engine_instructions(built, name):
 def test_d_hidden_epilogue(built):
     _, _, ptx = built[D_HIDDEN]
     # Two 128 x 128 blocks per tile, 32 bf16 pairs per thread each: gate and up loaded with
-    # 4-byte accesses; d_gate and d_up staged through shared memory and stored as eight
-    # 16-byte row chunks each; plus one fp32 router partial per row (two rows per thread per
-    # block), summed over the row's quad by two butterfly shuffles.
-    assert _count(ptx, "ld.global.v2.b16") + _count(ptx, "ld.global.b32") - 6 == 2 * 2 * 32
-    assert _count(ptx, "st.global.v4") == 2 * 2 * 8
+    # 4-byte accesses (9 more 4-byte loads walk the tile list: producer, consumers, crew);
+    # d_gate and d_up handed to the crew, which stores each 16-byte chunk of both (one
+    # hand-off per block); one fp32 router partial per row (two rows per thread per block),
+    # summed over the row's quad by two butterfly shuffles. The crew prefetches the tile's
+    # gate and up rows into L2.
+    assert _count(ptx, "ld.global.v2.b16") + _count(ptx, "ld.global.b32") - 9 == 2 * 2 * 32
+    assert_epilogue_handoff(ptx, 2, slots=False, handoffs=2)
     assert _count(ptx, "st.global.b32") == 2 * 2
     assert _count(ptx, "shfl.sync.bfly") == 2 * 2 * 2
     assert _count(ptx, "st.global.b16") == 0
+    assert _count(ptx, "prefetch.global.L2") == 1
     # sigmoid = 1 / (1 + exp(-g)): one exp (range-reduced ex2.approx) and one correctly
     # rounded reciprocal per element (IEEE 1/x, what torch's division gives).
     assert _count(ptx, "ex2.approx") == 2 * 64

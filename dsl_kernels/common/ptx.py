@@ -101,3 +101,21 @@ def fence_operand(value: Float32, *, loc=None, ip=None) -> Float32:
         ip=ip,
     )
     return Float32(result)
+
+
+@dsl_user_op
+def prefetch_l2(address, *, loc=None, ip=None) -> None:
+    """`prefetch.global.L2 [address]`: bring the 128-byte line at a global byte address into
+    L2 (a hint: no result, no fault on any address)."""
+    from cutlass import Int64  # noqa: PLC0415
+
+    from .bounded_wait import side_effect_asm  # noqa: PLC0415
+
+    side_effect_asm(
+        None,
+        [Int64(address).ir_value(loc=loc, ip=ip)],
+        "prefetch.global.L2 [$0];",
+        "l",
+        loc,
+        ip,
+    )

@@ -74,6 +74,15 @@ def store_pair(first, second, target, chunk, first_col, out_ptr, row_stride):
     cute.make_tensor(out_ptr + at + TILE_N, cute.make_layout(8)).store(second)
 
 
+@cute.jit
+def store_split(first, second, target, chunk, first_col, first_ptr, second_ptr, row_stride):
+    """A `store_chunk` for two tensors: block 0 into `first_ptr`, block 1 into `second_ptr`,
+    both at the same 128 columns from first_col."""
+    at = cute.assume(target * row_stride + Int64(first_col + chunk * 8), divby=8)
+    cute.make_tensor(first_ptr + at, cute.make_layout(8)).store(first)
+    cute.make_tensor(second_ptr + at, cute.make_layout(8)).store(second)
+
+
 @dataclass(frozen=True)
 class EpilogueCrew:
     """The warps of the producer warpgroup that store the tiles: warps first_warp ..
@@ -94,14 +103,21 @@ class EpilogueCrew:
 
     @cute.jit
     def hand_off(self, thr_mma, accumulators: tuple, buffers: tuple):
-        """Consumers: round both accumulators into the two blocks once the crew freed them,
-        then tell the crew the tile is there (arrive: no waiting for it)."""
+        """Consumers: round both fp32 accumulators and hand them off (`hand_off_bf16`)."""
+        values = []
+        for j in cutlass.range_constexpr(2):
+            rounded = cute.make_rmem_tensor(accumulators[j].shape, BFloat16)
+            rounded.store(accumulators[j].load().to(BFloat16))
+            values.append(rounded)
+        self.hand_off_bf16(thr_mma, values, buffers)
+
+    @cute.jit
+    def hand_off_bf16(self, thr_mma, values, buffers: tuple):
+        """Consumers: write two bf16 fragments (accumulator layout) into the two blocks once
+        the crew freed them, then tell the crew they are there (arrive: no waiting for it)."""
         cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
         for j in cutlass.range_constexpr(2):
-            acc = accumulators[j]
-            values = cute.make_rmem_tensor(acc.shape, BFloat16)
-            values.store(acc.load().to(BFloat16))
-            cute.autovec_copy(values, thr_mma.partition_C(buffers[j]))
+            cute.autovec_copy(values[j], thr_mma.partition_C(buffers[j]))
         cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
 
     # ------------------------------------------------------------------ crew side
@@ -148,14 +164,16 @@ class EpilogueCrew:
     @cute.jit
     def run(
         self, tiles, first_tile, grid_size, buffers, tidx, tile_cols: int, slots, store_chunk,
-        store_args, after_tile=None, after_args=(),
+        store_args, after_tile=None, after_args=(), handoffs: int = 1, before_tile=None,
+        before_args=(),
     ):  # fmt: skip
         """Store each of this CTA's tiles of `tiles` (first_tile, then + grid_size, as the
         consumers walk them; `tile_cols` output columns per tile) from the hand-off blocks
         while the consumers run the next one. `slots` (peer_rank, peer_token_idx pointers)
-        or None: rows go to their slots, padding rows nowhere. `after_tile(lane, first_row,
-        *after_args)`, if given, runs after each tile's stores. Returns the first tile past
-        the end of the walk."""
+        or None: rows go to their slots, padding rows nowhere. `handoffs` hand-offs per tile,
+        the h-th stored with first_col + h * TILE_N. `before_tile(lane, first_row, first_col,
+        *before_args)` runs before a tile's first hand-off, `after_tile(lane, first_row,
+        *after_args)` after its last. Returns the first tile past the end of the walk."""
         lane = tidx - 32 * self.first_warp
         tile = first_tile
         expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
@@ -167,16 +185,22 @@ class EpilogueCrew:
             expert, tile_base, row_base, row_tiles = locate_tile(
                 tiles, tile, (expert, tile_base, row_base, row_tiles)
             )
+            if cutlass.const_expr(before_tile is not None):
+                before_tile(lane, first_row, first_col, *before_args)
             targets = None
             if cutlass.const_expr(slots is not None):
                 targets = buffers[2]
                 self.look_up_targets(targets, lane, first_row, slots[0], slots[1])
-            # The previous tile is stored: the blocks are free; wait for this one.
-            cute.arch.barrier_arrive(
-                barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads
-            )
-            cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
-            self.copy_out(buffers, lane, first_row, first_col, targets, store_chunk, store_args)
+            for h in cutlass.range_constexpr(handoffs):
+                # The previous hand-off is stored: the blocks are free; wait for this one.
+                cute.arch.barrier_arrive(
+                    barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads
+                )
+                cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
+                self.copy_out(
+                    buffers, lane, first_row, first_col + h * TILE_N, targets, store_chunk,
+                    store_args,
+                )  # fmt: skip
             if cutlass.const_expr(after_tile is not None):
                 after_tile(lane, first_row, *after_args)
         return tile

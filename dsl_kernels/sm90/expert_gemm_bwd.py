@@ -82,6 +82,7 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
+from ..common.ptx import prefetch_l2
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .expert_gemm import CREW
@@ -100,15 +101,15 @@ class Sm90ExpertGemmBwd:
 
     job: str = "d_hidden_swiglu"
     stages: int = 4
-    # d_x jobs: the epilogue warps of epilogue_warps.py store each tile while the consumers
-    # run the next one (two 34 KiB hand-off blocks: at most 3 stages).
+    # The epilogue warps of epilogue_warps.py store each tile while the consumers run the next
+    # one (d_hidden_swiglu: the consumers still compute d_gate, d_up and the partials; the
+    # crew stores d_gate and d_up and prefetches the next tile's gate/up into L2). Two 34 KiB
+    # hand-off blocks: at most 3 stages.
     epilogue_warps: bool = False
 
     def validate(self) -> None:
         if self.job not in JOBS:
             raise ValueError(f"job must be one of {JOBS}, got {self.job!r}")
-        if self.epilogue_warps and self.job == "d_hidden_swiglu":
-            raise ValueError("epilogue_warps is for the d_x jobs only")
         max_stages = 3 if self.epilogue_warps else 4
         if not 2 <= self.stages <= max_stages:
             # 48 KiB per stage (A + B0 + B1 tiles): 4 stages and the 34 KiB epilogue buffer,
@@ -346,8 +347,16 @@ class Sm90ExpertGemmBwd:
                     if cutlass.const_expr(self.job == "d_x_slots"):
                         slots = (peer_rank_ptr, peer_token_idx_ptr)
                     row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
-                    CREW.run(tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, slots,
-                             handoff.store_pair, (out0_ptr, row_stride))  # fmt: skip
+                    if cutlass.const_expr(self.job == "d_hidden_swiglu"):
+                        CREW.run(
+                            tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, None,
+                            handoff.store_split, (out0_ptr, out1_ptr, row_stride),
+                            handoffs=2, before_tile=self._prefetch_gate_up,
+                            before_args=(gate_ptr, up_ptr, row_stride),
+                        )  # fmt: skip
+                    else:
+                        CREW.run(tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, slots,
+                                 handoff.store_pair, (out0_ptr, row_stride))  # fmt: skip
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -369,7 +378,7 @@ class Sm90ExpertGemmBwd:
                 )
 
                 # ---- epilogue: registers -> shared -> global (or to the epilogue warps) ----
-                if cutlass.const_expr(self.epilogue_warps):
+                if cutlass.const_expr(self.epilogue_warps and self.job != "d_hidden_swiglu"):
                     CREW.hand_off(thr_mma, (acc0, acc1), buffers)
                 elif cutlass.const_expr(self.job in ("d_x", "d_x_slots")):
                     slots = None
@@ -400,6 +409,7 @@ class Sm90ExpertGemmBwd:
                             swiglu_limit,
                             staged,
                             tidx,
+                            buffers,
                         )
 
                 tile = tile + grid_size
@@ -408,6 +418,22 @@ class Sm90ExpertGemmBwd:
                 )
 
     # ------------------------------------------------------------------ device helpers
+
+    @cute.jit
+    def _prefetch_gate_up(self, lane, first_row, first_col, gate_ptr, up_ptr, row_stride):
+        """Crew, before a d_hidden tile's hand-offs (its mainloop is running): bring the
+        tile's gate and up (128 rows x 256 columns each, 4 lines of 128 bytes per row) into
+        L2 for the consumers' epilogue loads."""
+        lines_per_row = 2 * TILE_N * 2 // 128
+        per_tensor = TILE_M * lines_per_row
+        for idx in cutlass.range(lane, 2 * per_tensor, CREW.threads, unroll=1):
+            base = gate_ptr.toint()
+            if idx >= per_tensor:
+                base = up_ptr.toint()
+            line = idx % per_tensor
+            row = Int64(first_row + line // lines_per_row)
+            col = Int64(first_col + (line % lines_per_row) * 64)
+            prefetch_l2(base + (row * row_stride + col) * 2)
 
     @cute.jit
     def _output_tile(self, ptr: cute.Pointer, first_row: Int32, first_col: Int32, n_size: Int32):
@@ -431,9 +457,11 @@ class Sm90ExpertGemmBwd:
         swiglu_limit: Float32,
         staged,
         tidx,
+        buffers,
     ):
         """d_gate, d_up of one 128 x 128 block from fp32 d_hidden (mok.reference order), and
-        the block's router-weight partial of each of its rows."""
+        the block's router-weight partial of each of its rows. d_gate and d_up go to the crew
+        (`buffers`: epilogue_warps) or out through `staged`."""
         gate = cute.make_rmem_tensor(acc.shape, BFloat16)
         up = cute.make_rmem_tensor(acc.shape, BFloat16)
         cute.autovec_copy(
@@ -476,10 +504,13 @@ class Sm90ExpertGemmBwd:
             )
             gate[i] = d_gate_i.to(BFloat16)
             up[i] = d_up_i.to(BFloat16)
-        for values, ptr in ((gate, d_gate_ptr), (up, d_up_ptr)):
-            phases.store_block(
-                thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, None
-            )
+        if cutlass.const_expr(self.epilogue_warps):
+            CREW.hand_off_bf16(thr_mma, (gate, up), buffers)
+        else:
+            for values, ptr in ((gate, d_gate_ptr), (up, d_up_ptr)):
+                phases.store_block(
+                    thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, None
+                )
         self._store_partials(partials_ptr, (row0, row1), (partial0, partial1), first_row,
                              first_col, n_size)  # fmt: skip
 
