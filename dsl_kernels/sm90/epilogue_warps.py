@@ -9,11 +9,11 @@ each) and go straight on to the next tile's wgmmas; warps 1-3 of the producer wa
 until now, do the rest of the epilogue from those blocks (SwiGLU, 16-byte global stores, slot
 look-ups) while the next tile's mainloop runs.
 
-The crew is `EpilogueCrew(first_warp, num_warps)`: warps 1-3 in the GEMMs; warps 2-3 in the
-forward megakernel, whose warp 1 dispatches.
+The crew is `EpilogueCrew(first_warp, num_warps)`: warps 1-3 in the GEMMs and in the forward
+megakernel.
 
 Hand-off, per tile, on two named barriers of the 256 consumer threads plus the crew's threads
-(ids 1 and 2 stay the consumers' staged epilogue's):
+(ids 1 and 2 are free; 0 is the CTA barrier):
 - BUFFERS_FREE: the crew arrives when the blocks may be overwritten: at the start of each of
   its tiles, i.e. once the previous tile is stored; the consumers wait on it before writing.
 - TILE_READY: the consumers arrive after writing; the crew waits on it.

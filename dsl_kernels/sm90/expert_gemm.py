@@ -22,20 +22,14 @@ the A tile: B0/B1 are the gate and up weight rows of the same 128 output columns
 adjacent 128-column blocks of W_down (store). Two accumulators with the same register layout put
 gate[i, j] and up[i, j] in the same thread, so SwiGLU is an elementwise register operation.
 
-Epilogue, two forms:
-- `epilogue_warps=True` (every shipped variant; epilogue_warps.py): the consumers round their
-  accumulators into two padded shared-memory blocks and go straight on to the next tile's
-  mainloop; warps 1-3 of the producer warpgroup compute SwiGLU and store the tile in 16-byte
-  row chunks meanwhile. The mainloop alone runs at 93-100% of the GEMM ceiling and the
-  epilogue took 15-18% of each tile when the consumers ran it; moving it off them made gate/up
-  9-13% faster on the H200 (docs/NOTES.md, session 5). The two 34 KiB blocks leave 3 ring
-  stages.
-- otherwise (the forward megakernel's consumers use it through `_epilogue`):
-  gemm_phases.store_block, where each consumer warpgroup writes its 64 rows of a rounded
-  128 x 128 block to a padded shared-memory buffer (no bank conflicts), meets its own named
-  barrier and copies the rows out in 16-byte chunks. It replaced 4-byte st.global straight from
-  the accumulator layout, which stalled the consumers on the LSU queue (ncu: lg_throttle),
-  and made Qwen's gate/up 18% and down 28% faster. One 34 KiB buffer: 4 ring stages fit.
+Epilogue (epilogue_warps.py): the consumers round their accumulators into two padded
+shared-memory blocks and go straight on to the next tile's mainloop; warps 1-3 of the producer
+warpgroup, the crew, compute SwiGLU and store the tile in 16-byte row chunks meanwhile (slot
+rows looked up first). The mainloop alone runs at 93-100% of the GEMM ceiling and the epilogue
+took 15-18% of each tile when the consumers ran it; moving it off them made gate/up 9-13%
+faster on the H200 (docs/NOTES.md, session 5). Before that, the consumers staged their stores
+through one shared buffer (session 4: 18-28% faster than 4-byte stores straight from the
+accumulator layout, which stalled on the LSU queue). The two 34 KiB blocks leave 3 ring stages.
 
 Kernel parameters, in order (the runtime encodes the three descriptors from the manifest's tma
 specs; tensors are row-major, innermost dim last):
@@ -93,20 +87,15 @@ class Sm90ExpertGemm:
     """See the module docstring. `stages`: depth of the shared-memory operand ring."""
 
     epilogue: str = "swiglu"
-    stages: int = 4
-    # Epilogue warps (epilogue_warps.py): the consumers hand each rounded tile to the producer
-    # warpgroup's warps 1-3, which store it while the next tile's mainloop runs. Its two
-    # 34 KiB blocks leave room for 3 stages.
-    epilogue_warps: bool = False
+    stages: int = 3
 
     def validate(self) -> None:
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
-        max_stages = 3 if self.epilogue_warps else 4
-        if not 2 <= self.stages <= max_stages:
-            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages and the 34 KiB epilogue buffer,
-            # or 3 stages and the epilogue warps' two, are what fits in 227 KiB.
-            raise ValueError(f"stages must be in 2..{max_stages}, got {self.stages}")
+        if not 2 <= self.stages <= 3:
+            # 48 KiB per stage (A + B0 + B1 tiles): 3 stages and the crew's two 34 KiB
+            # hand-off blocks are what fits in 227 KiB.
+            raise ValueError(f"stages must be in 2..3, got {self.stages}")
 
     # ------------------------------------------------------------------ static configuration
 
@@ -231,16 +220,10 @@ class Sm90ExpertGemm:
         tiled_mma = self._tiled_mma()
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
-        staging_bytes = phases.STAGED_BYTES
-        if cutlass.const_expr(self.epilogue_warps):
-            staging_bytes = handoff.BUFFER_BYTES
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, staging_bytes
+            a_layout, b_layout, self.stages, 0, handoff.BUFFER_BYTES
         )
-        staged = phases.staged_block(storage)
-        buffers = None
-        if cutlass.const_expr(self.epilogue_warps):
-            buffers = handoff.handoff_buffers(storage)
+        buffers = handoff.handoff_buffers(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -261,7 +244,7 @@ class Sm90ExpertGemm:
         tiles = TileList(tokens_per_expert, num_experts, col_tiles)
 
         if warpgroup == 0:
-            # ====== producer warpgroup: warp 0 issues TMA, warps 1-3 exit or store tiles ======
+            # ======== producer warpgroup: warp 0 issues TMA, warps 1-3 store tiles ========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 tAsA, tAgA = phases.partition_tma_load(tma_a, sA, mA, (TILE_M, TILE_K))
@@ -290,15 +273,13 @@ class Sm90ExpertGemm:
                     )
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
-            if cutlass.const_expr(self.epilogue_warps):
-                if warp_idx != 0:
-                    self._epilogue_warps(
-                        tiles, bidx, grid_size, buffers, out_ptr, gate_ptr, up_ptr,
-                        peer_rank_ptr, peer_token_idx_ptr, n_size, has_limit, swiglu_limit,
-                        tidx,
-                    )  # fmt: skip
+            if warp_idx != 0:
+                self._epilogue_warps(
+                    tiles, bidx, grid_size, buffers, out_ptr, gate_ptr, up_ptr, peer_rank_ptr,
+                    peer_token_idx_ptr, n_size, has_limit, swiglu_limit, tidx,
+                )  # fmt: skip
         else:
-            # ================= consumer warpgroups: wgmma mainloop + epilogue ================
+            # ================= consumer warpgroups: wgmma mainloop + hand-off ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, (acc0, acc1) = phases.make_consumer_fragments(
                 tiled_mma, tidx, sA, sB0, sB1
@@ -307,36 +288,12 @@ class Sm90ExpertGemm:
             tile = bidx
             expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
             while expert < num_experts:
-                local = tile - tile_base
-                first_row = row_base + (local % row_tiles) * TILE_M
-                col_tile = local // row_tiles
-
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
                 read_state, release_state = phases.mma_k_tiles(
                     tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
                 )
-
-                # ---- epilogue: registers -> global through shared memory, or hand-off ----
-                if cutlass.const_expr(self.epilogue_warps):
-                    CREW.hand_off(thr_mma, (acc0, acc1), buffers)
-                else:
-                    self._epilogue(
-                        thr_mma,
-                        acc0,
-                        acc1,
-                        out_ptr,
-                        gate_ptr,
-                        up_ptr,
-                        peer_rank_ptr,
-                        peer_token_idx_ptr,
-                        first_row,
-                        col_tile,
-                        n_size,
-                        has_limit,
-                        swiglu_limit,
-                        staged,
-                        tidx,
-                    )
+                # ---- the rounded tile to the crew, which stores it during the next mainloop ----
+                CREW.hand_off(thr_mma, (acc0, acc1), buffers)
 
                 tile = tile + grid_size
                 expert, tile_base, row_base, row_tiles = locate_tile(
@@ -355,62 +312,6 @@ class Sm90ExpertGemm:
             b0 = expert_tiles + 2 * col_tile
             b1 = b0 + 1
         return b0, b1
-
-    @cute.jit
-    def _epilogue(
-        self,
-        thr_mma,
-        acc0: cute.Tensor,
-        acc1: cute.Tensor,
-        out_ptr: cute.Pointer,
-        gate_ptr: cute.Pointer,
-        up_ptr: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        first_row: Int32,
-        col_tile: Int32,
-        n_size: Int32,
-        has_limit: Int32,
-        swiglu_limit: Float32,
-        staged,
-        tidx,
-    ):
-        """Round and store one tile through `staged` (the 128 x 128 bf16 shared buffer of
-        gemm_phases.staged_block; `tidx` the calling thread's index)."""
-        slots = None
-        if cutlass.const_expr(self.epilogue == "slots"):
-            slots = (peer_rank_ptr, peer_token_idx_ptr)
-        if cutlass.const_expr(self.epilogue != "swiglu"):
-            first_col = col_tile * (2 * TILE_N)
-            for j in cutlass.range_constexpr(2):
-                acc = acc0 if j == 0 else acc1
-                values = cute.make_rmem_tensor(acc.shape, BFloat16)
-                values.store(acc.load().to(BFloat16))
-                phases.store_block(
-                    thr_mma, values, out_ptr, first_row, first_col + j * TILE_N, n_size,
-                    staged, tidx, slots,
-                )  # fmt: skip
-        else:
-            first_col = col_tile * TILE_N
-            gate = cute.make_rmem_tensor(acc0.shape, BFloat16)
-            gate.store(acc0.load().to(BFloat16))
-            up = cute.make_rmem_tensor(acc1.shape, BFloat16)
-            up.store(acc1.load().to(BFloat16))
-            # SwiGLU from the bf16-rounded values, in fp32 (mok.reference.swiglu); the
-            # result overwrites acc0 so no third fp32 fragment is live.
-            for i in cutlass.range_constexpr(cute.size(acc0)):
-                g = Float32(gate[i])
-                u = Float32(up[i])
-                if has_limit != 0:
-                    g = cutlass.min(g, swiglu_limit)
-                    u = cutlass.max(cutlass.min(u, swiglu_limit), -swiglu_limit)
-                acc0[i] = g / (Float32(1.0) + cute.math.exp(-g)) * u
-            hidden = cute.make_rmem_tensor(acc0.shape, BFloat16)
-            hidden.store(acc0.load().to(BFloat16))
-            for values, ptr in ((gate, gate_ptr), (up, up_ptr), (hidden, out_ptr)):
-                phases.store_block(
-                    thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, None
-                )
 
     @cute.jit
     def _epilogue_warps(

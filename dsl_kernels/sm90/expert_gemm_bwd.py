@@ -10,9 +10,12 @@
     are not stored), one row per (token, j) slot
 for every routed row r of expert e (rows grouped by expert, see expert_tiles.py).
 
-The shipped d_x variants hand each tile to the epilogue warps (epilogue_warps.py: warps 1-3
-store it while the consumers run the next tile; 3 ring stages); d_hidden_swiglu's consumers
-run its epilogue themselves through gemm_phases.store_block (4 stages).
+Epilogue (epilogue_warps.py): the consumers hand each rounded d_x tile to the crew (warps 1-3),
+which stores it while they run the next tile. d_hidden_swiglu's consumers still compute d_gate,
+d_up and the partials from their fp32 accumulators (the math needs them), then hand d_gate and
+d_up over, one 128-column block at a time; the crew stores them and, during each tile's
+mainloop, prefetches that tile's gate and up rows into L2 for the consumers' loads. Two 34 KiB
+hand-off blocks: 3 ring stages.
 
 The engine is the forward's (expert_gemm.py): one producer warpgroup (warp 0 issues TMA, 40
 registers), two consumer warpgroups (232 registers, 64 rows each) running wgmma from a
@@ -100,21 +103,15 @@ class Sm90ExpertGemmBwd:
     """See the module docstring. `stages`: depth of the shared-memory operand ring."""
 
     job: str = "d_hidden_swiglu"
-    stages: int = 4
-    # The epilogue warps of epilogue_warps.py store each tile while the consumers run the next
-    # one (d_hidden_swiglu: the consumers still compute d_gate, d_up and the partials; the
-    # crew stores d_gate and d_up and prefetches the next tile's gate/up into L2). Two 34 KiB
-    # hand-off blocks: at most 3 stages.
-    epilogue_warps: bool = False
+    stages: int = 3
 
     def validate(self) -> None:
         if self.job not in JOBS:
             raise ValueError(f"job must be one of {JOBS}, got {self.job!r}")
-        max_stages = 3 if self.epilogue_warps else 4
-        if not 2 <= self.stages <= max_stages:
-            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages and the 34 KiB epilogue buffer,
-            # or 3 stages and the epilogue warps' two, are what fits in 227 KiB.
-            raise ValueError(f"stages must be in 2..{max_stages}, got {self.stages}")
+        if not 2 <= self.stages <= 3:
+            # 48 KiB per stage (A + B0 + B1 tiles): 3 stages and the crew's two 34 KiB
+            # hand-off blocks are what fits in 227 KiB.
+            raise ValueError(f"stages must be in 2..3, got {self.stages}")
 
     # ------------------------------------------------------------------ static configuration
 
@@ -270,18 +267,10 @@ class Sm90ExpertGemmBwd:
         tiled_mma = self._tiled_mma()
         a_layout = self._a_smem_layout()
         b_layout = self._b_smem_layout()
-        staging_bytes = phases.STAGED_BYTES
-        if cutlass.const_expr(self.epilogue_warps):
-            staging_bytes = handoff.BUFFER_BYTES
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, staging_bytes
+            a_layout, b_layout, self.stages, 0, handoff.BUFFER_BYTES
         )
-        # Epilogue stores go through shared memory in 16-byte rows (gemm_phases.store_block, or
-        # the epilogue warps' hand-off blocks); the d_hidden job's gate/up loads stay direct.
-        staged = phases.staged_block(storage)
-        buffers = None
-        if cutlass.const_expr(self.epilogue_warps):
-            buffers = handoff.handoff_buffers(storage)
+        buffers = handoff.handoff_buffers(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a0)
@@ -341,24 +330,23 @@ class Sm90ExpertGemmBwd:
                     )
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
-            if cutlass.const_expr(self.epilogue_warps):
-                if warp_idx != 0:
-                    slots = None
-                    if cutlass.const_expr(self.job == "d_x_slots"):
-                        slots = (peer_rank_ptr, peer_token_idx_ptr)
-                    row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
-                    if cutlass.const_expr(self.job == "d_hidden_swiglu"):
-                        CREW.run(
-                            tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, None,
-                            handoff.store_split, (out0_ptr, out1_ptr, row_stride),
-                            handoffs=2, before_tile=self._prefetch_gate_up,
-                            before_args=(gate_ptr, up_ptr, row_stride),
-                        )  # fmt: skip
-                    else:
-                        CREW.run(tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, slots,
-                                 handoff.store_pair, (out0_ptr, row_stride))  # fmt: skip
+            if warp_idx != 0:
+                slots = None
+                if cutlass.const_expr(self.job == "d_x_slots"):
+                    slots = (peer_rank_ptr, peer_token_idx_ptr)
+                row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
+                if cutlass.const_expr(self.job == "d_hidden_swiglu"):
+                    CREW.run(
+                        tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, None,
+                        handoff.store_split, (out0_ptr, out1_ptr, row_stride), handoffs=2,
+                        before_tile=self._prefetch_gate_up,
+                        before_args=(gate_ptr, up_ptr, row_stride),
+                    )  # fmt: skip
+                else:
+                    CREW.run(tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, slots,
+                             handoff.store_pair, (out0_ptr, row_stride))  # fmt: skip
         else:
-            # ================= consumer warpgroups: wgmma mainloop + epilogue ================
+            # ============ consumer warpgroups: wgmma mainloop + (epilogue +) hand-off ============
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, (acc0, acc1) = phases.make_consumer_fragments(
                 tiled_mma, tidx, sA, sB0, sB1
@@ -377,28 +365,14 @@ class Sm90ExpertGemmBwd:
                     tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
                 )
 
-                # ---- epilogue: registers -> shared -> global (or to the epilogue warps) ----
-                if cutlass.const_expr(self.epilogue_warps and self.job != "d_hidden_swiglu"):
+                # ---- the rounded tile to the crew (d_hidden: its SwiGLU backward first) ----
+                if cutlass.const_expr(self.job != "d_hidden_swiglu"):
                     CREW.hand_off(thr_mma, (acc0, acc1), buffers)
-                elif cutlass.const_expr(self.job in ("d_x", "d_x_slots")):
-                    slots = None
-                    if cutlass.const_expr(self.job == "d_x_slots"):
-                        slots = (peer_rank_ptr, peer_token_idx_ptr)
-                    for j in cutlass.range_constexpr(2):
-                        acc = acc0 if j == 0 else acc1
-                        values = cute.make_rmem_tensor(acc.shape, BFloat16)
-                        values.store(acc.load().to(BFloat16))
-                        phases.store_block(
-                            thr_mma, values, out0_ptr, first_row, first_col + j * TILE_N,
-                            n_size, staged, tidx, slots,
-                        )  # fmt: skip
                 else:
                     for j in cutlass.range_constexpr(2):
                         self._swiglu_backward(
                             thr_mma,
                             acc0 if j == 0 else acc1,
-                            out0_ptr,
-                            out1_ptr,
                             gate_ptr,
                             up_ptr,
                             partials_ptr,
@@ -407,8 +381,6 @@ class Sm90ExpertGemmBwd:
                             n_size,
                             has_limit,
                             swiglu_limit,
-                            staged,
-                            tidx,
                             buffers,
                         )
 
@@ -445,8 +417,6 @@ class Sm90ExpertGemmBwd:
         self,
         thr_mma,
         acc: cute.Tensor,
-        d_gate_ptr: cute.Pointer,
-        d_up_ptr: cute.Pointer,
         gate_ptr: cute.Pointer,
         up_ptr: cute.Pointer,
         partials_ptr: cute.Pointer,
@@ -455,13 +425,11 @@ class Sm90ExpertGemmBwd:
         n_size: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
-        staged,
-        tidx,
         buffers,
     ):
         """d_gate, d_up of one 128 x 128 block from fp32 d_hidden (mok.reference order), and
         the block's router-weight partial of each of its rows. d_gate and d_up go to the crew
-        (`buffers`: epilogue_warps) or out through `staged`."""
+        (the hand-off `buffers`)."""
         gate = cute.make_rmem_tensor(acc.shape, BFloat16)
         up = cute.make_rmem_tensor(acc.shape, BFloat16)
         cute.autovec_copy(
@@ -504,13 +472,7 @@ class Sm90ExpertGemmBwd:
             )
             gate[i] = d_gate_i.to(BFloat16)
             up[i] = d_up_i.to(BFloat16)
-        if cutlass.const_expr(self.epilogue_warps):
-            CREW.hand_off_bf16(thr_mma, (gate, up), buffers)
-        else:
-            for values, ptr in ((gate, d_gate_ptr), (up, d_up_ptr)):
-                phases.store_block(
-                    thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, None
-                )
+        CREW.hand_off_bf16(thr_mma, (gate, up), buffers)
         self._store_partials(partials_ptr, (row0, row1), (partial0, partial1), first_row,
                              first_col, n_size)  # fmt: skip
 

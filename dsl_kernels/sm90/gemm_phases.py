@@ -31,9 +31,9 @@ CONSUMER_REGISTERS = 232
 THREADS_PER_WARPGROUP = 128
 NUM_CONSUMER_WARPGROUPS = 2
 THREADS = THREADS_PER_WARPGROUP * (1 + NUM_CONSUMER_WARPGROUPS)
-# Staged epilogue (`store_block`): one 128 x 128 bf16 block, rows padded by 8 elements (16
-# bytes) so the accumulator layout's 4-byte shared stores hit 32 distinct banks; 34 KiB, which
-# with the 4-stage ring is exactly the 227 KiB an SM90 CTA may have.
+# A shared 128 x 128 bf16 block of the epilogue (`staged_block`; epilogue_warps.py hands tiles
+# over in two): rows padded by 8 elements (16 bytes) so the accumulator layout's 4-byte shared
+# stores hit 32 distinct banks and 16-byte row chunks stay aligned; 34 KiB.
 STAGED_PAD = 8
 STAGED_ROW = TILE_N + STAGED_PAD
 STAGED_BYTES = 2 * TILE_M * STAGED_ROW
@@ -352,56 +352,9 @@ def accumulator_rows(thr_mma):
 
 
 def staged_block(storage, offset_bytes: int = 0):
-    """The staged epilogue's padded 128 x 128 bf16 buffer at `offset_bytes` (a multiple of 128)
+    """A padded 128 x 128 bf16 epilogue block at `offset_bytes` (a multiple of 128)
     into `storage.staging` (allocated with at least offset_bytes + STAGED_BYTES)."""
     return cute.make_tensor(
         cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=BFloat16),
         cute.make_layout((TILE_M, TILE_N), stride=(STAGED_ROW, 1)),
     )
-
-
-@cute.jit
-def store_block(thr_mma, values, ptr, first_row, first_col, n_size, staged, tidx, slots):
-    """bf16 fragment `values` (accumulator layout) -> the 128 x 128 block at (first_row,
-    first_col) of row-major [*, n_size] `ptr`; `slots` (peer_rank, peer_token_idx pointers):
-    routed row r goes to row peer_token_idx[r] instead, padding rows nowhere.
-
-    Through `staged` (the `staged_block` buffer; `tidx` the thread's index): each consumer
-    warpgroup writes its 64 rows to shared memory (no bank conflicts), meets its own named
-    barrier (1 or 2), and copies them out in 16-byte chunks, a warp covering two whole 256-byte
-    rows per store; every destination row is read before any store, so slot look-ups do not
-    wait behind stores (4-byte stores straight from the accumulator layout stalled the LSU
-    queue)."""
-    consumer = tidx - THREADS_PER_WARPGROUP
-    warpgroup = consumer // THREADS_PER_WARPGROUP
-    barrier = 1 + warpgroup
-    lane = consumer % THREADS_PER_WARPGROUP
-    # The previous block's copy-out has read the buffer.
-    cute.arch.barrier(barrier_id=barrier, number_of_threads=THREADS_PER_WARPGROUP)
-    cute.autovec_copy(values, thr_mma.partition_C(staged))
-    cute.arch.barrier(barrier_id=barrier, number_of_threads=THREADS_PER_WARPGROUP)
-    chunks_in = cute.make_tensor(
-        staged.iterator,
-        cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
-    )
-    row_stride = cute.assume(Int64(n_size), divby=TILE_N)
-    chunk = lane % STAGED_CHUNKS
-    rows_per_pass = THREADS_PER_WARPGROUP // STAGED_CHUNKS
-    passes = 64 // rows_per_pass
-    targets = cute.make_rmem_tensor((passes,), Int64)
-    for i in cutlass.range_constexpr(passes):
-        row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
-        targets[i] = Int64(first_row + row)
-        if cutlass.const_expr(slots is not None):
-            rank = cute.make_tensor(slots[0], cute.make_layout(1 << 30))
-            slot = cute.make_tensor(slots[1], cute.make_layout(1 << 30))
-            # -1: a padding row, not stored.
-            targets[i] = cutlass.select_(
-                rank[first_row + row] >= 0, Int64(slot[first_row + row]), Int64(-1)
-            )
-    for i in cutlass.range_constexpr(passes):
-        row = warpgroup * 64 + i * rows_per_pass + lane // STAGED_CHUNKS
-        if targets[i] >= 0:
-            offset = cute.assume(targets[i] * row_stride + Int64(first_col + chunk * 8), divby=8)
-            out = cute.make_tensor(ptr + offset, cute.make_layout(8))
-            out.store(chunks_in[None, chunk, row].load())

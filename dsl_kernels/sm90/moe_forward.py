@@ -96,7 +96,7 @@ PHASE_GATE_UP_GEMM = 6
 # per stored gate/up tile. The release atomic stays out of the consumers' code: there, a
 # release atomic or a polling loop makes ptxas serialise every wgmma of the kernel (C7520).
 CREW = EpilogueCrew(first_warp=1, num_warps=3)
-CREW_BARRIER = 6  # named barrier of the crew's threads (1-2 staged epilogue, 3-5 hand-off)
+CREW_BARRIER = 6  # named barrier of the crew's threads (3-5: the hand-off's)
 # Dispatch: each thread keeps DISPATCH_BATCH 16-byte loads in flight (384 threads: 48 KiB
 # per SM), every load of a batch issued before its stores.
 DISPATCH_BATCH = 8
