@@ -90,12 +90,7 @@ def test_engine_instructions(built, name):
 
 
 def assert_epilogue_handoff(
-    ptx: str,
-    stores_per_chunk: int,
-    slots: bool,
-    crew: int = 96,
-    handoffs: int = 1,
-    crew_syncs: int | None = None,
+    ptx: str, stores_per_chunk: int, slots: bool, crew: int = 96, handoffs: int = 1
 ) -> None:
     """The epilogue-warps hand-off (dsl_kernels/sm90/epilogue_warps.py) is what the PTX does:
     the consumers write their 2 x 32 bf16 pairs of the two accumulators to shared memory
@@ -103,8 +98,7 @@ def assert_epilogue_handoff(
     crew's `crew` threads); the crew arrives on BUFFERS_FREE at the start of each tile, waits
     on TILE_READY, and copies each 16-byte chunk of both blocks out with 16-byte stores; slots
     tiles look their 128 destination rows up between two crew-wide barriers. `handoffs`: per
-    tile (each side's code unrolled that many times); `crew_syncs`: the crew-only barriers
-    (default: the slot look-up's two)."""
+    tile (each side's code unrolled that many times)."""
     handoff = str(256 + crew)
     barriers = re.findall(r"^\s*(bar\.(?:sync|arrive))\s+(\d+)(?:,\s*(\d+))?;", ptx, re.M)
     for op, barrier_id in (
@@ -114,9 +108,7 @@ def assert_epilogue_handoff(
         ("bar.arrive", "4"),
     ):
         assert barriers.count((op, barrier_id, handoff)) == handoffs, (op, barrier_id)
-    if crew_syncs is None:
-        crew_syncs = 2 if slots else 0
-    assert barriers.count(("bar.sync", "5", str(crew))) == crew_syncs
+    assert barriers.count(("bar.sync", "5", str(crew))) == (2 if slots else 0)
     assert _count(ptx, "st.shared.b32") == handoffs * 2 * 32 + (1 if slots else 0)
     assert _count(ptx, "ld.shared.v4") == handoffs * 2
     assert _count(ptx, "st.global.v4") == handoffs * stores_per_chunk

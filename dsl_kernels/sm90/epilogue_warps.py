@@ -22,7 +22,7 @@ i + 1 only after TILE_READY of tile i, which the consumers reach only after BUFF
 tile i. Both sides walk the same tile sequence, so the arrivals match one for one and none is
 left pending at exit.
 
-A third barrier (CREW_SYNC, the crew's threads) guards the 128 destination rows of a `slots`
+A third barrier (TARGETS, the crew's threads) guards the 128 destination rows of a `slots`
 tile, looked up into shared memory before TILE_READY so the look-ups overlap the wait.
 """
 
@@ -45,7 +45,7 @@ from .gemm_phases import (
 
 TILE_READY = 3  # named barrier ids
 BUFFERS_FREE = 4
-CREW_SYNC = 5  # the crew's own barrier (slot look-ups, inputs loaded into the blocks)
+TARGETS = 5
 CONSUMER_THREADS = 2 * THREADS_PER_WARPGROUP
 # Two staged blocks and the 128 destination rows of a slots tile.
 TARGETS_OFFSET = 2 * STAGED_BYTES
@@ -115,17 +115,7 @@ class EpilogueCrew:
     def hand_off_bf16(self, thr_mma, values, buffers: tuple):
         """Consumers: write two bf16 fragments (accumulator layout) into the two blocks once
         the crew freed them, then tell the crew they are there (arrive: no waiting for it)."""
-        self.wait_buffers()
-        self.send(thr_mma, values, buffers)
-
-    def wait_buffers(self):
-        """Consumers: the crew is done with the blocks (and has filled them, for a crew run
-        with `before_handoff`)."""
         cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
-
-    @cute.jit
-    def send(self, thr_mma, values, buffers: tuple):
-        """Consumers, after `wait_buffers`: two bf16 fragments into the blocks, then arrive."""
         for j in cutlass.range_constexpr(2):
             cute.autovec_copy(values[j], thr_mma.partition_C(buffers[j]))
         cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
@@ -139,42 +129,12 @@ class EpilogueCrew:
         until every entry is written."""
         rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(1 << 30))
         slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(1 << 30))
-        cute.arch.barrier(barrier_id=CREW_SYNC, number_of_threads=self.threads)
+        cute.arch.barrier(barrier_id=TARGETS, number_of_threads=self.threads)
         for row in cutlass.range(lane, TILE_M, self.threads, unroll=1):
             targets[row] = cutlass.select_(
                 rank[first_row + row] >= 0, slot[first_row + row], Int32(-1)
             )
-        cute.arch.barrier(barrier_id=CREW_SYNC, number_of_threads=self.threads)
-
-    @cute.jit
-    def load_blocks(self, lane, first_row, first_col, buffers, first_ptr, second_ptr, row_stride):
-        """Crew: block 0 = rows first_row.. x columns first_col.. (128 x 128) of `first_ptr`,
-        block 1 the same of `second_ptr` (row-major, `row_stride` elements per row), with
-        16-byte `cp.async` copies all in flight at once; returns once they landed."""
-        atom = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-            BFloat16,
-            num_bits_per_copy=128,
-        )
-        views = [
-            cute.make_tensor(
-                buffers[j].iterator,
-                cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
-            )
-            for j in range(2)
-        ]
-        for idx in cutlass.range(lane, CHUNKS_PER_TILE, self.threads, unroll=1):
-            row = idx // STAGED_CHUNKS
-            chunk = idx % STAGED_CHUNKS
-            at = cute.assume(
-                Int64(first_row + row) * row_stride + Int64(first_col + chunk * 8), divby=8
-            )
-            for j in cutlass.range_constexpr(2):
-                ptr = first_ptr if j == 0 else second_ptr
-                cute.copy(atom, cute.make_tensor(ptr + at, cute.make_layout(8)),
-                          views[j][None, chunk, row])  # fmt: skip
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier(barrier_id=TARGETS, number_of_threads=self.threads)
 
     @cute.jit
     def copy_out(self, buffers, lane, first_row, first_col, targets, store_chunk, store_args):
@@ -205,7 +165,7 @@ class EpilogueCrew:
     def run(
         self, tiles, first_tile, grid_size, buffers, tidx, tile_cols: int, slots, store_chunk,
         store_args, after_tile=None, after_args=(), handoffs: int = 1, before_tile=None,
-        before_args=(), before_handoff=None, before_handoff_args=(),
+        before_args=(),
     ):  # fmt: skip
         """Store each of this CTA's tiles of `tiles` (first_tile, then + grid_size, as the
         consumers walk them; `tile_cols` output columns per tile) from the hand-off blocks
@@ -213,10 +173,7 @@ class EpilogueCrew:
         or None: rows go to their slots, padding rows nowhere. `handoffs` hand-offs per tile,
         the h-th stored with first_col + h * TILE_N. `before_tile(lane, first_row, first_col,
         *before_args)` runs before a tile's first hand-off, `after_tile(lane, first_row,
-        *after_args)` after its last, `before_handoff(lane, first_row, first_col of the
-        hand-off, *before_handoff_args)` before each hand-off once the whole crew is done with
-        the blocks (it may fill them: the consumers read them after `wait_buffers`). Returns
-        the first tile past the end of the walk."""
+        *after_args)` after its last. Returns the first tile past the end of the walk."""
         lane = tidx - 32 * self.first_warp
         tile = first_tile
         expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
@@ -235,9 +192,6 @@ class EpilogueCrew:
                 targets = buffers[2]
                 self.look_up_targets(targets, lane, first_row, slots[0], slots[1])
             for h in cutlass.range_constexpr(handoffs):
-                if cutlass.const_expr(before_handoff is not None):
-                    cute.arch.barrier(barrier_id=CREW_SYNC, number_of_threads=self.threads)
-                    before_handoff(lane, first_row, first_col + h * TILE_N, *before_handoff_args)
                 # The previous hand-off is stored: the blocks are free; wait for this one.
                 cute.arch.barrier_arrive(
                     barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads

@@ -341,8 +341,6 @@ class Sm90ExpertGemmBwd:
                         handoff.store_split, (out0_ptr, out1_ptr, row_stride), handoffs=2,
                         before_tile=self._prefetch_gate_up,
                         before_args=(gate_ptr, up_ptr, row_stride),
-                        before_handoff=CREW.load_blocks,
-                        before_handoff_args=(buffers, gate_ptr, up_ptr, row_stride),
                     )  # fmt: skip
                 else:
                     CREW.run(tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, slots,
@@ -375,6 +373,8 @@ class Sm90ExpertGemmBwd:
                         self._swiglu_backward(
                             thr_mma,
                             acc0 if j == 0 else acc1,
+                            gate_ptr,
+                            up_ptr,
                             partials_ptr,
                             first_row,
                             first_col + j * TILE_N,
@@ -408,10 +408,17 @@ class Sm90ExpertGemmBwd:
             prefetch_l2(base + (row * row_stride + col) * 2)
 
     @cute.jit
+    def _output_tile(self, ptr: cute.Pointer, first_row: Int32, first_col: Int32, n_size: Int32):
+        """The 128 x 128 block at (first_row, first_col) of a row-major [*, n_size] tensor."""
+        return phases.output_tile(ptr, None, first_row, first_col, n_size, 2 * TILE_N)
+
+    @cute.jit
     def _swiglu_backward(
         self,
         thr_mma,
         acc: cute.Tensor,
+        gate_ptr: cute.Pointer,
+        up_ptr: cute.Pointer,
         partials_ptr: cute.Pointer,
         first_row: Int32,
         first_col: Int32,
@@ -421,14 +428,16 @@ class Sm90ExpertGemmBwd:
         buffers,
     ):
         """d_gate, d_up of one 128 x 128 block from fp32 d_hidden (mok.reference order), and
-        the block's router-weight partial of each of its rows. The block's gate and up come
-        from the crew, which loaded them into the hand-off `buffers`; d_gate and d_up go back
-        to it in their place."""
+        the block's router-weight partial of each of its rows. d_gate and d_up go to the crew
+        (the hand-off `buffers`)."""
         gate = cute.make_rmem_tensor(acc.shape, BFloat16)
         up = cute.make_rmem_tensor(acc.shape, BFloat16)
-        CREW.wait_buffers()
-        cute.autovec_copy(thr_mma.partition_C(buffers[0]), gate)
-        cute.autovec_copy(thr_mma.partition_C(buffers[1]), up)
+        cute.autovec_copy(
+            thr_mma.partition_C(self._output_tile(gate_ptr, first_row, first_col, n_size)), gate
+        )
+        cute.autovec_copy(
+            thr_mma.partition_C(self._output_tile(up_ptr, first_row, first_col, n_size)), up
+        )
         # Each result overwrites the bf16 input it came from, once both inputs of that element
         # are read: the epilogue holds no fp32 fragment beyond the two accumulators (a third
         # one spills at 232 registers).
@@ -463,7 +472,7 @@ class Sm90ExpertGemmBwd:
             )
             gate[i] = d_gate_i.to(BFloat16)
             up[i] = d_up_i.to(BFloat16)
-        CREW.send(thr_mma, (gate, up), buffers)
+        CREW.hand_off_bf16(thr_mma, (gate, up), buffers)
         self._store_partials(partials_ptr, (row0, row1), (partial0, partial1), first_row,
                              first_col, n_size)  # fmt: skip
 
