@@ -470,8 +470,9 @@ class Sm90MoeForward:
         """All 384 threads: x_routed row tiles bidx, bidx + grid, ... (x_routed[r] =
         x[peer_token_idx[r] // k], zeros for padding rows). Per tile the 128 source rows are
         looked up once into shared memory (`sources`: the crew's slot table, free until the
-        roles split), then the 16-byte chunks are spread over the threads, DISPATCH_BATCH
-        independent loads in flight per thread. Then every thread fences its stores for the
+        roles split); then each warp copies whole rows (rows warp, warp + 12, ...), its lanes
+        taking 16-byte chunks with DISPATCH_BATCH independent loads in flight each, no index
+        division per chunk. Then every thread fences its stores for the
         async proxy (the GEMMs read x_routed with TMA), the CTA meets, and thread 0 releases
         the counter of each of its row tiles."""
         chunks, (mRouted, mX) = chunked_row_views(
@@ -479,7 +480,8 @@ class Sm90MoeForward:
         )
         rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
         slot_of = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
-        tile_chunks = TILE_M * chunks
+        warp = tidx // 32
+        lane = tidx % 32
         values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH), BFloat16)
         for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
             first_row = row_tile * TILE_M
@@ -488,21 +490,20 @@ class Sm90MoeForward:
                 row = first_row + tidx
                 sources[tidx] = cutlass.select_(rank[row] >= 0, slot_of[row] // topk, Int32(-1))
             cute.arch.sync_threads()
-            step = phases.THREADS * DISPATCH_BATCH
-            for base in cutlass.range(tidx, tile_chunks, step, unroll=1):
-                for j in cutlass.range_constexpr(DISPATCH_BATCH):
-                    idx = base + j * phases.THREADS
-                    values[None, j].fill(0.0)
-                    if idx < tile_chunks:
-                        source = sources[idx // chunks]
-                        if source >= 0:
-                            values[None, j].store(mX[None, idx % chunks, source].load())
-                for j in cutlass.range_constexpr(DISPATCH_BATCH):
-                    idx = base + j * phases.THREADS
-                    if idx < tile_chunks:
-                        mRouted[None, idx % chunks, first_row + idx // chunks].store(
-                            values[None, j].load()
-                        )
+            for r in cutlass.range(warp, TILE_M, phases.THREADS // 32, unroll=1):
+                source = sources[r]
+                row = first_row + r
+                for base in cutlass.range(lane, chunks, 32 * DISPATCH_BATCH, unroll=1):
+                    for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                        chunk = base + 32 * j
+                        values[None, j].fill(0.0)
+                        if chunk < chunks:
+                            if source >= 0:
+                                values[None, j].store(mX[None, chunk, source].load())
+                    for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                        chunk = base + 32 * j
+                        if chunk < chunks:
+                            mRouted[None, chunk, row].store(values[None, j].load())
         cute.arch.fence_proxy("async.global")
         cute.arch.sync_threads()
         if tidx == 0:
