@@ -29,8 +29,9 @@ class MoKConfig:
         all_gather_top_experts_chunk_bytes: chunk of the routing all-gather (multiple of 16).
 
     The original's defaults (40/28/4096/131072/0.5/2048) were tuned for 148-SM Blackwell. The
-    communication-CTA defaults here are provisional for a 132-SM H200 (scaled by SM count)
-    until the megakernels are tuned on it; docs/NOTES.md records what has been measured.
+    communication-CTA defaults here are provisional for a 132-SM H200 (scaled by SM count).
+    The Hopper forward megakernel does not use them: its dispatch is a phase of every CTA
+    (docs/NOTES.md, session 5). They are validated and stay part of the API and cache key.
     """
 
     fwd_num_comm_sms: int = 16
