@@ -92,10 +92,7 @@ class Sm90ExpertGemm:
     def validate(self) -> None:
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
-        if not 2 <= self.stages <= 3:
-            # 48 KiB per stage (A + B0 + B1 tiles): 3 stages and the crew's two 34 KiB
-            # hand-off blocks are what fits in 227 KiB.
-            raise ValueError(f"stages must be in 2..3, got {self.stages}")
+        phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
 
     # ------------------------------------------------------------------ static configuration
 

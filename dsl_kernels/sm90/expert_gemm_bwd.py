@@ -108,10 +108,7 @@ class Sm90ExpertGemmBwd:
     def validate(self) -> None:
         if self.job not in JOBS:
             raise ValueError(f"job must be one of {JOBS}, got {self.job!r}")
-        if not 2 <= self.stages <= 3:
-            # 48 KiB per stage (A + B0 + B1 tiles): 3 stages and the crew's two 34 KiB
-            # hand-off blocks are what fits in 227 KiB.
-            raise ValueError(f"stages must be in 2..3, got {self.stages}")
+        phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
 
     # ------------------------------------------------------------------ static configuration
 

@@ -67,9 +67,7 @@ class Sm90ExpertGemmBwdWeights:
     def validate(self) -> None:
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
-        if not 2 <= self.stages <= 4:
-            # 48 KiB per stage (A + B0 + B1 tiles): 4 stages is what fits in 227 KiB.
-            raise ValueError(f"stages must be in 2..4, got {self.stages}")
+        phases.validate_stages(self.stages, phases.MAX_STAGES)
 
     # ------------------------------------------------------------------ static configuration
 

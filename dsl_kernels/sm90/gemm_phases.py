@@ -42,6 +42,17 @@ STAGED_CHUNKS = TILE_N // 8  # 16-byte chunks per staged row
 
 # ---------------------------------------------------------------------- static configuration
 
+# Ring stages that fit in the 227 KiB an SM90 CTA may have (48 KiB per stage: A + B0 + B1):
+# 4 alone, 3 beside the epilogue crew's two 34 KiB hand-off blocks (epilogue_warps.py).
+MAX_STAGES = 4
+MAX_STAGES_WITH_CREW = 3
+
+
+def validate_stages(stages: int, max_stages: int) -> None:
+    """A kernel config's `stages`: 2 (the producer one stage ahead) to `max_stages`."""
+    if not 2 <= stages <= max_stages:
+        raise ValueError(f"stages must be in 2..{max_stages}, got {stages}")
+
 
 def make_tiled_mma(a_major, b_major):
     """Two warpgroups along M (64 rows each), each running m64n128k16 bf16 -> fp32 wgmma;

@@ -110,8 +110,7 @@ class Sm90MoeForward:
     stages: int = 3
 
     def validate(self) -> None:
-        if not 2 <= self.stages <= 3:
-            raise ValueError(f"stages must be in 2..3, got {self.stages}")
+        phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
 
     @property
     def threads(self) -> int:
