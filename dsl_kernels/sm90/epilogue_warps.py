@@ -10,7 +10,9 @@ until now, do the rest of the epilogue from those blocks (SwiGLU, 16-byte global
 look-ups) while the next tile's mainloop runs.
 
 The crew is `EpilogueCrew(first_warp, num_warps)`: warps 1-3 in the GEMMs and in the forward
-megakernel.
+megakernel. Most kernels hand over rounded accumulators (`hand_off`); the d_hidden GEMM's
+consumers compute d_gate and d_up first and hand those over, one 128-column block at a time
+(`hand_off_bf16`, two hand-offs per tile).
 
 Hand-off, per tile, on two named barriers of the 256 consumer threads plus the crew's threads
 (ids 1 and 2 are free; 0 is the CTA barrier):
