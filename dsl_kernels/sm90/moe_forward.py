@@ -433,7 +433,7 @@ class Sm90MoeForward:
         slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
         has_limit, swiglu_limit, hidden_done, tidx, bidx, grid_size,
     ):  # fmt: skip
-        """Warps 2-3, the crew: store every tile the consumers hand off, in their order: each
+        """Warps 1-3, the crew: store every tile the consumers hand off, in their order: each
         gate/up tile's gate, up and hidden (then release its row tile's counter), then each
         down tile's rows at their slots."""
         swiglu_args = (
