@@ -13,17 +13,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from mok import functional as F
 from mok.launchers import set_forward_path
-from mok.testing import make_inputs
-from tools.diag_profile import SHAPES, WEIGHTS
+from tools.diag_profile import SHAPES, setup_layer
 
 
 def measure(shape: str, tokens: int, reps: int) -> str:
-    h, i, e, k = SHAPES[shape]
-    inputs = make_inputs(tokens, h, i, e, k, seed=0, device="cuda")
-    config = F.MoKConfig()
-    ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=tokens,
-                         hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
-    weights = [inputs[n] for n in WEIGHTS]
+    inputs, config, ws, weights, e = setup_layer(shape, tokens)
 
     def step():
         schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)

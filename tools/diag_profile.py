@@ -21,18 +21,23 @@ SHAPES = {  # H, I, E, k
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
 
 
+def setup_layer(shape: str, tokens: int):
+    """(inputs, config, workspace, weights, num_experts) of one layer at a benchmark shape."""
+    h, i, e, k = SHAPES[shape]
+    inputs = make_inputs(tokens, h, i, e, k, seed=0, device="cuda")
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=tokens,
+                         hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
+    return inputs, config, ws, [inputs[n] for n in WEIGHTS], e
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=16384)
     args = parser.parse_args()
-    h, i, e, k = SHAPES[args.shape]
     t = args.tokens
-    inputs = make_inputs(t, h, i, e, k, seed=0, device="cuda")
-    config = F.MoKConfig()
-    ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=t,
-                         hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
-    weights = [inputs[n] for n in WEIGHTS]
+    inputs, config, ws, weights, e = setup_layer(args.shape, t)
 
     def step():
         schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
