@@ -218,7 +218,7 @@ class Sm90ExpertGemm:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, handoff.BUFFER_BYTES
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES
         )
         buffers = handoff.handoff_buffers(storage)
 

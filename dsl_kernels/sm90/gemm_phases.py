@@ -129,26 +129,21 @@ def thread_roles():
     return tidx, bidx, grid_size, warp_idx, warpgroup
 
 
-def allocate_operand_ring_storage(
-    a_layout, b_layout, stages: int, extra_barriers: int = 0, staging_bytes: int = 0
-):
+def allocate_operand_ring_storage(a_layout, b_layout, stages: int, staging_bytes: int = 0):
     """Shared memory of the ring: its mbarriers, then A, B0, B1 (1024-byte aligned, as the
     128-byte swizzle needs). Returns (storage, sA, sB0, sB1). A kernel with more to keep in
-    shared memory asks for `extra_barriers` mbarriers (`storage.extra_barriers`) and a
-    128-byte-aligned byte buffer (`storage.staging`) after the ring."""
+    shared memory (the epilogue crew's hand-off blocks) asks for a 128-byte-aligned byte
+    buffer of `staging_bytes` (`storage.staging`) after the ring."""
 
-    num_extra = max(extra_barriers, 1)
-    num_staging = max(staging_bytes, 16)
-    if extra_barriers or staging_bytes:
+    if staging_bytes:
 
         @cute.struct
         class SharedStorage:
             ring_barriers: cute.struct.MemRange[Int64, stages * 2]
-            extra_barriers: cute.struct.MemRange[Int64, num_extra]
             sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
             sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
             sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-            staging: cute.struct.Align[cute.struct.MemRange[Int8, num_staging], 128]
+            staging: cute.struct.Align[cute.struct.MemRange[Int8, staging_bytes], 128]
 
     else:
 

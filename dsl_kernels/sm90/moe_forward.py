@@ -116,12 +116,10 @@ class Sm90MoeForward:
     def threads(self) -> int:
         return phases.THREADS
 
-    def _tiled_mma(self):
-        K = cute.nvgpu.warpgroup.OperandMajorMode.K
-        return phases.make_tiled_mma(K, K)
-
-    def _smem_layout(self, rows: int):
-        return phases.k_major_smem_layout(rows, self.stages)
+    def _engine(self) -> Sm90ExpertGemm:
+        """The gate/up GEMM's class: the megakernel's MMA, shared-memory layouts and SwiGLU
+        stores are its (both GEMMs read K-major operands)."""
+        return Sm90ExpertGemm("swiglu", self.stages)
 
     def tma_specs(self) -> list[dict]:
         box = [TILE_K, TILE_M]
@@ -194,8 +192,8 @@ class Sm90MoeForward:
         num_ctas: Int32,
     ):
         layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
-        a_smem = self._smem_layout(TILE_M)
-        b_smem = self._smem_layout(TILE_N)
+        a_smem = self._engine()._smem_layout(TILE_M)
+        b_smem = self._engine()._smem_layout(TILE_N)
         tile_a = (TILE_M, TILE_K)
         tile_b = (TILE_N, TILE_K)
         tma_x, mX = phases.make_tma_load(a_x, layout, a_smem, tile_a)
@@ -275,11 +273,12 @@ class Sm90MoeForward:
         tma = (tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
 
-        tiled_mma = self._tiled_mma()
-        a_layout = self._smem_layout(TILE_M)
-        b_layout = self._smem_layout(TILE_N)
+        engine = self._engine()
+        tiled_mma = engine._tiled_mma()
+        a_layout = engine._smem_layout(TILE_M)
+        b_layout = engine._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, handoff.BUFFER_BYTES
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES
         )
         buffers = handoff.handoff_buffers(storage)
         if warp_idx == 0:
@@ -345,7 +344,7 @@ class Sm90MoeForward:
             task = task - num_gate_up
             # A fresh MMA object: `mma_k_tiles` sets its accumulate field inside the loop above,
             # and a value made inside one loop may not be used by another.
-            down_mma = self._tiled_mma()
+            down_mma = engine._tiled_mma()
             down_thr = down_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
             expert, tile_base, row_base, row_tiles = locate_first_tile(down_tiles, task)
             while expert < num_experts:
@@ -442,7 +441,7 @@ class Sm90MoeForward:
         )  # fmt: skip
         end = CREW.run(
             gate_up_tiles, bidx, grid_size, buffers, tidx, TILE_N, None,
-            Sm90ExpertGemm("swiglu").store_swiglu_chunk, swiglu_args, self._release_row_tile,
+            self._engine().store_swiglu_chunk, swiglu_args, self._release_row_tile,
             (hidden_done,),
         )  # fmt: skip
         CREW.run(
