@@ -81,9 +81,9 @@ from ..common.bounded_wait import (
     ld_acquire_gpu_s32,
     red_add_release_gpu_s32,
 )
-from ..common.row_chunks import VECTOR, chunked_row_views
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
+from .dispatch_phase import dispatch_rows
 from .epilogue_warps import EpilogueCrew
 from .expert_gemm import MAX_K, MAX_ROWS, Sm90ExpertGemm
 from .expert_tiles import TileList, locate_first_tile, locate_tile
@@ -97,9 +97,6 @@ PHASE_GATE_UP_GEMM = 6
 # release atomic or a polling loop makes ptxas serialise every wgmma of the kernel (C7520).
 CREW = EpilogueCrew(first_warp=1, num_warps=3)
 CREW_BARRIER = 6  # named barrier of the crew's threads (3-5: the hand-off's)
-# Dispatch: each thread keeps DISPATCH_BATCH 16-byte loads in flight (384 threads: 48 KiB
-# per SM), every load of a batch issued before its stores.
-DISPATCH_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -302,7 +299,7 @@ class Sm90MoeForward:
         record = error_record_ptr.toint()
 
         # ---- dispatch: every thread of the CTA, before the roles split ----
-        self._dispatch(
+        dispatch_rows(
             x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
             topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx, grid_size,
         )  # fmt: skip
@@ -459,51 +456,3 @@ class Sm90MoeForward:
         cute.arch.barrier(barrier_id=CREW_BARRIER, number_of_threads=CREW.threads)
         if lane == 0:
             red_add_release_gpu_s32(hidden_done + Int64(4) * Int64(first_row // TILE_M), Int32(1))
-
-    @cute.jit
-    def _dispatch(
-        self, x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-        hidden_size, topk, num_src_rows, capacity, dispatched, sources, tidx, bidx, grid_size,
-    ):  # fmt: skip
-        """All 384 threads: x_routed row tiles bidx, bidx + grid, ... (x_routed[r] =
-        x[peer_token_idx[r] // k], zeros for padding rows). Per tile the 128 source rows are
-        looked up once into shared memory (`sources`: the crew's slot table, free until the
-        roles split); then each warp copies whole rows (rows warp, warp + 12, ...), its lanes
-        taking 16-byte chunks with DISPATCH_BATCH independent loads in flight each, no index
-        division per chunk. Then every thread fences its stores for the
-        async proxy (the GEMMs read x_routed with TMA), the CTA meets, and thread 0 releases
-        the counter of each of its row tiles."""
-        chunks, (mRouted, mX) = chunked_row_views(
-            hidden_size, (x_routed_ptr, capacity), (x_ptr, num_src_rows)
-        )
-        rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
-        slot_of = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
-        warp = tidx // 32
-        lane = tidx % 32
-        values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH), BFloat16)
-        for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
-            first_row = row_tile * TILE_M
-            cute.arch.sync_threads()  # the previous tile's copy is done with `sources`
-            if tidx < TILE_M:
-                row = first_row + tidx
-                sources[tidx] = cutlass.select_(rank[row] >= 0, slot_of[row] // topk, Int32(-1))
-            cute.arch.sync_threads()
-            for r in cutlass.range(warp, TILE_M, phases.THREADS // 32, unroll=1):
-                source = sources[r]
-                row = first_row + r
-                for base in cutlass.range(lane, chunks, 32 * DISPATCH_BATCH, unroll=1):
-                    for j in cutlass.range_constexpr(DISPATCH_BATCH):
-                        chunk = base + 32 * j
-                        values[None, j].fill(0.0)
-                        if chunk < chunks:
-                            if source >= 0:
-                                values[None, j].store(mX[None, chunk, source].load())
-                    for j in cutlass.range_constexpr(DISPATCH_BATCH):
-                        chunk = base + 32 * j
-                        if chunk < chunks:
-                            mRouted[None, chunk, row].store(values[None, j].load())
-        cute.arch.fence_proxy("async.global")
-        cute.arch.sync_threads()
-        if tidx == 0:
-            for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
-                red_add_release_gpu_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))
