@@ -79,7 +79,6 @@ from ..common.bounded_wait import (
     OWN_MEMORY,
     bounded_wait_reached,
     ld_acquire_gpu_s32,
-    red_add_release_gpu_s32,
 )
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
@@ -96,7 +95,6 @@ PHASE_GATE_UP_GEMM = 6
 # per stored gate/up tile. The release atomic stays out of the consumers' code: there, a
 # release atomic or a polling loop makes ptxas serialise every wgmma of the kernel (C7520).
 CREW = EpilogueCrew(first_warp=1, num_warps=3)
-CREW_BARRIER = 6  # named barrier of the crew's threads (3-5: the hand-off's)
 
 
 @dataclass(frozen=True)
@@ -438,7 +436,11 @@ class Sm90MoeForward:
         )  # fmt: skip
         end = CREW.run(
             gate_up_tiles, bidx, grid_size, buffers, tidx, TILE_N, None,
+<<<<<<< HEAD
             self._engine().store_swiglu_chunk, swiglu_args, self._release_row_tile,
+=======
+            Sm90ExpertGemm("swiglu").store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
+>>>>>>> 5247918 (EpilogueCrew.release_row_tile (the megakernels' counter release after a stored tile); moe_forward's cubin byte-identical; its crew docstring says warps 1-3)
             (hidden_done,),
         )  # fmt: skip
         CREW.run(
@@ -446,13 +448,3 @@ class Sm90MoeForward:
             (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
             (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
         )  # fmt: skip
-
-    @cute.jit
-    def _release_row_tile(self, lane, first_row, hidden_done):
-        """After a gate/up tile's stores: every crew thread fences its stores for the async
-        proxy (the down tasks read hidden with TMA), the crew meets, and one thread releases
-        hidden_done[row tile]."""
-        cute.arch.fence_proxy("async.global")
-        cute.arch.barrier(barrier_id=CREW_BARRIER, number_of_threads=CREW.threads)
-        if lane == 0:
-            red_add_release_gpu_s32(hidden_done + Int64(4) * Int64(first_row // TILE_M), Int32(1))
