@@ -239,7 +239,7 @@ class Sm90MoeBackward:
         a_layout = engine._a_smem_layout()
         b_layout = engine._b_smem_layout()
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, 0, handoff.BUFFER_BYTES
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES
         )
         buffers = handoff.handoff_buffers(storage)
         if warp_idx == 0:

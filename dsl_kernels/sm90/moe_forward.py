@@ -436,11 +436,7 @@ class Sm90MoeForward:
         )  # fmt: skip
         end = CREW.run(
             gate_up_tiles, bidx, grid_size, buffers, tidx, TILE_N, None,
-<<<<<<< HEAD
-            self._engine().store_swiglu_chunk, swiglu_args, self._release_row_tile,
-=======
-            Sm90ExpertGemm("swiglu").store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
->>>>>>> 5247918 (EpilogueCrew.release_row_tile (the megakernels' counter release after a stored tile); moe_forward's cubin byte-identical; its crew docstring says warps 1-3)
+            self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
             (hidden_done,),
         )  # fmt: skip
         CREW.run(
