@@ -130,7 +130,7 @@ def variants() -> list[Variant]:
             archs=("sm_90a",),
         ),
         # The backward megakernel v1, group of one (sm90/moe_backward.py): scaled dispatch +
-        # d_hidden + d_x to slots in one persistent launch. NOT YET RUN ON A GPU.
+        # d_hidden + d_x to slots in one persistent launch (GPU-tested; not the default).
         Variant(
             "moe_backward",
             Sm90MoeBackward,

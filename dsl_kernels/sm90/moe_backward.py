@@ -1,4 +1,4 @@
-"""SM90 backward megakernel, EP group of one, v1 (NOT YET RUN ON A GPU): the activation-gradient
+"""SM90 backward megakernel, EP group of one, v1: the activation-gradient
 half of the backward in one persistent launch (DESIGN §4, SEMANTICS §2).
 
     dY_e[r]        = bf16(w[peer_token_idx[r]] * dY[peer_token_idx[r] // k])   dispatch phase
@@ -53,14 +53,14 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
-from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_gpu_s32
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .dispatch_phase import dispatch_rows
 from .expert_gemm import CREW
 from .expert_gemm_bwd import MAX_COLS, MAX_ROWS, Sm90ExpertGemmBwd
-from .expert_tiles import TileList, locate_first_tile, locate_tile
+from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
+from .task_walk import RowTileWait, consume_tasks, produce_tasks
 
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
 PHASE_BACKWARD_DISPATCH = 9
@@ -287,45 +287,39 @@ class Sm90MoeBackward:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
             read_state, release_state = phases.make_consumer_states(self.stages)
-            acc0, acc1 = accs
-            # ---- d_hidden tasks: SwiGLU backward and partials here, d_gate/d_up to the crew ----
-            task = bidx
-            expert, tile_base, row_base, row_tiles = locate_first_tile(d_hidden_tiles, task)
-            while expert < num_experts:
-                local = task - tile_base
-                first_row = row_base + (local % row_tiles) * TILE_M
-                first_col = (local // row_tiles) * (2 * TILE_N)
+
+            # ---- d_hidden tasks: SwiGLU backward and partials here, d_gate/d_up to the crew;
+            # then d_x tasks: one K loop over the gate half then the up half, rows to the
+            # crew. The d_x phase has its own MMA object: `mma_k_tiles` sets its accumulate
+            # field inside one loop, and a value made inside one loop may not be used by
+            # another.
+            def run_d_hidden(states, first_row, col_tile):
                 read_state, release_state = phases.mma_k_tiles(
-                    tiled_mma, ring, read_state, release_state, hidden_size // TILE_K,
-                    operands, accs,
-                )  # fmt: skip
+                    tiled_mma, ring, states[0], states[1], hidden_size // TILE_K, operands, accs
+                )
                 for j in cutlass.range_constexpr(2):
                     engine._swiglu_backward(
-                        thr_mma, acc0 if j == 0 else acc1, gate_ptr, up_ptr, partials_ptr,
-                        first_row, first_col + j * TILE_N, intermediate_size, has_limit,
+                        thr_mma, accs[j], gate_ptr, up_ptr, partials_ptr, first_row,
+                        (2 * col_tile + j) * TILE_N, intermediate_size, has_limit,
                         swiglu_limit, buffers,
                     )  # fmt: skip
-                task = task + grid_size
-                expert, tile_base, row_base, row_tiles = locate_tile(
-                    d_hidden_tiles, task, (expert, tile_base, row_base, row_tiles)
-                )
-            # ---- d_x tasks: one K loop over the gate half then the up half ----
-            task = task - num_d_hidden
-            # A fresh MMA object: `mma_k_tiles` sets its accumulate field inside the loop above,
-            # and a value made inside one loop may not be used by another.
+                return read_state, release_state
+
             d_x_mma = engine._tiled_mma()
             d_x_thr = d_x_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
-            expert, tile_base, row_base, row_tiles = locate_first_tile(d_x_tiles, task)
-            while expert < num_experts:
+
+            def run_d_x(states, first_row, col_tile):
                 read_state, release_state = phases.mma_k_tiles(
-                    d_x_mma, ring, read_state, release_state,
-                    2 * (intermediate_size // TILE_K), operands, accs,
+                    d_x_mma, ring, states[0], states[1], 2 * (intermediate_size // TILE_K),
+                    operands, accs,
                 )  # fmt: skip
-                CREW.hand_off(d_x_thr, (acc0, acc1), buffers)
-                task = task + grid_size
-                expert, tile_base, row_base, row_tiles = locate_tile(
-                    d_x_tiles, task, (expert, tile_base, row_base, row_tiles)
-                )
+                CREW.hand_off(d_x_thr, accs, buffers)
+                return read_state, release_state
+
+            states, task = consume_tasks(
+                (read_state, release_state), d_hidden_tiles, bidx, grid_size, run_d_hidden, ()
+            )
+            consume_tasks(states, d_x_tiles, task - num_d_hidden, grid_size, run_d_x, ())
 
     # ------------------------------------------------------------------ roles
 
@@ -345,47 +339,20 @@ class Sm90MoeBackward:
         tWGsB0, tWGsB1, tWGgB = phases.partition_tma_load_pair(tma_wg, sB0, sB1, mWg)
         tWUsB0, tWUsB1, tWUgB = phases.partition_tma_load_pair(tma_wu, sB0, sB1, mWu)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        num_experts = d_hidden_tiles.num_experts
         d_hidden_cols = intermediate_size // (2 * TILE_N)
 
-        # d_hidden: A = dY_e rows (K = H), B = W_down[e] read [H, I] (K rows, N contiguous).
-        task = bidx
-        expert, tile_base, row_base, row_tiles = locate_first_tile(d_hidden_tiles, task)
-        while expert < num_experts:
-            local = task - tile_base
-            row_tile = row_base // TILE_M + local % row_tiles
-            bounded_wait_reached(
-                dispatched + Int64(4) * Int64(row_tile), Int32(1), timeout_ns, record, Int32(0),
-                Int32(PHASE_BACKWARD_DISPATCH), row_tile, Int32(OWN_MEMORY), task,
-                ld_acquire_gpu_s32,
-            )  # fmt: skip
-            cute.arch.fence_proxy("async.global")
-            b_col_tile = 2 * (local // row_tiles)
+        def load_d_hidden(state, expert, col_tile, row_tile):
+            # A = dY_e rows (K = H), B = W_down[e] read [H, I] (K rows, N contiguous).
             b_k_base = expert * (hidden_size // TILE_K)
             loads = (
                 (tma_dy, tDYgA, row_tile, None, tDYsA),
-                (tma_wd, tWDgB, b_col_tile, b_k_base, tWDsB0),
-                (tma_wd, tWDgB, b_col_tile + 1, b_k_base, tWDsB1),
+                (tma_wd, tWDgB, 2 * col_tile, b_k_base, tWDsB0),
+                (tma_wd, tWDgB, 2 * col_tile + 1, b_k_base, tWDsB1),
             )
-            state = phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
-            task = task + grid_size
-            expert, tile_base, row_base, row_tiles = locate_tile(
-                d_hidden_tiles, task, (expert, tile_base, row_base, row_tiles)
-            )
+            return phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
 
-        # d_x: A = d_gate then d_up rows (K = I each), B = W_gate[e] then W_up[e] read [I, H].
-        task = task - num_d_hidden
-        expert, tile_base, row_base, row_tiles = locate_first_tile(d_x_tiles, task)
-        while expert < num_experts:
-            local = task - tile_base
-            row_tile = row_base // TILE_M + local % row_tiles
-            bounded_wait_reached(
-                dgu_done + Int64(4) * Int64(row_tile), d_hidden_cols, timeout_ns, record,
-                Int32(0), Int32(PHASE_BACKWARD_DHIDDEN_GEMM), row_tile, Int32(OWN_MEMORY),
-                task + num_d_hidden, ld_acquire_gpu_s32,
-            )  # fmt: skip
-            cute.arch.fence_proxy("async.global")
-            b_col_tile = 2 * (local // row_tiles)
+        def load_d_x(state, expert, col_tile, row_tile):
+            # A = d_gate then d_up rows (K = I each), B = W_gate[e] then W_up[e] read [I, H].
             b_k_base = expert * (intermediate_size // TILE_K)
             halves = (
                 (tma_dg, tDGgA, tDGsA, tma_wg, tWGgB, tWGsB0, tWGsB1),
@@ -395,14 +362,20 @@ class Sm90MoeBackward:
                 tma_a, tAgA, tAsA, tma_b, tBgB, tBsB0, tBsB1 = halves[half]
                 loads = (
                     (tma_a, tAgA, row_tile, None, tAsA),
-                    (tma_b, tBgB, b_col_tile, b_k_base, tBsB0),
-                    (tma_b, tBgB, b_col_tile + 1, b_k_base, tBsB1),
+                    (tma_b, tBgB, 2 * col_tile, b_k_base, tBsB0),
+                    (tma_b, tBgB, 2 * col_tile + 1, b_k_base, tBsB1),
                 )
                 state = phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
-            task = task + grid_size
-            expert, tile_base, row_base, row_tiles = locate_tile(
-                d_x_tiles, task, (expert, tile_base, row_base, row_tiles)
-            )
+            return state
+
+        wait = RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, Int32(0), record,
+                           timeout_ns)  # fmt: skip
+        state, task = produce_tasks(state, d_hidden_tiles, bidx, grid_size, wait, load_d_hidden,
+                                    ())  # fmt: skip
+        wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, num_d_hidden,
+                           record, timeout_ns)  # fmt: skip
+        state, _ = produce_tasks(state, d_x_tiles, task - num_d_hidden, grid_size, wait,
+                                 load_d_x, ())  # fmt: skip
         ring.producer_tail(state)
 
     @cute.jit

@@ -77,8 +77,8 @@ def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
 
 # How the routed experts' activation gradients run: "kernels" (scaled gather, d_hidden, d_x
 # as three launches, the default) or "megakernel" (mok/launchers/moe_backward.py: one
-# persistent launch; NOT YET RUN ON A GPU, so not the default). The weight gradients and the
-# combine are separate launches on both.
+# persistent launch, GPU-tested, bitwise equal, not faster yet: docs/NOTES.md, session 6).
+# The weight gradients and the combine are separate launches on both.
 BACKWARD_PATHS = ("kernels", "megakernel")
 _backward_path = "kernels"
 

@@ -1,5 +1,5 @@
 """The GPU backward (EP group of one) through mok.functional: the multi-kernel path and the
-backward megakernel v1 (`set_backward_path("megakernel")`, not yet the default).
+backward megakernel v1 (`set_backward_path("megakernel")`, not the default).
 
 All 8 outputs (and the forward's) against the fp64 autograd oracle within 2x the error of
 PyTorch's own bf16 layer; bitwise identical across 3 runs with outputs poisoned before each;
