@@ -32,9 +32,12 @@ def describe_failure(error: Exception) -> str:
     return f"error: {type(error).__name__}: {error}"
 
 
-def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "megakernel") -> Impl | None:
+def _build_mok_bf16(
+    inputs: MoeInputs, group, forward_path: str = "megakernel", backward_path: str = "kernels"
+) -> Impl | None:
     """mok's bf16 layer: schedule + forward timed together, backward from the saved context.
-    `forward_path`: how the GPU forward runs its routed experts (mok.launchers.forward)."""
+    `forward_path` / `backward_path`: how the GPU forward / backward runs its routed experts
+    (mok.launchers.forward / mok.launchers.backward)."""
     try:
         import mok.functional as functional
 
@@ -88,6 +91,17 @@ def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "megakernel") 
         return out, (schedule, context)
 
     def backward(state, grad_output):
+        if inputs.x.device.type == "cuda":
+            from mok.launchers import set_backward_path  # noqa: PLC0415
+
+            previous = set_backward_path(backward_path)
+            try:
+                return run_backward(state, grad_output)
+            finally:
+                set_backward_path(previous)
+        return run_backward(state, grad_output)
+
+    def run_backward(state, grad_output):
         schedule, context = state
         grads = functional.backward(
             config,
@@ -107,6 +121,9 @@ def _build_mok_bf16(inputs: MoeInputs, group, forward_path: str = "megakernel") 
         if forward_path != "megakernel":
             return None  # one CPU row is enough: the path only changes the GPU launches
         return Impl("mok_cpu_path", "mok CPU path (PyTorch reference)", False, forward, backward)
+    if backward_path == "megakernel":
+        label = "mok, backward's activation gradients in one persistent launch (A/B)"
+        return Impl("mok_bwd_megakernel", label, False, forward, backward)
     if forward_path == "megakernel":
         label = "mok (bf16; default forward: the megakernel, one persistent launch)"
         return Impl("mok", label, False, forward, backward)
@@ -119,7 +136,15 @@ def _build_mok_kernels(inputs: MoeInputs, group) -> Impl | None:
     return _build_mok_bf16(inputs, group, forward_path="kernels")
 
 
+def _build_mok_bwd_megakernel(inputs: MoeInputs, group) -> Impl | None:
+    _REASONS["mok_bwd_megakernel"] = "only on CUDA (an A/B row of the GPU backward)"
+    if inputs.x.device.type != "cuda":
+        return None
+    return _build_mok_bf16(inputs, group, backward_path="megakernel")
+
+
 MOK_IMPLS: dict[str, Callable[[MoeInputs, object], Impl | None]] = {
     "mok": _build_mok_bf16,
     "mok_kernels": _build_mok_kernels,
+    "mok_bwd_megakernel": _build_mok_bwd_megakernel,
 }

@@ -39,6 +39,7 @@ def variants() -> list[Variant]:
     from .sm90.expert_gemm import Sm90ExpertGemm
     from .sm90.expert_gemm_bwd import Sm90ExpertGemmBwd
     from .sm90.expert_gemm_bwd_weights import Sm90ExpertGemmBwdWeights
+    from .sm90.moe_backward import Sm90MoeBackward
     from .sm90.moe_forward import Sm90MoeForward
 
     return [
@@ -124,6 +125,15 @@ def variants() -> list[Variant]:
         Variant(
             "moe_forward",
             Sm90MoeForward,
+            {"stages": 3},
+            launch_grid="(sm_count, 1, 1)",
+            archs=("sm_90a",),
+        ),
+        # The backward megakernel v1, group of one (sm90/moe_backward.py): scaled dispatch +
+        # d_hidden + d_x to slots in one persistent launch (GPU-tested; not the default).
+        Variant(
+            "moe_backward",
+            Sm90MoeBackward,
             {"stages": 3},
             launch_grid="(sm_count, 1, 1)",
             archs=("sm_90a",),

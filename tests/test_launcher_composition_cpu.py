@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from mok import reference as R
-from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd, moe_forward
+from mok.launchers import (
+    dispatch,
+    epilogues,
+    expert_gemm,
+    expert_gemm_bwd,
+    moe_backward,
+    moe_forward,
+)
 from mok.testing import make_inputs, rel_error
 
 # The modules, not the `forward` and `backward` functions mok.launchers re-exports by name.
@@ -109,10 +116,26 @@ def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit
     return (x_routed, gate, up, hidden), slots
 
 
+def fake_routed_backward(grad_output, router_weights, schedule, gate, up, gate_w, up_w, down_w,
+                         *, swiglu_limit=None):  # fmt: skip
+    """The backward megakernel's math: the three kernels' fakes in sequence."""
+    peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
+    topk = router_weights.shape[1]
+    dy_e = fake_gather_rows(grad_output, peer, slot, schedule.num_tokens, topk,
+                            weights=router_weights)  # fmt: skip
+    partials = torch.empty(dy_e.shape[0], gate.shape[1] // 128)
+    d_gate, d_up = fake_d_hidden(dy_e, down_w, gate, up, tokens, swiglu_limit=swiglu_limit,
+                                 router_partials=partials)  # fmt: skip
+    slots = fake_d_x(d_gate, d_up, gate_w, up_w, tokens,
+                     slots=(peer, slot, grad_output.shape[0] * topk))  # fmt: skip
+    return dy_e, d_gate, d_up, partials, slots
+
+
 @pytest.fixture()
 def fake_kernels(monkeypatch):
     monkeypatch.setattr(dispatch, "gather_rows", fake_gather_rows)
     monkeypatch.setattr(moe_forward, "routed_forward", fake_routed_forward)
+    monkeypatch.setattr(moe_backward, "routed_backward", fake_routed_backward)
     monkeypatch.setattr(expert_gemm, "gate_up_swiglu", fake_gate_up_swiglu)
     monkeypatch.setattr(epilogues, "fwd_epilogue", R.fwd_epilogue)
     monkeypatch.setattr(expert_gemm, "down", fake_down)
@@ -126,8 +149,15 @@ class _Workspace:
     ep_size, hidden_size, topk = 1, H, K
 
 
+@pytest.fixture(params=["kernels", "megakernel"])
+def backward_path(request):
+    previous = bwd.set_backward_path(request.param)
+    yield request.param
+    bwd.set_backward_path(previous)
+
+
 @pytest.mark.parametrize("shared,limit,main", [(True, None, False), (False, 0.5, True)])
-def test_composition_equals_reference_backward(fake_kernels, shared, limit, main):
+def test_composition_equals_reference_backward(fake_kernels, backward_path, shared, limit, main):
     inp = make_inputs(T, H, I, E, K, shared=shared, seed=3)
     schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
     weights = [inp[n] for n in WEIGHTS]
@@ -161,6 +191,16 @@ def test_forward_composition_equals_reference(fake_kernels, shared, limit, path)
         _check_forward_composition(shared, limit)
     finally:
         fwd.set_forward_path(previous)
+
+
+def test_backward_path_switch_is_exported():
+    import mok.launchers
+
+    # The separate kernels stay the default backward until the megakernel has run on a GPU.
+    assert mok.launchers.set_backward_path("megakernel") == "kernels"
+    assert mok.launchers.set_backward_path("kernels") == "megakernel"
+    with pytest.raises(ValueError, match="path must be one of"):
+        mok.launchers.set_backward_path("fused")
 
 
 def test_forward_path_switch_is_exported():

@@ -34,6 +34,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
+from ..common.bounded_wait import red_add_release_gpu_s32
 from .expert_tiles import locate_first_tile, locate_tile
 from .gemm_phases import (
     STAGED_BYTES,
@@ -48,6 +49,7 @@ from .gemm_phases import (
 TILE_READY = 3  # named barrier ids
 BUFFERS_FREE = 4
 TARGETS = 5
+COUNTER_SYNC = 6  # the crew's barrier before it releases a row tile's counter
 CONSUMER_THREADS = 2 * THREADS_PER_WARPGROUP
 # Two staged blocks and the 128 destination rows of a slots tile.
 TARGETS_OFFSET = 2 * STAGED_BYTES
@@ -162,6 +164,17 @@ class EpilogueCrew:
                     views[0][None, chunk, row].load(), views[1][None, chunk, row].load(),
                     target, chunk, first_col, *store_args,
                 )  # fmt: skip
+
+    @cute.jit
+    def release_row_tile(self, lane, first_row, counters):
+        """An `after_tile` of the megakernels: once a tile's rows are stored, every crew thread
+        fences its stores for the async proxy (later tasks read them with TMA), the crew meets,
+        and one thread adds 1 to the int32 counter of the row tile (byte address `counters` +
+        4 * (first_row / 128)) with release semantics at GPU scope."""
+        cute.arch.fence_proxy("async.global")
+        cute.arch.barrier(barrier_id=COUNTER_SYNC, number_of_threads=self.threads)
+        if lane == 0:
+            red_add_release_gpu_s32(counters + Int64(4) * Int64(first_row // TILE_M), Int32(1))
 
     @cute.jit
     def run(

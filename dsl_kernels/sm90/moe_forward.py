@@ -75,19 +75,14 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
-from ..common.bounded_wait import (
-    OWN_MEMORY,
-    bounded_wait_reached,
-    ld_acquire_gpu_s32,
-    red_add_release_gpu_s32,
-)
-from ..common.row_chunks import VECTOR, chunked_row_views
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
+from .dispatch_phase import dispatch_rows
 from .epilogue_warps import EpilogueCrew
 from .expert_gemm import MAX_K, MAX_ROWS, Sm90ExpertGemm
-from .expert_tiles import TileList, locate_first_tile, locate_tile
+from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
+from .task_walk import RowTileWait, consume_tasks, produce_tasks
 
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
 PHASE_DISPATCH = 5
@@ -96,10 +91,6 @@ PHASE_GATE_UP_GEMM = 6
 # per stored gate/up tile. The release atomic stays out of the consumers' code: there, a
 # release atomic or a polling loop makes ptxas serialise every wgmma of the kernel (C7520).
 CREW = EpilogueCrew(first_warp=1, num_warps=3)
-CREW_BARRIER = 6  # named barrier of the crew's threads (3-5: the hand-off's)
-# Dispatch: each thread keeps DISPATCH_BATCH 16-byte loads in flight (384 threads: 48 KiB
-# per SM), every load of a batch issued before its stores.
-DISPATCH_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -302,7 +293,7 @@ class Sm90MoeForward:
         record = error_record_ptr.toint()
 
         # ---- dispatch: every thread of the CTA, before the roles split ----
-        self._dispatch(
+        dispatch_rows(
             x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
             topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx, grid_size,
         )  # fmt: skip
@@ -325,38 +316,29 @@ class Sm90MoeForward:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
             read_state, release_state = phases.make_consumer_states(self.stages)
-            acc0, acc1 = accs
             # ---- gate/up tasks, handed to the crew (which stores them and releases the
-            # counter of their row tile) ----
-            task = bidx
-            expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
-            while expert < num_experts:
-                read_state, release_state = phases.mma_k_tiles(
-                    tiled_mma, ring, read_state, release_state, hidden_size // TILE_K,
-                    operands, accs,
-                )  # fmt: skip
-                CREW.hand_off(thr_mma, accs, buffers)
-                task = task + grid_size
-                expert, tile_base, row_base, row_tiles = locate_tile(
-                    gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
-                )
-            # ---- down tasks: the crew stores rows at their (token, j) slots ----
-            task = task - num_gate_up
-            # A fresh MMA object: `mma_k_tiles` sets its accumulate field inside the loop above,
-            # and a value made inside one loop may not be used by another.
+            # counter of their row tile), then down tasks (the crew stores rows at their
+            # (token, j) slots). Each phase has its own MMA object: `mma_k_tiles` sets its
+            # accumulate field inside one loop, and a value made inside one loop may not be
+            # used by another.
             down_mma = engine._tiled_mma()
             down_thr = down_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
-            expert, tile_base, row_base, row_tiles = locate_first_tile(down_tiles, task)
-            while expert < num_experts:
+
+            def run_task(states, first_row, col_tile, mma, thr, k_tiles):
                 read_state, release_state = phases.mma_k_tiles(
-                    down_mma, ring, read_state, release_state, intermediate_size // TILE_K,
-                    operands, accs,
-                )  # fmt: skip
-                CREW.hand_off(down_thr, (acc0, acc1), buffers)
-                task = task + grid_size
-                expert, tile_base, row_base, row_tiles = locate_tile(
-                    down_tiles, task, (expert, tile_base, row_base, row_tiles)
+                    mma, ring, states[0], states[1], k_tiles, operands, accs
                 )
+                CREW.hand_off(thr, accs, buffers)
+                return read_state, release_state
+
+            states, task = consume_tasks(
+                (read_state, release_state), gate_up_tiles, bidx, grid_size, run_task,
+                (tiled_mma, thr_mma, hidden_size // TILE_K),
+            )  # fmt: skip
+            consume_tasks(
+                states, down_tiles, task - num_gate_up, grid_size, run_task,
+                (down_mma, down_thr, intermediate_size // TILE_K),
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ roles
 
@@ -377,53 +359,32 @@ class Sm90MoeForward:
         tDsD0, tDgD = phases.partition_tma_load(tma_wd, sB0, mWd, tile_b)
         tDsD1, _ = phases.partition_tma_load(tma_wd, sB1, mWd, tile_b)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        num_experts = gate_up_tiles.num_experts
         gate_up_cols = intermediate_size // TILE_N
 
-        task = bidx
-        expert, tile_base, row_base, row_tiles = locate_first_tile(gate_up_tiles, task)
-        while expert < num_experts:
-            local = task - tile_base
-            row_tile = row_base // TILE_M + local % row_tiles
-            bounded_wait_reached(
-                dispatched + Int64(4) * Int64(row_tile), Int32(1), timeout_ns, record,
-                Int32(0), Int32(PHASE_DISPATCH), row_tile, Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
-            )  # fmt: skip
-            cute.arch.fence_proxy("async.global")
-            weight_tile = expert * gate_up_cols + local // row_tiles
+        def load_gate_up(state, expert, col_tile, row_tile):
+            weight_tile = expert * gate_up_cols + col_tile
             loads = (
                 (tma_x, tXgX, row_tile, None, tXsX),
                 (tma_wg, tGgG, weight_tile, None, tGsG),
                 (tma_wu, tUgU, weight_tile, None, tUsU),
             )
-            state = phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
-            task = task + grid_size
-            expert, tile_base, row_base, row_tiles = locate_tile(
-                gate_up_tiles, task, (expert, tile_base, row_base, row_tiles)
-            )
+            return phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
 
-        task = task - num_gate_up
-        expert, tile_base, row_base, row_tiles = locate_first_tile(down_tiles, task)
-        while expert < num_experts:
-            local = task - tile_base
-            row_tile = row_base // TILE_M + local % row_tiles
-            bounded_wait_reached(
-                hidden_done + Int64(4) * Int64(row_tile), gate_up_cols, timeout_ns, record,
-                Int32(0), Int32(PHASE_GATE_UP_GEMM), row_tile, Int32(OWN_MEMORY),
-                task + num_gate_up, ld_acquire_gpu_s32,
-            )  # fmt: skip
-            cute.arch.fence_proxy("async.global")
-            weight_tile = expert * (hidden_size // TILE_N) + 2 * (local // row_tiles)
+        def load_down(state, expert, col_tile, row_tile):
+            weight_tile = expert * (hidden_size // TILE_N) + 2 * col_tile
             loads = (
                 (tma_h, tHgH, row_tile, None, tHsH),
                 (tma_wd, tDgD, weight_tile, None, tDsD0),
                 (tma_wd, tDgD, weight_tile + 1, None, tDsD1),
             )
-            state = phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
-            task = task + grid_size
-            expert, tile_base, row_base, row_tiles = locate_tile(
-                down_tiles, task, (expert, tile_base, row_base, row_tiles)
-            )
+            return phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
+
+        wait = RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, Int32(0), record, timeout_ns)
+        state, task = produce_tasks(state, gate_up_tiles, bidx, grid_size, wait, load_gate_up, ())
+        wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, num_gate_up, record,
+                           timeout_ns)  # fmt: skip
+        state, _ = produce_tasks(state, down_tiles, task - num_gate_up, grid_size, wait,
+                                 load_down, ())  # fmt: skip
         ring.producer_tail(state)
 
     @cute.jit
@@ -441,7 +402,7 @@ class Sm90MoeForward:
         )  # fmt: skip
         end = CREW.run(
             gate_up_tiles, bidx, grid_size, buffers, tidx, TILE_N, None,
-            self._engine().store_swiglu_chunk, swiglu_args, self._release_row_tile,
+            self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
             (hidden_done,),
         )  # fmt: skip
         CREW.run(
@@ -449,61 +410,3 @@ class Sm90MoeForward:
             (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
             (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
         )  # fmt: skip
-
-    @cute.jit
-    def _release_row_tile(self, lane, first_row, hidden_done):
-        """After a gate/up tile's stores: every crew thread fences its stores for the async
-        proxy (the down tasks read hidden with TMA), the crew meets, and one thread releases
-        hidden_done[row tile]."""
-        cute.arch.fence_proxy("async.global")
-        cute.arch.barrier(barrier_id=CREW_BARRIER, number_of_threads=CREW.threads)
-        if lane == 0:
-            red_add_release_gpu_s32(hidden_done + Int64(4) * Int64(first_row // TILE_M), Int32(1))
-
-    @cute.jit
-    def _dispatch(
-        self, x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-        hidden_size, topk, num_src_rows, capacity, dispatched, sources, tidx, bidx, grid_size,
-    ):  # fmt: skip
-        """All 384 threads: x_routed row tiles bidx, bidx + grid, ... (x_routed[r] =
-        x[peer_token_idx[r] // k], zeros for padding rows). Per tile the 128 source rows are
-        looked up once into shared memory (`sources`: the crew's slot table, free until the
-        roles split); then each warp copies whole rows (rows warp, warp + 12, ...), its lanes
-        taking 16-byte chunks with DISPATCH_BATCH independent loads in flight each, no index
-        division per chunk. Then every thread fences its stores for the
-        async proxy (the GEMMs read x_routed with TMA), the CTA meets, and thread 0 releases
-        the counter of each of its row tiles."""
-        chunks, (mRouted, mX) = chunked_row_views(
-            hidden_size, (x_routed_ptr, capacity), (x_ptr, num_src_rows)
-        )
-        rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
-        slot_of = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
-        warp = tidx // 32
-        lane = tidx % 32
-        values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH), BFloat16)
-        for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
-            first_row = row_tile * TILE_M
-            cute.arch.sync_threads()  # the previous tile's copy is done with `sources`
-            if tidx < TILE_M:
-                row = first_row + tidx
-                sources[tidx] = cutlass.select_(rank[row] >= 0, slot_of[row] // topk, Int32(-1))
-            cute.arch.sync_threads()
-            for r in cutlass.range(warp, TILE_M, phases.THREADS // 32, unroll=1):
-                source = sources[r]
-                row = first_row + r
-                for base in cutlass.range(lane, chunks, 32 * DISPATCH_BATCH, unroll=1):
-                    for j in cutlass.range_constexpr(DISPATCH_BATCH):
-                        chunk = base + 32 * j
-                        values[None, j].fill(0.0)
-                        if chunk < chunks:
-                            if source >= 0:
-                                values[None, j].store(mX[None, chunk, source].load())
-                    for j in cutlass.range_constexpr(DISPATCH_BATCH):
-                        chunk = base + 32 * j
-                        if chunk < chunks:
-                            mRouted[None, chunk, row].store(values[None, j].load())
-        cute.arch.fence_proxy("async.global")
-        cute.arch.sync_threads()
-        if tidx == 0:
-            for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
-                red_add_release_gpu_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))

@@ -7,7 +7,7 @@ kernels each and import `mok.runtime` lazily, so importing this package is cheap
 
 from __future__ import annotations
 
-from .backward import backward
+from .backward import backward, set_backward_path
 from .comm import check_errors
 from .epilogues import bwd_epilogue, fwd_epilogue
 from .forward import forward, recompute_forward_context, set_forward_path
@@ -24,5 +24,6 @@ __all__ = [
     "mxfp8_quantize",
     "raise_pending_errors",
     "recompute_forward_context",
+    "set_backward_path",
     "set_forward_path",
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, epilogues, expert_gemm_bwd
+from . import dispatch, epilogues, expert_gemm_bwd, moe_backward
 from .forward import (
     ROW_TILE,
     _require_group_of_one,
@@ -62,13 +62,34 @@ def _expert_backward(
         dy_e, down_w, gate, up, tokens, swiglu_limit=limit, router_partials=router_partials
     )
     d_x_rows = expert_gemm_bwd.d_x(d_gate, d_up, gate_w, up_w, tokens, slots=slots)
+    return d_x_rows, _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads)
+
+
+def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
+    """[dW_gate, dW_up, dW_down], each bf16 or added into its main_grad and returned empty."""
     main_gate, main_up, main_down = main_grads
-    grads = [
+    return [
         _weight_gradient(d_gate, x_rows, tokens, main_gate),
         _weight_gradient(d_up, x_rows, tokens, main_up),
         _weight_gradient(dy_e, hidden, tokens, main_down),
     ]
-    return d_x_rows, grads
+
+
+# How the routed experts' activation gradients run: "kernels" (scaled gather, d_hidden, d_x
+# as three launches, the default) or "megakernel" (mok/launchers/moe_backward.py: one
+# persistent launch, GPU-tested, bitwise equal, not faster yet: docs/NOTES.md, session 6).
+# The weight gradients and the combine are separate launches on both.
+BACKWARD_PATHS = ("kernels", "megakernel")
+_backward_path = "kernels"
+
+
+def set_backward_path(path: str) -> str:
+    """Select how backward runs the routed experts (BACKWARD_PATHS); returns the previous one."""
+    global _backward_path
+    if path not in BACKWARD_PATHS:
+        raise ValueError(f"path must be one of {BACKWARD_PATHS}, got {path!r}")
+    previous, _backward_path = _backward_path, path
+    return previous
 
 
 def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
@@ -100,20 +121,27 @@ def backward(
     num_tokens, topk = router_weights.shape
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
 
-    # ---- pull dY and w; dY_e = bf16(w * dY) on the expert's side ----
-    dy_e = dispatch.gather_rows(grad_output, peer, slot, schedule.num_tokens, topk,
-                                weights=router_weights)  # fmt: skip
     # w[peer_token_idx] is the same gather as dY's with one "token" per slot (k = 1).
     w_routed = gather_routed_rows(router_weights.view(-1, 1), peer, slot, 1)
 
-    # ---- routed experts ----
-    partials = torch.empty(dy_e.shape[0], gate.shape[1] // 128, dtype=torch.float32,
-                           device=x.device)  # fmt: skip
-    d_x_routed, routed_grads = _expert_backward(
-        dy_e, x_routed, gate, up, hidden, (routed_gate, routed_up, routed_down), tokens,
-        swiglu_limit, main_grads[:3], router_partials=partials,
-        slots=(peer, slot, num_tokens * topk),
-    )  # fmt: skip
+    # ---- routed experts: pull dY_e = bf16(w * dY) on the expert's side, then the GEMMs ----
+    if _backward_path == "megakernel":
+        dy_e, d_gate, d_up, partials, d_x_routed = moe_backward.routed_backward(
+            grad_output, router_weights, schedule, gate, up, routed_gate, routed_up,
+            routed_down, swiglu_limit=swiglu_limit,
+        )  # fmt: skip
+        routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden, tokens,
+                                         main_grads[:3])  # fmt: skip
+    else:
+        dy_e = dispatch.gather_rows(grad_output, peer, slot, schedule.num_tokens, topk,
+                                    weights=router_weights)  # fmt: skip
+        partials = torch.empty(dy_e.shape[0], gate.shape[1] // 128, dtype=torch.float32,
+                               device=x.device)  # fmt: skip
+        d_x_routed, routed_grads = _expert_backward(
+            dy_e, x_routed, gate, up, hidden, (routed_gate, routed_up, routed_down), tokens,
+            swiglu_limit, main_grads[:3], router_partials=partials,
+            slots=(peer, slot, num_tokens * topk),
+        )  # fmt: skip
     # d_router[t, j] = <dY[t], y_e(x_t)> = (sum_b partials[r, b]) / w[r]: the partials hold
     # <dY_e, y> with dY_e = w * dY (fixed-order sums). Padding rows (w = 0) give 0 and are
     # never scattered.

@@ -14,13 +14,15 @@ def check_arg(
     shape: tuple[int, ...],
     *,
     cuda: bool,
+    align: int = 16,
 ) -> None:
     """Raise TypeError / ValueError naming `name`, the expectation and what was given.
 
     `cuda`: the tensor must also live on a CUDA device and be 16-byte aligned (the GEMM
     launchers encode TMA descriptors from it); the epilogue and dispatch launchers, whose
     argument packing is tested on CPU, pass False (their router-weight arguments may be views
-    that are only 4-byte aligned, which their scalar loads accept).
+    that are only 4-byte aligned, which their scalar loads accept). `align`: the byte
+    alignment a CUDA tensor needs (4 for one a kernel reads as scalars).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -36,8 +38,8 @@ def check_arg(
             f"{tensor.dtype} {list(tensor.shape)} on {tensor.device} "
             f"(contiguous={tensor.is_contiguous()})"
         )
-    if cuda and tensor.data_ptr() % 16:
-        raise ValueError(f"{name} must be 16-byte aligned, got address {tensor.data_ptr():#x}")
+    if cuda and tensor.data_ptr() % align:
+        raise ValueError(f"{name} must be {align}-byte aligned, got address {tensor.data_ptr():#x}")
 
 
 def check_multiple(name: str, value: int, multiple: int) -> None:

@@ -75,7 +75,6 @@ def routed_forward(
         return (x_routed, gate, up, hidden), slots
     # dispatched[m] then hidden_done[m], one int32 per 128-row tile of the routed buffer.
     counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)), dtype=torch.int32, device=device)
-    record = get_error_record(device)
     kernel = get_kernel(KERNEL, device=device)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
@@ -94,21 +93,42 @@ def routed_forward(
             "up_ptr": up,
             "hidden_ptr": hidden,
             "slots_ptr": slots,
-            "peer_rank_ptr": schedule.peer_rank,
-            "peer_token_idx_ptr": schedule.peer_token_idx,
-            "num_tokens_ptr": schedule.num_tokens,
-            "tokens_per_expert_ptr": schedule.tokens_per_expert,
-            "counters_ptr": counters,
-            "error_record_ptr": record.device_ptr,
-            "timeout_ns": timeout_ns,
-            "num_experts": num_experts,
-            "hidden_size": hidden_size,
-            "intermediate_size": intermediate_size,
-            "topk": topk,
-            "num_src_rows": num_tokens,
-            "capacity": capacity,
-            "has_limit": int(swiglu_limit is not None),
-            "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+            **walk_arguments(  # fmt: skip
+                schedule,
+                counters,
+                timeout_ns,
+                num_experts,
+                hidden_size,
+                intermediate_size,
+                topk,
+                num_tokens,
+                swiglu_limit,
+            ),
         },
     )
     return (x_routed, gate, up, hidden), slots
+
+
+def walk_arguments(
+    schedule, counters, timeout_ns, num_experts, hidden_size, intermediate_size, topk,
+    num_tokens, swiglu_limit,
+) -> dict:  # fmt: skip
+    """The launch arguments both megakernels (forward and backward) take for their dispatch
+    phase and task walk: the schedule, the zeroed counters, the error record and the sizes."""
+    return {
+        "peer_rank_ptr": schedule.peer_rank,
+        "peer_token_idx_ptr": schedule.peer_token_idx,
+        "num_tokens_ptr": schedule.num_tokens,
+        "tokens_per_expert_ptr": schedule.tokens_per_expert,
+        "counters_ptr": counters,
+        "error_record_ptr": get_error_record(counters.device).device_ptr,
+        "timeout_ns": timeout_ns,
+        "num_experts": num_experts,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "topk": topk,
+        "num_src_rows": num_tokens,
+        "capacity": schedule.peer_rank.shape[0],
+        "has_limit": int(swiglu_limit is not None),
+        "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+    }

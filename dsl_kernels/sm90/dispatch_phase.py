@@ -1,0 +1,96 @@
+"""The megakernels' dispatch phase (EP group of one): every thread of every CTA pulls the
+routed rows of its CTA's row tiles before the roles split (moe_forward.py says why this is a
+phase and not a communication warp or separate CTAs).
+
+    out[r] = src[peer_token_idx[r] // k]                        (forward: x -> x_routed)
+    out[r] = bf16(w[peer_token_idx[r]] * float(src[...]))      (scaled, backward: dY -> dY_e)
+    out[r] = 0                                                  padding rows (peer_rank < 0)
+
+The scaled form rounds once after an fp32 `mul.rn` (no fma contraction): bit for bit
+`(w_routed * dy_routed.float()).to(torch.bfloat16)`, like common/gather_rows.py.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..common.bounded_wait import red_add_release_gpu_s32
+from ..common.ptx import mul_rn
+from ..common.row_chunks import VECTOR, chunked_row_views
+from .gemm_phases import THREADS, TILE_M
+
+# Each thread keeps DISPATCH_BATCH 16-byte loads in flight (384 threads: 48 KiB per SM), every
+# load of a batch issued before its stores.
+DISPATCH_BATCH = 8
+
+
+@cute.jit
+def dispatch_rows(
+    src_ptr, out_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size, topk,
+    num_src_rows, capacity, dispatched, table, tidx, bidx, grid_size, weight_ptr=None,
+):  # fmt: skip
+    """All 384 threads: routed row tiles bidx, bidx + grid, ... of `out` ([capacity, H] bf16;
+    `src` [num_src_rows, H]; `weight_ptr` fp32 [T * k] or None for the unscaled copy). Per tile
+    the 128 source entries are looked up once into shared memory (`table`, Int32 [128], free
+    until the roles split); then each warp copies whole rows (rows warp, warp + 12, ...), its
+    lanes taking 16-byte chunks with DISPATCH_BATCH independent loads in flight each. Then
+    every thread fences its stores for the async proxy (the GEMMs read `out` with TMA), the
+    CTA meets, and thread 0 releases the counter (int32 at byte address `dispatched` + 4 m)
+    of each of its row tiles m."""
+    scaled = weight_ptr is not None
+    chunks, (mOut, mSrc) = chunked_row_views(
+        hidden_size, (out_ptr, capacity), (src_ptr, num_src_rows)
+    )
+    rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
+    slot_of = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
+    weight = None
+    scaled_values = None
+    if cutlass.const_expr(scaled):
+        weight = cute.make_tensor(weight_ptr, cute.make_layout(1 << 30))
+        scaled_values = cute.make_rmem_tensor((VECTOR,), Float32)
+    warp = tidx // 32
+    lane = tidx % 32
+    values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH), BFloat16)
+    for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
+        first_row = row_tile * TILE_M
+        cute.arch.sync_threads()  # the previous tile's copy is done with `table`
+        if tidx < TILE_M:
+            row = first_row + tidx
+            # The source row (unscaled) or the slot, whose weight is needed too (scaled).
+            if cutlass.const_expr(scaled):
+                table[tidx] = cutlass.select_(rank[row] >= 0, slot_of[row], Int32(-1))
+            else:
+                table[tidx] = cutlass.select_(rank[row] >= 0, slot_of[row] // topk, Int32(-1))
+        cute.arch.sync_threads()
+        for r in cutlass.range(warp, TILE_M, THREADS // 32, unroll=1):
+            source = table[r]
+            w = None
+            if cutlass.const_expr(scaled):
+                w = Float32(0.0)
+                if source >= 0:
+                    w = weight[source]
+                    source = source // topk
+            row = first_row + r
+            for base in cutlass.range(lane, chunks, 32 * DISPATCH_BATCH, unroll=1):
+                for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                    chunk = base + 32 * j
+                    values[None, j].fill(0.0)
+                    if chunk < chunks:
+                        if source >= 0:
+                            values[None, j].store(mSrc[None, chunk, source].load())
+                for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                    chunk = base + 32 * j
+                    if chunk < chunks:
+                        if cutlass.const_expr(scaled):
+                            # Padding rows: w = 0 times +0.0 is +0.0.
+                            scaled_values.store(values[None, j].load().to(Float32))
+                            for i in cutlass.range_constexpr(VECTOR):
+                                scaled_values[i] = mul_rn(w, scaled_values[i])
+                            mOut[None, chunk, row].store(scaled_values.load().to(BFloat16))
+                        else:
+                            mOut[None, chunk, row].store(values[None, j].load())
+    cute.arch.fence_proxy("async.global")
+    cute.arch.sync_threads()
+    if tidx == 0:
+        for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
+            red_add_release_gpu_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))

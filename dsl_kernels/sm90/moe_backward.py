@@ -1,0 +1,401 @@
+"""SM90 backward megakernel, EP group of one, v1: the activation-gradient
+half of the backward in one persistent launch (DESIGN §4, SEMANTICS §2).
+
+    dY_e[r]        = bf16(w[peer_token_idx[r]] * dY[peer_token_idx[r] // k])   dispatch phase
+    d_gate, d_up   = SwiGLU'(dY_e @ W_down[e], gate, up), router partials       d_hidden tasks
+    slots[peer_token_idx[r]] = d_gate[r] @ W_gate[e] + d_up[r] @ W_up[e]         d_x tasks
+
+for every routed row r of expert e. The per-expert weight-gradient GEMMs (their own engine: both
+operands MN-major) and the fixed-order d_x combine stay separate launches in v1.
+
+The pieces are the separate kernels', in one launch:
+- the dispatch phase of the forward megakernel (dispatch_phase.py), scaled by the router weight;
+- the d_hidden_swiglu and d_x tasks of Sm90ExpertGemmBwd (expert_gemm_bwd.py): A K-major, B
+  MN-major read in place, 3 ring stages, the crew of warps 1-3 storing every tile (d_hidden:
+  two hand-offs per tile, gate/up prefetched into L2; d_x: rows at their slots).
+
+Task list, in dependency order: every d_hidden tile (expert by expert, m fastest, then the
+256-column block of I), then every d_x tile (the same over 256-column blocks of H). CTA c runs
+tasks c, c + grid, ... (a static ticket: deterministic). Every CTA runs all of its d_hidden
+tasks before any d_x task, and d_hidden tasks depend only on the dispatch phase, which waits
+for nothing: the waits cannot deadlock.
+
+Counters (int32, zeroed by the launcher before each launch):
+    dispatched[m]  row tile m of dY_e is written: reaches 1 (phase BACKWARD_DISPATCH)
+    dgu_done[m]    d_hidden tiles of row tile m written (d_gate, d_up): reaches I / 256
+                   (phase BACKWARD_DHIDDEN_GEMM)
+Writers fence the async proxy (readers load with TMA), meet at a barrier (the CTA's after
+dispatch, the crew's after a tile), then one thread adds 1 with `red.release.gpu`; the TMA
+producer polls with `ld.acquire.gpu` and a bound (common/bounded_wait.py).
+
+Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`):
+- `tma_dy`  dY_e bf16 [C, H] (A, box 64 x 128)   `tma_wd`  W_down viewed [E * H, I] (B)
+- `tma_dg`, `tma_du`  d_gate, d_up bf16 [C, I] (A)   `tma_wg`, `tma_wu`  W_gate, W_up viewed
+  [E * I, H] (B: box 64 N x 64 K rows)
+- `dy_ptr` bf16 [T, H]; `weight_ptr` fp32 [T * k]; `dy_routed_ptr` bf16 [C, H]; `gate_ptr`,
+  `up_ptr` bf16 [C, I] (the forward context); `d_gate_ptr`, `d_up_ptr` bf16 [C, I];
+  `partials_ptr` fp32 [C, I / 128]; `slots_ptr` bf16 [T * k, H]
+- `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
+  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128)], zeroed
+- `error_record_ptr`, `timeout_ns` (int64)
+- `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T), `capacity`
+  (C), `has_limit`, `swiglu_limit`
+
+Constraints (the launcher checks them): H and I multiples of 256, both < 2^16; the schedule's
+segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..common.args import global_pointer
+from . import epilogue_warps as handoff
+from . import gemm_phases as phases
+from .dispatch_phase import dispatch_rows
+from .expert_gemm import CREW
+from .expert_gemm_bwd import MAX_COLS, MAX_ROWS, Sm90ExpertGemmBwd
+from .expert_tiles import TileList
+from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
+from .task_walk import RowTileWait, consume_tasks, produce_tasks
+
+# WaitPhase ids (mok.runtime.WaitPhase; a wire format).
+PHASE_BACKWARD_DISPATCH = 9
+PHASE_BACKWARD_DHIDDEN_GEMM = 10
+
+
+@dataclass(frozen=True)
+class Sm90MoeBackward:
+    """See the module docstring. `stages`: depth of the shared-memory operand ring."""
+
+    stages: int = 3
+
+    def validate(self) -> None:
+        phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
+
+    @property
+    def threads(self) -> int:
+        return phases.THREADS
+
+    def _engine(self) -> Sm90ExpertGemmBwd:
+        """The separate d_hidden kernel's class: its MMA, layouts and epilogue helpers."""
+        return Sm90ExpertGemmBwd("d_hidden_swiglu", self.stages)
+
+    def tma_specs(self) -> list[dict]:
+        a_box = [TILE_K, TILE_M]
+        b_box = [64, TILE_K]  # 64 N (one 128-byte swizzle row) x 64 K rows, MN-major
+        return [
+            phases.tma_spec("tma_dy", a_box),
+            phases.tma_spec("tma_wd", b_box),
+            phases.tma_spec("tma_dg", a_box),
+            phases.tma_spec("tma_du", a_box),
+            phases.tma_spec("tma_wg", b_box),
+            phases.tma_spec("tma_wu", b_box),
+        ]
+
+    def stage_bytes(self) -> int:
+        return phases.stage_bytes()
+
+    def compile_arguments(self) -> tuple:
+        bf16 = global_pointer(BFloat16, 16)
+        i32 = global_pointer(Int32, 4)
+        f32 = global_pointer(Float32, 4)
+        return (
+            *(bf16 for _ in range(6)),  # tma_dy, tma_wd, tma_dg, tma_du, tma_wg, tma_wu sources
+            bf16,  # dy_ptr
+            f32,  # weight_ptr
+            bf16,  # dy_routed_ptr
+            bf16,  # gate_ptr
+            bf16,  # up_ptr
+            bf16,  # d_gate_ptr
+            bf16,  # d_up_ptr
+            f32,  # partials_ptr
+            bf16,  # slots_ptr
+            i32,  # peer_rank_ptr
+            i32,  # peer_token_idx_ptr
+            i32,  # num_tokens_ptr
+            i32,  # tokens_per_expert_ptr
+            i32,  # counters_ptr
+            i32,  # error_record_ptr
+            Int64(0),  # timeout_ns
+            Int32(0),  # num_experts
+            Int32(0),  # hidden_size
+            Int32(0),  # intermediate_size
+            Int32(1),  # topk
+            Int32(0),  # num_src_rows
+            Int32(0),  # capacity
+            Int32(0),  # has_limit
+            Float32(0.0),  # swiglu_limit
+            Int32(1),  # num_ctas
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        a_dy: cute.Pointer,
+        b_wd: cute.Pointer,
+        a_dg: cute.Pointer,
+        a_du: cute.Pointer,
+        b_wg: cute.Pointer,
+        b_wu: cute.Pointer,
+        dy_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        dy_routed_ptr: cute.Pointer,
+        gate_ptr: cute.Pointer,
+        up_ptr: cute.Pointer,
+        d_gate_ptr: cute.Pointer,
+        d_up_ptr: cute.Pointer,
+        partials_ptr: cute.Pointer,
+        slots_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
+        num_tokens_ptr: cute.Pointer,
+        tokens_per_expert_ptr: cute.Pointer,
+        counters_ptr: cute.Pointer,
+        error_record_ptr: cute.Pointer,
+        timeout_ns: Int64,
+        num_experts: Int32,
+        hidden_size: Int32,
+        intermediate_size: Int32,
+        topk: Int32,
+        num_src_rows: Int32,
+        capacity: Int32,
+        has_limit: Int32,
+        swiglu_limit: Float32,
+        num_ctas: Int32,
+    ):
+        # The descriptors built here are thrown away: the runtime encodes its own from the
+        # manifest (same box, swizzle and element type, the caller's real extents).
+        engine = self._engine()
+        a_layout = cute.make_layout((MAX_ROWS, MAX_COLS), stride=(MAX_COLS, 1))  # (rows, K)
+        b_layout = cute.make_layout((MAX_COLS, MAX_ROWS), stride=(1, MAX_COLS))  # (N, K rows)
+        a_smem = engine._a_smem_layout()
+        b_smem = engine._b_smem_layout()
+        tile_a = (TILE_M, TILE_K)
+        tile_b = (TILE_N, TILE_K)
+        tma_dy, mDy = phases.make_tma_load(a_dy, a_layout, a_smem, tile_a)
+        tma_wd, mWd = phases.make_tma_load(b_wd, b_layout, b_smem, tile_b)
+        tma_dg, mDg = phases.make_tma_load(a_dg, a_layout, a_smem, tile_a)
+        tma_du, mDu = phases.make_tma_load(a_du, a_layout, a_smem, tile_a)
+        tma_wg, mWg = phases.make_tma_load(b_wg, b_layout, b_smem, tile_b)
+        tma_wu, mWu = phases.make_tma_load(b_wu, b_layout, b_smem, tile_b)
+        self.kernel(
+            tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu,
+            dy_ptr, weight_ptr, dy_routed_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
+            partials_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr,
+            tokens_per_expert_ptr, counters_ptr, error_record_ptr, timeout_ns, num_experts,
+            hidden_size, intermediate_size, topk, num_src_rows, capacity, has_limit,
+            swiglu_limit,
+        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_dy: cute.CopyAtom,
+        mDy: cute.Tensor,
+        tma_wd: cute.CopyAtom,
+        mWd: cute.Tensor,
+        tma_dg: cute.CopyAtom,
+        mDg: cute.Tensor,
+        tma_du: cute.CopyAtom,
+        mDu: cute.Tensor,
+        tma_wg: cute.CopyAtom,
+        mWg: cute.Tensor,
+        tma_wu: cute.CopyAtom,
+        mWu: cute.Tensor,
+        dy_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        dy_routed_ptr: cute.Pointer,
+        gate_ptr: cute.Pointer,
+        up_ptr: cute.Pointer,
+        d_gate_ptr: cute.Pointer,
+        d_up_ptr: cute.Pointer,
+        partials_ptr: cute.Pointer,
+        slots_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
+        num_tokens_ptr: cute.Pointer,
+        tokens_per_expert_ptr: cute.Pointer,
+        counters_ptr: cute.Pointer,
+        error_record_ptr: cute.Pointer,
+        timeout_ns: Int64,
+        num_experts: Int32,
+        hidden_size: Int32,
+        intermediate_size: Int32,
+        topk: Int32,
+        num_src_rows: Int32,
+        capacity: Int32,
+        has_limit: Int32,
+        swiglu_limit: Float32,
+    ):
+        tma = (tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu)
+        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+        engine = self._engine()
+
+        tiled_mma = engine._tiled_mma()
+        a_layout = engine._a_smem_layout()
+        b_layout = engine._b_smem_layout()
+        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES
+        )
+        buffers = handoff.handoff_buffers(storage)
+        if warp_idx == 0:
+            for atom in (tma_dy, tma_wd, tma_dg, tma_du, tma_wg, tma_wu):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+
+        # ---- the two tile lists (128 x 256 tiles) and the counters ----
+        tokens_per_expert = cute.make_tensor(
+            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+        )
+        d_hidden_cols = intermediate_size // (2 * TILE_N)
+        d_hidden_tiles = TileList(tokens_per_expert, num_experts, d_hidden_cols)
+        d_x_tiles = TileList(tokens_per_expert, num_experts, hidden_size // (2 * TILE_N))
+        routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
+        row_tiles_total = routed_rows // TILE_M
+        num_d_hidden = row_tiles_total * d_hidden_cols
+        counter_base = counters_ptr.toint()
+        dispatched = counter_base
+        dgu_done = counter_base + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        record = error_record_ptr.toint()
+
+        # ---- dispatch: dY_e = bf16(w * dY), every thread of the CTA, before the roles split ----
+        dispatch_rows(
+            dy_ptr, dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
+            hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
+            grid_size, weight_ptr,
+        )  # fmt: skip
+
+        if warpgroup == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                self._producer(
+                    ring, (sA, sB0, sB1), tma, d_hidden_tiles, d_x_tiles, num_d_hidden,
+                    hidden_size, intermediate_size, dispatched, dgu_done, record, timeout_ns,
+                    bidx, grid_size,
+                )  # fmt: skip
+            else:
+                self._store_tiles(
+                    engine, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, gate_ptr, up_ptr,
+                    d_gate_ptr, d_up_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr,
+                    hidden_size, intermediate_size, dgu_done, tidx, bidx, grid_size,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
+            read_state, release_state = phases.make_consumer_states(self.stages)
+
+            # ---- d_hidden tasks: SwiGLU backward and partials here, d_gate/d_up to the crew;
+            # then d_x tasks: one K loop over the gate half then the up half, rows to the
+            # crew. The d_x phase has its own MMA object: `mma_k_tiles` sets its accumulate
+            # field inside one loop, and a value made inside one loop may not be used by
+            # another.
+            def run_d_hidden(states, first_row, col_tile):
+                read_state, release_state = phases.mma_k_tiles(
+                    tiled_mma, ring, states[0], states[1], hidden_size // TILE_K, operands, accs
+                )
+                for j in cutlass.range_constexpr(2):
+                    engine._swiglu_backward(
+                        thr_mma, accs[j], gate_ptr, up_ptr, partials_ptr, first_row,
+                        (2 * col_tile + j) * TILE_N, intermediate_size, has_limit,
+                        swiglu_limit, buffers,
+                    )  # fmt: skip
+                return read_state, release_state
+
+            d_x_mma = engine._tiled_mma()
+            d_x_thr = d_x_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
+
+            def run_d_x(states, first_row, col_tile):
+                read_state, release_state = phases.mma_k_tiles(
+                    d_x_mma, ring, states[0], states[1], 2 * (intermediate_size // TILE_K),
+                    operands, accs,
+                )  # fmt: skip
+                CREW.hand_off(d_x_thr, accs, buffers)
+                return read_state, release_state
+
+            states, task = consume_tasks(
+                (read_state, release_state), d_hidden_tiles, bidx, grid_size, run_d_hidden, ()
+            )
+            consume_tasks(states, d_x_tiles, task - num_d_hidden, grid_size, run_d_x, ())
+
+    # ------------------------------------------------------------------ roles
+
+    @cute.jit
+    def _producer(
+        self, ring, smem, tma, d_hidden_tiles, d_x_tiles, num_d_hidden, hidden_size,
+        intermediate_size, dispatched, dgu_done, record, timeout_ns, bidx, grid_size,
+    ):  # fmt: skip
+        """Warp 0: TMA loads of every task of this CTA, each after its rows' counter."""
+        sA, sB0, sB1 = smem
+        tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu = tma
+        tile_a = (TILE_M, TILE_K)
+        tDYsA, tDYgA = phases.partition_tma_load(tma_dy, sA, mDy, tile_a)
+        tDGsA, tDGgA = phases.partition_tma_load(tma_dg, sA, mDg, tile_a)
+        tDUsA, tDUgA = phases.partition_tma_load(tma_du, sA, mDu, tile_a)
+        tWDsB0, tWDsB1, tWDgB = phases.partition_tma_load_pair(tma_wd, sB0, sB1, mWd)
+        tWGsB0, tWGsB1, tWGgB = phases.partition_tma_load_pair(tma_wg, sB0, sB1, mWg)
+        tWUsB0, tWUsB1, tWUgB = phases.partition_tma_load_pair(tma_wu, sB0, sB1, mWu)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        d_hidden_cols = intermediate_size // (2 * TILE_N)
+
+        def load_d_hidden(state, expert, col_tile, row_tile):
+            # A = dY_e rows (K = H), B = W_down[e] read [H, I] (K rows, N contiguous).
+            b_k_base = expert * (hidden_size // TILE_K)
+            loads = (
+                (tma_dy, tDYgA, row_tile, None, tDYsA),
+                (tma_wd, tWDgB, 2 * col_tile, b_k_base, tWDsB0),
+                (tma_wd, tWDgB, 2 * col_tile + 1, b_k_base, tWDsB1),
+            )
+            return phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+
+        def load_d_x(state, expert, col_tile, row_tile):
+            # A = d_gate then d_up rows (K = I each), B = W_gate[e] then W_up[e] read [I, H].
+            b_k_base = expert * (intermediate_size // TILE_K)
+            halves = (
+                (tma_dg, tDGgA, tDGsA, tma_wg, tWGgB, tWGsB0, tWGsB1),
+                (tma_du, tDUgA, tDUsA, tma_wu, tWUgB, tWUsB0, tWUsB1),
+            )
+            for half in cutlass.range_constexpr(2):
+                tma_a, tAgA, tAsA, tma_b, tBgB, tBsB0, tBsB1 = halves[half]
+                loads = (
+                    (tma_a, tAgA, row_tile, None, tAsA),
+                    (tma_b, tBgB, 2 * col_tile, b_k_base, tBsB0),
+                    (tma_b, tBgB, 2 * col_tile + 1, b_k_base, tBsB1),
+                )
+                state = phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
+            return state
+
+        wait = RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, Int32(0), record,
+                           timeout_ns)  # fmt: skip
+        state, task = produce_tasks(state, d_hidden_tiles, bidx, grid_size, wait, load_d_hidden,
+                                    ())  # fmt: skip
+        wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, num_d_hidden,
+                           record, timeout_ns)  # fmt: skip
+        state, _ = produce_tasks(state, d_x_tiles, task - num_d_hidden, grid_size, wait,
+                                 load_d_x, ())  # fmt: skip
+        ring.producer_tail(state)
+
+    @cute.jit
+    def _store_tiles(
+        self, engine, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, gate_ptr, up_ptr,
+        d_gate_ptr, d_up_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size,
+        intermediate_size, dgu_done, tidx, bidx, grid_size,
+    ):  # fmt: skip
+        """Warps 1-3, the crew: store every tile the consumers hand off, in their order: each
+        d_hidden tile's d_gate and d_up (two hand-offs; its gate/up prefetched into L2 first;
+        then its row tile's counter released), then each d_x tile's rows at their slots."""
+        i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
+        end = CREW.run(
+            d_hidden_tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, None,
+            handoff.store_split, (d_gate_ptr, d_up_ptr, i_stride), CREW.release_row_tile,
+            (dgu_done,), handoffs=2, before_tile=engine._prefetch_gate_up,
+            before_args=(gate_ptr, up_ptr, i_stride),
+        )  # fmt: skip
+        CREW.run(
+            d_x_tiles, end - num_d_hidden, grid_size, buffers, tidx, 2 * TILE_N,
+            (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
+            (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
+        )  # fmt: skip

@@ -1,0 +1,118 @@
+"""The backward megakernel v1 for an EP group of one (dsl_kernels/sm90/moe_backward.py).
+
+`backward` uses it after `set_backward_path("megakernel")`. It passes the GPU tests of
+tests/gpu/test_backward_gpu.py, bit for bit equal to the separate kernels, but is not the
+default: on the H200 it ran as fast as the separate kernels at the coarse shapes and 6-8%
+slower at Qwen3-30B-A3B's (docs/NOTES.md, session 6).
+
+One persistent launch pulls dY_e = bf16(w * dY) into the routed buffer, runs every d_hidden
+tile (SwiGLU backward, router partials) and every d_x tile, and stores each d_x row at its
+(token, j) slot. Its dependency counters are zeroed right before the launch on the same stream
+(graph-capturable, no host sync); a wait that gives up reports through the device's error
+record (MoKWaitTimeoutError at the next `check_errors`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_arg
+from .comm import DEFAULT_TIMEOUT_NS
+from .expert_gemm import TILE_ROWS, _check, _check_multiple, _descriptor, _sm_count
+from .expert_gemm_bwd import N_ALIGNMENT, _check_extents
+from .moe_forward import walk_arguments
+
+KERNEL = "moe_backward"
+
+
+def routed_backward(
+    grad_output: torch.Tensor,
+    router_weights: torch.Tensor,
+    schedule,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_weights: torch.Tensor,
+    up_weights: torch.Tensor,
+    down_weights: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+) -> tuple[torch.Tensor, ...]:
+    """(dy_e, d_gate, d_up, router_partials, slots) of the routed experts, in one launch.
+
+    grad_output bf16 [T, H]; router_weights fp32 [T, k]; gate, up bf16 [C, I] (the forward
+    context, pre-clamp); weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
+    MoKSchedule of this rank (a group of one). dy_e bf16 [C, H] = w * dY per routed row (the
+    dW_down GEMM's input); d_gate, d_up bf16 [C, I]; router_partials fp32 [C, I / 128] (as
+    expert_gemm_bwd.d_hidden_swiglu's); slots bf16 [T * k, H]: row t * k + j is token t's d_x
+    through its j-th expert. Routed rows at or past schedule.num_tokens are not written.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    num_tokens, hidden_size = grad_output.shape
+    topk = router_weights.shape[1]
+    num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
+    capacity = schedule.peer_rank.shape[0]
+    _check("grad_output", grad_output, torch.bfloat16, (num_tokens, hidden_size))
+    # Read as 4-byte scalars: a router-weight view needs no 16-byte alignment.
+    check_arg("router_weights", router_weights, torch.float32, (num_tokens, topk), cuda=True,
+              align=4)  # fmt: skip
+    _check_multiple("hidden_size", hidden_size, N_ALIGNMENT)
+    _check_multiple("intermediate_size", intermediate_size, N_ALIGNMENT)
+    for name, t, shape in (
+        ("gate", gate, (capacity, intermediate_size)),
+        ("up", up, (capacity, intermediate_size)),
+        ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
+        ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
+        ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
+    ):
+        _check(name, t, torch.bfloat16, shape)
+    _check_extents("weight rows", capacity, num_experts * max(hidden_size, intermediate_size),
+                   max(hidden_size, intermediate_size), max(hidden_size, intermediate_size))  # fmt: skip
+    device = grad_output.device
+    dy_e = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
+    d_gate, d_up = (
+        torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
+        for _ in range(2)
+    )
+    partials = torch.empty(capacity, intermediate_size // 128, dtype=torch.float32, device=device)
+    slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
+    if capacity == 0 or num_experts == 0 or num_tokens == 0:
+        return dy_e, d_gate, d_up, partials, slots
+    # dispatched[m] then dgu_done[m], one int32 per 128-row tile of the routed buffer.
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)), dtype=torch.int32, device=device)
+    kernel = get_kernel(KERNEL, device=device)
+    down_flat = (num_experts * hidden_size, intermediate_size)
+    gate_up_flat = (num_experts * intermediate_size, hidden_size)
+    kernel.launch(
+        (_sm_count(device), 1, 1),
+        {
+            "tma_dy": _descriptor(kernel, "tma_dy", dy_e),
+            "tma_wd": _descriptor(kernel, "tma_wd", down_weights.view(down_flat)),
+            "tma_dg": _descriptor(kernel, "tma_dg", d_gate),
+            "tma_du": _descriptor(kernel, "tma_du", d_up),
+            "tma_wg": _descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
+            "tma_wu": _descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
+            "dy_ptr": grad_output,
+            "weight_ptr": router_weights,
+            "dy_routed_ptr": dy_e,
+            "gate_ptr": gate,
+            "up_ptr": up,
+            "d_gate_ptr": d_gate,
+            "d_up_ptr": d_up,
+            "partials_ptr": partials,
+            "slots_ptr": slots,
+            **walk_arguments(  # fmt: skip
+                schedule,
+                counters,
+                timeout_ns,
+                num_experts,
+                hidden_size,
+                intermediate_size,
+                topk,
+                num_tokens,
+                swiglu_limit,
+            ),
+        },
+    )
+    return dy_e, d_gate, d_up, partials, slots

@@ -1,0 +1,71 @@
+"""CPU checks of the SM90 backward megakernel v1's build (dsl_kernels/sm90/moe_backward.py), no
+GPU: the scaled dispatch phase (batched loads, one mul.rn per element, fence and barrier before
+the counters are released), the GPU-scope release/acquire counters, the wgmmas reading B
+transposed (weights as stored), the hand-off of every tile to the crew of warps 1-3 (two per
+d_hidden tile, one per d_x tile), and shared memory within the H100/H200 opt-in.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install -e .[dev])")
+
+from mok.dsl_kernels import build  # noqa: E402
+from mok.dsl_kernels.registry import variants  # noqa: E402
+
+from tests.test_expert_gemm_build import H200_SMEM_OPTIN, _count  # noqa: E402
+
+WGMMA = "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"
+
+
+@pytest.fixture(scope="module")
+def built():
+    variant = {v.name: v for v in variants()}["moe_backward"]
+    return build.compile_variant(variant, "sm_90a")
+
+
+def test_scaled_dispatch_phase(built):
+    _, _, ptx = built
+    lines = [line.strip() for line in ptx.splitlines()]
+    loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.v4")]
+    assert len(loads) == 8  # one batch: 8 independent 16-byte loads per thread
+    first_store = next(i for i, line in enumerate(lines) if line.startswith("st.global.v4"))
+    assert max(loads) < first_store
+    # dY_e = bf16(w * dY): one correctly rounded product per element, never an fma.
+    assert _count(ptx, "mul.rn.f32") == 8 * 8
+    fence = lines.index("fence.proxy.async.global;")
+    assert first_store < fence < lines.index("bar.sync \t0;", fence)
+
+
+def test_counters_and_wgmma(built):
+    _, _, ptx = built
+    # The CTA's dispatch counters and the crew's d_hidden counters.
+    assert _count(ptx, "red.release.gpu.global.add.s32") == 2
+    assert _count(ptx, "ld.acquire.gpu.global") >= 2
+    # Two mainloops (d_hidden, d_x) of 4 K-blocks x 2 accumulators, B transposed (MN-major).
+    wgmmas = re.findall(re.escape(WGMMA) + r"\s*\{[^}]*\},\s*%rd\d+,\s*%rd\d+,\s*([^;]*);", ptx)
+    assert len(wgmmas) == 2 * 8
+    assert {tuple(x.strip() for x in w.split(",")) for w in wgmmas} == {("p", "1", "1", "0", "1")}
+    # d_hidden: one A box and two pairs of B boxes per K block; d_x: the same per K half.
+    assert _count(ptx, "cp.async.bulk.tensor.2d.shared") == 5 + 2 * 5
+
+
+def test_handoffs_and_shared_memory(built):
+    entry, _, ptx = built
+    # Three hand-offs on each side (d_hidden's two blocks, d_x's tile), the crew's counter
+    # barrier after a d_hidden tile and its two slot look-up barriers per d_x tile.
+    for line, count in (("bar.sync \t4, 352;", 3), ("bar.arrive 3, 352;", 3),
+                        ("bar.arrive 4, 352;", 3), ("bar.sync \t3, 352;", 3),
+                        ("bar.sync \t6, 96;", 1), ("bar.sync \t5, 96;", 2)):  # fmt: skip
+        assert ptx.count(line) == count, line
+    # 8 dispatch stores, d_gate + d_up per chunk of each d_hidden hand-off, 2 per d_x chunk.
+    assert _count(ptx, "st.global.v4") == 8 + 2 * 2 + 2
+    assert _count(ptx, "prefetch.global.L2") == 1
+    assert entry["config"] == {"stages": 3}
+    assert 3 * 48 * 1024 + 2 * 34816 <= entry["dynamic_smem_bytes"] <= H200_SMEM_OPTIN
+    assert entry["cluster"] == [1, 1, 1] and entry["block"] == [384, 1, 1]
+    assert [t["param"] for t in entry["tma"]] == ["tma_dy", "tma_wd", "tma_dg", "tma_du",
+                                                   "tma_wg", "tma_wu"]  # fmt: skip
