@@ -177,6 +177,14 @@ class EpilogueCrew:
             red_add_release_gpu_s32(counters + Int64(4) * Int64(first_row // TILE_M), Int32(1))
 
     @cute.jit
+    def store_handoff(self, buffers, lane, first_row, first_col, targets, store_chunk, store_args):
+        """Crew: free the blocks (the previous hand-off is stored), wait for the next hand-off
+        and store it (`copy_out`)."""
+        cute.arch.barrier_arrive(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
+        cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
+        self.copy_out(buffers, lane, first_row, first_col, targets, store_chunk, store_args)
+
+    @cute.jit
     def run(
         self, tiles, first_tile, grid_size, buffers, tidx, tile_cols: int, slots, store_chunk,
         store_args, after_tile=None, after_args=(), handoffs: int = 1, before_tile=None,
@@ -207,12 +215,7 @@ class EpilogueCrew:
                 targets = buffers[2]
                 self.look_up_targets(targets, lane, first_row, slots[0], slots[1])
             for h in cutlass.range_constexpr(handoffs):
-                # The previous hand-off is stored: the blocks are free; wait for this one.
-                cute.arch.barrier_arrive(
-                    barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads
-                )
-                cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
-                self.copy_out(
+                self.store_handoff(
                     buffers, lane, first_row, first_col + h * TILE_N, targets, store_chunk,
                     store_args,
                 )  # fmt: skip

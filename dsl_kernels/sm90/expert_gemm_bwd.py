@@ -443,21 +443,27 @@ class Sm90ExpertGemmBwd:
         limit = swiglu_limit
         if has_limit == 0:
             limit = Float32(float("inf"))
-        # Rows of this thread's elements: two per thread (r0 and r0 + 8 in the wgmma layout).
-        coords, row0, row1 = phases.accumulator_rows(thr_mma)
+        # Rows of this thread's elements: two per thread, r0 and r0 + 8. In the wgmma
+        # accumulator layout element i lies on row r0 + 8 * ((i // 2) % 2): a static choice.
+        _, row0, row1 = phases.accumulator_rows(thr_mma)
         partial0 = Float32(0.0)
         partial1 = Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(acc)):
             gate_raw = Float32(gate[i])
             up_raw = Float32(up[i])
-            g = cutlass.min(gate_raw, limit)
+            # g's min as one NaN-propagating FMNMX.NaN (min(a, b) = -max(-a, -b)); the same
+            # for u's clamp made ptxas spill (28 bytes), so it stays a compare and selects.
+            g = -cute.arch.fmax(-gate_raw, -limit, nan=True)
             u = cutlass.max(cutlass.min(up_raw, limit), -limit)
-            sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
+            # ex2.approx and rcp.approx (a few ulp of fp32, far below the bf16 rounding of the
+            # results): the epilogue is bound by its instruction count, and IEEE expf and
+            # division took about 17 of its ~47 instructions per element.
+            sig = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-g, fastmath=True))
             dh = acc[i]
             silu = g * sig
             d_up_i = dh * silu
             hidden_i = Float32((silu * u).to(BFloat16))
-            if coords[i][0] == row0:
+            if cutlass.const_expr((i // 2) % 2 == 0):
                 partial0 = partial0 + hidden_i * dh
             else:
                 partial1 = partial1 + hidden_i * dh

@@ -20,11 +20,18 @@ has no K blocks: its tiles are still visited and written with exact zeros.
 
 Engine: the forward's (expert_gemm.py): a TMA producer warp, two wgmma consumer warpgroups of
 64 rows each, a `stages`-deep mbarrier ring, persistent CTAs walking tiles tile = CTA index,
-+ grid size. Tiles are numbered expert by expert, inside an expert m fastest, then n:
-    tile = e * (M / 128) * (N / 256) + n * (M / 128) + m
-A forward-only cursor (expert, rows before it) follows the walk, reading tokens_per_expert once
-per expert. The epilogue stores the accumulators directly from registers (fp32 pairs, bf16
-pairs, or fp32 pairs after adding the loaded ones).
++ grid size. For output "bf16" the epilogue runs beside the next tile's mainloop, as in the
+activation GEMMs (epilogue_warps.py): the consumers round both accumulators into the two
+hand-off blocks and go on; warps 1-3 of the producer warpgroup (the crew) store them as
+16-byte row chunks. Then the ring has at most 3 stages (shared memory).
+
+Tiles are numbered expert by expert; inside an expert in groups of GROUP_M m tiles (the last
+group may be smaller), inside a group m fastest, then n (`_tile_coords`). A forward-only
+cursor (expert, rows before it) follows the walk, reading tokens_per_expert once per expert.
+
+For "fp32" and "fp32_accumulate" the consumers store the accumulators directly
+from registers (fp32 pairs, or fp32 pairs after adding the loaded ones): an fp32 tile does
+not fit the hand-off blocks.
 
 Kernel parameters, in order:
 - `tma_a`  A bf16 [C, M] (dims innermost first: M, C): box 64 (M) x 64 (rows)
@@ -35,7 +42,8 @@ Kernel parameters, in order:
 
 Constraints (the launcher checks them; the kernel does not):
 - tokens_per_expert[e] % 128 == 0, sum <= C.
-- m_size % 128 == 0, n_size % 256 == 0, both < 2^16; C < 2^30; every tensor 16-byte aligned.
+- m_size % 128 == 0, n_size % 256 == 0, both < 2^16; C < 2^30; num_experts * m_size < 2^30;
+  every tensor 16-byte aligned.
 - launch: grid (num_ctas, 1, 1), num_ctas <= SM count, block (384, 1, 1), cluster (1, 1, 1).
 """
 
@@ -47,13 +55,17 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
+from . import epilogue_warps as handoff
 from . import gemm_phases as phases
+from .epilogue_warps import EpilogueCrew
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 # TILE_M: output rows per CTA tile; TILE_K here is tokens per ring stage.
 MAX_ROWS = 1 << 30
 MAX_COLS = 1 << 16
 OUTPUTS = ("fp32", "bf16", "fp32_accumulate")
+CREW = EpilogueCrew(first_warp=1, num_warps=3)  # stores the "bf16" output's tiles
+GROUP_M = 16  # m tiles per group of the tile order (_tile_coords)
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,14 @@ class Sm90ExpertGemmBwdWeights:
     def validate(self) -> None:
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
-        phases.validate_stages(self.stages, phases.MAX_STAGES)
+        phases.validate_stages(
+            self.stages, phases.MAX_STAGES_WITH_CREW if self._crew else phases.MAX_STAGES
+        )
+
+    @property
+    def _crew(self) -> bool:
+        """The bf16 output is stored by the crew, beside the next tile's mainloop."""
+        return self.output == "bf16"
 
     # ------------------------------------------------------------------ static configuration
 
@@ -149,8 +168,9 @@ class Sm90ExpertGemmBwdWeights:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES if self._crew else 0
         )
+        buffers = handoff.handoff_buffers(storage) if self._crew else None
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -168,7 +188,7 @@ class Sm90ExpertGemmBwdWeights:
         num_tiles = num_experts * tiles_per_expert
 
         if warpgroup == 0:
-            # ================= producer warpgroup: warp 0 issues TMA, warps 1-3 exit =========
+            # ======== producer warpgroup: warp 0 issues TMA, warps 1-3 store bf16 tiles ========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 tAsA, tAgA = phases.partition_tma_load(tma_a, sA, mA, (TILE_M, TILE_K))
@@ -183,8 +203,8 @@ class Sm90ExpertGemmBwdWeights:
                     expert = tile // tiles_per_expert
                     local = tile - expert * tiles_per_expert
                     cursor, row_base = self._advance(tokens_per_expert, expert, cursor, row_base)
-                    m_tile = local % m_tiles
-                    n_tile = 2 * (local // m_tiles)  # in units of TILE_N
+                    m_tile, n_pair = self._tile_coords(local, m_tiles, tiles_per_expert)
+                    n_tile = 2 * n_pair  # in units of TILE_N
                     k_base = row_base // TILE_K
                     # Fixed K order: the expert's tokens in increasing order, one CTA.
                     loads = (
@@ -197,6 +217,12 @@ class Sm90ExpertGemmBwdWeights:
                     tile = tile + grid_size
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
+            if cutlass.const_expr(self._crew):
+                if warp_idx != 0:
+                    self._crew_stores(
+                        buffers, out_ptr, num_tiles, tiles_per_expert, m_tiles, m_size, n_size,
+                        tidx, bidx, grid_size,
+                    )  # fmt: skip
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -209,8 +235,9 @@ class Sm90ExpertGemmBwdWeights:
                 expert = tile // tiles_per_expert
                 local = tile - expert * tiles_per_expert
                 k_tiles = tokens_per_expert[expert] // TILE_K
-                first_row = (local % m_tiles) * TILE_M
-                first_col = (local // m_tiles) * (2 * TILE_N)
+                m_tile, n_pair = self._tile_coords(local, m_tiles, tiles_per_expert)
+                first_row = m_tile * TILE_M
+                first_col = n_pair * (2 * TILE_N)
 
                 # ---- mainloop (none for an expert without tokens: the tile stays zero) ----
                 read_state, release_state = phases.mma_k_tiles(
@@ -224,13 +251,16 @@ class Sm90ExpertGemmBwdWeights:
                     may_be_empty=True,
                 )
 
-                # ---- epilogue: registers -> global ----
-                expert_offset = Int64(expert) * Int64(m_size) * Int64(n_size)
-                for j in cutlass.range_constexpr(2):
-                    tile_out = self._output_tile(
-                        out_ptr, expert_offset, first_row, first_col + j * TILE_N, n_size
-                    )
-                    self._store(acc0 if j == 0 else acc1, thr_mma.partition_C(tile_out))
+                # ---- epilogue: to the crew (bf16), or registers -> global ----
+                if cutlass.const_expr(self._crew):
+                    CREW.hand_off(thr_mma, (acc0, acc1), buffers)
+                else:
+                    expert_offset = Int64(expert) * Int64(m_size) * Int64(n_size)
+                    for j in cutlass.range_constexpr(2):
+                        tile_out = self._output_tile(
+                            out_ptr, expert_offset, first_row, first_col + j * TILE_N, n_size
+                        )
+                        self._store(acc0 if j == 0 else acc1, thr_mma.partition_C(tile_out))
                 tile = tile + grid_size
 
     # ------------------------------------------------------------------ device helpers
@@ -242,6 +272,43 @@ class Sm90ExpertGemmBwdWeights:
             row_base = row_base + tokens_per_expert[cursor]
             cursor = cursor + 1
         return cursor, row_base
+
+    @cute.jit
+    def _tile_coords(self, local: Int32, m_tiles: Int32, tiles_per_expert: Int32):
+        """(m tile, 256-column pair) of an expert's tile `local`: the tiles go in groups of
+        GROUP_M m tiles, inside a group m fastest, then n, so the tiles running at the same
+        time share a few A and B slabs (each slab is the expert's whole token range: 1-2 MB at
+        Mixtral's shape). With m fastest over all of M, a wave of 132 CTAs read 132 distinct
+        A slabs of dW_gate (M = 14336)."""
+        group_tiles = GROUP_M * (tiles_per_expert // m_tiles)
+        group = local // group_tiles
+        first_m = group * GROUP_M
+        rows = cutlass.min(m_tiles - first_m, GROUP_M)
+        within = local - group * group_tiles
+        return first_m + within % rows, within // rows
+
+    @cute.jit
+    def _crew_stores(
+        self, buffers, out_ptr, num_tiles, tiles_per_expert, m_tiles, m_size, n_size, tidx,
+        bidx, grid_size,
+    ):  # fmt: skip
+        """Warps 1-3: store this CTA's bf16 tiles from the hand-off blocks, in the consumers'
+        order. out[e] is rows e * m_size .. of a [E * m_size, n_size] matrix (E * m_size <
+        2^30), so the tile's rows need no per-expert pointer."""
+        lane = tidx - 32 * CREW.first_warp
+        row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
+        tile = bidx
+        while tile < num_tiles:
+            expert = tile // tiles_per_expert
+            local = tile - expert * tiles_per_expert
+            m_tile, n_pair = self._tile_coords(local, m_tiles, tiles_per_expert)
+            first_row = expert * m_size + m_tile * TILE_M
+            first_col = n_pair * (2 * TILE_N)
+            CREW.store_handoff(
+                buffers, lane, first_row, first_col, None, handoff.store_pair,
+                (out_ptr, row_stride),
+            )  # fmt: skip
+            tile = tile + grid_size
 
     @cute.jit
     def _store(self, acc: cute.Tensor, tCgOut: cute.Tensor):

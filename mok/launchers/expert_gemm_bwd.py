@@ -257,7 +257,8 @@ def weight_gradient(
     _check_multiple("M (a_routed.shape[1])", m_size, M_ALIGNMENT)
     _check_multiple("N (b_routed.shape[1])", n_size, N_ALIGNMENT)
     _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
-    _check_extents("M", capacity, m_size, m_size, n_size)
+    # The kernel numbers the rows of out as one [E * M, N] matrix.
+    _check_extents("E * M (output rows)", capacity, num_experts * m_size, m_size, n_size)
     if output not in WEIGHTS_KERNELS:
         raise ValueError(f"output must be one of {sorted(WEIGHTS_KERNELS)}, got {output!r}")
     kernel_name, out_dtype = WEIGHTS_KERNELS[output]
