@@ -1,29 +1,36 @@
-"""SM90 backward megakernel, EP group of one, v1: the activation-gradient
-half of the backward in one persistent launch (DESIGN §4, SEMANTICS §2).
+"""SM90 backward megakernel, EP group of one, v2: the routed experts' backward in one persistent
+launch (DESIGN §4, SEMANTICS §2).
 
     dY_e[r]        = bf16(w[peer_token_idx[r]] * dY[peer_token_idx[r] // k])   dispatch phase
     d_gate, d_up   = SwiGLU'(dY_e @ W_down[e], gate, up), router partials       d_hidden tasks
     slots[peer_token_idx[r]] = d_gate[r] @ W_gate[e] + d_up[r] @ W_up[e]         d_x tasks
+    dW_down[e] = dY_e^T hidden, dW_gate[e] = d_gate^T x, dW_up[e] = d_up^T x    weight tasks
 
-for every routed row r of expert e. The per-expert weight-gradient GEMMs (their own engine: both
-operands MN-major) and the fixed-order d_x combine stay separate launches in v1.
+for every routed row r of expert e. The weight tasks (weight_phase.py) run when `weight_gemms`
+is 3 (bf16 gradients); with fp32 main_grads the launcher passes 0 and adds them with the
+separate accumulate kernel. The fixed-order d_x combine stays a separate launch.
 
 The pieces are the separate kernels', in one launch:
 - the dispatch phase of the forward megakernel (dispatch_phase.py), scaled by the router weight;
 - the d_hidden_swiglu and d_x tasks of Sm90ExpertGemmBwd (expert_gemm_bwd.py): A K-major, B
   MN-major read in place, 3 ring stages, the crew of warps 1-3 storing every tile (d_hidden:
-  two hand-offs per tile, gate/up prefetched into L2; d_x: rows at their slots).
+  two hand-offs per tile, gate/up prefetched into L2; d_x: rows at their slots);
+- the weight-gradient tiles of Sm90ExpertGemmBwdWeights (expert_gemm_bwd_weights.py), both
+  operands MN-major through their own view of the ring, stored by the same crew.
 
 Task list, in dependency order: every d_hidden tile (expert by expert, m fastest, then the
 256-column block of I), then every d_x tile (the same over 256-column blocks of H). CTA c runs
 tasks c, c + grid, ... (a static ticket: deterministic). Every CTA runs all of its d_hidden
-tasks before any d_x task, and d_hidden tasks depend only on the dispatch phase, which waits
-for nothing: the waits cannot deadlock.
+tasks before any d_x task, then its weight tasks (weight_phase.py). d_hidden tasks depend only
+on the dispatch phase, which waits for nothing, d_x tasks only on d_hidden tasks, weight tasks
+only on the dispatch and d_hidden phases: the waits cannot deadlock.
 
 Counters (int32, zeroed by the launcher before each launch):
     dispatched[m]  row tile m of dY_e is written: reaches 1 (phase BACKWARD_DISPATCH)
     dgu_done[m]    d_hidden tiles of row tile m written (d_gate, d_up): reaches I / 256
                    (phase BACKWARD_DHIDDEN_GEMM)
+    dispatch_total CTAs done dispatching: reaches the grid size (the weight phase's wait)
+    dgu_total      d_hidden tiles stored: reaches their number (the weight phase's wait)
 Writers fence the async proxy (readers load with TMA), meet at a barrier (the CTA's after
 dispatch, the crew's after a tile), then one thread adds 1 with `red.release.gpu`; the TMA
 producer polls with `ld.acquire.gpu` and a bound (common/bounded_wait.py).
@@ -32,17 +39,21 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
 - `tma_dy`  dY_e bf16 [C, H] (A, box 64 x 128)   `tma_wd`  W_down viewed [E * H, I] (B)
 - `tma_dg`, `tma_du`  d_gate, d_up bf16 [C, I] (A)   `tma_wg`, `tma_wu`  W_gate, W_up viewed
   [E * I, H] (B: box 64 N x 64 K rows)
+- the weight phase's, all MN-major with box 64 x 64: `tma_xdy` dY_e, `tma_xdg` d_gate,
+  `tma_xdu` d_up (A); `tma_xh` hidden [C, I], `tma_xx` x_routed [C, H] (B)
+- `d_w_down_ptr` bf16 [E, H, I], `d_w_gate_ptr`, `d_w_up_ptr` bf16 [E, I, H]
 - `dy_ptr` bf16 [T, H]; `weight_ptr` fp32 [T * k]; `dy_routed_ptr` bf16 [C, H]; `gate_ptr`,
   `up_ptr` bf16 [C, I] (the forward context); `d_gate_ptr`, `d_up_ptr` bf16 [C, I];
   `partials_ptr` fp32 [C, I / 128]; `slots_ptr` bf16 [T * k, H]
 - `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
-  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128)], zeroed
+  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128) + 2], zeroed
 - `error_record_ptr`, `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T), `capacity`
-  (C), `has_limit`, `swiglu_limit`
+  (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0)
 
 Constraints (the launcher checks them): H and I multiples of 256, both < 2^16; the schedule's
-segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
+segments multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned and
+contiguous.
 """
 
 from dataclasses import dataclass

@@ -104,13 +104,20 @@ def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size
             Int32(wait.d_hidden_phase), Int32(0), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
         )  # fmt: skip
         cute.arch.fence_proxy("async.global")
+    # A cursor (GEMM, expert, rows before it) that only moves forward inside a GEMM: the
+    # tasks' experts grow with the task number, so tokens_per_expert is read once per expert.
+    cursor_gemm = Int32(-1)
+    cursor = Int32(0)
+    row_base = Int32(0)
     while task < total:
         gemm, expert, m_tile, n_pair, _ = locate_weight_task(tasks, task)
-        # The expert's rows: a sum over the experts before it (read from L2; a weight task
-        # runs a whole token segment, so this costs nothing next to it).
-        row_base = Int32(0)
-        for e in cutlass.range(expert, unroll=1):
-            row_base = row_base + tasks.tokens_per_expert[e]
+        if gemm != cursor_gemm:
+            cursor_gemm = gemm
+            cursor = Int32(0)
+            row_base = Int32(0)
+        while cursor < expert:
+            row_base = row_base + tasks.tokens_per_expert[cursor]
+            cursor = cursor + 1
         k_base = row_base // TILE_K
         k_tiles = tasks.tokens_per_expert[expert] // TILE_K
         for g in cutlass.range_constexpr(NUM_GEMMS):

@@ -1,15 +1,16 @@
-"""The backward megakernel v1 for an EP group of one (dsl_kernels/sm90/moe_backward.py).
+"""The backward megakernel v2 for an EP group of one (dsl_kernels/sm90/moe_backward.py).
 
 `backward` uses it after `set_backward_path("megakernel")`. It passes the GPU tests of
 tests/gpu/test_backward_gpu.py, bit for bit equal to the separate kernels, but is not the
-default: on the H200 it ran as fast as the separate kernels at the coarse shapes and 6-8%
-slower at Qwen3-30B-A3B's (docs/NOTES.md, session 6).
+default: on the H200 it ran within 1-3% of the separate kernels at the coarse shapes and
+6-15% slower at Qwen3-30B-A3B's (docs/NOTES.md, session 6).
 
 One persistent launch pulls dY_e = bf16(w * dY) into the routed buffer, runs every d_hidden
-tile (SwiGLU backward, router partials) and every d_x tile, and stores each d_x row at its
-(token, j) slot. Its dependency counters are zeroed right before the launch on the same stream
-(graph-capturable, no host sync); a wait that gives up reports through the device's error
-record (MoKWaitTimeoutError at the next `check_errors`).
+tile (SwiGLU backward, router partials) and every d_x tile, stores each d_x row at its
+(token, j) slot, then (unless the gradients go into fp32 main_grads) runs the three
+weight-gradient GEMMs. Its dependency counters are zeroed right before the launch on the same
+stream (graph-capturable, no host sync); a wait that gives up reports through the device's
+error record (MoKWaitTimeoutError at the next `check_errors`).
 """
 
 from __future__ import annotations
