@@ -116,9 +116,9 @@ def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit
     return (x_routed, gate, up, hidden), slots
 
 
-def fake_routed_backward(grad_output, router_weights, schedule, gate, up, gate_w, up_w, down_w,
-                         *, swiglu_limit=None):  # fmt: skip
-    """The backward megakernel's math: the three kernels' fakes in sequence."""
+def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, up, hidden,
+                         gate_w, up_w, down_w, *, swiglu_limit=None, weight_grads=True):  # fmt: skip
+    """The backward megakernel's math: the kernels' fakes in sequence."""
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
     topk = router_weights.shape[1]
     dy_e = fake_gather_rows(grad_output, peer, slot, schedule.num_tokens, topk,
@@ -128,7 +128,13 @@ def fake_routed_backward(grad_output, router_weights, schedule, gate, up, gate_w
                                  router_partials=partials)  # fmt: skip
     slots = fake_d_x(d_gate, d_up, gate_w, up_w, tokens,
                      slots=(peer, slot, grad_output.shape[0] * topk))  # fmt: skip
-    return dy_e, d_gate, d_up, partials, slots
+    d_weights = None
+    if weight_grads:
+        d_weights = [
+            fake_weight_gradient(a, b, tokens, output="bf16")
+            for a, b in ((d_gate, x_routed), (d_up, x_routed), (dy_e, hidden))
+        ]
+    return dy_e, d_gate, d_up, partials, slots, d_weights
 
 
 @pytest.fixture()

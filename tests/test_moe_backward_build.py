@@ -1,8 +1,9 @@
 """CPU checks of the SM90 backward megakernel v1's build (dsl_kernels/sm90/moe_backward.py), no
 GPU: the scaled dispatch phase (batched loads, one mul.rn per element, fence and barrier before
 the counters are released), the GPU-scope release/acquire counters, the wgmmas reading B
-transposed (weights as stored), the hand-off of every tile to the crew of warps 1-3 (two per
-d_hidden tile, one per d_x tile), and shared memory within the H100/H200 opt-in.
+transposed (weights as stored; both operands in the weight phase), the hand-off of every tile
+to the crew of warps 1-3 (two per d_hidden tile, one per d_x and weight tile), and shared
+memory within the H100/H200 opt-in.
 """
 
 from __future__ import annotations
@@ -42,30 +43,37 @@ def test_scaled_dispatch_phase(built):
 
 def test_counters_and_wgmma(built):
     _, _, ptx = built
-    # The CTA's dispatch counters and the crew's d_hidden counters.
-    assert _count(ptx, "red.release.gpu.global.add.s32") == 2
-    assert _count(ptx, "ld.acquire.gpu.global") >= 2
-    # Two mainloops (d_hidden, d_x) of 4 K-blocks x 2 accumulators, B transposed (MN-major).
+    # The CTA's dispatch counters and the crew's d_hidden counters, per row tile; the CTA's
+    # end of dispatch and the crew's count of d_hidden tiles (the weight phase's two waits).
+    assert _count(ptx, "red.release.gpu.global.add.s32") == 4
+    assert _count(ptx, "ld.acquire.gpu.global") >= 4
+    # Two mainloops (d_hidden, d_x) of 4 K-blocks x 2 accumulators, B transposed (MN-major);
+    # the weight phase's, A transposed too.
     wgmmas = re.findall(re.escape(WGMMA) + r"\s*\{[^}]*\},\s*%rd\d+,\s*%rd\d+,\s*([^;]*);", ptx)
-    assert len(wgmmas) == 2 * 8
-    assert {tuple(x.strip() for x in w.split(",")) for w in wgmmas} == {("p", "1", "1", "0", "1")}
-    # d_hidden: one A box and two pairs of B boxes per K block; d_x: the same per K half.
-    assert _count(ptx, "cp.async.bulk.tensor.2d.shared") == 5 + 2 * 5
+    modes = [tuple(x.strip() for x in w.split(",")) for w in wgmmas]
+    assert modes.count(("p", "1", "1", "0", "1")) == 2 * 8
+    assert modes.count(("p", "1", "1", "1", "1")) == 8 and len(modes) == 3 * 8
+    # d_hidden: one A box and two pairs of B boxes per K block; d_x: the same per K half;
+    # each weight GEMM: a pair of 64-wide A boxes and two pairs of B boxes.
+    assert _count(ptx, "cp.async.bulk.tensor.2d.shared") == 5 + 2 * 5 + 3 * 6
 
 
 def test_handoffs_and_shared_memory(built):
     entry, _, ptx = built
-    # Three hand-offs on each side (d_hidden's two blocks, d_x's tile), the crew's counter
-    # barrier after a d_hidden tile and its two slot look-up barriers per d_x tile.
-    for line, count in (("bar.sync \t4, 352;", 3), ("bar.arrive 3, 352;", 3),
-                        ("bar.arrive 4, 352;", 3), ("bar.sync \t3, 352;", 3),
+    # Hand-offs: the consumers' d_hidden (two blocks), d_x and weight tiles; the crew's the
+    # same but one store per weight GEMM. The crew's counter barrier after a d_hidden tile
+    # and its two slot look-up barriers per d_x tile.
+    for line, count in (("bar.sync \t4, 352;", 4), ("bar.arrive 3, 352;", 4),
+                        ("bar.arrive 4, 352;", 6), ("bar.sync \t3, 352;", 6),
                         ("bar.sync \t6, 96;", 1), ("bar.sync \t5, 96;", 2)):  # fmt: skip
         assert ptx.count(line) == count, line
-    # 8 dispatch stores, d_gate + d_up per chunk of each d_hidden hand-off, 2 per d_x chunk.
-    assert _count(ptx, "st.global.v4") == 8 + 2 * 2 + 2
+    # 8 dispatch stores, d_gate + d_up per chunk of each d_hidden hand-off, 2 per d_x chunk,
+    # 2 per chunk of each weight GEMM's tile.
+    assert _count(ptx, "st.global.v4") == 8 + 2 * 2 + 2 + 3 * 2
     assert _count(ptx, "prefetch.global.L2") == 1
     assert entry["config"] == {"stages": 3}
     assert 3 * 48 * 1024 + 2 * 34816 <= entry["dynamic_smem_bytes"] <= H200_SMEM_OPTIN
     assert entry["cluster"] == [1, 1, 1] and entry["block"] == [384, 1, 1]
     assert [t["param"] for t in entry["tma"]] == ["tma_dy", "tma_wd", "tma_dg", "tma_du",
-                                                   "tma_wg", "tma_wu"]  # fmt: skip
+                                                   "tma_wg", "tma_wu", "tma_xdy", "tma_xdg",
+                                                   "tma_xdu", "tma_xh", "tma_xx"]  # fmt: skip

@@ -26,7 +26,7 @@ hand-off blocks and go on; warps 1-3 of the producer warpgroup (the crew) store 
 16-byte row chunks. Then the ring has at most 3 stages (shared memory).
 
 Tiles are numbered expert by expert; inside an expert in groups of GROUP_M m tiles (the last
-group may be smaller), inside a group m fastest, then n (`_tile_coords`). A forward-only
+group may be smaller), inside a group m fastest, then n (`grouped_tile_coords`). A forward-only
 cursor (expert, rows before it) follows the walk, reading tokens_per_expert once per expert.
 
 For "fp32" and "fp32_accumulate" the consumers store the accumulators directly
@@ -66,6 +66,21 @@ MAX_COLS = 1 << 16
 OUTPUTS = ("fp32", "bf16", "fp32_accumulate")
 CREW = EpilogueCrew(first_warp=1, num_warps=3)  # stores the "bf16" output's tiles
 GROUP_M = 16  # m tiles per group of the tile order (_tile_coords)
+
+
+@cute.jit
+def grouped_tile_coords(local: Int32, m_tiles: Int32, tiles_per_expert: Int32):
+    """(m tile, 256-column pair) of an expert's tile `local`: the tiles go in groups of
+    GROUP_M m tiles, inside a group m fastest, then n, so the tiles running at the same time
+    share a few A and B slabs (each slab is the expert's whole token range: 1-2 MB at
+    Mixtral's shape). With m fastest over all of M, a wave of 132 CTAs read 132 distinct A
+    slabs of dW_gate (M = 14336)."""
+    group_tiles = GROUP_M * (tiles_per_expert // m_tiles)
+    group = local // group_tiles
+    first_m = group * GROUP_M
+    rows = cutlass.min(m_tiles - first_m, GROUP_M)
+    within = local - group * group_tiles
+    return first_m + within % rows, within // rows
 
 
 @dataclass(frozen=True)
@@ -203,7 +218,7 @@ class Sm90ExpertGemmBwdWeights:
                     expert = tile // tiles_per_expert
                     local = tile - expert * tiles_per_expert
                     cursor, row_base = self._advance(tokens_per_expert, expert, cursor, row_base)
-                    m_tile, n_pair = self._tile_coords(local, m_tiles, tiles_per_expert)
+                    m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
                     n_tile = 2 * n_pair  # in units of TILE_N
                     k_base = row_base // TILE_K
                     # Fixed K order: the expert's tokens in increasing order, one CTA.
@@ -235,7 +250,7 @@ class Sm90ExpertGemmBwdWeights:
                 expert = tile // tiles_per_expert
                 local = tile - expert * tiles_per_expert
                 k_tiles = tokens_per_expert[expert] // TILE_K
-                m_tile, n_pair = self._tile_coords(local, m_tiles, tiles_per_expert)
+                m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
                 first_row = m_tile * TILE_M
                 first_col = n_pair * (2 * TILE_N)
 
@@ -274,20 +289,6 @@ class Sm90ExpertGemmBwdWeights:
         return cursor, row_base
 
     @cute.jit
-    def _tile_coords(self, local: Int32, m_tiles: Int32, tiles_per_expert: Int32):
-        """(m tile, 256-column pair) of an expert's tile `local`: the tiles go in groups of
-        GROUP_M m tiles, inside a group m fastest, then n, so the tiles running at the same
-        time share a few A and B slabs (each slab is the expert's whole token range: 1-2 MB at
-        Mixtral's shape). With m fastest over all of M, a wave of 132 CTAs read 132 distinct
-        A slabs of dW_gate (M = 14336)."""
-        group_tiles = GROUP_M * (tiles_per_expert // m_tiles)
-        group = local // group_tiles
-        first_m = group * GROUP_M
-        rows = cutlass.min(m_tiles - first_m, GROUP_M)
-        within = local - group * group_tiles
-        return first_m + within % rows, within // rows
-
-    @cute.jit
     def _crew_stores(
         self, buffers, out_ptr, num_tiles, tiles_per_expert, m_tiles, m_size, n_size, tidx,
         bidx, grid_size,
@@ -301,7 +302,7 @@ class Sm90ExpertGemmBwdWeights:
         while tile < num_tiles:
             expert = tile // tiles_per_expert
             local = tile - expert * tiles_per_expert
-            m_tile, n_pair = self._tile_coords(local, m_tiles, tiles_per_expert)
+            m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
             first_row = expert * m_size + m_tile * TILE_M
             first_col = n_pair * (2 * TILE_N)
             CREW.store_handoff(

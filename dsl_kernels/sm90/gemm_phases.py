@@ -238,14 +238,21 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads):
 # ---------------------------------------------------------------------- consumers: wgmma
 
 
-def make_consumer_fragments(tiled_mma, tidx, sA: cute.Tensor, sB0: cute.Tensor, sB1: cute.Tensor):
-    """This consumer thread's MMA slice, shared-memory operand fragments (stage last) and two
-    fp32 128 x 128 accumulators: (thr_mma, (tCrA, tCrB0, tCrB1), (acc0, acc1))."""
+def make_operand_fragments(tiled_mma, tidx, sA: cute.Tensor, sB0: cute.Tensor, sB1: cute.Tensor):
+    """This consumer thread's MMA slice and shared-memory operand fragments (stage last):
+    (thr_mma, (tCrA, tCrB0, tCrB1))."""
     consumer_tidx = tidx - THREADS_PER_WARPGROUP
     thr_mma = tiled_mma.get_slice(consumer_tidx)
     tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
     tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB0))
     tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(sB1))
+    return thr_mma, (tCrA, tCrB0, tCrB1)
+
+
+def make_consumer_fragments(tiled_mma, tidx, sA: cute.Tensor, sB0: cute.Tensor, sB1: cute.Tensor):
+    """This consumer thread's MMA slice, shared-memory operand fragments (stage last) and two
+    fp32 128 x 128 accumulators: (thr_mma, (tCrA, tCrB0, tCrB1), (acc0, acc1))."""
+    thr_mma, (tCrA, tCrB0, tCrB1) = make_operand_fragments(tiled_mma, tidx, sA, sB0, sB1)
     acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
     acc0 = cute.make_rmem_tensor(acc_shape, Float32)
     acc1 = cute.make_rmem_tensor(acc_shape, Float32)

@@ -1,29 +1,36 @@
-"""SM90 backward megakernel, EP group of one, v1: the activation-gradient
-half of the backward in one persistent launch (DESIGN §4, SEMANTICS §2).
+"""SM90 backward megakernel, EP group of one, v2: the routed experts' backward in one persistent
+launch (DESIGN §4, SEMANTICS §2).
 
     dY_e[r]        = bf16(w[peer_token_idx[r]] * dY[peer_token_idx[r] // k])   dispatch phase
     d_gate, d_up   = SwiGLU'(dY_e @ W_down[e], gate, up), router partials       d_hidden tasks
     slots[peer_token_idx[r]] = d_gate[r] @ W_gate[e] + d_up[r] @ W_up[e]         d_x tasks
+    dW_down[e] = dY_e^T hidden, dW_gate[e] = d_gate^T x, dW_up[e] = d_up^T x    weight tasks
 
-for every routed row r of expert e. The per-expert weight-gradient GEMMs (their own engine: both
-operands MN-major) and the fixed-order d_x combine stay separate launches in v1.
+for every routed row r of expert e. The weight tasks (weight_phase.py) run when `weight_gemms`
+is 3 (bf16 gradients); with fp32 main_grads the launcher passes 0 and adds them with the
+separate accumulate kernel. The fixed-order d_x combine stays a separate launch.
 
 The pieces are the separate kernels', in one launch:
 - the dispatch phase of the forward megakernel (dispatch_phase.py), scaled by the router weight;
 - the d_hidden_swiglu and d_x tasks of Sm90ExpertGemmBwd (expert_gemm_bwd.py): A K-major, B
   MN-major read in place, 3 ring stages, the crew of warps 1-3 storing every tile (d_hidden:
-  two hand-offs per tile, gate/up prefetched into L2; d_x: rows at their slots).
+  two hand-offs per tile, gate/up prefetched into L2; d_x: rows at their slots);
+- the weight-gradient tiles of Sm90ExpertGemmBwdWeights (expert_gemm_bwd_weights.py), both
+  operands MN-major through their own view of the ring, stored by the same crew.
 
 Task list, in dependency order: every d_hidden tile (expert by expert, m fastest, then the
 256-column block of I), then every d_x tile (the same over 256-column blocks of H). CTA c runs
 tasks c, c + grid, ... (a static ticket: deterministic). Every CTA runs all of its d_hidden
-tasks before any d_x task, and d_hidden tasks depend only on the dispatch phase, which waits
-for nothing: the waits cannot deadlock.
+tasks before any d_x task, then its weight tasks (weight_phase.py). d_hidden tasks depend only
+on the dispatch phase, which waits for nothing, d_x tasks only on d_hidden tasks, weight tasks
+only on the dispatch and d_hidden phases: the waits cannot deadlock.
 
 Counters (int32, zeroed by the launcher before each launch):
     dispatched[m]  row tile m of dY_e is written: reaches 1 (phase BACKWARD_DISPATCH)
     dgu_done[m]    d_hidden tiles of row tile m written (d_gate, d_up): reaches I / 256
                    (phase BACKWARD_DHIDDEN_GEMM)
+    dispatch_total CTAs done dispatching: reaches the grid size (the weight phase's wait)
+    dgu_total      d_hidden tiles stored: reaches their number (the weight phase's wait)
 Writers fence the async proxy (readers load with TMA), meet at a barrier (the CTA's after
 dispatch, the crew's after a tile), then one thread adds 1 with `red.release.gpu`; the TMA
 producer polls with `ld.acquire.gpu` and a bound (common/bounded_wait.py).
@@ -32,17 +39,21 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
 - `tma_dy`  dY_e bf16 [C, H] (A, box 64 x 128)   `tma_wd`  W_down viewed [E * H, I] (B)
 - `tma_dg`, `tma_du`  d_gate, d_up bf16 [C, I] (A)   `tma_wg`, `tma_wu`  W_gate, W_up viewed
   [E * I, H] (B: box 64 N x 64 K rows)
+- the weight phase's, all MN-major with box 64 x 64: `tma_xdy` dY_e, `tma_xdg` d_gate,
+  `tma_xdu` d_up (A); `tma_xh` hidden [C, I], `tma_xx` x_routed [C, H] (B)
+- `d_w_down_ptr` bf16 [E, H, I], `d_w_gate_ptr`, `d_w_up_ptr` bf16 [E, I, H]
 - `dy_ptr` bf16 [T, H]; `weight_ptr` fp32 [T * k]; `dy_routed_ptr` bf16 [C, H]; `gate_ptr`,
   `up_ptr` bf16 [C, I] (the forward context); `d_gate_ptr`, `d_up_ptr` bf16 [C, I];
   `partials_ptr` fp32 [C, I / 128]; `slots_ptr` bf16 [T * k, H]
 - `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
-  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128)], zeroed
+  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128) + 2], zeroed
 - `error_record_ptr`, `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T), `capacity`
-  (C), `has_limit`, `swiglu_limit`
+  (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0)
 
 Constraints (the launcher checks them): H and I multiples of 256, both < 2^16; the schedule's
-segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
+segments multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned and
+contiguous.
 """
 
 from dataclasses import dataclass
@@ -53,6 +64,7 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
+from ..common.bounded_wait import red_add_release_gpu_s32
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .dispatch_phase import dispatch_rows
@@ -61,10 +73,20 @@ from .expert_gemm_bwd import MAX_COLS, MAX_ROWS, Sm90ExpertGemmBwd
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .task_walk import RowTileWait, consume_tasks, produce_tasks
+from .weight_phase import (
+    PhaseWait,
+    WeightTasks,
+    consume_weight_tasks,
+    produce_weight_tasks,
+    store_weight_tasks,
+)
 
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
 PHASE_BACKWARD_DISPATCH = 9
 PHASE_BACKWARD_DHIDDEN_GEMM = 10
+# The weight phase's descriptors (weight_phase.py), MN-major: A = dY_e, d_gate, d_up; B =
+# hidden, x_routed.
+WEIGHT_PHASE_TMA = ("tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
 
 
 @dataclass(frozen=True)
@@ -94,6 +116,8 @@ class Sm90MoeBackward:
             phases.tma_spec("tma_du", a_box),
             phases.tma_spec("tma_wg", b_box),
             phases.tma_spec("tma_wu", b_box),
+            # The weight phase: A and B both MN-major (weight_phase.py).
+            *(phases.tma_spec(name, b_box) for name in WEIGHT_PHASE_TMA),
         ]
 
     def stage_bytes(self) -> int:
@@ -105,6 +129,10 @@ class Sm90MoeBackward:
         f32 = global_pointer(Float32, 4)
         return (
             *(bf16 for _ in range(6)),  # tma_dy, tma_wd, tma_dg, tma_du, tma_wg, tma_wu sources
+            *(bf16 for _ in WEIGHT_PHASE_TMA),  # tma_xdy, tma_xdg, tma_xdu, tma_xh, tma_xx
+            bf16,  # d_w_down_ptr
+            bf16,  # d_w_gate_ptr
+            bf16,  # d_w_up_ptr
             bf16,  # dy_ptr
             f32,  # weight_ptr
             bf16,  # dy_routed_ptr
@@ -129,6 +157,7 @@ class Sm90MoeBackward:
             Int32(0),  # capacity
             Int32(0),  # has_limit
             Float32(0.0),  # swiglu_limit
+            Int32(0),  # weight_gemms (3, or 0: the weight gradients run separately)
             Int32(1),  # num_ctas
         )
 
@@ -141,6 +170,14 @@ class Sm90MoeBackward:
         a_du: cute.Pointer,
         b_wg: cute.Pointer,
         b_wu: cute.Pointer,
+        a_xdy: cute.Pointer,
+        a_xdg: cute.Pointer,
+        a_xdu: cute.Pointer,
+        b_xh: cute.Pointer,
+        b_xx: cute.Pointer,
+        d_w_down_ptr: cute.Pointer,
+        d_w_gate_ptr: cute.Pointer,
+        d_w_up_ptr: cute.Pointer,
         dy_ptr: cute.Pointer,
         weight_ptr: cute.Pointer,
         dy_routed_ptr: cute.Pointer,
@@ -165,6 +202,7 @@ class Sm90MoeBackward:
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
+        weight_gemms: Int32,
         num_ctas: Int32,
     ):
         # The descriptors built here are thrown away: the runtime encodes its own from the
@@ -182,13 +220,20 @@ class Sm90MoeBackward:
         tma_du, mDu = phases.make_tma_load(a_du, a_layout, a_smem, tile_a)
         tma_wg, mWg = phases.make_tma_load(b_wg, b_layout, b_smem, tile_b)
         tma_wu, mWu = phases.make_tma_load(b_wu, b_layout, b_smem, tile_b)
+        w_smem = phases.mn_major_smem_layout(TILE_M, self.stages)
+        tma_xdy, mXdy = phases.make_tma_load(a_xdy, b_layout, w_smem, tile_a)
+        tma_xdg, mXdg = phases.make_tma_load(a_xdg, b_layout, w_smem, tile_a)
+        tma_xdu, mXdu = phases.make_tma_load(a_xdu, b_layout, w_smem, tile_a)
+        tma_xh, mXh = phases.make_tma_load(b_xh, b_layout, b_smem, tile_b)
+        tma_xx, mXx = phases.make_tma_load(b_xx, b_layout, b_smem, tile_b)
         self.kernel(
             tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu,
-            dy_ptr, weight_ptr, dy_routed_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
+            tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx,
+            d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr, dy_ptr, weight_ptr, dy_routed_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
             partials_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr,
             tokens_per_expert_ptr, counters_ptr, error_record_ptr, timeout_ns, num_experts,
             hidden_size, intermediate_size, topk, num_src_rows, capacity, has_limit,
-            swiglu_limit,
+            swiglu_limit, weight_gemms,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
 
     @cute.kernel
@@ -206,6 +251,19 @@ class Sm90MoeBackward:
         mWg: cute.Tensor,
         tma_wu: cute.CopyAtom,
         mWu: cute.Tensor,
+        tma_xdy: cute.CopyAtom,
+        mXdy: cute.Tensor,
+        tma_xdg: cute.CopyAtom,
+        mXdg: cute.Tensor,
+        tma_xdu: cute.CopyAtom,
+        mXdu: cute.Tensor,
+        tma_xh: cute.CopyAtom,
+        mXh: cute.Tensor,
+        tma_xx: cute.CopyAtom,
+        mXx: cute.Tensor,
+        d_w_down_ptr: cute.Pointer,
+        d_w_gate_ptr: cute.Pointer,
+        d_w_up_ptr: cute.Pointer,
         dy_ptr: cute.Pointer,
         weight_ptr: cute.Pointer,
         dy_routed_ptr: cute.Pointer,
@@ -230,8 +288,10 @@ class Sm90MoeBackward:
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
+        weight_gemms: Int32,
     ):
         tma = (tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu)
+        weight_tma = (tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
         engine = self._engine()
 
@@ -243,9 +303,13 @@ class Sm90MoeBackward:
         )
         buffers = handoff.handoff_buffers(storage)
         if warp_idx == 0:
-            for atom in (tma_dy, tma_wd, tma_dg, tma_du, tma_wg, tma_wu):
+            for atom in (tma_dy, tma_wd, tma_dg, tma_du, tma_wg, tma_wu, tma_xdy, tma_xdg,
+                         tma_xdu, tma_xh, tma_xx):  # fmt: skip
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
         ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+        # The weight phase reads A MN-major: its own view of the same stage bytes.
+        w_layout = phases.mn_major_smem_layout(TILE_M, self.stages)
+        sA_w = storage.sA.get_tensor(w_layout.outer, swizzle=w_layout.inner)
 
         # ---- the two tile lists (128 x 256 tiles) and the counters ----
         tokens_per_expert = cute.make_tensor(
@@ -260,7 +324,14 @@ class Sm90MoeBackward:
         counter_base = counters_ptr.toint()
         dispatched = counter_base
         dgu_done = counter_base + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        # After both per-row-tile arrays: CTAs done dispatching, d_hidden tiles stored.
+        dispatch_total = dgu_done + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        dgu_total = dispatch_total + Int64(4)
         record = error_record_ptr.toint()
+        weight_tasks = WeightTasks(
+            tokens_per_expert, num_experts, hidden_size, intermediate_size, weight_gemms
+        )
+        num_d_x = row_tiles_total * (hidden_size // (2 * TILE_N))
 
         # ---- dispatch: dY_e = bf16(w * dY), every thread of the CTA, before the roles split ----
         dispatch_rows(
@@ -268,21 +339,45 @@ class Sm90MoeBackward:
             hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
             grid_size, weight_ptr,
         )  # fmt: skip
+        if tidx == 0:  # after dispatch_rows' CTA barrier and its per-row-tile releases
+            red_add_release_gpu_s32(dispatch_total, Int32(1))
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                self._producer(
+                state, task = self._producer(
                     ring, (sA, sB0, sB1), tma, d_hidden_tiles, d_x_tiles, num_d_hidden,
                     hidden_size, intermediate_size, dispatched, dgu_done, record, timeout_ns,
                     bidx, grid_size,
                 )  # fmt: skip
+                wait = PhaseWait(dispatch_total, grid_size, dgu_total, num_d_hidden,
+                                 PHASE_BACKWARD_DISPATCH, PHASE_BACKWARD_DHIDDEN_GEMM, record,
+                                 timeout_ns)  # fmt: skip
+                state = produce_weight_tasks(
+                    ring,
+                    state,
+                    weight_tasks,
+                    task - num_d_x,
+                    grid_size,
+                    wait,
+                    self._weight_loads(sA_w, sB0, sB1, weight_tma),
+                )
+                ring.producer_tail(state)
             else:
-                self._store_tiles(
+                task = self._store_tiles(
                     engine, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, gate_ptr, up_ptr,
                     d_gate_ptr, d_up_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr,
-                    hidden_size, intermediate_size, dgu_done, tidx, bidx, grid_size,
+                    hidden_size, intermediate_size, dgu_done, dgu_total, tidx, bidx, grid_size,
                 )  # fmt: skip
+                store_weight_tasks(
+                    CREW,
+                    weight_tasks,
+                    task - num_d_x,
+                    grid_size,
+                    buffers,
+                    tidx,
+                    (d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr),
+                )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
@@ -319,7 +414,18 @@ class Sm90MoeBackward:
             states, task = consume_tasks(
                 (read_state, release_state), d_hidden_tiles, bidx, grid_size, run_d_hidden, ()
             )
-            consume_tasks(states, d_x_tiles, task - num_d_hidden, grid_size, run_d_x, ())
+            states, task = consume_tasks(
+                states, d_x_tiles, task - num_d_hidden, grid_size, run_d_x, ()
+            )
+            # ---- weight tasks: both operands MN-major, their own MMA object and A view ----
+            w_mma = phases.make_tiled_mma(
+                cute.nvgpu.warpgroup.OperandMajorMode.MN, cute.nvgpu.warpgroup.OperandMajorMode.MN
+            )
+            w_thr, w_operands = phases.make_operand_fragments(w_mma, tidx, sA_w, sB0, sB1)
+            consume_weight_tasks(
+                states, weight_tasks, task - num_d_x, grid_size, w_mma, ring, w_operands, accs,
+                CREW, w_thr, buffers,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ roles
 
@@ -328,7 +434,8 @@ class Sm90MoeBackward:
         self, ring, smem, tma, d_hidden_tiles, d_x_tiles, num_d_hidden, hidden_size,
         intermediate_size, dispatched, dgu_done, record, timeout_ns, bidx, grid_size,
     ):  # fmt: skip
-        """Warp 0: TMA loads of every task of this CTA, each after its rows' counter."""
+        """Warp 0: TMA loads of the CTA's d_hidden and d_x tasks, each after its rows' counter.
+        Returns (producer state, the CTA's first task past the d_x phase)."""
         sA, sB0, sB1 = smem
         tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu = tma
         tile_a = (TILE_M, TILE_K)
@@ -374,28 +481,52 @@ class Sm90MoeBackward:
                                     ())  # fmt: skip
         wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, num_d_hidden,
                            record, timeout_ns)  # fmt: skip
-        state, _ = produce_tasks(state, d_x_tiles, task - num_d_hidden, grid_size, wait,
-                                 load_d_x, ())  # fmt: skip
-        ring.producer_tail(state)
+        return produce_tasks(state, d_x_tiles, task - num_d_hidden, grid_size, wait, load_d_x,
+                             ())  # fmt: skip
 
     @cute.jit
     def _store_tiles(
         self, engine, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, gate_ptr, up_ptr,
         d_gate_ptr, d_up_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size,
-        intermediate_size, dgu_done, tidx, bidx, grid_size,
+        intermediate_size, dgu_done, dgu_total, tidx, bidx, grid_size,
     ):  # fmt: skip
-        """Warps 1-3, the crew: store every tile the consumers hand off, in their order: each
-        d_hidden tile's d_gate and d_up (two hand-offs; its gate/up prefetched into L2 first;
-        then its row tile's counter released), then each d_x tile's rows at their slots."""
+        """Warps 1-3, the crew: store the d_hidden and d_x tiles the consumers hand off, in
+        their order: each d_hidden tile's d_gate and d_up (two hand-offs; its gate/up
+        prefetched into L2 first; then its row tile's counter and `dgu_total` released), then
+        each d_x tile's rows at their slots. Returns the CTA's first task past the d_x phase."""
         i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
         end = CREW.run(
             d_hidden_tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, None,
-            handoff.store_split, (d_gate_ptr, d_up_ptr, i_stride), CREW.release_row_tile,
-            (dgu_done,), handoffs=2, before_tile=engine._prefetch_gate_up,
+            handoff.store_split, (d_gate_ptr, d_up_ptr, i_stride), self._release_d_hidden_tile,
+            (dgu_done, dgu_total), handoffs=2, before_tile=engine._prefetch_gate_up,
             before_args=(gate_ptr, up_ptr, i_stride),
         )  # fmt: skip
-        CREW.run(
+        return CREW.run(
             d_x_tiles, end - num_d_hidden, grid_size, buffers, tidx, 2 * TILE_N,
             (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
             (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
         )  # fmt: skip
+
+    @cute.jit
+    def _release_d_hidden_tile(self, lane, first_row, dgu_done, dgu_total):
+        """After a d_hidden tile: its row tile's counter (CREW.release_row_tile: fence, crew
+        barrier, one release), then the count of stored d_hidden tiles."""
+        CREW.release_row_tile(lane, first_row, dgu_done)
+        if lane == 0:
+            red_add_release_gpu_s32(dgu_total, Int32(1))
+
+    def _weight_loads(self, sA_w, sB0, sB1, weight_tma):
+        """Per weight GEMM (dW_down, dW_gate, dW_up): (A atom, A gmem and smem partitions,
+        B atom, B gmem partition, B smem partitions 0 and 1)."""
+        tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx = weight_tma
+        tile_a = (TILE_M, TILE_K)
+        xdy_s, xdy_g = phases.partition_tma_load(tma_xdy, sA_w, mXdy, tile_a)
+        xdg_s, xdg_g = phases.partition_tma_load(tma_xdg, sA_w, mXdg, tile_a)
+        xdu_s, xdu_g = phases.partition_tma_load(tma_xdu, sA_w, mXdu, tile_a)
+        xh_s0, xh_s1, xh_g = phases.partition_tma_load_pair(tma_xh, sB0, sB1, mXh)
+        xx_s0, xx_s1, xx_g = phases.partition_tma_load_pair(tma_xx, sB0, sB1, mXx)
+        return (
+            (tma_xdy, xdy_g, xdy_s, tma_xh, xh_g, xh_s0, xh_s1),
+            (tma_xdg, xdg_g, xdg_s, tma_xx, xx_g, xx_s0, xx_s1),
+            (tma_xdu, xdu_g, xdu_s, tma_xx, xx_g, xx_s0, xx_s1),
+        )

@@ -75,10 +75,11 @@ def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
     ]
 
 
-# How the routed experts' activation gradients run: "kernels" (scaled gather, d_hidden, d_x
-# as three launches, the default) or "megakernel" (mok/launchers/moe_backward.py: one
-# persistent launch, GPU-tested, bitwise equal, not faster yet: docs/NOTES.md, session 6).
-# The weight gradients and the combine are separate launches on both.
+# How the routed experts' backward runs: "kernels" (scaled gather, d_hidden, d_x, weights
+# as separate launches, the default) or "megakernel" (mok/launchers/moe_backward.py: one
+# persistent launch with the bf16 weight gradients, GPU-tested, bitwise equal, not faster yet:
+# docs/NOTES.md, session 6). The combine is a separate launch on both, and so are weight
+# gradients added into fp32 main_grads.
 BACKWARD_PATHS = ("kernels", "megakernel")
 _backward_path = "kernels"
 
@@ -126,12 +127,15 @@ def backward(
 
     # ---- routed experts: pull dY_e = bf16(w * dY) on the expert's side, then the GEMMs ----
     if _backward_path == "megakernel":
-        dy_e, d_gate, d_up, partials, d_x_routed = moe_backward.routed_backward(
-            grad_output, router_weights, schedule, gate, up, routed_gate, routed_up,
-            routed_down, swiglu_limit=swiglu_limit,
+        # The weight gradients in the same launch, unless they go into fp32 main_grads.
+        in_launch = all(g is None for g in main_grads[:3])
+        dy_e, d_gate, d_up, partials, d_x_routed, routed_grads = moe_backward.routed_backward(
+            grad_output, router_weights, schedule, x_routed, gate, up, hidden, routed_gate,
+            routed_up, routed_down, swiglu_limit=swiglu_limit, weight_grads=in_launch,
         )  # fmt: skip
-        routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden, tokens,
-                                         main_grads[:3])  # fmt: skip
+        if not in_launch:
+            routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden, tokens,
+                                             main_grads[:3])  # fmt: skip
     else:
         dy_e = dispatch.gather_rows(grad_output, peer, slot, schedule.num_tokens, topk,
                                     weights=router_weights)  # fmt: skip

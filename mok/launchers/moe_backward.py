@@ -1,15 +1,16 @@
-"""The backward megakernel v1 for an EP group of one (dsl_kernels/sm90/moe_backward.py).
+"""The backward megakernel v2 for an EP group of one (dsl_kernels/sm90/moe_backward.py).
 
 `backward` uses it after `set_backward_path("megakernel")`. It passes the GPU tests of
 tests/gpu/test_backward_gpu.py, bit for bit equal to the separate kernels, but is not the
-default: on the H200 it ran as fast as the separate kernels at the coarse shapes and 6-8%
-slower at Qwen3-30B-A3B's (docs/NOTES.md, session 6).
+default: on the H200 it ran within 1-3% of the separate kernels at the coarse shapes and
+6-15% slower at Qwen3-30B-A3B's (docs/NOTES.md, session 6).
 
 One persistent launch pulls dY_e = bf16(w * dY) into the routed buffer, runs every d_hidden
-tile (SwiGLU backward, router partials) and every d_x tile, and stores each d_x row at its
-(token, j) slot. Its dependency counters are zeroed right before the launch on the same stream
-(graph-capturable, no host sync); a wait that gives up reports through the device's error
-record (MoKWaitTimeoutError at the next `check_errors`).
+tile (SwiGLU backward, router partials) and every d_x tile, stores each d_x row at its
+(token, j) slot, then (unless the gradients go into fp32 main_grads) runs the three
+weight-gradient GEMMs. Its dependency counters are zeroed right before the launch on the same
+stream (graph-capturable, no host sync); a wait that gives up reports through the device's
+error record (MoKWaitTimeoutError at the next `check_errors`).
 """
 
 from __future__ import annotations
@@ -29,23 +30,31 @@ def routed_backward(
     grad_output: torch.Tensor,
     router_weights: torch.Tensor,
     schedule,
+    x_routed: torch.Tensor,
     gate: torch.Tensor,
     up: torch.Tensor,
+    hidden: torch.Tensor,
     gate_weights: torch.Tensor,
     up_weights: torch.Tensor,
     down_weights: torch.Tensor,
     *,
     swiglu_limit: float | None = None,
+    weight_grads: bool = True,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
-) -> tuple[torch.Tensor, ...]:
-    """(dy_e, d_gate, d_up, router_partials, slots) of the routed experts, in one launch.
+) -> tuple:
+    """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) of the
+    routed experts, in one launch.
 
-    grad_output bf16 [T, H]; router_weights fp32 [T, k]; gate, up bf16 [C, I] (the forward
-    context, pre-clamp); weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
+    grad_output bf16 [T, H]; router_weights fp32 [T, k]; x_routed bf16 [C, H], gate, up,
+    hidden bf16 [C, I] (the forward context, gate and up pre-clamp); weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
     MoKSchedule of this rank (a group of one). dy_e bf16 [C, H] = w * dY per routed row (the
     dW_down GEMM's input); d_gate, d_up bf16 [C, I]; router_partials fp32 [C, I / 128] (as
     expert_gemm_bwd.d_hidden_swiglu's); slots bf16 [T * k, H]: row t * k + j is token t's d_x
     through its j-th expert. Routed rows at or past schedule.num_tokens are not written.
+    With `weight_grads` the launch also computes the bf16 weight gradients, [E, I, H] for
+    gate and up and [E, H, I] for down (exact zeros for an expert without tokens), bitwise
+    the separate kernels' (expert_gemm_bwd.weight_gradient); without, they are left to the
+    caller (who adds them into fp32 main_grads).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -60,8 +69,10 @@ def routed_backward(
     _check_multiple("hidden_size", hidden_size, N_ALIGNMENT)
     _check_multiple("intermediate_size", intermediate_size, N_ALIGNMENT)
     for name, t, shape in (
+        ("x_routed", x_routed, (capacity, hidden_size)),
         ("gate", gate, (capacity, intermediate_size)),
         ("up", up, (capacity, intermediate_size)),
+        ("hidden", hidden, (capacity, intermediate_size)),
         ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
         ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
         ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
@@ -77,10 +88,23 @@ def routed_backward(
     )
     partials = torch.empty(capacity, intermediate_size // 128, dtype=torch.float32, device=device)
     slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
+    d_weights = None
+    if weight_grads:
+        d_weights = [
+            torch.empty(num_experts, *shape, dtype=torch.bfloat16, device=device)
+            for shape in ((intermediate_size, hidden_size),) * 2 + ((hidden_size, intermediate_size),)
+        ]  # fmt: skip
     if capacity == 0 or num_experts == 0 or num_tokens == 0:
-        return dy_e, d_gate, d_up, partials, slots
-    # dispatched[m] then dgu_done[m], one int32 per 128-row tile of the routed buffer.
-    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)), dtype=torch.int32, device=device)
+        if d_weights is not None:
+            for d_w in d_weights:
+                d_w.zero_()
+        return dy_e, d_gate, d_up, partials, slots, d_weights
+    # dispatched[m] then dgu_done[m], one int32 per 128-row tile of the routed buffer, then
+    # the CTAs done dispatching and the d_hidden tiles stored (the weight phase's waits).
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 2, dtype=torch.int32,
+                           device=device)  # fmt: skip
+    # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
+    d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
     kernel = get_kernel(KERNEL, device=device)
     down_flat = (num_experts * hidden_size, intermediate_size)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
@@ -93,6 +117,14 @@ def routed_backward(
             "tma_du": _descriptor(kernel, "tma_du", d_up),
             "tma_wg": _descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
             "tma_wu": _descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
+            "tma_xdy": _descriptor(kernel, "tma_xdy", dy_e),
+            "tma_xdg": _descriptor(kernel, "tma_xdg", d_gate),
+            "tma_xdu": _descriptor(kernel, "tma_xdu", d_up),
+            "tma_xh": _descriptor(kernel, "tma_xh", hidden),
+            "tma_xx": _descriptor(kernel, "tma_xx", x_routed),
+            "d_w_down_ptr": d_w_down,
+            "d_w_gate_ptr": d_w_gate,
+            "d_w_up_ptr": d_w_up,
             "dy_ptr": grad_output,
             "weight_ptr": router_weights,
             "dy_routed_ptr": dy_e,
@@ -113,6 +145,7 @@ def routed_backward(
                 num_tokens,
                 swiglu_limit,
             ),
+            "weight_gemms": 3 if weight_grads else 0,
         },
     )
-    return dy_e, d_gate, d_up, partials, slots
+    return dy_e, d_gate, d_up, partials, slots, d_weights

@@ -117,7 +117,7 @@ def test_megakernel_gives_the_kernels_bits(case):
         assert (a is None and b is None) or torch.equal(a, b), f"{name} differs"
 
 
-def test_main_grads_accumulate_the_returned_gradients():
+def test_main_grads_accumulate_the_returned_gradients(backward_path):
     t, h, i, e, k = 512, 256, 256, 8, 2
     inputs = make_inputs(t, h, i, e, k, shared=True, seed=11, device=CUDA)
     returned = run_step(inputs, e, None)[3:]

@@ -1,0 +1,173 @@
+"""The weight-gradient phase of the backward megakernel (moe_backward.py): the three per-expert
+GEMMs of expert_gemm_bwd_weights.py (bf16 output) as the last tasks of the persistent launch.
+
+    GEMM 0  dW_down[e] = dY_e^T hidden       M = H, N = I   (A = dY_e, B = hidden)
+    GEMM 1  dW_gate[e] = d_gate^T x_routed   M = I, N = H   (A = d_gate, B = x_routed)
+    GEMM 2  dW_up[e]   = d_up^T x_routed     M = I, N = H   (A = d_up, B = x_routed)
+
+Every GEMM has H * I / (128 * 256) tiles per expert. Tasks are numbered GEMM by GEMM, expert
+by expert, inside an expert in the grouped order of `grouped_tile_coords`; CTA c takes c,
+c + grid, ... after its d_x tasks. Each 128 x 256 tile is owned by one CTA, which runs the
+expert's whole token range in increasing order: the same bits as the separate kernel.
+
+Both operands are MN-major (stored [tokens, M] and [tokens, N]): the consumers use their own
+MMA object and A view of the ring (MN-major, the same bytes per stage); the B view is the one
+the d_hidden / d_x tasks use already.
+
+Dependencies: every GEMM reads dY_e (written by the dispatch phase of every CTA) or d_gate /
+d_up (written by every d_hidden tile). Before its first weight task, the producer waits
+(bounded) until every CTA finished its dispatch (`dispatch_total` reaches the grid size) and
+every d_hidden tile is stored (`dgu_total` reaches their number), then fences the async
+proxy. Every CTA runs its weight tasks last, and nothing waits on them: no deadlock.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_gpu_s32
+from . import epilogue_warps as handoff
+from . import gemm_phases as phases
+from .expert_gemm_bwd_weights import grouped_tile_coords
+from .gemm_phases import TILE_K, TILE_M, TILE_N
+
+NUM_GEMMS = 3
+
+
+class WeightTasks(NamedTuple):
+    """What numbers the weight tasks: the padded segment sizes (device memory), the number
+    of experts, H, I, and the number of GEMMs to run (3, or 0 when the weight gradients go
+    through the separate kernels)."""
+
+    tokens_per_expert: cute.Tensor
+    num_experts: Int32
+    hidden_size: Int32
+    intermediate_size: Int32
+    num_gemms: Int32
+
+
+@cute.jit
+def _tiles_per_expert(tasks: WeightTasks):
+    return (tasks.hidden_size // TILE_M) * (tasks.intermediate_size // (2 * TILE_N))
+
+
+@cute.jit
+def locate_weight_task(tasks: WeightTasks, task: Int32):
+    """(GEMM, expert, m tile, 256-column pair, M of that GEMM) of weight task `task`."""
+    per_expert = _tiles_per_expert(tasks)
+    per_gemm = per_expert * tasks.num_experts
+    gemm = task // per_gemm
+    rest = task - gemm * per_gemm
+    expert = rest // per_expert
+    m_size = tasks.intermediate_size
+    if gemm == 0:
+        m_size = tasks.hidden_size
+    m_tile, n_pair = grouped_tile_coords(rest - expert * per_expert, m_size // TILE_M, per_expert)
+    return gemm, expert, m_tile, n_pair, m_size
+
+
+@cute.jit
+def num_weight_tasks(tasks: WeightTasks):
+    return tasks.num_gemms * tasks.num_experts * _tiles_per_expert(tasks)
+
+
+class PhaseWait(NamedTuple):
+    """The two whole-phase counters the first weight task waits for (byte addresses), their
+    targets, and where a timeout is reported."""
+
+    dispatch_total: Int64
+    num_ctas: Int32
+    dgu_total: Int64
+    num_d_hidden: Int32
+    dispatch_phase: int
+    d_hidden_phase: int
+    record: Int64
+    timeout_ns: Int64
+
+
+@cute.jit
+def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size: Int32,
+                         wait: PhaseWait, loads: tuple):  # fmt: skip
+    """Producer warp: TMA loads of this CTA's weight tasks from `task`. `loads`: per GEMM
+    (A atom, A gmem partition, A smem partition, B atom, B gmem partition, B smem partitions
+    0 and 1). Returns the producer state."""
+    total = num_weight_tasks(tasks)
+    if task < total:
+        bounded_wait_reached(
+            wait.dispatch_total, wait.num_ctas, wait.timeout_ns, wait.record, Int32(0),
+            Int32(wait.dispatch_phase), Int32(0), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
+        )  # fmt: skip
+        bounded_wait_reached(
+            wait.dgu_total, wait.num_d_hidden, wait.timeout_ns, wait.record, Int32(0),
+            Int32(wait.d_hidden_phase), Int32(0), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
+        )  # fmt: skip
+        cute.arch.fence_proxy("async.global")
+    # A cursor (GEMM, expert, rows before it) that only moves forward inside a GEMM: the
+    # tasks' experts grow with the task number, so tokens_per_expert is read once per expert.
+    cursor_gemm = Int32(-1)
+    cursor = Int32(0)
+    row_base = Int32(0)
+    while task < total:
+        gemm, expert, m_tile, n_pair, _ = locate_weight_task(tasks, task)
+        if gemm != cursor_gemm:
+            cursor_gemm = gemm
+            cursor = Int32(0)
+            row_base = Int32(0)
+        while cursor < expert:
+            row_base = row_base + tasks.tokens_per_expert[cursor]
+            cursor = cursor + 1
+        k_base = row_base // TILE_K
+        k_tiles = tasks.tokens_per_expert[expert] // TILE_K
+        for g in cutlass.range_constexpr(NUM_GEMMS):
+            if gemm == g:
+                tma_a, tAgA, tAsA, tma_b, tBgB, tBsB0, tBsB1 = loads[g]
+                stage_loads = (
+                    (tma_a, tAgA, m_tile, k_base, tAsA),
+                    (tma_b, tBgB, 2 * n_pair, k_base, tBsB0),
+                    (tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
+                )
+                state = phases.load_k_tiles(ring, state, k_tiles, stage_loads)
+        task = task + grid_size
+    return state
+
+
+@cute.jit
+def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int32, tiled_mma,
+                         ring, operands, accs, crew, thr_mma, buffers):  # fmt: skip
+    """Consumer warpgroups: each weight task's K loop over the expert's tokens (none for an
+    expert without tokens: the tile stays zero), the tile to the crew. Returns the states."""
+    read_state, release_state = states
+    total = num_weight_tasks(tasks)
+    while task < total:
+        _, expert, _, _, _ = locate_weight_task(tasks, task)
+        read_state, release_state = phases.mma_k_tiles(
+            tiled_mma, ring, read_state, release_state,
+            tasks.tokens_per_expert[expert] // TILE_K, operands, accs, may_be_empty=True,
+        )  # fmt: skip
+        crew.hand_off(thr_mma, accs, buffers)
+        task = task + grid_size
+    return read_state, release_state
+
+
+@cute.jit
+def store_weight_tasks(crew, tasks: WeightTasks, task: Int32, grid_size: Int32, buffers, tidx,
+                       outputs: tuple):  # fmt: skip
+    """The crew: store each weight task's bf16 tile into out[gemm] ([E * M, N] rows, the
+    tile's rows from expert * M). `outputs`: the three bf16 output pointers, GEMM order."""
+    lane = tidx - 32 * crew.first_warp
+    total = num_weight_tasks(tasks)
+    while task < total:
+        gemm, expert, m_tile, n_pair, m_size = locate_weight_task(tasks, task)
+        first_row = expert * m_size + m_tile * TILE_M
+        for g in cutlass.range_constexpr(NUM_GEMMS):
+            if gemm == g:
+                n_size = tasks.hidden_size
+                if cutlass.const_expr(g == 0):
+                    n_size = tasks.intermediate_size
+                crew.store_handoff(
+                    buffers, lane, first_row, n_pair * (2 * TILE_N), None, handoff.store_pair,
+                    (outputs[g], cute.assume(Int64(n_size), divby=2 * TILE_N)),
+                )  # fmt: skip
+        task = task + grid_size
