@@ -195,6 +195,7 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
                     ms=ms,
                     tflops=tflops,
                     pct_of_gemm_ceiling=100 * tflops / ceilings["gemm_bf16_tflops"],
+                    pct_of_sustained_gemm=100 * tflops / ceilings["gemm_bf16_sustained_tflops"],
                 )
                 if pass_name in best_baseline:
                     row["speedup"] = best_baseline[pass_name] / ms
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device {device}, world size {world_size}, torch {torch.__version__}")
         print(
             f"ceilings: dense bf16 GEMM {ceilings['gemm_bf16_size']}^3 "
-            f"{ceilings['gemm_bf16_tflops']:.4g} TFLOP/s, copy "
+            f"{ceilings['gemm_bf16_tflops']:.4g} TFLOP/s (burst), "
+            f"{ceilings['gemm_bf16_sustained_tflops']:.4g} TFLOP/s (sustained), copy "
             f"{ceilings['copy_gbs']:.4g} GB/s (read + write)"
         )
         print(f"torch._grouped_mm: {probe[1]}")

@@ -13,7 +13,8 @@ import torch
 
 
 def format_row(row: dict) -> str:
-    """One line per (shape, pass, impl): ms, TFLOP/s, % of the GEMM ceiling, speedup."""
+    """One line per (shape, pass, impl): ms, TFLOP/s, % of the GEMM ceiling (burst, and
+    sustained under the power limit), speedup."""
     shape = row["shape"]
     head = (
         f"{shape['name']:<18} E={shape['num_experts']:<3} H={shape['hidden_size']:<5} "
@@ -25,7 +26,8 @@ def format_row(row: dict) -> str:
     speedup = f"{row['speedup']:.2f}x vs baseline" if row.get("speedup") else "no baseline"
     return (
         f"{head} {row['ms']:9.3f} ms {row['tflops']:7.3g} TFLOP/s "
-        f"{row['pct_of_gemm_ceiling']:5.1f}% of GEMM  {speedup}  err {row['max_rel_err']:.1e}"
+        f"{row['pct_of_gemm_ceiling']:5.1f}% of GEMM ({row['pct_of_sustained_gemm']:5.1f}% "
+        f"sustained)  {speedup}  err {row['max_rel_err']:.1e}"
     )
 
 
@@ -121,6 +123,9 @@ def write_png(path: str, rows: list[dict], ceilings: dict, title: str) -> str:
         xs = [g + i * width for g in range(len(groups))]
         axes.bar(xs, [values.get((group, impl), 0.0) for group in groups], width, label=impl)
     axes.axhline(ceilings["gemm_bf16_tflops"], color="k", linestyle="--", label="dense GEMM")
+    sustained = ceilings.get("gemm_bf16_sustained_tflops")
+    if sustained:
+        axes.axhline(sustained, color="k", linestyle=":", label="dense GEMM, sustained")
     axes.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=7)
     axes.set_ylabel("TFLOP/s per GPU")
     axes.set_title(title, fontsize=9)

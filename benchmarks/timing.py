@@ -91,6 +91,39 @@ def gemm_ceiling_tflops(device: torch.device, size: int, config: TimingConfig) -
     return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
+def sustained_gemm_tflops(
+    device: torch.device, size: int, warm_s: float, measure_s: float
+) -> float:
+    """TFLOP/s of the same bf16 matmul run back to back for `measure_s` seconds, after
+    `warm_s` seconds of it: the rate under the GPU's power limit, which a layer timed over
+    many reps runs under too (an H200 capped near 690 W drops from ~1.98 GHz to ~1.5 GHz
+    within a fraction of a second of dense GEMMs; docs/NOTES.md, session 6). The burst
+    median of `gemm_ceiling_tflops` is measured before the clock comes down."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    pairs = [
+        tuple(
+            torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+            for _ in range(2)
+        )
+        for _ in range(3)
+    ]
+
+    def run_for(seconds: float) -> tuple[int, float]:
+        """(matmuls, seconds) of back-to-back matmuls for about `seconds`."""
+        synchronize(device)
+        begin, count = time.perf_counter(), 0
+        while time.perf_counter() - begin < seconds:
+            for a, b in pairs:
+                torch.matmul(a, b)
+            count += len(pairs)
+            synchronize(device)
+        return count, time.perf_counter() - begin
+
+    run_for(warm_s)
+    count, elapsed = run_for(measure_s)
+    return 2 * size**3 * count / elapsed / 1e12
+
+
 def copy_bandwidth_gbs(device: torch.device, num_bytes: int, config: TimingConfig) -> float:
     """Median GB/s of a device-to-device copy, counting bytes read plus bytes written."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device).random_(0, 255)
@@ -106,6 +139,9 @@ def measure_ceilings(device: torch.device, quick: bool, config: TimingConfig) ->
     return {
         "gemm_bf16_size": gemm_size,
         "gemm_bf16_tflops": gemm_ceiling_tflops(device, gemm_size, config),
+        "gemm_bf16_sustained_tflops": sustained_gemm_tflops(
+            device, gemm_size, *((0.01, 0.01) if quick else (1.5, 1.0))
+        ),
         "copy_bytes": copy_bytes,
         "copy_gbs": copy_bandwidth_gbs(device, copy_bytes, config),
     }

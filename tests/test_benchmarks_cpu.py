@@ -35,6 +35,7 @@ def test_quick_run_writes_rows_and_provenance(tmp_path):
         assert key in provenance
     assert provenance["torch"] == torch.__version__
     assert record["ceilings"]["gemm_bf16_tflops"] > 0
+    assert record["ceilings"]["gemm_bf16_sustained_tflops"] > 0
     assert record["ceilings"]["copy_gbs"] > 0
     rows = record["rows"]
     timed = [row for row in rows if row["baseline"]]
@@ -88,7 +89,7 @@ def test_wrong_result_is_refused_not_timed(monkeypatch):
     monkeypatch.setattr(moe, "baseline_impl", broken)
     args = moe.parse_args(["--quick", "--device", "cpu", "--passes", "fwd", "--reps", "1"])
     args.timing = moe.TimingConfig(warmup=0, reps=1)
-    ceilings = {"gemm_bf16_tflops": 1.0}
+    ceilings = {"gemm_bf16_tflops": 1.0, "gemm_bf16_sustained_tflops": 1.0}
     probe = grouped_mm_works(CPU)
     rows = moe.run_shape(SHAPES[2], args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
     baseline = [row for row in rows if row["baseline"]]
