@@ -68,19 +68,25 @@ def median(times: list[float]) -> float:
     return statistics.median(times)
 
 
-def gemm_ceiling_tflops(device: torch.device, size: int, config: TimingConfig) -> float:
-    """Median TFLOP/s of a dense bf16 ``torch.matmul`` of size^3 on random data.
-
-    Three input pairs are rotated so that no rep finds its operands in L2 from the rep before.
-    """
-    gen = torch.Generator(device=device).manual_seed(1)
-    pairs = [
+def _matmul_pairs(device: torch.device, size: int, seed: int) -> list[tuple]:
+    """Three (a, b) pairs of random bf16 size x size matrices: rotated so that no matmul finds
+    its operands in L2 from the one before."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [
         tuple(
             torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
             for _ in range(2)
         )
         for _ in range(3)
     ]
+
+
+def gemm_ceiling_tflops(device: torch.device, size: int, config: TimingConfig) -> float:
+    """Median TFLOP/s of a dense bf16 ``torch.matmul`` of size^3 on random data.
+
+    Three input pairs are rotated so that no rep finds its operands in L2 from the rep before.
+    """
+    pairs = _matmul_pairs(device, size, seed=1)
     counter = iter(range(1 << 30))
 
     def run(_state):
@@ -99,14 +105,7 @@ def sustained_gemm_tflops(
     many reps runs under too (an H200 capped near 690 W drops from ~1.98 GHz to ~1.5 GHz
     within a fraction of a second of dense GEMMs; docs/NOTES.md, session 6). The burst
     median of `gemm_ceiling_tflops` is measured before the clock comes down."""
-    gen = torch.Generator(device=device).manual_seed(2)
-    pairs = [
-        tuple(
-            torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
-            for _ in range(2)
-        )
-        for _ in range(3)
-    ]
+    pairs = _matmul_pairs(device, size, seed=2)
 
     def run_for(seconds: float) -> tuple[int, float]:
         """(matmuls, seconds) of back-to-back matmuls for about `seconds`."""

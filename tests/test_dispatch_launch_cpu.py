@@ -91,3 +91,57 @@ def test_forward_megakernel_launch_packs(monkeypatch):
     ((grid, args),) = kernels["moe_forward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert slots.shape == (t * k, h) and x_routed.shape == (schedule.capacity, h)
+    sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
+             "num_src_rows": t, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
+    assert {name: args[name] for name in sizes} == sizes
+
+
+@pytest.mark.parametrize("weight_grads", [True, False])
+def test_backward_megakernel_launch_packs(monkeypatch, weight_grads):
+    from mok import reference as R
+    from mok.launchers import comm, expert_gemm, moe_backward, moe_forward
+
+    kernels = {}
+
+    def fake_get_kernel(name, device=None, **_):
+        kernels[name] = _FakeKernel(name)
+        return kernels[name]
+
+    class _Record:
+        device_ptr = 0x1000
+
+    def check_on_cpu(name, tensor, dtype, shape, **_):  # the launcher's checks, minus "on CUDA"
+        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
+
+    monkeypatch.setattr(runtime, "get_kernel", fake_get_kernel)
+    monkeypatch.setattr(moe_forward, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(moe_backward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(moe_backward, "_check", check_on_cpu)
+    monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
+    expert_gemm.clear_descriptor_cache()
+    t, h, i, e, k = 256, 256, 256, 4, 2
+    ids = torch.randint(0, e, (t, k))
+    schedule = R.make_schedule(ids, num_local_experts=e, capacity=t * k + e * 128)
+    c = schedule.capacity
+    dy = torch.zeros(t, h, dtype=torch.bfloat16)
+    w = torch.ones(t, k)
+    x_routed = torch.zeros(c, h, dtype=torch.bfloat16)
+    gate, up, hidden = (torch.zeros(c, i, dtype=torch.bfloat16) for _ in range(3))
+    gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
+    down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
+    *_, d_weights = moe_backward.routed_backward(
+        dy, w, schedule, x_routed, gate, up, hidden, gate_w, gate_w, down_w,
+        weight_grads=weight_grads,
+    )  # fmt: skip
+    expert_gemm.clear_descriptor_cache()
+    ((grid, args),) = kernels["moe_backward"].launches
+    assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
+    assert args["weight_gemms"] == (3 if weight_grads else 0)
+    # dispatched and dgu_done per row tile, then the two whole-phase counters.
+    assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 2,)
+    assert args["counters_ptr"].count_nonzero() == 0
+    if weight_grads:
+        assert [tuple(d.shape) for d in d_weights] == [(e, i, h), (e, i, h), (e, h, i)]
+        assert args["d_w_down_ptr"] is d_weights[2] and args["d_w_gate_ptr"] is d_weights[0]
+    else:
+        assert d_weights is None

@@ -134,16 +134,8 @@ def routed_backward(
             "d_up_ptr": d_up,
             "partials_ptr": partials,
             "slots_ptr": slots,
-            **walk_arguments(  # fmt: skip
-                schedule,
-                counters,
-                timeout_ns,
-                num_experts,
-                hidden_size,
-                intermediate_size,
-                topk,
-                num_tokens,
-                swiglu_limit,
+            **walk_arguments(
+                schedule, counters, timeout_ns, grad_output, gate_weights, topk, swiglu_limit
             ),
             "weight_gemms": 3 if weight_grads else 0,
         },

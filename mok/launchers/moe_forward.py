@@ -93,28 +93,16 @@ def routed_forward(
             "up_ptr": up,
             "hidden_ptr": hidden,
             "slots_ptr": slots,
-            **walk_arguments(  # fmt: skip
-                schedule,
-                counters,
-                timeout_ns,
-                num_experts,
-                hidden_size,
-                intermediate_size,
-                topk,
-                num_tokens,
-                swiglu_limit,
-            ),
+            **walk_arguments(schedule, counters, timeout_ns, x, gate_weights, topk, swiglu_limit),
         },
     )
     return (x_routed, gate, up, hidden), slots
 
 
-def walk_arguments(
-    schedule, counters, timeout_ns, num_experts, hidden_size, intermediate_size, topk,
-    num_tokens, swiglu_limit,
-) -> dict:  # fmt: skip
+def walk_arguments(schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit) -> dict:
     """The launch arguments both megakernels (forward and backward) take for their dispatch
-    phase and task walk: the schedule, the zeroed counters, the error record and the sizes."""
+    phase and task walk: the schedule, the zeroed counters, the error record and the sizes
+    (`rows` the [T, H] source of the dispatch, `gate_weights` [E, I, H])."""
     return {
         "peer_rank_ptr": schedule.peer_rank,
         "peer_token_idx_ptr": schedule.peer_token_idx,
@@ -123,11 +111,11 @@ def walk_arguments(
         "counters_ptr": counters,
         "error_record_ptr": get_error_record(counters.device).device_ptr,
         "timeout_ns": timeout_ns,
-        "num_experts": num_experts,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
+        "num_experts": gate_weights.shape[0],
+        "hidden_size": rows.shape[1],
+        "intermediate_size": gate_weights.shape[1],
         "topk": topk,
-        "num_src_rows": num_tokens,
+        "num_src_rows": rows.shape[0],
         "capacity": schedule.peer_rank.shape[0],
         "has_limit": int(swiglu_limit is not None),
         "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
