@@ -35,15 +35,25 @@ class _FakeKernel:
         self.launches.append((grid, args))
 
 
-@pytest.mark.parametrize("scaled", [False, True])
-def test_gather_rows_launch_packs(monkeypatch, scaled):
-    kernels = {}
+class _Record:
+    device_ptr = 0x1000
+
+
+@pytest.fixture()
+def kernels(monkeypatch):
+    """{name: _FakeKernel} of every kernel a launcher asks the runtime for."""
+    made = {}
 
     def fake_get_kernel(name, device=None, **_):
-        kernels[name] = _FakeKernel(name)
-        return kernels[name]
+        made[name] = _FakeKernel(name)
+        return made[name]
 
     monkeypatch.setattr(runtime, "get_kernel", fake_get_kernel)
+    return made
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gather_rows_launch_packs(kernels, scaled):
     t, h, k, capacity = 300, 256, 2, 1024
     src = torch.zeros(t, h, dtype=torch.bfloat16)
     peer = torch.zeros(capacity, dtype=torch.int32)
@@ -57,20 +67,10 @@ def test_gather_rows_launch_packs(monkeypatch, scaled):
     assert grid == (1, capacity // 4, 1) and args["num_rows"] == capacity
 
 
-def test_forward_megakernel_launch_packs(monkeypatch):
+def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     from mok import reference as R
     from mok.launchers import comm, expert_gemm, moe_forward
 
-    kernels = {}
-
-    def fake_get_kernel(name, device=None, **_):
-        kernels[name] = _FakeKernel(name)
-        return kernels[name]
-
-    class _Record:
-        device_ptr = 0x1000
-
-    monkeypatch.setattr(runtime, "get_kernel", fake_get_kernel)
     monkeypatch.setattr(moe_forward, "get_error_record", lambda device: _Record())
     monkeypatch.setattr(expert_gemm, "_sm_count", lambda device: 132)
     monkeypatch.setattr(moe_forward, "_sm_count", lambda device: 132)
@@ -97,23 +97,13 @@ def test_forward_megakernel_launch_packs(monkeypatch):
 
 
 @pytest.mark.parametrize("weight_grads", [True, False])
-def test_backward_megakernel_launch_packs(monkeypatch, weight_grads):
+def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     from mok import reference as R
     from mok.launchers import comm, expert_gemm, moe_backward, moe_forward
-
-    kernels = {}
-
-    def fake_get_kernel(name, device=None, **_):
-        kernels[name] = _FakeKernel(name)
-        return kernels[name]
-
-    class _Record:
-        device_ptr = 0x1000
 
     def check_on_cpu(name, tensor, dtype, shape, **_):  # the launcher's checks, minus "on CUDA"
         assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
 
-    monkeypatch.setattr(runtime, "get_kernel", fake_get_kernel)
     monkeypatch.setattr(moe_forward, "get_error_record", lambda device: _Record())
     monkeypatch.setattr(moe_backward, "_sm_count", lambda device: 132)
     monkeypatch.setattr(moe_backward, "_check", check_on_cpu)
