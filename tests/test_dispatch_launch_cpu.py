@@ -127,6 +127,9 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     ((grid, args),) = kernels["moe_backward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert args["weight_gemms"] == (3 if weight_grads else 0)
+    sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
+             "num_src_rows": t, "capacity": c, "has_limit": 0}  # fmt: skip
+    assert {name: args[name] for name in sizes} == sizes
     # dispatched and dgu_done per row tile, then the two whole-phase counters.
     assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 2,)
     assert args["counters_ptr"].count_nonzero() == 0
