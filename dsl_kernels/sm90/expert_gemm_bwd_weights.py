@@ -65,7 +65,7 @@ MAX_ROWS = 1 << 30
 MAX_COLS = 1 << 16
 OUTPUTS = ("fp32", "bf16", "fp32_accumulate")
 CREW = EpilogueCrew(first_warp=1, num_warps=3)  # stores the "bf16" output's tiles
-GROUP_M = 16  # m tiles per group of the tile order (_tile_coords)
+GROUP_M = 16  # m tiles per group of the tile order (grouped_tile_coords)
 
 
 @cute.jit
