@@ -133,26 +133,16 @@ def allocate_operand_ring_storage(a_layout, b_layout, stages: int, staging_bytes
     """Shared memory of the ring: its mbarriers, then A, B0, B1 (1024-byte aligned, as the
     128-byte swizzle needs). Returns (storage, sA, sB0, sB1). A kernel with more to keep in
     shared memory (the epilogue crew's hand-off blocks) asks for a 128-byte-aligned byte
-    buffer of `staging_bytes` (`storage.staging`) after the ring."""
+    buffer of `staging_bytes` (`storage.staging`) after the ring; 0 leaves it empty (the
+    same shared-memory size and cubin as without the field)."""
 
-    if staging_bytes:
-
-        @cute.struct
-        class SharedStorage:
-            ring_barriers: cute.struct.MemRange[Int64, stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
-            sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-            sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-            staging: cute.struct.Align[cute.struct.MemRange[Int8, staging_bytes], 128]
-
-    else:
-
-        @cute.struct
-        class SharedStorage:
-            ring_barriers: cute.struct.MemRange[Int64, stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
-            sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-            sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
+    @cute.struct
+    class SharedStorage:
+        ring_barriers: cute.struct.MemRange[Int64, stages * 2]
+        sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
+        sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
+        sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
+        staging: cute.struct.Align[cute.struct.MemRange[Int8, staging_bytes], 128]
 
     storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
     sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
