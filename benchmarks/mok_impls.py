@@ -64,16 +64,22 @@ def _build_mok_bf16(
     weights = (*shared, inputs.gate, inputs.up, inputs.down)
     limit = inputs.shape.swiglu_limit
 
-    def forward():
-        if inputs.x.device.type == "cuda":
-            from mok.launchers import set_forward_path  # noqa: PLC0415
+    def on_path(setter: str, path: str, run, *args):
+        """run(*args) with mok.launchers' `setter` switched to `path` (GPU rows; the CPU path
+        has no launch paths)."""
+        if inputs.x.device.type != "cuda":
+            return run(*args)
+        import mok.launchers  # noqa: PLC0415
 
-            previous = set_forward_path(forward_path)
-            try:
-                return run_forward()
-            finally:
-                set_forward_path(previous)
-        return run_forward()
+        set_path = getattr(mok.launchers, setter)
+        previous = set_path(path)
+        try:
+            return run(*args)
+        finally:
+            set_path(previous)
+
+    def forward():
+        return on_path("set_forward_path", forward_path, run_forward)
 
     def run_forward():
         schedule = functional.build_schedule(
@@ -91,15 +97,7 @@ def _build_mok_bf16(
         return out, (schedule, context)
 
     def backward(state, grad_output):
-        if inputs.x.device.type == "cuda":
-            from mok.launchers import set_backward_path  # noqa: PLC0415
-
-            previous = set_backward_path(backward_path)
-            try:
-                return run_backward(state, grad_output)
-            finally:
-                set_backward_path(previous)
-        return run_backward(state, grad_output)
+        return on_path("set_backward_path", backward_path, run_backward, state, grad_output)
 
     def run_backward(state, grad_output):
         schedule, context = state

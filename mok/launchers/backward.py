@@ -23,6 +23,7 @@ import torch
 from . import dispatch, epilogues, expert_gemm_bwd, moe_backward
 from .forward import (
     ROW_TILE,
+    PathSwitch,
     _require_group_of_one,
     check_macrobatch,
     gather_routed_rows,
@@ -81,16 +82,12 @@ def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
 # docs/NOTES.md, session 6). The combine is a separate launch on both, and so are weight
 # gradients added into fp32 main_grads.
 BACKWARD_PATHS = ("kernels", "megakernel")
-_backward_path = "kernels"
+_backward = PathSwitch(BACKWARD_PATHS, "kernels")
 
 
 def set_backward_path(path: str) -> str:
     """Select how backward runs the routed experts (BACKWARD_PATHS); returns the previous one."""
-    global _backward_path
-    if path not in BACKWARD_PATHS:
-        raise ValueError(f"path must be one of {BACKWARD_PATHS}, got {path!r}")
-    previous, _backward_path = _backward_path, path
-    return previous
+    return _backward.set(path)
 
 
 def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
@@ -126,7 +123,7 @@ def backward(
     w_routed = gather_routed_rows(router_weights.view(-1, 1), peer, slot, 1)
 
     # ---- routed experts: pull dY_e = bf16(w * dY) on the expert's side, then the GEMMs ----
-    if _backward_path == "megakernel":
+    if _backward.path == "megakernel":
         # The weight gradients in the same launch, unless they go into fp32 main_grads.
         in_launch = all(g is None for g in main_grads[:3])
         dy_e, d_gate, d_up, partials, d_x_routed, routed_grads = moe_backward.routed_backward(

@@ -87,24 +87,34 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 # mok/launchers/moe_forward.py, the default) or "kernels" (gather, gate/up, down as three
 # launches). Both give the same bits. On the H200 they are within 2-4% of each other, either
 # way by shape and run (docs/NOTES.md, session 4); benchmarks/mok_impls.py times both.
+class PathSwitch:
+    """A module-wide choice among named ways of running the routed experts."""
+
+    def __init__(self, paths: tuple[str, ...], default: str):
+        self.paths, self.path = paths, default
+
+    def set(self, path: str) -> str:
+        """Select `path`; returns the previous one."""
+        if path not in self.paths:
+            raise ValueError(f"path must be one of {self.paths}, got {path!r}")
+        previous, self.path = self.path, path
+        return previous
+
+
 FORWARD_PATHS = ("kernels", "megakernel")
-_forward_path = "megakernel"
+_forward = PathSwitch(FORWARD_PATHS, "megakernel")
 
 
 def set_forward_path(path: str) -> str:
     """Select how forward runs the routed experts (FORWARD_PATHS); returns the previous one."""
-    global _forward_path
-    if path not in FORWARD_PATHS:
-        raise ValueError(f"path must be one of {FORWARD_PATHS}, got {path!r}")
-    previous, _forward_path = _forward_path, path
-    return previous
+    return _forward.set(path)
 
 
 def _routed(ws, schedule, x, gate_w, up_w, down_w, limit):
     """(context, slots): the routed experts; slots bf16 [T * k, H] holds each routed row's
     output at its (token, j) slot, stored there by the down GEMM's epilogue (None without
     down_w)."""
-    if down_w is not None and _forward_path == "megakernel":
+    if down_w is not None and _forward.path == "megakernel":
         return moe_forward.routed_forward(x, schedule, ws.topk, gate_w, up_w, down_w,
                                           swiglu_limit=limit)  # fmt: skip
     peer, slot = schedule.peer_rank, schedule.peer_token_idx
