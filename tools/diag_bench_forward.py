@@ -14,10 +14,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.inputs import make_inputs
 from benchmarks.mok_impls import MOK_IMPLS
-from benchmarks.shapes import scale_for_run, select_shapes
 from benchmarks.timing import TimingConfig, time_ms
+from tools.benchmark_row import benchmark_row
 
 
 def main() -> None:
@@ -27,10 +26,7 @@ def main() -> None:
     parser.add_argument("--row", default="mok", choices=sorted(MOK_IMPLS))
     args = parser.parse_args()
     device = torch.device("cuda")
-    shape = scale_for_run(select_shapes(args.shape)[0], 1, False)
-    inputs = make_inputs(shape, 16384, rank=0, world_size=1, device=device, seed=0, shared=False)
-    inputs.release_group_tensors()
-    impl = MOK_IMPLS[args.row](inputs, None)
+    shape, inputs, impl = benchmark_row(args.shape, args.row)
 
     if args.pass_name == "fwd":
 

@@ -15,9 +15,7 @@ import time
 
 import torch
 
-from benchmarks.inputs import make_inputs
-from benchmarks.mok_impls import MOK_IMPLS
-from benchmarks.shapes import scale_for_run, select_shapes
+from tools.benchmark_row import benchmark_row
 
 
 def workload(name: str, shape_name: str):
@@ -26,10 +24,7 @@ def workload(name: str, shape_name: str):
     if name == "gemm":
         a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
         return (lambda: a @ b), 2 * 8192**3
-    shape = scale_for_run(select_shapes(shape_name)[0], 1, False)
-    inputs = make_inputs(shape, 16384, rank=0, world_size=1, device=device, seed=0, shared=False)
-    inputs.release_group_tensors()
-    impl = MOK_IMPLS["mok"](inputs, None)
+    shape, inputs, impl = benchmark_row(shape_name)
     flops = 2 * 16384 * shape.topk * 3 * shape.hidden_size * shape.intermediate_size
     if name == "fwd":
         return (lambda: impl.forward()), flops
