@@ -445,7 +445,7 @@ class Sm90ExpertGemmBwd:
             limit = Float32(float("inf"))
         # Rows of this thread's elements: two per thread, r0 and r0 + 8. In the wgmma
         # accumulator layout element i lies on row r0 + 8 * ((i // 2) % 2): a static choice.
-        _, row0, row1 = phases.accumulator_rows(thr_mma)
+        row0, row1 = phases.accumulator_rows(thr_mma)
         partial0 = Float32(0.0)
         partial1 = Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(acc)):

@@ -343,15 +343,14 @@ def output_tile(
 
 @cute.jit
 def accumulator_rows(thr_mma):
-    """(coords, row0, row1): the (row, col) of each of this thread's elements of a 128 x 128
-    accumulator block, and the two rows they lie on (r0 and r0 + 8 in the wgmma layout),
-    relative to the block."""
+    """(row0, row1): the two rows this thread's elements of a 128 x 128 accumulator block lie
+    on (r0 and r0 + 8 in the wgmma layout), relative to the block."""
     coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
     row0 = coords[0][0]
     row1 = row0
     for i in cutlass.range_constexpr(cute.size(coords)):
         row1 = cutlass.select_(coords[i][0] != row0, coords[i][0], row1)
-    return coords, row0, row1
+    return row0, row1
 
 
 def staged_block(storage, offset_bytes: int = 0):
