@@ -1,0 +1,90 @@
+"""Where a megakernel's time goes, phase by phase, per CTA (dsl_kernels/common/phase_clock.py).
+
+python -m tools.diag_phase_clock [--shape qwen3-30b-a3b] [--pass fwd|bwd]
+
+Runs the benchmark's inputs through the forward megakernel (fwd) or the backward megakernel
+(bwd, weight gradients in the launch) with the phase clock on, after warm-up, and prints for
+each phase boundary the spread over CTAs of its time since the kernel's earliest start (ms):
+min / median / max. Next to it, the separate kernels' times from torch.profiler for the same
+step, to compare phase by phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.inputs import make_inputs
+from benchmarks.mok_impls import MOK_IMPLS
+from benchmarks.shapes import scale_for_run, select_shapes
+from mok.launchers import set_backward_path
+from mok.launchers.moe_forward import CLOCK_SLOTS, set_phase_clock
+
+SLOT_NAMES = {
+    0: "start",
+    1: "dispatched",
+    2: "phase 1 done (consumers)",
+    3: "phase 2 done (consumers)",
+    4: "phase 3 done (consumers)",
+    5: "crew done",
+    6: "producer done",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--pass", dest="pass_name", default="bwd", choices=("fwd", "bwd"))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    shape = scale_for_run(select_shapes(args.shape)[0], 1, False)
+    inputs = make_inputs(shape, 16384, rank=0, world_size=1, device=device, seed=0, shared=False)
+    inputs.release_group_tensors()
+    impl = MOK_IMPLS["mok"](inputs, None)
+
+    def step(path):
+        previous = set_backward_path(path)
+        try:
+            _, state = impl.forward()
+            if args.pass_name == "bwd":
+                impl.backward(state, inputs.grad_output)
+        finally:
+            set_backward_path(previous)
+
+    for _ in range(3):
+        step("megakernel")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    clock = torch.zeros(sms, CLOCK_SLOTS, dtype=torch.int64, device=device)
+    torch.cuda.synchronize()
+    set_phase_clock(clock)
+    try:
+        step("megakernel")
+        torch.cuda.synchronize()
+    finally:
+        set_phase_clock(None)
+    # The forward always stamps too; for bwd its stamps are overwritten by the backward's.
+    stamps = clock.cpu()
+    start = stamps[:, 0].min().item()
+    kernel = "backward" if args.pass_name == "bwd" else "forward"
+    print(f"== {shape.name}: {kernel} megakernel phase clock, ms since the first CTA started")
+    for slot, name in SLOT_NAMES.items():
+        column = stamps[:, slot]
+        column = column[column > 0]
+        if column.numel() == 0:
+            continue
+        ms = (column - start).double() / 1e6
+        print(f"  {name:<28} min {ms.min():8.3f}  median {ms.median():8.3f}  max {ms.max():8.3f}"
+              f"  ({column.numel()} CTAs)")  # fmt: skip
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step("kernels")
+        torch.cuda.synchronize()
+    print("== the separate kernels of the same step (torch.profiler)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
+                                    max_name_column_width=50))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
