@@ -138,3 +138,14 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
         assert args["d_w_down_ptr"] is d_weights[2] and args["d_w_gate_ptr"] is d_weights[0]
     else:
         assert d_weights is None
+
+
+def test_phase_clock_is_checked_and_off_by_default(monkeypatch):
+    from mok.launchers import moe_forward
+
+    assert moe_forward._phase_clock is None  # launches pass a null clock_ptr: no stamps
+    with pytest.raises(ValueError, match=r"clock must be a contiguous int64 CUDA tensor"):
+        moe_forward.set_phase_clock(torch.zeros(132, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"clock must be .* got torch.int64 \(132, 4\) on cpu"):
+        moe_forward.set_phase_clock(torch.zeros(132, 4, dtype=torch.int64))
+    assert moe_forward.set_phase_clock(None) is None

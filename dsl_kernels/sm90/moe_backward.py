@@ -47,7 +47,8 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
   `partials_ptr` fp32 [C, I / 128]; `slots_ptr` bf16 [T * k, H]
 - `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
   `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128) + 2], zeroed
-- `error_record_ptr`, `timeout_ns` (int64)
+- `error_record_ptr`, `clock_ptr` (int64 [grid, 8] phase clock, common/phase_clock.py; may
+  be null), `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T), `capacity`
   (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0)
 
@@ -65,6 +66,16 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
 from ..common.bounded_wait import red_add_release_gpu_s32
+from ..common.phase_clock import (
+    CLOCK_CREW_DONE,
+    CLOCK_DISPATCHED,
+    CLOCK_PHASE_1,
+    CLOCK_PHASE_2,
+    CLOCK_PHASE_3,
+    CLOCK_PRODUCER_DONE,
+    CLOCK_START,
+    stamp,
+)
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .dispatch_phase import dispatch_rows
@@ -148,6 +159,7 @@ class Sm90MoeBackward:
             i32,  # tokens_per_expert_ptr
             i32,  # counters_ptr
             i32,  # error_record_ptr
+            global_pointer(Int64, 8),  # clock_ptr (phase clock, may be null)
             Int64(0),  # timeout_ns
             Int32(0),  # num_experts
             Int32(0),  # hidden_size
@@ -193,6 +205,7 @@ class Sm90MoeBackward:
         tokens_per_expert_ptr: cute.Pointer,
         counters_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
+        clock_ptr: cute.Pointer,
         timeout_ns: Int64,
         num_experts: Int32,
         hidden_size: Int32,
@@ -231,7 +244,8 @@ class Sm90MoeBackward:
             tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx,
             d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr, dy_ptr, weight_ptr, dy_routed_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
             partials_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr,
-            tokens_per_expert_ptr, counters_ptr, error_record_ptr, timeout_ns, num_experts,
+            tokens_per_expert_ptr, counters_ptr, error_record_ptr, clock_ptr, timeout_ns,
+            num_experts,
             hidden_size, intermediate_size, topk, num_src_rows, capacity, has_limit,
             swiglu_limit, weight_gemms,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
@@ -279,6 +293,7 @@ class Sm90MoeBackward:
         tokens_per_expert_ptr: cute.Pointer,
         counters_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
+        clock_ptr: cute.Pointer,
         timeout_ns: Int64,
         num_experts: Int32,
         hidden_size: Int32,
@@ -328,6 +343,9 @@ class Sm90MoeBackward:
         dispatch_total = dgu_done + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
         dgu_total = dispatch_total + Int64(4)
         record = error_record_ptr.toint()
+        clock = clock_ptr.toint()
+        if tidx == 0:
+            stamp(clock, bidx, CLOCK_START)
         weight_tasks = WeightTasks(
             tokens_per_expert, num_experts, hidden_size, intermediate_size, weight_gemms
         )
@@ -341,6 +359,7 @@ class Sm90MoeBackward:
         )  # fmt: skip
         if tidx == 0:  # after dispatch_rows' CTA barrier and its per-row-tile releases
             red_add_release_gpu_s32(dispatch_total, Int32(1))
+            stamp(clock, bidx, CLOCK_DISPATCHED)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -363,6 +382,8 @@ class Sm90MoeBackward:
                     self._weight_loads(sA_w, sB0, sB1, weight_tma),
                 )
                 ring.producer_tail(state)
+                if tidx == 0:
+                    stamp(clock, bidx, CLOCK_PRODUCER_DONE)
             else:
                 task = self._store_tiles(
                     engine, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, gate_ptr, up_ptr,
@@ -378,6 +399,8 @@ class Sm90MoeBackward:
                     tidx,
                     (d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr),
                 )
+                if tidx == 32 * CREW.first_warp:
+                    stamp(clock, bidx, CLOCK_CREW_DONE)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
@@ -411,12 +434,17 @@ class Sm90MoeBackward:
                 CREW.hand_off(d_x_thr, accs, buffers)
                 return read_state, release_state
 
+            first_consumer = tidx == phases.THREADS_PER_WARPGROUP
             states, task = consume_tasks(
                 (read_state, release_state), d_hidden_tiles, bidx, grid_size, run_d_hidden, ()
             )
+            if first_consumer:
+                stamp(clock, bidx, CLOCK_PHASE_1)
             states, task = consume_tasks(
                 states, d_x_tiles, task - num_d_hidden, grid_size, run_d_x, ()
             )
+            if first_consumer:
+                stamp(clock, bidx, CLOCK_PHASE_2)
             # ---- weight tasks: both operands MN-major, their own MMA object and A view ----
             w_mma = phases.make_tiled_mma(
                 cute.nvgpu.warpgroup.OperandMajorMode.MN, cute.nvgpu.warpgroup.OperandMajorMode.MN
@@ -426,6 +454,8 @@ class Sm90MoeBackward:
                 states, weight_tasks, task - num_d_x, grid_size, w_mma, ring, w_operands, accs,
                 CREW, w_thr, buffers,
             )  # fmt: skip
+            if first_consumer:
+                stamp(clock, bidx, CLOCK_PHASE_3)
 
     # ------------------------------------------------------------------ roles
 

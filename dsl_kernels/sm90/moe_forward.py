@@ -59,7 +59,8 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
   [C, I]; `slots_ptr` bf16 [T * k, H]
 - `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
   `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128)], zeroed
-- `error_record_ptr` (the device's error record, may be null), `timeout_ns` (int64)
+- `error_record_ptr` (the device's error record, may be null), `clock_ptr` (int64 [grid, 8]
+  phase clock, common/phase_clock.py; may be null), `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T: rows of x),
   `capacity` (C), `has_limit`, `swiglu_limit`
 
@@ -75,6 +76,15 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
+from ..common.phase_clock import (
+    CLOCK_CREW_DONE,
+    CLOCK_DISPATCHED,
+    CLOCK_PHASE_1,
+    CLOCK_PHASE_2,
+    CLOCK_PRODUCER_DONE,
+    CLOCK_START,
+    stamp,
+)
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .dispatch_phase import dispatch_rows
@@ -139,6 +149,7 @@ class Sm90MoeForward:
             i32,  # tokens_per_expert_ptr
             i32,  # counters_ptr
             i32,  # error_record_ptr
+            global_pointer(Int64, 8),  # clock_ptr (phase clock, may be null)
             Int64(0),  # timeout_ns
             Int32(0),  # num_experts
             Int32(0),  # hidden_size
@@ -171,6 +182,7 @@ class Sm90MoeForward:
         tokens_per_expert_ptr: cute.Pointer,
         counters_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
+        clock_ptr: cute.Pointer,
         timeout_ns: Int64,
         num_experts: Int32,
         hidden_size: Int32,
@@ -215,6 +227,7 @@ class Sm90MoeForward:
             tokens_per_expert_ptr,
             counters_ptr,
             error_record_ptr,
+            clock_ptr,
             timeout_ns,
             num_experts,
             hidden_size,
@@ -251,6 +264,7 @@ class Sm90MoeForward:
         tokens_per_expert_ptr: cute.Pointer,
         counters_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
+        clock_ptr: cute.Pointer,
         timeout_ns: Int64,
         num_experts: Int32,
         hidden_size: Int32,
@@ -291,12 +305,17 @@ class Sm90MoeForward:
         dispatched = counter_base
         hidden_done = counter_base + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
         record = error_record_ptr.toint()
+        clock = clock_ptr.toint()
+        if tidx == 0:
+            stamp(clock, bidx, CLOCK_START)
 
         # ---- dispatch: every thread of the CTA, before the roles split ----
         dispatch_rows(
             x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
             topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx, grid_size,
         )  # fmt: skip
+        if tidx == 0:
+            stamp(clock, bidx, CLOCK_DISPATCHED)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -306,12 +325,16 @@ class Sm90MoeForward:
                     hidden_size, intermediate_size, dispatched, hidden_done, record, timeout_ns,
                     bidx, grid_size,
                 )  # fmt: skip
+                if tidx == 0:
+                    stamp(clock, bidx, CLOCK_PRODUCER_DONE)
             else:
                 self._store_tiles(
                     gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
                     slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
                     has_limit, swiglu_limit, hidden_done, tidx, bidx, grid_size,
                 )  # fmt: skip
+                if tidx == 32 * CREW.first_warp:
+                    stamp(clock, bidx, CLOCK_CREW_DONE)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
@@ -335,10 +358,14 @@ class Sm90MoeForward:
                 (read_state, release_state), gate_up_tiles, bidx, grid_size, run_task,
                 (tiled_mma, thr_mma, hidden_size // TILE_K),
             )  # fmt: skip
+            if tidx == phases.THREADS_PER_WARPGROUP:
+                stamp(clock, bidx, CLOCK_PHASE_1)
             consume_tasks(
                 states, down_tiles, task - num_gate_up, grid_size, run_task,
                 (down_mma, down_thr, intermediate_size // TILE_K),
             )  # fmt: skip
+            if tidx == phases.THREADS_PER_WARPGROUP:
+                stamp(clock, bidx, CLOCK_PHASE_2)
 
     # ------------------------------------------------------------------ roles
 

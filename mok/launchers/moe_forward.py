@@ -99,6 +99,34 @@ def routed_forward(
     return (x_routed, gate, up, hidden), slots
 
 
+# The phase clock (a diagnostic, tools/diag_phase_clock.py): an int64 CUDA tensor [>= grid, 8]
+# the megakernels stamp %globaltimer into at their phase boundaries
+# (dsl_kernels/common/phase_clock.py), or None (the default: no stamps).
+_phase_clock: torch.Tensor | None = None
+CLOCK_SLOTS = 8
+
+
+def set_phase_clock(clock: torch.Tensor | None) -> torch.Tensor | None:
+    """Stamp the megakernels' phase boundaries into `clock` from the next launch on (None:
+    stop); returns the previous clock. Rows are CTAs, columns the slots of phase_clock.py."""
+    global _phase_clock
+    if clock is not None and (
+        clock.dtype != torch.int64 or clock.dim() != 2 or clock.shape[1] != CLOCK_SLOTS
+        or not clock.is_contiguous() or not clock.is_cuda
+    ):  # fmt: skip
+        raise ValueError(
+            f"clock must be a contiguous int64 CUDA tensor [CTAs, {CLOCK_SLOTS}], got "
+            f"{clock.dtype} {tuple(clock.shape)} on {clock.device}"
+        )
+    if clock is not None and clock.shape[0] < _sm_count(clock.device):
+        raise ValueError(
+            f"clock needs a row per CTA: at least {_sm_count(clock.device)} rows (the SM "
+            f"count), got {clock.shape[0]}"
+        )
+    previous, _phase_clock = _phase_clock, clock
+    return previous
+
+
 def walk_arguments(schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit) -> dict:
     """The launch arguments both megakernels (forward and backward) take for their dispatch
     phase and task walk: the schedule, the zeroed counters, the error record and the sizes
@@ -110,6 +138,7 @@ def walk_arguments(schedule, counters, timeout_ns, rows, gate_weights, topk, swi
         "tokens_per_expert_ptr": schedule.tokens_per_expert,
         "counters_ptr": counters,
         "error_record_ptr": get_error_record(counters.device).device_ptr,
+        "clock_ptr": _phase_clock,
         "timeout_ns": timeout_ns,
         "num_experts": gate_weights.shape[0],
         "hidden_size": rows.shape[1],
