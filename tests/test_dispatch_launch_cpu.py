@@ -94,6 +94,9 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
+    # 16 communication CTAs (the config's default); the 116 others lead by whole rounds.
+    assert args["num_comm_ctas"] == 16
+    assert args["lead_tasks"] > 0 and args["lead_tasks"] % 116 == 0
 
 
 @pytest.mark.parametrize("weight_grads", [True, False])
@@ -127,6 +130,7 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     ((grid, args),) = kernels["moe_backward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert args["weight_gemms"] == (3 if weight_grads else 0)
+    assert args["num_comm_ctas"] == 16 and args["lead_tasks"] % 116 == 0
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": c, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
@@ -149,3 +153,27 @@ def test_phase_clock_is_checked_and_off_by_default(monkeypatch):
     with pytest.raises(ValueError, match=r"clock must be .* got torch.int64 \(132, 4\) on cpu"):
         moe_forward.set_phase_clock(torch.zeros(132, 4, dtype=torch.int64))
     assert moe_forward.set_phase_clock(None) is None
+
+
+def test_comm_arguments_size_the_lead_and_take_the_override():
+    from mok.launchers import moe_forward
+
+    # One round per (copy time of a comm CTA's rows) / (one first task's time); H cancels.
+    rows, grid = 131072, 132
+    per_round = 2 * 128 * 256 / (2 * moe_forward.GEMM_FLOP_PER_NS / moe_forward.COPY_BYTES_PER_NS)
+    args = moe_forward.comm_arguments(16, rows, grid)
+    rounds = args["lead_tasks"] // (grid - 16)
+    assert args["num_comm_ctas"] == 16 and args["lead_tasks"] % (grid - 16) == 0
+    assert rounds - 1 < rows / 16 / per_round <= rounds
+    # More communication CTAs: each copies less, so the lead is shorter.
+    assert moe_forward.comm_arguments(32, rows, grid)["lead_tasks"] < args["lead_tasks"]
+    # Never all CTAs: at most grid - 1 communicate.
+    assert moe_forward.comm_arguments(500, rows, grid)["num_comm_ctas"] == grid - 1
+    previous = moe_forward.set_comm_ctas(0)
+    try:
+        assert moe_forward.comm_arguments(16, rows, grid) == {"num_comm_ctas": 0, "lead_tasks": 0}
+    finally:
+        moe_forward.set_comm_ctas(previous)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="count must be None or an int >= 0"):
+            moe_forward.set_comm_ctas(bad)

@@ -81,9 +81,9 @@ from . import gemm_phases as phases
 from .dispatch_phase import dispatch_rows
 from .expert_gemm import CREW
 from .expert_gemm_bwd import MAX_COLS, MAX_ROWS, Sm90ExpertGemmBwd
-from .expert_tiles import TileList
+from .expert_tiles import TaskWalk, TileList, first_task
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
-from .task_walk import RowTileWait, consume_tasks, produce_tasks
+from .task_walk import RowTileWait, consume_tasks, phase_walk, produce_tasks
 from .weight_phase import (
     PhaseWait,
     WeightTasks,
@@ -170,6 +170,8 @@ class Sm90MoeBackward:
             Int32(0),  # has_limit
             Float32(0.0),  # swiglu_limit
             Int32(0),  # weight_gemms (3, or 0: the weight gradients run separately)
+            Int32(0),  # num_comm_ctas
+            Int32(0),  # lead_tasks
             Int32(1),  # num_ctas
         )
 
@@ -216,6 +218,8 @@ class Sm90MoeBackward:
         has_limit: Int32,
         swiglu_limit: Float32,
         weight_gemms: Int32,
+        num_comm_ctas: Int32,
+        lead_tasks: Int32,
         num_ctas: Int32,
     ):
         # The descriptors built here are thrown away: the runtime encodes its own from the
@@ -247,7 +251,7 @@ class Sm90MoeBackward:
             tokens_per_expert_ptr, counters_ptr, error_record_ptr, clock_ptr, timeout_ns,
             num_experts,
             hidden_size, intermediate_size, topk, num_src_rows, capacity, has_limit,
-            swiglu_limit, weight_gemms,
+            swiglu_limit, weight_gemms, num_comm_ctas, lead_tasks,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
 
     @cute.kernel
@@ -304,6 +308,8 @@ class Sm90MoeBackward:
         has_limit: Int32,
         swiglu_limit: Float32,
         weight_gemms: Int32,
+        num_comm_ctas: Int32,
+        lead_tasks: Int32,
     ):
         tma = (tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu)
         weight_tma = (tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)
@@ -351,14 +357,24 @@ class Sm90MoeBackward:
         )
         num_d_x = row_tiles_total * (hidden_size // (2 * TILE_N))
 
-        # ---- dispatch: dY_e = bf16(w * dY), every thread of the CTA, before the roles split ----
-        dispatch_rows(
-            dy_ptr, dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-            hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
-            grid_size, weight_ptr,
-        )  # fmt: skip
-        if tidx == 0:  # after dispatch_rows' CTA barrier and its per-row-tile releases
-            red_add_release_gpu_s32(dispatch_total, Int32(1))
+        # ---- the static ticket: communication CTAs dispatch, the others start on the first
+        # `lead` d_hidden tasks (expert_tiles.TaskWalk); none: every CTA dispatches first ----
+        lead = cutlass.select_(num_comm_ctas > 0, cutlass.min(lead_tasks, num_d_hidden), 0)
+        walk = TaskWalk(bidx, grid_size, num_comm_ctas, lead, Int32(0))
+        first = first_task(walk)
+        dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
+
+        # ---- dispatch: dY_e = bf16(w * dY), every thread of a dispatching CTA, before the
+        # roles split ----
+        if bidx < dispatchers:
+            dispatch_rows(
+                dy_ptr, dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
+                hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
+                dispatchers, weight_ptr,
+            )  # fmt: skip
+            if tidx == 0:  # after dispatch_rows' CTA barriers and per-row-tile releases
+                red_add_release_gpu_s32(dispatch_total, Int32(1))
+        if tidx == 0:
             stamp(clock, bidx, CLOCK_DISPATCHED)
 
         if warpgroup == 0:
@@ -367,9 +383,9 @@ class Sm90MoeBackward:
                 state, task = self._producer(
                     ring, (sA, sB0, sB1), tma, d_hidden_tiles, d_x_tiles, num_d_hidden,
                     hidden_size, intermediate_size, dispatched, dgu_done, record, timeout_ns,
-                    bidx, grid_size,
+                    first, walk,
                 )  # fmt: skip
-                wait = PhaseWait(dispatch_total, grid_size, dgu_total, num_d_hidden,
+                wait = PhaseWait(dispatch_total, dispatchers, dgu_total, num_d_hidden,
                                  PHASE_BACKWARD_DISPATCH, PHASE_BACKWARD_DHIDDEN_GEMM, record,
                                  timeout_ns)  # fmt: skip
                 state = produce_weight_tasks(
@@ -388,7 +404,7 @@ class Sm90MoeBackward:
                 task = self._store_tiles(
                     engine, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, gate_ptr, up_ptr,
                     d_gate_ptr, d_up_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr,
-                    hidden_size, intermediate_size, dgu_done, dgu_total, tidx, bidx, grid_size,
+                    hidden_size, intermediate_size, dgu_done, dgu_total, tidx, first, walk,
                 )  # fmt: skip
                 store_weight_tasks(
                     CREW,
@@ -436,12 +452,13 @@ class Sm90MoeBackward:
 
             first_consumer = tidx == phases.THREADS_PER_WARPGROUP
             states, task = consume_tasks(
-                (read_state, release_state), d_hidden_tiles, bidx, grid_size, run_d_hidden, ()
+                (read_state, release_state), d_hidden_tiles, first, walk, run_d_hidden, ()
             )
             if first_consumer:
                 stamp(clock, bidx, CLOCK_PHASE_1)
+            d_x_walk = phase_walk(walk, num_d_hidden)
             states, task = consume_tasks(
-                states, d_x_tiles, task - num_d_hidden, grid_size, run_d_x, ()
+                states, d_x_tiles, task - num_d_hidden, d_x_walk, run_d_x, ()
             )
             if first_consumer:
                 stamp(clock, bidx, CLOCK_PHASE_2)
@@ -462,7 +479,7 @@ class Sm90MoeBackward:
     @cute.jit
     def _producer(
         self, ring, smem, tma, d_hidden_tiles, d_x_tiles, num_d_hidden, hidden_size,
-        intermediate_size, dispatched, dgu_done, record, timeout_ns, bidx, grid_size,
+        intermediate_size, dispatched, dgu_done, record, timeout_ns, first, walk,
     ):  # fmt: skip
         """Warp 0: TMA loads of the CTA's d_hidden and d_x tasks, each after its rows' counter.
         Returns (producer state, the CTA's first task past the d_x phase)."""
@@ -507,18 +524,17 @@ class Sm90MoeBackward:
 
         wait = RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, Int32(0), record,
                            timeout_ns)  # fmt: skip
-        state, task = produce_tasks(state, d_hidden_tiles, bidx, grid_size, wait, load_d_hidden,
-                                    ())  # fmt: skip
+        state, task = produce_tasks(state, d_hidden_tiles, first, walk, wait, load_d_hidden, ())
         wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, num_d_hidden,
                            record, timeout_ns)  # fmt: skip
-        return produce_tasks(state, d_x_tiles, task - num_d_hidden, grid_size, wait, load_d_x,
-                             ())  # fmt: skip
+        return produce_tasks(state, d_x_tiles, task - num_d_hidden,
+                             phase_walk(walk, num_d_hidden), wait, load_d_x, ())  # fmt: skip
 
     @cute.jit
     def _store_tiles(
         self, engine, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, gate_ptr, up_ptr,
         d_gate_ptr, d_up_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size,
-        intermediate_size, dgu_done, dgu_total, tidx, bidx, grid_size,
+        intermediate_size, dgu_done, dgu_total, tidx, first, walk,
     ):  # fmt: skip
         """Warps 1-3, the crew: store the d_hidden and d_x tiles the consumers hand off, in
         their order: each d_hidden tile's d_gate and d_up (two hand-offs; its gate/up
@@ -526,13 +542,14 @@ class Sm90MoeBackward:
         each d_x tile's rows at their slots. Returns the CTA's first task past the d_x phase."""
         i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
         end = CREW.run(
-            d_hidden_tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, None,
+            d_hidden_tiles, first, walk, buffers, tidx, 2 * TILE_N, None,
             handoff.store_split, (d_gate_ptr, d_up_ptr, i_stride), self._release_d_hidden_tile,
             (dgu_done, dgu_total), handoffs=2, before_tile=engine._prefetch_gate_up,
             before_args=(gate_ptr, up_ptr, i_stride),
         )  # fmt: skip
         return CREW.run(
-            d_x_tiles, end - num_d_hidden, grid_size, buffers, tidx, 2 * TILE_N,
+            d_x_tiles, end - num_d_hidden, phase_walk(walk, num_d_hidden), buffers, tidx,
+            2 * TILE_N,
             (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
             (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
         )  # fmt: skip

@@ -90,9 +90,9 @@ from . import gemm_phases as phases
 from .dispatch_phase import dispatch_rows
 from .epilogue_warps import EpilogueCrew
 from .expert_gemm import MAX_K, MAX_ROWS, Sm90ExpertGemm
-from .expert_tiles import TileList
+from .expert_tiles import TaskWalk, TileList, first_task
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
-from .task_walk import RowTileWait, consume_tasks, produce_tasks
+from .task_walk import RowTileWait, consume_tasks, phase_walk, produce_tasks
 
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
 PHASE_DISPATCH = 5
@@ -159,6 +159,8 @@ class Sm90MoeForward:
             Int32(0),  # capacity
             Int32(0),  # has_limit
             Float32(0.0),  # swiglu_limit
+            Int32(0),  # num_comm_ctas
+            Int32(0),  # lead_tasks
             Int32(1),  # num_ctas
         )
 
@@ -192,6 +194,8 @@ class Sm90MoeForward:
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
+        num_comm_ctas: Int32,
+        lead_tasks: Int32,
         num_ctas: Int32,
     ):
         layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
@@ -237,6 +241,8 @@ class Sm90MoeForward:
             capacity,
             has_limit,
             swiglu_limit,
+            num_comm_ctas,
+            lead_tasks,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
 
     @cute.kernel
@@ -274,6 +280,8 @@ class Sm90MoeForward:
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
+        num_comm_ctas: Int32,
+        lead_tasks: Int32,
     ):
         tma = (tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
@@ -309,11 +317,19 @@ class Sm90MoeForward:
         if tidx == 0:
             stamp(clock, bidx, CLOCK_START)
 
-        # ---- dispatch: every thread of the CTA, before the roles split ----
-        dispatch_rows(
-            x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
-            topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx, grid_size,
-        )  # fmt: skip
+        # ---- the static ticket: communication CTAs dispatch, the others start on the first
+        # `lead` gate/up tasks (expert_tiles.TaskWalk); none: every CTA dispatches first ----
+        lead = cutlass.select_(num_comm_ctas > 0, cutlass.min(lead_tasks, num_gate_up), 0)
+        walk = TaskWalk(bidx, grid_size, num_comm_ctas, lead, Int32(0))
+        first = first_task(walk)
+
+        # ---- dispatch: every thread of a dispatching CTA, before the roles split ----
+        if (num_comm_ctas == 0) | (bidx < num_comm_ctas):
+            dispatch_rows(
+                x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
+                hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
+                cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size),
+            )  # fmt: skip
         if tidx == 0:
             stamp(clock, bidx, CLOCK_DISPATCHED)
 
@@ -323,7 +339,7 @@ class Sm90MoeForward:
                 self._producer(
                     ring, (sA, sB0, sB1), tma, gate_up_tiles, down_tiles, num_gate_up,
                     hidden_size, intermediate_size, dispatched, hidden_done, record, timeout_ns,
-                    bidx, grid_size,
+                    first, walk,
                 )  # fmt: skip
                 if tidx == 0:
                     stamp(clock, bidx, CLOCK_PRODUCER_DONE)
@@ -331,7 +347,7 @@ class Sm90MoeForward:
                 self._store_tiles(
                     gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
                     slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
-                    has_limit, swiglu_limit, hidden_done, tidx, bidx, grid_size,
+                    has_limit, swiglu_limit, hidden_done, tidx, first, walk,
                 )  # fmt: skip
                 if tidx == 32 * CREW.first_warp:
                     stamp(clock, bidx, CLOCK_CREW_DONE)
@@ -355,13 +371,13 @@ class Sm90MoeForward:
                 return read_state, release_state
 
             states, task = consume_tasks(
-                (read_state, release_state), gate_up_tiles, bidx, grid_size, run_task,
+                (read_state, release_state), gate_up_tiles, first, walk, run_task,
                 (tiled_mma, thr_mma, hidden_size // TILE_K),
             )  # fmt: skip
             if tidx == phases.THREADS_PER_WARPGROUP:
                 stamp(clock, bidx, CLOCK_PHASE_1)
             consume_tasks(
-                states, down_tiles, task - num_gate_up, grid_size, run_task,
+                states, down_tiles, task - num_gate_up, phase_walk(walk, num_gate_up), run_task,
                 (down_mma, down_thr, intermediate_size // TILE_K),
             )  # fmt: skip
             if tidx == phases.THREADS_PER_WARPGROUP:
@@ -372,7 +388,7 @@ class Sm90MoeForward:
     @cute.jit
     def _producer(
         self, ring, smem, tma, gate_up_tiles, down_tiles, num_gate_up, hidden_size,
-        intermediate_size, dispatched, hidden_done, record, timeout_ns, bidx, grid_size,
+        intermediate_size, dispatched, hidden_done, record, timeout_ns, first, walk,
     ):  # fmt: skip
         """Warp 0: TMA loads of every task of this CTA, each after its rows' counter."""
         sA, sB0, sB1 = smem
@@ -407,18 +423,18 @@ class Sm90MoeForward:
             return phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
 
         wait = RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, Int32(0), record, timeout_ns)
-        state, task = produce_tasks(state, gate_up_tiles, bidx, grid_size, wait, load_gate_up, ())
+        state, task = produce_tasks(state, gate_up_tiles, first, walk, wait, load_gate_up, ())
         wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, num_gate_up, record,
                            timeout_ns)  # fmt: skip
-        state, _ = produce_tasks(state, down_tiles, task - num_gate_up, grid_size, wait,
-                                 load_down, ())  # fmt: skip
+        state, _ = produce_tasks(state, down_tiles, task - num_gate_up,
+                                 phase_walk(walk, num_gate_up), wait, load_down, ())  # fmt: skip
         ring.producer_tail(state)
 
     @cute.jit
     def _store_tiles(
         self, gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
         slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
-        has_limit, swiglu_limit, hidden_done, tidx, bidx, grid_size,
+        has_limit, swiglu_limit, hidden_done, tidx, first, walk,
     ):  # fmt: skip
         """Warps 1-3, the crew: store every tile the consumers hand off, in their order: each
         gate/up tile's gate, up and hidden (then release its row tile's counter), then each
@@ -428,12 +444,12 @@ class Sm90MoeForward:
             has_limit, swiglu_limit,
         )  # fmt: skip
         end = CREW.run(
-            gate_up_tiles, bidx, grid_size, buffers, tidx, TILE_N, None,
+            gate_up_tiles, first, walk, buffers, tidx, TILE_N, None,
             self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
             (hidden_done,),
         )  # fmt: skip
         CREW.run(
-            down_tiles, end - num_gate_up, grid_size, buffers, tidx, 2 * TILE_N,
+            down_tiles, end - num_gate_up, phase_walk(walk, num_gate_up), buffers, tidx, 2 * TILE_N,
             (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
             (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
         )  # fmt: skip

@@ -2,9 +2,11 @@
 the TMA producer and for the consumer warpgroups.
 
 A megakernel runs phases in dependency order (forward: gate/up, then down; backward: d_hidden,
-then d_x). Task numbers run on across phases: CTA c takes tasks c, c + grid, ... of the whole
-list, so it enters a phase at the first task past the previous phase's end, minus that phase's
-size. Inside a phase, tiles are numbered as in expert_tiles.py (expert by expert, m fastest).
+then d_x). Task numbers run on across phases: CTA c takes its tasks of the whole list in the
+order of a TaskWalk (expert_tiles.py: with communication CTAs, the compute CTAs alone take the
+first `lead` tasks), so it enters a phase at the first task past the previous phase's end,
+minus that phase's size. Inside a phase, tiles are numbered as in expert_tiles.py (expert by
+expert, m fastest).
 
 Before loading a task's operands the producer waits, bounded, until the counter of the task's
 row tile reaches `needed` (written by an earlier phase of some CTA, released with
@@ -18,7 +20,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_gpu_s32
-from .expert_tiles import TileList, locate_first_tile, locate_tile
+from .expert_tiles import TaskWalk, TileList, locate_first_tile, locate_tile, next_task
 from .gemm_phases import TILE_M
 
 
@@ -35,12 +37,18 @@ class RowTileWait(NamedTuple):
     timeout_ns: Int64
 
 
+def phase_walk(walk: TaskWalk, base) -> TaskWalk:
+    """`walk` for the phase whose first task is number `base` of the whole list."""
+    return walk._replace(base=base)
+
+
 @cute.jit
-def produce_tasks(state, tiles: TileList, task: Int32, grid_size: Int32, wait: RowTileWait,
+def produce_tasks(state, tiles: TileList, task: Int32, walk: TaskWalk, wait: RowTileWait,
                   load_task, load_args):  # fmt: skip
-    """Producer warp: for each of this CTA's tasks of `tiles` from `task`, the bounded wait
-    for its row tile, then `state = load_task(state, expert, col_tile, row_tile, *load_args)`.
-    Returns (state, the CTA's first task past this phase)."""
+    """Producer warp: for each of this CTA's tasks of `tiles` from `task` (in `walk`'s order,
+    numbered inside the phase), the bounded wait for its row tile, then
+    `state = load_task(state, expert, col_tile, row_tile, *load_args)`. Returns (state, the
+    CTA's first task past this phase)."""
     expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, task)
     while expert < tiles.num_experts:
         local = task - tile_base
@@ -52,7 +60,7 @@ def produce_tasks(state, tiles: TileList, task: Int32, grid_size: Int32, wait: R
         )  # fmt: skip
         cute.arch.fence_proxy("async.global")
         state = load_task(state, expert, local // row_tiles, row_tile, *load_args)
-        task = task + grid_size
+        task = next_task(task, walk)
         expert, tile_base, row_base, row_tiles = locate_tile(
             tiles, task, (expert, tile_base, row_base, row_tiles)
         )
@@ -60,7 +68,7 @@ def produce_tasks(state, tiles: TileList, task: Int32, grid_size: Int32, wait: R
 
 
 @cute.jit
-def consume_tasks(states, tiles: TileList, task: Int32, grid_size: Int32, run_task, run_args):
+def consume_tasks(states, tiles: TileList, task: Int32, walk: TaskWalk, run_task, run_args):
     """Consumer warpgroups: `states = run_task(states, first_row, col_tile, *run_args)` for
     each of this CTA's tasks of `tiles` from `task`, in the producer's order. Returns (states,
     the CTA's first task past this phase)."""
@@ -69,7 +77,7 @@ def consume_tasks(states, tiles: TileList, task: Int32, grid_size: Int32, run_ta
         local = task - tile_base
         states = run_task(states, row_base + (local % row_tiles) * TILE_M, local // row_tiles,
                           *run_args)  # fmt: skip
-        task = task + grid_size
+        task = next_task(task, walk)
         expert, tile_base, row_base, row_tiles = locate_tile(
             tiles, task, (expert, tile_base, row_base, row_tiles)
         )

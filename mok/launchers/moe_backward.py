@@ -21,7 +21,7 @@ from .checks import check_arg
 from .comm import DEFAULT_TIMEOUT_NS
 from .expert_gemm import TILE_ROWS, _check, _check_multiple, _descriptor, _sm_count
 from .expert_gemm_bwd import N_ALIGNMENT, _check_extents
-from .moe_forward import walk_arguments
+from .moe_forward import comm_arguments, walk_arguments
 
 KERNEL = "moe_backward"
 
@@ -40,6 +40,7 @@ def routed_backward(
     *,
     swiglu_limit: float | None = None,
     weight_grads: bool = True,
+    num_comm_ctas: int = 16,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
 ) -> tuple:
     """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) of the
@@ -54,7 +55,8 @@ def routed_backward(
     With `weight_grads` the launch also computes the bf16 weight gradients, [E, I, H] for
     gate and up and [E, H, I] for down (exact zeros for an expert without tokens), bitwise
     the separate kernels' (expert_gemm_bwd.weight_gradient); without, they are left to the
-    caller (who adds them into fp32 main_grads).
+    caller (who adds them into fp32 main_grads). `num_comm_ctas` CTAs dispatch dY_e while
+    the others start the d_hidden GEMMs (moe_forward.comm_arguments).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -138,6 +140,7 @@ def routed_backward(
                 schedule, counters, timeout_ns, grad_output, gate_weights, topk, swiglu_limit
             ),
             "weight_gemms": 3 if weight_grads else 0,
+            **comm_arguments(num_comm_ctas, num_tokens * topk, _sm_count(device)),
         },
     )
     return dy_e, d_gate, d_up, partials, slots, d_weights

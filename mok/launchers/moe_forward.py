@@ -9,6 +9,8 @@ device's error record (MoKWaitTimeoutError at the next `check_errors`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .comm import DEFAULT_TIMEOUT_NS, get_error_record
@@ -37,6 +39,7 @@ def routed_forward(
     down_weights: torch.Tensor,
     *,
     swiglu_limit: float | None = None,
+    num_comm_ctas: int = 16,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((x_routed, gate, up, hidden), slots) of the routed experts, in one launch.
@@ -44,6 +47,7 @@ def routed_forward(
     x bf16 [T, H]; weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
     MoKSchedule of this rank (a group of one). slots bf16 [T * k, H]: row t * k + j is the
     output of token t's j-th expert. Routed rows at or past schedule.num_tokens are not written.
+    `num_comm_ctas` CTAs dispatch the rows while the others start the GEMMs (comm_arguments).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -94,6 +98,7 @@ def routed_forward(
             "hidden_ptr": hidden,
             "slots_ptr": slots,
             **walk_arguments(schedule, counters, timeout_ns, x, gate_weights, topk, swiglu_limit),
+            **comm_arguments(num_comm_ctas, num_tokens * topk, _sm_count(device)),
         },
     )
     return (x_routed, gate, up, hidden), slots
@@ -125,6 +130,41 @@ def set_phase_clock(clock: torch.Tensor | None) -> torch.Tensor | None:
         )
     previous, _phase_clock = _phase_clock, clock
     return previous
+
+
+# The model that sizes the compute CTAs' lead (expert_tiles.TaskWalk): one communication CTA
+# copies COPY_BYTES_PER_NS of routed rows per ns, and one compute CTA runs GEMM_FLOP_PER_NS
+# (H200 under its power cap, docs/NOTES.md session 7). A first task (gate/up or d_hidden: 128
+# rows x 256 columns x H) costs 2 * 128 * 256 * H flops; its rows cost 2 * H bytes each, so H
+# cancels.
+COPY_BYTES_PER_NS = 40.0
+GEMM_FLOP_PER_NS = 4600.0
+# None: the config's count; 0: every CTA dispatches before its tasks (a diagnostic A/B).
+_comm_override: int | None = None
+
+
+def set_comm_ctas(count: int | None) -> int | None:
+    """Diagnostics: run the megakernels with `count` communication CTAs whatever the config
+    says (0: every CTA dispatches first, no lead), or None (the config's); returns the
+    previous override."""
+    global _comm_override
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+        raise ValueError(f"count must be None or an int >= 0, got {count!r}")
+    previous, _comm_override = _comm_override, count
+    return previous
+
+
+def comm_arguments(num_comm_ctas: int, routed_rows: int, grid: int) -> dict:
+    """The megakernels' communication CTAs and the compute CTAs' lead in tasks: enough rounds
+    of grid - comm first tasks to cover one communication CTA's share of the copy
+    (COPY_BYTES_PER_NS, GEMM_FLOP_PER_NS). `routed_rows` T * k (the padding is not counted)."""
+    comm = num_comm_ctas if _comm_override is None else _comm_override
+    comm = min(comm, grid - 1)
+    if comm <= 0:
+        return {"num_comm_ctas": 0, "lead_tasks": 0}
+    flops_per_byte = GEMM_FLOP_PER_NS / COPY_BYTES_PER_NS  # a compute CTA's, per copied byte
+    rounds = math.ceil(routed_rows / comm * 2 * flops_per_byte / (2 * 128 * 256))
+    return {"num_comm_ctas": comm, "lead_tasks": min(rounds * (grid - comm), 2**31 - 1)}
 
 
 def walk_arguments(schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit) -> dict:
