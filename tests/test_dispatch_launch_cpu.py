@@ -160,18 +160,24 @@ def test_comm_arguments_size_the_lead_and_take_the_override():
 
     # One round per (copy time of a comm CTA's rows) / (one first task's time); H cancels.
     rows, grid = 131072, 132
-    per_round = 2 * 128 * 256 / (2 * moe_forward.GEMM_FLOP_PER_NS / moe_forward.COPY_BYTES_PER_NS)
-    args = moe_forward.comm_arguments(16, rows, grid)
+    rate = 30.0
+    per_round = 2 * 128 * 256 / (2 * moe_forward.GEMM_FLOP_PER_NS / rate)
+    args = moe_forward.comm_arguments(16, rows, grid, rate)
     rounds = args["lead_tasks"] // (grid - 16)
     assert args["num_comm_ctas"] == 16 and args["lead_tasks"] % (grid - 16) == 0
     assert rounds - 1 < rows / 16 / per_round <= rounds
     # More communication CTAs: each copies less, so the lead is shorter.
-    assert moe_forward.comm_arguments(32, rows, grid)["lead_tasks"] < args["lead_tasks"]
+    assert moe_forward.comm_arguments(32, rows, grid, rate)["lead_tasks"] < args["lead_tasks"]
+    # A faster copy: a shorter lead.
+    assert moe_forward.comm_arguments(16, rows, grid, 2 * rate)["lead_tasks"] < args["lead_tasks"]
     # Never all CTAs: at most grid - 1 communicate.
-    assert moe_forward.comm_arguments(500, rows, grid)["num_comm_ctas"] == grid - 1
+    assert moe_forward.comm_arguments(500, rows, grid, rate)["num_comm_ctas"] == grid - 1
     previous = moe_forward.set_comm_ctas(0)
     try:
-        assert moe_forward.comm_arguments(16, rows, grid) == {"num_comm_ctas": 0, "lead_tasks": 0}
+        assert moe_forward.comm_arguments(16, rows, grid, rate) == {
+            "num_comm_ctas": 0,
+            "lead_tasks": 0,
+        }
     finally:
         moe_forward.set_comm_ctas(previous)
     for bad in (-1, 1.5, True):

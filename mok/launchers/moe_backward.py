@@ -21,7 +21,7 @@ from .checks import check_arg
 from .comm import DEFAULT_TIMEOUT_NS
 from .expert_gemm import TILE_ROWS, _check, _check_multiple, _descriptor, _sm_count
 from .expert_gemm_bwd import N_ALIGNMENT, _check_extents
-from .moe_forward import comm_arguments, walk_arguments
+from .moe_forward import BWD_COPY_BYTES_PER_NS, comm_arguments, walk_arguments
 
 KERNEL = "moe_backward"
 
@@ -140,7 +140,9 @@ def routed_backward(
                 schedule, counters, timeout_ns, grad_output, gate_weights, topk, swiglu_limit
             ),
             "weight_gemms": 3 if weight_grads else 0,
-            **comm_arguments(num_comm_ctas, num_tokens * topk, _sm_count(device)),
+            **comm_arguments(
+                num_comm_ctas, num_tokens * topk, _sm_count(device), BWD_COPY_BYTES_PER_NS
+            ),  # fmt: skip
         },
     )
     return dy_e, d_gate, d_up, partials, slots, d_weights

@@ -98,7 +98,9 @@ def routed_forward(
             "hidden_ptr": hidden,
             "slots_ptr": slots,
             **walk_arguments(schedule, counters, timeout_ns, x, gate_weights, topk, swiglu_limit),
-            **comm_arguments(num_comm_ctas, num_tokens * topk, _sm_count(device)),
+            **comm_arguments(
+                num_comm_ctas, num_tokens * topk, _sm_count(device), FWD_COPY_BYTES_PER_NS
+            ),  # fmt: skip
         },
     )
     return (x_routed, gate, up, hidden), slots
@@ -133,11 +135,12 @@ def set_phase_clock(clock: torch.Tensor | None) -> torch.Tensor | None:
 
 
 # The model that sizes the compute CTAs' lead (expert_tiles.TaskWalk): one communication CTA
-# copies COPY_BYTES_PER_NS of routed rows per ns, and one compute CTA runs GEMM_FLOP_PER_NS
-# (H200 under its power cap, docs/NOTES.md session 7). A first task (gate/up or d_hidden: 128
-# rows x 256 columns x H) costs 2 * 128 * 256 * H flops; its rows cost 2 * H bytes each, so H
-# cancels.
-COPY_BYTES_PER_NS = 40.0
+# copies FWD_COPY_BYTES_PER_NS (x rows) or BWD_COPY_BYTES_PER_NS (w * dY rows, scaled) per ns,
+# and one compute CTA runs GEMM_FLOP_PER_NS (H200 under its power cap, docs/NOTES.md session
+# 7). A first task (gate/up or d_hidden: 128 rows x 256 columns x H) costs 2 * 128 * 256 * H
+# flops; its rows cost 2 * H bytes each, so H cancels.
+FWD_COPY_BYTES_PER_NS = 35.0
+BWD_COPY_BYTES_PER_NS = 20.0
 GEMM_FLOP_PER_NS = 4600.0
 # None: the config's count; 0: every CTA dispatches before its tasks (a diagnostic A/B).
 _comm_override: int | None = None
@@ -154,15 +157,18 @@ def set_comm_ctas(count: int | None) -> int | None:
     return previous
 
 
-def comm_arguments(num_comm_ctas: int, routed_rows: int, grid: int) -> dict:
+def comm_arguments(
+    num_comm_ctas: int, routed_rows: int, grid: int, copy_bytes_per_ns: float
+) -> dict:
     """The megakernels' communication CTAs and the compute CTAs' lead in tasks: enough rounds
-    of grid - comm first tasks to cover one communication CTA's share of the copy
-    (COPY_BYTES_PER_NS, GEMM_FLOP_PER_NS). `routed_rows` T * k (the padding is not counted)."""
+    of grid - comm first tasks to cover one communication CTA's share of the copy at
+    `copy_bytes_per_ns` (GEMM_FLOP_PER_NS a compute CTA's rate). `routed_rows` T * k (the
+    padding is not counted)."""
     comm = num_comm_ctas if _comm_override is None else _comm_override
     comm = min(comm, grid - 1)
     if comm <= 0:
         return {"num_comm_ctas": 0, "lead_tasks": 0}
-    flops_per_byte = GEMM_FLOP_PER_NS / COPY_BYTES_PER_NS  # a compute CTA's, per copied byte
+    flops_per_byte = GEMM_FLOP_PER_NS / copy_bytes_per_ns  # a compute CTA's, per copied byte
     rounds = math.ceil(routed_rows / comm * 2 * flops_per_byte / (2 * 128 * 256))
     return {"num_comm_ctas": comm, "lead_tasks": min(rounds * (grid - comm), 2**31 - 1)}
 
