@@ -20,8 +20,9 @@ class MoKConfig:
     """Launch configuration of the mok megakernels (frozen: it is a compile and cache key).
 
     Fields (names as in the original Mixture-of-Kittens API):
-        fwd_num_comm_sms: communication CTAs of the forward megakernel (even, >= 2, < SM count).
-        bwd_num_comm_sms: communication CTAs of the backward megakernel (even, >= 2, < SM count).
+        fwd_num_comm_sms: communication CTAs of the forward megakernel (even, >= 0, < SM count;
+            0: every CTA dispatches its share of the rows before its GEMM tasks).
+        bwd_num_comm_sms: the same for the backward megakernel.
         minibatch_size: overlap granularity in routed rows (multiple of 256).
         macrobatch_size: routed rows held at once (multiple of minibatch_size).
         schedule_capacity_multiplier: worst-case share of all routed rows of the EP group that
@@ -63,8 +64,8 @@ class MoKConfig:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
             value = getattr(self, name)
             # Communication CTAs work in pairs (one pulls, one pushes), so the count is even.
-            if value < 2 or value % 2:
-                raise ValueError(f"MoKConfig.{name} must be an even int >= 2, got {value}")
+            if value < 0 or value % 2:
+                raise ValueError(f"MoKConfig.{name} must be an even int >= 0, got {value}")
             if num_sms is not None and value >= num_sms:
                 raise ValueError(
                     f"MoKConfig.{name} must be < the device's SM count {num_sms} (leave compute "

@@ -139,8 +139,8 @@ def set_phase_clock(clock: torch.Tensor | None) -> torch.Tensor | None:
 # and one compute CTA runs GEMM_FLOP_PER_NS (H200 under its power cap, docs/NOTES.md session
 # 7). A first task (gate/up or d_hidden: 128 rows x 256 columns x H) costs 2 * 128 * 256 * H
 # flops; its rows cost 2 * H bytes each, so H cancels.
-FWD_COPY_BYTES_PER_NS = 35.0
-BWD_COPY_BYTES_PER_NS = 20.0
+FWD_COPY_BYTES_PER_NS = 22.0
+BWD_COPY_BYTES_PER_NS = 11.5
 GEMM_FLOP_PER_NS = 4600.0
 # None: the config's count; 0: every CTA dispatches before its tasks (a diagnostic A/B).
 _comm_override: int | None = None

@@ -34,7 +34,10 @@ def step(inputs, e, config, poison=True):
                        inputs["router_weights"], *weights)  # fmt: skip
     torch.cuda.synchronize()
     F.check_errors(ws)
+    # The context's routed rows (rows past schedule.num_tokens are not written).
+    rows, capacity = int(schedule.num_tokens.item()), schedule.peer_rank.shape[0]
     context = [getattr(ctx, f.name) for f in dataclasses.fields(ctx)]
+    context = [c if c is None or c.shape[0] != capacity else c[:rows] for c in context]
     return (out, *context, *grads)
 
 
