@@ -29,14 +29,15 @@ class MoKConfig:
             lands on one rank (> 0); see `schedule_capacity`.
         all_gather_top_experts_chunk_bytes: chunk of the routing all-gather (multiple of 16).
 
-    The original's defaults (40/28/4096/131072/0.5/2048) were tuned for 148-SM Blackwell. The
-    communication-CTA defaults here are provisional for a 132-SM H200 (scaled by SM count).
-    The Hopper forward megakernel does not use them: its dispatch is a phase of every CTA
-    (docs/NOTES.md, session 5). They are validated and stay part of the API and cache key.
+    The original's defaults (40/28/4096/131072/0.5/2048) were tuned for 148-SM Blackwell. On
+    the H200 no communication CTAs is the fastest measured (docs/NOTES.md, session 7): with 16
+    to 48 of them, each copying at ~22 GB/s (forward) or ~12 GB/s (backward, scaled), the
+    forward was within 1% at Qwen3-30B-A3B's shape and 1-9% slower at the coarse shapes, and
+    the backward 0-28% slower; so both default to 0, every CTA dispatching first.
     """
 
-    fwd_num_comm_sms: int = 16
-    bwd_num_comm_sms: int = 16
+    fwd_num_comm_sms: int = 0
+    bwd_num_comm_sms: int = 0
     minibatch_size: int = 4096
     macrobatch_size: int = 131072
     schedule_capacity_multiplier: float = 0.5

@@ -86,7 +86,8 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     x = torch.zeros(t, h, dtype=torch.bfloat16)
     gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
     down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
-    (x_routed, *_), slots = moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w)
+    (x_routed, *_), slots = moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w,
+                                                       num_comm_ctas=16)  # fmt: skip
     expert_gemm.clear_descriptor_cache()
     ((grid, args),) = kernels["moe_forward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
@@ -94,7 +95,7 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
-    # 16 communication CTAs (the config's default); the 116 others lead by whole rounds.
+    # 16 communication CTAs: the 116 others lead by whole rounds of first tasks.
     assert args["num_comm_ctas"] == 16
     assert args["lead_tasks"] > 0 and args["lead_tasks"] % 116 == 0
 
@@ -130,7 +131,7 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     ((grid, args),) = kernels["moe_backward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert args["weight_gemms"] == (3 if weight_grads else 0)
-    assert args["num_comm_ctas"] == 16 and args["lead_tasks"] % 116 == 0
+    assert args["num_comm_ctas"] == 0 and args["lead_tasks"] == 0
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": c, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes

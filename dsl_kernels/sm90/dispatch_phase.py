@@ -20,12 +20,9 @@ from ..common.ptx import mul_rn
 from ..common.row_chunks import VECTOR, chunked_row_views
 from .gemm_phases import THREADS, TILE_M
 
-# Each warp copies DISPATCH_ROWS rows at once, each lane DISPATCH_BATCH 16-byte chunks of each:
-# 16 loads in flight per thread (384 threads: 96 KiB per SM), all issued before their stores.
-# One row at a time (48 KiB) copied at ~22 GB/s per SM alone (docs/NOTES.md, session 7).
+# Each thread keeps DISPATCH_BATCH 16-byte loads in flight (384 threads: 48 KiB per SM), every
+# load of a batch issued before its stores.
 DISPATCH_BATCH = 8
-DISPATCH_ROWS = 2
-WARPS = THREADS // 32
 
 
 @cute.jit
@@ -36,9 +33,9 @@ def dispatch_rows(
     """All 384 threads: routed row tiles first_tile, + tile_stride, ... of `out` ([capacity,
     H] bf16; `src` [num_src_rows, H]; `weight_ptr` fp32 [T * k] or None for the unscaled
     copy). Per tile the 128 source entries are looked up once into shared memory (`table`,
-    Int32 [128], free until the roles split); then each warp copies whole rows, DISPATCH_ROWS at
-    once (rows warp, warp + 12, ...), its lanes taking 16-byte chunks with DISPATCH_BATCH
-    independent loads in flight per row. After each tile every thread fences its stores for the async proxy (the
+    Int32 [128], free until the roles split); then each warp copies whole rows (rows warp,
+    warp + 12, ...), its lanes taking 16-byte chunks with DISPATCH_BATCH independent loads in
+    flight each. After each tile every thread fences its stores for the async proxy (the
     GEMMs read `out` with TMA), the CTA meets, and thread 0 releases the tile's counter (int32
     at byte address `dispatched` + 4 m for tile m)."""
     scaled = weight_ptr is not None
@@ -54,7 +51,7 @@ def dispatch_rows(
         scaled_values = cute.make_rmem_tensor((VECTOR,), Float32)
     warp = tidx // 32
     lane = tidx % 32
-    values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH, DISPATCH_ROWS), BFloat16)
+    values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH), BFloat16)
     for row_tile in cutlass.range(first_tile, row_tiles_total, tile_stride, unroll=1):
         first_row = row_tile * TILE_M
         cute.arch.sync_threads()  # the previous tile's copy is done with `table`
@@ -66,44 +63,33 @@ def dispatch_rows(
             else:
                 table[tidx] = cutlass.select_(rank[row] >= 0, slot_of[row] // topk, Int32(-1))
         cute.arch.sync_threads()
-        for r0 in cutlass.range(warp, TILE_M, WARPS * DISPATCH_ROWS, unroll=1):
-            # Rows r0, r0 + WARPS, ...: their loads all in flight before their stores.
-            sources, weights, lives, rows = [], [], [], []
-            for i in cutlass.range_constexpr(DISPATCH_ROWS):
-                r = r0 + WARPS * i
-                entry = table[cutlass.min(r, TILE_M - 1)]
-                source = entry
-                if cutlass.const_expr(scaled):
-                    # Padding rows: w = 0 times +0.0 is +0.0.
-                    weights.append(
-                        cutlass.select_(entry >= 0, weight[cutlass.max(entry, 0)], Float32(0.0))
-                    )
-                    source = cutlass.select_(entry >= 0, entry // topk, Int32(-1))
-                sources.append(source)
-                lives.append(r < TILE_M)
-                rows.append(first_row + r)
+        for r in cutlass.range(warp, TILE_M, THREADS // 32, unroll=1):
+            source = table[r]
+            w = None
+            if cutlass.const_expr(scaled):
+                w = Float32(0.0)
+                if source >= 0:
+                    w = weight[source]
+                    source = source // topk
+            row = first_row + r
             for base in cutlass.range(lane, chunks, 32 * DISPATCH_BATCH, unroll=1):
-                for i in cutlass.range_constexpr(DISPATCH_ROWS):
-                    for j in cutlass.range_constexpr(DISPATCH_BATCH):
-                        chunk = base + 32 * j
-                        values[None, j, i].fill(0.0)
-                        if chunk < chunks:
-                            if sources[i] >= 0:
-                                values[None, j, i].store(mSrc[None, chunk, sources[i]].load())
-                for i in cutlass.range_constexpr(DISPATCH_ROWS):
-                    for j in cutlass.range_constexpr(DISPATCH_BATCH):
-                        chunk = base + 32 * j
-                        if chunk < chunks:
-                            if lives[i]:
-                                if cutlass.const_expr(scaled):
-                                    scaled_values.store(values[None, j, i].load().to(Float32))
-                                    for v in cutlass.range_constexpr(VECTOR):
-                                        scaled_values[v] = mul_rn(weights[i], scaled_values[v])
-                                    mOut[None, chunk, rows[i]].store(
-                                        scaled_values.load().to(BFloat16)
-                                    )
-                                else:
-                                    mOut[None, chunk, rows[i]].store(values[None, j, i].load())
+                for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                    chunk = base + 32 * j
+                    values[None, j].fill(0.0)
+                    if chunk < chunks:
+                        if source >= 0:
+                            values[None, j].store(mSrc[None, chunk, source].load())
+                for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                    chunk = base + 32 * j
+                    if chunk < chunks:
+                        if cutlass.const_expr(scaled):
+                            # Padding rows: w = 0 times +0.0 is +0.0.
+                            scaled_values.store(values[None, j].load().to(Float32))
+                            for i in cutlass.range_constexpr(VECTOR):
+                                scaled_values[i] = mul_rn(w, scaled_values[i])
+                            mOut[None, chunk, row].store(scaled_values.load().to(BFloat16))
+                        else:
+                            mOut[None, chunk, row].store(values[None, j].load())
         cute.arch.fence_proxy("async.global")
         cute.arch.sync_threads()
         if tidx == 0:

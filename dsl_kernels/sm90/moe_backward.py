@@ -20,7 +20,9 @@ The pieces are the separate kernels', in one launch:
 
 Task list, in dependency order: every d_hidden tile (expert by expert, m fastest, then the
 256-column block of I), then every d_x tile (the same over 256-column blocks of H). CTA c runs
-tasks c, c + grid, ... (a static ticket: deterministic). Every CTA runs all of its d_hidden
+tasks c, c + grid, ... (a static ticket: deterministic). With `num_comm_ctas` > 0 only CTAs
+0 .. num_comm_ctas - 1 dispatch and the others take the first `lead_tasks` tasks alone
+(expert_tiles.TaskWalk; the same bits; not faster on the H200, moe_forward.py says why). Every CTA runs all of its d_hidden
 tasks before any d_x task, then its weight tasks (weight_phase.py). d_hidden tasks depend only
 on the dispatch phase, which waits for nothing, d_x tasks only on d_hidden tasks, weight tasks
 only on the dispatch and d_hidden phases: the waits cannot deadlock.
@@ -29,7 +31,8 @@ Counters (int32, zeroed by the launcher before each launch):
     dispatched[m]  row tile m of dY_e is written: reaches 1 (phase BACKWARD_DISPATCH)
     dgu_done[m]    d_hidden tiles of row tile m written (d_gate, d_up): reaches I / 256
                    (phase BACKWARD_DHIDDEN_GEMM)
-    dispatch_total CTAs done dispatching: reaches the grid size (the weight phase's wait)
+    dispatch_total CTAs done dispatching: reaches the number of dispatching CTAs (the weight
+                   phase's wait)
     dgu_total      d_hidden tiles stored: reaches their number (the weight phase's wait)
 Writers fence the async proxy (readers load with TMA), meet at a barrier (the CTA's after
 dispatch, the crew's after a tile), then one thread adds 1 with `red.release.gpu`; the TMA
@@ -50,7 +53,8 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
 - `error_record_ptr`, `clock_ptr` (int64 [grid, 8] phase clock, common/phase_clock.py; may
   be null), `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T), `capacity`
-  (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0)
+  (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0), `num_comm_ctas`, `lead_tasks` (as
+  the forward megakernel's)
 
 Constraints (the launcher checks them): H and I multiples of 256, both < 2^16; the schedule's
 segments multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned and

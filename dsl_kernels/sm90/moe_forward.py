@@ -16,8 +16,10 @@ Mixtral. v6, this file, dispatches first, with all 384 threads of every CTA at c
 One CTA per SM (grid = SM count, all of shared memory each), 384 threads:
 
 - dispatch, all threads, before the roles split: the CTA's row tiles of the routed buffer
-  (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), then a counter release
-  per tile;
+  (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), a counter release after
+  each tile. With `num_comm_ctas` = 0 every CTA dispatches tiles c, c + grid, ...; otherwise
+  only CTAs 0 .. num_comm_ctas - 1 do (tiles c, c + num_comm_ctas, ...) and the others go
+  straight to their tasks;
 - warp 0, the TMA producer: walks this CTA's tasks and fills the operand ring; before the A
   loads of a task it waits (bounded) for the counter that guards those rows;
 - warps 1-3, the crew (epilogue_warps.py): store each tile the consumers hand off through two
@@ -31,7 +33,9 @@ One CTA per SM (grid = SM count, all of shared memory each), 384 threads:
 Task list, in dependency order: every gate/up tile (tile list of expert_tiles.py: expert by
 expert, m fastest, then the 128-column block of I), then every down tile (expert by expert, m
 fastest, then the 256-column block of H). CTA c runs tasks c, c + grid, c + 2 grid, ... (a
-static ticket: the task -> CTA map depends only on the grid, so results are deterministic).
+static ticket: the task -> CTA map depends only on the grid, so results are deterministic);
+with communication CTAs, the first `lead_tasks` tasks go round-robin to the compute CTAs only
+and the rest to all (expert_tiles.TaskWalk), the same bits for any count.
 Every CTA runs all of its gate/up tasks before any down task, and gate/up tasks depend only on
 dispatch, which waits for nothing: the waits cannot deadlock.
 
@@ -45,12 +49,13 @@ polls with `ld.acquire.gpu` (GPU scope: only this GPU writes these counters;
 common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM), giving up after `timeout_ns` with the error record written and a trap, then fences the async proxy
 before its TMA loads.
 
-Why dispatch is a phase of every CTA and not `fwd_num_comm_sms` separate CTAs: the first GEMM
-tasks need rows from many CTAs' tiles, so dispatch gates the start either way; run by every
-thread at once it takes about the time of a copy kernel (0.1-0.9 ms at these shapes), while
-communication CTAs would keep SMs from the GEMMs for the whole launch. Overlapping it with
-the GEMMs needs shared memory the ring and the hand-off blocks already take (v5). EP > 1 adds
-peers to the same phase (a peer pointer instead of x), not a second code path.
+Why every CTA dispatches by default (`fwd_num_comm_sms` = 0): the copy runs at HBM bandwidth
+when all CTAs do it (~2 TB/s written plus the gathered reads), but one CTA alone copies only
+~22 GB/s, so communication CTAs must be many to keep ahead, and then they take about as much
+SM time as the phase while their traffic slows the GEMMs beside them. Measured on the H200
+(docs/NOTES.md, session 7): 16-48 communication CTAs were never faster. Overlapping the copy
+for real needs the rows gathered straight into the A stage. EP > 1 adds peers to the same
+dispatch (a peer pointer instead of x), not a second code path.
 
 Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`):
 - `tma_x`   x_routed bf16 [C, H]        `tma_wg`, `tma_wu`  W_gate, W_up viewed [E * I, H]
@@ -62,7 +67,8 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
 - `error_record_ptr` (the device's error record, may be null), `clock_ptr` (int64 [grid, 8]
   phase clock, common/phase_clock.py; may be null), `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T: rows of x),
-  `capacity` (C), `has_limit`, `swiglu_limit`
+  `capacity` (C), `has_limit`, `swiglu_limit`, `num_comm_ctas` (0, or < grid), `lead_tasks`
+  (the compute CTAs' lead, mok.launchers.moe_forward.comm_arguments)
 
 Constraints (the launcher checks them): H % 256 == 0, I % 128 == 0, both < 2^16; the schedule's
 segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.

@@ -110,7 +110,7 @@ def set_forward_path(path: str) -> str:
     return _forward.set(path)
 
 
-def _routed(ws, schedule, x, gate_w, up_w, down_w, limit, num_comm_ctas=16):
+def _routed(ws, schedule, x, gate_w, up_w, down_w, limit, num_comm_ctas=0):
     """(context, slots): the routed experts; slots bf16 [T * k, H] holds each routed row's
     output at its (token, j) slot, stored there by the down GEMM's epilogue (None without
     down_w). `num_comm_ctas`: the megakernel's communication CTAs."""

@@ -40,7 +40,7 @@ def routed_backward(
     *,
     swiglu_limit: float | None = None,
     weight_grads: bool = True,
-    num_comm_ctas: int = 16,
+    num_comm_ctas: int = 0,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
 ) -> tuple:
     """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) of the

@@ -39,7 +39,7 @@ def routed_forward(
     down_weights: torch.Tensor,
     *,
     swiglu_limit: float | None = None,
-    num_comm_ctas: int = 16,
+    num_comm_ctas: int = 0,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((x_routed, gate, up, hidden), slots) of the routed experts, in one launch.

@@ -70,7 +70,7 @@ def test_comm_ctas_dispatch_and_the_others_start_at_once():
     previous_path = set_backward_path("megakernel")
     set_phase_clock(clock)
     try:
-        step(inputs, e, F.MoKConfig())  # 16 communication CTAs
+        step(inputs, e, F.MoKConfig(fwd_num_comm_sms=16, bwd_num_comm_sms=16))
     finally:
         set_phase_clock(None)
         set_backward_path(previous_path)
