@@ -95,9 +95,11 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
-    # 16 communication CTAs: the 116 others lead by whole rounds of first tasks.
-    assert args["num_comm_ctas"] == 16
-    assert args["lead_tasks"] > 0 and args["lead_tasks"] % 116 == 0
+    # 16 communication CTAs; the forward takes a dynamic ticket (no lead). Counters: dispatched
+    # and hidden_done per row tile, then the ticket, all zero.
+    assert args["num_comm_ctas"] == 16 and "lead_tasks" not in args
+    assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 1,)
+    assert args["counters_ptr"].count_nonzero() == 0
 
 
 @pytest.mark.parametrize("weight_grads", [True, False])

@@ -96,9 +96,22 @@ from . import gemm_phases as phases
 from .dispatch_phase import dispatch_rows
 from .epilogue_warps import EpilogueCrew
 from .expert_gemm import MAX_K, MAX_ROWS, Sm90ExpertGemm
-from .expert_tiles import TaskWalk, TileList, first_task
+from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
-from .task_walk import RowTileWait, consume_tasks, phase_walk, produce_tasks
+from .task_walk import RowTileWait
+from .tickets import (
+    SLOT_BYTES,
+    TASK_SLOTS,
+    Tickets,
+    consume_phase,
+    consumer_task,
+    crew_task,
+    hand_off_end,
+    produce_phase,
+    signal_no_task,
+    store_phase,
+    take_ticket,
+)
 
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
 PHASE_DISPATCH = 5
@@ -166,7 +179,6 @@ class Sm90MoeForward:
             Int32(0),  # has_limit
             Float32(0.0),  # swiglu_limit
             Int32(0),  # num_comm_ctas
-            Int32(0),  # lead_tasks
             Int32(1),  # num_ctas
         )
 
@@ -201,7 +213,6 @@ class Sm90MoeForward:
         has_limit: Int32,
         swiglu_limit: Float32,
         num_comm_ctas: Int32,
-        lead_tasks: Int32,
         num_ctas: Int32,
     ):
         layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
@@ -248,7 +259,6 @@ class Sm90MoeForward:
             has_limit,
             swiglu_limit,
             num_comm_ctas,
-            lead_tasks,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
 
     @cute.kernel
@@ -287,7 +297,6 @@ class Sm90MoeForward:
         has_limit: Int32,
         swiglu_limit: Float32,
         num_comm_ctas: Int32,
-        lead_tasks: Int32,
     ):
         tma = (tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
@@ -297,7 +306,7 @@ class Sm90MoeForward:
         a_layout = engine._smem_layout(TILE_M)
         b_layout = engine._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES + SLOT_BYTES
         )
         buffers = handoff.handoff_buffers(storage)
         if warp_idx == 0:
@@ -323,21 +332,25 @@ class Sm90MoeForward:
         if tidx == 0:
             stamp(clock, bidx, CLOCK_START)
 
-        # ---- the static ticket: communication CTAs dispatch, the others start on the first
-        # `lead` gate/up tasks (expert_tiles.TaskWalk); none: every CTA dispatches first ----
-        lead = cutlass.select_(num_comm_ctas > 0, cutlass.min(lead_tasks, num_gate_up), 0)
-        walk = TaskWalk(bidx, grid_size, num_comm_ctas, lead, Int32(0))
-        first = first_task(walk)
-
-        # ---- dispatch: every thread of a dispatching CTA, before the roles split ----
-        if (num_comm_ctas == 0) | (bidx < num_comm_ctas):
+        # ---- dispatch: the communication CTAs (every CTA if none), before the roles split ----
+        dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
+        if bidx < dispatchers:
             dispatch_rows(
                 x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
                 hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
-                cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size),
+                dispatchers,
             )  # fmt: skip
         if tidx == 0:
             stamp(clock, bidx, CLOCK_DISPATCHED)
+
+        # ---- the dynamic ticket (tickets.py): gate/up tasks 0 .. num_gate_up - 1, then down
+        num_tasks = num_gate_up + row_tiles_total * (hidden_size // (2 * TILE_N))
+        slots = cute.make_tensor(
+            cute.recast_ptr(storage.staging.data_ptr() + handoff.BUFFER_BYTES, dtype=Int32),
+            cute.make_layout(TASK_SLOTS),
+        )
+        ticket = hidden_done + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        tickets = Tickets(ticket, slots, num_tasks)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -345,7 +358,7 @@ class Sm90MoeForward:
                 self._producer(
                     ring, (sA, sB0, sB1), tma, gate_up_tiles, down_tiles, num_gate_up,
                     hidden_size, intermediate_size, dispatched, hidden_done, record, timeout_ns,
-                    first, walk,
+                    tickets,
                 )  # fmt: skip
                 if tidx == 0:
                     stamp(clock, bidx, CLOCK_PRODUCER_DONE)
@@ -353,7 +366,7 @@ class Sm90MoeForward:
                 self._store_tiles(
                     gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
                     slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
-                    has_limit, swiglu_limit, hidden_done, tidx, first, walk,
+                    has_limit, swiglu_limit, hidden_done, tidx, tickets,
                 )  # fmt: skip
                 if tidx == 32 * CREW.first_warp:
                     stamp(clock, bidx, CLOCK_CREW_DONE)
@@ -363,29 +376,32 @@ class Sm90MoeForward:
             read_state, release_state = phases.make_consumer_states(self.stages)
             # ---- gate/up tasks, handed to the crew (which stores them and releases the
             # counter of their row tile), then down tasks (the crew stores rows at their
-            # (token, j) slots). Each phase has its own MMA object: `mma_k_tiles` sets its
-            # accumulate field inside one loop, and a value made inside one loop may not be
-            # used by another.
+            # (token, j) slots), then the end of the hand-offs. Each phase has its own MMA
+            # object: `mma_k_tiles` sets its accumulate field inside one loop, and a value
+            # made inside one loop may not be used by another.
             down_mma = engine._tiled_mma()
             down_thr = down_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
 
-            def run_task(states, first_row, col_tile, mma, thr, k_tiles):
+            def run_task(states, mma, thr, k_tiles):
                 read_state, release_state = phases.mma_k_tiles(
                     mma, ring, states[0], states[1], k_tiles, operands, accs
                 )
                 CREW.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
-            states, task = consume_tasks(
-                (read_state, release_state), gate_up_tiles, first, walk, run_task,
-                (tiled_mma, thr_mma, hidden_size // TILE_K),
+            seq = Int32(0)
+            task = consumer_task(ring, read_state, tickets, seq)
+            states, seq, task = consume_phase(
+                (read_state, release_state), ring, tickets, seq, task, Int32(0), num_gate_up,
+                run_task, (tiled_mma, thr_mma, hidden_size // TILE_K),
             )  # fmt: skip
             if tidx == phases.THREADS_PER_WARPGROUP:
                 stamp(clock, bidx, CLOCK_PHASE_1)
-            consume_tasks(
-                states, down_tiles, task - num_gate_up, phase_walk(walk, num_gate_up), run_task,
+            consume_phase(
+                states, ring, tickets, seq, task, num_gate_up, num_tasks, run_task,
                 (down_mma, down_thr, intermediate_size // TILE_K),
             )  # fmt: skip
+            hand_off_end(CREW)
             if tidx == phases.THREADS_PER_WARPGROUP:
                 stamp(clock, bidx, CLOCK_PHASE_2)
 
@@ -394,9 +410,10 @@ class Sm90MoeForward:
     @cute.jit
     def _producer(
         self, ring, smem, tma, gate_up_tiles, down_tiles, num_gate_up, hidden_size,
-        intermediate_size, dispatched, hidden_done, record, timeout_ns, first, walk,
+        intermediate_size, dispatched, hidden_done, record, timeout_ns, tickets,
     ):  # fmt: skip
-        """Warp 0: TMA loads of every task of this CTA, each after its rows' counter."""
+        """Warp 0: takes the CTA's tasks (tickets.py) and makes the TMA loads of each, after
+        its rows' counter; then wakes the consumers with no task."""
         sA, sB0, sB1 = smem
         tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd = tma
         tile_a = (TILE_M, TILE_K)
@@ -428,19 +445,23 @@ class Sm90MoeForward:
             )
             return phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
 
+        seq = Int32(0)
+        task = take_ticket(tickets, seq)
         wait = RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, Int32(0), record, timeout_ns)
-        state, task = produce_tasks(state, gate_up_tiles, first, walk, wait, load_gate_up, ())
+        state, seq, task = produce_phase(state, gate_up_tiles, tickets, seq, task, Int32(0),
+                                         num_gate_up, wait, load_gate_up, ())  # fmt: skip
         wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, num_gate_up, record,
                            timeout_ns)  # fmt: skip
-        state, _ = produce_tasks(state, down_tiles, task - num_gate_up,
-                                 phase_walk(walk, num_gate_up), wait, load_down, ())  # fmt: skip
+        state, seq, task = produce_phase(state, down_tiles, tickets, seq, task, num_gate_up,
+                                         tickets.total, wait, load_down, ())  # fmt: skip
+        signal_no_task(ring, state)
         ring.producer_tail(state)
 
     @cute.jit
     def _store_tiles(
         self, gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
         slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
-        has_limit, swiglu_limit, hidden_done, tidx, first, walk,
+        has_limit, swiglu_limit, hidden_done, tidx, tickets,
     ):  # fmt: skip
         """Warps 1-3, the crew: store every tile the consumers hand off, in their order: each
         gate/up tile's gate, up and hidden (then release its row tile's counter), then each
@@ -449,13 +470,16 @@ class Sm90MoeForward:
             hidden_ptr, gate_ptr, up_ptr, cute.assume(Int64(intermediate_size), divby=TILE_N),
             has_limit, swiglu_limit,
         )  # fmt: skip
-        end = CREW.run(
-            gate_up_tiles, first, walk, buffers, tidx, TILE_N, None,
-            self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
+        lane = tidx - 32 * CREW.first_warp
+        seq = Int32(0)
+        task = crew_task(CREW, tickets, seq)
+        seq, task = store_phase(
+            CREW, gate_up_tiles, tickets, seq, task, Int32(0), num_gate_up, buffers, lane, TILE_N,
+            None, self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
             (hidden_done,),
         )  # fmt: skip
-        CREW.run(
-            down_tiles, end - num_gate_up, phase_walk(walk, num_gate_up), buffers, tidx, 2 * TILE_N,
-            (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
+        store_phase(
+            CREW, down_tiles, tickets, seq, task, num_gate_up, tickets.total, buffers, lane,
+            2 * TILE_N, (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
             (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
         )  # fmt: skip

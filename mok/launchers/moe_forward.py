@@ -47,7 +47,8 @@ def routed_forward(
     x bf16 [T, H]; weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
     MoKSchedule of this rank (a group of one). slots bf16 [T * k, H]: row t * k + j is the
     output of token t's j-th expert. Routed rows at or past schedule.num_tokens are not written.
-    `num_comm_ctas` CTAs dispatch the rows while the others start the GEMMs (comm_arguments).
+    `num_comm_ctas` CTAs dispatch the rows while the others start the GEMMs (0: every CTA
+    dispatches first).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -77,8 +78,9 @@ def routed_forward(
     slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
     if capacity == 0 or num_experts == 0 or num_tokens == 0:
         return (x_routed, gate, up, hidden), slots
-    # dispatched[m] then hidden_done[m], one int32 per 128-row tile of the routed buffer.
-    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)), dtype=torch.int32, device=device)
+    # dispatched[m] then hidden_done[m], one int32 per 128-row tile of the routed buffer, then
+    # the task ticket.
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 1, dtype=torch.int32, device=device)
     kernel = get_kernel(KERNEL, device=device)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
@@ -98,9 +100,8 @@ def routed_forward(
             "hidden_ptr": hidden,
             "slots_ptr": slots,
             **walk_arguments(schedule, counters, timeout_ns, x, gate_weights, topk, swiglu_limit),
-            **comm_arguments(
-                num_comm_ctas, num_tokens * topk, _sm_count(device), FWD_COPY_BYTES_PER_NS
-            ),  # fmt: skip
+            # A dynamic ticket: no lead to size.
+            "num_comm_ctas": comm_count(num_comm_ctas, _sm_count(device)),
         },
     )
     return (x_routed, gate, up, hidden), slots
@@ -134,12 +135,11 @@ def set_phase_clock(clock: torch.Tensor | None) -> torch.Tensor | None:
     return previous
 
 
-# The model that sizes the compute CTAs' lead (expert_tiles.TaskWalk): one communication CTA
-# copies FWD_COPY_BYTES_PER_NS (x rows) or BWD_COPY_BYTES_PER_NS (w * dY rows, scaled) per ns,
-# and one compute CTA runs GEMM_FLOP_PER_NS (H200 under its power cap, docs/NOTES.md session
-# 7). A first task (gate/up or d_hidden: 128 rows x 256 columns x H) costs 2 * 128 * 256 * H
-# flops; its rows cost 2 * H bytes each, so H cancels.
-FWD_COPY_BYTES_PER_NS = 22.0
+# The model that sizes the backward megakernel's lead (expert_tiles.TaskWalk; the forward
+# takes a dynamic ticket and needs none): one communication CTA copies BWD_COPY_BYTES_PER_NS of
+# w * dY rows per ns and one compute CTA runs GEMM_FLOP_PER_NS (H200 under its power cap,
+# docs/NOTES.md session 7). A d_hidden task (128 rows x 256 columns x H) costs 2 * 128 * 256 *
+# H flops; its rows cost 2 * H bytes each, so H cancels.
 BWD_COPY_BYTES_PER_NS = 11.5
 GEMM_FLOP_PER_NS = 4600.0
 # None: the config's count; 0: every CTA dispatches before its tasks (a diagnostic A/B).
@@ -157,16 +157,22 @@ def set_comm_ctas(count: int | None) -> int | None:
     return previous
 
 
+def comm_count(num_comm_ctas: int, grid: int) -> int:
+    """The communication CTAs a launch runs with: the config's (or set_comm_ctas's), at most
+    grid - 1."""
+    comm = num_comm_ctas if _comm_override is None else _comm_override
+    return max(0, min(comm, grid - 1))
+
+
 def comm_arguments(
     num_comm_ctas: int, routed_rows: int, grid: int, copy_bytes_per_ns: float
 ) -> dict:
-    """The megakernels' communication CTAs and the compute CTAs' lead in tasks: enough rounds
+    """The backward megakernel's communication CTAs and the compute CTAs' lead in tasks: enough rounds
     of grid - comm first tasks to cover one communication CTA's share of the copy at
     `copy_bytes_per_ns` (GEMM_FLOP_PER_NS a compute CTA's rate). `routed_rows` T * k (the
     padding is not counted)."""
-    comm = num_comm_ctas if _comm_override is None else _comm_override
-    comm = min(comm, grid - 1)
-    if comm <= 0:
+    comm = comm_count(num_comm_ctas, grid)
+    if comm == 0:
         return {"num_comm_ctas": 0, "lead_tasks": 0}
     flops_per_byte = GEMM_FLOP_PER_NS / copy_bytes_per_ns  # a compute CTA's, per copied byte
     rounds = math.ceil(routed_rows / comm * 2 * flops_per_byte / (2 * 128 * 256))
