@@ -95,9 +95,9 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
-    # 16 communication CTAs; the forward takes a dynamic ticket (no lead). Counters: dispatched
-    # and hidden_done per row tile, then the ticket, all zero.
-    assert args["num_comm_ctas"] == 16 and "lead_tasks" not in args
+    # 16 communication CTAs (tasks by a dynamic ticket). Counters: dispatched and hidden_done
+    # per row tile, then the ticket, all zero.
+    assert args["num_comm_ctas"] == 16
     assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 1,)
     assert args["counters_ptr"].count_nonzero() == 0
 
@@ -133,12 +133,12 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     ((grid, args),) = kernels["moe_backward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert args["weight_gemms"] == (3 if weight_grads else 0)
-    assert args["num_comm_ctas"] == 0 and args["lead_tasks"] == 0
+    assert args["num_comm_ctas"] == 0
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": c, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
-    # dispatched and dgu_done per row tile, then the two whole-phase counters.
-    assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 2,)
+    # dispatched and dgu_done per row tile, then the two whole-phase counters and the ticket.
+    assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 3,)
     assert args["counters_ptr"].count_nonzero() == 0
     if weight_grads:
         assert [tuple(d.shape) for d in d_weights] == [(e, i, h), (e, i, h), (e, h, i)]
@@ -158,29 +158,16 @@ def test_phase_clock_is_checked_and_off_by_default(monkeypatch):
     assert moe_forward.set_phase_clock(None) is None
 
 
-def test_comm_arguments_size_the_lead_and_take_the_override():
+def test_comm_count_clamps_and_takes_the_override():
     from mok.launchers import moe_forward
 
-    # One round per (copy time of a comm CTA's rows) / (one first task's time); H cancels.
-    rows, grid = 131072, 132
-    rate = 30.0
-    per_round = 2 * 128 * 256 / (2 * moe_forward.GEMM_FLOP_PER_NS / rate)
-    args = moe_forward.comm_arguments(16, rows, grid, rate)
-    rounds = args["lead_tasks"] // (grid - 16)
-    assert args["num_comm_ctas"] == 16 and args["lead_tasks"] % (grid - 16) == 0
-    assert rounds - 1 < rows / 16 / per_round <= rounds
-    # More communication CTAs: each copies less, so the lead is shorter.
-    assert moe_forward.comm_arguments(32, rows, grid, rate)["lead_tasks"] < args["lead_tasks"]
-    # A faster copy: a shorter lead.
-    assert moe_forward.comm_arguments(16, rows, grid, 2 * rate)["lead_tasks"] < args["lead_tasks"]
+    assert moe_forward.comm_count(16, 132) == 16
+    assert moe_forward.comm_count(0, 132) == 0
     # Never all CTAs: at most grid - 1 communicate.
-    assert moe_forward.comm_arguments(500, rows, grid, rate)["num_comm_ctas"] == grid - 1
+    assert moe_forward.comm_count(500, 132) == 131
     previous = moe_forward.set_comm_ctas(0)
     try:
-        assert moe_forward.comm_arguments(16, rows, grid, rate) == {
-            "num_comm_ctas": 0,
-            "lead_tasks": 0,
-        }
+        assert moe_forward.comm_count(16, 132) == 0
     finally:
         moe_forward.set_comm_ctas(previous)
     for bad in (-1, 1.5, True):

@@ -1,4 +1,4 @@
-"""How many communication CTAs the megakernels should have (expert_tiles.TaskWalk).
+"""How many communication CTAs the megakernels should have (0: every CTA dispatches first).
 
 python -m tools.diag_comm_ctas [--shape qwen3-30b-a3b] [--counts 0,8,16,32] [--reps 10]
 

@@ -35,7 +35,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
-from .expert_tiles import locate_first_tile, locate_tile, next_task
+from .expert_tiles import locate_first_tile, locate_tile
 from .gemm_phases import (
     STAGED_BYTES,
     STAGED_CHUNKS,
@@ -186,14 +186,13 @@ class EpilogueCrew:
 
     @cute.jit
     def run(
-        self, tiles, first_tile, walk, buffers, tidx, tile_cols: int, slots, store_chunk,
+        self, tiles, first_tile, grid_size, buffers, tidx, tile_cols: int, slots, store_chunk,
         store_args, after_tile=None, after_args=(), handoffs: int = 1, before_tile=None,
         before_args=(),
     ):  # fmt: skip
-        """Store each of this CTA's tiles of `tiles` (first_tile, then in `walk`'s order: + the
-        grid size, or a TaskWalk of expert_tiles.py; as the consumers walk them; `tile_cols`
-        output columns per tile) from the hand-off blocks while the consumers run the next
-        one. `slots` (peer_rank, peer_token_idx pointers) or None: rows go to their slots,
+        """Store each of this CTA's tiles of `tiles` (first_tile, then + grid_size, as the
+        consumers walk them; `tile_cols` output columns per tile) from the hand-off blocks
+        while the consumers run the next one. `slots` (peer_rank, peer_token_idx pointers) or None: rows go to their slots,
         padding rows nowhere. `handoffs` hand-offs per tile, the h-th stored with first_col +
         h * TILE_N. `before_tile(lane, first_row, first_col, *before_args)` runs before a
         tile's first hand-off, `after_tile(lane, first_row, *after_args)` after its last.
@@ -205,7 +204,7 @@ class EpilogueCrew:
             local = tile - tile_base
             first_row = row_base + (local % row_tiles) * TILE_M
             first_col = (local // row_tiles) * tile_cols
-            tile = next_task(tile, walk)
+            tile = tile + grid_size
             expert, tile_base, row_base, row_tiles = locate_tile(
                 tiles, tile, (expert, tile_base, row_base, row_tiles)
             )

@@ -11,11 +11,11 @@ m fastest keeps the CTAs that run at the same time on a few column tiles of the 
 so each weight tile is read from HBM about once and then served from L2 (a wave of 132 tiles of
 Mixtral's gate/up GEMM touches ~4 weight tiles and ~32 row tiles instead of 132 weight tiles).
 
-Every CTA walks its own tiles in increasing order (tile = CTA index, then + grid size, or a
-TaskWalk's order), so a cursor (expert, tiles before it, rows before it) only ever moves
-forward: the whole walk reads `tokens_per_expert` once per expert, whatever the number of
-tiles. No host sync, no atomics, and the tile -> CTA map depends only on the grid size (and a
-TaskWalk's integers): results are deterministic.
+Every CTA walks its own tiles in increasing order (tile = CTA index, then + grid size; in the
+megakernels, the tickets it takes: tickets.py), so a cursor (expert, tiles before it, rows
+before it) only ever moves forward: the whole walk reads `tokens_per_expert` once per expert,
+whatever the number of tiles. Which CTA runs a tile never changes what the tile computes:
+results are deterministic.
 """
 
 from typing import NamedTuple
@@ -35,44 +35,6 @@ def segment_row_tiles(tokens_per_expert: cute.Tensor, expert: Int32, num_experts
     if expert >= num_experts:
         tiles = Int32(0)
     return tiles
-
-
-class TaskWalk(NamedTuple):
-    """The megakernels' static ticket with communication CTAs (every field an Int32).
-
-    CTAs 0 .. comm - 1 first dispatch rows, the others start on tasks at once: tasks
-    0 .. lead - 1 of the whole list go round-robin to the compute CTAs only (CTA c >= comm
-    takes c - comm, then + grid - comm), every later task round-robin to all CTAs (CTA c takes
-    lead + c, then + grid). `lead` is sized so that the communication CTAs finish dispatching
-    about when it runs out. comm = lead = 0 is the plain walk (c, c + grid, ...). `base`: the
-    number, in the whole list, of the walked phase's first task (walkers count inside a phase).
-    Each CTA's task numbers only grow, and the map depends only on these integers.
-    """
-
-    cta: Int32
-    grid: Int32
-    comm: Int32
-    lead: Int32
-    base: Int32
-
-
-@cute.jit
-def first_task(walk: TaskWalk) -> Int32:
-    """The CTA's first task of the whole list."""
-    compute = walk.cta - walk.comm
-    return cutlass.select_((compute >= 0) & (compute < walk.lead), compute, walk.lead + walk.cta)
-
-
-@cute.jit
-def next_task(task: Int32, stride) -> Int32:
-    """The CTA's task after `task` (numbered inside the phase): `stride` is the grid size (the
-    plain walk) or a TaskWalk."""
-    if cutlass.const_expr(not isinstance(stride, TaskWalk)):
-        return task + stride
-    whole = task + stride.base
-    in_lead = whole + stride.grid - stride.comm
-    in_lead = cutlass.select_(in_lead < stride.lead, in_lead, stride.lead + stride.cta)
-    return cutlass.select_(whole < stride.lead, in_lead, whole + stride.grid) - stride.base
 
 
 class TileList(NamedTuple):

@@ -37,12 +37,23 @@ from ..common.bounded_wait import (
 )
 from .epilogue_warps import BUFFERS_FREE, TILE_READY
 from .expert_tiles import TileList, locate_first_tile, locate_tile
-from .gemm_phases import TILE_M
-from .task_walk import RowTileWait
+from .gemm_phases import TILE_M, TILE_N
 
 TASK_SLOTS = 8
 SLOT_BYTES = 4 * TASK_SLOTS
 NO_TASK = -1
+
+
+class RowTileWait(NamedTuple):
+    """What a phase's tasks wait for: the int32 counters from byte address `counters`, one per
+    row tile, each reaching `needed`; on a timeout the error record gets `phase` and the task
+    (its number in the whole list)."""
+
+    counters: Int64
+    needed: Int32
+    phase: int
+    record: Int64
+    timeout_ns: Int64
 
 
 class Tickets(NamedTuple):
@@ -114,14 +125,39 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
 
 @cute.jit
 def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
-                  end: Int32, run_task, run_args):  # fmt: skip
-    """Consumer warpgroups: `states = run_task(states, *run_args)` while the CTA's task is in
-    base .. end - 1, then the next task. Returns (states, seq, task)."""
+                  end: Int32, run_task, run_args, tiles=None):  # fmt: skip
+    """Consumer warpgroups: while the CTA's task is in base .. end - 1, `states =
+    run_task(states, *run_args)`, or with `tiles` (the phase's TileList) `states =
+    run_task(states, first_row, col_tile, *run_args)`; then the next task. Returns (states,
+    seq, task)."""
+    expert, tile_base, row_base, row_tiles = (Int32(0), Int32(0), Int32(0), Int32(0))
+    if cutlass.const_expr(tiles is not None):
+        expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, Int32(0))
     while (task >= base) & (task < end):
-        states = run_task(states, *run_args)
+        if cutlass.const_expr(tiles is None):
+            states = run_task(states, *run_args)
+        else:
+            expert, tile_base, row_base, row_tiles = locate_tile(
+                tiles, task - base, (expert, tile_base, row_base, row_tiles)
+            )
+            local = task - base - tile_base
+            states = run_task(states, row_base + (local % row_tiles) * TILE_M,
+                              local // row_tiles, *run_args)  # fmt: skip
         seq = seq + 1
         task = consumer_task(ring, states[0], tickets, seq)
     return states, seq, task
+
+
+@cute.jit
+def past_last_task(ring, states):
+    """Consumer warpgroups, after reading NO_TASK, when more ring work follows (the backward's
+    weight phase): release the stage the producer signalled on and step past it. Returns the
+    states."""
+    read_state, release_state = states
+    ring.consumer_release(release_state)
+    read_state.advance()
+    release_state.advance()
+    return read_state, release_state
 
 
 @cute.jit
@@ -143,11 +179,12 @@ def hand_off_end(crew):
 
 @cute.jit
 def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
-                end: Int32, buffers, lane, tile_cols: int, slots, store_chunk, store_args, after_tile=None,
-                after_args=()):  # fmt: skip
+                end: Int32, buffers, lane, tile_cols: int, slots, store_chunk, store_args,
+                after_tile=None, after_args=(), handoffs: int = 1):  # fmt: skip
     """The crew: store each hand-off of this phase's tasks (as EpilogueCrew.run does for a
     static walk; `slots` None or the (peer_rank, peer_token_idx) pointers of rows stored at
-    their slots), `after_tile(lane, first_row, *after_args)` after each. Returns (seq, task)."""
+    their slots), `after_tile(lane, first_row, *after_args)` after each; `handoffs` per tile,
+    the h-th stored from column first_col + h * TILE_N. Returns (seq, task)."""
     expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, Int32(0))
     while (task >= base) & (task < end):
         expert, tile_base, row_base, row_tiles = locate_tile(
@@ -159,8 +196,11 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
         if cutlass.const_expr(slots is not None):
             targets = buffers[2]
             crew.look_up_targets(targets, lane, first_row, slots[0], slots[1])
-        crew.copy_out(buffers, lane, first_row, (local // row_tiles) * tile_cols, targets,
-                      store_chunk, store_args)  # fmt: skip
+        first_col = (local // row_tiles) * tile_cols
+        crew.copy_out(buffers, lane, first_row, first_col, targets, store_chunk, store_args)
+        for h in cutlass.range_constexpr(1, handoffs):
+            crew.store_handoff(buffers, lane, first_row, first_col + h * TILE_N, targets,
+                               store_chunk, store_args)  # fmt: skip
         if cutlass.const_expr(after_tile is not None):
             after_tile(lane, first_row, *after_args)
         seq = seq + 1

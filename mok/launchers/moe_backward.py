@@ -21,7 +21,7 @@ from .checks import check_arg
 from .comm import DEFAULT_TIMEOUT_NS
 from .expert_gemm import TILE_ROWS, _check, _check_multiple, _descriptor, _sm_count
 from .expert_gemm_bwd import N_ALIGNMENT, _check_extents
-from .moe_forward import BWD_COPY_BYTES_PER_NS, comm_arguments, walk_arguments
+from .moe_forward import comm_count, walk_arguments
 
 KERNEL = "moe_backward"
 
@@ -56,7 +56,7 @@ def routed_backward(
     gate and up and [E, H, I] for down (exact zeros for an expert without tokens), bitwise
     the separate kernels' (expert_gemm_bwd.weight_gradient); without, they are left to the
     caller (who adds them into fp32 main_grads). `num_comm_ctas` CTAs dispatch dY_e while
-    the others start the d_hidden GEMMs (moe_forward.comm_arguments).
+    the others start the d_hidden GEMMs (0: every CTA dispatches first).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -102,8 +102,9 @@ def routed_backward(
                 d_w.zero_()
         return dy_e, d_gate, d_up, partials, slots, d_weights
     # dispatched[m] then dgu_done[m], one int32 per 128-row tile of the routed buffer, then
-    # the CTAs done dispatching and the d_hidden tiles stored (the weight phase's waits).
-    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 2, dtype=torch.int32,
+    # the CTAs done dispatching and the d_hidden tiles stored (the weight phase's waits), then
+    # the task ticket.
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 3, dtype=torch.int32,
                            device=device)  # fmt: skip
     # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
     d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
@@ -140,9 +141,7 @@ def routed_backward(
                 schedule, counters, timeout_ns, grad_output, gate_weights, topk, swiglu_limit
             ),
             "weight_gemms": 3 if weight_grads else 0,
-            **comm_arguments(
-                num_comm_ctas, num_tokens * topk, _sm_count(device), BWD_COPY_BYTES_PER_NS
-            ),  # fmt: skip
+            "num_comm_ctas": comm_count(num_comm_ctas, _sm_count(device)),
         },
     )
     return dy_e, d_gate, d_up, partials, slots, d_weights

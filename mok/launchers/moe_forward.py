@@ -9,8 +9,6 @@ device's error record (MoKWaitTimeoutError at the next `check_errors`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .comm import DEFAULT_TIMEOUT_NS, get_error_record
@@ -100,7 +98,6 @@ def routed_forward(
             "hidden_ptr": hidden,
             "slots_ptr": slots,
             **walk_arguments(schedule, counters, timeout_ns, x, gate_weights, topk, swiglu_limit),
-            # A dynamic ticket: no lead to size.
             "num_comm_ctas": comm_count(num_comm_ctas, _sm_count(device)),
         },
     )
@@ -135,13 +132,6 @@ def set_phase_clock(clock: torch.Tensor | None) -> torch.Tensor | None:
     return previous
 
 
-# The model that sizes the backward megakernel's lead (expert_tiles.TaskWalk; the forward
-# takes a dynamic ticket and needs none): one communication CTA copies BWD_COPY_BYTES_PER_NS of
-# w * dY rows per ns and one compute CTA runs GEMM_FLOP_PER_NS (H200 under its power cap,
-# docs/NOTES.md session 7). A d_hidden task (128 rows x 256 columns x H) costs 2 * 128 * 256 *
-# H flops; its rows cost 2 * H bytes each, so H cancels.
-BWD_COPY_BYTES_PER_NS = 11.5
-GEMM_FLOP_PER_NS = 4600.0
 # None: the config's count; 0: every CTA dispatches before its tasks (a diagnostic A/B).
 _comm_override: int | None = None
 
@@ -162,21 +152,6 @@ def comm_count(num_comm_ctas: int, grid: int) -> int:
     grid - 1."""
     comm = num_comm_ctas if _comm_override is None else _comm_override
     return max(0, min(comm, grid - 1))
-
-
-def comm_arguments(
-    num_comm_ctas: int, routed_rows: int, grid: int, copy_bytes_per_ns: float
-) -> dict:
-    """The backward megakernel's communication CTAs and the compute CTAs' lead in tasks: enough rounds
-    of grid - comm first tasks to cover one communication CTA's share of the copy at
-    `copy_bytes_per_ns` (GEMM_FLOP_PER_NS a compute CTA's rate). `routed_rows` T * k (the
-    padding is not counted)."""
-    comm = comm_count(num_comm_ctas, grid)
-    if comm == 0:
-        return {"num_comm_ctas": 0, "lead_tasks": 0}
-    flops_per_byte = GEMM_FLOP_PER_NS / copy_bytes_per_ns  # a compute CTA's, per copied byte
-    rounds = math.ceil(routed_rows / comm * 2 * flops_per_byte / (2 * 128 * 256))
-    return {"num_comm_ctas": comm, "lead_tasks": min(rounds * (grid - comm), 2**31 - 1)}
 
 
 def walk_arguments(schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit) -> dict:

@@ -1,7 +1,7 @@
-"""The megakernels' communication CTAs (expert_tiles.TaskWalk) on the GPU: whatever the number
-of communication CTAs and the compute CTAs' lead, every output is bit-equal to the walk where
-every CTA dispatches first; and the communication CTAs stamp their dispatch, the others start
-at once."""
+"""The megakernels' communication CTAs and dynamic ticket (tickets.py) on the GPU: whatever the
+number of communication CTAs, every output is bit-equal to every CTA dispatching first, run
+after run (which CTA takes which task changes, the bits do not); and the communication CTAs
+stamp their dispatch, the others start at once."""
 
 from __future__ import annotations
 
