@@ -20,22 +20,24 @@ class MoKConfig:
     """Launch configuration of the mok megakernels (frozen: it is a compile and cache key).
 
     Fields (names as in the original Mixture-of-Kittens API):
-        fwd_num_comm_sms: communication CTAs of the forward megakernel (even, >= 2, < SM count).
-        bwd_num_comm_sms: communication CTAs of the backward megakernel (even, >= 2, < SM count).
+        fwd_num_comm_sms: communication CTAs of the forward megakernel (even, >= 0, < SM count;
+            0: every CTA dispatches its share of the rows before its GEMM tasks).
+        bwd_num_comm_sms: the same for the backward megakernel.
         minibatch_size: overlap granularity in routed rows (multiple of 256).
         macrobatch_size: routed rows held at once (multiple of minibatch_size).
         schedule_capacity_multiplier: worst-case share of all routed rows of the EP group that
             lands on one rank (> 0); see `schedule_capacity`.
         all_gather_top_experts_chunk_bytes: chunk of the routing all-gather (multiple of 16).
 
-    The original's defaults (40/28/4096/131072/0.5/2048) were tuned for 148-SM Blackwell. The
-    communication-CTA defaults here are provisional for a 132-SM H200 (scaled by SM count).
-    The Hopper forward megakernel does not use them: its dispatch is a phase of every CTA
-    (docs/NOTES.md, session 5). They are validated and stay part of the API and cache key.
+    The original's defaults (40/28/4096/131072/0.5/2048) were tuned for 148-SM Blackwell. On
+    the H200 no communication CTAs is the fastest measured (docs/NOTES.md, session 7): with 16
+    to 48 of them, each copying at ~22 GB/s (forward) or ~12 GB/s (backward, scaled), the
+    forward was within 1% at Qwen3-30B-A3B's shape and 1-9% slower at the coarse shapes, and
+    the backward 0-28% slower; so both default to 0, every CTA dispatching first.
     """
 
-    fwd_num_comm_sms: int = 16
-    bwd_num_comm_sms: int = 16
+    fwd_num_comm_sms: int = 0
+    bwd_num_comm_sms: int = 0
     minibatch_size: int = 4096
     macrobatch_size: int = 131072
     schedule_capacity_multiplier: float = 0.5
@@ -63,8 +65,8 @@ class MoKConfig:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
             value = getattr(self, name)
             # Communication CTAs work in pairs (one pulls, one pushes), so the count is even.
-            if value < 2 or value % 2:
-                raise ValueError(f"MoKConfig.{name} must be an even int >= 2, got {value}")
+            if value < 0 or value % 2:
+                raise ValueError(f"MoKConfig.{name} must be an even int >= 0, got {value}")
             if num_sms is not None and value >= num_sms:
                 raise ValueError(
                     f"MoKConfig.{name} must be < the device's SM count {num_sms} (leave compute "

@@ -86,7 +86,8 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     x = torch.zeros(t, h, dtype=torch.bfloat16)
     gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
     down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
-    (x_routed, *_), slots = moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w)
+    (x_routed, *_), slots = moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w,
+                                                       num_comm_ctas=16)  # fmt: skip
     expert_gemm.clear_descriptor_cache()
     ((grid, args),) = kernels["moe_forward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
@@ -94,6 +95,11 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
+    # 16 communication CTAs (tasks by a dynamic ticket). Counters: dispatched and hidden_done
+    # per row tile, then the ticket, all zero.
+    assert args["num_comm_ctas"] == 16
+    assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 1,)
+    assert args["counters_ptr"].count_nonzero() == 0
 
 
 @pytest.mark.parametrize("weight_grads", [True, False])
@@ -127,11 +133,12 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     ((grid, args),) = kernels["moe_backward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert args["weight_gemms"] == (3 if weight_grads else 0)
+    assert args["num_comm_ctas"] == 0
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": c, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
-    # dispatched and dgu_done per row tile, then the two whole-phase counters.
-    assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 2,)
+    # dispatched and dgu_done per row tile, then the two whole-phase counters and the ticket.
+    assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 3,)
     assert args["counters_ptr"].count_nonzero() == 0
     if weight_grads:
         assert [tuple(d.shape) for d in d_weights] == [(e, i, h), (e, i, h), (e, h, i)]
@@ -149,3 +156,20 @@ def test_phase_clock_is_checked_and_off_by_default(monkeypatch):
     with pytest.raises(ValueError, match=r"clock must be .* got torch.int64 \(132, 4\) on cpu"):
         moe_forward.set_phase_clock(torch.zeros(132, 4, dtype=torch.int64))
     assert moe_forward.set_phase_clock(None) is None
+
+
+def test_comm_count_clamps_and_takes_the_override():
+    from mok.launchers import moe_forward
+
+    assert moe_forward.comm_count(16, 132) == 16
+    assert moe_forward.comm_count(0, 132) == 0
+    # Never all CTAs: at most grid - 1 communicate.
+    assert moe_forward.comm_count(500, 132) == 131
+    previous = moe_forward.set_comm_ctas(0)
+    try:
+        assert moe_forward.comm_count(16, 132) == 0
+    finally:
+        moe_forward.set_comm_ctas(previous)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="count must be None or an int >= 0"):
+            moe_forward.set_comm_ctas(bad)

@@ -60,17 +60,21 @@ def test_counters_and_wgmma(built):
 
 def test_handoffs_and_shared_memory(built):
     entry, _, ptx = built
-    # Hand-offs: the consumers' d_hidden (two blocks), d_x and weight tiles; the crew's the
-    # same but one store per weight GEMM. The crew's counter barrier after a d_hidden tile
-    # and its two slot look-up barriers per d_x tile.
-    for line, count in (("bar.sync \t4, 352;", 4), ("bar.arrive 3, 352;", 4),
-                        ("bar.arrive 4, 352;", 6), ("bar.sync \t3, 352;", 6),
+    # Hand-offs: the consumers' d_hidden (two blocks), d_x and weight tiles and their end of
+    # the ticketed tasks; the crew's first wait, its two ticketed phases (d_hidden's second
+    # block apart) and one store per weight GEMM. The crew's counter barrier after a d_hidden
+    # tile and its two slot look-up barriers per d_x tile.
+    for line, count in (("bar.sync \t4, 352;", 5), ("bar.arrive 3, 352;", 5),
+                        ("bar.arrive 4, 352;", 7), ("bar.sync \t3, 352;", 7),
                         ("bar.sync \t6, 96;", 1), ("bar.sync \t5, 96;", 2)):  # fmt: skip
         assert ptx.count(line) == count, line
     # 8 dispatch stores, d_gate + d_up per chunk of each d_hidden hand-off, 2 per d_x chunk,
     # 2 per chunk of each weight GEMM's tile.
     assert _count(ptx, "st.global.v4") == 8 + 2 * 2 + 2 + 3 * 2
+    # The producer prefetches a d_hidden task's gate/up; it takes each task with an atomic add
+    # (the first ticket, then one site per ticketed phase).
     assert _count(ptx, "prefetch.global.L2") == 1
+    assert _count(ptx, "atom.relaxed.gpu.global.add.s32") == 3
     assert entry["config"] == {"stages": 3}
     assert 3 * 48 * 1024 + 2 * 34816 <= entry["dynamic_smem_bytes"] <= H200_SMEM_OPTIN
     assert entry["cluster"] == [1, 1, 1] and entry["block"] == [384, 1, 1]

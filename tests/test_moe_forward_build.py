@@ -42,10 +42,14 @@ def test_dispatch_batches_its_loads(built):
 def test_counters_and_handshake(built):
     _, _, ptx = built
     assert "red.release.gpu.global.add.s32" in ptx and "ld.acquire.gpu.global.b32" in ptx
-    # Two tile walks (gate/up, then down) on each side of the hand-off; the crew meets on
-    # barrier 6 before it releases a gate/up tile's counter, and on 5 around slot look-ups.
-    for line, count in (("bar.sync \t4, 352;", 2), ("bar.arrive 3, 352;", 2),
-                        ("bar.arrive 4, 352;", 2), ("bar.sync \t3, 352;", 2),
+    # The dynamic ticket (tickets.py): a relaxed atomic add takes each task (the first ticket,
+    # then one site per phase loop).
+    assert ptx.count("atom.relaxed.gpu.global.add.s32") == 3
+    # The hand-off: the consumers' two phase loops and their end signal; the crew's first
+    # wait and its two phase loops. The crew meets on barrier 6 before it releases a gate/up
+    # tile's counter, and on 5 around slot look-ups.
+    for line, count in (("bar.sync \t4, 352;", 3), ("bar.arrive 3, 352;", 3),
+                        ("bar.arrive 4, 352;", 3), ("bar.sync \t3, 352;", 3),
                         ("bar.sync \t6, 96;", 1), ("bar.sync \t5, 96;", 2)):  # fmt: skip
         assert ptx.count(line) == count, line
 

@@ -37,8 +37,8 @@ def setup():
 @pytest.mark.parametrize(
     "field,value,exc,match",
     [
-        ("fwd_num_comm_sms", 3, ValueError, r"fwd_num_comm_sms must be an even int >= 2, got 3"),
-        ("bwd_num_comm_sms", 0, ValueError, r"bwd_num_comm_sms must be an even int >= 2, got 0"),
+        ("fwd_num_comm_sms", 3, ValueError, r"fwd_num_comm_sms must be an even int >= 0, got 3"),
+        ("bwd_num_comm_sms", -2, ValueError, r"bwd_num_comm_sms must be an even int >= 0, got -2"),
         ("fwd_num_comm_sms", 2.0, TypeError, r"fwd_num_comm_sms must be an int, got float"),
         ("minibatch_size", 300, ValueError, r"minibatch_size must be a positive multiple of 256, got 300"),
         ("macrobatch_size", 4096 + 256, ValueError, r"macrobatch_size must be a positive multiple of minibatch_size \(4096\), got 4352"),

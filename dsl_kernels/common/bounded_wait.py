@@ -150,6 +150,22 @@ def red_add_release_gpu_s32(address: Int64, value: Int32, *, loc=None, ip=None) 
 
 
 @dsl_user_op
+def atom_add_relaxed_gpu_s32(address: Int64, value: Int32, *, loc=None, ip=None) -> Int32:
+    """`atom.relaxed.gpu.global.add.s32`, returning the old value: a ticket counter (the order
+    of the values is all it gives; what a ticket guards is published elsewhere)."""
+    return Int32(
+        side_effect_asm(
+            T.i32(),
+            [_i64(address, loc, ip), _i32(value, loc, ip)],
+            "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;",
+            "=r,l,r,~{memory}",
+            loc,
+            ip,
+        )
+    )
+
+
+@dsl_user_op
 def atom_add_release_sys_s32(address: Int64, value: Int32, *, loc=None, ip=None) -> Int32:
     """`atom.release.sys.global.add.s32`: as `red_add_release_sys_s32`, returning the old value."""
     return Int32(

@@ -1,6 +1,7 @@
-"""The megakernels' dispatch phase (EP group of one): every thread of every CTA pulls the
-routed rows of its CTA's row tiles before the roles split (moe_forward.py says why this is a
-phase and not a communication warp or separate CTAs).
+"""The megakernels' dispatch (EP group of one): every thread of a dispatching CTA pulls the
+routed rows of its row tiles before the roles split, releasing each tile's counter as soon as
+it is written. The dispatching CTAs are the communication CTAs (tiles c, c + comm, ...; the
+compute CTAs start their GEMM tasks at once) or, with none, every CTA (tiles c, c + grid, ...).
 
     out[r] = src[peer_token_idx[r] // k]                        (forward: x -> x_routed)
     out[r] = bf16(w[peer_token_idx[r]] * float(src[...]))      (scaled, backward: dY -> dY_e)
@@ -27,16 +28,16 @@ DISPATCH_BATCH = 8
 @cute.jit
 def dispatch_rows(
     src_ptr, out_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size, topk,
-    num_src_rows, capacity, dispatched, table, tidx, bidx, grid_size, weight_ptr=None,
+    num_src_rows, capacity, dispatched, table, tidx, first_tile, tile_stride, weight_ptr=None,
 ):  # fmt: skip
-    """All 384 threads: routed row tiles bidx, bidx + grid, ... of `out` ([capacity, H] bf16;
-    `src` [num_src_rows, H]; `weight_ptr` fp32 [T * k] or None for the unscaled copy). Per tile
-    the 128 source entries are looked up once into shared memory (`table`, Int32 [128], free
-    until the roles split); then each warp copies whole rows (rows warp, warp + 12, ...), its
-    lanes taking 16-byte chunks with DISPATCH_BATCH independent loads in flight each. Then
-    every thread fences its stores for the async proxy (the GEMMs read `out` with TMA), the
-    CTA meets, and thread 0 releases the counter (int32 at byte address `dispatched` + 4 m)
-    of each of its row tiles m."""
+    """All 384 threads: routed row tiles first_tile, + tile_stride, ... of `out` ([capacity,
+    H] bf16; `src` [num_src_rows, H]; `weight_ptr` fp32 [T * k] or None for the unscaled
+    copy). Per tile the 128 source entries are looked up once into shared memory (`table`,
+    Int32 [128], free until the roles split); then each warp copies whole rows (rows warp,
+    warp + 12, ...), its lanes taking 16-byte chunks with DISPATCH_BATCH independent loads in
+    flight each. After each tile every thread fences its stores for the async proxy (the
+    GEMMs read `out` with TMA), the CTA meets, and thread 0 releases the tile's counter (int32
+    at byte address `dispatched` + 4 m for tile m)."""
     scaled = weight_ptr is not None
     chunks, (mOut, mSrc) = chunked_row_views(
         hidden_size, (out_ptr, capacity), (src_ptr, num_src_rows)
@@ -51,7 +52,7 @@ def dispatch_rows(
     warp = tidx // 32
     lane = tidx % 32
     values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH), BFloat16)
-    for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
+    for row_tile in cutlass.range(first_tile, row_tiles_total, tile_stride, unroll=1):
         first_row = row_tile * TILE_M
         cute.arch.sync_threads()  # the previous tile's copy is done with `table`
         if tidx < TILE_M:
@@ -89,8 +90,7 @@ def dispatch_rows(
                             mOut[None, chunk, row].store(scaled_values.load().to(BFloat16))
                         else:
                             mOut[None, chunk, row].store(values[None, j].load())
-    cute.arch.fence_proxy("async.global")
-    cute.arch.sync_threads()
-    if tidx == 0:
-        for row_tile in cutlass.range(bidx, row_tiles_total, grid_size, unroll=1):
+        cute.arch.fence_proxy("async.global")
+        cute.arch.sync_threads()
+        if tidx == 0:
             red_add_release_gpu_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))

@@ -389,13 +389,16 @@ class Sm90ExpertGemmBwd:
     # ------------------------------------------------------------------ device helpers
 
     @cute.jit
-    def _prefetch_gate_up(self, lane, first_row, first_col, gate_ptr, up_ptr, row_stride):
-        """Crew, before a d_hidden tile's hand-offs (its mainloop is running): bring the
-        tile's gate and up (128 rows x 256 columns each, 4 lines of 128 bytes per row) into
-        L2 for the consumers' epilogue loads."""
+    def _prefetch_gate_up(
+        self, lane, first_row, first_col, gate_ptr, up_ptr, row_stride, threads: int = CREW.threads
+    ):
+        """Crew (or the backward megakernel's producer warp, `threads` 32), before a d_hidden
+        tile's hand-offs (its mainloop is running): bring the tile's gate and up (128 rows x
+        256 columns each, 4 lines of 128 bytes per row) into L2 for the consumers' epilogue
+        loads."""
         lines_per_row = 2 * TILE_N * 2 // 128
         per_tensor = TILE_M * lines_per_row
-        for idx in cutlass.range(lane, 2 * per_tensor, CREW.threads, unroll=1):
+        for idx in cutlass.range(lane, 2 * per_tensor, threads, unroll=1):
             base = gate_ptr.toint()
             if idx >= per_tensor:
                 base = up_ptr.toint()

@@ -11,10 +11,11 @@ m fastest keeps the CTAs that run at the same time on a few column tiles of the 
 so each weight tile is read from HBM about once and then served from L2 (a wave of 132 tiles of
 Mixtral's gate/up GEMM touches ~4 weight tiles and ~32 row tiles instead of 132 weight tiles).
 
-Every CTA walks its own tiles in increasing order (tile = CTA index, then + grid size), so a
-cursor (expert, tiles before it, rows before it) only ever moves forward: the whole walk reads
-`tokens_per_expert` once per expert, whatever the number of tiles. No host sync, no atomics,
-and the tile -> CTA map depends only on the grid size: results are deterministic.
+Every CTA walks its own tiles in increasing order (tile = CTA index, then + grid size; in the
+megakernels, the tickets it takes: tickets.py), so a cursor (expert, tiles before it, rows
+before it) only ever moves forward: the whole walk reads `tokens_per_expert` once per expert,
+whatever the number of tiles. Which CTA runs a tile never changes what the tile computes:
+results are deterministic.
 """
 
 from typing import NamedTuple

@@ -14,23 +14,29 @@ The pieces are the separate kernels', in one launch:
 - the dispatch phase of the forward megakernel (dispatch_phase.py), scaled by the router weight;
 - the d_hidden_swiglu and d_x tasks of Sm90ExpertGemmBwd (expert_gemm_bwd.py): A K-major, B
   MN-major read in place, 3 ring stages, the crew of warps 1-3 storing every tile (d_hidden:
-  two hand-offs per tile, gate/up prefetched into L2; d_x: rows at their slots);
+  two hand-offs per tile, gate/up prefetched into L2 by the producer when it takes the task;
+  d_x: rows at their slots);
 - the weight-gradient tiles of Sm90ExpertGemmBwdWeights (expert_gemm_bwd_weights.py), both
   operands MN-major through their own view of the ring, stored by the same crew.
 
 Task list, in dependency order: every d_hidden tile (expert by expert, m fastest, then the
-256-column block of I), then every d_x tile (the same over 256-column blocks of H). CTA c runs
-tasks c, c + grid, ... (a static ticket: deterministic). Every CTA runs all of its d_hidden
-tasks before any d_x task, then its weight tasks (weight_phase.py). d_hidden tasks depend only
-on the dispatch phase, which waits for nothing, d_x tasks only on d_hidden tasks, weight tasks
-only on the dispatch and d_hidden phases: the waits cannot deadlock.
+256-column block of I), then every d_x tile (the same over 256-column blocks of H), taken by a
+dynamic ticket as in the forward megakernel (tickets.py); then each CTA's weight tasks (CTA c:
+c, c + grid, ...; weight_phase.py). With `num_comm_ctas` > 0 only CTAs 0 .. num_comm_ctas - 1
+dispatch and the others start on tickets at once (the same bits; not faster on the H200,
+moe_forward.py says why). Tickets are taken in list order; d_hidden tasks depend only on the
+dispatch, which waits for nothing, d_x tasks only on d_hidden tasks, weight tasks only on the
+dispatch and every d_hidden task (all taken before any CTA finds no ticket left): the waits
+cannot deadlock.
 
 Counters (int32, zeroed by the launcher before each launch):
     dispatched[m]  row tile m of dY_e is written: reaches 1 (phase BACKWARD_DISPATCH)
     dgu_done[m]    d_hidden tiles of row tile m written (d_gate, d_up): reaches I / 256
                    (phase BACKWARD_DHIDDEN_GEMM)
-    dispatch_total CTAs done dispatching: reaches the grid size (the weight phase's wait)
+    dispatch_total CTAs done dispatching: reaches the number of dispatching CTAs (the weight
+                   phase's wait)
     dgu_total      d_hidden tiles stored: reaches their number (the weight phase's wait)
+    ticket         the next d_hidden / d_x task
 Writers fence the async proxy (readers load with TMA), meet at a barrier (the CTA's after
 dispatch, the crew's after a tile), then one thread adds 1 with `red.release.gpu`; the TMA
 producer polls with `ld.acquire.gpu` and a bound (common/bounded_wait.py).
@@ -46,11 +52,11 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
   `up_ptr` bf16 [C, I] (the forward context); `d_gate_ptr`, `d_up_ptr` bf16 [C, I];
   `partials_ptr` fp32 [C, I / 128]; `slots_ptr` bf16 [T * k, H]
 - `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
-  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128) + 2], zeroed
+  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128) + 3], zeroed
 - `error_record_ptr`, `clock_ptr` (int64 [grid, 8] phase clock, common/phase_clock.py; may
   be null), `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T), `capacity`
-  (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0)
+  (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0), `num_comm_ctas` (0, or < grid)
 
 Constraints (the launcher checks them): H and I multiples of 256, both < 2^16; the schedule's
 segments multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned and
@@ -83,7 +89,21 @@ from .expert_gemm import CREW
 from .expert_gemm_bwd import MAX_COLS, MAX_ROWS, Sm90ExpertGemmBwd
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
-from .task_walk import RowTileWait, consume_tasks, produce_tasks
+from .tickets import (
+    SLOT_BYTES,
+    TASK_SLOTS,
+    RowTileWait,
+    Tickets,
+    consume_phase,
+    consumer_task,
+    crew_task,
+    hand_off_end,
+    past_last_task,
+    produce_phase,
+    signal_no_task,
+    store_phase,
+    take_ticket,
+)
 from .weight_phase import (
     PhaseWait,
     WeightTasks,
@@ -170,6 +190,7 @@ class Sm90MoeBackward:
             Int32(0),  # has_limit
             Float32(0.0),  # swiglu_limit
             Int32(0),  # weight_gemms (3, or 0: the weight gradients run separately)
+            Int32(0),  # num_comm_ctas
             Int32(1),  # num_ctas
         )
 
@@ -216,6 +237,7 @@ class Sm90MoeBackward:
         has_limit: Int32,
         swiglu_limit: Float32,
         weight_gemms: Int32,
+        num_comm_ctas: Int32,
         num_ctas: Int32,
     ):
         # The descriptors built here are thrown away: the runtime encodes its own from the
@@ -247,7 +269,7 @@ class Sm90MoeBackward:
             tokens_per_expert_ptr, counters_ptr, error_record_ptr, clock_ptr, timeout_ns,
             num_experts,
             hidden_size, intermediate_size, topk, num_src_rows, capacity, has_limit,
-            swiglu_limit, weight_gemms,
+            swiglu_limit, weight_gemms, num_comm_ctas,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
 
     @cute.kernel
@@ -304,6 +326,7 @@ class Sm90MoeBackward:
         has_limit: Int32,
         swiglu_limit: Float32,
         weight_gemms: Int32,
+        num_comm_ctas: Int32,
     ):
         tma = (tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu)
         weight_tma = (tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)
@@ -314,7 +337,7 @@ class Sm90MoeBackward:
         a_layout = engine._a_smem_layout()
         b_layout = engine._b_smem_layout()
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES + SLOT_BYTES
         )
         buffers = handoff.handoff_buffers(storage)
         if warp_idx == 0:
@@ -351,32 +374,45 @@ class Sm90MoeBackward:
         )
         num_d_x = row_tiles_total * (hidden_size // (2 * TILE_N))
 
-        # ---- dispatch: dY_e = bf16(w * dY), every thread of the CTA, before the roles split ----
-        dispatch_rows(
-            dy_ptr, dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-            hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
-            grid_size, weight_ptr,
-        )  # fmt: skip
-        if tidx == 0:  # after dispatch_rows' CTA barrier and its per-row-tile releases
-            red_add_release_gpu_s32(dispatch_total, Int32(1))
+        # ---- the communication CTAs dispatch (every CTA if none); then every CTA takes its
+        # d_hidden and d_x tasks by the dynamic ticket (tickets.py) and its weight tasks by the
+        # static one (bidx, + grid) ----
+        dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
+        slots = cute.make_tensor(
+            cute.recast_ptr(storage.staging.data_ptr() + handoff.BUFFER_BYTES, dtype=Int32),
+            cute.make_layout(TASK_SLOTS),
+        )
+        tickets = Tickets(dgu_total + Int64(4), slots, num_d_hidden + num_d_x)
+
+        # ---- dispatch: dY_e = bf16(w * dY), every thread of a dispatching CTA, before the
+        # roles split ----
+        if bidx < dispatchers:
+            dispatch_rows(
+                dy_ptr, dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
+                hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
+                dispatchers, weight_ptr,
+            )  # fmt: skip
+            if tidx == 0:  # after dispatch_rows' CTA barriers and per-row-tile releases
+                red_add_release_gpu_s32(dispatch_total, Int32(1))
+        if tidx == 0:
             stamp(clock, bidx, CLOCK_DISPATCHED)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                state, task = self._producer(
-                    ring, (sA, sB0, sB1), tma, d_hidden_tiles, d_x_tiles, num_d_hidden,
+                state = self._producer(
+                    engine, ring, (sA, sB0, sB1), tma, d_hidden_tiles, d_x_tiles, num_d_hidden,
                     hidden_size, intermediate_size, dispatched, dgu_done, record, timeout_ns,
-                    bidx, grid_size,
+                    tickets, gate_ptr, up_ptr,
                 )  # fmt: skip
-                wait = PhaseWait(dispatch_total, grid_size, dgu_total, num_d_hidden,
+                wait = PhaseWait(dispatch_total, dispatchers, dgu_total, num_d_hidden,
                                  PHASE_BACKWARD_DISPATCH, PHASE_BACKWARD_DHIDDEN_GEMM, record,
                                  timeout_ns)  # fmt: skip
                 state = produce_weight_tasks(
                     ring,
                     state,
                     weight_tasks,
-                    task - num_d_x,
+                    bidx,
                     grid_size,
                     wait,
                     self._weight_loads(sA_w, sB0, sB1, weight_tma),
@@ -385,15 +421,15 @@ class Sm90MoeBackward:
                 if tidx == 0:
                     stamp(clock, bidx, CLOCK_PRODUCER_DONE)
             else:
-                task = self._store_tiles(
-                    engine, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, gate_ptr, up_ptr,
-                    d_gate_ptr, d_up_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr,
-                    hidden_size, intermediate_size, dgu_done, dgu_total, tidx, bidx, grid_size,
+                self._store_tiles(
+                    d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, d_gate_ptr, d_up_ptr,
+                    slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
+                    dgu_done, dgu_total, tidx, tickets,
                 )  # fmt: skip
                 store_weight_tasks(
                     CREW,
                     weight_tasks,
-                    task - num_d_x,
+                    bidx,
                     grid_size,
                     buffers,
                     tidx,
@@ -435,14 +471,20 @@ class Sm90MoeBackward:
                 return read_state, release_state
 
             first_consumer = tidx == phases.THREADS_PER_WARPGROUP
-            states, task = consume_tasks(
-                (read_state, release_state), d_hidden_tiles, bidx, grid_size, run_d_hidden, ()
-            )
+            seq = Int32(0)
+            task = consumer_task(ring, read_state, tickets, seq)
+            states, seq, task = consume_phase(
+                (read_state, release_state), ring, tickets, seq, task, Int32(0), num_d_hidden,
+                run_d_hidden, (), d_hidden_tiles,
+            )  # fmt: skip
             if first_consumer:
                 stamp(clock, bidx, CLOCK_PHASE_1)
-            states, task = consume_tasks(
-                states, d_x_tiles, task - num_d_hidden, grid_size, run_d_x, ()
-            )
+            states, seq, task = consume_phase(
+                states, ring, tickets, seq, task, num_d_hidden, tickets.total, run_d_x, (),
+                d_x_tiles,
+            )  # fmt: skip
+            hand_off_end(CREW)
+            states = past_last_task(ring, states)
             if first_consumer:
                 stamp(clock, bidx, CLOCK_PHASE_2)
             # ---- weight tasks: both operands MN-major, their own MMA object and A view ----
@@ -451,7 +493,7 @@ class Sm90MoeBackward:
             )
             w_thr, w_operands = phases.make_operand_fragments(w_mma, tidx, sA_w, sB0, sB1)
             consume_weight_tasks(
-                states, weight_tasks, task - num_d_x, grid_size, w_mma, ring, w_operands, accs,
+                states, weight_tasks, bidx, grid_size, w_mma, ring, w_operands, accs,
                 CREW, w_thr, buffers,
             )  # fmt: skip
             if first_consumer:
@@ -461,11 +503,13 @@ class Sm90MoeBackward:
 
     @cute.jit
     def _producer(
-        self, ring, smem, tma, d_hidden_tiles, d_x_tiles, num_d_hidden, hidden_size,
-        intermediate_size, dispatched, dgu_done, record, timeout_ns, bidx, grid_size,
+        self, engine, ring, smem, tma, d_hidden_tiles, d_x_tiles, num_d_hidden, hidden_size,
+        intermediate_size, dispatched, dgu_done, record, timeout_ns, tickets, gate_ptr, up_ptr,
     ):  # fmt: skip
-        """Warp 0: TMA loads of the CTA's d_hidden and d_x tasks, each after its rows' counter.
-        Returns (producer state, the CTA's first task past the d_x phase)."""
+        """Warp 0: takes the CTA's d_hidden and d_x tasks (tickets.py) and makes the TMA loads
+        of each after its rows' counter (a d_hidden task's gate and up prefetched into L2 for
+        the consumers' epilogue first); then wakes the consumers with no task. Returns the
+        producer state past that signal."""
         sA, sB0, sB1 = smem
         tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu = tma
         tile_a = (TILE_M, TILE_K)
@@ -478,7 +522,12 @@ class Sm90MoeBackward:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         d_hidden_cols = intermediate_size // (2 * TILE_N)
 
+        lane = cute.arch.lane_idx()
+        i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
+
         def load_d_hidden(state, expert, col_tile, row_tile):
+            engine._prefetch_gate_up(lane, row_tile * TILE_M, col_tile * (2 * TILE_N), gate_ptr,
+                                     up_ptr, i_stride, threads=32)  # fmt: skip
             # A = dY_e rows (K = H), B = W_down[e] read [H, I] (K rows, N contiguous).
             b_k_base = expert * (hidden_size // TILE_K)
             loads = (
@@ -505,35 +554,41 @@ class Sm90MoeBackward:
                 state = phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
             return state
 
-        wait = RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, Int32(0), record,
+        seq = Int32(0)
+        task = take_ticket(tickets, seq)
+        wait = RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record, timeout_ns)
+        state, seq, task = produce_phase(state, d_hidden_tiles, tickets, seq, task, Int32(0),
+                                         num_d_hidden, wait, load_d_hidden, ())  # fmt: skip
+        wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, record,
                            timeout_ns)  # fmt: skip
-        state, task = produce_tasks(state, d_hidden_tiles, bidx, grid_size, wait, load_d_hidden,
-                                    ())  # fmt: skip
-        wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, num_d_hidden,
-                           record, timeout_ns)  # fmt: skip
-        return produce_tasks(state, d_x_tiles, task - num_d_hidden, grid_size, wait, load_d_x,
-                             ())  # fmt: skip
+        state, seq, task = produce_phase(state, d_x_tiles, tickets, seq, task, num_d_hidden,
+                                         tickets.total, wait, load_d_x, ())  # fmt: skip
+        signal_no_task(ring, state)
+        state.advance()
+        return state
 
     @cute.jit
     def _store_tiles(
-        self, engine, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, gate_ptr, up_ptr,
-        d_gate_ptr, d_up_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size,
-        intermediate_size, dgu_done, dgu_total, tidx, bidx, grid_size,
+        self, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, d_gate_ptr, d_up_ptr, slots_ptr,
+        peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size, dgu_done, dgu_total,
+        tidx, tickets,
     ):  # fmt: skip
         """Warps 1-3, the crew: store the d_hidden and d_x tiles the consumers hand off, in
-        their order: each d_hidden tile's d_gate and d_up (two hand-offs; its gate/up
-        prefetched into L2 first; then its row tile's counter and `dgu_total` released), then
-        each d_x tile's rows at their slots. Returns the CTA's first task past the d_x phase."""
+        their order: each d_hidden tile's d_gate and d_up (two hand-offs; then its row tile's
+        counter and `dgu_total` released), then each d_x tile's rows at their slots, until the
+        consumers' hand-off of no task."""
+        lane = tidx - 32 * CREW.first_warp
         i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
-        end = CREW.run(
-            d_hidden_tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, None,
-            handoff.store_split, (d_gate_ptr, d_up_ptr, i_stride), self._release_d_hidden_tile,
-            (dgu_done, dgu_total), handoffs=2, before_tile=engine._prefetch_gate_up,
-            before_args=(gate_ptr, up_ptr, i_stride),
+        seq = Int32(0)
+        task = crew_task(CREW, tickets, seq)
+        seq, task = store_phase(
+            CREW, d_hidden_tiles, tickets, seq, task, Int32(0), num_d_hidden, buffers, lane,
+            2 * TILE_N, None, handoff.store_split, (d_gate_ptr, d_up_ptr, i_stride),
+            self._release_d_hidden_tile, (dgu_done, dgu_total), handoffs=2,
         )  # fmt: skip
-        return CREW.run(
-            d_x_tiles, end - num_d_hidden, grid_size, buffers, tidx, 2 * TILE_N,
-            (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
+        store_phase(
+            CREW, d_x_tiles, tickets, seq, task, num_d_hidden, tickets.total, buffers, lane,
+            2 * TILE_N, (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
             (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
         )  # fmt: skip
 

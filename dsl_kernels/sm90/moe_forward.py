@@ -16,10 +16,13 @@ Mixtral. v6, this file, dispatches first, with all 384 threads of every CTA at c
 One CTA per SM (grid = SM count, all of shared memory each), 384 threads:
 
 - dispatch, all threads, before the roles split: the CTA's row tiles of the routed buffer
-  (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), then a counter release
-  per tile;
-- warp 0, the TMA producer: walks this CTA's tasks and fills the operand ring; before the A
-  loads of a task it waits (bounded) for the counter that guards those rows;
+  (x_routed[r] = x[peer_token_idx[r] // k], zeros for padding rows), a counter release after
+  each tile. With `num_comm_ctas` = 0 every CTA dispatches tiles c, c + grid, ...; otherwise
+  only CTAs 0 .. num_comm_ctas - 1 do (tiles c, c + num_comm_ctas, ...) and the others go
+  straight to their tasks;
+- warp 0, the TMA producer: takes the CTA's tasks one ticket at a time (tickets.py) and fills
+  the operand ring; before the A loads of a task it waits (bounded) for the counter that
+  guards those rows;
 - warps 1-3, the crew (epilogue_warps.py): store each tile the consumers hand off through two
   shared-memory blocks (gate/up: SwiGLU, gate, up, hidden; down: rows at their slots) while
   the consumers run the next task, and release a counter per stored gate/up tile (in the
@@ -30,10 +33,12 @@ One CTA per SM (grid = SM count, all of shared memory each), 384 threads:
 
 Task list, in dependency order: every gate/up tile (tile list of expert_tiles.py: expert by
 expert, m fastest, then the 128-column block of I), then every down tile (expert by expert, m
-fastest, then the 256-column block of H). CTA c runs tasks c, c + grid, c + 2 grid, ... (a
-static ticket: the task -> CTA map depends only on the grid, so results are deterministic).
-Every CTA runs all of its gate/up tasks before any down task, and gate/up tasks depend only on
-dispatch, which waits for nothing: the waits cannot deadlock.
+fastest, then the 256-column block of H). A CTA takes its next task from one global counter
+(a dynamic ticket, tickets.py: a slow CTA takes fewer; a static ticket, CTA c running tasks
+c, c + grid, ..., left the same CTAs 0.2-0.35 ms behind the median, and the kernel 20% longer
+at Qwen3-30B-A3B's shape). Tickets are taken in list order and a task waits only for tasks
+before it (gate/up only for dispatch, which waits for nothing): the waits cannot deadlock. A
+task is always one CTA's whole tile in a fixed K order, so any CTA computes the same bits.
 
 Dependencies are int32 counters in global memory (zeroed by the launcher before each launch):
     dispatched[m]   routed-row tile m (rows 128 m .. 128 m + 127) is in x_routed: reaches 1
@@ -45,12 +50,13 @@ polls with `ld.acquire.gpu` (GPU scope: only this GPU writes these counters;
 common/bounded_wait.py, phases DISPATCH and GATE_UP_GEMM), giving up after `timeout_ns` with the error record written and a trap, then fences the async proxy
 before its TMA loads.
 
-Why dispatch is a phase of every CTA and not `fwd_num_comm_sms` separate CTAs: the first GEMM
-tasks need rows from many CTAs' tiles, so dispatch gates the start either way; run by every
-thread at once it takes about the time of a copy kernel (0.1-0.9 ms at these shapes), while
-communication CTAs would keep SMs from the GEMMs for the whole launch. Overlapping it with
-the GEMMs needs shared memory the ring and the hand-off blocks already take (v5). EP > 1 adds
-peers to the same phase (a peer pointer instead of x), not a second code path.
+Why every CTA dispatches by default (`fwd_num_comm_sms` = 0): the copy runs at HBM bandwidth
+when all CTAs do it (~2 TB/s written plus the gathered reads), but one CTA alone copies only
+~22 GB/s, so communication CTAs must be many to keep ahead, and then they take about as much
+SM time as the phase while their traffic slows the GEMMs beside them. Measured on the H200
+(docs/NOTES.md, session 7): 16-48 communication CTAs were never faster. Overlapping the copy
+for real needs the rows gathered straight into the A stage. EP > 1 adds peers to the same
+dispatch (a peer pointer instead of x), not a second code path.
 
 Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`):
 - `tma_x`   x_routed bf16 [C, H]        `tma_wg`, `tma_wu`  W_gate, W_up viewed [E * I, H]
@@ -58,11 +64,12 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
 - `x_ptr` bf16 [T, H]; `x_routed_ptr` bf16 [C, H]; `gate_ptr`, `up_ptr`, `hidden_ptr` bf16
   [C, I]; `slots_ptr` bf16 [T * k, H]
 - `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
-  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128)], zeroed
+  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128) + 1] (the last
+  is the ticket), zeroed
 - `error_record_ptr` (the device's error record, may be null), `clock_ptr` (int64 [grid, 8]
   phase clock, common/phase_clock.py; may be null), `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T: rows of x),
-  `capacity` (C), `has_limit`, `swiglu_limit`
+  `capacity` (C), `has_limit`, `swiglu_limit`, `num_comm_ctas` (0, or < grid)
 
 Constraints (the launcher checks them): H % 256 == 0, I % 128 == 0, both < 2^16; the schedule's
 segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
@@ -92,7 +99,20 @@ from .epilogue_warps import EpilogueCrew
 from .expert_gemm import MAX_K, MAX_ROWS, Sm90ExpertGemm
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
-from .task_walk import RowTileWait, consume_tasks, produce_tasks
+from .tickets import (
+    SLOT_BYTES,
+    TASK_SLOTS,
+    RowTileWait,
+    Tickets,
+    consume_phase,
+    consumer_task,
+    crew_task,
+    hand_off_end,
+    produce_phase,
+    signal_no_task,
+    store_phase,
+    take_ticket,
+)
 
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
 PHASE_DISPATCH = 5
@@ -159,6 +179,7 @@ class Sm90MoeForward:
             Int32(0),  # capacity
             Int32(0),  # has_limit
             Float32(0.0),  # swiglu_limit
+            Int32(0),  # num_comm_ctas
             Int32(1),  # num_ctas
         )
 
@@ -192,6 +213,7 @@ class Sm90MoeForward:
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
+        num_comm_ctas: Int32,
         num_ctas: Int32,
     ):
         layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
@@ -237,6 +259,7 @@ class Sm90MoeForward:
             capacity,
             has_limit,
             swiglu_limit,
+            num_comm_ctas,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
 
     @cute.kernel
@@ -274,6 +297,7 @@ class Sm90MoeForward:
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
+        num_comm_ctas: Int32,
     ):
         tma = (tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
@@ -283,7 +307,7 @@ class Sm90MoeForward:
         a_layout = engine._smem_layout(TILE_M)
         b_layout = engine._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES + SLOT_BYTES
         )
         buffers = handoff.handoff_buffers(storage)
         if warp_idx == 0:
@@ -309,13 +333,25 @@ class Sm90MoeForward:
         if tidx == 0:
             stamp(clock, bidx, CLOCK_START)
 
-        # ---- dispatch: every thread of the CTA, before the roles split ----
-        dispatch_rows(
-            x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
-            topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx, grid_size,
-        )  # fmt: skip
+        # ---- dispatch: the communication CTAs (every CTA if none), before the roles split ----
+        dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
+        if bidx < dispatchers:
+            dispatch_rows(
+                x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
+                hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
+                dispatchers,
+            )  # fmt: skip
         if tidx == 0:
             stamp(clock, bidx, CLOCK_DISPATCHED)
+
+        # ---- the dynamic ticket (tickets.py): gate/up tasks 0 .. num_gate_up - 1, then down
+        num_tasks = num_gate_up + row_tiles_total * (hidden_size // (2 * TILE_N))
+        slots = cute.make_tensor(
+            cute.recast_ptr(storage.staging.data_ptr() + handoff.BUFFER_BYTES, dtype=Int32),
+            cute.make_layout(TASK_SLOTS),
+        )
+        ticket = hidden_done + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        tickets = Tickets(ticket, slots, num_tasks)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -323,7 +359,7 @@ class Sm90MoeForward:
                 self._producer(
                     ring, (sA, sB0, sB1), tma, gate_up_tiles, down_tiles, num_gate_up,
                     hidden_size, intermediate_size, dispatched, hidden_done, record, timeout_ns,
-                    bidx, grid_size,
+                    tickets,
                 )  # fmt: skip
                 if tidx == 0:
                     stamp(clock, bidx, CLOCK_PRODUCER_DONE)
@@ -331,7 +367,7 @@ class Sm90MoeForward:
                 self._store_tiles(
                     gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
                     slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
-                    has_limit, swiglu_limit, hidden_done, tidx, bidx, grid_size,
+                    has_limit, swiglu_limit, hidden_done, tidx, tickets,
                 )  # fmt: skip
                 if tidx == 32 * CREW.first_warp:
                     stamp(clock, bidx, CLOCK_CREW_DONE)
@@ -341,29 +377,32 @@ class Sm90MoeForward:
             read_state, release_state = phases.make_consumer_states(self.stages)
             # ---- gate/up tasks, handed to the crew (which stores them and releases the
             # counter of their row tile), then down tasks (the crew stores rows at their
-            # (token, j) slots). Each phase has its own MMA object: `mma_k_tiles` sets its
-            # accumulate field inside one loop, and a value made inside one loop may not be
-            # used by another.
+            # (token, j) slots), then the end of the hand-offs. Each phase has its own MMA
+            # object: `mma_k_tiles` sets its accumulate field inside one loop, and a value
+            # made inside one loop may not be used by another.
             down_mma = engine._tiled_mma()
             down_thr = down_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
 
-            def run_task(states, first_row, col_tile, mma, thr, k_tiles):
+            def run_task(states, mma, thr, k_tiles):
                 read_state, release_state = phases.mma_k_tiles(
                     mma, ring, states[0], states[1], k_tiles, operands, accs
                 )
                 CREW.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
-            states, task = consume_tasks(
-                (read_state, release_state), gate_up_tiles, bidx, grid_size, run_task,
-                (tiled_mma, thr_mma, hidden_size // TILE_K),
+            seq = Int32(0)
+            task = consumer_task(ring, read_state, tickets, seq)
+            states, seq, task = consume_phase(
+                (read_state, release_state), ring, tickets, seq, task, Int32(0), num_gate_up,
+                run_task, (tiled_mma, thr_mma, hidden_size // TILE_K),
             )  # fmt: skip
             if tidx == phases.THREADS_PER_WARPGROUP:
                 stamp(clock, bidx, CLOCK_PHASE_1)
-            consume_tasks(
-                states, down_tiles, task - num_gate_up, grid_size, run_task,
+            consume_phase(
+                states, ring, tickets, seq, task, num_gate_up, num_tasks, run_task,
                 (down_mma, down_thr, intermediate_size // TILE_K),
             )  # fmt: skip
+            hand_off_end(CREW)
             if tidx == phases.THREADS_PER_WARPGROUP:
                 stamp(clock, bidx, CLOCK_PHASE_2)
 
@@ -372,9 +411,10 @@ class Sm90MoeForward:
     @cute.jit
     def _producer(
         self, ring, smem, tma, gate_up_tiles, down_tiles, num_gate_up, hidden_size,
-        intermediate_size, dispatched, hidden_done, record, timeout_ns, bidx, grid_size,
+        intermediate_size, dispatched, hidden_done, record, timeout_ns, tickets,
     ):  # fmt: skip
-        """Warp 0: TMA loads of every task of this CTA, each after its rows' counter."""
+        """Warp 0: takes the CTA's tasks (tickets.py) and makes the TMA loads of each, after
+        its rows' counter; then wakes the consumers with no task."""
         sA, sB0, sB1 = smem
         tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd = tma
         tile_a = (TILE_M, TILE_K)
@@ -406,19 +446,22 @@ class Sm90MoeForward:
             )
             return phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
 
-        wait = RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, Int32(0), record, timeout_ns)
-        state, task = produce_tasks(state, gate_up_tiles, bidx, grid_size, wait, load_gate_up, ())
-        wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, num_gate_up, record,
-                           timeout_ns)  # fmt: skip
-        state, _ = produce_tasks(state, down_tiles, task - num_gate_up, grid_size, wait,
-                                 load_down, ())  # fmt: skip
+        seq = Int32(0)
+        task = take_ticket(tickets, seq)
+        wait = RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, timeout_ns)
+        state, seq, task = produce_phase(state, gate_up_tiles, tickets, seq, task, Int32(0),
+                                         num_gate_up, wait, load_gate_up, ())  # fmt: skip
+        wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, record, timeout_ns)
+        state, seq, task = produce_phase(state, down_tiles, tickets, seq, task, num_gate_up,
+                                         tickets.total, wait, load_down, ())  # fmt: skip
+        signal_no_task(ring, state)
         ring.producer_tail(state)
 
     @cute.jit
     def _store_tiles(
         self, gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
         slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
-        has_limit, swiglu_limit, hidden_done, tidx, bidx, grid_size,
+        has_limit, swiglu_limit, hidden_done, tidx, tickets,
     ):  # fmt: skip
         """Warps 1-3, the crew: store every tile the consumers hand off, in their order: each
         gate/up tile's gate, up and hidden (then release its row tile's counter), then each
@@ -427,13 +470,16 @@ class Sm90MoeForward:
             hidden_ptr, gate_ptr, up_ptr, cute.assume(Int64(intermediate_size), divby=TILE_N),
             has_limit, swiglu_limit,
         )  # fmt: skip
-        end = CREW.run(
-            gate_up_tiles, bidx, grid_size, buffers, tidx, TILE_N, None,
-            self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
+        lane = tidx - 32 * CREW.first_warp
+        seq = Int32(0)
+        task = crew_task(CREW, tickets, seq)
+        seq, task = store_phase(
+            CREW, gate_up_tiles, tickets, seq, task, Int32(0), num_gate_up, buffers, lane, TILE_N,
+            None, self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
             (hidden_done,),
         )  # fmt: skip
-        CREW.run(
-            down_tiles, end - num_gate_up, grid_size, buffers, tidx, 2 * TILE_N,
-            (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
+        store_phase(
+            CREW, down_tiles, tickets, seq, task, num_gate_up, tickets.total, buffers, lane,
+            2 * TILE_N, (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
             (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
         )  # fmt: skip

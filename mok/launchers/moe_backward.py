@@ -21,7 +21,7 @@ from .checks import check_arg
 from .comm import DEFAULT_TIMEOUT_NS
 from .expert_gemm import TILE_ROWS, _check, _check_multiple, _descriptor, _sm_count
 from .expert_gemm_bwd import N_ALIGNMENT, _check_extents
-from .moe_forward import walk_arguments
+from .moe_forward import comm_count, walk_arguments
 
 KERNEL = "moe_backward"
 
@@ -40,6 +40,7 @@ def routed_backward(
     *,
     swiglu_limit: float | None = None,
     weight_grads: bool = True,
+    num_comm_ctas: int = 0,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
 ) -> tuple:
     """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) of the
@@ -54,7 +55,8 @@ def routed_backward(
     With `weight_grads` the launch also computes the bf16 weight gradients, [E, I, H] for
     gate and up and [E, H, I] for down (exact zeros for an expert without tokens), bitwise
     the separate kernels' (expert_gemm_bwd.weight_gradient); without, they are left to the
-    caller (who adds them into fp32 main_grads).
+    caller (who adds them into fp32 main_grads). `num_comm_ctas` CTAs dispatch dY_e while
+    the others start the d_hidden GEMMs (0: every CTA dispatches first).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -100,8 +102,9 @@ def routed_backward(
                 d_w.zero_()
         return dy_e, d_gate, d_up, partials, slots, d_weights
     # dispatched[m] then dgu_done[m], one int32 per 128-row tile of the routed buffer, then
-    # the CTAs done dispatching and the d_hidden tiles stored (the weight phase's waits).
-    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 2, dtype=torch.int32,
+    # the CTAs done dispatching and the d_hidden tiles stored (the weight phase's waits), then
+    # the task ticket.
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 3, dtype=torch.int32,
                            device=device)  # fmt: skip
     # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
     d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
@@ -138,6 +141,7 @@ def routed_backward(
                 schedule, counters, timeout_ns, grad_output, gate_weights, topk, swiglu_limit
             ),
             "weight_gemms": 3 if weight_grads else 0,
+            "num_comm_ctas": comm_count(num_comm_ctas, _sm_count(device)),
         },
     )
     return dy_e, d_gate, d_up, partials, slots, d_weights

@@ -37,6 +37,7 @@ def routed_forward(
     down_weights: torch.Tensor,
     *,
     swiglu_limit: float | None = None,
+    num_comm_ctas: int = 0,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((x_routed, gate, up, hidden), slots) of the routed experts, in one launch.
@@ -44,6 +45,8 @@ def routed_forward(
     x bf16 [T, H]; weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
     MoKSchedule of this rank (a group of one). slots bf16 [T * k, H]: row t * k + j is the
     output of token t's j-th expert. Routed rows at or past schedule.num_tokens are not written.
+    `num_comm_ctas` CTAs dispatch the rows while the others start the GEMMs (0: every CTA
+    dispatches first).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -73,8 +76,9 @@ def routed_forward(
     slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
     if capacity == 0 or num_experts == 0 or num_tokens == 0:
         return (x_routed, gate, up, hidden), slots
-    # dispatched[m] then hidden_done[m], one int32 per 128-row tile of the routed buffer.
-    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)), dtype=torch.int32, device=device)
+    # dispatched[m] then hidden_done[m], one int32 per 128-row tile of the routed buffer, then
+    # the task ticket.
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 1, dtype=torch.int32, device=device)
     kernel = get_kernel(KERNEL, device=device)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
@@ -94,6 +98,7 @@ def routed_forward(
             "hidden_ptr": hidden,
             "slots_ptr": slots,
             **walk_arguments(schedule, counters, timeout_ns, x, gate_weights, topk, swiglu_limit),
+            "num_comm_ctas": comm_count(num_comm_ctas, _sm_count(device)),
         },
     )
     return (x_routed, gate, up, hidden), slots
@@ -125,6 +130,28 @@ def set_phase_clock(clock: torch.Tensor | None) -> torch.Tensor | None:
         )
     previous, _phase_clock = _phase_clock, clock
     return previous
+
+
+# None: the config's count; 0: every CTA dispatches before its tasks (a diagnostic A/B).
+_comm_override: int | None = None
+
+
+def set_comm_ctas(count: int | None) -> int | None:
+    """Diagnostics: run the megakernels with `count` communication CTAs whatever the config
+    says (0: every CTA dispatches first, no lead), or None (the config's); returns the
+    previous override."""
+    global _comm_override
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+        raise ValueError(f"count must be None or an int >= 0, got {count!r}")
+    previous, _comm_override = _comm_override, count
+    return previous
+
+
+def comm_count(num_comm_ctas: int, grid: int) -> int:
+    """The communication CTAs a launch runs with: the config's (or set_comm_ctas's), at most
+    grid - 1."""
+    comm = num_comm_ctas if _comm_override is None else _comm_override
+    return max(0, min(comm, grid - 1))
 
 
 def walk_arguments(schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit) -> dict:

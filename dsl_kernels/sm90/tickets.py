@@ -1,0 +1,208 @@
+"""The forward megakernel's dynamic ticket: each CTA takes its next task from one global int32
+counter (`atom.add`), so a CTA that runs slow takes fewer tasks instead of finishing last.
+
+Measured with the phase clock (docs/NOTES.md, session 7): under the static ticket (CTA c ran
+tasks c, c + grid, ...) the same few CTAs ended 0.2 ms (Qwen3-30B-A3B) to 0.35 ms (Mixtral)
+after the median one, run after run, although every CTA had the same number of tasks within
+one: the kernel waited for them.
+
+Tickets are taken in increasing order, and a task waits only for tasks of smaller numbers
+(dispatch < gate/up < down), each already taken by a running CTA that will finish it: the waits
+cannot deadlock. Which CTA runs a task changes from run to run, never what the task computes
+(one CTA per output tile, K in a fixed order): the results stay bitwise deterministic.
+
+Inside a CTA the producer warp takes the tickets and tells the other roles through TASK_SLOTS
+int32 slots in shared memory, slot `seq % TASK_SLOTS` for the CTA's seq-th task:
+- the producer writes the task (-1: no task left) into its slot before the first load of the
+  task, i.e. before the arrive on that ring stage's full barrier (release);
+- the consumers wait on that full barrier (acquire), then read the slot; at -1 the producer
+  arrived on the barrier without loading anything, and the consumers stop;
+- the crew reads the slot after the consumers' hand-off of that task (named barriers order
+  it after their read); at -1 the consumers handed off nothing, and the crew stops.
+The producer is at most two tasks ahead of the consumers (3 ring stages, at least 2 K tiles a
+task), which are at most two ahead of the crew (two hand-off blocks): 8 slots never overrun.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ..common.bounded_wait import (
+    OWN_MEMORY,
+    atom_add_relaxed_gpu_s32,
+    bounded_wait_reached,
+    ld_acquire_gpu_s32,
+)
+from .epilogue_warps import BUFFERS_FREE, TILE_READY
+from .expert_tiles import TileList, locate_first_tile, locate_tile
+from .gemm_phases import TILE_M, TILE_N
+
+TASK_SLOTS = 8
+SLOT_BYTES = 4 * TASK_SLOTS
+NO_TASK = -1
+
+
+class RowTileWait(NamedTuple):
+    """What a phase's tasks wait for: the int32 counters from byte address `counters`, one per
+    row tile, each reaching `needed`; on a timeout the error record gets `phase` and the task
+    (its number in the whole list)."""
+
+    counters: Int64
+    needed: Int32
+    phase: int
+    record: Int64
+    timeout_ns: Int64
+
+
+class Tickets(NamedTuple):
+    """The ticket counter (byte address of a zeroed int32), the CTA's task slots (shared Int32
+    [TASK_SLOTS]) and the number of tasks."""
+
+    counter: Int64
+    slots: cute.Tensor
+    total: Int32
+
+
+@cute.jit
+def take_ticket(tickets: Tickets, seq: Int32) -> Int32:
+    """Producer warp (all lanes): the CTA's seq-th task, or NO_TASK past the end; written into
+    its slot by every lane (the same value), so the lane that then arrives on the full barrier
+    has written it itself."""
+    task = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        task = atom_add_relaxed_gpu_s32(tickets.counter, Int32(1))
+    task = cute.arch.shuffle_sync(task, 0)
+    task = cutlass.select_(task < tickets.total, task, Int32(NO_TASK))
+    tickets.slots[seq % TASK_SLOTS] = task
+    return task
+
+
+@cute.jit
+def signal_no_task(ring, state):
+    """Producer warp, after take_ticket returned NO_TASK: wait for the next stage to be free
+    and arrive on its full barrier without loading anything (the consumers wake and read
+    NO_TASK). The stage is never released: `producer_tail` still finds every stage free."""
+    ring.sync_object_empty.wait(state.index, state.phase)
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive(ring.producer_get_barrier(state))
+
+
+@cute.jit
+def consumer_task(ring, read_state, tickets: Tickets, seq: Int32) -> Int32:
+    """Consumer warpgroups: the CTA's seq-th task (or NO_TASK), once the producer published it
+    with the first stage of the task (which `mma_k_tiles` then waits for again, at once)."""
+    ring.consumer_wait(read_state)
+    return tickets.slots[seq % TASK_SLOTS]
+
+
+@cute.jit
+def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
+                  end: Int32, wait: RowTileWait, load_task, load_args):  # fmt: skip
+    """Producer warp: while the CTA's task is one of this phase's (numbers base .. end - 1),
+    the bounded wait for its row tile, then `state = load_task(state, expert,
+    col_tile, row_tile, *load_args)`, then the next ticket. Returns (state, seq, task): the
+    first task past the phase."""
+    expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, Int32(0))
+    while (task >= base) & (task < end):
+        expert, tile_base, row_base, row_tiles = locate_tile(
+            tiles, task - base, (expert, tile_base, row_base, row_tiles)
+        )
+        local = task - base - tile_base
+        row_tile = row_base // TILE_M + local % row_tiles
+        bounded_wait_reached(
+            wait.counters + Int64(4) * Int64(row_tile), wait.needed, wait.timeout_ns,
+            wait.record, Int32(0), Int32(wait.phase), row_tile, Int32(OWN_MEMORY), task,
+            ld_acquire_gpu_s32,
+        )  # fmt: skip
+        cute.arch.fence_proxy("async.global")
+        state = load_task(state, expert, local // row_tiles, row_tile, *load_args)
+        seq = seq + 1
+        task = take_ticket(tickets, seq)
+    return state, seq, task
+
+
+@cute.jit
+def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
+                  end: Int32, run_task, run_args, tiles=None):  # fmt: skip
+    """Consumer warpgroups: while the CTA's task is in base .. end - 1, `states =
+    run_task(states, *run_args)`, or with `tiles` (the phase's TileList) `states =
+    run_task(states, first_row, col_tile, *run_args)`; then the next task. Returns (states,
+    seq, task)."""
+    expert, tile_base, row_base, row_tiles = (Int32(0), Int32(0), Int32(0), Int32(0))
+    if cutlass.const_expr(tiles is not None):
+        expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, Int32(0))
+    while (task >= base) & (task < end):
+        if cutlass.const_expr(tiles is None):
+            states = run_task(states, *run_args)
+        else:
+            expert, tile_base, row_base, row_tiles = locate_tile(
+                tiles, task - base, (expert, tile_base, row_base, row_tiles)
+            )
+            local = task - base - tile_base
+            states = run_task(states, row_base + (local % row_tiles) * TILE_M,
+                              local // row_tiles, *run_args)  # fmt: skip
+        seq = seq + 1
+        task = consumer_task(ring, states[0], tickets, seq)
+    return states, seq, task
+
+
+@cute.jit
+def past_last_task(ring, states):
+    """Consumer warpgroups, after reading NO_TASK, when more ring work follows (the backward's
+    weight phase): release the stage the producer signalled on and step past it. Returns the
+    states."""
+    read_state, release_state = states
+    ring.consumer_release(release_state)
+    read_state.advance()
+    release_state.advance()
+    return read_state, release_state
+
+
+@cute.jit
+def crew_task(crew, tickets: Tickets, seq: Int32) -> Int32:
+    """The crew: free the hand-off blocks (the previous tile is stored), wait for the
+    consumers' next hand-off (or their `hand_off_end`) and return its task."""
+    cute.arch.barrier_arrive(barrier_id=BUFFERS_FREE, number_of_threads=crew.handoff_threads)
+    cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=crew.handoff_threads)
+    return tickets.slots[seq % TASK_SLOTS]
+
+
+@cute.jit
+def hand_off_end(crew):
+    """Consumers, past their last task: once the crew freed the blocks, wake it with nothing
+    in them (it reads NO_TASK)."""
+    cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=crew.handoff_threads)
+    cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=crew.handoff_threads)
+
+
+@cute.jit
+def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
+                end: Int32, buffers, lane, tile_cols: int, slots, store_chunk, store_args,
+                after_tile=None, after_args=(), handoffs: int = 1):  # fmt: skip
+    """The crew: store each hand-off of this phase's tasks (as EpilogueCrew.run does for a
+    static walk; `slots` None or the (peer_rank, peer_token_idx) pointers of rows stored at
+    their slots), `after_tile(lane, first_row, *after_args)` after each; `handoffs` per tile,
+    the h-th stored from column first_col + h * TILE_N. Returns (seq, task)."""
+    expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, Int32(0))
+    while (task >= base) & (task < end):
+        expert, tile_base, row_base, row_tiles = locate_tile(
+            tiles, task - base, (expert, tile_base, row_base, row_tiles)
+        )
+        local = task - base - tile_base
+        first_row = row_base + (local % row_tiles) * TILE_M
+        targets = None
+        if cutlass.const_expr(slots is not None):
+            targets = buffers[2]
+            crew.look_up_targets(targets, lane, first_row, slots[0], slots[1])
+        first_col = (local // row_tiles) * tile_cols
+        crew.copy_out(buffers, lane, first_row, first_col, targets, store_chunk, store_args)
+        for h in cutlass.range_constexpr(1, handoffs):
+            crew.store_handoff(buffers, lane, first_row, first_col + h * TILE_N, targets,
+                               store_chunk, store_args)  # fmt: skip
+        if cutlass.const_expr(after_tile is not None):
+            after_tile(lane, first_row, *after_args)
+        seq = seq + 1
+        task = crew_task(crew, tickets, seq)
+    return seq, task
