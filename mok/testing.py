@@ -73,6 +73,36 @@ def make_inputs(
     return {k: (v.to(device) if v is not None else None) for k, v in inputs.items()}
 
 
+WEIGHT_NAMES = (
+    "shared_gate",
+    "shared_up",
+    "shared_down",
+    "routed_gate",
+    "routed_up",
+    "routed_down",
+)
+
+
+def run_layer(inputs: dict, num_experts: int, config=None, swiglu_limit=None, main_grads=None):
+    """One forward and backward through `mok.functional` of a layer made by `make_inputs`,
+    then `check_errors` (which syncs). Returns (out, context, grads, schedule)."""
+    from mok import functional as F  # noqa: PLC0415
+
+    config = F.MoKConfig() if config is None else config
+    x, router_weights = inputs["x"], inputs["router_weights"]
+    t, h = x.shape
+    ws = F.get_workspace(config, None, device=x.device, num_local_tokens=t, hidden_size=h,
+                         topk=inputs["top_experts"].shape[1], num_local_experts=num_experts)  # fmt: skip
+    weights = [inputs[n] for n in WEIGHT_NAMES]
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=num_experts)
+    out, ctx = F.forward(config, ws, schedule, x, router_weights, *weights,
+                         swiglu_limit=swiglu_limit)  # fmt: skip
+    grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], x, router_weights,
+                       *weights, swiglu_limit=swiglu_limit, main_grads=main_grads)  # fmt: skip
+    F.check_errors(ws)
+    return out, ctx, grads, schedule
+
+
 def poison_cuda_allocator(nbytes: int = 1 << 28) -> None:
     """Fill a block of torch's CUDA caching allocator with 0xFF bytes and free it, so that the
     next `torch.empty` outputs of that size start as NaN (0xFFFF is a bf16 NaN, 0xFFFFFFFF an

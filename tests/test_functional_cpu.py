@@ -13,25 +13,15 @@ from mok import functional as F
 from mok import reference as R
 from mok.config import ROUTED_ROW_ALIGNMENT
 from mok.nn import MoKExperts
-from mok.testing import make_inputs, within_bf16_bound
+from mok.testing import WEIGHT_NAMES, make_inputs, run_layer, within_bf16_bound
 
 T, H, I, E, K = 96, 128, 256, 6, 3
-WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
 GRADS = ("x", "router_weights", "routed_gate", "routed_up", "routed_down",
          "shared_gate", "shared_up", "shared_down")  # fmt: skip
 
 
 def functional_step(inputs, limit=None, main_grads=None):
-    config = F.MoKConfig()
-    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
-                         num_local_experts=E)  # fmt: skip
-    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=E)
-    weights = [inputs[n] for n in WEIGHTS]
-    out, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights,
-                         swiglu_limit=limit)  # fmt: skip
-    grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], inputs["x"],
-                       inputs["router_weights"], *weights, swiglu_limit=limit,
-                       main_grads=main_grads)  # fmt: skip
+    out, ctx, grads, _ = run_layer(inputs, E, swiglu_limit=limit, main_grads=main_grads)
     return out, ctx, grads
 
 
@@ -41,7 +31,7 @@ def test_functional_equals_reference_and_naive(shared, limit):
     out, ctx, grads = functional_step(inputs, limit)
     schedule = R.make_schedule(inputs["top_experts"], num_local_experts=E,
                                capacity=2 * T * K + E * ROUTED_ROW_ALIGNMENT)  # fmt: skip
-    weights = [inputs[n] for n in WEIGHTS]
+    weights = [inputs[n] for n in WEIGHT_NAMES]
     ref_out, ref_ctx = R.forward(schedule, inputs["x"], inputs["router_weights"], *weights,
                                  swiglu_limit=limit)  # fmt: skip
     assert torch.equal(out, ref_out)
@@ -77,11 +67,11 @@ def test_main_grad_accumulation_equals_sum_of_returned_gradients():
     # accumulation adds them in fp32.
     schedule = R.make_schedule(inputs["top_experts"], num_local_experts=E,
                                capacity=2 * T * K + E * ROUTED_ROW_ALIGNMENT)  # fmt: skip
-    weights = [inputs[n] for n in WEIGHTS]
+    weights = [inputs[n] for n in WEIGHT_NAMES]
     _, ctx = R.forward(schedule, inputs["x"], inputs["router_weights"], *weights)
     fp32_grads = R.backward(schedule, ctx, inputs["grad_output"], inputs["x"],
                             inputs["router_weights"], *weights)[2:]  # fmt: skip
-    main = tuple(torch.full(inputs[n].shape, 0.5) for n in WEIGHTS[3:] + WEIGHTS[:3])
+    main = tuple(torch.full(inputs[n].shape, 0.5) for n in WEIGHT_NAMES[3:] + WEIGHT_NAMES[:3])
     for _ in range(2):
         _, _, acc = functional_step(inputs, main_grads=main)
         for i, m in enumerate(main):
@@ -112,7 +102,7 @@ def test_compile_fullgraph_forward_backward_step():
     config = F.MoKConfig()
     ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
                          num_local_experts=E)  # fmt: skip
-    weights = [inputs[n] for n in WEIGHTS]
+    weights = [inputs[n] for n in WEIGHT_NAMES]
 
     def step(top_experts, x, router_weights, dy, *weights):
         schedule = F.build_schedule(ws, config, top_experts, num_local_experts=E)

@@ -13,26 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from mok import functional as F
 from mok.launchers import set_backward_path, set_forward_path
-from mok.testing import make_inputs
-
-WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
+from mok.testing import make_inputs, run_layer
 
 
 def step(inputs, num_experts, main_grads=None):
-    t, h = inputs["x"].shape
-    k = inputs["top_experts"].shape[1]
-    config = F.MoKConfig()
-    ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=t,
-                         hidden_size=h, topk=k, num_local_experts=num_experts)  # fmt: skip
-    weights = [inputs[n] for n in WEIGHTS]
-    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=num_experts)
-    out, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights)
-    grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], inputs["x"],
-                       inputs["router_weights"], *weights, main_grads=main_grads)  # fmt: skip
-    torch.cuda.synchronize()
-    F.check_errors(ws)
+    out, _, grads, _ = run_layer(inputs, num_experts, main_grads=main_grads)
     return out, grads
 
 

@@ -13,27 +13,16 @@ import torch
 from mok import functional as F
 from mok.launchers import set_backward_path
 from mok.launchers.moe_forward import CLOCK_SLOTS, set_comm_ctas, set_phase_clock
-from mok.testing import make_inputs
+from mok.testing import make_inputs, run_layer
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
 
 
-def step(inputs, e, config, poison=True):
-    t, h = inputs["x"].shape
-    k = inputs["top_experts"].shape[1]
-    ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=t,
-                         hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
-    weights = [inputs[n] for n in WEIGHTS]
-    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
-    out, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights)
-    grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], inputs["x"],
-                       inputs["router_weights"], *weights)  # fmt: skip
-    torch.cuda.synchronize()
-    F.check_errors(ws)
+def step(inputs, e, config):
+    out, ctx, grads, schedule = run_layer(inputs, e, config)
     # The context's routed rows (rows past schedule.num_tokens are not written).
     rows, capacity = int(schedule.num_tokens.item()), schedule.peer_rank.shape[0]
     context = [getattr(ctx, f.name) for f in dataclasses.fields(ctx)]
