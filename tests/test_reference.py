@@ -12,16 +12,8 @@ import torch
 
 from mok import reference as R
 from mok.config import ROUTED_ROW_ALIGNMENT
-from mok.testing import make_inputs, within_bf16_bound
+from mok.testing import WEIGHT_NAMES, make_inputs, within_bf16_bound
 
-WEIGHT_NAMES = (
-    "shared_gate",
-    "shared_up",
-    "shared_down",
-    "routed_gate",
-    "routed_up",
-    "routed_down",
-)
 GRAD_NAMES = ("x", "router_weights", "routed_gate", "routed_up", "routed_down",
               "shared_gate", "shared_up", "shared_down")  # fmt: skip
 
