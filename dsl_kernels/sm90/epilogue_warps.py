@@ -192,11 +192,11 @@ class EpilogueCrew:
     ):  # fmt: skip
         """Store each of this CTA's tiles of `tiles` (first_tile, then + grid_size, as the
         consumers walk them; `tile_cols` output columns per tile) from the hand-off blocks
-        while the consumers run the next one. `slots` (peer_rank, peer_token_idx pointers) or None: rows go to their slots,
-        padding rows nowhere. `handoffs` hand-offs per tile, the h-th stored with first_col +
-        h * TILE_N. `before_tile(lane, first_row, first_col, *before_args)` runs before a
-        tile's first hand-off, `after_tile(lane, first_row, *after_args)` after its last.
-        Returns the first tile past the end of the walk."""
+        while the consumers run the next one. `slots` (peer_rank, peer_token_idx pointers)
+        or None: rows go to their slots, padding rows nowhere. `handoffs` hand-offs per tile,
+        the h-th stored with first_col + h * TILE_N. `before_tile(lane, first_row, first_col,
+        *before_args)` runs before a tile's first hand-off, `after_tile(lane, first_row,
+        *after_args)` after its last. Returns the first tile past the end of the walk."""
         lane = tidx - 32 * self.first_warp
         tile = first_tile
         expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)

@@ -1,14 +1,14 @@
-"""The forward megakernel's dynamic ticket: each CTA takes its next task from one global int32
-counter (`atom.add`), so a CTA that runs slow takes fewer tasks instead of finishing last.
+"""The megakernels' dynamic ticket: each CTA takes its next task from one global int32 counter
+(`atom.add`), so a CTA that runs slow takes fewer tasks instead of finishing last.
 
 Measured with the phase clock (docs/NOTES.md, session 7): under the static ticket (CTA c ran
 tasks c, c + grid, ...) the same few CTAs ended 0.2 ms (Qwen3-30B-A3B) to 0.35 ms (Mixtral)
 after the median one, run after run, although every CTA had the same number of tasks within
 one: the kernel waited for them.
 
-Tickets are taken in increasing order, and a task waits only for tasks of smaller numbers
-(dispatch < gate/up < down), each already taken by a running CTA that will finish it: the waits
-cannot deadlock. Which CTA runs a task changes from run to run, never what the task computes
+Tickets are taken in increasing order, and a task waits only for the dispatch or for tasks of
+smaller numbers (gate/up < down; d_hidden < d_x), each already taken by a running CTA that will
+finish it: the waits cannot deadlock. Which CTA runs a task changes from run to run, never what the task computes
 (one CTA per output tile, K in a fixed order): the results stay bitwise deterministic.
 
 Inside a CTA the producer warp takes the tickets and tells the other roles through TASK_SLOTS
