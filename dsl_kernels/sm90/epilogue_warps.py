@@ -124,6 +124,13 @@ class EpilogueCrew:
             cute.autovec_copy(values[j], thr_mma.partition_C(buffers[j]))
         cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
 
+    @cute.jit
+    def hand_off_nothing(self):
+        """Consumers, past their last tile of a ticketed walk (tickets.py): once the crew freed
+        the blocks, wake it with nothing in them (it reads that there is no task)."""
+        cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
+        cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
+
     # ------------------------------------------------------------------ crew side
 
     @cute.jit
@@ -177,11 +184,16 @@ class EpilogueCrew:
             red_add_release_gpu_s32(counters + Int64(4) * Int64(first_row // TILE_M), Int32(1))
 
     @cute.jit
-    def store_handoff(self, buffers, lane, first_row, first_col, targets, store_chunk, store_args):
-        """Crew: free the blocks (the previous hand-off is stored), wait for the next hand-off
-        and store it (`copy_out`)."""
+    def wait_for_handoff(self):
+        """Crew: free the blocks (the previous hand-off is stored) and wait for the next
+        hand-off (or the consumers' `hand_off_nothing`)."""
         cute.arch.barrier_arrive(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
         cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
+
+    @cute.jit
+    def store_handoff(self, buffers, lane, first_row, first_col, targets, store_chunk, store_args):
+        """Crew: wait for the next hand-off and store it (`copy_out`)."""
+        self.wait_for_handoff()
         self.copy_out(buffers, lane, first_row, first_col, targets, store_chunk, store_args)
 
     @cute.jit

@@ -91,18 +91,17 @@ from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .tickets import (
     SLOT_BYTES,
-    TASK_SLOTS,
     RowTileWait,
     Tickets,
     consume_phase,
     consumer_task,
     crew_task,
-    hand_off_end,
     past_last_task,
     produce_phase,
     signal_no_task,
     store_phase,
     take_ticket,
+    task_slots,
 )
 from .weight_phase import (
     PhaseWait,
@@ -378,11 +377,7 @@ class Sm90MoeBackward:
         # d_hidden and d_x tasks by the dynamic ticket (tickets.py) and its weight tasks by the
         # static one (bidx, + grid) ----
         dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
-        slots = cute.make_tensor(
-            cute.recast_ptr(storage.staging.data_ptr() + handoff.BUFFER_BYTES, dtype=Int32),
-            cute.make_layout(TASK_SLOTS),
-        )
-        tickets = Tickets(dgu_total + Int64(4), slots, num_d_hidden + num_d_x)
+        tickets = Tickets(dgu_total + Int64(4), task_slots(storage), num_d_hidden + num_d_x)
 
         # ---- dispatch: dY_e = bf16(w * dY), every thread of a dispatching CTA, before the
         # roles split ----
@@ -483,7 +478,7 @@ class Sm90MoeBackward:
                 states, ring, tickets, seq, task, num_d_hidden, tickets.total, run_d_x, (),
                 d_x_tiles,
             )  # fmt: skip
-            hand_off_end(CREW)
+            CREW.hand_off_nothing()
             states = past_last_task(ring, states)
             if first_consumer:
                 stamp(clock, bidx, CLOCK_PHASE_2)

@@ -101,17 +101,16 @@ from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .tickets import (
     SLOT_BYTES,
-    TASK_SLOTS,
     RowTileWait,
     Tickets,
     consume_phase,
     consumer_task,
     crew_task,
-    hand_off_end,
     produce_phase,
     signal_no_task,
     store_phase,
     take_ticket,
+    task_slots,
 )
 
 # WaitPhase ids (mok.runtime.WaitPhase; a wire format).
@@ -346,12 +345,8 @@ class Sm90MoeForward:
 
         # ---- the dynamic ticket (tickets.py): gate/up tasks 0 .. num_gate_up - 1, then down
         num_tasks = num_gate_up + row_tiles_total * (hidden_size // (2 * TILE_N))
-        slots = cute.make_tensor(
-            cute.recast_ptr(storage.staging.data_ptr() + handoff.BUFFER_BYTES, dtype=Int32),
-            cute.make_layout(TASK_SLOTS),
-        )
         ticket = hidden_done + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
-        tickets = Tickets(ticket, slots, num_tasks)
+        tickets = Tickets(ticket, task_slots(storage), num_tasks)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -402,7 +397,7 @@ class Sm90MoeForward:
                 states, ring, tickets, seq, task, num_gate_up, num_tasks, run_task,
                 (down_mma, down_thr, intermediate_size // TILE_K),
             )  # fmt: skip
-            hand_off_end(CREW)
+            CREW.hand_off_nothing()
             if tidx == phases.THREADS_PER_WARPGROUP:
                 stamp(clock, bidx, CLOCK_PHASE_2)
 

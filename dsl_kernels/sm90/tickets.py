@@ -18,7 +18,8 @@ int32 slots in shared memory, slot `seq % TASK_SLOTS` for the CTA's seq-th task:
 - the consumers wait on that full barrier (acquire), then read the slot; at -1 the producer
   arrived on the barrier without loading anything, and the consumers stop;
 - the crew reads the slot after the consumers' hand-off of that task (named barriers order
-  it after their read); at -1 the consumers handed off nothing, and the crew stops.
+  it after their read); at -1 the consumers handed off nothing (EpilogueCrew.hand_off_nothing),
+  and the crew stops.
 The producer is at most two tasks ahead of the consumers (3 ring stages, at least 2 K tiles a
 task), which are at most two ahead of the crew (two hand-off blocks): 8 slots never overrun.
 """
@@ -35,7 +36,7 @@ from ..common.bounded_wait import (
     bounded_wait_reached,
     ld_acquire_gpu_s32,
 )
-from .epilogue_warps import BUFFERS_FREE, TILE_READY
+from .epilogue_warps import BUFFER_BYTES
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import TILE_M, TILE_N
 
@@ -54,6 +55,15 @@ class RowTileWait(NamedTuple):
     phase: int
     record: Int64
     timeout_ns: Int64
+
+
+def task_slots(storage) -> cute.Tensor:
+    """The CTA's TASK_SLOTS int32 slots: SLOT_BYTES after the crew's hand-off blocks in
+    `storage.staging` (allocated with epilogue_warps.BUFFER_BYTES + SLOT_BYTES)."""
+    return cute.make_tensor(
+        cute.recast_ptr(storage.staging.data_ptr() + BUFFER_BYTES, dtype=Int32),
+        cute.make_layout(TASK_SLOTS),
+    )
 
 
 class Tickets(NamedTuple):
@@ -162,19 +172,10 @@ def past_last_task(ring, states):
 
 @cute.jit
 def crew_task(crew, tickets: Tickets, seq: Int32) -> Int32:
-    """The crew: free the hand-off blocks (the previous tile is stored), wait for the
-    consumers' next hand-off (or their `hand_off_end`) and return its task."""
-    cute.arch.barrier_arrive(barrier_id=BUFFERS_FREE, number_of_threads=crew.handoff_threads)
-    cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=crew.handoff_threads)
+    """The crew: wait for the consumers' next hand-off (or their `hand_off_nothing`) and
+    return its task."""
+    crew.wait_for_handoff()
     return tickets.slots[seq % TASK_SLOTS]
-
-
-@cute.jit
-def hand_off_end(crew):
-    """Consumers, past their last task: once the crew freed the blocks, wake it with nothing
-    in them (it reads NO_TASK)."""
-    cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=crew.handoff_threads)
-    cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=crew.handoff_threads)
 
 
 @cute.jit
