@@ -10,6 +10,16 @@ from benchmarks.mok_impls import MOK_IMPLS
 from benchmarks.shapes import scale_for_run, select_shapes
 
 
+def timed(fn):
+    """(milliseconds, result) of `fn()` between two CUDA events on the current stream."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    result = fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end), result
+
+
 def benchmark_row(shape_name: str, row: str = "mok", tokens: int = 16384):
     """(shape, inputs, impl): the inputs of `shape_name` on one GPU as the harness makes them
     (seed 0, no shared expert) and its `row` (benchmarks.mok_impls.MOK_IMPLS)."""

@@ -17,16 +17,7 @@ import argparse
 import torch
 
 from mok.launchers.moe_forward import CLOCK_SLOTS, set_comm_ctas, set_phase_clock
-from tools.benchmark_row import benchmark_row
-
-
-def timed(fn):
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    result = fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end), result
+from tools.benchmark_row import benchmark_row, timed
 
 
 def main() -> None:

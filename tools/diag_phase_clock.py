@@ -16,10 +16,9 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.inputs import make_inputs
 from benchmarks.mok_impls import MOK_IMPLS
-from benchmarks.shapes import scale_for_run, select_shapes
 from mok.launchers.moe_forward import CLOCK_SLOTS, set_phase_clock
+from tools.benchmark_row import benchmark_row, timed
 
 SLOT_NAMES = {
     0: "start",
@@ -38,16 +37,10 @@ def main() -> None:
     parser.add_argument("--pass", dest="pass_name", default="bwd", choices=("fwd", "bwd"))
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    device = torch.device("cuda")
-    shape = scale_for_run(select_shapes(args.shape)[0], 1, False)
-    inputs = make_inputs(shape, 16384, rank=0, world_size=1, device=device, seed=0, shared=False)
-    inputs.release_group_tensors()
     # The benchmark's rows switch the launch paths themselves: "mok" runs the backward as
     # separate kernels, "mok_bwd_megakernel" as the megakernel.
-    impls = {
-        "kernels": MOK_IMPLS["mok"](inputs, None),
-        "megakernel": MOK_IMPLS["mok_bwd_megakernel"](inputs, None),
-    }
+    shape, inputs, megakernel = benchmark_row(args.shape, "mok_bwd_megakernel")
+    impls = {"kernels": MOK_IMPLS["mok"](inputs, None), "megakernel": megakernel}
 
     def step(path):
         impl = impls[path]
@@ -58,6 +51,7 @@ def main() -> None:
     for _ in range(3):
         step("megakernel")
         step("kernels")
+    device = inputs.x.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     clock = torch.zeros(sms, CLOCK_SLOTS, dtype=torch.int64, device=device)
     torch.cuda.synchronize()
@@ -98,12 +92,8 @@ def interleaved_backward_times(impls, inputs, reps: int) -> None:
     for _ in range(reps):
         for path, impl in impls.items():
             _, state = impl.forward()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            impl.backward(state, inputs.grad_output)
-            end.record()
-            end.synchronize()
-            times[path].append(begin.elapsed_time(end))
+            ms, _ = timed(lambda impl=impl, state=state: impl.backward(state, inputs.grad_output))
+            times[path].append(ms)
     print(f"== backward alone, {reps} alternating steps per path (ms): median / min")
     for path, values in times.items():
         values = sorted(values)
