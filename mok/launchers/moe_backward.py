@@ -2,8 +2,8 @@
 
 `backward` uses it after `set_backward_path("megakernel")`. It passes the GPU tests of
 tests/gpu/test_backward_gpu.py, bit for bit equal to the separate kernels, but is not the
-default: on the H200 it ran within 1-3% of the separate kernels at the coarse shapes and
-6-15% slower at Qwen3-30B-A3B's (docs/NOTES.md, session 6).
+default: on the H200 it ran equal to 3% slower than the separate kernels at the coarse
+shapes and ~7% slower at Qwen3-30B-A3B's (docs/NOTES.md, session 7).
 
 One persistent launch pulls dY_e = bf16(w * dY) into the routed buffer, runs every d_hidden
 tile (SwiGLU backward, router partials) and every d_x tile, stores each d_x row at its
@@ -21,7 +21,7 @@ from .checks import check_arg
 from .comm import DEFAULT_TIMEOUT_NS
 from .expert_gemm import TILE_ROWS, _check, _check_multiple, _descriptor, _sm_count
 from .expert_gemm_bwd import N_ALIGNMENT, _check_extents
-from .moe_forward import comm_count, walk_arguments
+from .moe_forward import walk_arguments
 
 KERNEL = "moe_backward"
 
@@ -47,8 +47,8 @@ def routed_backward(
     routed experts, in one launch.
 
     grad_output bf16 [T, H]; router_weights fp32 [T, k]; x_routed bf16 [C, H], gate, up,
-    hidden bf16 [C, I] (the forward context, gate and up pre-clamp); weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
-    MoKSchedule of this rank (a group of one). dy_e bf16 [C, H] = w * dY per routed row (the
+    hidden bf16 [C, I] (the forward context, gate and up pre-clamp); weights bf16 [E, I, H]
+    (gate, up) and [E, H, I] (down); `schedule` a MoKSchedule of this rank (a group of one). dy_e bf16 [C, H] = w * dY per routed row (the
     dW_down GEMM's input); d_gate, d_up bf16 [C, I]; router_partials fp32 [C, I / 128] (as
     expert_gemm_bwd.d_hidden_swiglu's); slots bf16 [T * k, H]: row t * k + j is token t's d_x
     through its j-th expert. Routed rows at or past schedule.num_tokens are not written.
@@ -111,8 +111,9 @@ def routed_backward(
     kernel = get_kernel(KERNEL, device=device)
     down_flat = (num_experts * hidden_size, intermediate_size)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
+    grid = _sm_count(device)
     kernel.launch(
-        (_sm_count(device), 1, 1),
+        (grid, 1, 1),
         {
             "tma_dy": _descriptor(kernel, "tma_dy", dy_e),
             "tma_wd": _descriptor(kernel, "tma_wd", down_weights.view(down_flat)),
@@ -138,10 +139,17 @@ def routed_backward(
             "partials_ptr": partials,
             "slots_ptr": slots,
             **walk_arguments(
-                schedule, counters, timeout_ns, grad_output, gate_weights, topk, swiglu_limit
-            ),
+                schedule,
+                counters,
+                timeout_ns,
+                grad_output,
+                gate_weights,
+                topk,
+                swiglu_limit,
+                num_comm_ctas,
+                grid,
+            ),  # fmt: skip
             "weight_gemms": 3 if weight_grads else 0,
-            "num_comm_ctas": comm_count(num_comm_ctas, _sm_count(device)),
         },
     )
     return dy_e, d_gate, d_up, partials, slots, d_weights

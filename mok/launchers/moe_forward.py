@@ -81,8 +81,9 @@ def routed_forward(
     counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 1, dtype=torch.int32, device=device)
     kernel = get_kernel(KERNEL, device=device)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
+    grid = _sm_count(device)
     kernel.launch(
-        (_sm_count(device), 1, 1),
+        (grid, 1, 1),
         {
             "tma_x": _descriptor(kernel, "tma_x", x_routed),
             "tma_wg": _descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
@@ -97,8 +98,17 @@ def routed_forward(
             "up_ptr": up,
             "hidden_ptr": hidden,
             "slots_ptr": slots,
-            **walk_arguments(schedule, counters, timeout_ns, x, gate_weights, topk, swiglu_limit),
-            "num_comm_ctas": comm_count(num_comm_ctas, _sm_count(device)),
+            **walk_arguments(
+                schedule,
+                counters,
+                timeout_ns,
+                x,
+                gate_weights,
+                topk,
+                swiglu_limit,
+                num_comm_ctas,
+                grid,
+            ),  # fmt: skip
         },
     )
     return (x_routed, gate, up, hidden), slots
@@ -138,8 +148,8 @@ _comm_override: int | None = None
 
 def set_comm_ctas(count: int | None) -> int | None:
     """Diagnostics: run the megakernels with `count` communication CTAs whatever the config
-    says (0: every CTA dispatches first, no lead), or None (the config's); returns the
-    previous override."""
+    says (0: every CTA dispatches first), or None (the config's); returns the previous
+    override."""
     global _comm_override
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
         raise ValueError(f"count must be None or an int >= 0, got {count!r}")
@@ -154,10 +164,13 @@ def comm_count(num_comm_ctas: int, grid: int) -> int:
     return max(0, min(comm, grid - 1))
 
 
-def walk_arguments(schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit) -> dict:
+def walk_arguments(
+    schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit, num_comm_ctas, grid
+) -> dict:
     """The launch arguments both megakernels (forward and backward) take for their dispatch
-    phase and task walk: the schedule, the zeroed counters, the error record and the sizes
-    (`rows` the [T, H] source of the dispatch, `gate_weights` [E, I, H])."""
+    and task walk: the schedule, the zeroed counters, the error record, the sizes (`rows` the
+    [T, H] source of the dispatch, `gate_weights` [E, I, H]) and the communication CTAs
+    (`comm_count` of the launch's `grid`)."""
     return {
         "peer_rank_ptr": schedule.peer_rank,
         "peer_token_idx_ptr": schedule.peer_token_idx,
@@ -175,4 +188,5 @@ def walk_arguments(schedule, counters, timeout_ns, rows, gate_weights, topk, swi
         "capacity": schedule.peer_rank.shape[0],
         "has_limit": int(swiglu_limit is not None),
         "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+        "num_comm_ctas": comm_count(num_comm_ctas, grid),
     }
