@@ -18,6 +18,7 @@ from mok.dsl_kernels import build  # noqa: E402
 from mok.dsl_kernels.registry import variants  # noqa: E402
 
 from tests.test_expert_gemm_build import H200_SMEM_OPTIN, _count  # noqa: E402
+from tests.test_moe_forward_build import assert_dispatch_batches  # noqa: E402
 
 WGMMA = "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"
 
@@ -30,15 +31,9 @@ def built():
 
 def test_scaled_dispatch_phase(built):
     _, _, ptx = built
-    lines = [line.strip() for line in ptx.splitlines()]
-    loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.v4")]
-    assert len(loads) == 8  # one batch: 8 independent 16-byte loads per thread
-    first_store = next(i for i, line in enumerate(lines) if line.startswith("st.global.v4"))
-    assert max(loads) < first_store
+    assert_dispatch_batches(ptx)
     # dY_e = bf16(w * dY): one correctly rounded product per element, never an fma.
     assert _count(ptx, "mul.rn.f32") == 8 * 8
-    fence = lines.index("fence.proxy.async.global;")
-    assert first_store < fence < lines.index("bar.sync \t0;", fence)
 
 
 def test_counters_and_wgmma(built):

@@ -27,9 +27,13 @@ def built():
 
 def test_dispatch_batches_its_loads(built):
     _, _, ptx = built
-    # Every thread: DISPATCH_BATCH (8) 16-byte loads of x rows before their 8 stores, source
-    # rows from a shared-memory table; then the async-proxy fence and the CTA barrier before
-    # thread 0's counter releases.
+    assert_dispatch_batches(ptx)
+
+
+def assert_dispatch_batches(ptx: str) -> None:
+    """The megakernels' dispatch (dispatch_phase.py): every thread makes DISPATCH_BATCH (8)
+    16-byte loads of source rows before their stores, source rows from a shared-memory table;
+    then the async-proxy fence and the CTA barrier before thread 0's counter release."""
     lines = [line.strip() for line in ptx.splitlines()]
     loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.v4")]
     assert len(loads) == 8

@@ -79,7 +79,7 @@ def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
 # How the routed experts' backward runs: "kernels" (scaled gather, d_hidden, d_x, weights
 # as separate launches, the default) or "megakernel" (mok/launchers/moe_backward.py: one
 # persistent launch with the bf16 weight gradients, GPU-tested, bitwise equal, not faster yet:
-# docs/NOTES.md, session 6). The combine is a separate launch on both, and so are weight
+# docs/NOTES.md, session 7). The combine is a separate launch on both, and so are weight
 # gradients added into fp32 main_grads.
 BACKWARD_PATHS = ("kernels", "megakernel")
 _backward = PathSwitch(BACKWARD_PATHS, "kernels")
