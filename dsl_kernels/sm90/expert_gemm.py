@@ -40,6 +40,7 @@ specs; tensors are row-major, innermost dim last):
 - `gate_ptr`, `up_ptr`  bf16 [C, I] pre-clamp gate and up (swiglu; ignored by store, pass null)
 - `peer_rank_ptr`, `peer_token_idx_ptr`  int32 [C], the schedule's (slots; null otherwise)
 - `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes, read on the device
+- `ticket_ptr`  int32 [1], zeroed: the tiles' dynamic ticket (tickets.py)
 - `num_experts`, `k_size` (H for swiglu, I for store), `n_size` (I for swiglu, H for store)
 - `has_limit` (int32, 0/1), `swiglu_limit` (fp32; ignored unless has_limit)
 
@@ -65,13 +66,26 @@ from ..common.args import global_pointer
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .epilogue_warps import EpilogueCrew
-from .expert_tiles import TileList, locate_first_tile, locate_tile
+from .expert_tiles import TileList
 from .gemm_phases import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
     TILE_K,
     TILE_M,
     TILE_N,
+)
+from .tickets import (
+    SLOT_BYTES,
+    Tickets,
+    consume_phase,
+    consumer_task,
+    count_tiles,
+    crew_task,
+    produce_phase,
+    signal_no_task,
+    store_phase,
+    take_ticket,
+    task_slots,
 )
 
 EPILOGUES = ("swiglu", "store", "slots")
@@ -131,6 +145,7 @@ class Sm90ExpertGemm:
             global_pointer(Int32, 4),  # peer_rank_ptr
             global_pointer(Int32, 4),  # peer_token_idx_ptr
             global_pointer(Int32, 4),  # tokens_per_expert_ptr
+            global_pointer(Int32, 4),  # ticket_ptr (one int32, zeroed)
             Int32(0),  # num_experts
             Int32(0),  # k_size
             Int32(0),  # n_size
@@ -153,6 +168,7 @@ class Sm90ExpertGemm:
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         tokens_per_expert_ptr: cute.Pointer,
+        ticket_ptr: cute.Pointer,
         num_experts: Int32,
         k_size: Int32,
         n_size: Int32,
@@ -181,6 +197,7 @@ class Sm90ExpertGemm:
             peer_rank_ptr,
             peer_token_idx_ptr,
             tokens_per_expert_ptr,
+            ticket_ptr,
             num_experts,
             k_size,
             n_size,
@@ -205,6 +222,7 @@ class Sm90ExpertGemm:
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         tokens_per_expert_ptr: cute.Pointer,
+        ticket_ptr: cute.Pointer,
         num_experts: Int32,
         k_size: Int32,
         n_size: Int32,
@@ -218,7 +236,7 @@ class Sm90ExpertGemm:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES + SLOT_BYTES
         )
         buffers = handoff.handoff_buffers(storage)
 
@@ -239,6 +257,9 @@ class Sm90ExpertGemm:
         if cutlass.const_expr(self.epilogue != "swiglu"):
             col_tiles = n_size // (2 * TILE_N)
         tiles = TileList(tokens_per_expert, num_experts, col_tiles)
+        # Tiles by a dynamic ticket (tickets.py); consumers and crew stop at NO_TASK.
+        tickets = Tickets(ticket_ptr.toint(), task_slots(storage), Int32(0))
+        no_end = Int32(2**31 - 1)
 
         if warpgroup == 0:
             # ======== producer warpgroup: warp 0 issues TMA, warps 1-3 store tiles ========
@@ -250,29 +271,27 @@ class Sm90ExpertGemm:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                tile = bidx
-                expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
-                while expert < num_experts:
-                    local = tile - tile_base
-                    a_row_tile = row_base // TILE_M + local % row_tiles
-                    b0_row_tile, b1_row_tile = self._weight_row_tiles(
-                        expert, local // row_tiles, n_size
-                    )
+
+                def load_tile(state, expert, col_tile, row_tile):
+                    b0_row_tile, b1_row_tile = self._weight_row_tiles(expert, col_tile, n_size)
                     loads = (
-                        (tma_a, tAgA, a_row_tile, None, tAsA),
+                        (tma_a, tAgA, row_tile, None, tAsA),
                         (tma_b0, tBgB0, b0_row_tile, None, tBsB0),
                         (tma_b1, tBgB1, b1_row_tile, None, tBsB1),
                     )
-                    state = phases.load_k_tiles(ring, state, k_tiles, loads)
-                    tile = tile + grid_size
-                    expert, tile_base, row_base, row_tiles = locate_tile(
-                        tiles, tile, (expert, tile_base, row_base, row_tiles)
-                    )
+                    return phases.load_k_tiles(ring, state, k_tiles, loads)
+
+                tickets = tickets._replace(total=count_tiles(tiles))
+                seq = Int32(0)
+                task = take_ticket(tickets, seq)
+                state, seq, task = produce_phase(state, tiles, tickets, seq, task, Int32(0),
+                                                 tickets.total, None, load_tile, ())  # fmt: skip
+                signal_no_task(ring, state)
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
             if warp_idx != 0:
                 self._epilogue_warps(
-                    tiles, bidx, grid_size, buffers, out_ptr, gate_ptr, up_ptr, peer_rank_ptr,
+                    tiles, tickets, no_end, buffers, out_ptr, gate_ptr, up_ptr, peer_rank_ptr,
                     peer_token_idx_ptr, n_size, has_limit, swiglu_limit, tidx,
                 )  # fmt: skip
         else:
@@ -282,20 +301,21 @@ class Sm90ExpertGemm:
                 tiled_mma, tidx, sA, sB0, sB1
             )
             read_state, release_state = phases.make_consumer_states(self.stages)
-            tile = bidx
-            expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
-            while expert < num_experts:
+
+            def run_tile(states):
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
-                read_state, release_state = phases.mma_k_tiles(
-                    tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
+                states = phases.mma_k_tiles(
+                    tiled_mma, ring, states[0], states[1], k_tiles, operands, (acc0, acc1)
                 )
                 # ---- the rounded tile to the crew, which stores it during the next mainloop ----
                 CREW.hand_off(thr_mma, (acc0, acc1), buffers)
+                return states
 
-                tile = tile + grid_size
-                expert, tile_base, row_base, row_tiles = locate_tile(
-                    tiles, tile, (expert, tile_base, row_base, row_tiles)
-                )
+            seq = Int32(0)
+            task = consumer_task(ring, read_state, tickets, seq)
+            consume_phase((read_state, release_state), ring, tickets, seq, task, Int32(0), no_end,
+                          run_tile, ())  # fmt: skip
+            CREW.hand_off_nothing()
 
     # ------------------------------------------------------------------ device helpers
 
@@ -312,21 +332,25 @@ class Sm90ExpertGemm:
 
     @cute.jit
     def _epilogue_warps(
-        self, tiles, bidx, grid_size, buffers, out_ptr, gate_ptr, up_ptr, peer_rank_ptr,
+        self, tiles, tickets, no_end, buffers, out_ptr, gate_ptr, up_ptr, peer_rank_ptr,
         peer_token_idx_ptr, n_size, has_limit, swiglu_limit, tidx,
     ):  # fmt: skip
-        """Warps 1-3: store this CTA's tiles from the hand-off blocks."""
+        """Warps 1-3: store this CTA's tiles from the hand-off blocks, as the consumers take
+        them (tickets.py)."""
         row_stride = cute.assume(Int64(n_size), divby=TILE_N)
+        lane = tidx - 32 * CREW.first_warp
+        seq = Int32(0)
+        task = crew_task(CREW, tickets, seq)
         if cutlass.const_expr(self.epilogue == "swiglu"):
             store_args = (out_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit)
-            CREW.run(tiles, bidx, grid_size, buffers, tidx, TILE_N, None,
-                     self.store_swiglu_chunk, store_args)  # fmt: skip
+            store_phase(CREW, tiles, tickets, seq, task, Int32(0), no_end, buffers, lane, TILE_N,
+                        None, self.store_swiglu_chunk, store_args)  # fmt: skip
         else:
             slots = None
             if cutlass.const_expr(self.epilogue == "slots"):
                 slots = (peer_rank_ptr, peer_token_idx_ptr)
-            CREW.run(tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, slots,
-                     handoff.store_pair, (out_ptr, row_stride))  # fmt: skip
+            store_phase(CREW, tiles, tickets, seq, task, Int32(0), no_end, buffers, lane,
+                        2 * TILE_N, slots, handoff.store_pair, (out_ptr, row_stride))  # fmt: skip
 
     @cute.jit
     def store_swiglu_chunk(

@@ -111,7 +111,7 @@ def consumer_task(ring, read_state, tickets: Tickets, seq: Int32) -> Int32:
 def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
                   end: Int32, wait: RowTileWait, load_task, load_args):  # fmt: skip
     """Producer warp: while the CTA's task is one of this phase's (numbers base .. end - 1),
-    the bounded wait for its row tile, then `state = load_task(state, expert,
+    (with a `wait`, not None) the bounded wait for its row tile, then `state = load_task(state, expert,
     col_tile, row_tile, *load_args)`, then the next ticket. Returns (state, seq, task): the
     first task past the phase."""
     expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, Int32(0))
@@ -121,12 +121,13 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
         )
         local = task - base - tile_base
         row_tile = row_base // TILE_M + local % row_tiles
-        bounded_wait_reached(
-            wait.counters + Int64(4) * Int64(row_tile), wait.needed, wait.timeout_ns,
-            wait.record, Int32(0), Int32(wait.phase), row_tile, Int32(OWN_MEMORY), task,
-            ld_acquire_gpu_s32,
-        )  # fmt: skip
-        cute.arch.fence_proxy("async.global")
+        if cutlass.const_expr(wait is not None):
+            bounded_wait_reached(
+                wait.counters + Int64(4) * Int64(row_tile), wait.needed, wait.timeout_ns,
+                wait.record, Int32(0), Int32(wait.phase), row_tile, Int32(OWN_MEMORY), task,
+                ld_acquire_gpu_s32,
+            )  # fmt: skip
+            cute.arch.fence_proxy("async.global")
         state = load_task(state, expert, local // row_tiles, row_tile, *load_args)
         seq = seq + 1
         task = take_ticket(tickets, seq)
@@ -207,3 +208,13 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
         seq = seq + 1
         task = crew_task(crew, tickets, seq)
     return seq, task
+
+
+@cute.jit
+def count_tiles(tiles: TileList) -> Int32:
+    """The number of tiles of a grouped GEMM's tile list (its experts' row tiles times its
+    column tiles): one pass over tokens_per_expert."""
+    rows = Int32(0)
+    for expert in cutlass.range(tiles.num_experts, unroll=1):
+        rows = rows + tiles.tokens_per_expert[expert]
+    return rows // TILE_M * tiles.col_tiles

@@ -99,6 +99,12 @@ def _grid(device: torch.device, capacity: int, col_tiles: int) -> int:
     return max(1, min(_sm_count(device), (capacity // TILE_ROWS) * col_tiles))
 
 
+def new_ticket(device) -> torch.Tensor:
+    """The zeroed int32 task ticket a GEMM launch hands out its tiles by
+    (dsl_kernels/sm90/tickets.py)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def gate_up_swiglu(
     x_routed: torch.Tensor,
     gate_weights: torch.Tensor,
@@ -164,6 +170,7 @@ def gate_up_swiglu(
             "peer_rank_ptr": None,
             "peer_token_idx_ptr": None,
             "tokens_per_expert_ptr": tokens_per_expert,
+            "ticket_ptr": new_ticket(device),
             "num_experts": num_experts,
             "k_size": hidden_size,
             "n_size": intermediate_size,
@@ -236,6 +243,7 @@ def down(
             "peer_rank_ptr": slots[0] if slots else None,
             "peer_token_idx_ptr": slots[1] if slots else None,
             "tokens_per_expert_ptr": tokens_per_expert,
+            "ticket_ptr": new_ticket(device),
             "num_experts": num_experts,
             "k_size": intermediate_size,
             "n_size": hidden_size,
