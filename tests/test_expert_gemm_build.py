@@ -91,7 +91,11 @@ def test_engine_instructions(built, name):
 
 
 def assert_epilogue_handoff(
-    ptx: str, stores_per_chunk: int, slots: bool, crew: int = 96, handoffs: int = 1,
+    ptx: str,
+    stores_per_chunk: int,
+    slots: bool,
+    crew: int = 96,
+    handoffs: int = 1,
     ticketed: bool = False,
 ) -> None:
     """The epilogue-warps hand-off (dsl_kernels/sm90/epilogue_warps.py) is what the PTX does:

@@ -107,7 +107,7 @@ def fake_gather_rows(src, peer_rank, peer_token_idx, num_tokens, topk, *, weight
 
 
 def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit=None,
-                        num_comm_ctas=0):  # fmt: skip
+                        num_comm_ctas=0, minibatch_size=None):  # fmt: skip
     """The forward megakernel's math: the three kernels' fakes in sequence."""
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
     x_routed = fake_gather_rows(x, peer, slot, schedule.num_tokens, topk)
@@ -119,7 +119,7 @@ def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit
 
 def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, up, hidden,
                          gate_w, up_w, down_w, *, swiglu_limit=None, weight_grads=True,
-                         num_comm_ctas=0):  # fmt: skip
+                         num_comm_ctas=0, minibatch_size=None):  # fmt: skip
     """The backward megakernel's math: the kernels' fakes in sequence."""
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
     topk = router_weights.shape[1]

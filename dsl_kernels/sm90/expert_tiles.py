@@ -47,11 +47,13 @@ class TileList(NamedTuple):
 
 
 @cute.jit
-def locate_tile(tiles: TileList, tile: Int32, cursor: tuple):
+def locate_tile(tiles: TileList, tile: Int32, cursor: tuple, end_row=None):
     """Advance the cursor (expert, tile_base, row_base, row_tiles) to the expert owning `tile`.
 
     `tile` must not be smaller than the tile of the previous call (the cursor only moves
     forward). Returns the new cursor; `expert == num_experts` means `tile` is past the end.
+    With `end_row` (a minibatch's window, see window_cursor) the segments are cut at that
+    row: the tiles are those of the window's rows only.
     """
     tokens_per_expert, num_experts, col_tiles = tiles
     expert, tile_base, row_base, row_tiles = cursor
@@ -61,8 +63,29 @@ def locate_tile(tiles: TileList, tile: Int32, cursor: tuple):
         row_base = row_base + row_tiles * TILE_ROWS
         expert = expert + 1
         row_tiles = segment_row_tiles(tokens_per_expert, expert, num_experts)
+        if cutlass.const_expr(end_row is not None):
+            row_tiles = cutlass.min(row_tiles, (end_row - row_base) // TILE_ROWS)
         advance = (expert < num_experts) & (tile >= tile_base + row_tiles * col_tiles)
     return expert, tile_base, row_base, row_tiles
+
+
+@cute.jit
+def window_cursor(tiles: TileList, segment: tuple, first_row: Int32, end_row: Int32):
+    """The tile list of rows first_row .. end_row - 1 only (a minibatch: tickets.py), its
+    tiles numbered from 0 in the same order (expert by expert, m fastest, then n).
+    `segment` (expert, its first row) is where the previous window of the same walk began
+    (0, 0 at first): windows only move forward, so the walk over all windows reads
+    `tokens_per_expert` about once per expert. Returns (segment of this window, cursor of
+    its tile 0 for locate_tile with `end_row`)."""
+    tokens_per_expert, num_experts, _ = tiles
+    expert, segment_row = segment
+    rows = segment_row_tiles(tokens_per_expert, expert, num_experts) * TILE_ROWS
+    while (expert < num_experts) & (segment_row + rows <= first_row):
+        segment_row = segment_row + rows
+        expert = expert + 1
+        rows = segment_row_tiles(tokens_per_expert, expert, num_experts) * TILE_ROWS
+    row_tiles = (cutlass.min(segment_row + rows, end_row) - first_row) // TILE_ROWS
+    return (expert, segment_row), (expert, Int32(0), first_row, row_tiles)
 
 
 @cute.jit

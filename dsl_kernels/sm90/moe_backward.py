@@ -91,11 +91,13 @@ from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .tickets import (
     SLOT_BYTES,
+    Minibatches,
     RowTileWait,
     Tickets,
     consume_phase,
     consumer_task,
     crew_task,
+    minibatch_window,
     past_last_task,
     produce_phase,
     signal_no_task,
@@ -190,6 +192,7 @@ class Sm90MoeBackward:
             Float32(0.0),  # swiglu_limit
             Int32(0),  # weight_gemms (3, or 0: the weight gradients run separately)
             Int32(0),  # num_comm_ctas
+            Int32(2),  # minibatch_tiles
             Int32(1),  # num_ctas
         )
 
@@ -237,6 +240,7 @@ class Sm90MoeBackward:
         swiglu_limit: Float32,
         weight_gemms: Int32,
         num_comm_ctas: Int32,
+        minibatch_tiles: Int32,
         num_ctas: Int32,
     ):
         # The descriptors built here are thrown away: the runtime encodes its own from the
@@ -268,7 +272,7 @@ class Sm90MoeBackward:
             tokens_per_expert_ptr, counters_ptr, error_record_ptr, clock_ptr, timeout_ns,
             num_experts,
             hidden_size, intermediate_size, topk, num_src_rows, capacity, has_limit,
-            swiglu_limit, weight_gemms, num_comm_ctas,
+            swiglu_limit, weight_gemms, num_comm_ctas, minibatch_tiles,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
 
     @cute.kernel
@@ -326,6 +330,7 @@ class Sm90MoeBackward:
         swiglu_limit: Float32,
         weight_gemms: Int32,
         num_comm_ctas: Int32,
+        minibatch_tiles: Int32,
     ):
         tma = (tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu)
         weight_tma = (tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)
@@ -354,10 +359,12 @@ class Sm90MoeBackward:
         )
         d_hidden_cols = intermediate_size // (2 * TILE_N)
         d_hidden_tiles = TileList(tokens_per_expert, num_experts, d_hidden_cols)
-        d_x_tiles = TileList(tokens_per_expert, num_experts, hidden_size // (2 * TILE_N))
+        d_x_cols = hidden_size // (2 * TILE_N)
+        d_x_tiles = TileList(tokens_per_expert, num_experts, d_x_cols)
         routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
         num_d_hidden = row_tiles_total * d_hidden_cols
+        batches = Minibatches(minibatch_tiles, row_tiles_total, d_hidden_cols, d_x_cols)
         counter_base = counters_ptr.toint()
         dispatched = counter_base
         dgu_done = counter_base + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
@@ -371,7 +378,7 @@ class Sm90MoeBackward:
         weight_tasks = WeightTasks(
             tokens_per_expert, num_experts, hidden_size, intermediate_size, weight_gemms
         )
-        num_d_x = row_tiles_total * (hidden_size // (2 * TILE_N))
+        num_d_x = row_tiles_total * d_x_cols
 
         # ---- the communication CTAs dispatch (every CTA if none); then every CTA takes its
         # d_hidden and d_x tasks by the dynamic ticket (tickets.py) and its weight tasks by the
@@ -396,7 +403,7 @@ class Sm90MoeBackward:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 state = self._producer(
-                    engine, ring, (sA, sB0, sB1), tma, d_hidden_tiles, d_x_tiles, num_d_hidden,
+                    engine, ring, (sA, sB0, sB1), tma, d_hidden_tiles, d_x_tiles, batches,
                     hidden_size, intermediate_size, dispatched, dgu_done, record, timeout_ns,
                     tickets, gate_ptr, up_ptr,
                 )  # fmt: skip
@@ -417,7 +424,7 @@ class Sm90MoeBackward:
                     stamp(clock, bidx, CLOCK_PRODUCER_DONE)
             else:
                 self._store_tiles(
-                    d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, d_gate_ptr, d_up_ptr,
+                    d_hidden_tiles, d_x_tiles, batches, buffers, d_gate_ptr, d_up_ptr,
                     slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
                     dgu_done, dgu_total, tidx, tickets,
                 )  # fmt: skip
@@ -468,16 +475,22 @@ class Sm90MoeBackward:
             first_consumer = tidx == phases.THREADS_PER_WARPGROUP
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
-            states, seq, task = consume_phase(
-                (read_state, release_state), ring, tickets, seq, task, Int32(0), num_d_hidden,
-                run_d_hidden, (), d_hidden_tiles,
-            )  # fmt: skip
-            if first_consumer:
-                stamp(clock, bidx, CLOCK_PHASE_1)
-            states, seq, task = consume_phase(
-                states, ring, tickets, seq, task, num_d_hidden, tickets.total, run_d_x, (),
-                d_x_tiles,
-            )  # fmt: skip
+            states = (read_state, release_state)
+            segment = (Int32(0), Int32(0))
+            while task >= 0:
+                segment, base, middle, end, first, end_row = minibatch_window(
+                    batches, d_hidden_tiles, segment, task
+                )
+                states, seq, task = consume_phase(
+                    states, ring, tickets, seq, task, base, middle, run_d_hidden, (),
+                    d_hidden_tiles, first, end_row,
+                )  # fmt: skip
+                if first_consumer:
+                    stamp(clock, bidx, CLOCK_PHASE_1)
+                states, seq, task = consume_phase(
+                    states, ring, tickets, seq, task, middle, end, run_d_x, (), d_x_tiles,
+                    first, end_row,
+                )  # fmt: skip
             CREW.hand_off_nothing()
             states = past_last_task(ring, states)
             if first_consumer:
@@ -498,7 +511,7 @@ class Sm90MoeBackward:
 
     @cute.jit
     def _producer(
-        self, engine, ring, smem, tma, d_hidden_tiles, d_x_tiles, num_d_hidden, hidden_size,
+        self, engine, ring, smem, tma, d_hidden_tiles, d_x_tiles, batches, hidden_size,
         intermediate_size, dispatched, dgu_done, record, timeout_ns, tickets, gate_ptr, up_ptr,
     ):  # fmt: skip
         """Warp 0: takes the CTA's d_hidden and d_x tasks (tickets.py) and makes the TMA loads
@@ -551,20 +564,27 @@ class Sm90MoeBackward:
 
         seq = Int32(0)
         task = take_ticket(tickets, seq)
-        wait = RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record, timeout_ns)
-        state, seq, task = produce_phase(state, d_hidden_tiles, tickets, seq, task, Int32(0),
-                                         num_d_hidden, wait, load_d_hidden, ())  # fmt: skip
-        wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, record,
-                           timeout_ns)  # fmt: skip
-        state, seq, task = produce_phase(state, d_x_tiles, tickets, seq, task, num_d_hidden,
-                                         tickets.total, wait, load_d_x, ())  # fmt: skip
+        rows_wait = RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record,
+                                timeout_ns)  # fmt: skip
+        dgu_wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, record,
+                               timeout_ns)  # fmt: skip
+        segment = (Int32(0), Int32(0))
+        while task >= 0:
+            segment, base, middle, end, first, end_row = minibatch_window(
+                batches, d_hidden_tiles, segment, task
+            )
+            state, seq, task = produce_phase(state, d_hidden_tiles, tickets, seq, task, base,
+                                             middle, rows_wait, load_d_hidden, (), first,
+                                             end_row)  # fmt: skip
+            state, seq, task = produce_phase(state, d_x_tiles, tickets, seq, task, middle, end,
+                                             dgu_wait, load_d_x, (), first, end_row)  # fmt: skip
         signal_no_task(ring, state)
         state.advance()
         return state
 
     @cute.jit
     def _store_tiles(
-        self, d_hidden_tiles, d_x_tiles, num_d_hidden, buffers, d_gate_ptr, d_up_ptr, slots_ptr,
+        self, d_hidden_tiles, d_x_tiles, batches, buffers, d_gate_ptr, d_up_ptr, slots_ptr,
         peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size, dgu_done, dgu_total,
         tidx, tickets,
     ):  # fmt: skip
@@ -576,16 +596,23 @@ class Sm90MoeBackward:
         i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
         seq = Int32(0)
         task = crew_task(CREW, tickets, seq)
-        seq, task = store_phase(
-            CREW, d_hidden_tiles, tickets, seq, task, Int32(0), num_d_hidden, buffers, lane,
-            2 * TILE_N, None, handoff.store_split, (d_gate_ptr, d_up_ptr, i_stride),
-            self._release_d_hidden_tile, (dgu_done, dgu_total), handoffs=2,
-        )  # fmt: skip
-        store_phase(
-            CREW, d_x_tiles, tickets, seq, task, num_d_hidden, tickets.total, buffers, lane,
-            2 * TILE_N, (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
-            (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
-        )  # fmt: skip
+        segment = (Int32(0), Int32(0))
+        while task >= 0:
+            segment, base, middle, end, first, end_row = minibatch_window(
+                batches, d_hidden_tiles, segment, task
+            )
+            seq, task = store_phase(
+                CREW, d_hidden_tiles, tickets, seq, task, base, middle, buffers, lane,
+                2 * TILE_N, None, handoff.store_split, (d_gate_ptr, d_up_ptr, i_stride),
+                self._release_d_hidden_tile, (dgu_done, dgu_total), handoffs=2, first=first,
+                end_row=end_row,
+            )  # fmt: skip
+            seq, task = store_phase(
+                CREW, d_x_tiles, tickets, seq, task, middle, end, buffers, lane, 2 * TILE_N,
+                (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
+                (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)), first=first,
+                end_row=end_row,
+            )  # fmt: skip
 
     @cute.jit
     def _release_d_hidden_tile(self, lane, first_row, dgu_done, dgu_total):

@@ -101,11 +101,14 @@ from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .tickets import (
     SLOT_BYTES,
+    Minibatches,
     RowTileWait,
     Tickets,
     consume_phase,
     consumer_task,
     crew_task,
+    minibatch_of,
+    minibatch_window,
     produce_phase,
     signal_no_task,
     store_phase,
@@ -179,6 +182,7 @@ class Sm90MoeForward:
             Int32(0),  # has_limit
             Float32(0.0),  # swiglu_limit
             Int32(0),  # num_comm_ctas
+            Int32(2),  # minibatch_tiles
             Int32(1),  # num_ctas
         )
 
@@ -213,6 +217,7 @@ class Sm90MoeForward:
         has_limit: Int32,
         swiglu_limit: Float32,
         num_comm_ctas: Int32,
+        minibatch_tiles: Int32,
         num_ctas: Int32,
     ):
         layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
@@ -259,6 +264,7 @@ class Sm90MoeForward:
             has_limit,
             swiglu_limit,
             num_comm_ctas,
+            minibatch_tiles,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
 
     @cute.kernel
@@ -297,6 +303,7 @@ class Sm90MoeForward:
         has_limit: Int32,
         swiglu_limit: Float32,
         num_comm_ctas: Int32,
+        minibatch_tiles: Int32,
     ):
         tma = (tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
@@ -323,7 +330,6 @@ class Sm90MoeForward:
         down_tiles = TileList(tokens_per_expert, num_experts, hidden_size // (2 * TILE_N))
         routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
-        num_gate_up = row_tiles_total * gate_up_cols
         counter_base = counters_ptr.toint()
         dispatched = counter_base
         hidden_done = counter_base + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
@@ -343,8 +349,11 @@ class Sm90MoeForward:
         if tidx == 0:
             stamp(clock, bidx, CLOCK_DISPATCHED)
 
-        # ---- the dynamic ticket (tickets.py): gate/up tasks 0 .. num_gate_up - 1, then down
-        num_tasks = num_gate_up + row_tiles_total * (hidden_size // (2 * TILE_N))
+        # ---- the dynamic ticket (tickets.py) over the tasks, minibatch by minibatch: its
+        # gate/up tiles, then its down tiles
+        down_cols = hidden_size // (2 * TILE_N)
+        batches = Minibatches(minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
+        num_tasks = row_tiles_total * (gate_up_cols + down_cols)
         ticket = hidden_done + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
         tickets = Tickets(ticket, task_slots(storage), num_tasks)
 
@@ -352,15 +361,14 @@ class Sm90MoeForward:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 self._producer(
-                    ring, (sA, sB0, sB1), tma, gate_up_tiles, down_tiles, num_gate_up,
-                    hidden_size, intermediate_size, dispatched, hidden_done, record, timeout_ns,
-                    tickets,
+                    ring, (sA, sB0, sB1), tma, gate_up_tiles, down_tiles, batches, hidden_size,
+                    intermediate_size, dispatched, hidden_done, record, timeout_ns, tickets,
                 )  # fmt: skip
                 if tidx == 0:
                     stamp(clock, bidx, CLOCK_PRODUCER_DONE)
             else:
                 self._store_tiles(
-                    gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
+                    gate_up_tiles, down_tiles, batches, buffers, hidden_ptr, gate_ptr, up_ptr,
                     slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
                     has_limit, swiglu_limit, hidden_done, tidx, tickets,
                 )  # fmt: skip
@@ -387,16 +395,19 @@ class Sm90MoeForward:
 
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
-            states, seq, task = consume_phase(
-                (read_state, release_state), ring, tickets, seq, task, Int32(0), num_gate_up,
-                run_task, (tiled_mma, thr_mma, hidden_size // TILE_K),
-            )  # fmt: skip
-            if tidx == phases.THREADS_PER_WARPGROUP:
-                stamp(clock, bidx, CLOCK_PHASE_1)
-            consume_phase(
-                states, ring, tickets, seq, task, num_gate_up, num_tasks, run_task,
-                (down_mma, down_thr, intermediate_size // TILE_K),
-            )  # fmt: skip
+            states = (read_state, release_state)
+            while task >= 0:
+                base, middle, end, _, _ = minibatch_of(batches, task)
+                states, seq, task = consume_phase(
+                    states, ring, tickets, seq, task, base, middle, run_task,
+                    (tiled_mma, thr_mma, hidden_size // TILE_K),
+                )  # fmt: skip
+                if tidx == phases.THREADS_PER_WARPGROUP:
+                    stamp(clock, bidx, CLOCK_PHASE_1)
+                states, seq, task = consume_phase(
+                    states, ring, tickets, seq, task, middle, end, run_task,
+                    (down_mma, down_thr, intermediate_size // TILE_K),
+                )  # fmt: skip
             CREW.hand_off_nothing()
             if tidx == phases.THREADS_PER_WARPGROUP:
                 stamp(clock, bidx, CLOCK_PHASE_2)
@@ -405,7 +416,7 @@ class Sm90MoeForward:
 
     @cute.jit
     def _producer(
-        self, ring, smem, tma, gate_up_tiles, down_tiles, num_gate_up, hidden_size,
+        self, ring, smem, tma, gate_up_tiles, down_tiles, batches, hidden_size,
         intermediate_size, dispatched, hidden_done, record, timeout_ns, tickets,
     ):  # fmt: skip
         """Warp 0: takes the CTA's tasks (tickets.py) and makes the TMA loads of each, after
@@ -443,18 +454,26 @@ class Sm90MoeForward:
 
         seq = Int32(0)
         task = take_ticket(tickets, seq)
-        wait = RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, timeout_ns)
-        state, seq, task = produce_phase(state, gate_up_tiles, tickets, seq, task, Int32(0),
-                                         num_gate_up, wait, load_gate_up, ())  # fmt: skip
-        wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, record, timeout_ns)
-        state, seq, task = produce_phase(state, down_tiles, tickets, seq, task, num_gate_up,
-                                         tickets.total, wait, load_down, ())  # fmt: skip
+        rows_wait = RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, timeout_ns)
+        hidden_wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, record,
+                                  timeout_ns)  # fmt: skip
+        segment = (Int32(0), Int32(0))
+        while task >= 0:
+            segment, base, middle, end, first, end_row = minibatch_window(
+                batches, gate_up_tiles, segment, task
+            )
+            state, seq, task = produce_phase(state, gate_up_tiles, tickets, seq, task, base,
+                                             middle, rows_wait, load_gate_up, (), first,
+                                             end_row)  # fmt: skip
+            state, seq, task = produce_phase(state, down_tiles, tickets, seq, task, middle, end,
+                                             hidden_wait, load_down, (), first,
+                                             end_row)  # fmt: skip
         signal_no_task(ring, state)
         ring.producer_tail(state)
 
     @cute.jit
     def _store_tiles(
-        self, gate_up_tiles, down_tiles, num_gate_up, buffers, hidden_ptr, gate_ptr, up_ptr,
+        self, gate_up_tiles, down_tiles, batches, buffers, hidden_ptr, gate_ptr, up_ptr,
         slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
         has_limit, swiglu_limit, hidden_done, tidx, tickets,
     ):  # fmt: skip
@@ -468,13 +487,19 @@ class Sm90MoeForward:
         lane = tidx - 32 * CREW.first_warp
         seq = Int32(0)
         task = crew_task(CREW, tickets, seq)
-        seq, task = store_phase(
-            CREW, gate_up_tiles, tickets, seq, task, Int32(0), num_gate_up, buffers, lane, TILE_N,
-            None, self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
-            (hidden_done,),
-        )  # fmt: skip
-        store_phase(
-            CREW, down_tiles, tickets, seq, task, num_gate_up, tickets.total, buffers, lane,
-            2 * TILE_N, (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
-            (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
-        )  # fmt: skip
+        segment = (Int32(0), Int32(0))
+        while task >= 0:
+            segment, base, middle, end, first, end_row = minibatch_window(
+                batches, gate_up_tiles, segment, task
+            )
+            seq, task = store_phase(
+                CREW, gate_up_tiles, tickets, seq, task, base, middle, buffers, lane, TILE_N,
+                None, self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
+                (hidden_done,), first=first, end_row=end_row,
+            )  # fmt: skip
+            seq, task = store_phase(
+                CREW, down_tiles, tickets, seq, task, middle, end, buffers, lane, 2 * TILE_N,
+                (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
+                (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)), first=first,
+                end_row=end_row,
+            )  # fmt: skip

@@ -37,7 +37,7 @@ from ..common.bounded_wait import (
     ld_acquire_gpu_s32,
 )
 from .epilogue_warps import BUFFER_BYTES
-from .expert_tiles import TileList, locate_first_tile, locate_tile
+from .expert_tiles import TileList, locate_first_tile, locate_tile, window_cursor
 from .gemm_phases import TILE_M, TILE_N
 
 TASK_SLOTS = 8
@@ -108,19 +108,31 @@ def consumer_task(ring, read_state, tickets: Tickets, seq: Int32) -> Int32:
 
 
 @cute.jit
+def locate_task(tiles: TileList, task: Int32, base: Int32, cursor: tuple, end_row=None):
+    """Task `task` of a phase whose tasks are numbered from `base` over `tiles` (cut at
+    `end_row` in a minibatch window): (cursor, expert, row_tile, col_tile), the cursor
+    advanced for the next call (expert_tiles.locate_tile)."""
+    cursor = locate_tile(tiles, task - base, cursor, end_row)
+    expert, tile_base, row_base, row_tiles = cursor
+    local = task - base - tile_base
+    return cursor, expert, row_base // TILE_M + local % row_tiles, local // row_tiles
+
+
+@cute.jit
 def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
-                  end: Int32, wait: RowTileWait, load_task, load_args):  # fmt: skip
+                  end: Int32, wait: RowTileWait, load_task, load_args, first=None,
+                  end_row=None):  # fmt: skip
     """Producer warp: while the CTA's task is one of this phase's (numbers base .. end - 1),
-    (with a `wait`, not None) the bounded wait for its row tile, then `state = load_task(state, expert,
-    col_tile, row_tile, *load_args)`, then the next ticket. Returns (state, seq, task): the
-    first task past the phase."""
-    expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, Int32(0))
+    (with a `wait`, not None) the bounded wait for its row tile, then `state =
+    load_task(state, expert, col_tile, row_tile, *load_args)`, then the next ticket. `first`
+    and `end_row`: the cursor of the phase's tile 0 and the end of its rows, in a minibatch
+    (minibatch_window); the whole tile list without. Returns (state, seq, task): the first task
+    past the phase."""
+    cursor = first
+    if cutlass.const_expr(first is None):
+        cursor = locate_first_tile(tiles, Int32(0))
     while (task >= base) & (task < end):
-        expert, tile_base, row_base, row_tiles = locate_tile(
-            tiles, task - base, (expert, tile_base, row_base, row_tiles)
-        )
-        local = task - base - tile_base
-        row_tile = row_base // TILE_M + local % row_tiles
+        cursor, expert, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
         if cutlass.const_expr(wait is not None):
             bounded_wait_reached(
                 wait.counters + Int64(4) * Int64(row_tile), wait.needed, wait.timeout_ns,
@@ -128,7 +140,7 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
                 ld_acquire_gpu_s32,
             )  # fmt: skip
             cute.arch.fence_proxy("async.global")
-        state = load_task(state, expert, local // row_tiles, row_tile, *load_args)
+        state = load_task(state, expert, col_tile, row_tile, *load_args)
         seq = seq + 1
         task = take_ticket(tickets, seq)
     return state, seq, task
@@ -136,24 +148,23 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
 
 @cute.jit
 def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
-                  end: Int32, run_task, run_args, tiles=None):  # fmt: skip
+                  end: Int32, run_task, run_args, tiles=None, first=None,
+                  end_row=None):  # fmt: skip
     """Consumer warpgroups: while the CTA's task is in base .. end - 1, `states =
-    run_task(states, *run_args)`, or with `tiles` (the phase's TileList) `states =
-    run_task(states, first_row, col_tile, *run_args)`; then the next task. Returns (states,
-    seq, task)."""
-    expert, tile_base, row_base, row_tiles = (Int32(0), Int32(0), Int32(0), Int32(0))
+    run_task(states, *run_args)`, or with `tiles` (the phase's TileList; `first`, `end_row`
+    as in produce_phase) `states = run_task(states, first_row, col_tile, *run_args)`; then
+    the next task. Returns (states, seq, task)."""
+    cursor = (Int32(0), Int32(0), Int32(0), Int32(0))
     if cutlass.const_expr(tiles is not None):
-        expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, Int32(0))
+        cursor = first
+        if cutlass.const_expr(first is None):
+            cursor = locate_first_tile(tiles, Int32(0))
     while (task >= base) & (task < end):
         if cutlass.const_expr(tiles is None):
             states = run_task(states, *run_args)
         else:
-            expert, tile_base, row_base, row_tiles = locate_tile(
-                tiles, task - base, (expert, tile_base, row_base, row_tiles)
-            )
-            local = task - base - tile_base
-            states = run_task(states, row_base + (local % row_tiles) * TILE_M,
-                              local // row_tiles, *run_args)  # fmt: skip
+            cursor, _, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
+            states = run_task(states, row_tile * TILE_M, col_tile, *run_args)
         seq = seq + 1
         task = consumer_task(ring, states[0], tickets, seq)
     return states, seq, task
@@ -182,23 +193,24 @@ def crew_task(crew, tickets: Tickets, seq: Int32) -> Int32:
 @cute.jit
 def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
                 end: Int32, buffers, lane, tile_cols: int, slots, store_chunk, store_args,
-                after_tile=None, after_args=(), handoffs: int = 1):  # fmt: skip
+                after_tile=None, after_args=(), handoffs: int = 1, first=None,
+                end_row=None):  # fmt: skip
     """The crew: store each hand-off of this phase's tasks (as EpilogueCrew.run does for a
     static walk; `slots` None or the (peer_rank, peer_token_idx) pointers of rows stored at
     their slots), `after_tile(lane, first_row, *after_args)` after each; `handoffs` per tile,
-    the h-th stored from column first_col + h * TILE_N. Returns (seq, task)."""
-    expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, Int32(0))
+    the h-th stored from column first_col + h * TILE_N; `first`, `end_row` as in
+    produce_phase. Returns (seq, task)."""
+    cursor = first
+    if cutlass.const_expr(first is None):
+        cursor = locate_first_tile(tiles, Int32(0))
     while (task >= base) & (task < end):
-        expert, tile_base, row_base, row_tiles = locate_tile(
-            tiles, task - base, (expert, tile_base, row_base, row_tiles)
-        )
-        local = task - base - tile_base
-        first_row = row_base + (local % row_tiles) * TILE_M
+        cursor, _, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
+        first_row = row_tile * TILE_M
         targets = None
         if cutlass.const_expr(slots is not None):
             targets = buffers[2]
             crew.look_up_targets(targets, lane, first_row, slots[0], slots[1])
-        first_col = (local // row_tiles) * tile_cols
+        first_col = col_tile * tile_cols
         crew.copy_out(buffers, lane, first_row, first_col, targets, store_chunk, store_args)
         for h in cutlass.range_constexpr(1, handoffs):
             crew.store_handoff(buffers, lane, first_row, first_col + h * TILE_N, targets,
@@ -218,3 +230,41 @@ def count_tiles(tiles: TileList) -> Int32:
     for expert in cutlass.range(tiles.num_experts, unroll=1):
         rows = rows + tiles.tokens_per_expert[expert]
     return rows // TILE_M * tiles.col_tiles
+
+
+class Minibatches(NamedTuple):
+    """The task list of a two-phase megakernel, cut by minibatch (`MoKConfig.minibatch_size`,
+    DESIGN §4): minibatch b is routed row tiles b * row_tiles .. (the last one may be
+    shorter), and its tasks are phase 1's tiles of those rows (`cols_1` column tiles a row
+    tile), then phase 2's (`cols_2`), before any task of minibatch b + 1. Phase 2 of a
+    minibatch waits only for phase 1 of the same one, so with minibatches smaller than the
+    routed rows, phase 2 starts while later rows are still being dispatched."""
+
+    row_tiles: Int32
+    total_row_tiles: Int32
+    cols_1: Int32
+    cols_2: Int32
+
+
+@cute.jit
+def minibatch_of(batches: Minibatches, task: Int32):
+    """The minibatch of task `task` (>= 0): (base, middle, end, first_row, end_row), its
+    phase-1 tasks base .. middle - 1, phase-2 tasks middle .. end - 1, rows first_row ..
+    end_row - 1."""
+    per_minibatch = batches.row_tiles * (batches.cols_1 + batches.cols_2)
+    index = task // per_minibatch
+    first_tile = index * batches.row_tiles
+    row_tiles = cutlass.min(batches.row_tiles, batches.total_row_tiles - first_tile)
+    base = index * per_minibatch
+    middle = base + row_tiles * batches.cols_1
+    return (base, middle, middle + row_tiles * batches.cols_2, first_tile * TILE_M,
+            (first_tile + row_tiles) * TILE_M)  # fmt: skip
+
+
+@cute.jit
+def minibatch_window(batches: Minibatches, tiles: TileList, segment: tuple, task: Int32):
+    """minibatch_of plus its tile-list window (expert_tiles.window_cursor, `segment` carried
+    from the previous call): (segment, base, middle, end, first, end_row)."""
+    base, middle, end, first_row, end_row = minibatch_of(batches, task)
+    segment, first = window_cursor(tiles, segment, first_row, end_row)
+    return segment, base, middle, end, first, end_row

@@ -129,7 +129,7 @@ def backward(
         dy_e, d_gate, d_up, partials, d_x_routed, routed_grads = moe_backward.routed_backward(
             grad_output, router_weights, schedule, x_routed, gate, up, hidden, routed_gate,
             routed_up, routed_down, swiglu_limit=swiglu_limit, weight_grads=in_launch,
-            num_comm_ctas=bwd_num_comm_sms,
+            num_comm_ctas=bwd_num_comm_sms, minibatch_size=minibatch_size,
         )  # fmt: skip
         if not in_launch:
             routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden, tokens,

@@ -110,14 +110,15 @@ def set_forward_path(path: str) -> str:
     return _forward.set(path)
 
 
-def _routed(ws, schedule, x, gate_w, up_w, down_w, limit, num_comm_ctas=0):
+def _routed(ws, schedule, x, gate_w, up_w, down_w, limit, num_comm_ctas=0, minibatch_size=None):
     """(context, slots): the routed experts; slots bf16 [T * k, H] holds each routed row's
     output at its (token, j) slot, stored there by the down GEMM's epilogue (None without
-    down_w). `num_comm_ctas`: the megakernel's communication CTAs."""
+    down_w). `num_comm_ctas`, `minibatch_size`: the megakernel's communication CTAs and
+    minibatch (MoKConfig)."""
     if down_w is not None and _forward.path == "megakernel":
         return moe_forward.routed_forward(x, schedule, ws.topk, gate_w, up_w, down_w,
-                                          swiglu_limit=limit,
-                                          num_comm_ctas=num_comm_ctas)  # fmt: skip
+                                          swiglu_limit=limit, num_comm_ctas=num_comm_ctas,
+                                          minibatch_size=minibatch_size)  # fmt: skip
     peer, slot = schedule.peer_rank, schedule.peer_token_idx
     x_routed = dispatch.gather_rows(x, peer, slot, schedule.num_tokens, ws.topk)
     gate, up, hidden = expert_gemm.gate_up_swiglu(
@@ -153,7 +154,7 @@ def forward(
     _require_group_of_one(ws, "forward")
     check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "forward")
     routed_ctx, slots = _routed(ws, schedule, x, routed_gate, routed_up, routed_down, swiglu_limit,
-                                fwd_num_comm_sms)  # fmt: skip
+                                fwd_num_comm_sms, minibatch_size)  # fmt: skip
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
     if shared_gate is not None:

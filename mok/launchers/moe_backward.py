@@ -21,7 +21,7 @@ from .checks import check_arg
 from .comm import DEFAULT_TIMEOUT_NS
 from .expert_gemm import TILE_ROWS, _check, _check_multiple, _descriptor, _sm_count
 from .expert_gemm_bwd import N_ALIGNMENT, _check_extents
-from .moe_forward import walk_arguments
+from .moe_forward import minibatch_row_tiles, walk_arguments
 
 KERNEL = "moe_backward"
 
@@ -41,6 +41,7 @@ def routed_backward(
     swiglu_limit: float | None = None,
     weight_grads: bool = True,
     num_comm_ctas: int = 0,
+    minibatch_size: int | None = None,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
 ) -> tuple:
     """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) of the
@@ -56,7 +57,9 @@ def routed_backward(
     gate and up and [E, H, I] for down (exact zeros for an expert without tokens), bitwise
     the separate kernels' (expert_gemm_bwd.weight_gradient); without, they are left to the
     caller (who adds them into fp32 main_grads). `num_comm_ctas` CTAs dispatch dY_e while
-    the others start the d_hidden GEMMs (0: every CTA dispatches first).
+    the others start the d_hidden GEMMs (0: every CTA dispatches first). `minibatch_size`
+    (routed rows, a multiple of 128; None: all): the d_hidden and d_x tasks run minibatch by
+    minibatch (moe_forward.routed_forward's); any value gives the same bits.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -82,6 +85,7 @@ def routed_backward(
         _check(name, t, torch.bfloat16, shape)
     _check_extents("weight rows", capacity, num_experts * max(hidden_size, intermediate_size),
                    max(hidden_size, intermediate_size), max(hidden_size, intermediate_size))  # fmt: skip
+    minibatch_row_tiles(minibatch_size, capacity)  # checked before anything is allocated
     device = grad_output.device
     dy_e = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
     d_gate, d_up = (
@@ -148,6 +152,7 @@ def routed_backward(
                 swiglu_limit,
                 num_comm_ctas,
                 grid,
+                minibatch_size,
             ),  # fmt: skip
             "weight_gemms": 3 if weight_grads else 0,
         },

@@ -38,6 +38,7 @@ def routed_forward(
     *,
     swiglu_limit: float | None = None,
     num_comm_ctas: int = 0,
+    minibatch_size: int | None = None,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((x_routed, gate, up, hidden), slots) of the routed experts, in one launch.
@@ -46,7 +47,9 @@ def routed_forward(
     MoKSchedule of this rank (a group of one). slots bf16 [T * k, H]: row t * k + j is the
     output of token t's j-th expert. Routed rows at or past schedule.num_tokens are not written.
     `num_comm_ctas` CTAs dispatch the rows while the others start the GEMMs (0: every CTA
-    dispatches first).
+    dispatches first). `minibatch_size` (routed rows, a multiple of 128; None: all of them):
+    the tasks run minibatch by minibatch, each one's gate/up tiles then its down tiles, so
+    down tiles start before every row is dispatched. Any value gives the same bits.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -67,6 +70,7 @@ def routed_forward(
         raise ValueError(f"hidden and intermediate sizes must be below {MAX_K}")
     if capacity >= MAX_ROWS or num_experts * max(hidden_size, intermediate_size) >= MAX_ROWS:
         raise ValueError(f"routed rows and weight rows must be below {MAX_ROWS}")
+    minibatch_row_tiles(minibatch_size, capacity)  # checked before anything is allocated
     device = x.device
     x_routed = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
     gate, up, hidden = (
@@ -108,10 +112,27 @@ def routed_forward(
                 swiglu_limit,
                 num_comm_ctas,
                 grid,
+                minibatch_size,
             ),  # fmt: skip
         },
     )
     return (x_routed, gate, up, hidden), slots
+
+
+def minibatch_row_tiles(minibatch_size: int | None, capacity: int) -> int:
+    """The megakernel's minibatch in 128-row tiles: `minibatch_size` routed rows (a positive
+    multiple of 128), at most the whole routed buffer (None: all of it, one minibatch)."""
+    all_tiles = max(1, -(-capacity // TILE_ROWS))
+    if minibatch_size is None:
+        return all_tiles
+    if isinstance(minibatch_size, bool) or not isinstance(minibatch_size, int) or (
+        minibatch_size <= 0 or minibatch_size % TILE_ROWS
+    ):  # fmt: skip
+        raise ValueError(
+            f"minibatch_size must be None or a positive multiple of {TILE_ROWS} routed rows, "
+            f"got {minibatch_size!r}"
+        )
+    return min(minibatch_size // TILE_ROWS, all_tiles)
 
 
 # The phase clock (a diagnostic, tools/diag_phase_clock.py): an int64 CUDA tensor [>= grid, 8]
@@ -165,12 +186,13 @@ def comm_count(num_comm_ctas: int, grid: int) -> int:
 
 
 def walk_arguments(
-    schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit, num_comm_ctas, grid
-) -> dict:
+    schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit, num_comm_ctas, grid,
+    minibatch_size,
+) -> dict:  # fmt: skip
     """The launch arguments both megakernels (forward and backward) take for their dispatch
     and task walk: the schedule, the zeroed counters, the error record, the sizes (`rows` the
-    [T, H] source of the dispatch, `gate_weights` [E, I, H]) and the communication CTAs
-    (`comm_count` of the launch's `grid`)."""
+    [T, H] source of the dispatch, `gate_weights` [E, I, H]), the communication CTAs
+    (`comm_count` of the launch's `grid`) and the minibatch (`minibatch_row_tiles`)."""
     return {
         "peer_rank_ptr": schedule.peer_rank,
         "peer_token_idx_ptr": schedule.peer_token_idx,
@@ -189,4 +211,5 @@ def walk_arguments(
         "has_limit": int(swiglu_limit is not None),
         "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
         "num_comm_ctas": comm_count(num_comm_ctas, grid),
+        "minibatch_tiles": minibatch_row_tiles(minibatch_size, schedule.peer_rank.shape[0]),
     }
