@@ -4,9 +4,10 @@ python -m tools.diag_minibatch [--shapes qwen3-30b-a3b,deepseek-v3,mixtral-8x7b]
                                [--sizes 1024,4096,16384,0] [--reps 10]
 
 Per shape, the harness's inputs (benchmark_row) and, for each size (0: all routed rows in one
-minibatch), the schedule + forward timed with CUDA events, the sizes interleaved step by step
-so that all see the same clock and power state; median of `reps`. Also checks that every size
-gives the output of the first, bit for bit.
+minibatch), the schedule + forward and the backward megakernel's backward (from that forward's
+context) timed with CUDA events, the sizes interleaved step by step so that all see the same
+clock and power state; median of `reps`. Also checks that every size gives the forward output
+and d_x of the first, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,16 +18,30 @@ import dataclasses
 import torch
 
 from mok import functional as F
+from mok.launchers import set_backward_path
 from tools.benchmark_row import benchmark_row, timed
 
 
 def forward_step(inputs, shape, workspace, config):
     schedule = F.build_schedule(workspace, config, inputs.top_experts,
                                 num_local_experts=shape.experts_per_rank)  # fmt: skip
-    out, _ = F.forward(config, workspace, schedule, inputs.x, inputs.router_weights, None, None,
-                       None, inputs.gate, inputs.up, inputs.down,
-                       swiglu_limit=shape.swiglu_limit)  # fmt: skip
-    return out
+    out, context = F.forward(config, workspace, schedule, inputs.x, inputs.router_weights, None,
+                             None, None, inputs.gate, inputs.up, inputs.down,
+                             swiglu_limit=shape.swiglu_limit)  # fmt: skip
+    return out, (schedule, context)
+
+
+def backward_step(inputs, shape, workspace, config, state):
+    """d_x of the backward megakernel from forward_step's state."""
+    schedule, context = state
+    previous = set_backward_path("megakernel")
+    try:
+        grads = F.backward(config, workspace, schedule, context, inputs.grad_output, inputs.x,
+                           inputs.router_weights, None, None, None, inputs.gate, inputs.up,
+                           inputs.down, swiglu_limit=shape.swiglu_limit)  # fmt: skip
+    finally:
+        set_backward_path(previous)
+    return grads[0]
 
 
 def sweep(name: str, sizes_arg: str, reps: int) -> None:
@@ -45,21 +60,33 @@ def sweep(name: str, sizes_arg: str, reps: int) -> None:
                                 topk=shape.topk,
                                 num_local_experts=shape.experts_per_rank)  # fmt: skip
 
-    def step(size):
-        return forward_step(inputs, shape, workspace, configs[size])
+    def both(size):
+        out, state = forward_step(inputs, shape, workspace, configs[size])
+        return out, backward_step(inputs, shape, workspace, configs[size], state)
 
-    first = step(sizes[0])
+    first = both(sizes[0])
     for size in sizes[1:]:
-        assert torch.equal(step(size), first), f"{name}: minibatch {size} changed the output"
-    times = {size: [] for size in sizes}
+        for got, want in zip(both(size), first, strict=True):
+            assert torch.equal(got, want), f"{name}: minibatch {size} changed the bits"
+    times = {size: ([], []) for size in sizes}
     for _ in range(reps):
         for size in sizes:
-            times[size].append(timed(lambda s=size: step(s))[0])
-    print(f"== {name}: {rows} routed rows, forward (schedule + megakernel + combine), "
-          f"median of {reps} interleaved; same bits at every size")  # fmt: skip
-    for size, ms in times.items():
+            fwd_ms, (_, state) = timed(
+                lambda s=size: forward_step(inputs, shape, workspace, configs[s])
+            )
+            bwd_ms, _ = timed(
+                lambda s=size, st=state: backward_step(inputs, shape, workspace, configs[s], st)
+            )
+            times[size][0].append(fwd_ms)
+            times[size][1].append(bwd_ms)
+    print(
+        f"== {name}: {rows} routed rows; forward (schedule + megakernel + combine) and "
+        f"backward megakernel ms, median of {reps} interleaved; same bits at every size"
+    )
+    for size, (fwd, bwd) in times.items():
         label = "all" if size == whole else str(size)
-        print(f"  minibatch {label:>6}  {sorted(ms)[len(ms) // 2]:8.3f} ms")
+        fwd, bwd = sorted(fwd)[len(fwd) // 2], sorted(bwd)[len(bwd) // 2]
+        print(f"  minibatch {label:>6}  fwd {fwd:8.3f}  bwd {bwd:8.3f}")
 
 
 def main() -> None:

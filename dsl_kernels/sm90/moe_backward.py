@@ -19,8 +19,10 @@ The pieces are the separate kernels', in one launch:
 - the weight-gradient tiles of Sm90ExpertGemmBwdWeights (expert_gemm_bwd_weights.py), both
   operands MN-major through their own view of the ring, stored by the same crew.
 
-Task list, in dependency order: every d_hidden tile (expert by expert, m fastest, then the
-256-column block of I), then every d_x tile (the same over 256-column blocks of H), taken by a
+Task list, in dependency order: the d_hidden tiles (expert by expert, m fastest, then the
+256-column block of I) and d_x tiles (the same over 256-column blocks of H) minibatch by
+minibatch as in the forward megakernel (`minibatch_tiles`; a minibatch's d_x tiles after the
+next one's d_hidden tiles: tickets.Minibatches), taken by a
 dynamic ticket as in the forward megakernel (tickets.py); then each CTA's weight tasks (CTA c:
 c, c + grid, ...; weight_phase.py). With `num_comm_ctas` > 0 only CTAs 0 .. num_comm_ctas - 1
 dispatch and the others start on tickets at once (the same bits; not faster on the H200,
@@ -56,7 +58,8 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
 - `error_record_ptr`, `clock_ptr` (int64 [grid, 8] phase clock, common/phase_clock.py; may
   be null), `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T), `capacity`
-  (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0), `num_comm_ctas` (0, or < grid)
+  (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0), `num_comm_ctas` (0, or < grid),
+  `minibatch_tiles` (>= 1)
 
 Constraints (the launcher checks them): H and I multiples of 256, both < 2^16; the schedule's
 segments multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned and
@@ -97,10 +100,10 @@ from .tickets import (
     consume_phase,
     consumer_task,
     crew_task,
-    minibatch_window,
     past_last_task,
     produce_phase,
     signal_no_task,
+    step_windows,
     store_phase,
     take_ticket,
     task_slots,
@@ -476,10 +479,10 @@ class Sm90MoeBackward:
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
             states = (read_state, release_state)
-            segment = (Int32(0), Int32(0))
+            segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
             while task >= 0:
-                segment, base, middle, end, first, end_row = minibatch_window(
-                    batches, d_hidden_tiles, segment, task
+                segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = (
+                    step_windows(batches, d_hidden_tiles, segments, task)
                 )
                 states, seq, task = consume_phase(
                     states, ring, tickets, seq, task, base, middle, run_d_hidden, (),
@@ -489,7 +492,7 @@ class Sm90MoeBackward:
                     stamp(clock, bidx, CLOCK_PHASE_1)
                 states, seq, task = consume_phase(
                     states, ring, tickets, seq, task, middle, end, run_d_x, (), d_x_tiles,
-                    first, end_row,
+                    first_2, end_row_2,
                 )  # fmt: skip
             CREW.hand_off_nothing()
             states = past_last_task(ring, states)
@@ -568,16 +571,17 @@ class Sm90MoeBackward:
                                 timeout_ns)  # fmt: skip
         dgu_wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, record,
                                timeout_ns)  # fmt: skip
-        segment = (Int32(0), Int32(0))
+        segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
         while task >= 0:
-            segment, base, middle, end, first, end_row = minibatch_window(
-                batches, d_hidden_tiles, segment, task
+            segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
+                batches, d_hidden_tiles, segments, task
             )
             state, seq, task = produce_phase(state, d_hidden_tiles, tickets, seq, task, base,
                                              middle, rows_wait, load_d_hidden, (), first,
                                              end_row)  # fmt: skip
             state, seq, task = produce_phase(state, d_x_tiles, tickets, seq, task, middle, end,
-                                             dgu_wait, load_d_x, (), first, end_row)  # fmt: skip
+                                             dgu_wait, load_d_x, (), first_2,
+                                             end_row_2)  # fmt: skip
         signal_no_task(ring, state)
         state.advance()
         return state
@@ -596,10 +600,10 @@ class Sm90MoeBackward:
         i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
         seq = Int32(0)
         task = crew_task(CREW, tickets, seq)
-        segment = (Int32(0), Int32(0))
+        segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
         while task >= 0:
-            segment, base, middle, end, first, end_row = minibatch_window(
-                batches, d_hidden_tiles, segment, task
+            segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
+                batches, d_hidden_tiles, segments, task
             )
             seq, task = store_phase(
                 CREW, d_hidden_tiles, tickets, seq, task, base, middle, buffers, lane,
@@ -610,8 +614,8 @@ class Sm90MoeBackward:
             seq, task = store_phase(
                 CREW, d_x_tiles, tickets, seq, task, middle, end, buffers, lane, 2 * TILE_N,
                 (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
-                (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)), first=first,
-                end_row=end_row,
+                (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)), first=first_2,
+                end_row=end_row_2,
             )  # fmt: skip
 
     @cute.jit

@@ -31,9 +31,11 @@ One CTA per SM (grid = SM count, all of shared memory each), 384 threads:
 - warpgroups 1-2, the wgmma consumers (setmaxnreg 232): the mainloop of each task, then the
   hand-off of its rounded accumulators.
 
-Task list, in dependency order: every gate/up tile (tile list of expert_tiles.py: expert by
-expert, m fastest, then the 128-column block of I), then every down tile (expert by expert, m
-fastest, then the 256-column block of H). A CTA takes its next task from one global counter
+Task list, in dependency order, minibatch by minibatch (`minibatch_tiles` row tiles each;
+tickets.Minibatches): a minibatch's gate/up tiles (tile list of expert_tiles.py over its rows:
+expert by expert, m fastest, then the 128-column block of I) follow the previous minibatch's,
+and its down tiles (the same over 256-column blocks of H) come after the next minibatch's
+gate/up tiles; one minibatch is every gate/up tile, then every down tile. A CTA takes its next task from one global counter
 (a dynamic ticket, tickets.py: a slow CTA takes fewer; a static ticket, CTA c running tasks
 c, c + grid, ..., left the same CTAs 0.2-0.35 ms behind the median, and the kernel 20% longer
 at Qwen3-30B-A3B's shape). Tickets are taken in list order and a task waits only for tasks
@@ -69,7 +71,8 @@ Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`
 - `error_record_ptr` (the device's error record, may be null), `clock_ptr` (int64 [grid, 8]
   phase clock, common/phase_clock.py; may be null), `timeout_ns` (int64)
 - `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T: rows of x),
-  `capacity` (C), `has_limit`, `swiglu_limit`, `num_comm_ctas` (0, or < grid)
+  `capacity` (C), `has_limit`, `swiglu_limit`, `num_comm_ctas` (0, or < grid),
+  `minibatch_tiles` (>= 1)
 
 Constraints (the launcher checks them): H % 256 == 0, I % 128 == 0, both < 2^16; the schedule's
 segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
@@ -107,10 +110,10 @@ from .tickets import (
     consume_phase,
     consumer_task,
     crew_task,
-    minibatch_of,
-    minibatch_window,
     produce_phase,
     signal_no_task,
+    step_of,
+    step_windows,
     store_phase,
     take_ticket,
     task_slots,
@@ -397,7 +400,7 @@ class Sm90MoeForward:
             task = consumer_task(ring, read_state, tickets, seq)
             states = (read_state, release_state)
             while task >= 0:
-                base, middle, end, _, _ = minibatch_of(batches, task)
+                (base, middle, _, _), (_, end, _, _) = step_of(batches, task)
                 states, seq, task = consume_phase(
                     states, ring, tickets, seq, task, base, middle, run_task,
                     (tiled_mma, thr_mma, hidden_size // TILE_K),
@@ -457,17 +460,17 @@ class Sm90MoeForward:
         rows_wait = RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, timeout_ns)
         hidden_wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, record,
                                   timeout_ns)  # fmt: skip
-        segment = (Int32(0), Int32(0))
+        segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
         while task >= 0:
-            segment, base, middle, end, first, end_row = minibatch_window(
-                batches, gate_up_tiles, segment, task
+            segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
+                batches, gate_up_tiles, segments, task
             )
             state, seq, task = produce_phase(state, gate_up_tiles, tickets, seq, task, base,
                                              middle, rows_wait, load_gate_up, (), first,
                                              end_row)  # fmt: skip
             state, seq, task = produce_phase(state, down_tiles, tickets, seq, task, middle, end,
-                                             hidden_wait, load_down, (), first,
-                                             end_row)  # fmt: skip
+                                             hidden_wait, load_down, (), first_2,
+                                             end_row_2)  # fmt: skip
         signal_no_task(ring, state)
         ring.producer_tail(state)
 
@@ -487,10 +490,10 @@ class Sm90MoeForward:
         lane = tidx - 32 * CREW.first_warp
         seq = Int32(0)
         task = crew_task(CREW, tickets, seq)
-        segment = (Int32(0), Int32(0))
+        segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
         while task >= 0:
-            segment, base, middle, end, first, end_row = minibatch_window(
-                batches, gate_up_tiles, segment, task
+            segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
+                batches, gate_up_tiles, segments, task
             )
             seq, task = store_phase(
                 CREW, gate_up_tiles, tickets, seq, task, base, middle, buffers, lane, TILE_N,
@@ -500,6 +503,6 @@ class Sm90MoeForward:
             seq, task = store_phase(
                 CREW, down_tiles, tickets, seq, task, middle, end, buffers, lane, 2 * TILE_N,
                 (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
-                (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)), first=first,
-                end_row=end_row,
+                (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)), first=first_2,
+                end_row=end_row_2,
             )  # fmt: skip

@@ -234,11 +234,20 @@ def count_tiles(tiles: TileList) -> Int32:
 
 class Minibatches(NamedTuple):
     """The task list of a two-phase megakernel, cut by minibatch (`MoKConfig.minibatch_size`,
-    DESIGN §4): minibatch b is routed row tiles b * row_tiles .. (the last one may be
-    shorter), and its tasks are phase 1's tiles of those rows (`cols_1` column tiles a row
-    tile), then phase 2's (`cols_2`), before any task of minibatch b + 1. Phase 2 of a
-    minibatch waits only for phase 1 of the same one, so with minibatches smaller than the
-    routed rows, phase 2 starts while later rows are still being dispatched."""
+    DESIGN §4) and pipelined: minibatch b is routed row tiles b * row_tiles .. (the last one
+    may be shorter); its phase-1 tiles (`cols_1` a row tile) come right after minibatch
+    b - 1's, and its phase-2 tiles (`cols_2` a row tile) after minibatch b + 1's phase-1
+    tiles. The list is made of steps, step s holding phase 1 of minibatch s then phase 2 of
+    minibatch s - 1:
+
+        P1(0) | P1(1) P2(0) | P1(2) P2(1) | ... | P2(last)
+
+    A phase-2 tile waits only for phase-1 tiles of its own minibatch, a step earlier (a
+    whole phase-1 minibatch of tasks in between, so they are done by the time it is taken),
+    and phase 2 starts before later rows are dispatched. One minibatch is the plain order,
+    every phase-1 tile then every phase-2 tile (measured: the first version, phase 2 right
+    after phase 1 of the same minibatch, waited a wave per minibatch, 21% slower at
+    Qwen3-30B-A3B's shape with 4096-row minibatches; docs/NOTES.md, session 8)."""
 
     row_tiles: Int32
     total_row_tiles: Int32
@@ -247,24 +256,50 @@ class Minibatches(NamedTuple):
 
 
 @cute.jit
-def minibatch_of(batches: Minibatches, task: Int32):
-    """The minibatch of task `task` (>= 0): (base, middle, end, first_row, end_row), its
-    phase-1 tasks base .. middle - 1, phase-2 tasks middle .. end - 1, rows first_row ..
-    end_row - 1."""
-    per_minibatch = batches.row_tiles * (batches.cols_1 + batches.cols_2)
-    index = task // per_minibatch
-    first_tile = index * batches.row_tiles
-    row_tiles = cutlass.min(batches.row_tiles, batches.total_row_tiles - first_tile)
-    base = index * per_minibatch
-    middle = base + row_tiles * batches.cols_1
-    return (base, middle, middle + row_tiles * batches.cols_2, first_tile * TILE_M,
-            (first_tile + row_tiles) * TILE_M)  # fmt: skip
+def _rows_before(batches: Minibatches, index: Int32) -> Int32:
+    """Row tiles in minibatches 0 .. index - 1 (index may be -1 or past the last)."""
+    return cutlass.max(cutlass.min(index * batches.row_tiles, batches.total_row_tiles), 0)
 
 
 @cute.jit
-def minibatch_window(batches: Minibatches, tiles: TileList, segment: tuple, task: Int32):
-    """minibatch_of plus its tile-list window (expert_tiles.window_cursor, `segment` carried
-    from the previous call): (segment, base, middle, end, first, end_row)."""
-    base, middle, end, first_row, end_row = minibatch_of(batches, task)
-    segment, first = window_cursor(tiles, segment, first_row, end_row)
-    return segment, base, middle, end, first, end_row
+def _step_base(batches: Minibatches, step: Int32) -> Int32:
+    """The first task of step `step`: phase 1 of every earlier minibatch, phase 2 of every
+    minibatch before step - 1."""
+    return (batches.cols_1 * _rows_before(batches, step)
+            + batches.cols_2 * _rows_before(batches, step - 1))  # fmt: skip
+
+
+@cute.jit
+def step_of(batches: Minibatches, task: Int32):
+    """The step of task `task` (>= 0): ((base, end, first_row, end_row) of its phase-1 part,
+    the same of its phase-2 part): task numbers base .. end - 1, rows first_row .. end_row - 1
+    (TILE_M rows a row tile)."""
+    per_step = batches.row_tiles * (batches.cols_1 + batches.cols_2)
+    last = (batches.total_row_tiles + batches.row_tiles - 1) // batches.row_tiles
+    # Exact while every earlier minibatch is whole; the short last one only moves the bases
+    # of the last two steps down, so the guess is at most that far behind.
+    step = cutlass.min((task + batches.row_tiles * batches.cols_2) // per_step, last)
+    while (step < last) & (task >= _step_base(batches, step + 1)):
+        step = step + 1
+    base = _step_base(batches, step)
+    rows_1, rows_2 = _rows_before(batches, step), _rows_before(batches, step - 1)
+    middle = base + batches.cols_1 * (_rows_before(batches, step + 1) - rows_1)
+    end = middle + batches.cols_2 * (rows_1 - rows_2)
+    return ((base, middle, rows_1 * TILE_M, _rows_before(batches, step + 1) * TILE_M),
+            (middle, end, rows_2 * TILE_M, rows_1 * TILE_M))  # fmt: skip
+
+
+@cute.jit
+def step_windows(batches: Minibatches, tiles: TileList, segments: tuple, task: Int32):
+    """step_of plus each part's tile-list window (expert_tiles.window_cursor; `segments`, one
+    per phase, carried from the previous call): (segments, (base, end, first, end_row) of
+    phase 1, the same of phase 2)."""
+    parts = step_of(batches, task)
+    new_segments = []
+    windows = []
+    for phase in cutlass.range_constexpr(2):
+        base, end, first_row, end_row = parts[phase]
+        segment, first = window_cursor(tiles, segments[phase], first_row, end_row)
+        new_segments.append(segment)
+        windows.append((base, end, first, end_row))
+    return tuple(new_segments), windows[0], windows[1]

@@ -1,8 +1,9 @@
-"""`MoKConfig.minibatch_size` on the GPU: the forward megakernel runs its tasks minibatch by
-minibatch (tickets.Minibatches: each minibatch's gate/up tiles, then its down tiles), and any
-minibatch size gives the bits of the separate kernels, whose order it does not have, run after
-run. Minibatch edges cut expert segments (256 rows against 512-row experts), leave experts
-empty, or hold one expert only."""
+"""`MoKConfig.minibatch_size` on the GPU: the megakernels run their tasks minibatch by minibatch,
+pipelined (tickets.Minibatches: a minibatch's gate/up tiles after the previous one's, its down
+tiles after the next one's gate/up tiles; d_hidden and d_x the same), and any minibatch size
+gives the bits of the separate kernels, whose order they do not have, run after run, forward
+and backward. Minibatch edges cut expert segments (256 rows against 512-row experts), leave
+experts empty, or hold one expert only."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from mok import functional as F
-from mok.launchers import set_forward_path
+from mok.launchers import set_backward_path, set_forward_path
 from mok.testing import make_inputs, run_layer
 
 pytestmark = [
@@ -21,11 +22,11 @@ pytestmark = [
 ]
 
 
-def forward_outputs(inputs, e, config):
-    out, ctx, _, schedule = run_layer(inputs, e, config)
+def layer_outputs(inputs, e, config):
+    out, ctx, grads, schedule = run_layer(inputs, e, config)
     rows = int(schedule.num_tokens.item())
     routed = (ctx.x_routed, ctx.gate_routed, ctx.up_routed, ctx.hidden_routed)
-    return (out, *(t[:rows] for t in routed))
+    return (out, *(t[:rows] for t in routed), *(g for g in grads if g is not None))
 
 
 @pytest.mark.parametrize(
@@ -33,20 +34,22 @@ def forward_outputs(inputs, e, config):
     [(8, 2, "random"), (32, 8, "random"), (16, 4, "empty_experts"), (8, 2, "one_expert")],
 )
 def test_any_minibatch_gives_the_bits_of_the_kernels(experts, topk, routing):
-    inputs = make_inputs(2048, 512, 384, experts, topk, routing=routing, seed=11,
+    inputs = make_inputs(2048, 512, 512, experts, topk, routing=routing, seed=11,
                          device=torch.device("cuda"))  # fmt: skip
-    previous = set_forward_path("kernels")
+    previous = set_forward_path("kernels"), set_backward_path("kernels")
     try:
-        expected = forward_outputs(inputs, experts, F.MoKConfig())
+        expected = layer_outputs(inputs, experts, F.MoKConfig())
         set_forward_path("megakernel")
+        set_backward_path("megakernel")
         # 256 (the smallest), one that does not divide the rows, the default, > the rows.
         for size in (256, 1280, 4096, 1 << 20):
             config = dataclasses.replace(
                 F.MoKConfig(), minibatch_size=size, macrobatch_size=size * max(1, (1 << 17) // size)
             )
             for _ in range(2):
-                got = forward_outputs(inputs, experts, config)
+                got = layer_outputs(inputs, experts, config)
                 for i, (a, b) in enumerate(zip(got, expected, strict=True)):
                     assert torch.equal(a, b), (size, i)
     finally:
-        set_forward_path(previous)
+        set_forward_path(previous[0])
+        set_backward_path(previous[1])
