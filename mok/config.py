@@ -33,12 +33,16 @@ class MoKConfig:
     the H200 no communication CTAs is the fastest measured (docs/NOTES.md, session 7): with 16
     to 48 of them, each copying at ~22 GB/s (forward) or ~12 GB/s (backward, scaled), the
     forward was within 1% at Qwen3-30B-A3B's shape and 1-9% slower at the coarse shapes, and
-    the backward 0-28% slower; so both default to 0, every CTA dispatching first.
+    the backward 0-28% slower; so both default to 0, every CTA dispatching first. Minibatches
+    (session 8): on one GPU every CTA dispatches before its tasks, so there is nothing for
+    them to overlap, and 2048-16384-row minibatches measured 1-10% slower in the forward at
+    Qwen3-30B-A3B's shape (0-1% at DeepSeek-V3's) than one minibatch; the default is the
+    macrobatch, one minibatch for up to 131072 routed rows.
     """
 
     fwd_num_comm_sms: int = 0
     bwd_num_comm_sms: int = 0
-    minibatch_size: int = 4096
+    minibatch_size: int = 131072
     macrobatch_size: int = 131072
     schedule_capacity_multiplier: float = 0.5
     all_gather_top_experts_chunk_bytes: int = 2048

@@ -41,7 +41,7 @@ def setup():
         ("bwd_num_comm_sms", -2, ValueError, r"bwd_num_comm_sms must be an even int >= 0, got -2"),
         ("fwd_num_comm_sms", 2.0, TypeError, r"fwd_num_comm_sms must be an int, got float"),
         ("minibatch_size", 300, ValueError, r"minibatch_size must be a positive multiple of 256, got 300"),
-        ("macrobatch_size", 4096 + 256, ValueError, r"macrobatch_size must be a positive multiple of minibatch_size \(4096\), got 4352"),
+        ("macrobatch_size", 4096 + 256, ValueError, r"macrobatch_size must be a positive multiple of minibatch_size \(131072\), got 4352"),
         ("schedule_capacity_multiplier", 0.0, ValueError, r"schedule_capacity_multiplier must be a finite number > 0, got 0.0"),
         ("schedule_capacity_multiplier", float("nan"), ValueError, r"schedule_capacity_multiplier must be a finite number > 0, got nan"),
         ("schedule_capacity_multiplier", "1", TypeError, r"schedule_capacity_multiplier must be a float, got str"),
