@@ -479,6 +479,9 @@ class Sm90MoeBackward:
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
             states = (read_state, release_state)
+            # CLOCK_PHASE_1: the end of the CTA's last d_hidden part (now, if it has none).
+            if first_consumer:
+                stamp(clock, bidx, CLOCK_PHASE_1)
             segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
             while task >= 0:
                 segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = (

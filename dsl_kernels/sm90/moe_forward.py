@@ -399,6 +399,9 @@ class Sm90MoeForward:
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
             states = (read_state, release_state)
+            # CLOCK_PHASE_1: the end of the CTA's last gate/up part (now, if it has none).
+            if tidx == phases.THREADS_PER_WARPGROUP:
+                stamp(clock, bidx, CLOCK_PHASE_1)
             while task >= 0:
                 (base, middle, _, _), (_, end, _, _) = step_of(batches, task)
                 states, seq, task = consume_phase(

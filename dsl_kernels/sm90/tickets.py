@@ -22,12 +22,6 @@ int32 slots in shared memory, slot `seq % TASK_SLOTS` for the CTA's seq-th task:
   and the crew stops.
 The producer is at most two tasks ahead of the consumers (3 ring stages, at least 2 K tiles a
 task), which are at most two ahead of the crew (two hand-off blocks): 8 slots never overrun.
-
-The producer requests its next ticket when it starts a task's loads and reads it after them
-(request_ticket, publish_ticket), so the atomic's round trip is off the ring's critical path.
-A CTA then holds one task it has not started, behind one it runs: every wait still points to
-a smaller task number, held by a CTA whose earlier tasks wait only on smaller ones again, so
-the chains end and nothing deadlocks.
 """
 
 from typing import NamedTuple
@@ -82,31 +76,17 @@ class Tickets(NamedTuple):
 
 
 @cute.jit
-def request_ticket(tickets: Tickets) -> Int32:
-    """Producer warp: start taking the CTA's next task (lane 0's atomic on the counter); its
-    value is read only by publish_ticket, so the atomic's round trip (~1-2 us) overlaps what
-    the warp does in between (a task's loads)."""
-    raw = Int32(0)
+def take_ticket(tickets: Tickets, seq: Int32) -> Int32:
+    """Producer warp (all lanes): the CTA's seq-th task, or NO_TASK past the end; written into
+    its slot by every lane (the same value), so the lane that then arrives on the full barrier
+    has written it itself."""
+    task = Int32(0)
     if cute.arch.lane_idx() == 0:
-        raw = atom_add_relaxed_gpu_s32(tickets.counter, Int32(1))
-    return raw
-
-
-@cute.jit
-def publish_ticket(tickets: Tickets, seq: Int32, raw: Int32) -> Int32:
-    """Producer warp (all lanes): the CTA's seq-th task from request_ticket's `raw`, or
-    NO_TASK past the end; written into its slot by every lane (the same value), so the lane
-    that then arrives on the full barrier has written it itself."""
-    task = cute.arch.shuffle_sync(raw, 0)
+        task = atom_add_relaxed_gpu_s32(tickets.counter, Int32(1))
+    task = cute.arch.shuffle_sync(task, 0)
     task = cutlass.select_(task < tickets.total, task, Int32(NO_TASK))
     tickets.slots[seq % TASK_SLOTS] = task
     return task
-
-
-@cute.jit
-def take_ticket(tickets: Tickets, seq: Int32) -> Int32:
-    """Producer warp: the CTA's seq-th task at once (request_ticket, then publish_ticket)."""
-    return publish_ticket(tickets, seq, request_ticket(tickets))
 
 
 @cute.jit
@@ -153,8 +133,6 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
         cursor = locate_first_tile(tiles, Int32(0))
     while (task >= base) & (task < end):
         cursor, expert, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
-        # The next task is requested before this one's wait and loads, and read after them.
-        raw = request_ticket(tickets)
         if cutlass.const_expr(wait is not None):
             bounded_wait_reached(
                 wait.counters + Int64(4) * Int64(row_tile), wait.needed, wait.timeout_ns,
@@ -164,7 +142,7 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
             cute.arch.fence_proxy("async.global")
         state = load_task(state, expert, col_tile, row_tile, *load_args)
         seq = seq + 1
-        task = publish_ticket(tickets, seq, raw)
+        task = take_ticket(tickets, seq)
     return state, seq, task
 
 
