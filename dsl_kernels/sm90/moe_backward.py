@@ -99,13 +99,11 @@ from .tickets import (
     Tickets,
     consume_phase,
     consumer_task,
-    crew_task,
     past_last_task,
-    produce_phase,
+    produce_steps,
     signal_no_task,
     step_windows,
-    store_phase,
-    take_ticket,
+    store_steps,
     task_slots,
 )
 from .weight_phase import (
@@ -568,23 +566,12 @@ class Sm90MoeBackward:
                 state = phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
             return state
 
-        seq = Int32(0)
-        task = take_ticket(tickets, seq)
         rows_wait = RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record,
                                 timeout_ns)  # fmt: skip
         dgu_wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, record,
                                timeout_ns)  # fmt: skip
-        segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
-        while task >= 0:
-            segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
-                batches, d_hidden_tiles, segments, task
-            )
-            state, seq, task = produce_phase(state, d_hidden_tiles, tickets, seq, task, base,
-                                             middle, rows_wait, load_d_hidden, (), first,
-                                             end_row)  # fmt: skip
-            state, seq, task = produce_phase(state, d_x_tiles, tickets, seq, task, middle, end,
-                                             dgu_wait, load_d_x, (), first_2,
-                                             end_row_2)  # fmt: skip
+        state, _, _ = produce_steps(state, batches, (d_hidden_tiles, d_x_tiles), tickets,
+                                    (rows_wait, dgu_wait), (load_d_hidden, load_d_x))  # fmt: skip
         signal_no_task(ring, state)
         state.advance()
         return state
@@ -601,25 +588,18 @@ class Sm90MoeBackward:
         consumers' hand-off of no task."""
         lane = tidx - 32 * CREW.first_warp
         i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
-        seq = Int32(0)
-        task = crew_task(CREW, tickets, seq)
-        segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
-        while task >= 0:
-            segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
-                batches, d_hidden_tiles, segments, task
-            )
-            seq, task = store_phase(
-                CREW, d_hidden_tiles, tickets, seq, task, base, middle, buffers, lane,
-                2 * TILE_N, None, handoff.store_split, (d_gate_ptr, d_up_ptr, i_stride),
-                self._release_d_hidden_tile, (dgu_done, dgu_total), handoffs=2, first=first,
-                end_row=end_row,
-            )  # fmt: skip
-            seq, task = store_phase(
-                CREW, d_x_tiles, tickets, seq, task, middle, end, buffers, lane, 2 * TILE_N,
-                (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
-                (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)), first=first_2,
-                end_row=end_row_2,
-            )  # fmt: skip
+        d_hidden_stores = dict(
+            tile_cols=2 * TILE_N, slots=None, store_chunk=handoff.store_split,
+            store_args=(d_gate_ptr, d_up_ptr, i_stride), after_tile=self._release_d_hidden_tile,
+            after_args=(dgu_done, dgu_total), handoffs=2,
+        )  # fmt: skip
+        d_x_stores = dict(
+            tile_cols=2 * TILE_N, slots=(peer_rank_ptr, peer_token_idx_ptr),
+            store_chunk=handoff.store_pair,
+            store_args=(slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
+        )  # fmt: skip
+        store_steps(CREW, batches, (d_hidden_tiles, d_x_tiles), tickets, buffers, lane,
+                    (d_hidden_stores, d_x_stores))  # fmt: skip
 
     @cute.jit
     def _release_d_hidden_tile(self, lane, first_row, dgu_done, dgu_total):

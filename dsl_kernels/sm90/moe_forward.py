@@ -109,13 +109,10 @@ from .tickets import (
     Tickets,
     consume_phase,
     consumer_task,
-    crew_task,
-    produce_phase,
+    produce_steps,
     signal_no_task,
     step_of,
-    step_windows,
-    store_phase,
-    take_ticket,
+    store_steps,
     task_slots,
 )
 
@@ -458,22 +455,11 @@ class Sm90MoeForward:
             )
             return phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
 
-        seq = Int32(0)
-        task = take_ticket(tickets, seq)
         rows_wait = RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, timeout_ns)
         hidden_wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, record,
                                   timeout_ns)  # fmt: skip
-        segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
-        while task >= 0:
-            segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
-                batches, gate_up_tiles, segments, task
-            )
-            state, seq, task = produce_phase(state, gate_up_tiles, tickets, seq, task, base,
-                                             middle, rows_wait, load_gate_up, (), first,
-                                             end_row)  # fmt: skip
-            state, seq, task = produce_phase(state, down_tiles, tickets, seq, task, middle, end,
-                                             hidden_wait, load_down, (), first_2,
-                                             end_row_2)  # fmt: skip
+        state, _, _ = produce_steps(state, batches, (gate_up_tiles, down_tiles), tickets,
+                                    (rows_wait, hidden_wait), (load_gate_up, load_down))  # fmt: skip
         signal_no_task(ring, state)
         ring.producer_tail(state)
 
@@ -491,21 +477,14 @@ class Sm90MoeForward:
             has_limit, swiglu_limit,
         )  # fmt: skip
         lane = tidx - 32 * CREW.first_warp
-        seq = Int32(0)
-        task = crew_task(CREW, tickets, seq)
-        segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
-        while task >= 0:
-            segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
-                batches, gate_up_tiles, segments, task
-            )
-            seq, task = store_phase(
-                CREW, gate_up_tiles, tickets, seq, task, base, middle, buffers, lane, TILE_N,
-                None, self._engine().store_swiglu_chunk, swiglu_args, CREW.release_row_tile,
-                (hidden_done,), first=first, end_row=end_row,
-            )  # fmt: skip
-            seq, task = store_phase(
-                CREW, down_tiles, tickets, seq, task, middle, end, buffers, lane, 2 * TILE_N,
-                (peer_rank_ptr, peer_token_idx_ptr), handoff.store_pair,
-                (slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)), first=first_2,
-                end_row=end_row_2,
-            )  # fmt: skip
+        gate_up_stores = dict(
+            tile_cols=TILE_N, slots=None, store_chunk=self._engine().store_swiglu_chunk,
+            store_args=swiglu_args, after_tile=CREW.release_row_tile, after_args=(hidden_done,),
+        )  # fmt: skip
+        down_stores = dict(
+            tile_cols=2 * TILE_N, slots=(peer_rank_ptr, peer_token_idx_ptr),
+            store_chunk=handoff.store_pair,
+            store_args=(slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
+        )  # fmt: skip
+        store_steps(CREW, batches, (gate_up_tiles, down_tiles), tickets, buffers, lane,
+                    (gate_up_stores, down_stores))  # fmt: skip

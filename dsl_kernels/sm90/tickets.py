@@ -147,6 +147,27 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
 
 
 @cute.jit
+def produce_steps(state, batches, tiles: tuple, tickets: Tickets, waits: tuple, loads: tuple):
+    """Producer warp: the CTA's tasks of a two-phase megakernel from its first ticket, step by
+    step (Minibatches): produce_phase over each step's phase-1 part (tiles[0], waits[0],
+    load_task loads[0]), then its phase-2 part (index 1). Returns (state, seq, task): task is
+    NO_TASK."""
+    seq = Int32(0)
+    task = take_ticket(tickets, seq)
+    segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
+    while task >= 0:
+        segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
+            batches, tiles[0], segments, task
+        )
+        state, seq, task = produce_phase(state, tiles[0], tickets, seq, task, base, middle,
+                                         waits[0], loads[0], (), first, end_row)  # fmt: skip
+        state, seq, task = produce_phase(state, tiles[1], tickets, seq, task, middle, end,
+                                         waits[1], loads[1], (), first_2,
+                                         end_row_2)  # fmt: skip
+    return state, seq, task
+
+
+@cute.jit
 def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
                   end: Int32, run_task, run_args, tiles=None, first=None,
                   end_row=None):  # fmt: skip
@@ -219,6 +240,28 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
             after_tile(lane, first_row, *after_args)
         seq = seq + 1
         task = crew_task(crew, tickets, seq)
+    return seq, task
+
+
+@cute.jit
+def store_steps(crew, batches, tiles: tuple, tickets: Tickets, buffers, lane, stores: tuple):
+    """The crew: the CTA's hand-offs of a two-phase megakernel from its first task, step by
+    step (Minibatches):
+    store_phase over each step's phase-1 part (tiles[0], store_phase's keyword arguments
+    stores[0]: tile_cols, slots, store_chunk, store_args and optionally after_tile,
+    after_args, handoffs), then its phase-2 part (index 1). Returns (seq, task): the task
+    that ended the walk (NO_TASK, or one past both phases)."""
+    seq = Int32(0)
+    task = crew_task(crew, tickets, seq)
+    segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
+    while task >= 0:
+        segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
+            batches, tiles[0], segments, task
+        )
+        seq, task = store_phase(crew, tiles[0], tickets, seq, task, base, middle, buffers, lane,
+                                first=first, end_row=end_row, **stores[0])  # fmt: skip
+        seq, task = store_phase(crew, tiles[1], tickets, seq, task, middle, end, buffers, lane,
+                                first=first_2, end_row=end_row_2, **stores[1])  # fmt: skip
     return seq, task
 
 
