@@ -87,7 +87,8 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
     down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
     (x_routed, *_), slots = moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w,
-                                                       num_comm_ctas=16)  # fmt: skip
+                                                       num_comm_ctas=16,
+                                                       minibatch_size=256)  # fmt: skip
     expert_gemm.clear_descriptor_cache()
     ((grid, args),) = kernels["moe_forward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
@@ -98,6 +99,7 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     # 16 communication CTAs (tasks by a dynamic ticket). Counters: dispatched and hidden_done
     # per row tile, then the ticket, all zero.
     assert args["num_comm_ctas"] == 16
+    assert args["minibatch_tiles"] == 2  # 256 routed rows
     assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 1,)
     assert args["counters_ptr"].count_nonzero() == 0
 
@@ -134,6 +136,7 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert args["weight_gemms"] == (3 if weight_grads else 0)
     assert args["num_comm_ctas"] == 0
+    assert args["minibatch_tiles"] == -(-c // 128)  # no minibatch_size: one minibatch
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "num_src_rows": t, "capacity": c, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
@@ -173,3 +176,15 @@ def test_comm_count_clamps_and_takes_the_override():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="count must be None or an int >= 0"):
             moe_forward.set_comm_ctas(bad)
+
+
+def test_minibatch_row_tiles_checks_and_caps():
+    from mok.launchers import moe_forward
+
+    assert moe_forward.minibatch_row_tiles(None, 1000) == 8  # all of it: ceil(1000 / 128)
+    assert moe_forward.minibatch_row_tiles(256, 1000) == 2
+    assert moe_forward.minibatch_row_tiles(131072, 1000) == 8  # at most the routed buffer
+    for bad in (0, -128, 200, 1.0, True):
+        with pytest.raises(ValueError, match=r"minibatch_size must be None or a positive "
+                                             r"multiple of 128 routed rows, got"):  # fmt: skip
+            moe_forward.minibatch_row_tiles(bad, 1000)

@@ -35,12 +35,13 @@ Task list, in dependency order, minibatch by minibatch (`minibatch_tiles` row ti
 tickets.Minibatches): a minibatch's gate/up tiles (tile list of expert_tiles.py over its rows:
 expert by expert, m fastest, then the 128-column block of I) follow the previous minibatch's,
 and its down tiles (the same over 256-column blocks of H) come after the next minibatch's
-gate/up tiles; one minibatch is every gate/up tile, then every down tile. A CTA takes its next task from one global counter
-(a dynamic ticket, tickets.py: a slow CTA takes fewer; a static ticket, CTA c running tasks
-c, c + grid, ..., left the same CTAs 0.2-0.35 ms behind the median, and the kernel 20% longer
-at Qwen3-30B-A3B's shape). Tickets are taken in list order and a task waits only for tasks
-before it (gate/up only for dispatch, which waits for nothing): the waits cannot deadlock. A
-task is always one CTA's whole tile in a fixed K order, so any CTA computes the same bits.
+gate/up tiles; one minibatch is every gate/up tile, then every down tile. A CTA takes its
+next task from one global counter (a dynamic ticket, tickets.py: a slow CTA takes fewer; a
+static ticket, CTA c running tasks c, c + grid, ..., left the same CTAs 0.2-0.35 ms behind
+the median, and the kernel 20% longer at Qwen3-30B-A3B's shape). Tickets are taken in list
+order and a task waits only for tasks before it (gate/up only for dispatch, which waits for
+nothing): the waits cannot deadlock. A task is always one CTA's whole tile in a fixed K
+order, so any CTA computes the same bits.
 
 Dependencies are int32 counters in global memory (zeroed by the launcher before each launch):
     dispatched[m]   routed-row tile m (rows 128 m .. 128 m + 127) is in x_routed: reaches 1
@@ -349,8 +350,8 @@ class Sm90MoeForward:
         if tidx == 0:
             stamp(clock, bidx, CLOCK_DISPATCHED)
 
-        # ---- the dynamic ticket (tickets.py) over the tasks, minibatch by minibatch: its
-        # gate/up tiles, then its down tiles
+        # ---- the dynamic ticket (tickets.py) over the tasks, in pipelined minibatch steps:
+        # step s = the gate/up tiles of minibatch s, then the down tiles of minibatch s - 1
         down_cols = hidden_size // (2 * TILE_N)
         batches = Minibatches(minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
         num_tasks = row_tiles_total * (gate_up_cols + down_cols)
@@ -459,7 +460,8 @@ class Sm90MoeForward:
         hidden_wait = RowTileWait(hidden_done, gate_up_cols, PHASE_GATE_UP_GEMM, record,
                                   timeout_ns)  # fmt: skip
         state, _, _ = produce_steps(state, batches, (gate_up_tiles, down_tiles), tickets,
-                                    (rows_wait, hidden_wait), (load_gate_up, load_down))  # fmt: skip
+                                    (rows_wait, hidden_wait),
+                                    (load_gate_up, load_down))  # fmt: skip
         signal_no_task(ring, state)
         ring.producer_tail(state)
 

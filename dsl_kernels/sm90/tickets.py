@@ -8,8 +8,14 @@ one: the kernel waited for them.
 
 Tickets are taken in increasing order, and a task waits only for the dispatch or for tasks of
 smaller numbers (gate/up < down; d_hidden < d_x), each already taken by a running CTA that will
-finish it: the waits cannot deadlock. Which CTA runs a task changes from run to run, never what the task computes
-(one CTA per output tile, K in a fixed order): the results stay bitwise deterministic.
+finish it: the waits cannot deadlock. Which CTA runs a task changes from run to run, never
+what the task computes (one CTA per output tile, K in a fixed order): the results stay bitwise
+deterministic.
+
+The task list is cut into minibatches (Minibatches, `MoKConfig.minibatch_size`) and walked in
+steps: step s is phase 1 of minibatch s, then phase 2 of minibatch s - 1. Every role walks the
+same steps (produce_steps, consume_phase per part, store_steps); a phase-2 task still waits
+only for phase-1 tasks of smaller numbers.
 
 Inside a CTA the producer warp takes the tickets and tells the other roles through TASK_SLOTS
 int32 slots in shared memory, slot `seq % TASK_SLOTS` for the CTA's seq-th task:
@@ -126,7 +132,7 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
     (with a `wait`, not None) the bounded wait for its row tile, then `state =
     load_task(state, expert, col_tile, row_tile, *load_args)`, then the next ticket. `first`
     and `end_row`: the cursor of the phase's tile 0 and the end of its rows, in a minibatch
-    (minibatch_window); the whole tile list without. Returns (state, seq, task): the first task
+    (step_windows); the whole tile list without. Returns (state, seq, task): the first task
     past the phase."""
     cursor = first
     if cutlass.const_expr(first is None):
@@ -246,11 +252,10 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
 @cute.jit
 def store_steps(crew, batches, tiles: tuple, tickets: Tickets, buffers, lane, stores: tuple):
     """The crew: the CTA's hand-offs of a two-phase megakernel from its first task, step by
-    step (Minibatches):
-    store_phase over each step's phase-1 part (tiles[0], store_phase's keyword arguments
-    stores[0]: tile_cols, slots, store_chunk, store_args and optionally after_tile,
-    after_args, handoffs), then its phase-2 part (index 1). Returns (seq, task): the task
-    that ended the walk (NO_TASK, or one past both phases)."""
+    step (Minibatches): store_phase over each step's phase-1 part (tiles[0], store_phase's
+    keyword arguments stores[0]: tile_cols, slots, store_chunk, store_args and optionally
+    after_tile, after_args, handoffs), then its phase-2 part (index 1). Returns (seq, task):
+    task is NO_TASK."""
     seq = Int32(0)
     task = crew_task(crew, tickets, seq)
     segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))

@@ -48,8 +48,9 @@ def routed_forward(
     output of token t's j-th expert. Routed rows at or past schedule.num_tokens are not written.
     `num_comm_ctas` CTAs dispatch the rows while the others start the GEMMs (0: every CTA
     dispatches first). `minibatch_size` (routed rows, a multiple of 128; None: all of them):
-    the tasks run minibatch by minibatch, each one's gate/up tiles then its down tiles, so
-    down tiles start before every row is dispatched. Any value gives the same bits.
+    the tasks run minibatch by minibatch, pipelined (a minibatch's down tiles after the next
+    one's gate/up tiles: dsl_kernels/sm90/tickets.py, Minibatches), so down tiles start before
+    every row is dispatched. Any value gives the same bits.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
