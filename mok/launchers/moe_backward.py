@@ -85,7 +85,7 @@ def routed_backward(
         _check(name, t, torch.bfloat16, shape)
     _check_extents("weight rows", capacity, num_experts * max(hidden_size, intermediate_size),
                    max(hidden_size, intermediate_size), max(hidden_size, intermediate_size))  # fmt: skip
-    minibatch_row_tiles(minibatch_size, capacity)  # checked before anything is allocated
+    minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)  # before any allocation
     device = grad_output.device
     dy_e = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
     d_gate, d_up = (
@@ -152,7 +152,7 @@ def routed_backward(
                 swiglu_limit,
                 num_comm_ctas,
                 grid,
-                minibatch_size,
+                minibatch_tiles,
             ),  # fmt: skip
             "weight_gemms": 3 if weight_grads else 0,
         },

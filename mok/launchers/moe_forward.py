@@ -71,7 +71,7 @@ def routed_forward(
         raise ValueError(f"hidden and intermediate sizes must be below {MAX_K}")
     if capacity >= MAX_ROWS or num_experts * max(hidden_size, intermediate_size) >= MAX_ROWS:
         raise ValueError(f"routed rows and weight rows must be below {MAX_ROWS}")
-    minibatch_row_tiles(minibatch_size, capacity)  # checked before anything is allocated
+    minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)  # before any allocation
     device = x.device
     x_routed = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
     gate, up, hidden = (
@@ -113,7 +113,7 @@ def routed_forward(
                 swiglu_limit,
                 num_comm_ctas,
                 grid,
-                minibatch_size,
+                minibatch_tiles,
             ),  # fmt: skip
         },
     )
@@ -188,12 +188,12 @@ def comm_count(num_comm_ctas: int, grid: int) -> int:
 
 def walk_arguments(
     schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit, num_comm_ctas, grid,
-    minibatch_size,
+    minibatch_tiles,
 ) -> dict:  # fmt: skip
     """The launch arguments both megakernels (forward and backward) take for their dispatch
     and task walk: the schedule, the zeroed counters, the error record, the sizes (`rows` the
     [T, H] source of the dispatch, `gate_weights` [E, I, H]), the communication CTAs
-    (`comm_count` of the launch's `grid`) and the minibatch (`minibatch_row_tiles`)."""
+    (`comm_count` of the launch's `grid`) and the minibatch in row tiles (`minibatch_row_tiles`)."""
     return {
         "peer_rank_ptr": schedule.peer_rank,
         "peer_token_idx_ptr": schedule.peer_token_idx,
@@ -212,5 +212,5 @@ def walk_arguments(
         "has_limit": int(swiglu_limit is not None),
         "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
         "num_comm_ctas": comm_count(num_comm_ctas, grid),
-        "minibatch_tiles": minibatch_row_tiles(minibatch_size, schedule.peer_rank.shape[0]),
+        "minibatch_tiles": minibatch_tiles,
     }
