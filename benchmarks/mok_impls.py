@@ -1,5 +1,8 @@
 """The hook for mok rows: ``MOK_IMPLS`` maps a row name to a builder of an ``Impl``.
 
+There is one mok row per pass: on a GPU, ``mok`` runs the forward megakernel and the backward
+megakernel, the only GPU implementation of each pass.
+
 A builder returns ``None`` when it cannot run here (``mok.functional`` not importable, no
 workspace for this device); ``unavailable_reason(name)`` then says why. A GPU whose kernel has
 not landed raises ``MoKKernelUnavailableError`` at the first call: ``describe_failure`` turns
@@ -32,12 +35,8 @@ def describe_failure(error: Exception) -> str:
     return f"error: {type(error).__name__}: {error}"
 
 
-def _build_mok_bf16(
-    inputs: MoeInputs, group, forward_path: str = "megakernel", backward_path: str = "kernels"
-) -> Impl | None:
-    """mok's bf16 layer: schedule + forward timed together, backward from the saved context.
-    `forward_path` / `backward_path`: how the GPU forward / backward runs its routed experts
-    (mok.launchers.forward / mok.launchers.backward)."""
+def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
+    """mok's bf16 layer: schedule + forward timed together, backward from the saved context."""
     try:
         import mok.functional as functional
 
@@ -64,24 +63,7 @@ def _build_mok_bf16(
     weights = (*shared, inputs.gate, inputs.up, inputs.down)
     limit = inputs.shape.swiglu_limit
 
-    def on_path(setter: str, path: str, run, *args):
-        """run(*args) with mok.launchers' `setter` switched to `path` (GPU rows; the CPU path
-        has no launch paths)."""
-        if inputs.x.device.type != "cuda":
-            return run(*args)
-        import mok.launchers  # noqa: PLC0415
-
-        set_path = getattr(mok.launchers, setter)
-        previous = set_path(path)
-        try:
-            return run(*args)
-        finally:
-            set_path(previous)
-
     def forward():
-        return on_path("set_forward_path", forward_path, run_forward)
-
-    def run_forward():
         schedule = functional.build_schedule(
             workspace, config, inputs.top_experts, num_local_experts=inputs.shape.experts_per_rank
         )
@@ -97,9 +79,6 @@ def _build_mok_bf16(
         return out, (schedule, context)
 
     def backward(state, grad_output):
-        return on_path("set_backward_path", backward_path, run_backward, state, grad_output)
-
-    def run_backward(state, grad_output):
         schedule, context = state
         grads = functional.backward(
             config,
@@ -116,33 +95,11 @@ def _build_mok_bf16(
         return {n: g for n, g in zip(GRAD_ORDER, grads, strict=True) if g is not None}
 
     if inputs.x.device.type == "cpu":
-        if forward_path != "megakernel":
-            return None  # one CPU row is enough: the path only changes the GPU launches
         return Impl("mok_cpu_path", "mok CPU path (PyTorch reference)", False, forward, backward)
-    if backward_path == "megakernel":
-        label = "mok, backward's activation gradients in one persistent launch (A/B)"
-        return Impl("mok_bwd_megakernel", label, False, forward, backward)
-    if forward_path == "megakernel":
-        label = "mok (bf16; default forward: the megakernel, one persistent launch)"
-        return Impl("mok", label, False, forward, backward)
-    label = "mok, forward as separate fused-epilogue kernels (A/B)"
-    return Impl("mok_kernels", label, False, forward, backward)
-
-
-def _build_mok_kernels(inputs: MoeInputs, group) -> Impl | None:
-    _REASONS["mok_kernels"] = "only on CUDA (an A/B row of the GPU forward)"
-    return _build_mok_bf16(inputs, group, forward_path="kernels")
-
-
-def _build_mok_bwd_megakernel(inputs: MoeInputs, group) -> Impl | None:
-    _REASONS["mok_bwd_megakernel"] = "only on CUDA (an A/B row of the GPU backward)"
-    if inputs.x.device.type != "cuda":
-        return None
-    return _build_mok_bf16(inputs, group, backward_path="megakernel")
+    label = "mok (bf16: forward megakernel, backward megakernel)"
+    return Impl("mok", label, False, forward, backward)
 
 
 MOK_IMPLS: dict[str, Callable[[MoeInputs, object], Impl | None]] = {
     "mok": _build_mok_bf16,
-    "mok_kernels": _build_mok_kernels,
-    "mok_bwd_megakernel": _build_mok_bwd_megakernel,
 }

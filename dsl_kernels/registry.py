@@ -65,15 +65,12 @@ def variants() -> list[Variant]:
             {"threads": 128, "tokens_per_cta": 4},
             launch_grid="(ceil(hidden_size / (8 * 128)), ceil(num_tokens / 4), 1)",
         ),
-        # Dispatch for a group of one (common/gather_rows.py): x rows, or w * dY rows.
-        *(
-            Variant(
-                name,
-                GatherRows,
-                {"scaled": scaled, "threads": 128, "rows_per_cta": 4},
-                launch_grid="(ceil(hidden_size / (8 * 128)), min(ceil(num_rows / 4), 65535), 1)",
-            )
-            for name, scaled in (("gather_rows", False), ("gather_rows_scaled", True))
+        # The recomputed forward context's gather (common/gather_rows.py).
+        Variant(
+            "gather_rows",
+            GatherRows,
+            {"threads": 128, "rows_per_cta": 4},
+            launch_grid="(ceil(hidden_size / (8 * 128)), min(ceil(num_rows / 4), 65535), 1)",
         ),
         Variant(
             "schedule_histogram",
@@ -97,8 +94,8 @@ def variants() -> list[Variant]:
             AllGatherTopExperts,
             launch_grid="(ctas_per_peer, world_size, 1)",
         ),
-        # Grouped expert GEMMs (sm90/expert_gemm.py): wgmma + setmaxnreg, Hopper only; the
-        # sm_100a/sm_103a versions wait for the tcgen05/TMEM engine (dsl_kernels/sm100).
+        # Grouped expert GEMMs (sm90/expert_gemm.py) for the shared expert and the recomputed
+        # context: wgmma + setmaxnreg, Hopper only (sm100 needs the tcgen05/TMEM engine).
         Variant(
             "expert_gemm_gate_up_swiglu",
             Sm90ExpertGemm,
@@ -113,15 +110,7 @@ def variants() -> list[Variant]:
             launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
             archs=("sm_90a",),
         ),
-        Variant(
-            "expert_gemm_down_to_slots",
-            Sm90ExpertGemm,
-            {"epilogue": "slots", "stages": 3},
-            launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
-            archs=("sm_90a",),
-        ),
-        # The forward megakernel, group of one (sm90/moe_forward.py): dispatch + gate/up +
-        # down to slots in one persistent launch.
+        # The megakernels (sm90/moe_forward.py, sm90/moe_backward.py).
         Variant(
             "moe_forward",
             Sm90MoeForward,
@@ -129,8 +118,6 @@ def variants() -> list[Variant]:
             launch_grid="(sm_count, 1, 1)",
             archs=("sm_90a",),
         ),
-        # The backward megakernel v1, group of one (sm90/moe_backward.py): scaled dispatch +
-        # d_hidden + d_x to slots in one persistent launch (GPU-tested; not the default).
         Variant(
             "moe_backward",
             Sm90MoeBackward,
@@ -138,8 +125,7 @@ def variants() -> list[Variant]:
             launch_grid="(sm_count, 1, 1)",
             archs=("sm_90a",),
         ),
-        # Backward activation-gradient GEMMs (sm90/expert_gemm_bwd.py): weights read as stored
-        # (MN-major B, wgmma transposed), Hopper only like the forward engine.
+        # The shared expert's activation-gradient GEMMs (sm90/expert_gemm_bwd.py).
         Variant(
             "expert_gemm_bwd_d_hidden_swiglu",
             Sm90ExpertGemmBwd,
@@ -151,13 +137,6 @@ def variants() -> list[Variant]:
             "expert_gemm_bwd_d_x",
             Sm90ExpertGemmBwd,
             {"job": "d_x", "stages": 3},
-            launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
-            archs=("sm_90a",),
-        ),
-        Variant(
-            "expert_gemm_bwd_d_x_to_slots",
-            Sm90ExpertGemmBwd,
-            {"job": "d_x_slots", "stages": 3},
             launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
             archs=("sm_90a",),
         ),

@@ -29,15 +29,11 @@ class MoKConfig:
             lands on one rank (> 0); see `schedule_capacity`.
         all_gather_top_experts_chunk_bytes: chunk of the routing all-gather (multiple of 16).
 
-    The original's defaults (40/28/4096/131072/0.5/2048) were tuned for 148-SM Blackwell. On
-    the H200 no communication CTAs is the fastest measured (docs/NOTES.md, session 7): with 16
-    to 48 of them, each copying at ~22 GB/s (forward) or ~12 GB/s (backward, scaled), the
-    forward was within 1% at Qwen3-30B-A3B's shape and 1-9% slower at the coarse shapes, and
-    the backward 0-28% slower; so both default to 0, every CTA dispatching first. Minibatches
-    (session 8): on one GPU every CTA dispatches before its tasks, so there is nothing for
-    them to overlap, and 2048-16384-row minibatches measured 1-10% slower in the forward at
-    Qwen3-30B-A3B's shape (0-1% at DeepSeek-V3's) than one minibatch; the default is the
-    macrobatch, one minibatch for up to 131072 routed rows.
+    The original's defaults (40/28/4096/131072/0.5/2048) were tuned for 148-SM Blackwell.
+    On the H200 both communication CTA counts default to 0 (every CTA dispatches first):
+    dedicated communication CTAs were not faster in either megakernel (docs/NOTES.md). The
+    minibatch defaults to the macrobatch, one minibatch for up to 131072 routed rows: on one
+    GPU there is no communication for smaller minibatches to overlap, and they were slower.
     """
 
     fwd_num_comm_sms: int = 0

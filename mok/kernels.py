@@ -20,32 +20,23 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
         ("all_gather_top_experts", "schedule_histogram", "schedule_scan", "schedule_place"),
         "the routing all-gather and schedule kernels",
     ),
-    # mok/launchers/forward.py: gather + GEMMs with fused epilogues by default, the forward
-    # megakernel (moe_forward) when selected with set_forward_path; the shared expert runs the
-    # plain down GEMM.
+    # mok/launchers/forward_op.py: the routed experts run in the forward megakernel
+    # (moe_forward); the shared expert runs the gate/up and plain down GEMMs.
     "forward": (
-        (
-            "gather_rows",
-            "expert_gemm_gate_up_swiglu",
-            "expert_gemm_down",
-            "expert_gemm_down_to_slots",
-            "moe_forward",
-            "moe_combine_forward",
-        ),
+        ("expert_gemm_gate_up_swiglu", "expert_gemm_down", "moe_forward", "moe_combine_forward"),
         "the SM90 expert GEMMs",
     ),  # fmt: skip
     "recompute_forward_context": (
         ("gather_rows", "expert_gemm_gate_up_swiglu"),
         "the SM90 expert GEMMs",
     ),
-    # mok/launchers/backward.py (interim multi-kernel path until the backward megakernel); the
-    # shared expert runs the plain d_x GEMM.
+    # mok/launchers/backward_op.py: the routed experts run in the backward megakernel
+    # (moe_backward); the shared expert runs the separate backward GEMMs.
     "backward": (
         (
-            "gather_rows_scaled",
+            "moe_backward",
             "expert_gemm_bwd_d_hidden_swiglu",
             "expert_gemm_bwd_d_x",
-            "expert_gemm_bwd_d_x_to_slots",
             "expert_gemm_bwd_weights_bf16",
             "expert_gemm_bwd_weights_accumulate",
             "moe_combine_backward",
@@ -97,7 +88,7 @@ def require(op_name: str, device: torch.device):
     """The launcher namespace for `op_name` on `device`, or MoKKernelUnavailableError.
 
     A success is cached per (op, device, MOK_ARCH): this runs on every op call, so the hit is
-    one dict lookup (MOK_ARCH read through `arch_env_token`, ~0.1 us, not os.environ.get).
+    one dict lookup (MOK_ARCH read through `arch_env_token`, cheaper than os.environ.get).
     """
     key = (op_name, device.index, arch_env_token())
     launchers = _REQUIRED.get(key)

@@ -20,7 +20,7 @@ from torch import nn
 
 from . import functional
 from .config import MoKConfig
-from .reference import group_rank_size
+from .groups import group_rank_size
 from .types import MoKForwardContext, MoKSchedule
 from .workspace import MoKWorkspace
 

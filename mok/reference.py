@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ROUTED_ROW_ALIGNMENT
+from .groups import group_rank_size
 from .types import MoKForwardContext, MoKSchedule
 
 E4M3_MAX = 448.0
@@ -32,16 +33,8 @@ MXFP8_MIN_SCALE = 1e-12
 # ----------------------------------------------------------------------------------------------
 
 
-def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(rank, size) in the EP group; `None` is a group of one."""
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group=group), dist.get_world_size(group=group)
-
-
 def _all_to_all_bytes(chunks: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Exchange one uint8 tensor with every rank (chunks[p] goes to rank p)."""
-    len(chunks)
     device = chunks[0].device
     send_counts = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
     recv_counts = torch.empty_like(send_counts)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .config import FEATURE_ALIGNMENT, MAX_TOPK, MoKConfig
-from .reference import group_rank_size
+from .groups import group_rank_size
 from .validation import check_int, check_type
 
 _NEXT_HANDLE = itertools.count(1)

@@ -52,34 +52,31 @@ def kernels(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("scaled", [False, True])
-def test_gather_rows_launch_packs(kernels, scaled):
+def test_gather_rows_launch_packs(kernels):
     t, h, k, capacity = 300, 256, 2, 1024
     src = torch.zeros(t, h, dtype=torch.bfloat16)
     peer = torch.zeros(capacity, dtype=torch.int32)
     slot = torch.zeros(capacity, dtype=torch.int32)
-    weights = torch.ones(t, k) if scaled else None
-    dispatch.gather_rows(src, peer, slot, torch.tensor([600], dtype=torch.int32), k,
-                         weights=weights)  # fmt: skip
+    dispatch.gather_rows(src, peer, slot, torch.tensor([600], dtype=torch.int32), k)
     ((name, kernel),) = kernels.items()
-    assert name == ("gather_rows_scaled" if scaled else "gather_rows")
+    assert name == "gather_rows"
     ((grid, args),) = kernel.launches
     assert grid == (1, capacity // 4, 1) and args["num_rows"] == capacity
 
 
 def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     from mok import reference as R
-    from mok.launchers import comm, expert_gemm, moe_forward
+    from mok.launchers import comm, device_args, megakernel_walk
+    from mok.launchers import forward_megakernel as moe_forward
 
-    monkeypatch.setattr(moe_forward, "get_error_record", lambda device: _Record())
-    monkeypatch.setattr(expert_gemm, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(moe_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(moe_forward, "sm_count", lambda device: 132)
 
     def check_on_cpu(name, tensor, dtype, shape):  # the launcher's check, minus "on CUDA"
         assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
 
-    monkeypatch.setattr(moe_forward, "_check", check_on_cpu)
-    expert_gemm.clear_descriptor_cache()
+    monkeypatch.setattr(moe_forward, "check_cuda", check_on_cpu)
+    device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 128, 4, 2
     ids = torch.randint(0, e, (t, k))
     schedule = R.make_schedule(ids, num_local_experts=e, capacity=t * k + e * 128)
@@ -89,7 +86,7 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     (x_routed, *_), slots = moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w,
                                                        num_comm_ctas=16,
                                                        minibatch_size=256)  # fmt: skip
-    expert_gemm.clear_descriptor_cache()
+    device_args.clear_descriptor_cache()
     ((grid, args),) = kernels["moe_forward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert slots.shape == (t * k, h) and x_routed.shape == (schedule.capacity, h)
@@ -107,16 +104,17 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
 @pytest.mark.parametrize("weight_grads", [True, False])
 def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     from mok import reference as R
-    from mok.launchers import comm, expert_gemm, moe_backward, moe_forward
+    from mok.launchers import backward_megakernel as moe_backward
+    from mok.launchers import comm, device_args, megakernel_walk
 
     def check_on_cpu(name, tensor, dtype, shape, **_):  # the launcher's checks, minus "on CUDA"
         assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
 
-    monkeypatch.setattr(moe_forward, "get_error_record", lambda device: _Record())
-    monkeypatch.setattr(moe_backward, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(moe_backward, "_check", check_on_cpu)
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(moe_backward, "sm_count", lambda device: 132)
+    monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
     monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
-    expert_gemm.clear_descriptor_cache()
+    device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 256, 4, 2
     ids = torch.randint(0, e, (t, k))
     schedule = R.make_schedule(ids, num_local_experts=e, capacity=t * k + e * 128)
@@ -131,7 +129,7 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
         dy, w, schedule, x_routed, gate, up, hidden, gate_w, gate_w, down_w,
         weight_grads=weight_grads,
     )  # fmt: skip
-    expert_gemm.clear_descriptor_cache()
+    device_args.clear_descriptor_cache()
     ((grid, args),) = kernels["moe_backward"].launches
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert args["weight_gemms"] == (3 if weight_grads else 0)
@@ -150,41 +148,29 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
         assert d_weights is None
 
 
-def test_phase_clock_is_checked_and_off_by_default(monkeypatch):
-    from mok.launchers import moe_forward
+def test_comm_count_is_clamped_below_the_grid():
+    from mok.launchers.megakernel_walk import walk_arguments
 
-    assert moe_forward._phase_clock is None  # launches pass a null clock_ptr: no stamps
-    with pytest.raises(ValueError, match=r"clock must be a contiguous int64 CUDA tensor"):
-        moe_forward.set_phase_clock(torch.zeros(132, 8, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"clock must be .* got torch.int64 \(132, 4\) on cpu"):
-        moe_forward.set_phase_clock(torch.zeros(132, 4, dtype=torch.int64))
-    assert moe_forward.set_phase_clock(None) is None
+    class _Schedule:
+        peer_rank = peer_token_idx = num_tokens = tokens_per_expert = torch.zeros(8)
 
+    counters = torch.zeros(3, dtype=torch.int32)
+    rows, gate_w = torch.zeros(4, 256), torch.zeros(2, 128, 256)
+    import mok.launchers.megakernel_walk as walk
 
-def test_comm_count_clamps_and_takes_the_override():
-    from mok.launchers import moe_forward
-
-    assert moe_forward.comm_count(16, 132) == 16
-    assert moe_forward.comm_count(0, 132) == 0
-    # Never all CTAs: at most grid - 1 communicate.
-    assert moe_forward.comm_count(500, 132) == 131
-    previous = moe_forward.set_comm_ctas(0)
+    original = walk.get_error_record
+    walk.get_error_record = lambda device: _Record()
     try:
-        assert moe_forward.comm_count(16, 132) == 0
+        for comm, want in ((16, 16), (0, 0), (500, 131)):  # never all CTAs: at most grid - 1
+            args = walk_arguments(_Schedule(), counters, 1, rows, gate_w, 2, None, comm, 132, 1)
+            assert args["num_comm_ctas"] == want
     finally:
-        moe_forward.set_comm_ctas(previous)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="count must be None or an int >= 0"):
-            moe_forward.set_comm_ctas(bad)
+        walk.get_error_record = original
 
 
-def test_minibatch_row_tiles_checks_and_caps():
-    from mok.launchers import moe_forward
+def test_minibatch_row_tiles_caps():
+    from mok.launchers.megakernel_walk import minibatch_row_tiles
 
-    assert moe_forward.minibatch_row_tiles(None, 1000) == 8  # all of it: ceil(1000 / 128)
-    assert moe_forward.minibatch_row_tiles(256, 1000) == 2
-    assert moe_forward.minibatch_row_tiles(131072, 1000) == 8  # at most the routed buffer
-    for bad in (0, -128, 200, 1.0, True):
-        with pytest.raises(ValueError, match=r"minibatch_size must be None or a positive "
-                                             r"multiple of 128 routed rows, got"):  # fmt: skip
-            moe_forward.minibatch_row_tiles(bad, 1000)
+    assert minibatch_row_tiles(None, 1000) == 8  # all of it: ceil(1000 / 128)
+    assert minibatch_row_tiles(256, 1000) == 2
+    assert minibatch_row_tiles(131072, 1000) == 8  # at most the routed buffer

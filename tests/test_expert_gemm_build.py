@@ -210,13 +210,3 @@ def test_manifest_parses_and_packs(built):
                 variant.tma_spec("tma_a"), shape, (shape[1], 1), torch.bfloat16, 0x100000
             )
             assert args.box == (64, 128) and args.swizzle == "128B"
-
-
-@pytest.mark.parametrize("name", ["expert_gemm_down_to_slots", "expert_gemm_bwd_d_x_to_slots"])
-def test_slots_epilogue_handoff(name):
-    """The to-slots GEMMs: the same hand-off, the destination rows looked up by the epilogue
-    warps into shared memory first. The forward one takes its tiles by a ticket, the
-    backward one walks them statically (a ticket measured 1-4% slower there, session 8)."""
-    variant = {v.name: v for v in variants()}[name]
-    _, _, ptx = build.compile_variant(variant, "sm_90a")
-    assert_epilogue_handoff(ptx, 2, slots=True, ticketed=name == "expert_gemm_down_to_slots")

@@ -1,4 +1,4 @@
-"""The interim GPU forward and backward compositions (mok/launchers/forward.py, backward.py),
+"""The GPU forward and backward ops' compositions (mok/launchers/forward_op.py, backward_op.py),
 checked on CPU.
 
 The SM90 kernels are replaced by the reference's math on the same operands (each kernel is
@@ -15,19 +15,12 @@ import pytest
 import torch
 
 from mok import reference as R
-from mok.launchers import (
-    dispatch,
-    epilogues,
-    expert_gemm,
-    expert_gemm_bwd,
-    moe_backward,
-    moe_forward,
-)
+from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd
 from mok.testing import make_inputs, rel_error
 
 # The modules, not the `forward` and `backward` functions mok.launchers re-exports by name.
-fwd = importlib.import_module("mok.launchers.forward")
-bwd = importlib.import_module("mok.launchers.backward")
+fwd = importlib.import_module("mok.launchers.forward_op")
+bwd = importlib.import_module("mok.launchers.backward_op")
 
 T, H, I, E, K = 200, 256, 256, 6, 2
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
@@ -37,17 +30,15 @@ def _segments(tokens):
     return R.expert_segments(R.MoKSchedule(None, None, None, tokens))
 
 
-def fake_down(hidden, down_w, tokens, *, slots=None):
+def fake_down(hidden, down_w, tokens):
     y = torch.zeros(hidden.shape[0], down_w.shape[1], dtype=torch.bfloat16)
     for e, (s, t) in enumerate(_segments(tokens)):
         y[s:t] = R._mm(hidden[s:t], down_w[e]).to(torch.bfloat16)
-    return _to_slots(y, slots)
+    return y
 
 
 def _to_slots(y, slots):
-    """The kernels' slot epilogue: row r of y at row peer_token_idx[r], padding dropped."""
-    if slots is None:
-        return y
+    """The megakernels' slot epilogue: row r of y at row peer_token_idx[r], padding dropped."""
     peer_rank, peer_token_idx, num_slots = slots
     out = torch.full((num_slots, y.shape[1]), float("nan"), dtype=torch.bfloat16)
     real = peer_rank >= 0
@@ -67,12 +58,12 @@ def fake_d_hidden(dy, down_w, gate, up, tokens, *, swiglu_limit=None, router_par
     return d_gate, d_up
 
 
-def fake_d_x(d_gate, d_up, gate_w, up_w, tokens, *, slots=None):
+def fake_d_x(d_gate, d_up, gate_w, up_w, tokens):
     out = torch.zeros(d_gate.shape[0], gate_w.shape[2], dtype=torch.bfloat16)
     for e, (s, t) in enumerate(_segments(tokens)):
         out[s:t] = (d_gate[s:t].float() @ gate_w[e].float()
                     + d_up[s:t].float() @ up_w[e].float()).to(torch.bfloat16)  # fmt: skip
-    return _to_slots(out, slots)
+    return out
 
 
 def fake_weight_gradient(a, b, tokens, *, output="fp32", out=None):
@@ -113,7 +104,7 @@ def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit
     x_routed = fake_gather_rows(x, peer, slot, schedule.num_tokens, topk)
     gate, up, hidden = fake_gate_up_swiglu(x_routed, gate_w, up_w, tokens,
                                            swiglu_limit=swiglu_limit)  # fmt: skip
-    slots = fake_down(hidden, down_w, tokens, slots=(peer, slot, x.shape[0] * topk))
+    slots = _to_slots(fake_down(hidden, down_w, tokens), (peer, slot, x.shape[0] * topk))
     return (x_routed, gate, up, hidden), slots
 
 
@@ -128,8 +119,8 @@ def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, 
     partials = torch.empty(dy_e.shape[0], gate.shape[1] // 128)
     d_gate, d_up = fake_d_hidden(dy_e, down_w, gate, up, tokens, swiglu_limit=swiglu_limit,
                                  router_partials=partials)  # fmt: skip
-    slots = fake_d_x(d_gate, d_up, gate_w, up_w, tokens,
-                     slots=(peer, slot, grad_output.shape[0] * topk))  # fmt: skip
+    slots = _to_slots(fake_d_x(d_gate, d_up, gate_w, up_w, tokens),
+                      (peer, slot, grad_output.shape[0] * topk))  # fmt: skip
     d_weights = None
     if weight_grads:
         d_weights = [
@@ -142,8 +133,8 @@ def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, 
 @pytest.fixture()
 def fake_kernels(monkeypatch):
     monkeypatch.setattr(dispatch, "gather_rows", fake_gather_rows)
-    monkeypatch.setattr(moe_forward, "routed_forward", fake_routed_forward)
-    monkeypatch.setattr(moe_backward, "routed_backward", fake_routed_backward)
+    monkeypatch.setattr(fwd, "routed_forward", fake_routed_forward)
+    monkeypatch.setattr(bwd, "routed_backward", fake_routed_backward)
     monkeypatch.setattr(expert_gemm, "gate_up_swiglu", fake_gate_up_swiglu)
     monkeypatch.setattr(epilogues, "fwd_epilogue", R.fwd_epilogue)
     monkeypatch.setattr(expert_gemm, "down", fake_down)
@@ -157,15 +148,8 @@ class _Workspace:
     ep_size, hidden_size, topk = 1, H, K
 
 
-@pytest.fixture(params=["kernels", "megakernel"])
-def backward_path(request):
-    previous = bwd.set_backward_path(request.param)
-    yield request.param
-    bwd.set_backward_path(previous)
-
-
 @pytest.mark.parametrize("shared,limit,main", [(True, None, False), (False, 0.5, True)])
-def test_composition_equals_reference_backward(fake_kernels, backward_path, shared, limit, main):
+def test_composition_equals_reference_backward(fake_kernels, shared, limit, main):
     inp = make_inputs(T, H, I, E, K, shared=shared, seed=3)
     schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
     weights = [inp[n] for n in WEIGHTS]
@@ -191,34 +175,17 @@ def test_composition_equals_reference_backward(fake_kernels, backward_path, shar
             assert rel_error(g.float(), w) < 2**-8 and g.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("path", ["megakernel", "kernels"])
 @pytest.mark.parametrize("shared,limit", [(True, None), (False, 0.5)])
-def test_forward_composition_equals_reference(fake_kernels, shared, limit, path):
-    previous = fwd.set_forward_path(path)
-    try:
-        _check_forward_composition(shared, limit)
-    finally:
-        fwd.set_forward_path(previous)
+def test_forward_composition_equals_reference(fake_kernels, shared, limit):
+    _check_forward_composition(shared, limit)
 
 
-def test_backward_path_switch_is_exported():
+def test_no_path_switch_is_exported():
     import mok.launchers
 
-    # The separate kernels stay the default backward until the megakernel has run on a GPU.
-    assert mok.launchers.set_backward_path("megakernel") == "kernels"
-    assert mok.launchers.set_backward_path("kernels") == "megakernel"
-    with pytest.raises(ValueError, match="path must be one of"):
-        mok.launchers.set_backward_path("fused")
-
-
-def test_forward_path_switch_is_exported():
-    import mok.launchers
-
-    # The megakernel is the default forward path.
-    assert mok.launchers.set_forward_path("kernels") == "megakernel"
-    assert mok.launchers.set_forward_path("megakernel") == "kernels"
-    with pytest.raises(ValueError, match="path must be one of"):
-        mok.launchers.set_forward_path("fused")
+    # One implementation per pass: no module-level switch between two.
+    for name in ("set_forward_path", "set_backward_path", "set_comm_ctas", "set_phase_clock"):
+        assert not hasattr(mok.launchers, name), name
 
 
 def _check_forward_composition(shared, limit):

@@ -1,13 +1,12 @@
-"""Dispatch for an EP group of one: gather each routed row from its token, optionally scaled."""
+"""Gather of the routed rows for the recomputed forward context: each row from its token."""
 
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Int32
 
 from .args import global_pointer
-from .ptx import mul_rn
 from .row_chunks import VECTOR, chunked_row_views
 
 
@@ -16,14 +15,8 @@ class GatherRows:
     """out[r, :] = src[peer_token_idx[r] // topk, :] for every routed row r < num_tokens with
     peer_rank[r] >= 0, and zeros for padding rows (peer_rank[r] < 0).
 
-    `scaled=True` multiplies in fp32 by the row's router weight and rounds once:
-        out[r, h] = bf16(weight[peer_token_idx[r]] * float(src[t, h]))   (mul.rn.f32, RNE)
-    which is `(w_routed * dy_routed.float()).to(torch.bfloat16)` bit for bit: the backward's
-    dY_e = w * dY, pulled on the expert side (SEMANTICS §2).
-
     Kernel parameters (in this order): `out_ptr` (bf16 [num_rows, hidden_size]), `src_ptr`
-    (bf16 [num_src_rows, hidden_size]), `weight_ptr` (fp32 [num_src_rows * topk]; unused and
-    may be null unless scaled), `peer_rank_ptr`, `peer_token_idx_ptr` (int32 [num_rows], the
+    (bf16 [num_src_rows, hidden_size]), `peer_rank_ptr`, `peer_token_idx_ptr` (int32 [num_rows], the
     schedule's), `num_tokens_ptr` (int32 [1], the schedule's routed-row count, read on the
     device: rows at or past it are not written), `num_rows`, `num_src_rows`, `hidden_size`,
     `topk`.
@@ -39,7 +32,6 @@ class GatherRows:
     1), block (threads, 1, 1), no dynamic shared memory.
     """
 
-    scaled: bool = False
     threads: int = 128
     rows_per_cta: int = 4
 
@@ -54,7 +46,6 @@ class GatherRows:
         return (
             global_pointer(BFloat16, 16),  # out_ptr
             global_pointer(BFloat16, 16),  # src_ptr
-            global_pointer(Float32, 4),  # weight_ptr
             global_pointer(Int32, 4),  # peer_rank_ptr
             global_pointer(Int32, 4),  # peer_token_idx_ptr
             global_pointer(Int32, 4),  # num_tokens_ptr
@@ -70,7 +61,6 @@ class GatherRows:
         self,
         out_ptr: cute.Pointer,
         src_ptr: cute.Pointer,
-        weight_ptr: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -84,7 +74,6 @@ class GatherRows:
         self.kernel(
             out_ptr,
             src_ptr,
-            weight_ptr,
             peer_rank_ptr,
             peer_token_idx_ptr,
             num_tokens_ptr,
@@ -102,7 +91,6 @@ class GatherRows:
         self,
         out_ptr: cute.Pointer,
         src_ptr: cute.Pointer,
-        weight_ptr: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -120,14 +108,11 @@ class GatherRows:
         )
         rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(num_rows))
         slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(num_rows))
-        weight = cute.make_tensor(weight_ptr, cute.make_layout(num_src_rows * topk))
         rows = cutlass.min(num_rows, cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0])
 
         chunk = bidx * self.threads + tidx
         blocks = (rows + rows_per_cta - 1) // rows_per_cta
         rIn = cute.make_rmem_tensor((VECTOR, rows_per_cta), BFloat16)
-        rWeight = cute.make_rmem_tensor((rows_per_cta,), Float32)
-        rScaled = cute.make_rmem_tensor((VECTOR,), Float32)
         # Only `chunk < chunks` can diverge, in the last column block.
         if chunk < chunks:
             for block in cutlass.range(bidy, blocks, grid_y, unroll=1):
@@ -136,21 +121,11 @@ class GatherRows:
                 for t in cutlass.range_constexpr(rows_per_cta):
                     row = first + t
                     rIn[None, t].fill(0.0)
-                    rWeight[t] = Float32(0.0)
                     if row < rows:
                         if rank[row] >= 0:
-                            source = slot[row]
-                            rIn[None, t].store(mSrc[None, chunk, source // topk].load())
-                            if cutlass.const_expr(self.scaled):
-                                rWeight[t] = weight[source]
-                # ---- store (padding rows: zeros; scaled: 0 * 0.0 is +0.0) ----
+                            rIn[None, t].store(mSrc[None, chunk, slot[row] // topk].load())
+                # ---- store (padding rows: zeros) ----
                 for t in cutlass.range_constexpr(rows_per_cta):
                     row = first + t
                     if row < rows:
-                        if cutlass.const_expr(self.scaled):
-                            rScaled.store(rIn[None, t].load().to(Float32))
-                            for i in cutlass.range_constexpr(VECTOR):
-                                rScaled[i] = mul_rn(rWeight[t], rScaled[i])
-                            mOut[None, chunk, row].store(rScaled.load().to(BFloat16))
-                        else:
-                            mOut[None, chunk, row].store(rIn[None, t].load())
+                        mOut[None, chunk, row].store(rIn[None, t].load())

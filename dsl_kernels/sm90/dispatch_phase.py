@@ -20,6 +20,9 @@ from ..common.ptx import mul_rn
 from ..common.row_chunks import VECTOR, chunked_row_views
 from .gemm_phases import THREADS, TILE_M
 
+# WaitPhase ids (mok.runtime.WaitPhase, a wire format) of tasks waiting for dispatched rows.
+PHASE_DISPATCH = 5
+PHASE_BACKWARD_DISPATCH = 9
 # Each thread keeps DISPATCH_BATCH 16-byte loads in flight (384 threads: 48 KiB per SM), every
 # load of a batch issued before its stores.
 DISPATCH_BATCH = 8

@@ -234,3 +234,18 @@ class EpilogueCrew:
             if cutlass.const_expr(after_tile is not None):
                 after_tile(lane, first_row, *after_args)
         return tile
+
+
+# Warps 1-3 of the producer warpgroup, in every SM90 GEMM and megakernel. The release atomics
+# live here, not in the consumers: there, one makes ptxas serialise every wgmma (C7520).
+CREW = EpilogueCrew(first_warp=1, num_warps=3)
+
+
+def slot_stores(slots_ptr, peer_rank_ptr, peer_token_idx_ptr, row_size) -> dict:
+    """The crew's store configuration (task_walk.store_phase keywords) for 128 x 256 tiles whose
+    rows go to their (token, j) slots of `slots_ptr` bf16 [T * k, row_size]; padding rows
+    are not stored."""
+    return dict(
+        tile_cols=2 * TILE_N, slots=(peer_rank_ptr, peer_token_idx_ptr), store_chunk=store_pair,
+        store_args=(slots_ptr, cute.assume(Int64(row_size), divby=2 * TILE_N)),
+    )  # fmt: skip

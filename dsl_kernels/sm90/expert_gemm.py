@@ -1,58 +1,27 @@
-"""SM90 grouped expert GEMM: persistent, warp-specialised, TMA + wgmma, two epilogues.
+"""SM90 grouped expert GEMM: persistent, warp-specialised, TMA + wgmma (gemm_phases.py).
 
-`Sm90ExpertGemm(epilogue="swiglu")` is the gate/up projection with SwiGLU fused:
-    gate[r, :] = bf16(x[r, :] @ W_gate[e].T),  up[r, :] = bf16(x[r, :] @ W_up[e].T)
-    hidden[r, :] = bf16(SiLU(g) * u),  g, u = fp32(gate), fp32(up), clamped first if has_limit
-`Sm90ExpertGemm(epilogue="store")` is the down projection:
-    out[r, :] = bf16(hidden[r, :] @ W_down[e].T)
-`Sm90ExpertGemm(epilogue="slots")` is the down projection stored where the combine reads it
-(DESIGN §4, group of one): out[peer_token_idx[r], :] = bf16(hidden[r, :] @ W_down[e].T) for
-every row with peer_rank[r] >= 0; padding rows are not stored. `out` is then [T * k, H], one
-row per (token, j) slot, each written exactly once.
-for every routed row r of expert e (rows grouped by expert, see expert_tiles.py).
+`Sm90ExpertGemm(epilogue="swiglu")` is the gate/up projection with SwiGLU fused
+(gate_up_phase.py); `Sm90ExpertGemm(epilogue="store")` is the down projection,
+out[r] = bf16(hidden[r] @ W_down[e].T), rows in place. They serve the shared expert and the
+recomputed forward context; the routed forward runs in the forward megakernel.
 
-Engine (DESIGN §4): one producer warpgroup (warp 0 issues TMA loads, 40 registers) and two
-consumer warpgroups (232 registers each) that each own 64 rows of the 128-row tile and run
-wgmma from shared memory into fp32 register accumulators. A `stages`-deep ring of shared-memory
-buffers, each guarded by a full mbarrier (TMA transaction bytes) and an empty mbarrier (one arrive
-per consumer warp), lets the producer run ahead across tile boundaries.
+Each CTA takes 128 x 256 output tiles by ticket (tickets.py): two 128 x 128 accumulators
+that share the A tile (B0/B1: the gate and up rows of the same columns, or two adjacent
+column blocks of W_down). The consumers hand each rounded tile to the crew
+(epilogue_warps.py), which stores it during the next mainloop.
 
-Each CTA tile is 128 rows x (2 x 128) columns, computed as two 128x128 accumulators that share
-the A tile: B0/B1 are the gate and up weight rows of the same 128 output columns (swiglu), or two
-adjacent 128-column blocks of W_down (store). Two accumulators with the same register layout put
-gate[i, j] and up[i, j] in the same thread, so SwiGLU is an elementwise register operation.
+Kernel parameters, in order (the runtime encodes the three descriptors, box 64 x 128):
+- `tma_a`   x_routed bf16 [C, H] (swiglu) or hidden bf16 [C, I] (store)
+- `tma_b0`, `tma_b1`  swiglu: W_gate, W_up viewed [E * I, H]; store: W_down viewed [E * H, I]
+  (the same descriptor twice)
+- `out_ptr` bf16 [C, n_size]: hidden (swiglu) or y (store); `gate_ptr`, `up_ptr` bf16 [C, I]
+  (swiglu; null for store); `peer_rank_ptr`, `peer_token_idx_ptr` (unused, null)
+- `tokens_per_expert_ptr` int32 [E]; `ticket_ptr` int32 [1], zeroed
+- `num_experts`, `k_size` (H or I), `n_size` (I or H), `has_limit`, `swiglu_limit`
 
-Epilogue (epilogue_warps.py): the consumers round their accumulators into two padded
-shared-memory blocks and go straight on to the next tile's mainloop; warps 1-3 of the producer
-warpgroup, the crew, compute SwiGLU and store the tile in 16-byte row chunks meanwhile (slot
-rows looked up first). The mainloop alone runs at 93-100% of the GEMM ceiling and the epilogue
-took 15-18% of each tile when the consumers ran it; moving it off them made gate/up 9-13%
-faster on the H200 (docs/NOTES.md, session 5). Before that, the consumers staged their stores
-through one shared buffer (session 4: 18-28% faster than 4-byte stores straight from the
-accumulator layout, which stalled on the LSU queue). The two 34 KiB blocks leave 3 ring stages.
-
-Kernel parameters, in order (the runtime encodes the three descriptors from the manifest's tma
-specs; tensors are row-major, innermost dim last):
-- `tma_a`   A = x_routed bf16 [C, H] (swiglu) or hidden bf16 [C, I] (store): box 64 x 128
-- `tma_b0`  swiglu: W_gate viewed [E * I, H]; store: W_down viewed [E * H, I]: box 64 x 128
-- `tma_b1`  swiglu: W_up viewed [E * I, H];   store: the same W_down descriptor again
-- `out_ptr`  bf16 [C, n_size]: hidden (swiglu) or y (store)
-- `gate_ptr`, `up_ptr`  bf16 [C, I] pre-clamp gate and up (swiglu; ignored by store, pass null)
-- `peer_rank_ptr`, `peer_token_idx_ptr`  int32 [C], the schedule's (slots; null otherwise)
-- `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes, read on the device
-- `ticket_ptr`  int32 [1], zeroed: the tiles' dynamic ticket (tickets.py)
-- `num_experts`, `k_size` (H for swiglu, I for store), `n_size` (I for swiglu, H for store)
-- `has_limit` (int32, 0/1), `swiglu_limit` (fp32; ignored unless has_limit)
-
-Constraints (the launcher checks them; the kernel does not):
-- tokens_per_expert[e] % 128 == 0, sum <= C; rows past the sum are not written.
-- k_size % 64 == 0; swiglu: n_size % 128 == 0; store: n_size % 256 == 0.
-- every tensor 16-byte aligned and contiguous; C, E * n_size < 2^30 rows; k_size < 2^16.
-- launch: grid (num_ctas, 1, 1) with num_ctas <= SM count (one CTA per SM: it takes all of the
-  shared memory), block (384, 1, 1), cluster (1, 1, 1), dynamic smem from the manifest.
-
-Why sm_90a only: wgmma and setmaxnreg-based warp specialisation are Hopper instructions; on
-sm_100a the same job runs on tcgen05 MMAs with accumulators in tensor memory, a different engine.
+Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0, sum <= C; k_size % 64
+== 0; n_size % 128 (swiglu) or 256 (store) == 0; tensors 16-byte aligned and contiguous; C,
+E * n_size < 2^30; k_size < 2^16; grid <= SM count, block 384, cluster 1.
 """
 
 from dataclasses import dataclass
@@ -65,8 +34,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from ..common.args import global_pointer
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
-from .epilogue_warps import EpilogueCrew
+from .epilogue_warps import CREW
 from .expert_tiles import TileList
+from .gate_up_phase import store_swiglu_chunk
 from .gemm_phases import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
@@ -74,24 +44,20 @@ from .gemm_phases import (
     TILE_M,
     TILE_N,
 )
+from .task_walk import consume_phase, count_tiles, produce_phase, store_phase
 from .tickets import (
     SLOT_BYTES,
     Tickets,
-    consume_phase,
     consumer_task,
-    count_tiles,
     crew_task,
-    produce_phase,
     signal_no_task,
-    store_phase,
     take_ticket,
     task_slots,
 )
 
-EPILOGUES = ("swiglu", "store", "slots")
-CREW = EpilogueCrew(first_warp=1, num_warps=3)  # epilogue_warps=True: warps 1-3 store tiles
-# The TMA coordinate tensors are given static extents (the runtime's descriptor carries the
-# real ones): coordinates only need to fit, and static shapes add no kernel parameters.
+EPILOGUES = ("swiglu", "store")
+# Static extents of the TMA coordinate tensors (the runtime's descriptor carries the real ones):
+# coordinates only need to fit, and static shapes add no kernel parameters.
 MAX_ROWS = 1 << 30
 MAX_K = 1 << 16
 
@@ -114,18 +80,10 @@ class Sm90ExpertGemm:
     def threads(self) -> int:
         return phases.THREADS
 
-    def _tiled_mma(self):
-        # Both operands K-major (activations [C, K], weights viewed [E * N, K]).
-        K = cute.nvgpu.warpgroup.OperandMajorMode.K
-        return phases.make_tiled_mma(K, K)
-
-    def _smem_layout(self, rows: int):
-        return phases.k_major_smem_layout(rows, self.stages)
-
     def tma_specs(self) -> list[dict]:
         """How the runtime encodes each descriptor param (see runtime/tma.py): a rank-2 bf16
         tensor [rows, K] (dims innermost first: K, rows), one 64 x 128 box per stage load, the
-        128-byte swizzle of the shared-memory layout built in `_smem_layout`."""
+        128-byte swizzle of the K-major shared-memory layout."""
         box = [TILE_K, TILE_M]  # == [TILE_K, TILE_N]: A and B tiles have the same box
         return [phases.tma_spec(param, box) for param in ("tma_a", "tma_b0", "tma_b1")]
 
@@ -179,8 +137,8 @@ class Sm90ExpertGemm:
         # The descriptors the DSL would build here are thrown away: the runtime encodes its own
         # from the manifest (same box, swizzle and element type, the caller's real extents).
         operand_layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
-        a_smem = self._smem_layout(TILE_M)
-        b_smem = self._smem_layout(TILE_N)
+        a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
+        b_smem = phases.k_major_smem_layout(TILE_N, self.stages)
         tma_a, mA = phases.make_tma_load(a_ptr, operand_layout, a_smem, (TILE_M, TILE_K))
         tma_b0, mB0 = phases.make_tma_load(b0_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
         tma_b1, mB1 = phases.make_tma_load(b1_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
@@ -232,9 +190,9 @@ class Sm90ExpertGemm:
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
 
         # ---- static layouts, MMA, shared storage ----
-        tiled_mma = self._tiled_mma()
-        a_layout = self._smem_layout(TILE_M)
-        b_layout = self._smem_layout(TILE_N)
+        tiled_mma = phases.forward_mma()
+        a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
+        b_layout = phases.k_major_smem_layout(TILE_N, self.stages)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
             a_layout, b_layout, self.stages, handoff.BUFFER_BYTES + SLOT_BYTES
         )
@@ -344,34 +302,7 @@ class Sm90ExpertGemm:
         if cutlass.const_expr(self.epilogue == "swiglu"):
             store_args = (out_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit)
             store_phase(CREW, tiles, tickets, seq, task, Int32(0), no_end, buffers, lane, TILE_N,
-                        None, self.store_swiglu_chunk, store_args)  # fmt: skip
+                        None, store_swiglu_chunk, store_args)  # fmt: skip
         else:
-            slots = None
-            if cutlass.const_expr(self.epilogue == "slots"):
-                slots = (peer_rank_ptr, peer_token_idx_ptr)
             store_phase(CREW, tiles, tickets, seq, task, Int32(0), no_end, buffers, lane,
-                        2 * TILE_N, slots, handoff.store_pair, (out_ptr, row_stride))  # fmt: skip
-
-    @cute.jit
-    def store_swiglu_chunk(
-        self, gate_chunk, up_chunk, target, chunk, first_col, out_ptr, gate_ptr, up_ptr,
-        row_stride, has_limit, swiglu_limit,
-    ):  # fmt: skip
-        """One 16-byte chunk of row `target`: gate, up, and hidden = SwiGLU from the
-        bf16-rounded values in fp32 (mok.reference.swiglu)."""
-        at = cute.assume(target * row_stride + Int64(first_col + chunk * 8), divby=8)
-        cute.make_tensor(gate_ptr + at, cute.make_layout(8)).store(gate_chunk)
-        cute.make_tensor(up_ptr + at, cute.make_layout(8)).store(up_chunk)
-        gate = cute.make_rmem_tensor((8,), BFloat16)
-        up = cute.make_rmem_tensor((8,), BFloat16)
-        hidden = cute.make_rmem_tensor((8,), Float32)
-        gate.store(gate_chunk)
-        up.store(up_chunk)
-        for i in cutlass.range_constexpr(8):
-            g = Float32(gate[i])
-            u = Float32(up[i])
-            if has_limit != 0:
-                g = cutlass.min(g, swiglu_limit)
-                u = cutlass.max(cutlass.min(u, swiglu_limit), -swiglu_limit)
-            hidden[i] = g / (Float32(1.0) + cute.math.exp(-g)) * u
-        cute.make_tensor(out_ptr + at, cute.make_layout(8)).store(hidden.load().to(BFloat16))
+                        2 * TILE_N, None, handoff.store_pair, (out_ptr, row_stride))  # fmt: skip

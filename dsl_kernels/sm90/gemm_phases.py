@@ -68,6 +68,20 @@ def make_tiled_mma(a_major, b_major):
     )
 
 
+def forward_mma():
+    """The forward GEMMs' MMA: both operands K-major (activations [C, K], weights [E * N, K])."""
+    K = cute.nvgpu.warpgroup.OperandMajorMode.K
+    return make_tiled_mma(K, K)
+
+
+def backward_mma():
+    """The activation-gradient GEMMs' MMA: A K-major, B MN-major (weights read as stored,
+    [K, N]: wgmma takes B transposed)."""
+    return make_tiled_mma(
+        cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.MN
+    )
+
+
 def k_major_smem_layout(rows: int, stages: int):
     """Staged (rows, TILE_K, stages) K-major layout with the 128-byte swizzle."""
     atom = cute.nvgpu.warpgroup.make_smem_layout_atom(

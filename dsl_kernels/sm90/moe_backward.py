@@ -1,69 +1,27 @@
-"""SM90 backward megakernel, EP group of one, v2: the routed experts' backward in one persistent
-launch (DESIGN §4, SEMANTICS §2).
+"""SM90 backward megakernel: the routed experts' backward in one persistent launch (DESIGN §4).
 
-    dY_e[r]        = bf16(w[peer_token_idx[r]] * dY[peer_token_idx[r] // k])   dispatch phase
-    d_gate, d_up   = SwiGLU'(dY_e @ W_down[e], gate, up), router partials       d_hidden tasks
-    slots[peer_token_idx[r]] = d_gate[r] @ W_gate[e] + d_up[r] @ W_up[e]         d_x tasks
-    dW_down[e] = dY_e^T hidden, dW_gate[e] = d_gate^T x, dW_up[e] = d_up^T x    weight tasks
+Phases, in dependency order, each in its own module:
+    dispatch     dY_e[r] = bf16(w[peer_token_idx[r]] * dY[peer_token_idx[r] // k])  dispatch_phase
+    d_hidden     d_gate, d_up = SwiGLU'(dY_e @ W_down[e], gate, up), router partials d_hidden_phase
+    d_x to slots slots[peer_token_idx[r]] = d_gate[r] @ W_gate[e] + d_up[r] @ W_up[e] d_x_phase
+    weights      dW_down = dY_e^T hidden, dW_gate = d_gate^T x, dW_up = d_up^T x     weight_phase
+The weight tasks run when `weight_gemms` is 3 (bf16 gradients); with fp32 main_grads the
+launcher passes 0 and adds them with the accumulate kernel. The fixed-order d_x combine is the
+combine kernel's (moe_combine_backward).
 
-for every routed row r of expert e. The weight tasks (weight_phase.py) run when `weight_gemms`
-is 3 (bf16 gradients); with fp32 main_grads the launcher passes 0 and adds them with the
-separate accumulate kernel. The fixed-order d_x combine stays a separate launch.
+Dispatch runs as in the forward megakernel; the d_hidden and d_x tasks are taken by ticket in
+pipelined minibatch steps (minibatches.py, task_walk.py); then each CTA runs its weight tasks
+(CTA c: c, c + grid, ...), after every dispatch and every d_hidden tile. d_hidden tasks wait
+only on dispatch, d_x tasks only on d_hidden tasks, weight tasks on both, all taken before any
+CTA finds no ticket left: the waits cannot deadlock.
 
-The pieces are the separate kernels', in one launch:
-- the dispatch phase of the forward megakernel (dispatch_phase.py), scaled by the router weight;
-- the d_hidden_swiglu and d_x tasks of Sm90ExpertGemmBwd (expert_gemm_bwd.py): A K-major, B
-  MN-major read in place, 3 ring stages, the crew of warps 1-3 storing every tile (d_hidden:
-  two hand-offs per tile, gate/up prefetched into L2 by the producer when it takes the task;
-  d_x: rows at their slots);
-- the weight-gradient tiles of Sm90ExpertGemmBwdWeights (expert_gemm_bwd_weights.py), both
-  operands MN-major through their own view of the ring, stored by the same crew.
+Counters (int32, zeroed by the launcher): dispatched[m] (reaches 1) and dgu_done[m] (reaches
+I / 256) per 128-row tile m; then dispatch_total (dispatching CTAs done), dgu_total (d_hidden
+tiles stored) and the ticket. Release/acquire at GPU scope, as in the forward megakernel.
 
-Task list, in dependency order: the d_hidden tiles (expert by expert, m fastest, then the
-256-column block of I) and d_x tiles (the same over 256-column blocks of H) minibatch by
-minibatch as in the forward megakernel (`minibatch_tiles`; a minibatch's d_x tiles after the
-next one's d_hidden tiles: tickets.Minibatches), taken by a
-dynamic ticket as in the forward megakernel (tickets.py); then each CTA's weight tasks (CTA c:
-c, c + grid, ...; weight_phase.py). With `num_comm_ctas` > 0 only CTAs 0 .. num_comm_ctas - 1
-dispatch and the others start on tickets at once (the same bits; not faster on the H200,
-moe_forward.py says why). Tickets are taken in list order; d_hidden tasks depend only on the
-dispatch, which waits for nothing, d_x tasks only on d_hidden tasks, weight tasks only on the
-dispatch and every d_hidden task (all taken before any CTA finds no ticket left): the waits
-cannot deadlock.
-
-Counters (int32, zeroed by the launcher before each launch):
-    dispatched[m]  row tile m of dY_e is written: reaches 1 (phase BACKWARD_DISPATCH)
-    dgu_done[m]    d_hidden tiles of row tile m written (d_gate, d_up): reaches I / 256
-                   (phase BACKWARD_DHIDDEN_GEMM)
-    dispatch_total CTAs done dispatching: reaches the number of dispatching CTAs (the weight
-                   phase's wait)
-    dgu_total      d_hidden tiles stored: reaches their number (the weight phase's wait)
-    ticket         the next d_hidden / d_x task
-Writers fence the async proxy (readers load with TMA), meet at a barrier (the CTA's after
-dispatch, the crew's after a tile), then one thread adds 1 with `red.release.gpu`; the TMA
-producer polls with `ld.acquire.gpu` and a bound (common/bounded_wait.py).
-
-Kernel parameters, in order (descriptors encoded by the runtime from `tma_specs`):
-- `tma_dy`  dY_e bf16 [C, H] (A, box 64 x 128)   `tma_wd`  W_down viewed [E * H, I] (B)
-- `tma_dg`, `tma_du`  d_gate, d_up bf16 [C, I] (A)   `tma_wg`, `tma_wu`  W_gate, W_up viewed
-  [E * I, H] (B: box 64 N x 64 K rows)
-- the weight phase's, all MN-major with box 64 x 64: `tma_xdy` dY_e, `tma_xdg` d_gate,
-  `tma_xdu` d_up (A); `tma_xh` hidden [C, I], `tma_xx` x_routed [C, H] (B)
-- `d_w_down_ptr` bf16 [E, H, I], `d_w_gate_ptr`, `d_w_up_ptr` bf16 [E, I, H]
-- `dy_ptr` bf16 [T, H]; `weight_ptr` fp32 [T * k]; `dy_routed_ptr` bf16 [C, H]; `gate_ptr`,
-  `up_ptr` bf16 [C, I] (the forward context); `d_gate_ptr`, `d_up_ptr` bf16 [C, I];
-  `partials_ptr` fp32 [C, I / 128]; `slots_ptr` bf16 [T * k, H]
-- `peer_rank_ptr`, `peer_token_idx_ptr` int32 [C]; `num_tokens_ptr` int32 [1];
-  `tokens_per_expert_ptr` int32 [E]; `counters_ptr` int32 [2 * ceil(C / 128) + 3], zeroed
-- `error_record_ptr`, `clock_ptr` (int64 [grid, 8] phase clock, common/phase_clock.py; may
-  be null), `timeout_ns` (int64)
-- `num_experts`, `hidden_size`, `intermediate_size`, `topk`, `num_src_rows` (T), `capacity`
-  (C), `has_limit`, `swiglu_limit`, `weight_gemms` (3 or 0), `num_comm_ctas` (0, or < grid),
-  `minibatch_tiles` (>= 1)
-
-Constraints (the launcher checks them): H and I multiples of 256, both < 2^16; the schedule's
-segments multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned and
-contiguous.
+Constraints (the launcher checks them): H and I multiples of 256, both < 2^16; schedule
+segments multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned
+and contiguous.
 """
 
 from dataclasses import dataclass
@@ -71,55 +29,81 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64
 
-from ..common.args import global_pointer
 from ..common.bounded_wait import red_add_release_gpu_s32
-from ..common.phase_clock import (
-    CLOCK_CREW_DONE,
-    CLOCK_DISPATCHED,
-    CLOCK_PHASE_1,
-    CLOCK_PHASE_2,
-    CLOCK_PHASE_3,
-    CLOCK_PRODUCER_DONE,
-    CLOCK_START,
-    stamp,
-)
+from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, placeholders
+from . import d_hidden_phase, d_x_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
-from .dispatch_phase import dispatch_rows
-from .expert_gemm import CREW
-from .expert_gemm_bwd import MAX_COLS, MAX_ROWS, Sm90ExpertGemmBwd
+from .dispatch_phase import PHASE_BACKWARD_DISPATCH, dispatch_rows
+from .epilogue_warps import CREW, slot_stores
+from .expert_gemm_bwd import MAX_COLS, MAX_ROWS
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
-from .tickets import (
-    SLOT_BYTES,
-    Minibatches,
-    RowTileWait,
-    Tickets,
-    consume_phase,
-    consumer_task,
-    past_last_task,
-    produce_steps,
-    signal_no_task,
-    step_windows,
-    store_steps,
-    task_slots,
-)
+from .minibatches import Minibatches, step_windows
+from .task_walk import RowTileWait, consume_phase, past_last_task, produce_steps, store_steps
+from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
 from .weight_phase import (
     PhaseWait,
     WeightTasks,
     consume_weight_tasks,
     produce_weight_tasks,
     store_weight_tasks,
+    weight_loads,
 )
 
-# WaitPhase ids (mok.runtime.WaitPhase; a wire format).
-PHASE_BACKWARD_DISPATCH = 9
-PHASE_BACKWARD_DHIDDEN_GEMM = 10
-# The weight phase's descriptors (weight_phase.py), MN-major: A = dY_e, d_gate, d_up; B =
-# hidden, x_routed.
+# The weight phase's descriptors, MN-major: A = dY_e, d_gate, d_up; B = hidden, x_routed.
 WEIGHT_PHASE_TMA = ("tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
+
+# `__call__`'s parameters, in order (the runtime encodes the descriptors from `tma_specs`).
+# Shapes: dY [T, H], dY_e and x_routed [C, H], gate/up/hidden/d_gate/d_up [C, I] bf16; router
+# weights [T * k] and partials [C, I / 128] fp32; dW_down [E, H, I], dW_gate/dW_up [E, I, H]
+# and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + 3] int32.
+PARAMS = (
+    ("a_dy", bf16_pointer),
+    ("b_wd", bf16_pointer),
+    ("a_dg", bf16_pointer),
+    ("a_du", bf16_pointer),
+    ("b_wg", bf16_pointer),
+    ("b_wu", bf16_pointer),
+    ("a_xdy", bf16_pointer),
+    ("a_xdg", bf16_pointer),
+    ("a_xdu", bf16_pointer),
+    ("b_xh", bf16_pointer),
+    ("b_xx", bf16_pointer),
+    ("d_w_down_ptr", bf16_pointer),
+    ("d_w_gate_ptr", bf16_pointer),
+    ("d_w_up_ptr", bf16_pointer),
+    ("dy_ptr", bf16_pointer),
+    ("weight_ptr", fp32_pointer),
+    ("dy_routed_ptr", bf16_pointer),
+    ("gate_ptr", bf16_pointer),
+    ("up_ptr", bf16_pointer),
+    ("d_gate_ptr", bf16_pointer),
+    ("d_up_ptr", bf16_pointer),
+    ("partials_ptr", fp32_pointer),
+    ("slots_ptr", bf16_pointer),
+    ("peer_rank_ptr", int32_pointer),
+    ("peer_token_idx_ptr", int32_pointer),
+    ("num_tokens_ptr", int32_pointer),
+    ("tokens_per_expert_ptr", int32_pointer),
+    ("counters_ptr", int32_pointer),
+    ("error_record_ptr", int32_pointer),
+    ("timeout_ns", Int64(0)),
+    ("num_experts", Int32(0)),
+    ("hidden_size", Int32(0)),
+    ("intermediate_size", Int32(0)),
+    ("topk", Int32(1)),
+    ("num_src_rows", Int32(0)),
+    ("capacity", Int32(0)),
+    ("has_limit", Int32(0)),
+    ("swiglu_limit", Float32(0.0)),
+    ("weight_gemms", Int32(0)),
+    ("num_comm_ctas", Int32(0)),
+    ("minibatch_tiles", Int32(2)),
+    ("num_ctas", Int32(1)),
+)
 
 
 @dataclass(frozen=True)
@@ -135,10 +119,6 @@ class Sm90MoeBackward:
     def threads(self) -> int:
         return phases.THREADS
 
-    def _engine(self) -> Sm90ExpertGemmBwd:
-        """The separate d_hidden kernel's class: its MMA, layouts and epilogue helpers."""
-        return Sm90ExpertGemmBwd("d_hidden_swiglu", self.stages)
-
     def tma_specs(self) -> list[dict]:
         a_box = [TILE_K, TILE_M]
         b_box = [64, TILE_K]  # 64 N (one 128-byte swizzle row) x 64 K rows, MN-major
@@ -149,7 +129,6 @@ class Sm90MoeBackward:
             phases.tma_spec("tma_du", a_box),
             phases.tma_spec("tma_wg", b_box),
             phases.tma_spec("tma_wu", b_box),
-            # The weight phase: A and B both MN-major (weight_phase.py).
             *(phases.tma_spec(name, b_box) for name in WEIGHT_PHASE_TMA),
         ]
 
@@ -157,45 +136,7 @@ class Sm90MoeBackward:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        bf16 = global_pointer(BFloat16, 16)
-        i32 = global_pointer(Int32, 4)
-        f32 = global_pointer(Float32, 4)
-        return (
-            *(bf16 for _ in range(6)),  # tma_dy, tma_wd, tma_dg, tma_du, tma_wg, tma_wu sources
-            *(bf16 for _ in WEIGHT_PHASE_TMA),  # tma_xdy, tma_xdg, tma_xdu, tma_xh, tma_xx
-            bf16,  # d_w_down_ptr
-            bf16,  # d_w_gate_ptr
-            bf16,  # d_w_up_ptr
-            bf16,  # dy_ptr
-            f32,  # weight_ptr
-            bf16,  # dy_routed_ptr
-            bf16,  # gate_ptr
-            bf16,  # up_ptr
-            bf16,  # d_gate_ptr
-            bf16,  # d_up_ptr
-            f32,  # partials_ptr
-            bf16,  # slots_ptr
-            i32,  # peer_rank_ptr
-            i32,  # peer_token_idx_ptr
-            i32,  # num_tokens_ptr
-            i32,  # tokens_per_expert_ptr
-            i32,  # counters_ptr
-            i32,  # error_record_ptr
-            global_pointer(Int64, 8),  # clock_ptr (phase clock, may be null)
-            Int64(0),  # timeout_ns
-            Int32(0),  # num_experts
-            Int32(0),  # hidden_size
-            Int32(0),  # intermediate_size
-            Int32(1),  # topk
-            Int32(0),  # num_src_rows
-            Int32(0),  # capacity
-            Int32(0),  # has_limit
-            Float32(0.0),  # swiglu_limit
-            Int32(0),  # weight_gemms (3, or 0: the weight gradients run separately)
-            Int32(0),  # num_comm_ctas
-            Int32(2),  # minibatch_tiles
-            Int32(1),  # num_ctas
-        )
+        return placeholders(PARAMS)
 
     @cute.jit
     def __call__(
@@ -229,7 +170,6 @@ class Sm90MoeBackward:
         tokens_per_expert_ptr: cute.Pointer,
         counters_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
-        clock_ptr: cute.Pointer,
         timeout_ns: Int64,
         num_experts: Int32,
         hidden_size: Int32,
@@ -246,11 +186,10 @@ class Sm90MoeBackward:
     ):
         # The descriptors built here are thrown away: the runtime encodes its own from the
         # manifest (same box, swizzle and element type, the caller's real extents).
-        engine = self._engine()
         a_layout = cute.make_layout((MAX_ROWS, MAX_COLS), stride=(MAX_COLS, 1))  # (rows, K)
         b_layout = cute.make_layout((MAX_COLS, MAX_ROWS), stride=(1, MAX_COLS))  # (N, K rows)
-        a_smem = engine._a_smem_layout()
-        b_smem = engine._b_smem_layout()
+        a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
+        b_smem = phases.mn_major_smem_layout(TILE_N, self.stages)
         tile_a = (TILE_M, TILE_K)
         tile_b = (TILE_N, TILE_K)
         tma_dy, mDy = phases.make_tma_load(a_dy, a_layout, a_smem, tile_a)
@@ -270,7 +209,7 @@ class Sm90MoeBackward:
             tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx,
             d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr, dy_ptr, weight_ptr, dy_routed_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
             partials_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr,
-            tokens_per_expert_ptr, counters_ptr, error_record_ptr, clock_ptr, timeout_ns,
+            tokens_per_expert_ptr, counters_ptr, error_record_ptr, timeout_ns,
             num_experts,
             hidden_size, intermediate_size, topk, num_src_rows, capacity, has_limit,
             swiglu_limit, weight_gemms, num_comm_ctas, minibatch_tiles,
@@ -319,7 +258,6 @@ class Sm90MoeBackward:
         tokens_per_expert_ptr: cute.Pointer,
         counters_ptr: cute.Pointer,
         error_record_ptr: cute.Pointer,
-        clock_ptr: cute.Pointer,
         timeout_ns: Int64,
         num_experts: Int32,
         hidden_size: Int32,
@@ -336,11 +274,10 @@ class Sm90MoeBackward:
         tma = (tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu)
         weight_tma = (tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
-        engine = self._engine()
 
-        tiled_mma = engine._tiled_mma()
-        a_layout = engine._a_smem_layout()
-        b_layout = engine._b_smem_layout()
+        tiled_mma = phases.backward_mma()
+        a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
+        b_layout = phases.mn_major_smem_layout(TILE_N, self.stages)
         storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
             a_layout, b_layout, self.stages, handoff.BUFFER_BYTES + SLOT_BYTES
         )
@@ -354,41 +291,34 @@ class Sm90MoeBackward:
         w_layout = phases.mn_major_smem_layout(TILE_M, self.stages)
         sA_w = storage.sA.get_tensor(w_layout.outer, swizzle=w_layout.inner)
 
-        # ---- the two tile lists (128 x 256 tiles) and the counters ----
+        # ---- tile lists (128 x 256 tiles), counters, the ticket ----
         tokens_per_expert = cute.make_tensor(
             tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
         )
         d_hidden_cols = intermediate_size // (2 * TILE_N)
-        d_hidden_tiles = TileList(tokens_per_expert, num_experts, d_hidden_cols)
         d_x_cols = hidden_size // (2 * TILE_N)
-        d_x_tiles = TileList(tokens_per_expert, num_experts, d_x_cols)
+        tiles = (
+            TileList(tokens_per_expert, num_experts, d_hidden_cols),
+            TileList(tokens_per_expert, num_experts, d_x_cols),
+        )
         routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
         num_d_hidden = row_tiles_total * d_hidden_cols
+        num_d_x = row_tiles_total * d_x_cols
         batches = Minibatches(minibatch_tiles, row_tiles_total, d_hidden_cols, d_x_cols)
-        counter_base = counters_ptr.toint()
-        dispatched = counter_base
-        dgu_done = counter_base + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
-        # After both per-row-tile arrays: CTAs done dispatching, d_hidden tiles stored.
-        dispatch_total = dgu_done + Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        row_tile_bytes = Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        dispatched = counters_ptr.toint()
+        dgu_done = dispatched + row_tile_bytes
+        dispatch_total = dgu_done + row_tile_bytes
         dgu_total = dispatch_total + Int64(4)
         record = error_record_ptr.toint()
-        clock = clock_ptr.toint()
-        if tidx == 0:
-            stamp(clock, bidx, CLOCK_START)
         weight_tasks = WeightTasks(
             tokens_per_expert, num_experts, hidden_size, intermediate_size, weight_gemms
         )
-        num_d_x = row_tiles_total * d_x_cols
-
-        # ---- the communication CTAs dispatch (every CTA if none); then every CTA takes its
-        # d_hidden and d_x tasks by the dynamic ticket (tickets.py) and its weight tasks by the
-        # static one (bidx, + grid) ----
         dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
         tickets = Tickets(dgu_total + Int64(4), task_slots(storage), num_d_hidden + num_d_x)
 
-        # ---- dispatch: dY_e = bf16(w * dY), every thread of a dispatching CTA, before the
-        # roles split ----
+        # ---- dispatch: dY_e = bf16(w * dY), every thread of the dispatching CTAs ----
         if bidx < dispatchers:
             dispatch_rows(
                 dy_ptr, dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
@@ -397,72 +327,71 @@ class Sm90MoeBackward:
             )  # fmt: skip
             if tidx == 0:  # after dispatch_rows' CTA barriers and per-row-tile releases
                 red_add_release_gpu_s32(dispatch_total, Int32(1))
-        if tidx == 0:
-            stamp(clock, bidx, CLOCK_DISPATCHED)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                state = self._producer(
-                    engine, ring, (sA, sB0, sB1), tma, d_hidden_tiles, d_x_tiles, batches,
-                    hidden_size, intermediate_size, dispatched, dgu_done, record, timeout_ns,
-                    tickets, gate_ptr, up_ptr,
+                # ---- producer: d_hidden and d_x loads after their rows, then weight loads ----
+                smem = (sA, sB0, sB1)
+                loads = (
+                    d_hidden_phase.producer_loads(ring, smem, tma[:4], hidden_size,
+                                                  intermediate_size, gate_ptr, up_ptr),
+                    d_x_phase.producer_loads(ring, smem, tma[4:], intermediate_size),
                 )  # fmt: skip
+                waits = (
+                    RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record,
+                                timeout_ns),
+                    RowTileWait(dgu_done, d_hidden_cols,
+                                d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM, record, timeout_ns),
+                )  # fmt: skip
+                state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                state, _, _ = produce_steps(state, batches, tiles, tickets, waits, loads)
+                signal_no_task(ring, state)
+                state.advance()
                 wait = PhaseWait(dispatch_total, dispatchers, dgu_total, num_d_hidden,
-                                 PHASE_BACKWARD_DISPATCH, PHASE_BACKWARD_DHIDDEN_GEMM, record,
+                                 PHASE_BACKWARD_DISPATCH,
+                                 d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM, record,
                                  timeout_ns)  # fmt: skip
                 state = produce_weight_tasks(
-                    ring,
-                    state,
-                    weight_tasks,
-                    bidx,
-                    grid_size,
-                    wait,
-                    self._weight_loads(sA_w, sB0, sB1, weight_tma),
-                )
-                ring.producer_tail(state)
-                if tidx == 0:
-                    stamp(clock, bidx, CLOCK_PRODUCER_DONE)
-            else:
-                self._store_tiles(
-                    d_hidden_tiles, d_x_tiles, batches, buffers, d_gate_ptr, d_up_ptr,
-                    slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size,
-                    dgu_done, dgu_total, tidx, tickets,
+                    ring, state, weight_tasks, bidx, grid_size, wait,
+                    weight_loads(sA_w, sB0, sB1, weight_tma),
                 )  # fmt: skip
-                store_weight_tasks(
-                    CREW,
-                    weight_tasks,
-                    bidx,
-                    grid_size,
-                    buffers,
-                    tidx,
-                    (d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr),
-                )
-                if tidx == 32 * CREW.first_warp:
-                    stamp(clock, bidx, CLOCK_CREW_DONE)
+                ring.producer_tail(state)
+            else:
+                # ---- crew: d_gate/d_up (then the counters), d_x rows to slots, weights ----
+                stores = (
+                    d_hidden_phase.crew_stores(d_gate_ptr, d_up_ptr, intermediate_size, dgu_done,
+                                               dgu_total),
+                    slot_stores(slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size),
+                )  # fmt: skip
+                lane = tidx - 32 * CREW.first_warp
+                store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)
+                store_weight_tasks(CREW, weight_tasks, bidx, grid_size, buffers, tidx,
+                                   (d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr))  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
             read_state, release_state = phases.make_consumer_states(self.stages)
 
-            # ---- d_hidden tasks: SwiGLU backward and partials here, d_gate/d_up to the crew;
-            # then d_x tasks: one K loop over the gate half then the up half, rows to the
-            # crew. The d_x phase has its own MMA object: `mma_k_tiles` sets its accumulate
-            # field inside one loop, and a value made inside one loop may not be used by
-            # another.
+            # ---- d_hidden tasks: the SwiGLU backward and partials here, d_gate/d_up to the crew
             def run_d_hidden(states, first_row, col_tile):
                 read_state, release_state = phases.mma_k_tiles(
                     tiled_mma, ring, states[0], states[1], hidden_size // TILE_K, operands, accs
                 )
                 for j in cutlass.range_constexpr(2):
-                    engine._swiglu_backward(
+                    d_hidden_phase.swiglu_backward(
                         thr_mma, accs[j], gate_ptr, up_ptr, partials_ptr, first_row,
                         (2 * col_tile + j) * TILE_N, intermediate_size, has_limit,
                         swiglu_limit, buffers,
                     )  # fmt: skip
                 return read_state, release_state
 
-            d_x_mma = engine._tiled_mma()
+            # ---- d_x tasks: one K loop over the gate half then the up half, rows to the crew.
+            # Its own MMA object: `mma_k_tiles` sets the accumulate field inside one loop, and
+            # a value made inside one loop may not be used by another.
+            d_x_mma = phases.backward_mma()
             d_x_thr = d_x_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
 
             def run_d_x(states, first_row, col_tile):
@@ -473,32 +402,24 @@ class Sm90MoeBackward:
                 CREW.hand_off(d_x_thr, accs, buffers)
                 return read_state, release_state
 
-            first_consumer = tidx == phases.THREADS_PER_WARPGROUP
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
             states = (read_state, release_state)
-            # CLOCK_PHASE_1: the end of the CTA's last d_hidden part (now, if it has none).
-            if first_consumer:
-                stamp(clock, bidx, CLOCK_PHASE_1)
             segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
             while task >= 0:
                 segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = (
-                    step_windows(batches, d_hidden_tiles, segments, task)
+                    step_windows(batches, tiles[0], segments, task)
                 )
                 states, seq, task = consume_phase(
                     states, ring, tickets, seq, task, base, middle, run_d_hidden, (),
-                    d_hidden_tiles, first, end_row,
+                    tiles[0], first, end_row,
                 )  # fmt: skip
-                if first_consumer:
-                    stamp(clock, bidx, CLOCK_PHASE_1)
                 states, seq, task = consume_phase(
-                    states, ring, tickets, seq, task, middle, end, run_d_x, (), d_x_tiles,
+                    states, ring, tickets, seq, task, middle, end, run_d_x, (), tiles[1],
                     first_2, end_row_2,
                 )  # fmt: skip
             CREW.hand_off_nothing()
             states = past_last_task(ring, states)
-            if first_consumer:
-                stamp(clock, bidx, CLOCK_PHASE_2)
             # ---- weight tasks: both operands MN-major, their own MMA object and A view ----
             w_mma = phases.make_tiled_mma(
                 cute.nvgpu.warpgroup.OperandMajorMode.MN, cute.nvgpu.warpgroup.OperandMajorMode.MN
@@ -508,119 +429,3 @@ class Sm90MoeBackward:
                 states, weight_tasks, bidx, grid_size, w_mma, ring, w_operands, accs,
                 CREW, w_thr, buffers,
             )  # fmt: skip
-            if first_consumer:
-                stamp(clock, bidx, CLOCK_PHASE_3)
-
-    # ------------------------------------------------------------------ roles
-
-    @cute.jit
-    def _producer(
-        self, engine, ring, smem, tma, d_hidden_tiles, d_x_tiles, batches, hidden_size,
-        intermediate_size, dispatched, dgu_done, record, timeout_ns, tickets, gate_ptr, up_ptr,
-    ):  # fmt: skip
-        """Warp 0: takes the CTA's d_hidden and d_x tasks (tickets.py) and makes the TMA loads
-        of each after its rows' counter (a d_hidden task's gate and up prefetched into L2 for
-        the consumers' epilogue first); then wakes the consumers with no task. Returns the
-        producer state past that signal."""
-        sA, sB0, sB1 = smem
-        tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu = tma
-        tile_a = (TILE_M, TILE_K)
-        tDYsA, tDYgA = phases.partition_tma_load(tma_dy, sA, mDy, tile_a)
-        tDGsA, tDGgA = phases.partition_tma_load(tma_dg, sA, mDg, tile_a)
-        tDUsA, tDUgA = phases.partition_tma_load(tma_du, sA, mDu, tile_a)
-        tWDsB0, tWDsB1, tWDgB = phases.partition_tma_load_pair(tma_wd, sB0, sB1, mWd)
-        tWGsB0, tWGsB1, tWGgB = phases.partition_tma_load_pair(tma_wg, sB0, sB1, mWg)
-        tWUsB0, tWUsB1, tWUgB = phases.partition_tma_load_pair(tma_wu, sB0, sB1, mWu)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        d_hidden_cols = intermediate_size // (2 * TILE_N)
-
-        lane = cute.arch.lane_idx()
-        i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
-
-        def load_d_hidden(state, expert, col_tile, row_tile):
-            engine._prefetch_gate_up(lane, row_tile * TILE_M, col_tile * (2 * TILE_N), gate_ptr,
-                                     up_ptr, i_stride, threads=32)  # fmt: skip
-            # A = dY_e rows (K = H), B = W_down[e] read [H, I] (K rows, N contiguous).
-            b_k_base = expert * (hidden_size // TILE_K)
-            loads = (
-                (tma_dy, tDYgA, row_tile, None, tDYsA),
-                (tma_wd, tWDgB, 2 * col_tile, b_k_base, tWDsB0),
-                (tma_wd, tWDgB, 2 * col_tile + 1, b_k_base, tWDsB1),
-            )
-            return phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
-
-        def load_d_x(state, expert, col_tile, row_tile):
-            # A = d_gate then d_up rows (K = I each), B = W_gate[e] then W_up[e] read [I, H].
-            b_k_base = expert * (intermediate_size // TILE_K)
-            halves = (
-                (tma_dg, tDGgA, tDGsA, tma_wg, tWGgB, tWGsB0, tWGsB1),
-                (tma_du, tDUgA, tDUsA, tma_wu, tWUgB, tWUsB0, tWUsB1),
-            )
-            for half in cutlass.range_constexpr(2):
-                tma_a, tAgA, tAsA, tma_b, tBgB, tBsB0, tBsB1 = halves[half]
-                loads = (
-                    (tma_a, tAgA, row_tile, None, tAsA),
-                    (tma_b, tBgB, 2 * col_tile, b_k_base, tBsB0),
-                    (tma_b, tBgB, 2 * col_tile + 1, b_k_base, tBsB1),
-                )
-                state = phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
-            return state
-
-        rows_wait = RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record,
-                                timeout_ns)  # fmt: skip
-        dgu_wait = RowTileWait(dgu_done, d_hidden_cols, PHASE_BACKWARD_DHIDDEN_GEMM, record,
-                               timeout_ns)  # fmt: skip
-        state, _, _ = produce_steps(state, batches, (d_hidden_tiles, d_x_tiles), tickets,
-                                    (rows_wait, dgu_wait), (load_d_hidden, load_d_x))  # fmt: skip
-        signal_no_task(ring, state)
-        state.advance()
-        return state
-
-    @cute.jit
-    def _store_tiles(
-        self, d_hidden_tiles, d_x_tiles, batches, buffers, d_gate_ptr, d_up_ptr, slots_ptr,
-        peer_rank_ptr, peer_token_idx_ptr, hidden_size, intermediate_size, dgu_done, dgu_total,
-        tidx, tickets,
-    ):  # fmt: skip
-        """Warps 1-3, the crew: store the d_hidden and d_x tiles the consumers hand off, in
-        their order: each d_hidden tile's d_gate and d_up (two hand-offs; then its row tile's
-        counter and `dgu_total` released), then each d_x tile's rows at their slots, until the
-        consumers' hand-off of no task."""
-        lane = tidx - 32 * CREW.first_warp
-        i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
-        d_hidden_stores = dict(
-            tile_cols=2 * TILE_N, slots=None, store_chunk=handoff.store_split,
-            store_args=(d_gate_ptr, d_up_ptr, i_stride), after_tile=self._release_d_hidden_tile,
-            after_args=(dgu_done, dgu_total), handoffs=2,
-        )  # fmt: skip
-        d_x_stores = dict(
-            tile_cols=2 * TILE_N, slots=(peer_rank_ptr, peer_token_idx_ptr),
-            store_chunk=handoff.store_pair,
-            store_args=(slots_ptr, cute.assume(Int64(hidden_size), divby=2 * TILE_N)),
-        )  # fmt: skip
-        store_steps(CREW, batches, (d_hidden_tiles, d_x_tiles), tickets, buffers, lane,
-                    (d_hidden_stores, d_x_stores))  # fmt: skip
-
-    @cute.jit
-    def _release_d_hidden_tile(self, lane, first_row, dgu_done, dgu_total):
-        """After a d_hidden tile: its row tile's counter (CREW.release_row_tile: fence, crew
-        barrier, one release), then the count of stored d_hidden tiles."""
-        CREW.release_row_tile(lane, first_row, dgu_done)
-        if lane == 0:
-            red_add_release_gpu_s32(dgu_total, Int32(1))
-
-    def _weight_loads(self, sA_w, sB0, sB1, weight_tma):
-        """Per weight GEMM (dW_down, dW_gate, dW_up): (A atom, A gmem and smem partitions,
-        B atom, B gmem partition, B smem partitions 0 and 1)."""
-        tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx = weight_tma
-        tile_a = (TILE_M, TILE_K)
-        xdy_s, xdy_g = phases.partition_tma_load(tma_xdy, sA_w, mXdy, tile_a)
-        xdg_s, xdg_g = phases.partition_tma_load(tma_xdg, sA_w, mXdg, tile_a)
-        xdu_s, xdu_g = phases.partition_tma_load(tma_xdu, sA_w, mXdu, tile_a)
-        xh_s0, xh_s1, xh_g = phases.partition_tma_load_pair(tma_xh, sB0, sB1, mXh)
-        xx_s0, xx_s1, xx_g = phases.partition_tma_load_pair(tma_xx, sB0, sB1, mXx)
-        return (
-            (tma_xdy, xdy_g, xdy_s, tma_xh, xh_g, xh_s0, xh_s1),
-            (tma_xdg, xdg_g, xdg_s, tma_xx, xx_g, xx_s0, xx_s1),
-            (tma_xdu, xdu_g, xdu_s, tma_xx, xx_g, xx_s0, xx_s1),
-        )

@@ -171,3 +171,21 @@ def store_weight_tasks(crew, tasks: WeightTasks, task: Int32, grid_size: Int32, 
                     (outputs[g], cute.assume(Int64(n_size), divby=2 * TILE_N)),
                 )  # fmt: skip
         task = task + grid_size
+
+
+def weight_loads(sA_w, sB0, sB1, weight_tma):
+    """Per weight GEMM (dW_down, dW_gate, dW_up): (A atom, A gmem and smem partitions, B atom,
+    B gmem partition, B smem partitions 0 and 1), from `weight_tma` = (tma_xdy, mXdy, tma_xdg,
+    mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)."""
+    tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx = weight_tma
+    tile_a = (TILE_M, TILE_K)
+    xdy_s, xdy_g = phases.partition_tma_load(tma_xdy, sA_w, mXdy, tile_a)
+    xdg_s, xdg_g = phases.partition_tma_load(tma_xdg, sA_w, mXdg, tile_a)
+    xdu_s, xdu_g = phases.partition_tma_load(tma_xdu, sA_w, mXdu, tile_a)
+    xh_s0, xh_s1, xh_g = phases.partition_tma_load_pair(tma_xh, sB0, sB1, mXh)
+    xx_s0, xx_s1, xx_g = phases.partition_tma_load_pair(tma_xx, sB0, sB1, mXx)
+    return (
+        (tma_xdy, xdy_g, xdy_s, tma_xh, xh_g, xh_s0, xh_s1),
+        (tma_xdg, xdg_g, xdg_s, tma_xx, xx_g, xx_s0, xx_s1),
+        (tma_xdu, xdu_g, xdu_s, tma_xx, xx_g, xx_s0, xx_s1),
+    )

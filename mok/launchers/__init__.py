@@ -7,10 +7,10 @@ kernels each and import `mok.runtime` lazily, so importing this package is cheap
 
 from __future__ import annotations
 
-from .backward import backward, set_backward_path
+from .backward_op import backward
 from .comm import check_errors
 from .epilogues import bwd_epilogue, fwd_epilogue
-from .forward import forward, recompute_forward_context, set_forward_path
+from .forward_op import forward, recompute_forward_context
 from .mxfp8 import mxfp8_quantize
 from .schedule_op import build_schedule, raise_pending_errors
 
@@ -24,6 +24,4 @@ __all__ = [
     "mxfp8_quantize",
     "raise_pending_errors",
     "recompute_forward_context",
-    "set_backward_path",
-    "set_forward_path",
 ]

@@ -1,10 +1,17 @@
-"""Argument checks shared by the launchers: one place for the rules a kernel argument obeys (a
-torch.Tensor of the expected dtype and shape, contiguous; for the GEMMs also on CUDA and 16-byte
-aligned, as TMA needs), so each launcher raises the same clear error."""
+"""Argument checks shared by the launchers: one place for each rule a kernel argument obeys, so
+every launcher raises the same clear error naming the argument, the expectation and the value."""
 
 from __future__ import annotations
 
 import torch
+
+from ..errors import MoKKernelUnavailableError
+
+# TMA coordinates are int32 and the kernels' coordinate tensors assume these extents.
+MAX_ROWS = 1 << 30
+MAX_COLS = 1 << 16
+# The sm_90a GEMMs take two 128-column blocks of H a tile.
+HIDDEN_ALIGNMENT = 256
 
 
 def check_arg(
@@ -45,3 +52,52 @@ def check_arg(
 def check_multiple(name: str, value: int, multiple: int) -> None:
     if value <= 0 or value % multiple:
         raise ValueError(f"{name} must be a positive multiple of {multiple}, got {value}")
+
+
+def check_cuda(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """A contiguous, 16-byte aligned CUDA tensor (what a TMA descriptor is encoded from)."""
+    check_arg(name, tensor, dtype, shape, cuda=True)
+
+
+def check_extents(what: str, capacity: int, weight_rows: int, k_size: int, n_size: int) -> None:
+    """The GEMMs' TMA coordinate tensors assume rows < 2^30 and K, N < 2^16."""
+    if capacity >= MAX_ROWS or weight_rows >= MAX_ROWS:
+        raise ValueError(
+            f"routed rows ({capacity}) and {what} ({weight_rows}) must be below {MAX_ROWS}"
+        )
+    for name, value in (("K", k_size), ("N", n_size)):
+        if value >= MAX_COLS:
+            raise ValueError(f"{name} extent must be below {MAX_COLS}, got {value}")
+
+
+def check_host(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """A contiguous tensor a kernel reads with plain loads (its launch packing is tested on CPU)."""
+    check_arg(name, tensor, dtype, shape, cuda=False)
+
+
+def require_group_of_one(ws, op: str) -> None:
+    """The GPU layer runs an EP group of one (with sm_90a's hidden_size alignment)."""
+    if ws.ep_size != 1:
+        raise MoKKernelUnavailableError(
+            f"mok.ops.{op} on CUDA with an EP group of {ws.ep_size}: the GPU megakernels run "
+            f"an EP group of one only (peers in the kernels are not built yet). CPU tensors "
+            f"run the reference path for any EP size."
+        )
+    if ws.hidden_size % HIDDEN_ALIGNMENT:
+        raise ValueError(
+            f"hidden_size must be a multiple of {HIDDEN_ALIGNMENT} on the sm_90a "
+            f"kernel path, got {ws.hidden_size}"
+        )
+
+
+def check_macrobatch(macrobatch_size: int, num_tokens: int, topk: int, op: str) -> None:
+    """The GPU path holds every routed row at once (no ring reuse with replay yet): a
+    macrobatch smaller than the T * k routed rows is rejected, not silently exceeded."""
+    rows = num_tokens * topk
+    if macrobatch_size < rows:
+        raise ValueError(
+            f"MoKConfig.macrobatch_size must be at least the routed rows T * k = "
+            f"{num_tokens} * {topk} = {rows} on the GPU path ({op}): ring reuse of a smaller "
+            f"macrobatch is not built yet; got {macrobatch_size} (pass a MoKConfig with "
+            f"macrobatch_size >= {rows}, a multiple of its minibatch_size)"
+        )

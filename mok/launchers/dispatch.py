@@ -1,10 +1,6 @@
-"""Dispatch for an EP group of one: the routed rows gathered from their tokens.
+"""The recomputed forward context's gather: the routed rows from their tokens.
 
-Kernels `gather_rows` / `gather_rows_scaled` (dsl_kernels/common/gather_rows.py):
-
-    out[r] = src[peer_token_idx[r] // k]                       (the forward's x_routed)
-    out[r] = bf16(w[peer_token_idx[r]] * float(src[...]))      (the backward's dY_e = w * dY)
-
+Kernel `gather_rows` (dsl_kernels/common/gather_rows.py): out[r] = src[peer_token_idx[r] // k]
 for every routed row r < schedule.num_tokens (read on the device, no host sync); padding rows
 (peer_rank -1) are zeros. Rows at or past num_tokens are not written (not part of the
 contract, SEMANTICS: `MoKSchedule`).
@@ -14,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .epilogues import HIDDEN_ALIGNMENT, _check
+from .checks import check_host
+from .epilogues import HIDDEN_ALIGNMENT
 
 MAX_GRID_Y = 65535
 
@@ -26,31 +23,26 @@ def gather_rows(
     num_tokens: torch.Tensor,
     topk: int,
     *,
-    weights: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed rows bf16 [C, H] of `src` bf16 [T, H] (C = peer_rank's length), each scaled by
-    its router weight (fp32 [T, k], as a product rounded once) when `weights` is given; into
-    `out` when given (its rows at or past num_tokens are left as they are)."""
+    """Routed rows bf16 [C, H] of `src` bf16 [T, H] (C = peer_rank's length), into `out` when
+    given (its rows at or past num_tokens are left as they are)."""
     from mok.runtime import get_kernel  # noqa: PLC0415
 
     num_src, hidden = src.shape if src.dim() == 2 else (-1, -1)
     capacity = peer_rank.shape[0] if peer_rank.dim() == 1 else -1
     if hidden % HIDDEN_ALIGNMENT:
         raise ValueError(f"hidden size must be a multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
-    _check("src", src, torch.bfloat16, (num_src, hidden))
-    _check("peer_rank", peer_rank, torch.int32, (capacity,))
-    _check("peer_token_idx", peer_token_idx, torch.int32, (capacity,))
-    _check("num_tokens", num_tokens, torch.int32, (1,))
-    if weights is not None:
-        _check("weights", weights, torch.float32, (num_src, topk))
+    check_host("src", src, torch.bfloat16, (num_src, hidden))
+    check_host("peer_rank", peer_rank, torch.int32, (capacity,))
+    check_host("peer_token_idx", peer_token_idx, torch.int32, (capacity,))
+    check_host("num_tokens", num_tokens, torch.int32, (1,))
     if out is None:
         out = torch.empty(capacity, hidden, dtype=src.dtype, device=src.device)
-    _check("out", out, torch.bfloat16, (capacity, hidden))
+    check_host("out", out, torch.bfloat16, (capacity, hidden))
     if capacity == 0 or num_src == 0:
         return out.zero_()
-    kernel = get_kernel("gather_rows_scaled" if weights is not None else "gather_rows",
-                        device=src.device)  # fmt: skip
+    kernel = get_kernel("gather_rows", device=src.device)
     config = kernel.variant.config
     threads, rows_per_cta = int(config["threads"]), int(config["rows_per_cta"])
     grid_y = min(-(-capacity // rows_per_cta), MAX_GRID_Y)
@@ -59,7 +51,6 @@ def gather_rows(
         {
             "out_ptr": out,
             "src_ptr": src,
-            "weight_ptr": weights,
             "peer_rank_ptr": peer_rank,
             "peer_token_idx_ptr": peer_token_idx,
             "num_tokens_ptr": num_tokens,

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_arg
+from .checks import check_host
 
 # bf16 columns per thread (one 16-byte vector).
 COLUMNS_PER_THREAD = 8
 # grid.y carries the token-block index and may not exceed this.
 MAX_GRID_Y = 65535
 HIDDEN_ALIGNMENT = 64
-
-
-def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    check_arg(name, tensor, dtype, shape, cuda=False)
 
 
 def _launches(kernel, num_tokens: int, hidden: int):
@@ -52,10 +48,10 @@ def fwd_epilogue(
     hidden = slots.shape[1]
     if hidden % HIDDEN_ALIGNMENT:
         raise ValueError(f"hidden size must be a multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
-    _check("slots", slots, torch.bfloat16, (num_tokens * topk, hidden))
-    _check("router_weights", router_weights, torch.float32, (num_tokens, topk))
+    check_host("slots", slots, torch.bfloat16, (num_tokens * topk, hidden))
+    check_host("router_weights", router_weights, torch.float32, (num_tokens, topk))
     if y_shared is not None:
-        _check("y_shared", y_shared, torch.bfloat16, (num_tokens, hidden))
+        check_host("y_shared", y_shared, torch.bfloat16, (num_tokens, hidden))
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
     kernel = get_kernel("moe_combine_forward", device=slots.device)
     for grid, start, count in _launches(kernel, num_tokens, hidden):
@@ -84,9 +80,9 @@ def bwd_epilogue(d_x_shared: torch.Tensor | None, slots: torch.Tensor, topk: int
     if topk < 1 or num_slots % topk:
         raise ValueError(f"slots rows ({num_slots}) must be a multiple of topk ({topk})")
     num_tokens = num_slots // topk
-    _check("slots", slots, torch.bfloat16, (num_slots, hidden))
+    check_host("slots", slots, torch.bfloat16, (num_slots, hidden))
     if d_x_shared is not None:
-        _check("d_x_shared", d_x_shared, torch.bfloat16, (num_tokens, hidden))
+        check_host("d_x_shared", d_x_shared, torch.bfloat16, (num_tokens, hidden))
     d_x = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
     kernel = get_kernel("moe_combine_backward", device=slots.device)
     for grid, start, count in _launches(kernel, num_tokens, hidden):

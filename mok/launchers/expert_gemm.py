@@ -17,92 +17,16 @@ call after call, are encoded once.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
-from .checks import check_arg, check_multiple
+from .checks import MAX_COLS, MAX_ROWS, check_cuda, check_multiple
+from .device_args import new_ticket, persistent_grid, tma_descriptor
 
 GATE_UP_KERNEL = "expert_gemm_gate_up_swiglu"
 DOWN_KERNEL = "expert_gemm_down"
-DOWN_SLOTS_KERNEL = "expert_gemm_down_to_slots"
-TILE_ROWS = 128  # rows per tile; segment sizes must be multiples of it
 K_ALIGNMENT = 64  # K block of the mainloop
 GATE_UP_N_ALIGNMENT = 128  # intermediate_size: one 128-column block of gate and of up per tile
 DOWN_N_ALIGNMENT = 256  # hidden_size: two 128-column blocks per tile
-# TMA coordinates are int32 and the kernel's coordinate tensors assume these extents.
-MAX_ROWS = 1 << 30
-MAX_K = 1 << 16
-_DESCRIPTOR_CACHE_SIZE = 256
-
-_descriptors: OrderedDict[tuple, object] = OrderedDict()
-_sm_counts: dict[int, int] = {}
-
-
-def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    check_arg(name, tensor, dtype, shape, cuda=True)
-
-
-_check_multiple = check_multiple
-
-
-def slot_rows(slots, capacity: int) -> tuple[int, tuple | None]:
-    """(output rows, (peer_rank, peer_token_idx) or None) of a launcher's `slots` argument:
-    None stores routed rows in place (C rows); (peer_rank, peer_token_idx, num_slots), int32
-    [C] each, stores them at their slots (num_slots rows)."""
-    if slots is None:
-        return capacity, None
-    peer_rank, peer_token_idx, num_slots = slots
-    _check("peer_rank", peer_rank, torch.int32, (capacity,))
-    _check("peer_token_idx", peer_token_idx, torch.int32, (capacity,))
-    return num_slots, (peer_rank, peer_token_idx)
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _sm_counts.get(index)
-    if count is None:
-        count = torch.cuda.get_device_properties(index).multi_processor_count
-        _sm_counts[index] = count
-    return count
-
-
-def _descriptor(kernel, param: str, tensor: torch.Tensor):
-    """The kernel's TMA descriptor for `tensor`, encoded once per (address, shape, strides)."""
-    spec = kernel.variant.tma_spec(param)
-    key = (
-        kernel.device_index,
-        None if spec is None else spec.layout_key(),
-        tensor.data_ptr(),
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
-        tensor.dtype,
-    )
-    descriptor = _descriptors.get(key)
-    if descriptor is None:
-        descriptor = kernel.make_tma_descriptor(param, tensor)
-        # The bytes depend only on the key, so the cached copy must not pin the tensor.
-        descriptor.tensor = None
-        _descriptors[key] = descriptor
-        if len(_descriptors) > _DESCRIPTOR_CACHE_SIZE:
-            _descriptors.popitem(last=False)
-    return descriptor
-
-
-def clear_descriptor_cache() -> None:
-    _descriptors.clear()
-
-
-def _grid(device: torch.device, capacity: int, col_tiles: int) -> int:
-    # Persistent: at most one CTA per SM (each takes ~194 KiB of shared memory), and never
-    # more CTAs than tiles the largest possible schedule could have.
-    return max(1, min(_sm_count(device), (capacity // TILE_ROWS) * col_tiles))
-
-
-def new_ticket(device) -> torch.Tensor:
-    """The zeroed int32 task ticket a GEMM launch hands out its tiles by
-    (dsl_kernels/sm90/tickets.py)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def gate_up_swiglu(
@@ -128,28 +52,28 @@ def gate_up_swiglu(
 
     capacity, hidden_size = x_routed.shape if x_routed.dim() == 2 else (-1, -1)
     num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
-    _check("x_routed", x_routed, torch.bfloat16, (capacity, hidden_size))
-    _check_multiple("hidden_size (x_routed.shape[1])", hidden_size, K_ALIGNMENT)
-    _check_multiple(
+    check_cuda("x_routed", x_routed, torch.bfloat16, (capacity, hidden_size))
+    check_multiple("hidden_size (x_routed.shape[1])", hidden_size, K_ALIGNMENT)
+    check_multiple(
         "intermediate_size (gate_weights.shape[1])", intermediate_size, GATE_UP_N_ALIGNMENT
     )
     weight_shape = (num_experts, intermediate_size, hidden_size)
-    _check("gate_weights", gate_weights, torch.bfloat16, weight_shape)
-    _check("up_weights", up_weights, torch.bfloat16, weight_shape)
-    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_cuda("gate_weights", gate_weights, torch.bfloat16, weight_shape)
+    check_cuda("up_weights", up_weights, torch.bfloat16, weight_shape)
+    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
     if capacity >= MAX_ROWS or num_experts * intermediate_size >= MAX_ROWS:
         raise ValueError(
             f"routed rows ({capacity}) and num_experts * intermediate_size "
             f"({num_experts * intermediate_size}) must be below {MAX_ROWS}"
         )
-    if hidden_size >= MAX_K:
-        raise ValueError(f"hidden_size must be below {MAX_K}, got {hidden_size}")
+    if hidden_size >= MAX_COLS:
+        raise ValueError(f"hidden_size must be below {MAX_COLS}, got {hidden_size}")
     device = x_routed.device
     outputs = []
     for name, given in (("gate", gate), ("up", up), ("hidden", hidden)):
         if given is None:
             given = torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
-        _check(name, given, torch.bfloat16, (capacity, intermediate_size))
+        check_cuda(name, given, torch.bfloat16, (capacity, intermediate_size))
         outputs.append(given)
     gate, up, hidden = outputs
     if capacity == 0 or num_experts == 0:
@@ -159,11 +83,11 @@ def gate_up_swiglu(
     col_tiles = intermediate_size // GATE_UP_N_ALIGNMENT
     flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
-        (_grid(device, capacity, col_tiles), 1, 1),
+        (persistent_grid(device, capacity, col_tiles), 1, 1),
         {
-            "tma_a": _descriptor(kernel, "tma_a", x_routed),
-            "tma_b0": _descriptor(kernel, "tma_b0", gate_weights.view(flat)),
-            "tma_b1": _descriptor(kernel, "tma_b1", up_weights.view(flat)),
+            "tma_a": tma_descriptor(kernel, "tma_a", x_routed),
+            "tma_b0": tma_descriptor(kernel, "tma_b0", gate_weights.view(flat)),
+            "tma_b1": tma_descriptor(kernel, "tma_b1", up_weights.view(flat)),
             "out_ptr": hidden,
             "gate_ptr": gate,
             "up_ptr": up,
@@ -187,61 +111,54 @@ def down(
     tokens_per_expert: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
-    slots: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     manifest=None,
 ) -> torch.Tensor:
     """y bf16 [C, H] = hidden bf16 [C, I] x W_down[e]^T, W_down bf16 [E, H, I].
 
-    slots = (peer_rank, peer_token_idx, num_slots), int32 [C] from the schedule: y goes
-    straight into the combine's layout instead, out bf16 [num_slots, H] with
-    out[peer_token_idx[r]] = y[r] for every row with peer_rank[r] >= 0 (padding is not stored;
-    every slot is written once when the schedule covers all T * k of them).
     Constraints: I % 64 == 0, H % 256 == 0; `tokens_per_expert` as for `gate_up_swiglu`.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
     capacity, intermediate_size = hidden.shape if hidden.dim() == 2 else (-1, -1)
     num_experts, hidden_size = down_weights.shape[0], down_weights.shape[1]
-    _check("hidden", hidden, torch.bfloat16, (capacity, intermediate_size))
-    _check_multiple("intermediate_size (hidden.shape[1])", intermediate_size, K_ALIGNMENT)
-    _check_multiple("hidden_size (down_weights.shape[1])", hidden_size, DOWN_N_ALIGNMENT)
-    _check(
+    check_cuda("hidden", hidden, torch.bfloat16, (capacity, intermediate_size))
+    check_multiple("intermediate_size (hidden.shape[1])", intermediate_size, K_ALIGNMENT)
+    check_multiple("hidden_size (down_weights.shape[1])", hidden_size, DOWN_N_ALIGNMENT)
+    check_cuda(
         "down_weights", down_weights, torch.bfloat16, (num_experts, hidden_size, intermediate_size)
     )
-    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
     if capacity >= MAX_ROWS or num_experts * hidden_size >= MAX_ROWS:
         raise ValueError(
             f"routed rows ({capacity}) and num_experts * hidden_size "
             f"({num_experts * hidden_size}) must be below {MAX_ROWS}"
         )
-    if intermediate_size >= MAX_K:
-        raise ValueError(f"intermediate_size must be below {MAX_K}, got {intermediate_size}")
+    if intermediate_size >= MAX_COLS:
+        raise ValueError(f"intermediate_size must be below {MAX_COLS}, got {intermediate_size}")
     device = hidden.device
-    rows, slots = slot_rows(slots, capacity)
     if out is None:
-        out = torch.empty(rows, hidden_size, dtype=torch.bfloat16, device=device)
-    _check("out", out, torch.bfloat16, (rows, hidden_size))
+        out = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
+    check_cuda("out", out, torch.bfloat16, (capacity, hidden_size))
     if capacity == 0 or num_experts == 0:
         return out
 
-    kernel = get_kernel(DOWN_SLOTS_KERNEL if slots else DOWN_KERNEL, device=device,
-                        manifest=manifest)  # fmt: skip
+    kernel = get_kernel(DOWN_KERNEL, device=device, manifest=manifest)
     col_tiles = hidden_size // DOWN_N_ALIGNMENT
-    weights = _descriptor(
+    weights = tma_descriptor(
         kernel, "tma_b0", down_weights.view(num_experts * hidden_size, intermediate_size)
     )
     kernel.launch(
-        (_grid(device, capacity, col_tiles), 1, 1),
+        (persistent_grid(device, capacity, col_tiles), 1, 1),
         {
-            "tma_a": _descriptor(kernel, "tma_a", hidden),
+            "tma_a": tma_descriptor(kernel, "tma_a", hidden),
             # Both B descriptors are W_down: the two 128-column halves of a 256-column tile.
             "tma_b0": weights,
             "tma_b1": weights,
             "out_ptr": out,
             "gate_ptr": None,
             "up_ptr": None,
-            "peer_rank_ptr": slots[0] if slots else None,
-            "peer_token_idx_ptr": slots[1] if slots else None,
+            "peer_rank_ptr": None,
+            "peer_token_idx_ptr": None,
             "tokens_per_expert_ptr": tokens_per_expert,
             "ticket_ptr": new_ticket(device),
             "num_experts": num_experts,

@@ -24,21 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from .expert_gemm import (
-    K_ALIGNMENT,
-    MAX_K,
-    MAX_ROWS,
-    _check,
-    _check_multiple,
-    _descriptor,
-    _grid,
-    _sm_count,
-    slot_rows,
-)
+from .checks import check_cuda, check_extents, check_multiple
+from .device_args import persistent_grid, sm_count, tma_descriptor
+from .expert_gemm import K_ALIGNMENT
 
 D_HIDDEN_KERNEL = "expert_gemm_bwd_d_hidden_swiglu"
 D_X_KERNEL = "expert_gemm_bwd_d_x"
-D_X_SLOTS_KERNEL = "expert_gemm_bwd_d_x_to_slots"
 # weight_gradient's `output` -> (kernel, dtype of out)
 WEIGHTS_KERNELS = {
     "fp32": ("expert_gemm_bwd_weights", torch.float32),
@@ -47,16 +38,6 @@ WEIGHTS_KERNELS = {
 }
 M_ALIGNMENT = 128  # weight_gradient: output rows per tile
 N_ALIGNMENT = 256  # output columns per tile: two 128-column accumulators
-
-
-def _check_extents(what: str, capacity: int, weight_rows: int, k_size: int, n_size: int):
-    if capacity >= MAX_ROWS or weight_rows >= MAX_ROWS:
-        raise ValueError(
-            f"routed rows ({capacity}) and {what} ({weight_rows}) must be below {MAX_ROWS}"
-        )
-    for name, value in (("K", k_size), ("N", n_size)):
-        if value >= MAX_K:
-            raise ValueError(f"{name} extent must be below {MAX_K}, got {value}")
 
 
 def d_hidden_swiglu(
@@ -88,16 +69,16 @@ def d_hidden_swiglu(
     if down_weights.dim() != 3:
         raise ValueError(f"down_weights must be [E, H, I], got shape {list(down_weights.shape)}")
     num_experts, intermediate_size = down_weights.shape[0], down_weights.shape[2]
-    _check("dy_routed", dy_routed, torch.bfloat16, (capacity, hidden_size))
-    _check_multiple("hidden_size (dy_routed.shape[1])", hidden_size, K_ALIGNMENT)
-    _check_multiple("intermediate_size (down_weights.shape[2])", intermediate_size, N_ALIGNMENT)
-    _check(
+    check_cuda("dy_routed", dy_routed, torch.bfloat16, (capacity, hidden_size))
+    check_multiple("hidden_size (dy_routed.shape[1])", hidden_size, K_ALIGNMENT)
+    check_multiple("intermediate_size (down_weights.shape[2])", intermediate_size, N_ALIGNMENT)
+    check_cuda(
         "down_weights", down_weights, torch.bfloat16, (num_experts, hidden_size, intermediate_size)
     )
-    _check("gate", gate, torch.bfloat16, (capacity, intermediate_size))
-    _check("up", up, torch.bfloat16, (capacity, intermediate_size))
-    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
-    _check_extents(
+    check_cuda("gate", gate, torch.bfloat16, (capacity, intermediate_size))
+    check_cuda("up", up, torch.bfloat16, (capacity, intermediate_size))
+    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_extents(
         "num_experts * hidden_size",
         capacity,
         num_experts * hidden_size,
@@ -109,23 +90,23 @@ def d_hidden_swiglu(
     for name, given in (("d_gate", d_gate), ("d_up", d_up)):
         if given is None:
             given = torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
-        _check(name, given, torch.bfloat16, (capacity, intermediate_size))
+        check_cuda(name, given, torch.bfloat16, (capacity, intermediate_size))
         outputs.append(given)
     d_gate, d_up = outputs
     blocks = intermediate_size // 128
     if router_partials is None:
         router_partials = torch.empty(capacity, blocks, dtype=torch.float32, device=device)
-    _check("router_partials", router_partials, torch.float32, (capacity, blocks))
+    check_cuda("router_partials", router_partials, torch.float32, (capacity, blocks))
     if capacity == 0 or num_experts == 0:
         return d_gate, d_up
 
     kernel = get_kernel(D_HIDDEN_KERNEL, device=device, manifest=manifest)
-    dy = _descriptor(kernel, "tma_a0", dy_routed)
-    weights = _descriptor(
+    dy = tma_descriptor(kernel, "tma_a0", dy_routed)
+    weights = tma_descriptor(
         kernel, "tma_b0", down_weights.view(num_experts * hidden_size, intermediate_size)
     )
     kernel.launch(
-        (_grid(device, capacity, intermediate_size // N_ALIGNMENT), 1, 1),
+        (persistent_grid(device, capacity, intermediate_size // N_ALIGNMENT), 1, 1),
         {
             # One K range: the second A/B descriptors are not read; pass the same ones.
             "tma_a0": dy,
@@ -158,14 +139,10 @@ def d_x(
     tokens_per_expert: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
-    slots: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     manifest=None,
 ) -> torch.Tensor:
     """d_x_routed bf16 [C, H] = d_gate @ W_gate[e] + d_up @ W_up[e] (one fp32 sum, gate half
     first), d_gate/d_up bf16 [C, I], weights bf16 [E, I, H].
-
-    slots = (peer_rank, peer_token_idx, num_slots): rows go to their (token, j) slots instead,
-    out bf16 [num_slots, H], as `mok.launchers.expert_gemm.down` does.
 
     Constraints: I % 64 == 0, H % 256 == 0; `tokens_per_expert` as for `d_hidden_swiglu`.
     """
@@ -175,15 +152,15 @@ def d_x(
     if gate_weights.dim() != 3:
         raise ValueError(f"gate_weights must be [E, I, H], got shape {list(gate_weights.shape)}")
     num_experts, hidden_size = gate_weights.shape[0], gate_weights.shape[2]
-    _check("d_gate", d_gate, torch.bfloat16, (capacity, intermediate_size))
-    _check("d_up", d_up, torch.bfloat16, (capacity, intermediate_size))
-    _check_multiple("intermediate_size (d_gate.shape[1])", intermediate_size, K_ALIGNMENT)
-    _check_multiple("hidden_size (gate_weights.shape[2])", hidden_size, N_ALIGNMENT)
+    check_cuda("d_gate", d_gate, torch.bfloat16, (capacity, intermediate_size))
+    check_cuda("d_up", d_up, torch.bfloat16, (capacity, intermediate_size))
+    check_multiple("intermediate_size (d_gate.shape[1])", intermediate_size, K_ALIGNMENT)
+    check_multiple("hidden_size (gate_weights.shape[2])", hidden_size, N_ALIGNMENT)
     weight_shape = (num_experts, intermediate_size, hidden_size)
-    _check("gate_weights", gate_weights, torch.bfloat16, weight_shape)
-    _check("up_weights", up_weights, torch.bfloat16, weight_shape)
-    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
-    _check_extents(
+    check_cuda("gate_weights", gate_weights, torch.bfloat16, weight_shape)
+    check_cuda("up_weights", up_weights, torch.bfloat16, weight_shape)
+    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_extents(
         "num_experts * intermediate_size",
         capacity,
         num_experts * intermediate_size,
@@ -191,30 +168,28 @@ def d_x(
         hidden_size,
     )
     device = d_gate.device
-    rows, slots = slot_rows(slots, capacity)
     if out is None:
-        out = torch.empty(rows, hidden_size, dtype=torch.bfloat16, device=device)
-    _check("out", out, torch.bfloat16, (rows, hidden_size))
+        out = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
+    check_cuda("out", out, torch.bfloat16, (capacity, hidden_size))
     if capacity == 0 or num_experts == 0:
         return out
 
-    kernel = get_kernel(D_X_SLOTS_KERNEL if slots else D_X_KERNEL, device=device,
-                        manifest=manifest)  # fmt: skip
+    kernel = get_kernel(D_X_KERNEL, device=device, manifest=manifest)
     flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
-        (_grid(device, capacity, hidden_size // N_ALIGNMENT), 1, 1),
+        (persistent_grid(device, capacity, hidden_size // N_ALIGNMENT), 1, 1),
         {
-            "tma_a0": _descriptor(kernel, "tma_a0", d_gate),
-            "tma_a1": _descriptor(kernel, "tma_a1", d_up),
-            "tma_b0": _descriptor(kernel, "tma_b0", gate_weights.view(flat)),
-            "tma_b1": _descriptor(kernel, "tma_b1", up_weights.view(flat)),
+            "tma_a0": tma_descriptor(kernel, "tma_a0", d_gate),
+            "tma_a1": tma_descriptor(kernel, "tma_a1", d_up),
+            "tma_b0": tma_descriptor(kernel, "tma_b0", gate_weights.view(flat)),
+            "tma_b1": tma_descriptor(kernel, "tma_b1", up_weights.view(flat)),
             "out0_ptr": out,
             "out1_ptr": None,
             "gate_ptr": None,
             "up_ptr": None,
             "partials_ptr": None,
-            "peer_rank_ptr": slots[0] if slots else None,
-            "peer_token_idx_ptr": slots[1] if slots else None,
+            "peer_rank_ptr": None,
+            "peer_token_idx_ptr": None,
             "tokens_per_expert_ptr": tokens_per_expert,
             "num_experts": num_experts,
             "k_size": intermediate_size,
@@ -252,13 +227,13 @@ def weight_gradient(
     capacity, m_size = a_routed.shape if a_routed.dim() == 2 else (-1, -1)
     n_size = b_routed.shape[1] if b_routed.dim() == 2 else -1
     num_experts = tokens_per_expert.shape[0] if tokens_per_expert.dim() == 1 else -1
-    _check("a_routed", a_routed, torch.bfloat16, (capacity, m_size))
-    _check("b_routed", b_routed, torch.bfloat16, (capacity, n_size))
-    _check_multiple("M (a_routed.shape[1])", m_size, M_ALIGNMENT)
-    _check_multiple("N (b_routed.shape[1])", n_size, N_ALIGNMENT)
-    _check("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_cuda("a_routed", a_routed, torch.bfloat16, (capacity, m_size))
+    check_cuda("b_routed", b_routed, torch.bfloat16, (capacity, n_size))
+    check_multiple("M (a_routed.shape[1])", m_size, M_ALIGNMENT)
+    check_multiple("N (b_routed.shape[1])", n_size, N_ALIGNMENT)
+    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
     # The kernel numbers the rows of out as one [E * M, N] matrix.
-    _check_extents("E * M (output rows)", capacity, num_experts * m_size, m_size, n_size)
+    check_extents("E * M (output rows)", capacity, num_experts * m_size, m_size, n_size)
     if output not in WEIGHTS_KERNELS:
         raise ValueError(f"output must be one of {sorted(WEIGHTS_KERNELS)}, got {output!r}")
     kernel_name, out_dtype = WEIGHTS_KERNELS[output]
@@ -267,7 +242,7 @@ def weight_gradient(
         if output == "accumulate":
             raise ValueError("output='accumulate' needs `out`, the fp32 tensor to add into")
         out = torch.empty(num_experts, m_size, n_size, dtype=out_dtype, device=device)
-    _check("out", out, out_dtype, (num_experts, m_size, n_size))
+    check_cuda("out", out, out_dtype, (num_experts, m_size, n_size))
     if num_experts == 0:
         return out
     if capacity == 0:
@@ -276,10 +251,10 @@ def weight_gradient(
     kernel = get_kernel(kernel_name, device=device, manifest=manifest)
     tiles = num_experts * (m_size // M_ALIGNMENT) * (n_size // N_ALIGNMENT)
     kernel.launch(
-        (max(1, min(_sm_count(device), tiles)), 1, 1),
+        (max(1, min(sm_count(device), tiles)), 1, 1),
         {
-            "tma_a": _descriptor(kernel, "tma_a", a_routed),
-            "tma_b": _descriptor(kernel, "tma_b", b_routed),
+            "tma_a": tma_descriptor(kernel, "tma_a", a_routed),
+            "tma_b": tma_descriptor(kernel, "tma_b", b_routed),
             "out_ptr": out,
             "tokens_per_expert_ptr": tokens_per_expert,
             "num_experts": num_experts,

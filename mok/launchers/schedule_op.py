@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MoKConfig
-from . import comm, schedule
+from . import comm, schedule_kernels
 
 
 def build_schedule(
@@ -21,8 +21,10 @@ def build_schedule(
     raise_pending_errors(ws, wait=False)
     config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
     gathered = comm.all_gather_top_experts(ws, config, top_experts)
-    peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status = schedule.build_schedule_gpu(
-        gathered, ep_rank=ws.ep_rank, num_local_experts=num_local_experts, capacity=capacity
+    peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status = (
+        schedule_kernels.build_schedule_gpu(
+            gathered, ep_rank=ws.ep_rank, num_local_experts=num_local_experts, capacity=capacity
+        )
     )
     if not torch.cuda.is_current_stream_capturing():
         host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
@@ -52,4 +54,4 @@ def raise_pending_errors(ws, *, wait: bool) -> None:
     ws.pending_schedule_status = None
     overflow, total, ep_rank, capacity = (int(v) for v in host.tolist())
     if overflow:
-        raise ValueError(schedule.overflow_message(ep_rank, total, capacity))
+        raise ValueError(schedule_kernels.overflow_message(ep_rank, total, capacity))

@@ -1,5 +1,5 @@
-"""The GPU backward (EP group of one) through mok.functional: the multi-kernel path and the
-backward megakernel v1 (`set_backward_path("megakernel")`, not the default).
+"""The GPU backward (EP group of one) through mok.functional: the backward megakernel for the
+routed experts, the separate backward GEMMs for the shared expert.
 
 All 8 outputs (and the forward's) against the fp64 autograd oracle within 2x the error of
 PyTorch's own bf16 layer; bitwise identical across 3 runs with outputs poisoned before each;
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from separate_kernels import megakernel_and_kernels_backward
 
 from mok import functional as F
 from mok.testing import make_inputs, oracle_errors, poison_cuda_allocator
@@ -59,23 +60,13 @@ def run_step(inputs, num_experts, limit, main_grads=None):
     return (out, *grads)
 
 
-@pytest.fixture(params=["kernels", "megakernel"])
-def backward_path(request):
-    """Each backward test runs the separate kernels and the backward megakernel."""
-    from mok.launchers import set_backward_path
-
-    previous = set_backward_path(request.param)
-    yield request.param
-    set_backward_path(previous)
-
-
 def case_id(c):
     return (f"T{c[0]}H{c[1]}I{c[2]}E{c[3]}k{c[4]}-{c[7]}{'-shared' if c[5] else ''}"
             f"{'-clamp' if c[6] else ''}")  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_backward_matches_fp64_oracle_and_is_deterministic(case, backward_path):
+def test_backward_matches_fp64_oracle_and_is_deterministic(case):
     t, h, i, e, k, shared, limit, routing = case
     inputs = make_inputs(t, h, i, e, k, shared=shared, routing=routing, seed=t + i + k,
                          device=CUDA)  # fmt: skip
@@ -97,27 +88,19 @@ def test_backward_matches_fp64_oracle_and_is_deterministic(case, backward_path):
 
 
 @pytest.mark.parametrize("case", CASES[:2] + CASES[5:], ids=case_id)
-def test_megakernel_gives_the_kernels_bits(case):
-    """Same tiles, same K order, same epilogue math: the backward megakernel's outputs equal
-    the separate kernels' bit for bit."""
-    from mok.launchers import set_backward_path
-
+def test_megakernel_gives_the_separate_kernels_bits(case):
+    """Same tiles, same K order, same epilogue math: the backward megakernel's routed outputs
+    equal the standalone GEMM kernels composed with torch gathers, bit for bit."""
     t, h, i, e, k, shared, limit, routing = case
     inputs = make_inputs(t, h, i, e, k, shared=shared, routing=routing, seed=t + i + k,
                          device=CUDA)  # fmt: skip
-    previous = set_backward_path("kernels")
-    try:
-        expected = run_step(inputs, e, limit)
-        set_backward_path("megakernel")
-        got = run_step(inputs, e, limit)
-    finally:
-        set_backward_path(previous)
-    for name, a, b in zip(("out", "d_x", "d_rw", "dg", "du", "dd", "dsg", "dsu", "dsd"), got,
-                          expected, strict=True):  # fmt: skip
-        assert (a is None and b is None) or torch.equal(a, b), f"{name} differs"
+    got, expected = megakernel_and_kernels_backward(inputs, e, limit)
+    for name, a, b in zip(("dy_e", "d_gate", "d_up", "partials", "slots", "dg", "du", "dd"),
+                          got, expected, strict=True):  # fmt: skip
+        assert torch.equal(a, b), f"{name} differs"
 
 
-def test_main_grads_accumulate_the_returned_gradients(backward_path):
+def test_main_grads_accumulate_the_returned_gradients():
     t, h, i, e, k = 512, 256, 256, 8, 2
     inputs = make_inputs(t, h, i, e, k, shared=True, seed=11, device=CUDA)
     returned = run_step(inputs, e, None)[3:]
@@ -141,7 +124,7 @@ def test_bad_intermediate_size_names_the_alignment():
         run_step(inputs, e, None)
 
 
-def test_training_step_in_a_cuda_graph(backward_path):
+def test_training_step_in_a_cuda_graph():
     t, h, i, e, k = 512, 256, 256, 8, 2
     inputs = make_inputs(t, h, i, e, k, shared=True, seed=5, device=CUDA)
     config, ws = setup(inputs, e)

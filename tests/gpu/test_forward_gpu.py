@@ -1,4 +1,4 @@
-"""The GPU forward (interim multi-kernel path, EP group of one) through mok.functional.
+"""The GPU forward (the forward megakernel, EP group of one) through mok.functional.
 
 Against an fp64 per-expert loop: the output within 2x the error of PyTorch's own bf16 layer;
 the saved context against mok.reference within the same bound; bitwise identical across 3
@@ -49,19 +49,9 @@ def run_forward(inputs, num_experts, limit):
     return config, ws, schedule, out, ctx
 
 
-@pytest.fixture(params=["megakernel", "kernels"])
-def forward_path(request):
-    """Each forward test runs the megakernel and the separate-kernel forward."""
-    from mok.launchers import set_forward_path
-
-    previous = set_forward_path(request.param)
-    yield request.param
-    set_forward_path(previous)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}H{c[1]}I{c[2]}E{c[3]}k{c[4]}-{c[7]}"
                          f"{'-shared' if c[5] else ''}{'-clamp' if c[6] else ''}")  # fmt: skip
-def test_forward_matches_fp64_oracle_and_is_deterministic(case, forward_path):
+def test_forward_matches_fp64_oracle_and_is_deterministic(case):
     t, h, i, e, k, shared, limit, routing = case
     inputs = make_inputs(t, h, i, e, k, shared=shared, routing=routing, seed=t + i, device=CUDA)
     config, ws, schedule, out, ctx = run_forward(inputs, e, limit)
@@ -96,7 +86,7 @@ def test_forward_matches_fp64_oracle_and_is_deterministic(case, forward_path):
         assert (a is None and b is None) or torch.equal(a[:rows], b[:rows])
 
 
-def test_schedule_and_forward_in_a_cuda_graph(forward_path):
+def test_schedule_and_forward_in_a_cuda_graph():
     t, h, i, e, k = 512, 256, 256, 8, 2
     inputs = make_inputs(t, h, i, e, k, shared=True, seed=5, device=CUDA)
     config = F.MoKConfig()

@@ -1,8 +1,6 @@
 """`MoKConfig.minibatch_size` on the GPU: the megakernels run their tasks minibatch by minibatch,
-pipelined (tickets.Minibatches: a minibatch's gate/up tiles after the previous one's, its down
-tiles after the next one's gate/up tiles; d_hidden and d_x the same), and any minibatch size
-gives the bits of the separate kernels, whose order they do not have, run after run, forward
-and backward. Minibatch edges cut expert segments (256 rows against 512-row experts), leave
+pipelined (dsl_kernels/sm90/minibatches.py), and any minibatch size gives the bits of one
+minibatch, run after run, forward and backward. Minibatch edges cut expert segments (256 rows against 512-row experts), leave
 experts empty, or hold one expert only."""
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import pytest
 import torch
 
 from mok import functional as F
-from mok.launchers import set_backward_path, set_forward_path
 from mok.testing import make_inputs, run_layer
 
 pytestmark = [
@@ -33,23 +30,16 @@ def layer_outputs(inputs, e, config):
     "experts,topk,routing",
     [(8, 2, "random"), (32, 8, "random"), (16, 4, "empty_experts"), (8, 2, "one_expert")],
 )
-def test_any_minibatch_gives_the_bits_of_the_kernels(experts, topk, routing):
+def test_any_minibatch_gives_the_bits_of_one_minibatch(experts, topk, routing):
     inputs = make_inputs(2048, 512, 512, experts, topk, routing=routing, seed=11,
                          device=torch.device("cuda"))  # fmt: skip
-    previous = set_forward_path("kernels"), set_backward_path("kernels")
-    try:
-        expected = layer_outputs(inputs, experts, F.MoKConfig())
-        set_forward_path("megakernel")
-        set_backward_path("megakernel")
-        # 256 (the smallest), one that does not divide the rows, the default, > the rows.
-        for size in (256, 1280, 4096, 1 << 20):
-            config = dataclasses.replace(
-                F.MoKConfig(), minibatch_size=size, macrobatch_size=size * max(1, (1 << 17) // size)
-            )
-            for _ in range(2):
-                got = layer_outputs(inputs, experts, config)
-                for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-                    assert torch.equal(a, b), (size, i)
-    finally:
-        set_forward_path(previous[0])
-        set_backward_path(previous[1])
+    expected = layer_outputs(inputs, experts, F.MoKConfig())  # one minibatch
+    # 256 (the smallest), one that does not divide the rows, 4096, > the rows.
+    for size in (256, 1280, 4096, 1 << 20):
+        config = dataclasses.replace(
+            F.MoKConfig(), minibatch_size=size, macrobatch_size=size * max(1, (1 << 17) // size)
+        )
+        for _ in range(2):
+            got = layer_outputs(inputs, experts, config)
+            for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+                assert torch.equal(a, b), (size, i)

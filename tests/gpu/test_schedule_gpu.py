@@ -1,4 +1,4 @@
-"""GPU schedule (mok/launchers/schedule.py) == mok.reference.build_schedule, bit for bit.
+"""GPU schedule (mok/launchers/schedule_kernels.py) == mok.reference.build_schedule, bit for bit.
 
 Run: pytest -m gpu tests/gpu/test_schedule_gpu.py -s (needs the schedule cubins in the manifest).
 """
@@ -8,7 +8,7 @@ import torch
 
 from mok import reference
 from mok.config import ROUTED_ROW_ALIGNMENT
-from mok.launchers import schedule as launcher
+from mok.launchers import schedule_kernels as launcher
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,0 +1,194 @@
+"""d_hidden GEMM with the SwiGLU backward fused (SEMANTICS §2), for every routed row r of expert e:
+
+    d_hidden[r]  = dY_e[r] @ W_down[e]            (fp32, never stored)
+    d_gate, d_up = mok.reference.swiglu_backward(d_hidden, gate[r], up[r], limit)
+    partials[r, b] = sum over block b's 128 columns of bf16(hidden)[r, c] * d_hidden[r, c]
+
+W_down is read as stored ([H, I]: K = H rows, N = I contiguous), so B is MN-major. The
+consumers run the SwiGLU backward on their fp32 accumulators in the reference's expression
+order, then hand d_gate and d_up to the crew one 128-column block at a time. Each router
+partial is summed in a fixed order (each thread's columns in increasing order, then a lane
+butterfly ^1, ^2); with dY_e = w * dY, sum_b partials[r, b] = w * <dY, y>.
+
+`exp` is `ex2.approx` range-reduced and 1 / (1 + e) `rcp.approx`: a few fp32 ulp, below the
+bf16 rounding of the results, so a bf16 output can differ from the reference by 1 ulp on an
+element that sits on a rounding boundary.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..common.bounded_wait import red_add_release_gpu_s32
+from ..common.ptx import prefetch_l2
+from . import gemm_phases as phases
+from .epilogue_warps import CREW, store_split
+from .gemm_phases import TILE_K, TILE_M, TILE_N
+
+# WaitPhase id (mok.runtime.WaitPhase, a wire format) of a d_x task waiting for d_gate/d_up rows.
+PHASE_BACKWARD_DHIDDEN_GEMM = 10
+
+
+def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up_ptr):
+    """Producer warp: `load(state, expert, col_tile, row_tile)` of one d_hidden task: the
+    tile's gate and up prefetched into L2 for the consumers' epilogue, then A = dY_e rows
+    (K = H) and B = W_down[e] read [H, I], over `tma` = (tma_dy, mDy, tma_wd, mWd)."""
+    sA, sB0, sB1 = smem
+    tma_dy, mDy, tma_wd, mWd = tma
+    tDYsA, tDYgA = phases.partition_tma_load(tma_dy, sA, mDy, (TILE_M, TILE_K))
+    tWDsB0, tWDsB1, tWDgB = phases.partition_tma_load_pair(tma_wd, sB0, sB1, mWd)
+    lane = cute.arch.lane_idx()
+    i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
+
+    def load(state, expert, col_tile, row_tile):
+        prefetch_gate_up(lane, row_tile * TILE_M, col_tile * (2 * TILE_N), gate_ptr, up_ptr,
+                         i_stride, threads=32)  # fmt: skip
+        b_k_base = expert * (hidden_size // TILE_K)
+        loads = (
+            (tma_dy, tDYgA, row_tile, None, tDYsA),
+            (tma_wd, tWDgB, 2 * col_tile, b_k_base, tWDsB0),
+            (tma_wd, tWDgB, 2 * col_tile + 1, b_k_base, tWDsB1),
+        )
+        return phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+
+    return load
+
+
+def crew_stores(d_gate_ptr, d_up_ptr, intermediate_size, dgu_done, dgu_total) -> dict:
+    """The crew's store configuration (task_walk.store_phase keywords) of a megakernel's
+    d_hidden tiles: d_gate and d_up [C, I] in place, two hand-offs a tile, then the tile's
+    counters released (release_d_hidden_tile)."""
+    return dict(
+        tile_cols=2 * TILE_N, slots=None, store_chunk=store_split,
+        store_args=(d_gate_ptr, d_up_ptr, cute.assume(Int64(intermediate_size), divby=2 * TILE_N)),
+        after_tile=release_d_hidden_tile, after_args=(dgu_done, dgu_total), handoffs=2,
+    )  # fmt: skip
+
+
+@cute.jit
+def release_d_hidden_tile(lane, first_row, dgu_done, dgu_total):
+    """After a d_hidden tile: its row tile's counter (the d_x tasks wait on it), then the count
+    of stored d_hidden tiles (the weight phase waits on it)."""
+    CREW.release_row_tile(lane, first_row, dgu_done)
+    if lane == 0:
+        red_add_release_gpu_s32(dgu_total, Int32(1))
+
+
+@cute.jit
+def prefetch_gate_up(
+    lane, first_row, first_col, gate_ptr, up_ptr, row_stride, threads: int = CREW.threads
+):
+    """Crew (or the backward megakernel's producer warp, `threads` 32), before a d_hidden
+    tile's hand-offs (its mainloop is running): bring the tile's gate and up (128 rows x
+    256 columns each, 4 lines of 128 bytes per row) into L2 for the consumers' epilogue
+    loads."""
+    lines_per_row = 2 * TILE_N * 2 // 128
+    per_tensor = TILE_M * lines_per_row
+    for idx in cutlass.range(lane, 2 * per_tensor, threads, unroll=1):
+        base = gate_ptr.toint()
+        if idx >= per_tensor:
+            base = up_ptr.toint()
+        line = idx % per_tensor
+        row = Int64(first_row + line // lines_per_row)
+        col = Int64(first_col + (line % lines_per_row) * 64)
+        prefetch_l2(base + (row * row_stride + col) * 2)
+
+
+@cute.jit
+def output_tile(ptr: cute.Pointer, first_row: Int32, first_col: Int32, n_size: Int32):
+    """The 128 x 128 block at (first_row, first_col) of a row-major [*, n_size] tensor."""
+    return phases.output_tile(ptr, None, first_row, first_col, n_size, 2 * TILE_N)
+
+
+@cute.jit
+def swiglu_backward(
+    thr_mma,
+    acc: cute.Tensor,
+    gate_ptr: cute.Pointer,
+    up_ptr: cute.Pointer,
+    partials_ptr: cute.Pointer,
+    first_row: Int32,
+    first_col: Int32,
+    n_size: Int32,
+    has_limit: Int32,
+    swiglu_limit: Float32,
+    buffers,
+):
+    """d_gate, d_up of one 128 x 128 block from fp32 d_hidden (mok.reference order), and
+    the block's router-weight partial of each of its rows. d_gate and d_up go to the crew
+    (the hand-off `buffers`)."""
+    gate = cute.make_rmem_tensor(acc.shape, BFloat16)
+    up = cute.make_rmem_tensor(acc.shape, BFloat16)
+    cute.autovec_copy(
+        thr_mma.partition_C(output_tile(gate_ptr, first_row, first_col, n_size)), gate
+    )
+    cute.autovec_copy(thr_mma.partition_C(output_tile(up_ptr, first_row, first_col, n_size)), up)
+    # Each result overwrites the bf16 input it came from, once both inputs of that element
+    # are read: the epilogue holds no fp32 fragment beyond the two accumulators (a third
+    # one spills at 232 registers).
+    # Branch-free: without a limit the clamps and masks run against +inf, where they are
+    # the identity (min(g, inf) == g, and NaN still propagates: it compares false).
+    limit = swiglu_limit
+    if has_limit == 0:
+        limit = Float32(float("inf"))
+    # Rows of this thread's elements: two per thread, r0 and r0 + 8. In the wgmma
+    # accumulator layout element i lies on row r0 + 8 * ((i // 2) % 2): a static choice.
+    row0, row1 = phases.accumulator_rows(thr_mma)
+    partial0 = Float32(0.0)
+    partial1 = Float32(0.0)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        gate_raw = Float32(gate[i])
+        up_raw = Float32(up[i])
+        # g's min as one NaN-propagating FMNMX.NaN (min(a, b) = -max(-a, -b)); the same
+        # for u's clamp made ptxas spill (28 bytes), so it stays a compare and selects.
+        g = -cute.arch.fmax(-gate_raw, -limit, nan=True)
+        u = cutlass.max(cutlass.min(up_raw, limit), -limit)
+        # ex2.approx and rcp.approx (a few ulp of fp32, far below the bf16 rounding of the
+        # results): the epilogue is bound by its instruction count, and IEEE expf and
+        # division took about 17 of its ~47 instructions per element.
+        sig = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-g, fastmath=True))
+        dh = acc[i]
+        silu = g * sig
+        d_up_i = dh * silu
+        hidden_i = Float32((silu * u).to(BFloat16))
+        if cutlass.const_expr((i // 2) % 2 == 0):
+            partial0 = partial0 + hidden_i * dh
+        else:
+            partial1 = partial1 + hidden_i * dh
+        d_gate_i = (dh * u) * (sig * (Float32(1.0) + g * (Float32(1.0) - sig)))
+        # Zero where the clamp was active (torch.where(gate > limit, 0, d_gate) etc.).
+        d_gate_i = Float32(cutlass.select_(gate_raw > limit, Float32(0.0), d_gate_i))
+        d_up_i = Float32(
+            cutlass.select_(cutlass.max(up_raw, -up_raw) > limit, Float32(0.0), d_up_i)
+        )
+        gate[i] = d_gate_i.to(BFloat16)
+        up[i] = d_up_i.to(BFloat16)
+    CREW.hand_off_bf16(thr_mma, (gate, up), buffers)
+    store_partials(partials_ptr, (row0, row1), (partial0, partial1), first_row,
+                         first_col, n_size)  # fmt: skip
+
+
+@cute.jit
+def store_partials(
+    partials_ptr: cute.Pointer,
+    rows: tuple,
+    row_partials: tuple,
+    first_row: Int32,
+    first_col: Int32,
+    n_size: Int32,
+):
+    """Sum each row's partial over the 4 lanes that hold it (fixed butterfly order) and
+    store it from lane 0 of the quad into partials[row, first_col / 128]."""
+    row0, row1 = rows
+    partial0, partial1 = row_partials
+    for offset in cutlass.range_constexpr(2):
+        partial0 = partial0 + cute.arch.shuffle_sync_bfly(partial0, offset=1 << offset)
+        partial1 = partial1 + cute.arch.shuffle_sync_bfly(partial1, offset=1 << offset)
+    lane = cute.arch.lane_idx()
+    if lane % 4 == 0:
+        blocks = n_size // TILE_N
+        partials = cute.make_tensor(partials_ptr, cute.make_layout((1 << 30, blocks),
+                                                                    stride=(blocks, 1)))  # fmt: skip
+        block = first_col // TILE_N
+        partials[first_row + row0, block] = partial0
+        partials[first_row + row1, block] = partial1

@@ -1,0 +1,155 @@
+"""The backward megakernel's launcher (dsl_kernels/sm90/moe_backward.py).
+
+One persistent launch pulls dY_e = bf16(w * dY) into the routed buffer, runs every d_hidden
+tile (SwiGLU backward, router partials) and every d_x tile, stores each d_x row at its
+(token, j) slot, then (unless the gradients go into fp32 main_grads) runs the three
+weight-gradient GEMMs. Its dependency counters are zeroed right before the launch on the same
+stream (graph-capturable, no host sync); a wait that gives up reports through the device's
+error record (MoKWaitTimeoutError at the next `check_errors`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_arg, check_cuda, check_extents, check_multiple
+from .comm import DEFAULT_TIMEOUT_NS
+from .device_args import TILE_ROWS, sm_count, tma_descriptor
+from .expert_gemm_bwd import N_ALIGNMENT
+from .megakernel_walk import minibatch_row_tiles, walk_arguments
+
+KERNEL = "moe_backward"
+
+
+def routed_backward(
+    grad_output: torch.Tensor,
+    router_weights: torch.Tensor,
+    schedule,
+    x_routed: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    hidden: torch.Tensor,
+    gate_weights: torch.Tensor,
+    up_weights: torch.Tensor,
+    down_weights: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    weight_grads: bool = True,
+    num_comm_ctas: int = 0,
+    minibatch_size: int | None = None,
+    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+) -> tuple:
+    """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) of the
+    routed experts, in one launch.
+
+    grad_output bf16 [T, H]; router_weights fp32 [T, k]; x_routed bf16 [C, H], gate, up,
+    hidden bf16 [C, I] (the forward context, gate and up pre-clamp); weights bf16 [E, I, H]
+    (gate, up) and [E, H, I] (down); `schedule` a MoKSchedule of this rank (a group of one). dy_e bf16 [C, H] = w * dY per routed row (the
+    dW_down GEMM's input); d_gate, d_up bf16 [C, I]; router_partials fp32 [C, I / 128] (as
+    expert_gemm_bwd.d_hidden_swiglu's); slots bf16 [T * k, H]: row t * k + j is token t's d_x
+    through its j-th expert. Routed rows at or past schedule.num_tokens are not written.
+    With `weight_grads` the launch also computes the bf16 weight gradients, [E, I, H] for
+    gate and up and [E, H, I] for down (exact zeros for an expert without tokens), bitwise
+    the separate kernels' (expert_gemm_bwd.weight_gradient); without, they are left to the
+    caller (who adds them into fp32 main_grads). `num_comm_ctas` CTAs dispatch dY_e while
+    the others start the d_hidden GEMMs (0: every CTA dispatches first). `minibatch_size`
+    (routed rows, as MoKConfig's; None: all): the d_hidden and d_x tasks run minibatch by
+    minibatch (forward_megakernel.routed_forward's); any value gives the same bits.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    num_tokens, hidden_size = grad_output.shape
+    topk = router_weights.shape[1]
+    num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
+    capacity = schedule.peer_rank.shape[0]
+    check_cuda("grad_output", grad_output, torch.bfloat16, (num_tokens, hidden_size))
+    # Read as 4-byte scalars: a router-weight view needs no 16-byte alignment.
+    check_arg("router_weights", router_weights, torch.float32, (num_tokens, topk), cuda=True,
+              align=4)  # fmt: skip
+    check_multiple("hidden_size", hidden_size, N_ALIGNMENT)
+    check_multiple("intermediate_size", intermediate_size, N_ALIGNMENT)
+    for name, t, shape in (
+        ("x_routed", x_routed, (capacity, hidden_size)),
+        ("gate", gate, (capacity, intermediate_size)),
+        ("up", up, (capacity, intermediate_size)),
+        ("hidden", hidden, (capacity, intermediate_size)),
+        ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
+        ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
+        ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
+    ):
+        check_cuda(name, t, torch.bfloat16, shape)
+    check_extents("weight rows", capacity, num_experts * max(hidden_size, intermediate_size),
+                   max(hidden_size, intermediate_size), max(hidden_size, intermediate_size))  # fmt: skip
+    minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)  # before any allocation
+    device = grad_output.device
+    dy_e = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
+    d_gate, d_up = (
+        torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
+        for _ in range(2)
+    )
+    partials = torch.empty(capacity, intermediate_size // 128, dtype=torch.float32, device=device)
+    slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
+    d_weights = None
+    if weight_grads:
+        d_weights = [
+            torch.empty(num_experts, *shape, dtype=torch.bfloat16, device=device)
+            for shape in ((intermediate_size, hidden_size),) * 2 + ((hidden_size, intermediate_size),)
+        ]  # fmt: skip
+    if capacity == 0 or num_experts == 0 or num_tokens == 0:
+        if d_weights is not None:
+            for d_w in d_weights:
+                d_w.zero_()
+        return dy_e, d_gate, d_up, partials, slots, d_weights
+    # dispatched[m] then dgu_done[m], one int32 per 128-row tile of the routed buffer, then
+    # the CTAs done dispatching and the d_hidden tiles stored (the weight phase's waits), then
+    # the task ticket.
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 3, dtype=torch.int32,
+                           device=device)  # fmt: skip
+    # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
+    d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
+    kernel = get_kernel(KERNEL, device=device)
+    down_flat = (num_experts * hidden_size, intermediate_size)
+    gate_up_flat = (num_experts * intermediate_size, hidden_size)
+    grid = sm_count(device)
+    kernel.launch(
+        (grid, 1, 1),
+        {
+            "tma_dy": tma_descriptor(kernel, "tma_dy", dy_e),
+            "tma_wd": tma_descriptor(kernel, "tma_wd", down_weights.view(down_flat)),
+            "tma_dg": tma_descriptor(kernel, "tma_dg", d_gate),
+            "tma_du": tma_descriptor(kernel, "tma_du", d_up),
+            "tma_wg": tma_descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
+            "tma_wu": tma_descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
+            "tma_xdy": tma_descriptor(kernel, "tma_xdy", dy_e),
+            "tma_xdg": tma_descriptor(kernel, "tma_xdg", d_gate),
+            "tma_xdu": tma_descriptor(kernel, "tma_xdu", d_up),
+            "tma_xh": tma_descriptor(kernel, "tma_xh", hidden),
+            "tma_xx": tma_descriptor(kernel, "tma_xx", x_routed),
+            "d_w_down_ptr": d_w_down,
+            "d_w_gate_ptr": d_w_gate,
+            "d_w_up_ptr": d_w_up,
+            "dy_ptr": grad_output,
+            "weight_ptr": router_weights,
+            "dy_routed_ptr": dy_e,
+            "gate_ptr": gate,
+            "up_ptr": up,
+            "d_gate_ptr": d_gate,
+            "d_up_ptr": d_up,
+            "partials_ptr": partials,
+            "slots_ptr": slots,
+            **walk_arguments(
+                schedule,
+                counters,
+                timeout_ns,
+                grad_output,
+                gate_weights,
+                topk,
+                swiglu_limit,
+                num_comm_ctas,
+                grid,
+                minibatch_tiles,
+            ),  # fmt: skip
+            "weight_gemms": 3 if weight_grads else 0,
+        },
+    )
+    return dy_e, d_gate, d_up, partials, slots, d_weights

@@ -1,0 +1,102 @@
+"""The GPU backward op (`mok.ops.backward`), EP group of one.
+
+routed experts: the backward megakernel (backward_megakernel.py): dY_e = bf16(w * dY)
+                pulled per routed row, d_hidden + SwiGLU backward + router partials, d_x
+                rows stored at their (token, j) slots, and the bf16 weight gradients, in
+                one launch (fp32 main_grads: the accumulate kernel adds them instead)
+d_router[t, j] = sum_b partials[r, b] / w[r]  (fixed-order sums; partials = <dY_e, y>)
+shared expert:  expert_gemm_bwd's kernels on one 'expert' of T rows (padded to 128)
+d_x = d_x_shared + sum_j slots[t * k + j]  (fixed j order)          moe_combine_backward
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import epilogues, expert_gemm_bwd
+from .backward_megakernel import routed_backward
+from .checks import check_macrobatch, require_group_of_one
+from .device_args import TILE_ROWS
+from .rows import gather_routed_rows, pad_rows, scatter_to_slots
+
+
+def _weight_gradient(a_rows, b_rows, tokens, main_grad):
+    """bf16 [E, M, N] gradient, or empty after adding it into the fp32 main_grad in place."""
+    if main_grad is None:
+        return expert_gemm_bwd.weight_gradient(a_rows, b_rows, tokens, output="bf16")
+    out = main_grad if main_grad.dim() == 3 else main_grad.unsqueeze(0)
+    expert_gemm_bwd.weight_gradient(a_rows, b_rows, tokens, output="accumulate", out=out)
+    return a_rows.new_empty(0)
+
+
+def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
+    """[dW_gate, dW_up, dW_down], each bf16 or added into its main_grad and returned empty."""
+    main_gate, main_up, main_down = main_grads
+    return [
+        _weight_gradient(d_gate, x_rows, tokens, main_gate),
+        _weight_gradient(d_up, x_rows, tokens, main_up),
+        _weight_gradient(dy_e, hidden, tokens, main_down),
+    ]
+
+
+def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
+    """The shared expert (router weight 1) as one expert over all T rows, padded to 128:
+    (d_x rows, [dW_gate, dW_up, dW_down])."""
+    num_tokens = x.shape[0]
+    padded = -(-num_tokens // TILE_ROWS) * TILE_ROWS
+    tokens = torch.full((1,), padded, dtype=torch.int32, device=x.device)
+    gate, up, hidden = (pad_rows(t, padded) for t in ctx_shared)
+    dy, x_rows = pad_rows(grad_output, padded), pad_rows(x, padded)
+    gate_w, up_w, down_w = (w.unsqueeze(0) for w in weights)
+    d_gate, d_up = expert_gemm_bwd.d_hidden_swiglu(dy, down_w, gate, up, tokens, swiglu_limit=limit)
+    d_x_rows = expert_gemm_bwd.d_x(d_gate, d_up, gate_w, up_w, tokens)
+    grads = _weight_gradients(dy, x_rows, d_gate, d_up, hidden, tokens, main_grads)
+    return d_x_rows[:num_tokens], [g[0] if g.numel() else g for g in grads]
+
+
+def backward(
+    ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
+    shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
+    minibatch_size, macrobatch_size, main_grads,
+):  # fmt: skip
+    require_group_of_one(ws, "backward")
+    check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "backward")
+    if routed_down.shape[2] % expert_gemm_bwd.N_ALIGNMENT:
+        raise ValueError(
+            f"intermediate_size must be a multiple of {expert_gemm_bwd.N_ALIGNMENT} on the "
+            f"sm_90a backward kernel path, got {routed_down.shape[2]}"
+        )
+    x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
+    num_tokens, topk = router_weights.shape
+    peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
+
+    # ---- routed experts; the weight gradients in the same launch unless they go into fp32
+    # main_grads ----
+    in_launch = all(g is None for g in main_grads[:3])
+    dy_e, d_gate, d_up, partials, slots, routed_grads = routed_backward(
+        grad_output, router_weights, schedule, x_routed, gate, up, hidden, routed_gate,
+        routed_up, routed_down, swiglu_limit=swiglu_limit, weight_grads=in_launch,
+        num_comm_ctas=bwd_num_comm_sms, minibatch_size=minibatch_size,
+    )  # fmt: skip
+    if not in_launch:
+        routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden, tokens,
+                                         main_grads[:3])  # fmt: skip
+    # d_router[t, j] = <dY[t], y_e(x_t)> = (sum_b partials[r, b]) / w[r], with w[r] the same
+    # gather as dY's with one "token" per slot (k = 1). Padding rows (w = 0) give 0 and are
+    # never scattered.
+    w_routed = gather_routed_rows(router_weights.view(-1, 1), peer, slot, 1)
+    tiny = torch.finfo(torch.float32).tiny
+    d_router_routed = partials.sum(dim=1, keepdim=True) / w_routed.clamp_min(tiny)
+    d_router = scatter_to_slots(d_router_routed, peer, slot, num_tokens * topk)
+    d_router = d_router.view(num_tokens, topk)
+
+    # ---- shared expert ----
+    # Distinct empty tensors: custom-op outputs may not alias each other.
+    d_x_shared, shared_grads = None, [x.new_empty(0) for _ in range(3)]
+    if shared_gate is not None:
+        d_x_shared, shared_grads = _shared_backward(
+            grad_output, x, (gate_s, up_s, hidden_s), (shared_gate, shared_up, shared_down),
+            swiglu_limit, main_grads[3:],
+        )  # fmt: skip
+    d_x = epilogues.bwd_epilogue(d_x_shared, slots, topk)
+    return (d_x, d_router, *routed_grads, *shared_grads)

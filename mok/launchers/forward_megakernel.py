@@ -1,0 +1,109 @@
+"""The forward megakernel's launcher (dsl_kernels/sm90/moe_forward.py).
+
+One persistent launch pulls the routed rows of x, runs every gate/up + SwiGLU tile and every
+down tile, and stores each down row at its (token, j) slot; the fixed-order combine
+(`epilogues.fwd_epilogue`) follows. Its dependency counters are zeroed right before the launch
+on the same stream (graph-capturable, no host sync); a wait that gives up reports through the
+device's error record (MoKWaitTimeoutError at the next `check_errors`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_cuda, check_extents, check_multiple
+from .comm import DEFAULT_TIMEOUT_NS
+from .device_args import TILE_ROWS, sm_count, tma_descriptor
+from .expert_gemm import DOWN_N_ALIGNMENT, GATE_UP_N_ALIGNMENT, K_ALIGNMENT
+from .megakernel_walk import minibatch_row_tiles, walk_arguments
+
+KERNEL = "moe_forward"
+
+
+def routed_forward(
+    x: torch.Tensor,
+    schedule,
+    topk: int,
+    gate_weights: torch.Tensor,
+    up_weights: torch.Tensor,
+    down_weights: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    num_comm_ctas: int = 0,
+    minibatch_size: int | None = None,
+    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((x_routed, gate, up, hidden), slots) of the routed experts, in one launch.
+
+    x bf16 [T, H]; weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
+    MoKSchedule of this rank (a group of one). slots bf16 [T * k, H]: row t * k + j is the
+    output of token t's j-th expert. Routed rows at or past schedule.num_tokens are not written.
+    `num_comm_ctas` CTAs dispatch the rows while the others start the GEMMs (0: every CTA
+    dispatches first). `minibatch_size` (routed rows, as MoKConfig's; None: all of them): the
+    tasks run minibatch by minibatch, pipelined (dsl_kernels/sm90/minibatches.py). Any value
+    gives the same bits.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    num_tokens, hidden_size = x.shape
+    num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
+    capacity = schedule.peer_rank.shape[0]
+    check_cuda("x", x, torch.bfloat16, (num_tokens, hidden_size))
+    check_multiple("hidden_size", hidden_size, DOWN_N_ALIGNMENT)
+    check_multiple("intermediate_size", intermediate_size, GATE_UP_N_ALIGNMENT)
+    check_multiple("intermediate_size", intermediate_size, K_ALIGNMENT)
+    for name, w, shape in (
+        ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
+        ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
+        ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
+    ):
+        check_cuda(name, w, torch.bfloat16, shape)
+    widest = max(hidden_size, intermediate_size)
+    check_extents("weight rows", capacity, num_experts * widest, widest, widest)
+    minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)  # before any allocation
+    device = x.device
+    x_routed = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
+    gate, up, hidden = (
+        torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
+        for _ in range(3)
+    )
+    slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
+    if capacity == 0 or num_experts == 0 or num_tokens == 0:
+        return (x_routed, gate, up, hidden), slots
+    # dispatched[m] then hidden_done[m], one int32 per 128-row tile of the routed buffer, then
+    # the task ticket.
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 1, dtype=torch.int32, device=device)
+    kernel = get_kernel(KERNEL, device=device)
+    gate_up_flat = (num_experts * intermediate_size, hidden_size)
+    grid = sm_count(device)
+    kernel.launch(
+        (grid, 1, 1),
+        {
+            "tma_x": tma_descriptor(kernel, "tma_x", x_routed),
+            "tma_wg": tma_descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
+            "tma_wu": tma_descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
+            "tma_h": tma_descriptor(kernel, "tma_h", hidden),
+            "tma_wd": tma_descriptor(
+                kernel, "tma_wd", down_weights.view(num_experts * hidden_size, intermediate_size)
+            ),
+            "x_ptr": x,
+            "x_routed_ptr": x_routed,
+            "gate_ptr": gate,
+            "up_ptr": up,
+            "hidden_ptr": hidden,
+            "slots_ptr": slots,
+            **walk_arguments(
+                schedule,
+                counters,
+                timeout_ns,
+                x,
+                gate_weights,
+                topk,
+                swiglu_limit,
+                num_comm_ctas,
+                grid,
+                minibatch_tiles,
+            ),  # fmt: skip
+        },
+    )
+    return (x_routed, gate, up, hidden), slots

@@ -1,0 +1,44 @@
+"""The launch arguments both megakernels take for their dispatch and task walk: the schedule,
+the zeroed dependency counters, the error record, the sizes, the communication CTAs and the
+minibatch in row tiles."""
+
+from __future__ import annotations
+
+from .comm import get_error_record
+from .device_args import TILE_ROWS
+
+
+def minibatch_row_tiles(minibatch_size: int | None, capacity: int) -> int:
+    """A minibatch of `minibatch_size` routed rows (MoKConfig validates it) in 128-row tiles, at
+    most the whole routed buffer (None: all of it, one minibatch)."""
+    all_tiles = max(1, -(-capacity // TILE_ROWS))
+    if minibatch_size is None:
+        return all_tiles
+    return max(1, min(minibatch_size // TILE_ROWS, all_tiles))
+
+
+def walk_arguments(
+    schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit, num_comm_ctas, grid,
+    minibatch_tiles,
+) -> dict:  # fmt: skip
+    """`rows`: the [T, H] source of the dispatch; `gate_weights` [E, I, H]; `grid` the launch's
+    CTAs, of which at most grid - 1 are communication CTAs."""
+    return {
+        "peer_rank_ptr": schedule.peer_rank,
+        "peer_token_idx_ptr": schedule.peer_token_idx,
+        "num_tokens_ptr": schedule.num_tokens,
+        "tokens_per_expert_ptr": schedule.tokens_per_expert,
+        "counters_ptr": counters,
+        "error_record_ptr": get_error_record(counters.device).device_ptr,
+        "timeout_ns": timeout_ns,
+        "num_experts": gate_weights.shape[0],
+        "hidden_size": rows.shape[1],
+        "intermediate_size": gate_weights.shape[1],
+        "topk": topk,
+        "num_src_rows": rows.shape[0],
+        "capacity": schedule.peer_rank.shape[0],
+        "has_limit": int(swiglu_limit is not None),
+        "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+        "num_comm_ctas": max(0, min(num_comm_ctas, grid - 1)),
+        "minibatch_tiles": minibatch_tiles,
+    }
