@@ -44,16 +44,6 @@ class MoeCombineBackward:
     consecutive tokens. Per step of 2 slots (j, j+1), a thread first issues every load of the
     step (2 x tokens_per_cta slot vectors and, in step 0, the d_x_shared rows) and only then
     does the arithmetic, so its loads overlap instead of queueing behind each other.
-
-    Prediction (H200, 132 SMs, copy 4240 GB/s; threads 128, tokens_per_cta 4): a step keeps
-    8 x 16 B = 128 B of slot loads in flight per thread (+ 64 B of shared rows in step 0).
-    78 registers (sm_90a) allow 6 CTAs = 768 threads per SM: ~96 KB in flight per SM, ~12.7 MB
-    over the GPU, which covers up to ~3 us of loaded DRAM latency at 4.24 TB/s (Little's law). The one-token
-    version had 64 KB per SM at most (16 CTAs x 128 x 32 B), but each CTA held it only for a
-    short part of its life (prologue, math, store, retire); it paid that fixed cost 65536 times
-    at T=16384, H=4096, now 16384 times, each CTA moving 4x the bytes. Expected: >= 85-90% of
-    copy bandwidth for k = 2 (T=16384 H=4096: 402.7 MB in ~105-112 us, was 168.8 us = 56%);
-    k = 8 stays at 96-98%.
     """
 
     threads: int = 128

@@ -4,15 +4,9 @@
     d_gate, d_up = mok.reference.swiglu_backward(d_hidden, gate[r], up[r], limit)
     partials[r, b] = sum over block b's 128 columns of bf16(hidden)[r, c] * d_hidden[r, c]
 
-W_down is read as stored ([H, I]: K = H rows, N = I contiguous), so B is MN-major. The
-consumers run the SwiGLU backward on their fp32 accumulators in the reference's expression
-order, then hand d_gate and d_up to the crew one 128-column block at a time. Each router
-partial is summed in a fixed order (each thread's columns in increasing order, then a lane
-butterfly ^1, ^2); with dY_e = w * dY, sum_b partials[r, b] = w * <dY, y>.
-
-`exp` is `ex2.approx` range-reduced and 1 / (1 + e) `rcp.approx`: a few fp32 ulp, below the
-bf16 rounding of the results, so a bf16 output can differ from the reference by 1 ulp on an
-element that sits on a rounding boundary.
+W_down is read as stored ([H, I]: B MN-major). Partials sum in a fixed order (columns increasing,
+then lane butterfly ^1, ^2): sum_b partials[r, b] = w * <dY, y>. ex2.approx and rcp.approx cost
+a few fp32 ulp, so a bf16 output may differ from the reference by 1 ulp on a rounding boundary.
 """
 
 import cutlass
@@ -30,9 +24,7 @@ PHASE_BACKWARD_DHIDDEN_GEMM = 10
 
 
 def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up_ptr):
-    """Producer warp: `load(state, expert, col_tile, row_tile)` of one d_hidden task: the
-    tile's gate and up prefetched into L2 for the consumers' epilogue, then A = dY_e rows
-    (K = H) and B = W_down[e] read [H, I], over `tma` = (tma_dy, mDy, tma_wd, mWd)."""
+    """Producer: `load(...)` of a d_hidden task (gate/up prefetched to L2, then A = dY_e, B = W_down)."""
     sA, sB0, sB1 = smem
     tma_dy, mDy, tma_wd, mWd = tma
     tDYsA, tDYgA = phases.partition_tma_load(tma_dy, sA, mDy, (TILE_M, TILE_K))
@@ -55,9 +47,7 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up
 
 
 def crew_stores(d_gate_ptr, d_up_ptr, intermediate_size, dgu_done, dgu_total) -> dict:
-    """The crew's store configuration (task_walk.store_phase keywords) of a megakernel's
-    d_hidden tiles: d_gate and d_up [C, I] in place, two hand-offs a tile, then the tile's
-    counters released (release_d_hidden_tile)."""
+    """Crew store keywords of d_hidden tiles: d_gate, d_up in place, two hand-offs, then release."""
     return dict(
         tile_cols=2 * TILE_N, slots=None, store_chunk=store_split,
         store_args=(d_gate_ptr, d_up_ptr, cute.assume(Int64(intermediate_size), divby=2 * TILE_N)),
@@ -67,8 +57,7 @@ def crew_stores(d_gate_ptr, d_up_ptr, intermediate_size, dgu_done, dgu_total) ->
 
 @cute.jit
 def release_d_hidden_tile(lane, first_row, dgu_done, dgu_total):
-    """After a d_hidden tile: its row tile's counter (the d_x tasks wait on it), then the count
-    of stored d_hidden tiles (the weight phase waits on it)."""
+    """After a d_hidden tile: release its row tile's counter (d_x waits) and the tile count (weights)."""
     CREW.release_row_tile(lane, first_row, dgu_done)
     if lane == 0:
         red_add_release_gpu_s32(dgu_total, Int32(1))
@@ -78,10 +67,8 @@ def release_d_hidden_tile(lane, first_row, dgu_done, dgu_total):
 def prefetch_gate_up(
     lane, first_row, first_col, gate_ptr, up_ptr, row_stride, threads: int = CREW.threads
 ):
-    """Crew (or the backward megakernel's producer warp, `threads` 32), before a d_hidden
-    tile's hand-offs (its mainloop is running): bring the tile's gate and up (128 rows x
-    256 columns each, 4 lines of 128 bytes per row) into L2 for the consumers' epilogue
-    loads."""
+    """Crew (or the producer warp, `threads` 32) during a d_hidden tile's mainloop: prefetch its
+    gate and up (128 rows x 256 columns, 4 x 128-byte lines a row) into L2 for the epilogue."""
     lines_per_row = 2 * TILE_N * 2 // 128
     per_tensor = TILE_M * lines_per_row
     for idx in cutlass.range(lane, 2 * per_tensor, threads, unroll=1):
@@ -114,25 +101,20 @@ def swiglu_backward(
     swiglu_limit: Float32,
     buffers,
 ):
-    """d_gate, d_up of one 128 x 128 block from fp32 d_hidden (mok.reference order), and
-    the block's router-weight partial of each of its rows. d_gate and d_up go to the crew
-    (the hand-off `buffers`)."""
+    """d_gate, d_up of a 128 x 128 block (mok.reference order) into `buffers`; per-row partials."""
     gate = cute.make_rmem_tensor(acc.shape, BFloat16)
     up = cute.make_rmem_tensor(acc.shape, BFloat16)
     cute.autovec_copy(
         thr_mma.partition_C(output_tile(gate_ptr, first_row, first_col, n_size)), gate
     )
     cute.autovec_copy(thr_mma.partition_C(output_tile(up_ptr, first_row, first_col, n_size)), up)
-    # Each result overwrites the bf16 input it came from, once both inputs of that element
-    # are read: the epilogue holds no fp32 fragment beyond the two accumulators (a third
-    # one spills at 232 registers).
-    # Branch-free: without a limit the clamps and masks run against +inf, where they are
-    # the identity (min(g, inf) == g, and NaN still propagates: it compares false).
+    # Results overwrite their bf16 inputs once both are read: no fp32 fragment beyond the two
+    # accumulators (a third spills at 232 registers).
+    # Branch-free: with no limit the clamps run against +inf, the identity (NaN still propagates).
     limit = swiglu_limit
     if has_limit == 0:
         limit = Float32(float("inf"))
-    # Rows of this thread's elements: two per thread, r0 and r0 + 8. In the wgmma
-    # accumulator layout element i lies on row r0 + 8 * ((i // 2) % 2): a static choice.
+    # Rows r0 and r0 + 8: element i lies on row r0 + 8 * ((i // 2) % 2), a static choice.
     row0, row1 = phases.accumulator_rows(thr_mma)
     partial0 = Float32(0.0)
     partial1 = Float32(0.0)
@@ -143,9 +125,8 @@ def swiglu_backward(
         # for u's clamp made ptxas spill (28 bytes), so it stays a compare and selects.
         g = -cute.arch.fmax(-gate_raw, -limit, nan=True)
         u = cutlass.max(cutlass.min(up_raw, limit), -limit)
-        # ex2.approx and rcp.approx (a few ulp of fp32, far below the bf16 rounding of the
-        # results): the epilogue is bound by its instruction count, and IEEE expf and
-        # division took about 17 of its ~47 instructions per element.
+        # ex2.approx and rcp.approx (a few fp32 ulp, below the bf16 rounding): the epilogue is bound
+        # by its instruction count, and IEEE expf and division cost far more instructions.
         sig = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-g, fastmath=True))
         dh = acc[i]
         silu = g * sig

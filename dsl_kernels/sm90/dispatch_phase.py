@@ -1,14 +1,12 @@
-"""The megakernels' dispatch (EP group of one): every thread of a dispatching CTA pulls the
-routed rows of its row tiles before the roles split, releasing each tile's counter as soon as
-it is written. The dispatching CTAs are the communication CTAs (tiles c, c + comm, ...; the
-compute CTAs start their GEMM tasks at once) or, with none, every CTA (tiles c, c + grid, ...).
+"""The megakernels' dispatch (EP group of one): every thread of a dispatching CTA (the comm CTAs,
+or with none every CTA) copies its row tiles' routed rows before the roles split, releasing each
+tile's counter once written.
 
     out[r] = src[peer_token_idx[r] // k]                        (forward: x -> x_routed)
     out[r] = bf16(w[peer_token_idx[r]] * float(src[...]))      (scaled, backward: dY -> dY_e)
     out[r] = 0                                                  padding rows (peer_rank < 0)
 
-The scaled form rounds once after an fp32 `mul.rn` (no fma contraction): bit for bit
-`(w_routed * dy_routed.float()).to(torch.bfloat16)`, like common/gather_rows.py.
+Scaled: one fp32 `mul.rn` (no fma contraction), one rounding: bit for bit common/gather_rows.py.
 """
 
 import cutlass
@@ -33,14 +31,10 @@ def dispatch_rows(
     src_ptr, out_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size, topk,
     num_src_rows, capacity, dispatched, table, tidx, first_tile, tile_stride, weight_ptr=None,
 ):  # fmt: skip
-    """All 384 threads: routed row tiles first_tile, + tile_stride, ... of `out` ([capacity,
-    H] bf16; `src` [num_src_rows, H]; `weight_ptr` fp32 [T * k] or None for the unscaled
-    copy). Per tile the 128 source entries are looked up once into shared memory (`table`,
-    Int32 [128], free until the roles split); then each warp copies whole rows (rows warp,
-    warp + 12, ...), its lanes taking 16-byte chunks with DISPATCH_BATCH independent loads in
-    flight each. After each tile every thread fences its stores for the async proxy (the
-    GEMMs read `out` with TMA), the CTA meets, and thread 0 releases the tile's counter (int32
-    at byte address `dispatched` + 4 m for tile m)."""
+    """All 384 threads: row tiles first_tile, + tile_stride, ... of `out` (bf16 [capacity, H]) from
+    `src` [num_src_rows, H] (`weight_ptr` fp32 [T * k], or None: unscaled). A tile's 128 sources go
+    to `table` (shared Int32 [128]); each warp copies whole rows. Then fence for the async proxy
+    (TMA readers), meet, and thread 0 releases counter m at `dispatched` + 4 m."""
     scaled = weight_ptr is not None
     chunks, (mOut, mSrc) = chunked_row_views(
         hidden_size, (out_ptr, capacity), (src_ptr, num_src_rows)

@@ -11,9 +11,8 @@ from .gemm_phases import TILE_K, TILE_M, TILE_N
 
 
 def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
-    """Producer warp: `load(state, expert, col_tile, row_tile)` of one down task (A = hidden
-    rows, B0/B1 = W_down rows of the two column blocks), over `tma` = (tma_h, mH, tma_wd, mWd)
-    into `smem` = (sA, sB0, sB1)."""
+    """Producer: `load(state, expert, col_tile, row_tile)` of a down task over `tma` = (tma_h, mH,
+    tma_wd, mWd) into `smem` = (sA, sB0, sB1)."""
     sA, sB0, sB1 = smem
     tma_h, mH, tma_wd, mWd = tma
     tHsH, tHgH = phases.partition_tma_load(tma_h, sA, mH, (TILE_M, TILE_K))

@@ -1,31 +1,12 @@
-"""Epilogue warps for the SM90 GEMM engine (gemm_phases): the epilogue runs beside the next
-tile's mainloop instead of after it.
+"""Epilogue warps for the SM90 GEMM engine: the epilogue runs beside the next tile's mainloop.
 
-Measured on the H200 (docs/NOTES.md, session 4): the TMA + wgmma mainloop alone runs at 93-100%
-of the GEMM ceiling, and the epilogue (rounding, SwiGLU, stores) took 15-18% of each tile's time
-while the tensor cores idled. Here the consumer warpgroups only round their two fp32
-accumulators to bf16 into two padded shared-memory blocks (`gemm_phases.staged_block`, 34 KiB
-each) and go straight on to the next tile's wgmmas; warps 1-3 of the producer warpgroup, idle
-until now, do the rest of the epilogue from those blocks (SwiGLU, 16-byte global stores, slot
-look-ups) while the next tile's mainloop runs.
+Consumers round their fp32 accumulators to bf16 into two padded shared blocks and start the next
+tile's wgmmas; the crew (CREW) does SwiGLU, 16-byte stores and slot look-ups from those blocks.
 
-The crew is `EpilogueCrew(first_warp, num_warps)`: warps 1-3 in the GEMMs and in the forward
-megakernel. Most kernels hand over rounded accumulators (`hand_off`); the d_hidden GEMM's
-consumers compute d_gate and d_up first and hand those over, one 128-column block at a time
-(`hand_off_bf16`, two hand-offs per tile).
-
-Hand-off, per tile, on two named barriers of the 256 consumer threads plus the crew's threads
-(ids 1 and 2 are free; 0 is the CTA barrier):
-- BUFFERS_FREE: the crew arrives when the blocks may be overwritten: at the start of each of
-  its tiles, i.e. once the previous tile is stored; the consumers wait on it before writing.
-- TILE_READY: the consumers arrive after writing; the crew waits on it.
-Each barrier has at most one generation pending: the crew arrives on BUFFERS_FREE for tile
-i + 1 only after TILE_READY of tile i, which the consumers reach only after BUFFERS_FREE of
-tile i. Both sides walk the same tile sequence, so the arrivals match one for one and none is
-left pending at exit.
-
-A third barrier (TARGETS, the crew's threads) guards the 128 destination rows of a `slots`
-tile, looked up into shared memory before TILE_READY so the look-ups overlap the wait.
+Named barriers (256 consumer threads + the crew; 0 is the CTA barrier): the crew arrives on
+BUFFERS_FREE once the previous tile is stored; consumers wait on it, write, and arrive on
+TILE_READY, which the crew waits on. Each side arrives only after passing the other's barrier: at
+most one generation pending, none at exit. TARGETS (crew only) guards a slots tile's rows.
 """
 
 from dataclasses import dataclass
@@ -43,6 +24,7 @@ from .gemm_phases import (
     THREADS_PER_WARPGROUP,
     TILE_M,
     TILE_N,
+    allocate_operand_ring_storage,
     staged_block,
 )
 
@@ -55,6 +37,15 @@ CONSUMER_THREADS = 2 * THREADS_PER_WARPGROUP
 TARGETS_OFFSET = 2 * STAGED_BYTES
 BUFFER_BYTES = TARGETS_OFFSET + 4 * TILE_M
 CHUNKS_PER_TILE = TILE_M * STAGED_CHUNKS
+
+
+def allocate_crew_storage(a_layout, b_layout, stages: int, extra_bytes: int = 0):
+    """The operand ring's shared memory with the crew's hand-off blocks (then `extra_bytes`):
+    (storage, sA, sB0, sB1, hand-off buffers)."""
+    storage, sA, sB0, sB1 = allocate_operand_ring_storage(
+        a_layout, b_layout, stages, BUFFER_BYTES + extra_bytes
+    )
+    return storage, sA, sB0, sB1, handoff_buffers(storage)
 
 
 def handoff_buffers(storage, offset_bytes: int = 0):
@@ -80,8 +71,7 @@ def store_pair(first, second, target, chunk, first_col, out_ptr, row_stride):
 
 @cute.jit
 def store_split(first, second, target, chunk, first_col, first_ptr, second_ptr, row_stride):
-    """A `store_chunk` for two tensors: block 0 into `first_ptr`, block 1 into `second_ptr`,
-    both at the same 128 columns from first_col."""
+    """A `store_chunk`: block 0 into `first_ptr`, block 1 into `second_ptr`, same columns."""
     at = cute.assume(target * row_stride + Int64(first_col + chunk * 8), divby=8)
     cute.make_tensor(first_ptr + at, cute.make_layout(8)).store(first)
     cute.make_tensor(second_ptr + at, cute.make_layout(8)).store(second)
@@ -89,8 +79,7 @@ def store_split(first, second, target, chunk, first_col, first_ptr, second_ptr, 
 
 @dataclass(frozen=True)
 class EpilogueCrew:
-    """The warps of the producer warpgroup that store the tiles: warps first_warp ..
-    first_warp + num_warps - 1."""
+    """The producer-warpgroup warps first_warp .. first_warp + num_warps - 1 that store tiles."""
 
     first_warp: int = 1
     num_warps: int = 3
@@ -117,8 +106,7 @@ class EpilogueCrew:
 
     @cute.jit
     def hand_off_bf16(self, thr_mma, values, buffers: tuple):
-        """Consumers: write two bf16 fragments (accumulator layout) into the two blocks once
-        the crew freed them, then tell the crew they are there (arrive: no waiting for it)."""
+        """Consumers: once the crew freed the blocks, write two bf16 fragments and arrive (no wait)."""
         cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
         for j in cutlass.range_constexpr(2):
             cute.autovec_copy(values[j], thr_mma.partition_C(buffers[j]))
@@ -126,8 +114,7 @@ class EpilogueCrew:
 
     @cute.jit
     def hand_off_nothing(self):
-        """Consumers, past their last tile of a ticketed walk (tickets.py): once the crew freed
-        the blocks, wake it with nothing in them (it reads that there is no task)."""
+        """Consumers, past their last ticket: wake the crew with empty blocks (it reads NO_TASK)."""
         cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
         cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
 
@@ -135,9 +122,7 @@ class EpilogueCrew:
 
     @cute.jit
     def look_up_targets(self, targets, lane, first_row, peer_rank_ptr, peer_token_idx_ptr):
-        """targets[r] = the slot of routed row first_row + r, or -1 for a padding row (not
-        stored). Waits until the previous tile's copy-out stopped reading `targets`, and
-        until every entry is written."""
+        """targets[r] = slot of routed row first_row + r, or -1 for padding; barriers on both sides."""
         rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(1 << 30))
         slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(1 << 30))
         cute.arch.barrier(barrier_id=TARGETS, number_of_threads=self.threads)
@@ -149,10 +134,8 @@ class EpilogueCrew:
 
     @cute.jit
     def copy_out(self, buffers, lane, first_row, first_col, targets, store_chunk, store_args):
-        """Every 16-byte chunk of the tile, a warp covering two whole 256-byte rows per pass:
-        store_chunk(block 0 chunk, block 1 chunk, destination row (Int64), chunk index,
-        first_col, *store_args) for each row whose destination is not -1 (`targets` None: row
-        first_row + r)."""
+        """Crew: store_chunk(block 0 chunk, block 1 chunk, destination row, chunk, first_col,
+        *store_args) for every 16-byte chunk whose target is not -1 (`targets` None: in place)."""
         views = [
             cute.make_tensor(
                 buffers[j].iterator,
@@ -174,10 +157,8 @@ class EpilogueCrew:
 
     @cute.jit
     def release_row_tile(self, lane, first_row, counters):
-        """An `after_tile` of the megakernels: once a tile's rows are stored, every crew thread
-        fences its stores for the async proxy (later tasks read them with TMA), the crew meets,
-        and one thread adds 1 to the int32 counter of the row tile (byte address `counters` +
-        4 * (first_row / 128)) with release semantics at GPU scope."""
+        """Crew `after_tile`: fence the stores for the async proxy (later tasks read them by TMA),
+        meet, then one thread adds 1 (release, GPU scope) to row tile m's counter at `counters` + 4m."""
         cute.arch.fence_proxy("async.global")
         cute.arch.barrier(barrier_id=COUNTER_SYNC, number_of_threads=self.threads)
         if lane == 0:
@@ -185,8 +166,7 @@ class EpilogueCrew:
 
     @cute.jit
     def wait_for_handoff(self):
-        """Crew: free the blocks (the previous hand-off is stored) and wait for the next
-        hand-off (or the consumers' `hand_off_nothing`)."""
+        """Crew: free the blocks, then wait for the next hand-off (or `hand_off_nothing`)."""
         cute.arch.barrier_arrive(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
         cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
 
@@ -202,13 +182,9 @@ class EpilogueCrew:
         store_args, after_tile=None, after_args=(), handoffs: int = 1, before_tile=None,
         before_args=(),
     ):  # fmt: skip
-        """Store each of this CTA's tiles of `tiles` (first_tile, then + grid_size, as the
-        consumers walk them; `tile_cols` output columns per tile) from the hand-off blocks
-        while the consumers run the next one. `slots` (peer_rank, peer_token_idx pointers)
-        or None: rows go to their slots, padding rows nowhere. `handoffs` hand-offs per tile,
-        the h-th stored with first_col + h * TILE_N. `before_tile(lane, first_row, first_col,
-        *before_args)` runs before a tile's first hand-off, `after_tile(lane, first_row,
-        *after_args)` after its last. Returns the first tile past the end of the walk."""
+        """Crew: store this CTA's tiles (first_tile, + grid_size, ...; `tile_cols` columns each).
+        `slots`: (peer_rank, peer_token_idx) pointers or None (in place). `handoffs` per tile, the h-th
+        at first_col + h * TILE_N, between `before_tile` and `after_tile`. Returns the next tile."""
         lane = tidx - 32 * self.first_warp
         tile = first_tile
         expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
@@ -242,9 +218,7 @@ CREW = EpilogueCrew(first_warp=1, num_warps=3)
 
 
 def slot_stores(slots_ptr, peer_rank_ptr, peer_token_idx_ptr, row_size) -> dict:
-    """The crew's store configuration (task_walk.store_phase keywords) for 128 x 256 tiles whose
-    rows go to their (token, j) slots of `slots_ptr` bf16 [T * k, row_size]; padding rows
-    are not stored."""
+    """Crew store keywords (task_walk.store_phase) of 128 x 256 tiles to the slots of `slots_ptr`."""
     return dict(
         tile_cols=2 * TILE_N, slots=(peer_rank_ptr, peer_token_idx_ptr), store_chunk=store_pair,
         store_args=(slots_ptr, cute.assume(Int64(row_size), divby=2 * TILE_N)),

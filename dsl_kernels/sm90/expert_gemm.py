@@ -1,27 +1,21 @@
 """SM90 grouped expert GEMM: persistent, warp-specialised, TMA + wgmma (gemm_phases.py).
 
-`Sm90ExpertGemm(epilogue="swiglu")` is the gate/up projection with SwiGLU fused
-(gate_up_phase.py); `Sm90ExpertGemm(epilogue="store")` is the down projection,
-out[r] = bf16(hidden[r] @ W_down[e].T), rows in place. They serve the shared expert and the
-recomputed forward context; the routed forward runs in the forward megakernel.
+`epilogue="swiglu"`: gate/up with SwiGLU fused (gate_up_phase.py); `epilogue="store"`: down,
+out[r] = bf16(hidden[r] @ W_down[e].T). Used by the shared expert and the recomputed forward.
+CTAs take 128 x 256 tiles (two 128 x 128 accumulators sharing A) by ticket (tickets.py); the
+crew (epilogue_warps.py) stores each during the next mainloop.
 
-Each CTA takes 128 x 256 output tiles by ticket (tickets.py): two 128 x 128 accumulators
-that share the A tile (B0/B1: the gate and up rows of the same columns, or two adjacent
-column blocks of W_down). The consumers hand each rounded tile to the crew
-(epilogue_warps.py), which stores it during the next mainloop.
-
-Kernel parameters, in order (the runtime encodes the three descriptors, box 64 x 128):
-- `tma_a`   x_routed bf16 [C, H] (swiglu) or hidden bf16 [C, I] (store)
-- `tma_b0`, `tma_b1`  swiglu: W_gate, W_up viewed [E * I, H]; store: W_down viewed [E * H, I]
-  (the same descriptor twice)
-- `out_ptr` bf16 [C, n_size]: hidden (swiglu) or y (store); `gate_ptr`, `up_ptr` bf16 [C, I]
-  (swiglu; null for store); `peer_rank_ptr`, `peer_token_idx_ptr` (unused, null)
+Kernel parameters, in order (the runtime encodes the descriptors, box 64 x 128):
+- `tma_a`  x_routed bf16 [C, H] (swiglu) or hidden bf16 [C, I] (store)
+- `tma_b0`, `tma_b1`  swiglu: W_gate, W_up viewed [E * I, H]; store: W_down [E * H, I] twice
+- `out_ptr` bf16 [C, n_size]; `gate_ptr`, `up_ptr` bf16 [C, I] (swiglu, else null);
+  `peer_rank_ptr`, `peer_token_idx_ptr` (null)
 - `tokens_per_expert_ptr` int32 [E]; `ticket_ptr` int32 [1], zeroed
 - `num_experts`, `k_size` (H or I), `n_size` (I or H), `has_limit`, `swiglu_limit`
 
 Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0, sum <= C; k_size % 64
-== 0; n_size % 128 (swiglu) or 256 (store) == 0; tensors 16-byte aligned and contiguous; C,
-E * n_size < 2^30; k_size < 2^16; grid <= SM count, block 384, cluster 1.
+== 0; n_size % 128 (swiglu) or 256 (store) == 0; 16-byte aligned, contiguous; C, E * n_size <
+2^30; k_size < 2^16; grid <= SM count, block 384, cluster 1.
 """
 
 from dataclasses import dataclass
@@ -56,10 +50,6 @@ from .tickets import (
 )
 
 EPILOGUES = ("swiglu", "store")
-# Static extents of the TMA coordinate tensors (the runtime's descriptor carries the real ones):
-# coordinates only need to fit, and static shapes add no kernel parameters.
-MAX_ROWS = 1 << 30
-MAX_K = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -74,16 +64,13 @@ class Sm90ExpertGemm:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
         phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
 
-    # ------------------------------------------------------------------ static configuration
-
     @property
     def threads(self) -> int:
         return phases.THREADS
 
     def tma_specs(self) -> list[dict]:
-        """How the runtime encodes each descriptor param (see runtime/tma.py): a rank-2 bf16
-        tensor [rows, K] (dims innermost first: K, rows), one 64 x 128 box per stage load, the
-        128-byte swizzle of the K-major shared-memory layout."""
+        """Runtime descriptor encoding per param (runtime/tma.py): rank-2 bf16 [rows, K], one 64 x 128
+        box per stage load, 128-byte swizzle."""
         box = [TILE_K, TILE_M]  # == [TILE_K, TILE_N]: A and B tiles have the same box
         return [phases.tma_spec(param, box) for param in ("tma_a", "tma_b0", "tma_b1")]
 
@@ -112,8 +99,6 @@ class Sm90ExpertGemm:
             Int32(1),  # num_ctas
         )
 
-    # ------------------------------------------------------------------ host side
-
     @cute.jit
     def __call__(
         self,
@@ -134,9 +119,8 @@ class Sm90ExpertGemm:
         swiglu_limit: Float32,
         num_ctas: Int32,
     ):
-        # The descriptors the DSL would build here are thrown away: the runtime encodes its own
-        # from the manifest (same box, swizzle and element type, the caller's real extents).
-        operand_layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
+        # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
+        operand_layout = phases.k_major_coords()
         a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
         b_smem = phases.k_major_smem_layout(TILE_N, self.stages)
         tma_a, mA = phases.make_tma_load(a_ptr, operand_layout, a_smem, (TILE_M, TILE_K))
@@ -162,8 +146,6 @@ class Sm90ExpertGemm:
             has_limit,
             swiglu_limit,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
-
-    # ------------------------------------------------------------------ device side
 
     @cute.kernel
     def kernel(
@@ -193,10 +175,9 @@ class Sm90ExpertGemm:
         tiled_mma = phases.forward_mma()
         a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
         b_layout = phases.k_major_smem_layout(TILE_N, self.stages)
-        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES + SLOT_BYTES
+        storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
+            a_layout, b_layout, self.stages, SLOT_BYTES
         )
-        buffers = handoff.handoff_buffers(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -275,8 +256,6 @@ class Sm90ExpertGemm:
                           run_tile, ())  # fmt: skip
             CREW.hand_off_nothing()
 
-    # ------------------------------------------------------------------ device helpers
-
     @cute.jit
     def _weight_row_tiles(self, expert: Int32, col_tile: Int32, n_size: Int32):
         """128-row tile indices of B0 and B1 in the [E * n_size, K] weight views."""
@@ -293,8 +272,7 @@ class Sm90ExpertGemm:
         self, tiles, tickets, no_end, buffers, out_ptr, gate_ptr, up_ptr, peer_rank_ptr,
         peer_token_idx_ptr, n_size, has_limit, swiglu_limit, tidx,
     ):  # fmt: skip
-        """Warps 1-3: store this CTA's tiles from the hand-off blocks, as the consumers take
-        them (tickets.py)."""
+        """Warps 1-3: store this CTA's tiles from the hand-off blocks, in ticket order."""
         row_stride = cute.assume(Int64(n_size), divby=TILE_N)
         lane = tidx - 32 * CREW.first_warp
         seq = Int32(0)

@@ -1,30 +1,22 @@
-"""SM90 grouped activation-gradient GEMMs of the MoE backward, with a static tile walk (CTA c:
-tiles c, c + grid, ...). They serve the shared expert; the routed backward runs in the backward
-megakernel.
+"""SM90 grouped activation-gradient GEMMs of the MoE backward, for the shared expert (the routed
+backward runs in the backward megakernel); static tile walk (CTA c: tiles c, c + grid, ...).
 
-`Sm90ExpertGemmBwd(job="d_hidden_swiglu")`: d_hidden with the SwiGLU backward and router
-partials fused (d_hidden_phase.py). `Sm90ExpertGemmBwd(job="d_x")`: one fused K loop over 2 I,
-d_x[r] = bf16(d_gate[r] @ W_gate[e] + d_up[r] @ W_up[e]), rows in place.
-
-The engine is gemm_phases.py with B read as stored ([E, K, N], N contiguous: MN-major, wgmma
-takes it transposed), so no transposed copy of a weight is made. Each 128 x 256 tile is two
-128 x 128 accumulators over adjacent column blocks of the same weight rows; every K block is
-one TMA load of A (box 64 x 128) and two of B per 128 columns (box 64 N x 64 K rows).
+`job="d_hidden_swiglu"`: d_hidden with the SwiGLU backward and router partials fused
+(d_hidden_phase.py). `job="d_x"`: d_x[r] = bf16(d_gate[r] @ W_gate[e] + d_up[r] @ W_up[e]), one
+K loop over 2 I. B is read as stored ([E, K, N], MN-major): no transposed weight copy.
 
 Kernel parameters, in order:
 - `tma_a0`, `tma_a1`  d_hidden_swiglu: dY_e bf16 [C, H] (twice); d_x: d_gate, d_up [C, I]
-- `tma_b0`, `tma_b1`  d_hidden_swiglu: W_down viewed [E * H, I] (twice); d_x: W_gate, W_up
-  viewed [E * I, H]
+- `tma_b0`, `tma_b1`  d_hidden_swiglu: W_down [E * H, I] (twice); d_x: W_gate, W_up [E * I, H]
 - `out0_ptr`, `out1_ptr`  d_hidden_swiglu: d_gate, d_up [C, I]; d_x: d_x [C, H], null
-- `gate_ptr`, `up_ptr`, `partials_ptr`  d_hidden_swiglu: forward gate/up bf16 [C, I]
-  (pre-clamp), router partials fp32 [C, I / 128]; d_x: null
-- `peer_rank_ptr`, `peer_token_idx_ptr` (unused, null); `tokens_per_expert_ptr` int32 [E]
-- `num_experts`, `k_size` (one K half: H or I), `n_size` (I or H), `has_limit`,
-  `swiglu_limit`
+- `gate_ptr`, `up_ptr`, `partials_ptr`  d_hidden_swiglu: gate/up bf16 [C, I] (pre-clamp),
+  partials fp32 [C, I / 128]; d_x: null
+- `peer_rank_ptr`, `peer_token_idx_ptr` (null); `tokens_per_expert_ptr` int32 [E]
+- `num_experts`, `k_size` (one K half: H or I), `n_size` (I or H), `has_limit`, `swiglu_limit`
 
 Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0, sum <= C; k_size % 64
-== 0; n_size % 256 == 0; tensors 16-byte aligned and contiguous; C, E * k_size < 2^30; n_size,
-k_size < 2^16; grid <= SM count, block 384, cluster 1.
+== 0; n_size % 256 == 0; 16-byte aligned, contiguous; C, E * k_size < 2^30; n_size, k_size <
+2^16; grid <= SM count, block 384, cluster 1.
 """
 
 from dataclasses import dataclass
@@ -43,9 +35,6 @@ from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 JOBS = ("d_hidden_swiglu", "d_x")
-# The TMA coordinate tensors get static extents (the runtime's descriptor carries the real ones).
-MAX_ROWS = 1 << 30
-MAX_COLS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -60,8 +49,6 @@ class Sm90ExpertGemmBwd:
             raise ValueError(f"job must be one of {JOBS}, got {self.job!r}")
         phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
 
-    # ------------------------------------------------------------------ static configuration
-
     @property
     def threads(self) -> int:
         return phases.THREADS
@@ -72,10 +59,8 @@ class Sm90ExpertGemmBwd:
         return 2 if self.job != "d_hidden_swiglu" else 1
 
     def tma_specs(self) -> list[dict]:
-        """How the runtime encodes each descriptor param (see runtime/tma.py): rank-2 bf16
-        tensors, box dims innermost first. A: [C, K] with a 64 (K) x 128 (rows) box. B: the
-        weights viewed [E * K, N] with a 64 (N) x 64 (K rows) box: the innermost box is capped
-        at the 128-byte swizzle span, so a 128-column B tile is two boxes."""
+        """Runtime descriptor encoding (runtime/tma.py), rank-2 bf16, box innermost first. A: [C, K],
+        64 x 128 box. B: [E * K, N], 64 x 64 box (the swizzle caps it: a 128-column tile is two)."""
         return [
             phases.tma_spec("tma_a0", [TILE_K, TILE_M]),
             phases.tma_spec("tma_a1", [TILE_K, TILE_M]),
@@ -110,8 +95,6 @@ class Sm90ExpertGemmBwd:
             Int32(1),  # num_ctas
         )
 
-    # ------------------------------------------------------------------ host side
-
     @cute.jit
     def __call__(
         self,
@@ -134,10 +117,9 @@ class Sm90ExpertGemmBwd:
         swiglu_limit: Float32,
         num_ctas: Int32,
     ):
-        # The descriptors built here are thrown away: the runtime encodes its own from the
-        # manifest (same box, swizzle and element type, the caller's real extents).
-        a_layout = cute.make_layout((MAX_ROWS, MAX_COLS), stride=(MAX_COLS, 1))  # (rows, K)
-        b_layout = cute.make_layout((MAX_COLS, MAX_ROWS), stride=(1, MAX_COLS))  # (N, K rows)
+        # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
+        a_layout = phases.k_major_coords()  # (rows, K)
+        b_layout = phases.mn_major_coords()  # (N, K rows)
         a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
         b_smem = phases.mn_major_smem_layout(TILE_N, self.stages)
         tma_a0, mA0 = phases.make_tma_load(a0_ptr, a_layout, a_smem, (TILE_M, TILE_K))
@@ -167,8 +149,6 @@ class Sm90ExpertGemmBwd:
             has_limit,
             swiglu_limit,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
-
-    # ------------------------------------------------------------------ device side
 
     @cute.kernel
     def kernel(
@@ -201,10 +181,9 @@ class Sm90ExpertGemmBwd:
         tiled_mma = phases.backward_mma()
         a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
         b_layout = phases.mn_major_smem_layout(TILE_N, self.stages)
-        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES
+        storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
+            a_layout, b_layout, self.stages
         )
-        buffers = handoff.handoff_buffers(storage)
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a0)

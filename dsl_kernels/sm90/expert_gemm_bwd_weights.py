@@ -2,49 +2,25 @@
 
     out[e] = A[rows of e]^T @ B[rows of e]      [E, M, N], by `output`:
         "fp32"             stored fp32
-        "bf16"             stored rounded to bf16 (the weight gradient mok.ops.backward returns)
-        "fp32_accumulate"  added in place into fp32 out (a caller's main_grad: out += A^T B,
-                           one read-modify-write per element by the tile's owner CTA)
+        "bf16"             rounded to bf16 (the weight gradient mok.ops.backward returns)
+        "fp32_accumulate"  out += A^T B in place (a caller's fp32 main_grad)
     dW_down[e] = dY_e^T hidden      (A = dY_e [C, H], B = hidden [C, I]: M = H, N = I)
     dW_gate[e] = d_gate^T x_routed  (A = d_gate [C, I], B = x_routed [C, H]: M = I, N = H)
     dW_up[e]   = d_up^T x_routed    (A = d_up [C, I],   B = x_routed [C, H])
 
-K is expert e's token segment (its padded size read from `tokens_per_expert` on the device).
-Both operands are stored with their M / N extent contiguous, so both are MN-major: wgmma takes
-A and B transposed (imm-trans-a = imm-trans-b = 1) from MN-major 128-byte-swizzled shared
-tiles, each 128-wide operand tile loaded as two 64 x 64 TMA boxes.
-
-Determinism (DESIGN §4): every 128 x 256 output tile is owned by one CTA, which runs the whole
-K range of its expert in increasing order (no split-K, no atomics). An expert with no tokens
-has no K blocks: its tiles are still visited and written with exact zeros.
-
-Engine: the forward's (expert_gemm.py): a TMA producer warp, two wgmma consumer warpgroups of
-64 rows each, a `stages`-deep mbarrier ring, persistent CTAs walking tiles tile = CTA index,
-+ grid size. For output "bf16" the epilogue runs beside the next tile's mainloop, as in the
-activation GEMMs (epilogue_warps.py): the consumers round both accumulators into the two
-hand-off blocks and go on; warps 1-3 of the producer warpgroup (the crew) store them as
-16-byte row chunks. Then the ring has at most 3 stages (shared memory).
-
-Tiles are numbered expert by expert; inside an expert in groups of GROUP_M m tiles (the last
-group may be smaller), inside a group m fastest, then n (`grouped_tile_coords`). A forward-only
-cursor (expert, rows before it) follows the walk, reading tokens_per_expert once per expert.
-
-For "fp32" and "fp32_accumulate" the consumers store the accumulators directly
-from registers (fp32 pairs, or fp32 pairs after adding the loaded ones): an fp32 tile does
-not fit the hand-off blocks.
+K is expert e's padded token segment; both operands MN-major, 128-wide tiles as two 64 x 64 TMA
+boxes. One CTA owns each 128 x 256 tile over its expert's K range in order (deterministic; zeros
+without tokens). "bf16" tiles go to the crew (<= 3 stages); fp32 ones are stored from registers.
 
 Kernel parameters, in order:
-- `tma_a`  A bf16 [C, M] (dims innermost first: M, C): box 64 (M) x 64 (rows)
-- `tma_b`  B bf16 [C, N]: box 64 (N) x 64 (rows)
+- `tma_a`  A bf16 [C, M], box 64 (M) x 64 (rows); `tma_b`  B bf16 [C, N], box 64 (N) x 64
 - `out_ptr`  fp32 [E, M, N] (bf16 for output="bf16")
-- `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes, read on the device
+- `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes
 - `num_experts`, `m_size`, `n_size`
 
-Constraints (the launcher checks them; the kernel does not):
-- tokens_per_expert[e] % 128 == 0, sum <= C.
-- m_size % 128 == 0, n_size % 256 == 0, both < 2^16; C < 2^30; num_experts * m_size < 2^30;
-  every tensor 16-byte aligned.
-- launch: grid (num_ctas, 1, 1), num_ctas <= SM count, block (384, 1, 1), cluster (1, 1, 1).
+Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0, sum <= C; m_size % 128
+== 0, n_size % 256 == 0, both < 2^16; C, num_experts * m_size < 2^30; 16-byte aligned; grid <=
+SM count, block 384, cluster 1.
 """
 
 from dataclasses import dataclass
@@ -60,9 +36,6 @@ from . import gemm_phases as phases
 from .epilogue_warps import EpilogueCrew
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
-# TILE_M: output rows per CTA tile; TILE_K here is tokens per ring stage.
-MAX_ROWS = 1 << 30
-MAX_COLS = 1 << 16
 OUTPUTS = ("fp32", "bf16", "fp32_accumulate")
 CREW = EpilogueCrew(first_warp=1, num_warps=3)  # stores the "bf16" output's tiles
 GROUP_M = 16  # m tiles per group of the tile order (grouped_tile_coords)
@@ -70,11 +43,8 @@ GROUP_M = 16  # m tiles per group of the tile order (grouped_tile_coords)
 
 @cute.jit
 def grouped_tile_coords(local: Int32, m_tiles: Int32, tiles_per_expert: Int32):
-    """(m tile, 256-column pair) of an expert's tile `local`: the tiles go in groups of
-    GROUP_M m tiles, inside a group m fastest, then n, so the tiles running at the same time
-    share a few A and B slabs (each slab is the expert's whole token range: 1-2 MB at
-    Mixtral's shape). With m fastest over all of M, a wave of 132 CTAs read 132 distinct A
-    slabs of dW_gate (M = 14336)."""
+    """(m tile, 256-column pair) of tile `local`: groups of GROUP_M m tiles, m fastest, then n, so
+    concurrent tiles share a few A and B slabs (m fastest over all M: 132 distinct A slabs a wave)."""
     group_tiles = GROUP_M * (tiles_per_expert // m_tiles)
     group = local // group_tiles
     first_m = group * GROUP_M
@@ -85,8 +55,7 @@ def grouped_tile_coords(local: Int32, m_tiles: Int32, tiles_per_expert: Int32):
 
 @dataclass(frozen=True)
 class Sm90ExpertGemmBwdWeights:
-    """See the module docstring. `stages`: depth of the shared-memory operand ring;
-    `output`: how the result reaches `out` (OUTPUTS)."""
+    """See the module docstring. `stages`: ring depth; `output`: one of OUTPUTS."""
 
     stages: int = 4
     output: str = "fp32"
@@ -103,8 +72,6 @@ class Sm90ExpertGemmBwdWeights:
         """The bf16 output is stored by the crew, beside the next tile's mainloop."""
         return self.output == "bf16"
 
-    # ------------------------------------------------------------------ static configuration
-
     @property
     def threads(self) -> int:
         return phases.THREADS
@@ -118,8 +85,7 @@ class Sm90ExpertGemmBwdWeights:
         return phases.mn_major_smem_layout(extent, self.stages)
 
     def tma_specs(self) -> list[dict]:
-        """Rank-2 bf16 [C, M or N] tensors, box 64 (contiguous extent, one 128-byte swizzle
-        row) x 64 (tokens), dims innermost first."""
+        """Rank-2 bf16 [C, M or N], box 64 (one 128-byte swizzle row) x 64 tokens, innermost first."""
         return [phases.tma_spec(param, [64, TILE_K]) for param in ("tma_a", "tma_b")]
 
     def stage_bytes(self) -> int:
@@ -137,8 +103,6 @@ class Sm90ExpertGemmBwdWeights:
             Int32(1),  # num_ctas
         )
 
-    # ------------------------------------------------------------------ host side
-
     @cute.jit
     def __call__(
         self,
@@ -152,7 +116,7 @@ class Sm90ExpertGemmBwdWeights:
         num_ctas: Int32,
     ):
         # Descriptors built here are thrown away: the runtime encodes its own from the manifest.
-        operand_layout = cute.make_layout((MAX_COLS, MAX_ROWS), stride=(1, MAX_COLS))
+        operand_layout = phases.mn_major_coords()
         a_smem = self._smem_layout(TILE_M)
         b_smem = self._smem_layout(TILE_N)
         tma_a, mA = phases.make_tma_load(a_ptr, operand_layout, a_smem, (TILE_M, TILE_K))
@@ -160,8 +124,6 @@ class Sm90ExpertGemmBwdWeights:
         self.kernel(
             tma_a, mA, tma_b, mB, out_ptr, tokens_per_expert_ptr, num_experts, m_size, n_size
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
-
-    # ------------------------------------------------------------------ device side
 
     @cute.kernel
     def kernel(
@@ -278,8 +240,6 @@ class Sm90ExpertGemmBwdWeights:
                         self._store(acc0 if j == 0 else acc1, thr_mma.partition_C(tile_out))
                 tile = tile + grid_size
 
-    # ------------------------------------------------------------------ device helpers
-
     @cute.jit
     def _advance(self, tokens_per_expert: cute.Tensor, expert: Int32, cursor: Int32, row_base):
         """Move the cursor (expert, rows before it) forward to `expert` (never backward)."""
@@ -293,9 +253,7 @@ class Sm90ExpertGemmBwdWeights:
         self, buffers, out_ptr, num_tiles, tiles_per_expert, m_tiles, m_size, n_size, tidx,
         bidx, grid_size,
     ):  # fmt: skip
-        """Warps 1-3: store this CTA's bf16 tiles from the hand-off blocks, in the consumers'
-        order. out[e] is rows e * m_size .. of a [E * m_size, n_size] matrix (E * m_size <
-        2^30), so the tile's rows need no per-expert pointer."""
+        """Warps 1-3: store this CTA's bf16 tiles; out is one [E * m_size, n_size] matrix (< 2^30 rows)."""
         lane = tidx - 32 * CREW.first_warp
         row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
         tile = bidx

@@ -1,21 +1,9 @@
-"""Device-side tile list of a grouped GEMM over the expert-major routed buffer.
-
-The routed buffer holds each local expert's rows contiguously, expert 0 first, each segment
-padded to a multiple of `TILE_ROWS` rows; `tokens_per_expert[e]` (int32, device memory) is the
-padded size of segment e. A grouped GEMM's tiles are numbered expert by expert; inside one
-expert, m (row tile) runs fastest and n (column tile) slowest:
+"""Device-side tile list of a grouped GEMM over the expert-major routed buffer (segments padded to
+TILE_ROWS). Tiles go expert by expert, m fastest, then n, so concurrent CTAs share weight tiles in L2:
 
     tile = tiles_before(e) + n * row_tiles(e) + m,   row_tiles(e) = tokens_per_expert[e] / 128
 
-m fastest keeps the CTAs that run at the same time on a few column tiles of the same expert,
-so each weight tile is read from HBM about once and then served from L2 (a wave of 132 tiles of
-Mixtral's gate/up GEMM touches ~4 weight tiles and ~32 row tiles instead of 132 weight tiles).
-
-Every CTA walks its own tiles in increasing order (tile = CTA index, then + grid size; in the
-megakernels, the tickets it takes: tickets.py), so a cursor (expert, tiles before it, rows
-before it) only ever moves forward: the whole walk reads `tokens_per_expert` once per expert,
-whatever the number of tiles. Which CTA runs a tile never changes what the tile computes:
-results are deterministic.
+Walks only move forward, reading `tokens_per_expert` once per expert.
 """
 
 from typing import NamedTuple
@@ -38,8 +26,7 @@ def segment_row_tiles(tokens_per_expert: cute.Tensor, expert: Int32, num_experts
 
 
 class TileList(NamedTuple):
-    """What numbers a grouped GEMM's tiles: the padded segment sizes (device memory), the
-    number of experts, and the column tiles of every expert."""
+    """Padded segment sizes (device memory), number of experts, column tiles per expert."""
 
     tokens_per_expert: cute.Tensor
     num_experts: Int32
@@ -50,11 +37,8 @@ class TileList(NamedTuple):
 def locate_tile(tiles: TileList, tile: Int32, cursor: tuple, end_row=None):
     """Advance the cursor (expert, tile_base, row_base, row_tiles) to the expert owning `tile`.
 
-    `tile` must not be smaller than the tile of the previous call (the cursor only moves
-    forward). Returns the new cursor; `expert == num_experts` means `tile` is past the end.
-    With `end_row` (a minibatch's window, see window_cursor) the segments are cut at that
-    row: the tiles are those of the window's rows only.
-    """
+    `tile` must not decrease between calls; `expert == num_experts` means past the end.
+    `end_row` cuts the segments at a minibatch window's end (window_cursor)."""
     tokens_per_expert, num_experts, col_tiles = tiles
     expert, tile_base, row_base, row_tiles = cursor
     advance = (expert < num_experts) & (tile >= tile_base + row_tiles * col_tiles)
@@ -71,12 +55,9 @@ def locate_tile(tiles: TileList, tile: Int32, cursor: tuple, end_row=None):
 
 @cute.jit
 def window_cursor(tiles: TileList, segment: tuple, first_row: Int32, end_row: Int32):
-    """The tile list of rows first_row .. end_row - 1 only (a minibatch: tickets.py), its
-    tiles numbered from 0 in the same order (expert by expert, m fastest, then n).
-    `segment` (expert, its first row) is where the previous window of the same walk began
-    (0, 0 at first): windows only move forward, so the walk over all windows reads
-    `tokens_per_expert` about once per expert. Returns (segment of this window, cursor of
-    its tile 0 for locate_tile with `end_row`)."""
+    """The tile list of rows first_row .. end_row - 1 (a minibatch), tiles numbered from 0.
+    `segment` (expert, its first row) is where the previous window began (windows only move
+    forward). Returns (this window's segment, cursor of its tile 0 for locate_tile)."""
     tokens_per_expert, num_experts, _ = tiles
     expert, segment_row = segment
     rows = segment_row_tiles(tokens_per_expert, expert, num_experts) * TILE_ROWS

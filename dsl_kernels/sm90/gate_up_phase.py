@@ -20,9 +20,8 @@ PHASE_GATE_UP_GEMM = 6
 
 
 def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
-    """Producer warp: `load(state, expert, col_tile, row_tile)` of one gate/up task (A = x_routed
-    rows, B0/B1 = the W_gate/W_up rows of the column block), over `tma` = (tma_x, mX, tma_wg,
-    mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1)."""
+    """Producer: `load(state, expert, col_tile, row_tile)` of a gate/up task over `tma` = (tma_x,
+    mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1)."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
     tXsX, tXgX = phases.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
@@ -44,9 +43,8 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
 
 def crew_stores(hidden_ptr, gate_ptr, up_ptr, intermediate_size, has_limit, swiglu_limit,
                 after_tile=None, after_args=()) -> dict:  # fmt: skip
-    """The crew's store configuration (task_walk.store_phase keywords) of gate/up tiles:
-    gate, up and hidden [C, I] in place; `after_tile(lane, first_row, *after_args)` after
-    each (a megakernel's counter release)."""
+    """Crew store keywords (task_walk.store_phase) of gate/up tiles: gate, up, hidden [C, I] in
+    place, `after_tile(lane, first_row, *after_args)` after each."""
     row_stride = cute.assume(Int64(intermediate_size), divby=TILE_N)
     stores = dict(
         tile_cols=TILE_N, slots=None, store_chunk=store_swiglu_chunk,

@@ -1,16 +1,7 @@
-"""Phases shared by the SM90 grouped expert GEMMs (expert_gemm.py, expert_gemm_bwd.py,
-expert_gemm_bwd_weights.py): the warp-specialised TMA + wgmma engine they all run.
-
-One producer warpgroup (warp 0 issues TMA loads, 40 registers) and two consumer warpgroups
-(232 registers each, 64 rows of the 128-row tile each) running wgmma from shared memory into
-two fp32 128 x 128 register accumulators that share the A tile. A `stages`-deep ring of
-shared-memory buffers (A, B0, B1 per stage), each guarded by a full mbarrier (TMA transaction
-bytes) and an empty mbarrier (one arrive per consumer warp), lets the producer run ahead across
-tile boundaries. The kernels differ in operand majorness, tile walk and epilogue; those stay in
-their own files.
-
-The helpers run at trace time inside the kernels' `@cute.kernel` bodies; their order of
-operations is the order the kernels were verified with (the cubins are checked byte for byte).
+"""The warp-specialised TMA + wgmma engine of the SM90 grouped GEMMs and megakernels: a producer
+warpgroup (warp 0 issues TMA) and two consumer warpgroups (64 rows each) into two fp32 128 x 128
+accumulators sharing A, over a `stages`-deep mbarrier ring. The order of operations is pinned by
+the byte-identical cubin check.
 """
 
 import cutlass
@@ -31,9 +22,12 @@ CONSUMER_REGISTERS = 232
 THREADS_PER_WARPGROUP = 128
 NUM_CONSUMER_WARPGROUPS = 2
 THREADS = THREADS_PER_WARPGROUP * (1 + NUM_CONSUMER_WARPGROUPS)
-# A shared 128 x 128 bf16 block of the epilogue (`staged_block`; epilogue_warps.py hands tiles
-# over in two): rows padded by 8 elements (16 bytes) so the accumulator layout's 4-byte shared
-# stores hit 32 distinct banks and 16-byte row chunks stay aligned; 34 KiB.
+# Static extents of the TMA coordinate tensors (the runtime's descriptor carries the real ones):
+# coordinates only need to fit, and static shapes add no kernel parameters.
+MAX_ROWS = 1 << 30
+MAX_COLS = 1 << 16
+# Epilogue block rows padded by 16 bytes: the accumulator layout's 4-byte shared stores hit 32
+# distinct banks and 16-byte row chunks stay aligned (34 KiB a block).
 STAGED_PAD = 8
 STAGED_ROW = TILE_N + STAGED_PAD
 STAGED_BYTES = 2 * TILE_M * STAGED_ROW
@@ -55,8 +49,7 @@ def validate_stages(stages: int, max_stages: int) -> None:
 
 
 def make_tiled_mma(a_major, b_major):
-    """Two warpgroups along M (64 rows each), each running m64n128k16 bf16 -> fp32 wgmma;
-    `a_major` / `b_major` are `cute.nvgpu.warpgroup.OperandMajorMode`s (MN: read transposed)."""
+    """Two warpgroups along M of m64n128k16 bf16 -> fp32 wgmma; majors are OperandMajorMode."""
     return sm90_utils.make_trivial_tiled_mma(
         BFloat16,
         BFloat16,
@@ -75,8 +68,7 @@ def forward_mma():
 
 
 def backward_mma():
-    """The activation-gradient GEMMs' MMA: A K-major, B MN-major (weights read as stored,
-    [K, N]: wgmma takes B transposed)."""
+    """The activation-gradient GEMMs' MMA: A K-major, B MN-major (weights read as stored)."""
     return make_tiled_mma(
         cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.MN
     )
@@ -92,8 +84,7 @@ def k_major_smem_layout(rows: int, stages: int):
 
 
 def mn_major_smem_layout(extent: int, stages: int):
-    """Staged (extent, TILE_K, stages) MN-major layout with the 128-byte swizzle: atoms of
-    64 MN x 8 K, tiled along K first (a 64 x 64 block is one TMA box), then along MN."""
+    """(extent, TILE_K, stages) MN-major 128B-swizzle layout, tiled K first (64 x 64 = a TMA box)."""
     atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
         sm90_utils.get_smem_layout_atom(utils.LayoutEnum.COL_MAJOR, BFloat16, extent),
         BFloat16,
@@ -102,8 +93,7 @@ def mn_major_smem_layout(extent: int, stages: int):
 
 
 def tma_spec(param: str, box: list) -> dict:
-    """One descriptor spec for the manifest (see runtime/tma.py): a rank-2 bf16 tensor, `box`
-    dims innermost first, the 128-byte swizzle of the shared-memory layouts above."""
+    """A manifest descriptor spec (runtime/tma.py): rank-2 bf16, `box` innermost first, 128B swizzle."""
     return {
         "param": param,
         "dtype": "bf16",
@@ -118,6 +108,16 @@ def tma_spec(param: str, box: list) -> dict:
 def stage_bytes() -> int:
     """Bytes one ring stage receives (the mbarrier expect_tx count): A + B0 + B1 tiles."""
     return 2 * TILE_K * (TILE_M + 2 * TILE_N)
+
+
+def k_major_coords():
+    """Coordinate layout of a row-major [rows, K] operand (K contiguous)."""
+    return cute.make_layout((MAX_ROWS, MAX_COLS), stride=(MAX_COLS, 1))
+
+
+def mn_major_coords():
+    """Coordinate layout of an operand stored [K rows, N] (N contiguous), viewed (N, K)."""
+    return cute.make_layout((MAX_COLS, MAX_ROWS), stride=(1, MAX_COLS))
 
 
 def make_tma_load(ptr: cute.Pointer, gmem_layout, smem_layout, tile_shape):
@@ -144,11 +144,8 @@ def thread_roles():
 
 
 def allocate_operand_ring_storage(a_layout, b_layout, stages: int, staging_bytes: int = 0):
-    """Shared memory of the ring: its mbarriers, then A, B0, B1 (1024-byte aligned, as the
-    128-byte swizzle needs). Returns (storage, sA, sB0, sB1). A kernel with more to keep in
-    shared memory (the epilogue crew's hand-off blocks) asks for a 128-byte-aligned byte
-    buffer of `staging_bytes` (`storage.staging`) after the ring; 0 leaves it empty (the
-    same shared-memory size and cubin as without the field)."""
+    """Ring shared memory: mbarriers, A, B0, B1 (1024-byte aligned for the 128B swizzle), then
+    `staging_bytes` of `storage.staging` (0: none). Returns (storage, sA, sB0, sB1)."""
 
     @cute.struct
     class SharedStorage:
@@ -207,8 +204,7 @@ def partition_tma_load(tma: cute.CopyAtom, smem: cute.Tensor, coords: cute.Tenso
 def partition_tma_load_pair(
     tma: cute.CopyAtom, smem0: cute.Tensor, smem1: cute.Tensor, coords: cute.Tensor
 ):
-    """One gmem partition (box, N tile, K tile) feeding either 128-column shared buffer:
-    (smem0 partition, smem1 partition, gmem partition)."""
+    """(smem0, smem1, gmem) partitions of one gmem partition feeding both 128-column buffers."""
     tiles = cute.local_tile(coords, (TILE_N, TILE_K), (None, None))
     tXsX0, tXgX = cute.nvgpu.cpasync.tma_partition(
         tma, 0, cute.make_layout(1), cute.group_modes(smem0, 0, 2), cute.group_modes(tiles, 0, 2)
@@ -221,10 +217,7 @@ def partition_tma_load_pair(
 
 @cute.jit
 def load_k_tiles(ring, state, k_tiles: Int32, loads):
-    """Fill `k_tiles` ring stages in K order; returns the advanced producer state.
-
-    `loads`: one (atom, gmem partition, MN tile, first K tile or None, smem partition) per TMA
-    box of a stage, issued in that order on the stage's full barrier."""
+    """Fill `k_tiles` stages in K order from `loads` (per TMA box: atom, gmem, MN tile, K0, smem)."""
     for k_tile in cutlass.range(k_tiles, unroll=1):
         ring.producer_acquire(state)
         full = ring.producer_get_barrier(state)
@@ -243,8 +236,7 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads):
 
 
 def make_operand_fragments(tiled_mma, tidx, sA: cute.Tensor, sB0: cute.Tensor, sB1: cute.Tensor):
-    """This consumer thread's MMA slice and shared-memory operand fragments (stage last):
-    (thr_mma, (tCrA, tCrB0, tCrB1))."""
+    """(thr_mma, (tCrA, tCrB0, tCrB1)): this consumer's MMA slice and smem fragments, stage last."""
     consumer_tidx = tidx - THREADS_PER_WARPGROUP
     thr_mma = tiled_mma.get_slice(consumer_tidx)
     tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -254,8 +246,7 @@ def make_operand_fragments(tiled_mma, tidx, sA: cute.Tensor, sB0: cute.Tensor, s
 
 
 def make_consumer_fragments(tiled_mma, tidx, sA: cute.Tensor, sB0: cute.Tensor, sB1: cute.Tensor):
-    """This consumer thread's MMA slice, shared-memory operand fragments (stage last) and two
-    fp32 128 x 128 accumulators: (thr_mma, (tCrA, tCrB0, tCrB1), (acc0, acc1))."""
+    """(thr_mma, (tCrA, tCrB0, tCrB1), (acc0, acc1)): the fragments and two fp32 accumulators."""
     thr_mma, (tCrA, tCrB0, tCrB1) = make_operand_fragments(tiled_mma, tidx, sA, sB0, sB1)
     acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
     acc0 = cute.make_rmem_tensor(acc_shape, Float32)
@@ -281,10 +272,8 @@ def mma_k_tiles(
     accumulators: tuple,
     may_be_empty: bool = False,
 ):
-    """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` ring stages, from zero (`operands` and
-    `accumulators` as made by `make_consumer_fragments`). Keeps one wgmma batch in flight and
-    releases the stage before it. `may_be_empty`: k_tiles can be 0 (no stage was read, so none
-    is released). Returns the advanced (read state, release state)."""
+    """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
+    the stage before it released. `may_be_empty`: k_tiles may be 0. Returns (read, release)."""
     tCrA, tCrB0, tCrB1 = operands
     acc0, acc1 = accumulators
     k_blocks = cute.size(tCrA, mode=[2])
@@ -320,9 +309,8 @@ def mma_k_tiles(
 
 @cute.jit
 def fence_accumulators(accumulators: tuple):
-    """Every register of the fp32 accumulators through `ptx.fence_operand`: nothing that reads
-    them is scheduled before the wgmma.wait_group that precedes this, and the zero-fill before
-    the first wgmma stays before it (else ptxas serialises the wgmmas, warning C7514)."""
+    """`ptx.fence_operand` on every accumulator register: readers stay after the wait_group and the
+    zero-fill before the first wgmma (else ptxas serialises the wgmmas, warning C7514)."""
     for acc in accumulators:
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = fence_operand(acc[i])
@@ -357,8 +345,7 @@ def output_tile(
 
 @cute.jit
 def accumulator_rows(thr_mma):
-    """(row0, row1): the two rows this thread's elements of a 128 x 128 accumulator block lie
-    on (r0 and r0 + 8 in the wgmma layout), relative to the block."""
+    """(row0, row1): rows r0, r0 + 8 of this thread's elements in a 128 x 128 accumulator block."""
     coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
     row0 = coords[0][0]
     row1 = row0
@@ -368,8 +355,7 @@ def accumulator_rows(thr_mma):
 
 
 def staged_block(storage, offset_bytes: int = 0):
-    """A padded 128 x 128 bf16 epilogue block at `offset_bytes` (a multiple of 128)
-    into `storage.staging` (allocated with at least offset_bytes + STAGED_BYTES)."""
+    """A padded 128 x 128 bf16 block at `offset_bytes` (a multiple of 128) of `storage.staging`."""
     return cute.make_tensor(
         cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=BFloat16),
         cute.make_layout((TILE_M, TILE_N), stride=(STAGED_ROW, 1)),

@@ -1,6 +1,5 @@
-"""The two-phase megakernels' task list cut into minibatches (`MoKConfig.minibatch_size`) and
-pipelined: step s runs phase 1 (gate/up; d_hidden) of minibatch s, then phase 2 (down; d_x) of
-minibatch s - 1, so a phase-2 task's rows were finished a whole minibatch earlier.
+"""The two-phase megakernels' tasks in pipelined minibatches (`MoKConfig.minibatch_size`): step s
+runs phase 1 of minibatch s, then phase 2 of minibatch s - 1, whose rows finished a step earlier.
 """
 
 from typing import NamedTuple
@@ -14,13 +13,8 @@ from .gemm_phases import TILE_M
 
 
 class Minibatches(NamedTuple):
-    """Minibatch b is routed row tiles b * row_tiles .. (the last may be shorter), with
-    `cols_1` phase-1 and `cols_2` phase-2 tiles a row tile. Step s holds phase 1 of
-    minibatch s, then phase 2 of minibatch s - 1:
-
-        P1(0) | P1(1) P2(0) | P1(2) P2(1) | ... | P2(last)
-
-    One minibatch is the plain order: every phase-1 tile, then every phase-2 tile."""
+    """Minibatch b is row tiles b * row_tiles .. (the last may be shorter); `cols_1` / `cols_2`
+    tiles per row tile in phase 1 / 2. Steps: P1(0) | P1(1) P2(0) | ... | P2(last)."""
 
     row_tiles: Int32
     total_row_tiles: Int32
@@ -36,17 +30,15 @@ def _rows_before(batches: Minibatches, index: Int32) -> Int32:
 
 @cute.jit
 def _step_base(batches: Minibatches, step: Int32) -> Int32:
-    """The first task of step `step`: phase 1 of every earlier minibatch, phase 2 of every
-    minibatch before step - 1."""
+    """First task of `step`: phase 1 of earlier minibatches, phase 2 of those before step - 1."""
     return (batches.cols_1 * _rows_before(batches, step)
             + batches.cols_2 * _rows_before(batches, step - 1))  # fmt: skip
 
 
 @cute.jit
 def step_of(batches: Minibatches, task: Int32):
-    """The step of task `task` (>= 0): ((base, end, first_row, end_row) of its phase-1 part,
-    the same of its phase-2 part): task numbers base .. end - 1, rows first_row .. end_row - 1
-    (TILE_M rows a row tile)."""
+    """((base, end, first_row, end_row) of phase 1, the same of phase 2) of the step holding
+    `task` (>= 0): tasks base .. end - 1, rows first_row .. end_row - 1."""
     per_step = batches.row_tiles * (batches.cols_1 + batches.cols_2)
     last = (batches.total_row_tiles + batches.row_tiles - 1) // batches.row_tiles
     # Exact while every earlier minibatch is whole; the short last one only moves the bases
@@ -64,9 +56,8 @@ def step_of(batches: Minibatches, task: Int32):
 
 @cute.jit
 def step_windows(batches: Minibatches, tiles: TileList, segments: tuple, task: Int32):
-    """step_of plus each part's tile-list window (expert_tiles.window_cursor; `segments`, one
-    per phase, carried from the previous call): (segments, (base, end, first, end_row) of
-    phase 1, the same of phase 2)."""
+    """step_of plus each part's window (expert_tiles.window_cursor; `segments` carried from the
+    previous call): (segments, (base, end, first, end_row) of phase 1, the same of phase 2)."""
     parts = step_of(batches, task)
     new_segments = []
     windows = []

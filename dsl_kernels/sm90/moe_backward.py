@@ -5,23 +5,18 @@ Phases, in dependency order, each in its own module:
     d_hidden     d_gate, d_up = SwiGLU'(dY_e @ W_down[e], gate, up), router partials d_hidden_phase
     d_x to slots slots[peer_token_idx[r]] = d_gate[r] @ W_gate[e] + d_up[r] @ W_up[e] d_x_phase
     weights      dW_down = dY_e^T hidden, dW_gate = d_gate^T x, dW_up = d_up^T x     weight_phase
-The weight tasks run when `weight_gemms` is 3 (bf16 gradients); with fp32 main_grads the
-launcher passes 0 and adds them with the accumulate kernel. The fixed-order d_x combine is the
-combine kernel's (moe_combine_backward).
+Weight tasks run when `weight_gemms` is 3 (bf16 gradients; 0 for fp32 main_grads, which the
+accumulate kernel adds). The fixed-order d_x combine is moe_combine_backward's.
 
-Dispatch runs as in the forward megakernel; the d_hidden and d_x tasks are taken by ticket in
-pipelined minibatch steps (minibatches.py, task_walk.py); then each CTA runs its weight tasks
-(CTA c: c, c + grid, ...), after every dispatch and every d_hidden tile. d_hidden tasks wait
-only on dispatch, d_x tasks only on d_hidden tasks, weight tasks on both, all taken before any
-CTA finds no ticket left: the waits cannot deadlock.
+d_hidden and d_x tasks are ticketed in pipelined minibatch steps (task_walk.py); then CTA c runs
+weight tasks c, c + grid, ... d_hidden waits on dispatch, d_x on d_hidden, weights on both, all
+taken before any CTA runs out of tickets: the waits cannot deadlock.
 
-Counters (int32, zeroed by the launcher): dispatched[m] (reaches 1) and dgu_done[m] (reaches
-I / 256) per 128-row tile m; then dispatch_total (dispatching CTAs done), dgu_total (d_hidden
-tiles stored) and the ticket. Release/acquire at GPU scope, as in the forward megakernel.
+Counters (int32, zeroed by the launcher): dispatched[m] (to 1), dgu_done[m] (to I / 256) per
+128-row tile m, then dispatch_total, dgu_total and the ticket; release/acquire at GPU scope.
 
-Constraints (the launcher checks them): H and I multiples of 256, both < 2^16; schedule
-segments multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned
-and contiguous.
+Constraints (the launcher checks them): H, I multiples of 256, both < 2^16; schedule segments
+multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned, contiguous.
 """
 
 from dataclasses import dataclass
@@ -32,17 +27,24 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
-from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, placeholders
+from ..common.params import bf16_pointer, fp32_pointer, placeholders
 from . import d_hidden_phase, d_x_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .dispatch_phase import PHASE_BACKWARD_DISPATCH, dispatch_rows
 from .epilogue_warps import CREW, slot_stores
-from .expert_gemm_bwd import MAX_COLS, MAX_ROWS
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .minibatches import Minibatches, step_windows
-from .task_walk import RowTileWait, consume_phase, past_last_task, produce_steps, store_steps
+from .task_walk import (
+    STEP_PARAMS,
+    WALK_PARAMS,
+    RowTileWait,
+    consume_phase,
+    past_last_task,
+    produce_steps,
+    store_steps,
+)
 from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
 from .weight_phase import (
     PhaseWait,
@@ -84,25 +86,9 @@ PARAMS = (
     ("d_up_ptr", bf16_pointer),
     ("partials_ptr", fp32_pointer),
     ("slots_ptr", bf16_pointer),
-    ("peer_rank_ptr", int32_pointer),
-    ("peer_token_idx_ptr", int32_pointer),
-    ("num_tokens_ptr", int32_pointer),
-    ("tokens_per_expert_ptr", int32_pointer),
-    ("counters_ptr", int32_pointer),
-    ("error_record_ptr", int32_pointer),
-    ("timeout_ns", Int64(0)),
-    ("num_experts", Int32(0)),
-    ("hidden_size", Int32(0)),
-    ("intermediate_size", Int32(0)),
-    ("topk", Int32(1)),
-    ("num_src_rows", Int32(0)),
-    ("capacity", Int32(0)),
-    ("has_limit", Int32(0)),
-    ("swiglu_limit", Float32(0.0)),
+    *WALK_PARAMS,
     ("weight_gemms", Int32(0)),
-    ("num_comm_ctas", Int32(0)),
-    ("minibatch_tiles", Int32(2)),
-    ("num_ctas", Int32(1)),
+    *STEP_PARAMS,
 )
 
 
@@ -184,10 +170,9 @@ class Sm90MoeBackward:
         minibatch_tiles: Int32,
         num_ctas: Int32,
     ):
-        # The descriptors built here are thrown away: the runtime encodes its own from the
-        # manifest (same box, swizzle and element type, the caller's real extents).
-        a_layout = cute.make_layout((MAX_ROWS, MAX_COLS), stride=(MAX_COLS, 1))  # (rows, K)
-        b_layout = cute.make_layout((MAX_COLS, MAX_ROWS), stride=(1, MAX_COLS))  # (N, K rows)
+        # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
+        a_layout = phases.k_major_coords()  # (rows, K)
+        b_layout = phases.mn_major_coords()  # (N, K rows)
         a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
         b_smem = phases.mn_major_smem_layout(TILE_N, self.stages)
         tile_a = (TILE_M, TILE_K)
@@ -278,10 +263,9 @@ class Sm90MoeBackward:
         tiled_mma = phases.backward_mma()
         a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
         b_layout = phases.mn_major_smem_layout(TILE_N, self.stages)
-        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES + SLOT_BYTES
+        storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
+            a_layout, b_layout, self.stages, SLOT_BYTES
         )
-        buffers = handoff.handoff_buffers(storage)
         if warp_idx == 0:
             for atom in (tma_dy, tma_wd, tma_dg, tma_du, tma_wg, tma_wu, tma_xdy, tma_xdg,
                          tma_xdu, tma_xh, tma_xx):  # fmt: skip
@@ -388,9 +372,8 @@ class Sm90MoeBackward:
                     )  # fmt: skip
                 return read_state, release_state
 
-            # ---- d_x tasks: one K loop over the gate half then the up half, rows to the crew.
-            # Its own MMA object: `mma_k_tiles` sets the accumulate field inside one loop, and
-            # a value made inside one loop may not be used by another.
+            # ---- d_x tasks: gate half then up half, rows to the crew. Own MMA object: `mma_k_tiles` sets
+            # its accumulate field inside one loop, and a loop's values may not be used by another.
             d_x_mma = phases.backward_mma()
             d_x_thr = d_x_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
 

@@ -4,20 +4,16 @@ Phases, in dependency order, each in its own module:
     dispatch        x_routed[r] = x[peer_token_idx[r] // k], zeros for padding  dispatch_phase
     gate/up+SwiGLU  gate, up, hidden of every routed row                         gate_up_phase
     down to slots   slots[peer_token_idx[r]] = hidden[r] @ W_down[e]^T           down_phase
-The fixed-order weighted sum of the slots is the combine kernel's (moe_combine_forward).
+The fixed-order weighted sum of the slots is moe_combine_forward's.
 
-Every thread of a dispatching CTA dispatches before the roles split (all CTAs with
-`num_comm_ctas` = 0, else CTAs 0 .. num_comm_ctas - 1). Then warp 0 (the TMA producer) takes
-tasks by ticket (tickets.py) in pipelined minibatch steps (minibatches.py, task_walk.py),
-waiting (bounded) for the counter of the rows a task reads; warpgroups 1-2 run the wgmma
-mainloops; warps 1-3, the crew (epilogue_warps.py), store each handed-off tile and release
-its row tile's counter. A task is one CTA's whole tile in a fixed K order: any CTA computes
-the same bits.
+Dispatching CTAs (all, or 0 .. num_comm_ctas - 1) dispatch before the roles split. Then warp 0
+takes tickets in pipelined minibatch steps (task_walk.py), waiting (bounded) on the rows'
+counter; warpgroups 1-2 run the mainloops; the crew stores tiles and releases row-tile counters.
+A task is a whole tile in a fixed K order: any CTA computes the same bits.
 
-Counters (int32, zeroed by the launcher): dispatched[m] (reaches 1), hidden_done[m] (reaches
-I / 128) per 128-row tile m, then the ticket. Writers fence the async proxy (readers load with
-TMA), meet, and one thread adds 1 with `red.release.gpu`; the producer polls with
-`ld.acquire.gpu`: GPU scope, since only this GPU writes and reads them.
+Counters (int32, zeroed by the launcher): dispatched[m] (to 1), hidden_done[m] (to I / 128) per
+row tile, then the ticket. Writers fence the async proxy (TMA readers), then `red.release.gpu`;
+the producer polls `ld.acquire.gpu` (GPU scope: only this GPU writes and reads them).
 
 Constraints (the launcher checks them): H % 256 == 0, I % 128 == 0, both < 2^16; schedule
 segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
@@ -30,17 +26,23 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
-from ..common.params import bf16_pointer, int32_pointer, placeholders
+from ..common.params import bf16_pointer, placeholders
 from . import down_phase, gate_up_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .dispatch_phase import PHASE_DISPATCH, dispatch_rows
 from .epilogue_warps import CREW, slot_stores
-from .expert_gemm import MAX_K, MAX_ROWS
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .minibatches import Minibatches, step_of
-from .task_walk import RowTileWait, consume_phase, produce_steps, store_steps
+from .task_walk import (
+    STEP_PARAMS,
+    WALK_PARAMS,
+    RowTileWait,
+    consume_phase,
+    produce_steps,
+    store_steps,
+)
 from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
 
 # `__call__`'s parameters, in order (the runtime encodes the tma_* descriptors, box 64 x 128,
@@ -59,31 +61,14 @@ PARAMS = (
     ("up_ptr", bf16_pointer),
     ("hidden_ptr", bf16_pointer),
     ("slots_ptr", bf16_pointer),
-    ("peer_rank_ptr", int32_pointer),
-    ("peer_token_idx_ptr", int32_pointer),
-    ("num_tokens_ptr", int32_pointer),
-    ("tokens_per_expert_ptr", int32_pointer),
-    ("counters_ptr", int32_pointer),
-    ("error_record_ptr", int32_pointer),
-    ("timeout_ns", Int64(0)),
-    ("num_experts", Int32(0)),
-    ("hidden_size", Int32(0)),
-    ("intermediate_size", Int32(0)),
-    ("topk", Int32(1)),
-    ("num_src_rows", Int32(0)),
-    ("capacity", Int32(0)),
-    ("has_limit", Int32(0)),
-    ("swiglu_limit", Float32(0.0)),
-    ("num_comm_ctas", Int32(0)),
-    ("minibatch_tiles", Int32(2)),
-    ("num_ctas", Int32(1)),
+    *WALK_PARAMS,
+    *STEP_PARAMS,
 )
 
 
 @dataclass(frozen=True)
 class Sm90MoeForward:
-    """See the module docstring. `stages`: depth of the shared-memory operand ring (the
-    crew's hand-off blocks leave room for 3)."""
+    """See the module docstring. `stages`: ring depth (3 fit beside the crew's hand-off blocks)."""
 
     stages: int = 3
 
@@ -140,9 +125,8 @@ class Sm90MoeForward:
         minibatch_tiles: Int32,
         num_ctas: Int32,
     ):
-        # The descriptors built here are thrown away: the runtime encodes its own from the
-        # manifest's specs (same box, swizzle and element type, the caller's extents).
-        layout = cute.make_layout((MAX_ROWS, MAX_K), stride=(MAX_K, 1))
+        # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
+        layout = phases.k_major_coords()
         a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
         b_smem = phases.k_major_smem_layout(TILE_N, self.stages)
         tile_a = (TILE_M, TILE_K)
@@ -231,10 +215,9 @@ class Sm90MoeForward:
         tiled_mma = phases.forward_mma()
         a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
         b_layout = phases.k_major_smem_layout(TILE_N, self.stages)
-        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES + SLOT_BYTES
+        storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
+            a_layout, b_layout, self.stages, SLOT_BYTES
         )
-        buffers = handoff.handoff_buffers(storage)
         if warp_idx == 0:
             for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)

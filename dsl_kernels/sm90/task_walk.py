@@ -1,25 +1,49 @@
-"""The megakernels' task walk: each role (producer, consumers, crew) walks the tasks the CTA
-takes by ticket, phase by phase, in the pipelined minibatch steps of minibatches.py; a
-producer waits (bounded) for the row tile a task reads before its loads.
+"""The megakernels' task walk: each role walks the CTA's ticketed tasks phase by phase, in the
+pipelined steps of minibatches.py; the producer waits (bounded) for a task's row tile first.
 """
 
 from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_gpu_s32
+from ..common.params import int32_pointer
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import TILE_M, TILE_N
 from .minibatches import step_windows
 from .tickets import Tickets, consumer_task, crew_task, take_ticket
 
+# The megakernels' parameters for the schedule, the counters, the sizes and the bounded waits
+# (in this order, after each one's own tensors), and for the CTAs and the minibatch (last).
+WALK_PARAMS = (
+    ("peer_rank_ptr", int32_pointer),
+    ("peer_token_idx_ptr", int32_pointer),
+    ("num_tokens_ptr", int32_pointer),
+    ("tokens_per_expert_ptr", int32_pointer),
+    ("counters_ptr", int32_pointer),
+    ("error_record_ptr", int32_pointer),
+    ("timeout_ns", Int64(0)),
+    ("num_experts", Int32(0)),
+    ("hidden_size", Int32(0)),
+    ("intermediate_size", Int32(0)),
+    ("topk", Int32(1)),
+    ("num_src_rows", Int32(0)),
+    ("capacity", Int32(0)),
+    ("has_limit", Int32(0)),
+    ("swiglu_limit", Float32(0.0)),
+)
+STEP_PARAMS = (
+    ("num_comm_ctas", Int32(0)),
+    ("minibatch_tiles", Int32(2)),
+    ("num_ctas", Int32(1)),
+)
+
 
 class RowTileWait(NamedTuple):
-    """What a phase's tasks wait for: the int32 counters from byte address `counters`, one per
-    row tile, each reaching `needed`; on a timeout the error record gets `phase` and the task
-    (its number in the whole list)."""
+    """Per-row-tile int32 counters at `counters`, each to reach `needed`; a timeout records
+    `phase` and the task number."""
 
     counters: Int64
     needed: Int32
@@ -30,9 +54,8 @@ class RowTileWait(NamedTuple):
 
 @cute.jit
 def locate_task(tiles: TileList, task: Int32, base: Int32, cursor: tuple, end_row=None):
-    """Task `task` of a phase whose tasks are numbered from `base` over `tiles` (cut at
-    `end_row` in a minibatch window): (cursor, expert, row_tile, col_tile), the cursor
-    advanced for the next call (expert_tiles.locate_tile)."""
+    """(cursor, expert, row_tile, col_tile) of task `task` of a phase numbered from `base`
+    (`end_row`: cut at a minibatch window); the cursor advanced for the next call."""
     cursor = locate_tile(tiles, task - base, cursor, end_row)
     expert, tile_base, row_base, row_tiles = cursor
     local = task - base - tile_base
@@ -43,12 +66,9 @@ def locate_task(tiles: TileList, task: Int32, base: Int32, cursor: tuple, end_ro
 def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
                   end: Int32, wait: RowTileWait, load_task, load_args, first=None,
                   end_row=None):  # fmt: skip
-    """Producer warp: while the CTA's task is one of this phase's (numbers base .. end - 1),
-    (with a `wait`, not None) the bounded wait for its row tile, then `state =
-    load_task(state, expert, col_tile, row_tile, *load_args)`, then the next ticket. `first`
-    and `end_row`: the cursor of the phase's tile 0 and the end of its rows, in a minibatch
-    (step_windows); the whole tile list without. Returns (state, seq, task): the first task
-    past the phase."""
+    """Producer warp: for the CTA's tasks in base .. end - 1, the bounded `wait` for the row
+    tile (if any), `state = load_task(state, expert, col_tile, row_tile, *load_args)`, the next
+    ticket. `first`, `end_row`: a minibatch window (step_windows). Returns (state, seq, task)."""
     cursor = first
     if cutlass.const_expr(first is None):
         cursor = locate_first_tile(tiles, Int32(0))
@@ -60,6 +80,7 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
                 wait.record, Int32(0), Int32(wait.phase), row_tile, Int32(OWN_MEMORY), task,
                 ld_acquire_gpu_s32,
             )  # fmt: skip
+            # The loads are TMA (async proxy): order them after the acquire.
             cute.arch.fence_proxy("async.global")
         state = load_task(state, expert, col_tile, row_tile, *load_args)
         seq = seq + 1
@@ -69,10 +90,8 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
 
 @cute.jit
 def produce_steps(state, batches, tiles: tuple, tickets: Tickets, waits: tuple, loads: tuple):
-    """Producer warp: the CTA's tasks of a two-phase megakernel from its first ticket, step by
-    step (Minibatches): produce_phase over each step's phase-1 part (tiles[0], waits[0],
-    load_task loads[0]), then its phase-2 part (index 1). Returns (state, seq, task): task is
-    NO_TASK."""
+    """Producer warp: a two-phase megakernel's tasks step by step, produce_phase over each
+    step's phase-1 part (index 0 of tiles, waits, loads), then phase 2. Ends at NO_TASK."""
     seq = Int32(0)
     task = take_ticket(tickets, seq)
     segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
@@ -92,10 +111,8 @@ def produce_steps(state, batches, tiles: tuple, tickets: Tickets, waits: tuple, 
 def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
                   end: Int32, run_task, run_args, tiles=None, first=None,
                   end_row=None):  # fmt: skip
-    """Consumer warpgroups: while the CTA's task is in base .. end - 1, `states =
-    run_task(states, *run_args)`, or with `tiles` (the phase's TileList; `first`, `end_row`
-    as in produce_phase) `states = run_task(states, first_row, col_tile, *run_args)`; then
-    the next task. Returns (states, seq, task)."""
+    """Consumers: for tasks in base .. end - 1, `states = run_task(states, *run_args)`, or with
+    `tiles` `run_task(states, first_row, col_tile, *run_args)`. Returns (states, seq, task)."""
     cursor = (Int32(0), Int32(0), Int32(0), Int32(0))
     if cutlass.const_expr(tiles is not None):
         cursor = first
@@ -114,9 +131,8 @@ def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base:
 
 @cute.jit
 def past_last_task(ring, states):
-    """Consumer warpgroups, after reading NO_TASK, when more ring work follows (the backward's
-    weight phase): release the stage the producer signalled on and step past it. Returns the
-    states."""
+    """Consumers, after NO_TASK when more ring work follows (the weight phase): release the
+    stage the producer signalled on and step past it."""
     read_state, release_state = states
     ring.consumer_release(release_state)
     read_state.advance()
@@ -129,11 +145,9 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
                 end: Int32, buffers, lane, tile_cols: int, slots, store_chunk, store_args,
                 after_tile=None, after_args=(), handoffs: int = 1, first=None,
                 end_row=None):  # fmt: skip
-    """The crew: store each hand-off of this phase's tasks (as EpilogueCrew.run does for a
-    static walk; `slots` None or the (peer_rank, peer_token_idx) pointers of rows stored at
-    their slots), `after_tile(lane, first_row, *after_args)` after each; `handoffs` per tile,
-    the h-th stored from column first_col + h * TILE_N; `first`, `end_row` as in
-    produce_phase. Returns (seq, task)."""
+    """Crew: store each hand-off of this phase's tasks, as EpilogueCrew.run does for a static
+    walk (`slots`, `handoffs`, `after_tile` alike; `first`, `end_row` as in produce_phase).
+    Returns (seq, task)."""
     cursor = first
     if cutlass.const_expr(first is None):
         cursor = locate_first_tile(tiles, Int32(0))
@@ -158,11 +172,8 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
 
 @cute.jit
 def store_steps(crew, batches, tiles: tuple, tickets: Tickets, buffers, lane, stores: tuple):
-    """The crew: the CTA's hand-offs of a two-phase megakernel from its first task, step by
-    step (Minibatches): store_phase over each step's phase-1 part (tiles[0], store_phase's
-    keyword arguments stores[0]: tile_cols, slots, store_chunk, store_args and optionally
-    after_tile, after_args, handoffs), then its phase-2 part (index 1). Returns (seq, task):
-    task is NO_TASK."""
+    """Crew: a two-phase megakernel's hand-offs step by step, store_phase over each step's
+    phase-1 part (tiles[0], keywords stores[0]), then phase 2. Ends at NO_TASK."""
     seq = Int32(0)
     task = crew_task(crew, tickets, seq)
     segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
@@ -179,8 +190,7 @@ def store_steps(crew, batches, tiles: tuple, tickets: Tickets, buffers, lane, st
 
 @cute.jit
 def count_tiles(tiles: TileList) -> Int32:
-    """The number of tiles of a grouped GEMM's tile list (its experts' row tiles times its
-    column tiles): one pass over tokens_per_expert."""
+    """Tiles of a grouped GEMM's tile list: one pass over tokens_per_expert."""
     rows = Int32(0)
     for expert in cutlass.range(tiles.num_experts, unroll=1):
         rows = rows + tiles.tokens_per_expert[expert]

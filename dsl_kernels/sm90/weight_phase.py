@@ -1,24 +1,13 @@
-"""The weight-gradient phase of the backward megakernel (moe_backward.py): the three per-expert
-GEMMs of expert_gemm_bwd_weights.py (bf16 output) as the last tasks of the persistent launch.
+"""The backward megakernel's weight-gradient phase: expert_gemm_bwd_weights.py's three GEMMs
+(bf16 output) as the launch's last tasks.
 
     GEMM 0  dW_down[e] = dY_e^T hidden       M = H, N = I   (A = dY_e, B = hidden)
     GEMM 1  dW_gate[e] = d_gate^T x_routed   M = I, N = H   (A = d_gate, B = x_routed)
     GEMM 2  dW_up[e]   = d_up^T x_routed     M = I, N = H   (A = d_up, B = x_routed)
 
-Every GEMM has H * I / (128 * 256) tiles per expert. Tasks are numbered GEMM by GEMM, expert
-by expert, inside an expert in the grouped order of `grouped_tile_coords`; CTA c takes c,
-c + grid, ... after its d_x tasks. Each 128 x 256 tile is owned by one CTA, which runs the
-expert's whole token range in increasing order: the same bits as the separate kernel.
-
-Both operands are MN-major (stored [tokens, M] and [tokens, N]): the consumers use their own
-MMA object and A view of the ring (MN-major, the same bytes per stage); the B view is the one
-the d_hidden / d_x tasks use already.
-
-Dependencies: every GEMM reads dY_e (written by the dispatch phase of every CTA) or d_gate /
-d_up (written by every d_hidden tile). Before its first weight task, the producer waits
-(bounded) until every CTA finished its dispatch (`dispatch_total` reaches the grid size) and
-every d_hidden tile is stored (`dgu_total` reaches their number), then fences the async
-proxy. Every CTA runs its weight tasks last, and nothing waits on them: no deadlock.
+Tasks: GEMM, expert, then grouped_tile_coords; CTA c takes c, c + grid, ... after its d_x tasks,
+each tile's whole token range in order. The first waits (bounded) for every dispatch and d_hidden
+tile, then fences the async proxy; nothing waits on weight tasks: no deadlock.
 """
 
 from typing import NamedTuple
@@ -37,9 +26,8 @@ NUM_GEMMS = 3
 
 
 class WeightTasks(NamedTuple):
-    """What numbers the weight tasks: the padded segment sizes (device memory), the number
-    of experts, H, I, and the number of GEMMs to run (3, or 0 when the weight gradients go
-    through the separate kernels)."""
+    """What numbers the weight tasks: padded segment sizes (device), experts, H, I, and the GEMMs
+    to run (3, or 0 when the separate kernels do them)."""
 
     tokens_per_expert: cute.Tensor
     num_experts: Int32
@@ -74,8 +62,7 @@ def num_weight_tasks(tasks: WeightTasks):
 
 
 class PhaseWait(NamedTuple):
-    """The two whole-phase counters the first weight task waits for (byte addresses), their
-    targets, and where a timeout is reported."""
+    """The whole-phase counters (addresses) the first task waits for, their targets, the record."""
 
     dispatch_total: Int64
     num_ctas: Int32
@@ -90,9 +77,8 @@ class PhaseWait(NamedTuple):
 @cute.jit
 def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size: Int32,
                          wait: PhaseWait, loads: tuple):  # fmt: skip
-    """Producer warp: TMA loads of this CTA's weight tasks from `task`. `loads`: per GEMM
-    (A atom, A gmem partition, A smem partition, B atom, B gmem partition, B smem partitions
-    0 and 1). Returns the producer state."""
+    """Producer: TMA loads of this CTA's weight tasks from `task`. `loads`: per GEMM (A atom, A gmem,
+    A smem, B atom, B gmem, B smem 0 and 1). Returns the producer state."""
     total = num_weight_tasks(tasks)
     if task < total:
         bounded_wait_reached(
@@ -174,9 +160,8 @@ def store_weight_tasks(crew, tasks: WeightTasks, task: Int32, grid_size: Int32, 
 
 
 def weight_loads(sA_w, sB0, sB1, weight_tma):
-    """Per weight GEMM (dW_down, dW_gate, dW_up): (A atom, A gmem and smem partitions, B atom,
-    B gmem partition, B smem partitions 0 and 1), from `weight_tma` = (tma_xdy, mXdy, tma_xdg,
-    mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)."""
+    """`loads` of produce_weights per GEMM, from `weight_tma` = (tma_xdy, mXdy, tma_xdg, mXdg,
+    tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)."""
     tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx = weight_tma
     tile_a = (TILE_M, TILE_K)
     xdy_s, xdy_g = phases.partition_tma_load(tma_xdy, sA_w, mXdy, tile_a)

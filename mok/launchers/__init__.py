@@ -1,8 +1,5 @@
-"""CUDA launchers of mok's ops over the shipped cubins (`mok.runtime`).
-
-`mok.kernels.require(op, device)` returns this package once the op's kernels are in the
-manifest; `mok.ops` then calls the function named like the op. Submodules hold one family of
-kernels each and import `mok.runtime` lazily, so importing this package is cheap.
+"""CUDA launchers of mok's ops over the shipped cubins (`mok.runtime`), found by
+`mok.kernels.require(op, device)`; submodules import `mok.runtime` lazily, so import is cheap.
 """
 
 from __future__ import annotations

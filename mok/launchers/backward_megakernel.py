@@ -1,11 +1,6 @@
-"""The backward megakernel's launcher (dsl_kernels/sm90/moe_backward.py).
-
-One persistent launch pulls dY_e = bf16(w * dY) into the routed buffer, runs every d_hidden
-tile (SwiGLU backward, router partials) and every d_x tile, stores each d_x row at its
-(token, j) slot, then (unless the gradients go into fp32 main_grads) runs the three
-weight-gradient GEMMs. Its dependency counters are zeroed right before the launch on the same
-stream (graph-capturable, no host sync); a wait that gives up reports through the device's
-error record (MoKWaitTimeoutError at the next `check_errors`).
+"""The backward megakernel's launcher (dsl_kernels/sm90/moe_backward.py): dispatch, d_hidden,
+d_x to slots and (unless fp32 main_grads take them) the weight gradients in one launch. Its
+counters are zeroed right before it on the same stream (graph-capturable, no host sync).
 """
 
 from __future__ import annotations
@@ -39,22 +34,15 @@ def routed_backward(
     minibatch_size: int | None = None,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
 ) -> tuple:
-    """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) of the
-    routed experts, in one launch.
+    """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) in one launch.
 
-    grad_output bf16 [T, H]; router_weights fp32 [T, k]; x_routed bf16 [C, H], gate, up,
-    hidden bf16 [C, I] (the forward context, gate and up pre-clamp); weights bf16 [E, I, H]
-    (gate, up) and [E, H, I] (down); `schedule` a MoKSchedule of this rank (a group of one). dy_e bf16 [C, H] = w * dY per routed row (the
-    dW_down GEMM's input); d_gate, d_up bf16 [C, I]; router_partials fp32 [C, I / 128] (as
-    expert_gemm_bwd.d_hidden_swiglu's); slots bf16 [T * k, H]: row t * k + j is token t's d_x
-    through its j-th expert. Routed rows at or past schedule.num_tokens are not written.
-    With `weight_grads` the launch also computes the bf16 weight gradients, [E, I, H] for
-    gate and up and [E, H, I] for down (exact zeros for an expert without tokens), bitwise
-    the separate kernels' (expert_gemm_bwd.weight_gradient); without, they are left to the
-    caller (who adds them into fp32 main_grads). `num_comm_ctas` CTAs dispatch dY_e while
-    the others start the d_hidden GEMMs (0: every CTA dispatches first). `minibatch_size`
-    (routed rows, as MoKConfig's; None: all): the d_hidden and d_x tasks run minibatch by
-    minibatch (forward_megakernel.routed_forward's); any value gives the same bits.
+    grad_output bf16 [T, H]; router_weights fp32 [T, k]; x_routed bf16 [C, H], gate, up, hidden
+    bf16 [C, I] (forward context); weights bf16 [E, I, H] (gate, up), [E, H, I] (down); `schedule`
+    this rank's MoKSchedule (group of one). Outputs: dy_e bf16 [C, H]; d_gate, d_up bf16 [C, I];
+    router_partials fp32 [C, I / 128]; slots bf16 [T * k, H] (row t * k + j: token t's d_x through
+    expert j). `weight_grads`: bf16 weight gradients, bitwise expert_gemm_bwd.weight_gradient's.
+    `num_comm_ctas`: CTAs that dispatch while the rest compute (0: all dispatch first).
+    `minibatch_size` (routed rows; None: all) never changes the bits.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -100,9 +88,7 @@ def routed_backward(
             for d_w in d_weights:
                 d_w.zero_()
         return dy_e, d_gate, d_up, partials, slots, d_weights
-    # dispatched[m] then dgu_done[m], one int32 per 128-row tile of the routed buffer, then
-    # the CTAs done dispatching and the d_hidden tiles stored (the weight phase's waits), then
-    # the task ticket.
+    # dispatched[m], dgu_done[m] per 128-row tile, dispatch_total, dgu_total, then the ticket.
     counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 3, dtype=torch.int32,
                            device=device)  # fmt: skip
     # Without weight gradients the weight phase has no tasks; its outputs point anywhere.

@@ -1,10 +1,8 @@
 """The GPU backward op (`mok.ops.backward`), EP group of one.
 
-routed experts: the backward megakernel (backward_megakernel.py): dY_e = bf16(w * dY)
-                pulled per routed row, d_hidden + SwiGLU backward + router partials, d_x
-                rows stored at their (token, j) slots, and the bf16 weight gradients, in
-                one launch (fp32 main_grads: the accumulate kernel adds them instead)
-d_router[t, j] = sum_b partials[r, b] / w[r]  (fixed-order sums; partials = <dY_e, y>)
+routed experts: the backward megakernel (backward_megakernel.py), bf16 weight gradients in the
+                same launch (fp32 main_grads: the accumulate kernel adds them instead)
+d_router[t, j] = sum_b partials[r, b] / w[r]  (fixed-order sums)
 shared expert:  expert_gemm_bwd's kernels on one 'expert' of T rows (padded to 128)
 d_x = d_x_shared + sum_j slots[t * k + j]  (fixed j order)          moe_combine_backward
 """
@@ -40,8 +38,7 @@ def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
 
 
 def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
-    """The shared expert (router weight 1) as one expert over all T rows, padded to 128:
-    (d_x rows, [dW_gate, dW_up, dW_down])."""
+    """The shared expert (weight 1) as one expert of T rows: (d_x rows, [dW_gate, dW_up, dW_down])."""
     num_tokens = x.shape[0]
     padded = -(-num_tokens // TILE_ROWS) * TILE_ROWS
     tokens = torch.full((1,), padded, dtype=torch.int32, device=x.device)
@@ -70,8 +67,7 @@ def backward(
     num_tokens, topk = router_weights.shape
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
 
-    # ---- routed experts; the weight gradients in the same launch unless they go into fp32
-    # main_grads ----
+    # ---- routed experts (weight gradients in the same launch unless fp32 main_grads) ----
     in_launch = all(g is None for g in main_grads[:3])
     dy_e, d_gate, d_up, partials, slots, routed_grads = routed_backward(
         grad_output, router_weights, schedule, x_routed, gate, up, hidden, routed_gate,
@@ -81,9 +77,8 @@ def backward(
     if not in_launch:
         routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden, tokens,
                                          main_grads[:3])  # fmt: skip
-    # d_router[t, j] = <dY[t], y_e(x_t)> = (sum_b partials[r, b]) / w[r], with w[r] the same
-    # gather as dY's with one "token" per slot (k = 1). Padding rows (w = 0) give 0 and are
-    # never scattered.
+    # d_router[t, j] = (sum_b partials[r, b]) / w[r], w gathered like dY with one "token" per slot
+    # (k = 1); padding rows (w = 0) give 0 and are never scattered.
     w_routed = gather_routed_rows(router_weights.view(-1, 1), peer, slot, 1)
     tiny = torch.finfo(torch.float32).tiny
     d_router_routed = partials.sum(dim=1, keepdim=True) / w_routed.clamp_min(tiny)

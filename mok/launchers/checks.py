@@ -1,5 +1,4 @@
-"""Argument checks shared by the launchers: one place for each rule a kernel argument obeys, so
-every launcher raises the same clear error naming the argument, the expectation and the value."""
+"""Launcher argument checks: each rule once, each error naming argument, expectation and value."""
 
 from __future__ import annotations
 
@@ -25,11 +24,9 @@ def check_arg(
 ) -> None:
     """Raise TypeError / ValueError naming `name`, the expectation and what was given.
 
-    `cuda`: the tensor must also live on a CUDA device and be 16-byte aligned (the GEMM
-    launchers encode TMA descriptors from it); the epilogue and dispatch launchers, whose
-    argument packing is tested on CPU, pass False (their router-weight arguments may be views
-    that are only 4-byte aligned, which their scalar loads accept). `align`: the byte
-    alignment a CUDA tensor needs (4 for one a kernel reads as scalars).
+    `cuda`: also on a CUDA device and 16-byte aligned (TMA descriptors are encoded from it); the
+    CPU-tested epilogue and dispatch launchers pass False. `align`: the byte alignment a CUDA tensor
+    needs (4 for scalar reads, e.g. router-weight views).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -91,8 +88,7 @@ def require_group_of_one(ws, op: str) -> None:
 
 
 def check_macrobatch(macrobatch_size: int, num_tokens: int, topk: int, op: str) -> None:
-    """The GPU path holds every routed row at once (no ring reuse with replay yet): a
-    macrobatch smaller than the T * k routed rows is rejected, not silently exceeded."""
+    """Every routed row is held at once (no ring reuse yet): a smaller macrobatch is rejected."""
     rows = num_tokens * topk
     if macrobatch_size < rows:
         raise ValueError(

@@ -1,30 +1,22 @@
 """EP-group communication launches: device barrier, routing-id all-gather, bounded-wait probe.
 
-Kernels (dsl_kernels/common): `ep_barrier` (ep_barrier.py), `all_gather_top_experts`
-(all_gather_top_experts.py), `flag_wait_probe` (flag_wait_probe.py), all built on the bounded
-wait of bounded_wait.py. Unicast loads, stores and atomics to peer addresses only: NVLink
-multicast (multimem, NVLS) is never used.
+Kernels: dsl_kernels/common ep_barrier.py, all_gather_top_experts.py, flag_wait_probe.py, on
+bounded_wait.py. Unicast peer loads, stores and atomics only: NVLink multicast is never used.
 
-Launches never synchronise. A wait that gives up writes the device's error record (one pinned,
-mapped `mok.runtime.ErrorRecord` per device, made on first use) and traps, which kills the CUDA
-context; call `check_errors(device)` at a natural sync point: it synchronises and raises
-MoKWaitTimeoutError naming the rank, phase and counter values when a wait gave up.
+Launches never synchronise. A wait that gives up writes the device's error record (pinned,
+mapped `mok.runtime.ErrorRecord`) and traps; `check_errors(device)` at a sync point raises
+MoKWaitTimeoutError naming rank, phase and counter values.
 
-Barrier counters (`barrier_buffer`, int32 [P] per rank, slot s = arrivals from rank s) are
-monotone. The running total of arrivals each slot has received before the next call (equal on
-every rank, since every rank makes the same sequence of calls) is kept on the device, in the
-workspace's `barrier_epoch_buffer` (int32 [2], this rank's own memory): each kernel reads it
-when it starts, waits for it plus its own arrivals, and its last CTA advances it when it ends
-(dsl_kernels/common/ep_barrier.py, "Arrival epoch", says why that is race-free). The host keeps
-no count, so every launch here can be captured in a CUDA graph and replayed any number of times,
-mixed freely with eager calls. Any other kernel that arrives on `barrier_buffer` must read and
-retire the epoch the same way (`read_arrival_epoch` / `retire_arrival_epoch`).
+Barrier counters (`barrier_buffer`, int32 [P], slot s = arrivals from rank s) are monotone. The
+expected arrival total lives on the device (`barrier_epoch_buffer`, int32 [2]): each kernel
+reads it, waits for it plus its own arrivals, and its last CTA advances it (race-free: see
+ep_barrier.py, "Arrival epoch"). The host keeps no count, so launches are graph-capturable and
+replayable, mixed with eager calls. Other kernels arriving on `barrier_buffer` must use
+`read_arrival_epoch` / `retire_arrival_epoch` too.
 
-Rules: every rank makes the same comm calls on a workspace in the same order, with the same
-`config` (the all-gather's arrivals per call depend on its chunk size), and they run in stream
-order on each rank (one stream, or a graph whose comm nodes form a chain; no programmatic
-dependent launch). The first comm call on a workspace must run outside graph capture (warm-up):
-it uploads the peer-pointer tables and maps the error record.
+Rules: every rank makes the same comm calls on a workspace in the same order with the same
+`config`, in stream order (one stream or a chained graph; no programmatic dependent launch). The
+first comm call on a workspace runs outside graph capture: it uploads the peer-pointer tables.
 """
 
 from __future__ import annotations
@@ -59,9 +51,7 @@ class _CommState:
     epoch: torch.Tensor  # int32 [2]: this rank's barrier_epoch_buffer (arrival epoch, readers)
 
 
-# ---------------------------------------------------------------------------------------------
-# Error records
-# ---------------------------------------------------------------------------------------------
+# ---- error records ----
 def get_error_record(device: int | str | torch.device | None = None):
     """The device's ErrorRecord (pinned, mapped), made once per process and device."""
     from mok.runtime import ErrorRecord  # noqa: PLC0415
@@ -77,12 +67,8 @@ def get_error_record(device: int | str | torch.device | None = None):
 
 
 def check_errors(device: int | str | torch.device | None = None) -> None:
-    """Synchronise `device`; raise MoKWaitTimeoutError if a bounded wait on it gave up.
-
-    When the sync itself fails (a trapped kernel reports as a CUDA error) and the record holds a
-    timeout, the MoKWaitTimeoutError is chained to the CUDA error; a CUDA error with a clear
-    record is re-raised as is.
-    """
+    """Synchronise `device`; raise MoKWaitTimeoutError if a bounded wait on it gave up (chained to
+    the CUDA error a trapped kernel raises; a CUDA error with a clear record is re-raised as is)."""
     from mok.runtime.arch import device_index  # noqa: PLC0415
 
     index = device_index(device)
@@ -97,9 +83,7 @@ def check_errors(device: int | str | torch.device | None = None) -> None:
         record.check()
 
 
-# ---------------------------------------------------------------------------------------------
-# Workspace state
-# ---------------------------------------------------------------------------------------------
+# ---- workspace state ----
 def _state(workspace) -> _CommState:
     workspace.require_alive()
     if workspace.device.type != "cuda":
@@ -162,9 +146,7 @@ def _check_timeout(timeout_ns: int) -> int:
     return timeout_ns
 
 
-# ---------------------------------------------------------------------------------------------
-# Launchers
-# ---------------------------------------------------------------------------------------------
+# ---- launchers ----
 def ep_barrier(
     workspace,
     *,
@@ -174,10 +156,9 @@ def ep_barrier(
 ) -> None:
     """Device barrier of the workspace's EP group on torch's current stream (no host sync).
 
-    Every rank must call it, in the same order relative to the other comm calls. When it ends
-    on a rank's stream, every rank has finished everything it queued on its stream before its
-    call. `phase` (a WaitPhase) is what a timeout reports. Capturable in a CUDA graph (after
-    one eager comm call on the workspace): the target comes from the device epoch.
+    Collective, in comm-call order. When it ends on a rank's stream, every rank has finished what
+    it queued before its call. `phase` (a WaitPhase) is what a timeout reports. Capturable after one
+    eager comm call (the target comes from the device epoch).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -210,13 +191,10 @@ def all_gather_top_experts(
 ) -> torch.Tensor:
     """Gather every rank's routing ids into the workspace's `all_gather_top_experts_buffer`.
 
-    `top_experts`: int64 [T, k] contiguous on the workspace's device (T, k of the workspace).
-    Returns the buffer, int32 [P, T, k], row p = rank p's ids (narrowed to int32 by the
-    kernel). Collective: every rank calls it, in the same order relative to the other comm
-    calls, with the same `config`. No host sync; the buffer is complete on this rank's stream
-    when the kernel ends. The next call overwrites it (after every rank has entered that call).
-    Capturable in a CUDA graph (after one eager comm call on the workspace): the targets come
-    from the device epoch.
+    `top_experts`: int64 [T, k] contiguous on the workspace's device. Returns the buffer, int32
+    [P, T, k], row p = rank p's ids, complete on this stream when the kernel ends; the next call
+    overwrites it. Collective, in comm-call order, same `config`. No host sync; capturable after
+    one eager comm call.
     """
     from mok.runtime import WaitPhase, get_kernel  # noqa: PLC0415
 
@@ -285,12 +263,10 @@ def flag_wait_probe(
     phase=None,
     manifest: str | Path | None = None,
 ) -> None:
-    """Launch one thread that waits (bounded) until int32 `flag[0]` has reached `expected`,
-    then stores 1 to int32 `done[0]`. On timeout the record (default: the device's) gets
-    (rank, phase, counter 0, flag value, expected) and the kernel traps. No host sync.
-
-    `flag` may be any int32 CUDA tensor (or a mapped host buffer's device view) whose first
-    element another stream, kernel or GPU sets; `phase` defaults to WaitPhase.UNKNOWN.
+    """One thread waits (bounded) until int32 `flag[0]` reaches `expected`, then stores 1 to int32
+    `done[0]`; on timeout the record (default: the device's) gets (rank, phase, 0, flag value,
+    expected) and the kernel traps. `flag`: any int32 CUDA tensor (or mapped host view) another
+    stream, kernel or GPU sets. No host sync.
     """
     from mok.runtime import WaitPhase, get_kernel  # noqa: PLC0415
 

@@ -1,5 +1,4 @@
-"""What the launchers hand a kernel besides tensors: TMA descriptors (encoded once per tensor
-layout and cached), the SM count (the persistent grid), a zeroed task ticket."""
+"""Kernel arguments besides tensors: cached TMA descriptors, the SM count, a zeroed ticket."""
 
 from __future__ import annotations
 
@@ -24,14 +23,12 @@ def sm_count(device: torch.device) -> int:
 
 
 def persistent_grid(device: torch.device, capacity: int, col_tiles: int) -> int:
-    """At most one CTA per SM (each takes ~194 KiB of shared memory), and never more CTAs than
-    tiles the largest possible schedule could have (`capacity` rows of 128-row tiles)."""
+    """One CTA per SM at most (~194 KiB of shared memory each), no more than `capacity`'s tiles."""
     return max(1, min(sm_count(device), (capacity // TILE_ROWS) * col_tiles))
 
 
 def tma_descriptor(kernel, param: str, tensor: torch.Tensor):
-    """The kernel's TMA descriptor for `tensor`, encoded once per (address, shape, strides): a
-    workspace's buffers, reused call after call, are encoded once."""
+    """The TMA descriptor of `tensor`, cached per (address, shape, strides): reused buffers encode once."""
     spec = kernel.variant.tma_spec(param)
     key = (
         kernel.device_index,

@@ -1,9 +1,5 @@
-"""The recomputed forward context's gather: the routed rows from their tokens.
-
-Kernel `gather_rows` (dsl_kernels/common/gather_rows.py): out[r] = src[peer_token_idx[r] // k]
-for every routed row r < schedule.num_tokens (read on the device, no host sync); padding rows
-(peer_rank -1) are zeros. Rows at or past num_tokens are not written (not part of the
-contract, SEMANTICS: `MoKSchedule`).
+"""The recomputed forward context's gather (dsl_kernels/common/gather_rows.py): out[r] =
+src[peer_token_idx[r] // k] for routed rows r < schedule.num_tokens, zeros for padding.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Grouped expert GEMMs over the expert-major routed buffer (SM90, TMA + wgmma).
 
-Kernels `expert_gemm_gate_up_swiglu` and `expert_gemm_down` (dsl_kernels/sm90/expert_gemm.py):
-persistent, one CTA per SM at most, each CTA walking 128 x 256 output tiles that it locates by
-scanning `tokens_per_expert` on the device (no host sync: the launch reads no device value).
+Kernels `expert_gemm_gate_up_swiglu`, `expert_gemm_down` (dsl_kernels/sm90/expert_gemm.py), tiles
+located on the device from `tokens_per_expert` (no host sync):
 
     gate_up_swiglu: gate, up = bf16(x @ W_gate[e].T), bf16(x @ W_up[e].T);
                     hidden = bf16(SiLU(g) * u) in fp32 from the bf16 g, u (clamped if a limit)
     down:           y = bf16(hidden @ W_down[e].T)
 
-for every row of expert e's segment; segments are contiguous, expert 0 first, each padded to a
-multiple of 128 rows (`mok.reference.expert_segments`). Rows past sum(tokens_per_expert) are
-not written. TMA descriptors are encoded from the manifest specs and cached by value (address,
-shape, strides, spec): a descriptor depends on nothing else, so a workspace's buffers, reused
-call after call, are encoded once.
+Segments as `mok.reference.expert_segments`; rows past sum(tokens_per_expert) are not written.
 """
 
 from __future__ import annotations
@@ -43,10 +38,8 @@ def gate_up_swiglu(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate, up, hidden), each bf16 [C, I], for x_routed bf16 [C, H] and weights [E, I, H].
 
-    Inputs: `tokens_per_expert` int32 [E] on the same device (padded segment sizes, multiples
-    of 128, sum <= C: not checked, it would need a host sync). `gate`/`up`/`hidden` may be
-    given to write into (contiguous bf16 [C, I]). Constraints: H % 64 == 0, I % 128 == 0.
-    Runs on torch's current stream; no host sync.
+    `tokens_per_expert` int32 [E]: padded segment sizes, multiples of 128, sum <= C (not checked: a
+    host sync). Constraints: H % 64 == 0, I % 128 == 0. Current stream, no host sync.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -113,10 +106,7 @@ def down(
     out: torch.Tensor | None = None,
     manifest=None,
 ) -> torch.Tensor:
-    """y bf16 [C, H] = hidden bf16 [C, I] x W_down[e]^T, W_down bf16 [E, H, I].
-
-    Constraints: I % 64 == 0, H % 256 == 0; `tokens_per_expert` as for `gate_up_swiglu`.
-    """
+    """y bf16 [C, H] = hidden bf16 [C, I] x W_down[e]^T (bf16 [E, H, I]); I % 64 == 0, H % 256 == 0."""
     from mok.runtime import get_kernel  # noqa: PLC0415
 
     capacity, intermediate_size = hidden.shape if hidden.dim() == 2 else (-1, -1)

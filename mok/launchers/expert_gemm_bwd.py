@@ -1,23 +1,14 @@
 """Backward grouped expert GEMMs over the expert-major routed buffer (SM90, TMA + wgmma).
 
-Kernels `expert_gemm_bwd_d_hidden_swiglu` and `expert_gemm_bwd_d_x`
-(dsl_kernels/sm90/expert_gemm_bwd.py) and `expert_gemm_bwd_weights`
-(dsl_kernels/sm90/expert_gemm_bwd_weights.py). The first two are persistent, one CTA per SM at most, each CTA walking
-128 x 256 output tiles located on the device from `tokens_per_expert` (no host sync).
+Kernels `expert_gemm_bwd_d_hidden_swiglu`, `expert_gemm_bwd_d_x`
+(dsl_kernels/sm90/expert_gemm_bwd.py) and `expert_gemm_bwd_weights` (expert_gemm_bwd_weights.py),
+tiles located on the device from `tokens_per_expert` (no host sync):
 
-    d_hidden_swiglu: d_hidden = dY_e @ W_down[e] (fp32, never stored);
-                     d_gate, d_up = mok.reference.swiglu_backward(d_hidden, gate, up, limit)
-    d_x:             d_x = bf16(d_gate @ W_gate[e] + d_up @ W_up[e]), one fp32 accumulation
-                     over 2 I, the gate half first
-    weight_gradient: out[e] = A[rows of e]^T @ B[rows of e] in fp32 (dW_down = dY_e^T hidden,
-                     dW_gate = d_gate^T x_routed, dW_up = d_up^T x_routed); each output tile
-                     is summed by one CTA over the expert's rows in order; zeros for an
-                     expert with no rows
+    d_hidden_swiglu: d_gate, d_up = mok.reference.swiglu_backward(dY_e @ W_down[e], gate, up, limit)
+    d_x:             d_x = bf16(d_gate @ W_gate[e] + d_up @ W_up[e]), one fp32 sum, gate half first
+    weight_gradient: out[e] = A[rows of e]^T @ B[rows of e], one CTA a tile, zeros for no rows
 
-for every row of expert e's segment (segments contiguous, expert 0 first, each a multiple of
-128 rows). The weights are read as stored ([E, K, N], N contiguous): no transposed copy.
-Rows past sum(tokens_per_expert) are not written. Descriptors are cached by value as in
-`mok.launchers.expert_gemm`.
+Weights are read as stored ([E, K, N]); rows past sum(tokens_per_expert) are not written.
 """
 
 from __future__ import annotations
@@ -55,13 +46,10 @@ def d_hidden_swiglu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up), each bf16 [C, I], from dY_e bf16 [C, H] and W_down bf16 [E, H, I].
 
-    Inputs: `gate`, `up` bf16 [C, I] are the forward's pre-clamp gate/up (the forward
-    context); `tokens_per_expert` int32 [E] on the same device (padded segment sizes,
-    multiples of 128, sum <= C: not checked, it would need a host sync). `d_gate`/`d_up` may be
-    given to write into. `router_partials` fp32 [C, I / 128], if given, receives the fused
-    router-weight partials: sum over each 128-column block of hidden * d_hidden per row (see
-    dsl_kernels/sm90/expert_gemm_bwd.py); summed over blocks they give w * <dY, y>. Constraints: H % 64 == 0, I % 256 == 0. Runs on torch's current
-    stream; no host sync.
+    `gate`, `up` bf16 [C, I]: the forward's pre-clamp gate/up. `tokens_per_expert` int32 [E]:
+    padded segment sizes, multiples of 128, sum <= C (not checked: a host sync). `router_partials`
+    fp32 [C, I / 128], if given, gets the fused router partials (summed over blocks: w * <dY, y>).
+    Constraints: H % 64 == 0, I % 256 == 0. Current stream, no host sync.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -141,11 +129,8 @@ def d_x(
     out: torch.Tensor | None = None,
     manifest=None,
 ) -> torch.Tensor:
-    """d_x_routed bf16 [C, H] = d_gate @ W_gate[e] + d_up @ W_up[e] (one fp32 sum, gate half
-    first), d_gate/d_up bf16 [C, I], weights bf16 [E, I, H].
-
-    Constraints: I % 64 == 0, H % 256 == 0; `tokens_per_expert` as for `d_hidden_swiglu`.
-    """
+    """d_x_routed bf16 [C, H] = d_gate @ W_gate[e] + d_up @ W_up[e] (one fp32 sum, gate half first)
+    from d_gate/d_up bf16 [C, I], weights bf16 [E, I, H]. Constraints: I % 64 == 0, H % 256 == 0."""
     from mok.runtime import get_kernel  # noqa: PLC0415
 
     capacity, intermediate_size = d_gate.shape if d_gate.dim() == 2 else (-1, -1)
@@ -210,17 +195,11 @@ def weight_gradient(
     out: torch.Tensor | None = None,
     manifest=None,
 ) -> torch.Tensor:
-    """out [E, M, N], out[e] = a_routed[rows of e].T @ b_routed[rows of e], for a_routed
-    bf16 [C, M], b_routed bf16 [C, N] in the expert-major routed layout.
+    """out [E, M, N], out[e] = a_routed[rows of e].T @ b_routed[rows of e] (bf16 [C, M], [C, N]).
 
-    output: "fp32" (out fp32), "bf16" (out bf16, rounded from the fp32 sum) or "accumulate"
-    (out fp32 is required and the sum is added into it in place: out[e] += ..., the order of
-    torch's `out.add_(fp32 result)`, bitwise).
-
-    dW_down = weight_gradient(dy_routed, hidden); dW_gate = weight_gradient(d_gate, x_routed);
-    dW_up = weight_gradient(d_up, x_routed). Every element of `out` is written (exact zeros
-    for an expert with no rows). Constraints: M % 128 == 0, N % 256 == 0, both < 2^16;
-    `tokens_per_expert` int32 [E] as for `d_hidden_swiglu` (its length gives E).
+    output: "fp32", "bf16" (rounded from the fp32 sum) or "accumulate" (fp32 out += sum in place,
+    bitwise torch's `out.add_`). Every element is written (zeros for an expert with no rows).
+    Constraints: M % 128 == 0, N % 256 == 0, both < 2^16; `tokens_per_expert` int32 [E].
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 

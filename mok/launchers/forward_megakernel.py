@@ -1,10 +1,6 @@
-"""The forward megakernel's launcher (dsl_kernels/sm90/moe_forward.py).
-
-One persistent launch pulls the routed rows of x, runs every gate/up + SwiGLU tile and every
-down tile, and stores each down row at its (token, j) slot; the fixed-order combine
-(`epilogues.fwd_epilogue`) follows. Its dependency counters are zeroed right before the launch
-on the same stream (graph-capturable, no host sync); a wait that gives up reports through the
-device's error record (MoKWaitTimeoutError at the next `check_errors`).
+"""The forward megakernel's launcher (dsl_kernels/sm90/moe_forward.py): dispatch, gate/up +
+SwiGLU and down to slots in one launch, before `epilogues.fwd_epilogue`. Its counters are zeroed
+right before it on the same stream (graph-capturable, no host sync).
 """
 
 from __future__ import annotations
@@ -35,13 +31,10 @@ def routed_forward(
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((x_routed, gate, up, hidden), slots) of the routed experts, in one launch.
 
-    x bf16 [T, H]; weights bf16 [E, I, H] (gate, up) and [E, H, I] (down); `schedule` a
-    MoKSchedule of this rank (a group of one). slots bf16 [T * k, H]: row t * k + j is the
-    output of token t's j-th expert. Routed rows at or past schedule.num_tokens are not written.
-    `num_comm_ctas` CTAs dispatch the rows while the others start the GEMMs (0: every CTA
-    dispatches first). `minibatch_size` (routed rows, as MoKConfig's; None: all of them): the
-    tasks run minibatch by minibatch, pipelined (dsl_kernels/sm90/minibatches.py). Any value
-    gives the same bits.
+    x bf16 [T, H]; weights bf16 [E, I, H] (gate, up), [E, H, I] (down); `schedule` this rank's
+    MoKSchedule (group of one). slots bf16 [T * k, H]: row t * k + j is token t's j-th expert
+    output. `num_comm_ctas`: CTAs that dispatch while the rest compute (0: all dispatch first).
+    `minibatch_size` (routed rows; None: all) never changes the bits.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -70,8 +63,7 @@ def routed_forward(
     slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
     if capacity == 0 or num_experts == 0 or num_tokens == 0:
         return (x_routed, gate, up, hidden), slots
-    # dispatched[m] then hidden_done[m], one int32 per 128-row tile of the routed buffer, then
-    # the task ticket.
+    # dispatched[m], hidden_done[m] per 128-row tile, then the task ticket.
     counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 1, dtype=torch.int32, device=device)
     kernel = get_kernel(KERNEL, device=device)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)

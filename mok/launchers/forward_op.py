@@ -1,14 +1,11 @@
 """The GPU forward op (`mok.ops.forward`) and the recomputed forward context, EP group of one.
 
-    routed experts: the forward megakernel (forward_megakernel.py): dispatch, gate/up +
-                    SwiGLU, down rows stored at their (token, j) slots, in one launch
+    routed experts: the forward megakernel (forward_megakernel.py)
     shared expert:  expert_gemm's gate/up and down on one 'expert' of T rows (padded to 128)
     out = y_shared + sum_j w[t, j] * slots[t * k + j]  (fixed j order)   moe_combine_forward
 
-The recomputed context runs the gather and the same gate/up tiles as separate kernels (no
-down GEMM to overlap with). All launches go on the current stream with no host sync; every
-step is deterministic (no atomics, no split-K, each output element written by one thread in a
-fixed order), so results are bitwise identical run to run.
+The recomputed context runs the gather and gate/up as separate kernels. Current stream, no host
+sync; every step is deterministic (no atomics, no split-K).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The launch arguments both megakernels take for their dispatch and task walk: the schedule,
-the zeroed dependency counters, the error record, the sizes, the communication CTAs and the
-minibatch in row tiles."""
+"""Both megakernels' dispatch and task-walk launch arguments: schedule, zeroed counters, error
+record, sizes, communication CTAs and the minibatch in row tiles."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from .device_args import TILE_ROWS
 
 
 def minibatch_row_tiles(minibatch_size: int | None, capacity: int) -> int:
-    """A minibatch of `minibatch_size` routed rows (MoKConfig validates it) in 128-row tiles, at
-    most the whole routed buffer (None: all of it, one minibatch)."""
+    """`minibatch_size` routed rows in 128-row tiles, at most the routed buffer (None: all of it)."""
     all_tiles = max(1, -(-capacity // TILE_ROWS))
     if minibatch_size is None:
         return all_tiles
@@ -21,8 +19,7 @@ def walk_arguments(
     schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit, num_comm_ctas, grid,
     minibatch_tiles,
 ) -> dict:  # fmt: skip
-    """`rows`: the [T, H] source of the dispatch; `gate_weights` [E, I, H]; `grid` the launch's
-    CTAs, of which at most grid - 1 are communication CTAs."""
+    """`rows`: the dispatch source [T, H]; `gate_weights` [E, I, H]; at most grid - 1 comm CTAs."""
     return {
         "peer_rank_ptr": schedule.peer_rank,
         "peer_token_idx_ptr": schedule.peer_token_idx,

@@ -1,22 +1,17 @@
 """The receive schedule on the GPU: three kernels back to back on one stream, no host sync.
 
-Kernels (dsl_kernels/common/schedule_*.py), a stable counting sort of the all-gathered routing
-entries (flat index i = rank * T * k + t * k + j) by local expert:
+A stable counting sort (dsl_kernels/common/schedule_*.py) of the all-gathered routing entries
+(flat index i = rank * T * k + t * k + j) by local expert:
 1. `schedule_histogram`, grid (num_chunks,): counts[c, e] of each 4096-entry chunk c.
-2. `schedule_scan`, grid (ceil(E / 32),): counts[c, e] <- offset of chunk c inside expert e's
-   segment (exclusive prefix over chunks), expert_counts[e] = total of expert e.
-3. `schedule_place`, grid (num_chunks,): every CTA rebuilds the padded segment table from
-   expert_counts; CTA 0 writes tokens_per_expert, num_tokens and the status words; all CTAs
-   fill padding rows with -1 and place their chunk's entries in flat-index order.
-Integer atomics only count (shared-memory histogram); rows come from prefix sums, so the
-result is the same bits every run and equals `mok.reference.build_schedule`.
+2. `schedule_scan`, grid (ceil(E / 32),): counts[c, e] <- chunk c's offset in expert e's
+   segment, expert_counts[e] = expert e's total.
+3. `schedule_place`, grid (num_chunks,): CTA 0 writes tokens_per_expert, num_tokens and status;
+   all CTAs fill padding rows with -1 and place their entries in flat-index order.
+Atomics only count; rows come from prefix sums: the same bits as `mok.reference.build_schedule`.
 
-Capacity overflow (padded rows > C) cannot raise at launch time without a sync. Instead the
-kernels write nothing out of bounds, set every row of peer_rank / peer_token_idx to -1,
-store the true padded total in num_tokens (and the true padded sizes in tokens_per_expert)
-and set status = [1, total, ep_rank, capacity] (status[0] = 0 when it fits).
-`check_schedule(status)` syncs and raises the reference's ValueError: call it at a natural
-sync point (or in tests).
+Capacity overflow (padded rows > C) cannot raise without a sync: the kernels write nothing out
+of bounds, set peer_rank / peer_token_idx to -1, store the true totals and set status = [1,
+total, ep_rank, capacity] (status[0] = 0 when it fits); `check_schedule(status)` raises.
 """
 
 from __future__ import annotations
@@ -110,11 +105,9 @@ def launch_schedule(
 ) -> None:
     """Write the schedule into caller buffers (capacity = peer_rank.numel()); asynchronous.
 
-    top_experts_all: int32 [P, T, k] contiguous (global expert ids; an id outside this rank's
-    [ep_rank * E, (ep_rank + 1) * E) is simply not routed here). Outputs, int32 contiguous:
-    peer_rank [C], peer_token_idx [C], num_tokens [1], tokens_per_expert [E], status [4].
-    Launches on torch's current stream; no host sync, no allocation besides two scratch
-    buffers from torch's caching allocator, so it can be captured in a CUDA graph.
+    top_experts_all: int32 [P, T, k] contiguous (global ids; one outside this rank's experts is not
+    routed here). Outputs, int32 contiguous: peer_rank [C], peer_token_idx [C], num_tokens [1],
+    tokens_per_expert [E], status [4]. Current stream, no sync; graph-capturable.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -134,8 +127,7 @@ def launch_schedule(
     num_chunks, scan_ctas = schedule_grids(num_entries, num_local_experts)
     if num_chunks * num_local_experts >= _INT32_LIMIT:
         raise ValueError(f"{num_chunks} chunks x {num_local_experts} experts overflow int32")
-    # Scratch: per-chunk counts (then offsets) and per-expert totals; every element is
-    # written by the kernel that produces it, so torch.empty is enough.
+    # Every scratch element is written by the kernel that produces it: torch.empty is enough.
     counts = torch.empty(num_chunks * num_local_experts, dtype=torch.int32, device=device)
     expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
 
@@ -191,11 +183,9 @@ def build_schedule_gpu(
         top_experts_all:   int32 [P, T, k] contiguous CUDA (all-gathered routing ids)
         ep_rank:           int  this rank (its experts are [ep_rank * E, (ep_rank + 1) * E))
         num_local_experts: int  E, 1..1024
-        capacity:          int  C, routed rows (padding included) the schedule holds
-    Outputs (int32, on the input's device):
-        peer_rank [C], peer_token_idx [C], num_tokens [1], tokens_per_expert [E] (equal to
-        `mok.reference.build_schedule`), status [4] (see the module doc; pass it to
-        `check_schedule` at a sync point: overflow is reported there, not here).
+        capacity:          int  C, routed rows (padding included)
+    Outputs (int32): peer_rank [C], peer_token_idx [C], num_tokens [1], tokens_per_expert [E]
+        (equal to `mok.reference.build_schedule`), status [4] (for `check_schedule`).
     """
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
@@ -214,12 +204,8 @@ def build_schedule_gpu(
 
 
 def check_schedule(schedule_status: torch.Tensor) -> None:
-    """Sync on the status words of `build_schedule_gpu` and raise on capacity overflow.
-
-    Raises ValueError with the reference's message ("schedule capacity overflow on EP rank
-    ..."). This reads the device buffer (a host sync): call it only where the caller syncs
-    anyway, never on the hot path.
-    """
+    """Sync on `build_schedule_gpu`'s status words; on capacity overflow raise the reference's
+    ValueError ("schedule capacity overflow on EP rank ..."). A host sync: not on the hot path."""
     _check_int32_vector("schedule_status", schedule_status, STATUS_WORDS, schedule_status.device)
     overflow, total, ep_rank, capacity = (int(v) for v in schedule_status.tolist())
     if overflow:

@@ -1,10 +1,7 @@
-"""`mok::build_schedule` on CUDA: routing all-gather, then the three schedule kernels.
+"""`mok::build_schedule` on CUDA: routing all-gather, then the three schedule kernels, no host sync.
 
-No host sync. A capacity overflow cannot raise at launch time without one, so its status
-words are copied to pinned host memory behind an event: the next mok op on this workspace
-(or `mok.functional.check_errors`) raises the reference's ValueError once the copy has landed.
-Nothing is written out of bounds meanwhile (the kernels write no row of an overflowed
-schedule).
+A capacity overflow's status words are copied to pinned host memory behind an event; the next mok
+op on this workspace (or `mok.functional.check_errors`) raises the reference's ValueError.
 """
 
 from __future__ import annotations
@@ -36,10 +33,7 @@ def build_schedule(
 
 
 def raise_pending_errors(ws, *, wait: bool) -> None:
-    """Raise a schedule overflow recorded by an earlier build_schedule on this workspace.
-
-    wait=False only looks if the status copy has already landed (no sync); wait=True syncs.
-    """
+    """Raise a schedule overflow recorded on this workspace (wait=True syncs; False only looks)."""
     pending = getattr(ws, "pending_schedule_status", None)
     if pending is None:
         return
