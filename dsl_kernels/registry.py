@@ -33,6 +33,7 @@ def variants() -> list[Variant]:
     from .common.moe_combine_forward import MoeCombineForward
     from .common.mxfp8_quantize_rowwise import Mxfp8QuantizeRowwise
     from .common.mxfp8_quantize_transposed import Mxfp8QuantizeTransposed
+    from .common.router_grad_push import RouterGradPush
     from .common.schedule_histogram import ScheduleHistogram
     from .common.schedule_place import SchedulePlace
     from .common.schedule_scan import ScheduleScan
@@ -88,6 +89,13 @@ def variants() -> list[Variant]:
             launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
         ),
         Variant("flag_wait_probe", FlagWaitProbe, launch_grid="(1, 1, 1)"),
+        # The router-weight gradient pushed to each token's rank (common/router_grad_push.py).
+        Variant(
+            "router_grad_push",
+            RouterGradPush,
+            {"threads": 128},
+            launch_grid="(ceil(num_rows / 128), 1, 1)",
+        ),
         Variant("ep_barrier", EpBarrier, launch_grid="(1, 1, 1)"),
         Variant(
             "all_gather_top_experts",

@@ -8,6 +8,9 @@ from dataclasses import dataclass, fields
 # Routed rows of one expert are padded to this many rows: the M height of the GEMM tile, so
 # that no GEMM tile ever straddles two experts.
 ROUTED_ROW_ALIGNMENT = 128
+# Bound of every device wait (barriers, megakernel dependencies): long enough for a slow peer,
+# short enough that a lost peer becomes MoKWaitTimeoutError instead of a hang.
+DEFAULT_WAIT_TIMEOUT_NS = 10_000_000_000
 # hidden_size and intermediate_size must be multiples of this: one 128-wide K block of the
 # GEMM mainloop and one 128x128 MXFP8 scale tile.
 FEATURE_ALIGNMENT = 128

@@ -35,6 +35,7 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
     "backward": (
         (
             "moe_backward",
+            "router_grad_push",
             "expert_gemm_bwd_d_hidden_swiglu",
             "expert_gemm_bwd_d_x",
             "expert_gemm_bwd_weights_bf16",

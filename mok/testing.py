@@ -103,6 +103,44 @@ def run_layer(inputs: dict, num_experts: int, config=None, swiglu_limit=None, ma
     return out, ctx, grads, schedule
 
 
+def rank_inputs(inputs: dict, rank: int, size: int) -> dict:
+    """Rank `rank`'s share of a global layer made by `make_inputs` in an EP group of `size`:
+    tokens split contiguously, the routed experts split contiguously (rank p owns experts
+    p * E / P ..), the shared expert on every rank. Routing ids stay global."""
+    num_tokens, num_experts = inputs["x"].shape[0], inputs["routed_gate"].shape[0]
+    if num_tokens % size or num_experts % size:
+        raise ValueError(
+            f"tokens ({num_tokens}) and experts ({num_experts}) must split evenly over {size} ranks"
+        )
+    tokens = slice(rank * num_tokens // size, (rank + 1) * num_tokens // size)
+    experts = slice(rank * num_experts // size, (rank + 1) * num_experts // size)
+    local = {}
+    for name, value in inputs.items():
+        if value is None or name.startswith("shared_"):
+            local[name] = value
+        elif name.startswith("routed_"):
+            local[name] = value[experts]
+        else:
+            local[name] = value[tokens]
+    return local
+
+
+def run_layer_step(config, ws, inputs: dict, num_local_experts: int, swiglu_limit=None):
+    """Schedule, forward and backward of one rank through `mok.functional`, with no host sync
+    (usable inside a VirtualEPGroup's `run`): (out, context, 8 gradients)."""
+    from mok import functional as F  # noqa: PLC0415
+
+    weights = [inputs[n] for n in WEIGHT_NAMES]
+    x, router_weights = inputs["x"], inputs["router_weights"]
+    schedule = F.build_schedule(ws, config, inputs["top_experts"],
+                                num_local_experts=num_local_experts)  # fmt: skip
+    out, ctx = F.forward(config, ws, schedule, x, router_weights, *weights,
+                         swiglu_limit=swiglu_limit)  # fmt: skip
+    grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], x, router_weights,
+                       *weights, swiglu_limit=swiglu_limit)  # fmt: skip
+    return out, ctx, grads
+
+
 def poison_cuda_allocator(nbytes: int = 1 << 28) -> None:
     """Fill a block of torch's CUDA caching allocator with 0xFF bytes and free it, so that the
     next `torch.empty` outputs of that size start as NaN (0xFFFF is a bf16 NaN, 0xFFFFFFFF an

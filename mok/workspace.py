@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .config import FEATURE_ALIGNMENT, MAX_TOPK, MoKConfig
+from .config import DEFAULT_WAIT_TIMEOUT_NS, FEATURE_ALIGNMENT, MAX_TOPK, MoKConfig
 from .groups import group_rank_size
 from .validation import check_int, check_type
 
@@ -49,6 +49,10 @@ class MoKWorkspace:
     topk: int
     schedule_capacity: int
     symmetric: bool
+    # CTAs of each megakernel launch: None is the SM count; a virtual EP rank gets its share.
+    megakernel_ctas: int | None = None
+    # Bound of every device wait of this workspace's ops (MoKWaitTimeoutError past it).
+    wait_timeout_ns: int = DEFAULT_WAIT_TIMEOUT_NS
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     peer_ptrs: dict[str, list[int]] = field(default_factory=dict)
     _handles: dict[str, object] = field(default_factory=dict, repr=False)
@@ -218,8 +222,11 @@ def _buffer_specs(ep_size, num_tokens, hidden, topk):
     }
 
 
-def _create(group, ep_rank, ep_size, device, num_tokens, hidden, topk, capacity) -> MoKWorkspace:
-    symmetric = ep_size > 1 and device.type == "cuda"
+def _create(
+    group, ep_rank, ep_size, device, num_tokens, hidden, topk, capacity, *, plain: bool = False
+) -> MoKWorkspace:
+    """`plain`: plain allocations even for an EP group (a virtual group sets peer_ptrs)."""
+    symmetric = ep_size > 1 and device.type == "cuda" and not plain
     ws = MoKWorkspace(
         handle=next(_NEXT_HANDLE),
         group=group,

@@ -91,7 +91,7 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     assert grid == (132, 1, 1) and args["timeout_ns"] == comm.DEFAULT_TIMEOUT_NS
     assert slots.shape == (t * k, h) and x_routed.shape == (schedule.capacity, h)
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
-             "num_src_rows": t, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
+             "ep_rank": 0, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
     # 16 communication CTAs (tasks by a dynamic ticket). Counters: dispatched and hidden_done
     # per row tile, then the ticket, all zero.
@@ -136,7 +136,7 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     assert args["num_comm_ctas"] == 0
     assert args["minibatch_tiles"] == -(-c // 128)  # no minibatch_size: one minibatch
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
-             "num_src_rows": t, "capacity": c, "has_limit": 0}  # fmt: skip
+             "ep_rank": 0, "capacity": c, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
     # dispatched and dgu_done per row tile, then the two whole-phase counters and the ticket.
     assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 3,)

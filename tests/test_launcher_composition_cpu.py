@@ -85,7 +85,7 @@ def fake_gate_up_swiglu(x, gate_w, up_w, tokens, *, swiglu_limit=None):
     return gate, up, hidden
 
 
-def fake_gather_rows(src, peer_rank, peer_token_idx, num_tokens, topk, *, weights=None):
+def fake_gather_rows(src, peer_rank, peer_token_idx, num_tokens, topk, *, weights=None, peers=None):
     """The gather kernels' math: rows from their tokens (scaled: bf16(w * float(row)))."""
     rows = torch.where(peer_rank >= 0, peer_token_idx.long() // topk, 0)
     out = src.index_select(0, rows)
@@ -97,8 +97,7 @@ def fake_gather_rows(src, peer_rank, peer_token_idx, num_tokens, topk, *, weight
     return out
 
 
-def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit=None,
-                        num_comm_ctas=0, minibatch_size=None):  # fmt: skip
+def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit=None, **_):
     """The forward megakernel's math: the three kernels' fakes in sequence."""
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
     x_routed = fake_gather_rows(x, peer, slot, schedule.num_tokens, topk)
@@ -110,7 +109,7 @@ def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit
 
 def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, up, hidden,
                          gate_w, up_w, down_w, *, swiglu_limit=None, weight_grads=True,
-                         num_comm_ctas=0, minibatch_size=None):  # fmt: skip
+                         **_):  # fmt: skip
     """The backward megakernel's math: the kernels' fakes in sequence."""
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
     topk = router_weights.shape[1]
@@ -130,11 +129,24 @@ def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, 
     return dy_e, d_gate, d_up, partials, slots, d_weights
 
 
+def fake_push_router_grads(partials, schedule, router_weights, d_router, *, peers=None):
+    """The router_grad_push kernel's math: each real row's block sum (increasing b) over w."""
+    real = schedule.peer_rank >= 0
+    slot = schedule.peer_token_idx[real].long()
+    total = torch.zeros(partials.shape[0])
+    for b in range(partials.shape[1]):
+        total = total + partials[:, b]
+    w = router_weights.reshape(-1)[slot]
+    d_router.view(-1)[slot] = total[real] / w.clamp_min(torch.finfo(torch.float32).tiny)
+    return d_router
+
+
 @pytest.fixture()
 def fake_kernels(monkeypatch):
     monkeypatch.setattr(dispatch, "gather_rows", fake_gather_rows)
     monkeypatch.setattr(fwd, "routed_forward", fake_routed_forward)
     monkeypatch.setattr(bwd, "routed_backward", fake_routed_backward)
+    monkeypatch.setattr(bwd, "push_router_grads", fake_push_router_grads)
     monkeypatch.setattr(expert_gemm, "gate_up_swiglu", fake_gate_up_swiglu)
     monkeypatch.setattr(epilogues, "fwd_epilogue", R.fwd_epilogue)
     monkeypatch.setattr(expert_gemm, "down", fake_down)
@@ -145,7 +157,8 @@ def fake_kernels(monkeypatch):
 
 
 class _Workspace:
-    ep_size, hidden_size, topk = 1, H, K
+    ep_rank, ep_size, hidden_size, topk, num_local_tokens = 0, 1, H, K, T
+    megakernel_ctas, wait_timeout_ns = None, 1
 
 
 @pytest.mark.parametrize("shared,limit,main", [(True, None, False), (False, 0.5, True)])

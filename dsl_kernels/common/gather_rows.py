@@ -1,12 +1,14 @@
-"""Gather of the routed rows for the recomputed forward context: each row from its token."""
+"""Gather of the routed rows for the recomputed forward context: each row pulled from its token's
+rank (this rank's `src`, or a peer's symmetric buffer through the peer table)."""
 
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Int32
+from cutlass import BFloat16, Int32, Int64
 
 from .args import global_pointer
+from .peers import peer_table, rank_address
 from .row_chunks import VECTOR, chunked_row_views
 
 
@@ -46,6 +48,7 @@ class GatherRows:
         return (
             global_pointer(BFloat16, 16),  # out_ptr
             global_pointer(BFloat16, 16),  # src_ptr
+            global_pointer(Int64, 8),  # src_ptrs
             global_pointer(Int32, 4),  # peer_rank_ptr
             global_pointer(Int32, 4),  # peer_token_idx_ptr
             global_pointer(Int32, 4),  # num_tokens_ptr
@@ -53,6 +56,7 @@ class GatherRows:
             Int32(0),  # num_src_rows
             Int32(0),  # hidden_size
             Int32(1),  # topk
+            Int32(0),  # ep_rank
             Int32(1),  # grid_y
         )
 
@@ -61,6 +65,7 @@ class GatherRows:
         self,
         out_ptr: cute.Pointer,
         src_ptr: cute.Pointer,
+        src_ptrs: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -68,12 +73,14 @@ class GatherRows:
         num_src_rows: Int32,
         hidden_size: Int32,
         topk: Int32,
+        ep_rank: Int32,
         grid_y: Int32,
     ):
         columns_per_cta = VECTOR * self.threads
         self.kernel(
             out_ptr,
             src_ptr,
+            src_ptrs,
             peer_rank_ptr,
             peer_token_idx_ptr,
             num_tokens_ptr,
@@ -81,6 +88,7 @@ class GatherRows:
             num_src_rows,
             hidden_size,
             topk,
+            ep_rank,
         ).launch(
             grid=[(hidden_size + columns_per_cta - 1) // columns_per_cta, grid_y, 1],
             block=[self.threads, 1, 1],
@@ -91,6 +99,7 @@ class GatherRows:
         self,
         out_ptr: cute.Pointer,
         src_ptr: cute.Pointer,
+        src_ptrs: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -98,14 +107,15 @@ class GatherRows:
         num_src_rows: Int32,
         hidden_size: Int32,
         topk: Int32,
+        ep_rank: Int32,
     ):
         rows_per_cta = self.rows_per_cta
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         _, grid_y, _ = cute.arch.grid_dim()
-        chunks, (mOut, mSrc) = chunked_row_views(
-            hidden_size, (out_ptr, num_rows), (src_ptr, num_src_rows)
-        )
+        chunks, (mOut,) = chunked_row_views(hidden_size, (out_ptr, num_rows))
+        row_bytes = cute.assume(Int64(hidden_size) * Int64(2), divby=128)
+        table = peer_table(src_ptrs)
         rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(num_rows))
         slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(num_rows))
         rows = cutlass.min(num_rows, cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0])
@@ -123,7 +133,13 @@ class GatherRows:
                     rIn[None, t].fill(0.0)
                     if row < rows:
                         if rank[row] >= 0:
-                            rIn[None, t].store(mSrc[None, chunk, slot[row] // topk].load())
+                            base = rank_address(src_ptr, table, ep_rank, rank[row])
+                            src = cute.make_tensor(
+                                cute.make_ptr(BFloat16, base + Int64(slot[row] // topk) * row_bytes,
+                                              cute.AddressSpace.gmem, assumed_align=16),
+                                cute.make_layout((VECTOR, chunks), stride=(1, VECTOR)),
+                            )  # fmt: skip
+                            rIn[None, t].store(src[None, chunk].load())
                 # ---- store (padding rows: zeros) ----
                 for t in cutlass.range_constexpr(rows_per_cta):
                     row = first + t

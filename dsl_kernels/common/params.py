@@ -7,7 +7,7 @@ build checks that `__call__`'s names are the spec's, in order (`check_call_signa
 
 import inspect
 
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from .args import global_pointer
 
@@ -18,6 +18,10 @@ def bf16_pointer():
 
 def int32_pointer():
     return global_pointer(Int32, 4)
+
+
+def int64_pointer():
+    return global_pointer(Int64, 8)
 
 
 def fp32_pointer():

@@ -1,10 +1,14 @@
-"""The megakernels' dispatch (EP group of one): every thread of a dispatching CTA (the comm CTAs,
-or with none every CTA) copies its row tiles' routed rows before the roles split, releasing each
-tile's counter once written.
+"""The megakernels' dispatch, a pull: every thread of a dispatching CTA (the comm CTAs, or with
+none every CTA) copies its row tiles' routed rows from the source ranks before the roles split,
+releasing each tile's counter once written. With p = peer_rank[r], t = peer_token_idx[r] // k:
 
-    out[r] = src[peer_token_idx[r] // k]                        (forward: x -> x_routed)
-    out[r] = bf16(w[peer_token_idx[r]] * float(src[...]))      (scaled, backward: dY -> dY_e)
-    out[r] = 0                                                  padding rows (peer_rank < 0)
+    out[r] = src_p[t]                                           (forward: x -> x_routed)
+    out[r] = bf16(w_p[peer_token_idx[r]] * float(src_p[t]))    (scaled, backward: dY -> dY_e)
+    out[r] = 0                                                  padding rows (p < 0)
+
+src_p is this rank's own tensor for p == ep_rank and the peer's symmetric buffer (an address
+from the peer table) otherwise; the peers wrote them before the group's start barrier, whose
+system-scope acquire orders these plain loads after their writes.
 
 Scaled: one fp32 `mul.rn` (no fma contraction), one rounding: bit for bit common/gather_rows.py.
 """
@@ -14,6 +18,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
+from ..common.peers import RANK_UNIT, rank_address
 from ..common.ptx import mul_rn
 from ..common.row_chunks import VECTOR, chunked_row_views
 from .gemm_phases import THREADS, TILE_M
@@ -28,23 +33,23 @@ DISPATCH_BATCH = 8
 
 @cute.jit
 def dispatch_rows(
-    src_ptr, out_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size, topk,
-    num_src_rows, capacity, dispatched, table, tidx, first_tile, tile_stride, weight_ptr=None,
+    src, out_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size, topk,
+    capacity, dispatched, table, tidx, first_tile, tile_stride, weights=None,
 ):  # fmt: skip
-    """All 384 threads: row tiles first_tile, + tile_stride, ... of `out` (bf16 [capacity, H]) from
-    `src` [num_src_rows, H] (`weight_ptr` fp32 [T * k], or None: unscaled). A tile's 128 sources go
-    to `table` (shared Int32 [128]); each warp copies whole rows. Then fence for the async proxy
-    (TMA readers), meet, and thread 0 releases counter m at `dispatched` + 4 m."""
-    scaled = weight_ptr is not None
-    chunks, (mOut, mSrc) = chunked_row_views(
-        hidden_size, (out_ptr, capacity), (src_ptr, num_src_rows)
-    )
-    rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
+    """All 384 threads: row tiles first_tile, + tile_stride, ... of `out` (bf16 [capacity, H]).
+    `src` = (local bf16 [T, H] pointer, peer table tensor of int64 addresses, ep_rank);
+    `weights` = (local fp32 [T * k] pointer, its peer table) or None: unscaled. A tile's 128
+    packed (rank, source) entries go to `table` (shared Int32 [128]); each warp copies whole
+    rows. Then fence for the async proxy (TMA readers), meet, and thread 0 releases counter m
+    at `dispatched` + 4 m."""
+    scaled = weights is not None
+    src_ptr, src_table, ep_rank = src
+    chunks, (mOut,) = chunked_row_views(hidden_size, (out_ptr, capacity))
+    row_bytes = cute.assume(Int64(hidden_size) * Int64(2), divby=128)
+    rank_of = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
     slot_of = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
-    weight = None
     scaled_values = None
     if cutlass.const_expr(scaled):
-        weight = cute.make_tensor(weight_ptr, cute.make_layout(1 << 30))
         scaled_values = cute.make_rmem_tensor((VECTOR,), Float32)
     warp = tidx // 32
     lane = tidx % 32
@@ -54,28 +59,43 @@ def dispatch_rows(
         cute.arch.sync_threads()  # the previous tile's copy is done with `table`
         if tidx < TILE_M:
             row = first_row + tidx
-            # The source row (unscaled) or the slot, whose weight is needed too (scaled).
-            if cutlass.const_expr(scaled):
-                table[tidx] = cutlass.select_(rank[row] >= 0, slot_of[row], Int32(-1))
-            else:
-                table[tidx] = cutlass.select_(rank[row] >= 0, slot_of[row] // topk, Int32(-1))
+            # (rank, source row) packed; scaled: the slot, whose weight is needed too.
+            source = slot_of[row]
+            if cutlass.const_expr(not scaled):
+                source = source // topk
+            table[tidx] = cutlass.select_(
+                rank_of[row] >= 0, rank_of[row] * RANK_UNIT + source, Int32(-1)
+            )
         cute.arch.sync_threads()
         for r in cutlass.range(warp, TILE_M, THREADS // 32, unroll=1):
-            source = table[r]
+            packed = table[r]
+            rank = packed // RANK_UNIT
+            source = packed % RANK_UNIT
             w = None
             if cutlass.const_expr(scaled):
                 w = Float32(0.0)
-                if source >= 0:
-                    w = weight[source]
+                if packed >= 0:
+                    w_base = rank_address(weights[0], weights[1], ep_rank, rank)
+                    w_ptr = cute.make_ptr(Float32, w_base + Int64(source) * Int64(4),
+                                          cute.AddressSpace.gmem, assumed_align=4)  # fmt: skip
+                    w = cute.make_tensor(w_ptr, cute.make_layout(1))[0]
                     source = source // topk
+            src_base = src_ptr.toint()
+            if packed >= 0:
+                src_base = rank_address(src_ptr, src_table, ep_rank, rank)
+            src_row = cute.make_tensor(
+                cute.make_ptr(BFloat16, src_base + Int64(source) * row_bytes,
+                              cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout((VECTOR, chunks), stride=(1, VECTOR)),
+            )  # fmt: skip
             row = first_row + r
             for base in cutlass.range(lane, chunks, 32 * DISPATCH_BATCH, unroll=1):
                 for j in cutlass.range_constexpr(DISPATCH_BATCH):
                     chunk = base + 32 * j
                     values[None, j].fill(0.0)
                     if chunk < chunks:
-                        if source >= 0:
-                            values[None, j].store(mSrc[None, chunk, source].load())
+                        if packed >= 0:
+                            values[None, j].store(src_row[None, chunk].load())
                 for j in cutlass.range_constexpr(DISPATCH_BATCH):
                     chunk = base + 32 * j
                     if chunk < chunks:

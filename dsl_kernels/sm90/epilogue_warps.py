@@ -16,6 +16,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
+from ..common.peers import RANK_UNIT, peer_table, rank_address
 from .expert_tiles import locate_first_tile, locate_tile
 from .gemm_phases import (
     STAGED_BYTES,
@@ -122,13 +123,16 @@ class EpilogueCrew:
 
     @cute.jit
     def look_up_targets(self, targets, lane, first_row, peer_rank_ptr, peer_token_idx_ptr):
-        """targets[r] = slot of routed row first_row + r, or -1 for padding; barriers on both sides."""
+        """targets[r] = (source rank, slot) of routed row first_row + r packed (RANK_UNIT), or -1
+        for padding; barriers on both sides."""
         rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(1 << 30))
         slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(1 << 30))
         cute.arch.barrier(barrier_id=TARGETS, number_of_threads=self.threads)
         for row in cutlass.range(lane, TILE_M, self.threads, unroll=1):
             targets[row] = cutlass.select_(
-                rank[first_row + row] >= 0, slot[first_row + row], Int32(-1)
+                rank[first_row + row] >= 0,
+                rank[first_row + row] * RANK_UNIT + slot[first_row + row],
+                Int32(-1),
             )
         cute.arch.barrier(barrier_id=TARGETS, number_of_threads=self.threads)
 
@@ -217,9 +221,29 @@ class EpilogueCrew:
 CREW = EpilogueCrew(first_warp=1, num_warps=3)
 
 
-def slot_stores(slots_ptr, peer_rank_ptr, peer_token_idx_ptr, row_size) -> dict:
-    """Crew store keywords (task_walk.store_phase) of 128 x 256 tiles to the slots of `slots_ptr`."""
+def slot_stores(slots_ptr, slots_table, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
+                row_size) -> dict:  # fmt: skip
+    """Crew store keywords (task_walk.store_phase) of 128 x 256 tiles whose rows are pushed to
+    their (token, j) slots on the source rank: `slots_ptr` bf16 [T * k, row_size] on this rank,
+    the address in `slots_table` (int64 [P]) on the others; padding rows are not stored."""
+    table = peer_table(slots_table)
+    row_bytes = cute.assume(Int64(row_size) * Int64(2), divby=4 * TILE_N)
     return dict(
-        tile_cols=2 * TILE_N, slots=(peer_rank_ptr, peer_token_idx_ptr), store_chunk=store_pair,
-        store_args=(slots_ptr, cute.assume(Int64(row_size), divby=2 * TILE_N)),
+        tile_cols=2 * TILE_N, slots=(peer_rank_ptr, peer_token_idx_ptr),
+        store_chunk=store_pair_to_slot, store_args=(slots_ptr, table, ep_rank, row_bytes),
     )  # fmt: skip
+
+
+@cute.jit
+def store_pair_to_slot(first, second, packed, chunk, first_col, slots_ptr, table, ep_rank,
+                       row_bytes):  # fmt: skip
+    """A `store_chunk` pushing two adjacent 128-column blocks of a row to its packed (rank, slot)
+    target. The source rank reads them after the group's end barrier, whose system-scope release
+    follows this kernel's end in stream order."""
+    base = rank_address(slots_ptr, table, ep_rank, Int32(packed // RANK_UNIT))
+    at = base + (packed % RANK_UNIT) * row_bytes + Int64(first_col + chunk * 8) * Int64(2)
+    first_ptr = cute.make_ptr(BFloat16, at, cute.AddressSpace.gmem, assumed_align=16)
+    second_ptr = cute.make_ptr(BFloat16, at + Int64(TILE_N * 2), cute.AddressSpace.gmem,
+                               assumed_align=16)  # fmt: skip
+    cute.make_tensor(first_ptr, cute.make_layout(8)).store(first)
+    cute.make_tensor(second_ptr, cute.make_layout(8)).store(second)

@@ -27,7 +27,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
-from ..common.params import bf16_pointer, fp32_pointer, placeholders
+from ..common.params import bf16_pointer, fp32_pointer, int64_pointer, placeholders
+from ..common.peers import peer_table
 from . import d_hidden_phase, d_x_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
@@ -86,6 +87,9 @@ PARAMS = (
     ("d_up_ptr", bf16_pointer),
     ("partials_ptr", fp32_pointer),
     ("slots_ptr", bf16_pointer),
+    ("dy_ptrs", int64_pointer),
+    ("weight_ptrs", int64_pointer),
+    ("slots_ptrs", int64_pointer),
     *WALK_PARAMS,
     ("weight_gemms", Int32(0)),
     *STEP_PARAMS,
@@ -150,6 +154,9 @@ class Sm90MoeBackward:
         d_up_ptr: cute.Pointer,
         partials_ptr: cute.Pointer,
         slots_ptr: cute.Pointer,
+        dy_ptrs: cute.Pointer,
+        weight_ptrs: cute.Pointer,
+        slots_ptrs: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -161,7 +168,7 @@ class Sm90MoeBackward:
         hidden_size: Int32,
         intermediate_size: Int32,
         topk: Int32,
-        num_src_rows: Int32,
+        ep_rank: Int32,
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
@@ -193,10 +200,11 @@ class Sm90MoeBackward:
             tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu,
             tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx,
             d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr, dy_ptr, weight_ptr, dy_routed_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
-            partials_ptr, slots_ptr, peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr,
+            partials_ptr, slots_ptr, dy_ptrs, weight_ptrs, slots_ptrs, peer_rank_ptr,
+            peer_token_idx_ptr, num_tokens_ptr,
             tokens_per_expert_ptr, counters_ptr, error_record_ptr, timeout_ns,
             num_experts,
-            hidden_size, intermediate_size, topk, num_src_rows, capacity, has_limit,
+            hidden_size, intermediate_size, topk, ep_rank, capacity, has_limit,
             swiglu_limit, weight_gemms, num_comm_ctas, minibatch_tiles,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
 
@@ -237,6 +245,9 @@ class Sm90MoeBackward:
         d_up_ptr: cute.Pointer,
         partials_ptr: cute.Pointer,
         slots_ptr: cute.Pointer,
+        dy_ptrs: cute.Pointer,
+        weight_ptrs: cute.Pointer,
+        slots_ptrs: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -248,7 +259,7 @@ class Sm90MoeBackward:
         hidden_size: Int32,
         intermediate_size: Int32,
         topk: Int32,
-        num_src_rows: Int32,
+        ep_rank: Int32,
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
@@ -305,9 +316,10 @@ class Sm90MoeBackward:
         # ---- dispatch: dY_e = bf16(w * dY), every thread of the dispatching CTAs ----
         if bidx < dispatchers:
             dispatch_rows(
-                dy_ptr, dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-                hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
-                dispatchers, weight_ptr,
+                (dy_ptr, peer_table(dy_ptrs), ep_rank),
+                dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
+                topk, capacity, dispatched, buffers[2], tidx, bidx, dispatchers,
+                (weight_ptr, peer_table(weight_ptrs)),
             )  # fmt: skip
             if tidx == 0:  # after dispatch_rows' CTA barriers and per-row-tile releases
                 red_add_release_gpu_s32(dispatch_total, Int32(1))
@@ -348,7 +360,8 @@ class Sm90MoeBackward:
                 stores = (
                     d_hidden_phase.crew_stores(d_gate_ptr, d_up_ptr, intermediate_size, dgu_done,
                                                dgu_total),
-                    slot_stores(slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size),
+                    slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
+                                hidden_size),
                 )  # fmt: skip
                 lane = tidx - 32 * CREW.first_warp
                 store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)

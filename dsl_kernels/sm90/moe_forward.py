@@ -26,7 +26,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
-from ..common.params import bf16_pointer, placeholders
+from ..common.params import bf16_pointer, int64_pointer, placeholders
+from ..common.peers import peer_table
 from . import down_phase, gate_up_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
@@ -61,6 +62,8 @@ PARAMS = (
     ("up_ptr", bf16_pointer),
     ("hidden_ptr", bf16_pointer),
     ("slots_ptr", bf16_pointer),
+    ("x_ptrs", int64_pointer),
+    ("slots_ptrs", int64_pointer),
     *WALK_PARAMS,
     *STEP_PARAMS,
 )
@@ -106,6 +109,8 @@ class Sm90MoeForward:
         up_ptr: cute.Pointer,
         hidden_ptr: cute.Pointer,
         slots_ptr: cute.Pointer,
+        x_ptrs: cute.Pointer,
+        slots_ptrs: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -117,7 +122,7 @@ class Sm90MoeForward:
         hidden_size: Int32,
         intermediate_size: Int32,
         topk: Int32,
-        num_src_rows: Int32,
+        ep_rank: Int32,
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
@@ -153,6 +158,8 @@ class Sm90MoeForward:
             up_ptr,
             hidden_ptr,
             slots_ptr,
+            x_ptrs,
+            slots_ptrs,
             peer_rank_ptr,
             peer_token_idx_ptr,
             num_tokens_ptr,
@@ -164,7 +171,7 @@ class Sm90MoeForward:
             hidden_size,
             intermediate_size,
             topk,
-            num_src_rows,
+            ep_rank,
             capacity,
             has_limit,
             swiglu_limit,
@@ -191,6 +198,8 @@ class Sm90MoeForward:
         up_ptr: cute.Pointer,
         hidden_ptr: cute.Pointer,
         slots_ptr: cute.Pointer,
+        x_ptrs: cute.Pointer,
+        slots_ptrs: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -202,7 +211,7 @@ class Sm90MoeForward:
         hidden_size: Int32,
         intermediate_size: Int32,
         topk: Int32,
-        num_src_rows: Int32,
+        ep_rank: Int32,
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
@@ -247,9 +256,9 @@ class Sm90MoeForward:
         dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
         if bidx < dispatchers:
             dispatch_rows(
-                x_ptr, x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total,
-                hidden_size, topk, num_src_rows, capacity, dispatched, buffers[2], tidx, bidx,
-                dispatchers,
+                (x_ptr, peer_table(x_ptrs), ep_rank),
+                x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
+                topk, capacity, dispatched, buffers[2], tidx, bidx, dispatchers,
             )  # fmt: skip
 
         if warpgroup == 0:
@@ -280,7 +289,8 @@ class Sm90MoeForward:
                     gate_up_phase.crew_stores(hidden_ptr, gate_ptr, up_ptr, intermediate_size,
                                               has_limit, swiglu_limit, CREW.release_row_tile,
                                               (hidden_done,)),
-                    slot_stores(slots_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size),
+                    slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
+                                hidden_size),
                 )  # fmt: skip
                 lane = tidx - 32 * CREW.first_warp
                 store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)

@@ -29,7 +29,7 @@ WALK_PARAMS = (
     ("hidden_size", Int32(0)),
     ("intermediate_size", Int32(0)),
     ("topk", Int32(1)),
-    ("num_src_rows", Int32(0)),
+    ("ep_rank", Int32(0)),
     ("capacity", Int32(0)),
     ("has_limit", Int32(0)),
     ("swiglu_limit", Float32(0.0)),

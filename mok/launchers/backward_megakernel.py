@@ -33,16 +33,22 @@ def routed_backward(
     num_comm_ctas: int = 0,
     minibatch_size: int | None = None,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    peers: tuple | None = None,
+    slots: torch.Tensor | None = None,
+    grid: int | None = None,
 ) -> tuple:
     """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) in one launch.
 
     grad_output bf16 [T, H]; router_weights fp32 [T, k]; x_routed bf16 [C, H], gate, up, hidden
     bf16 [C, I] (forward context); weights bf16 [E, I, H] (gate, up), [E, H, I] (down); `schedule`
-    this rank's MoKSchedule (group of one). Outputs: dy_e bf16 [C, H]; d_gate, d_up bf16 [C, I];
+    this rank's MoKSchedule. `peers` = (ep_rank, dY table, router-weight table, slots table), the
+    int64 [P] tables of every rank's buffers (None: a group of one): rows of other ranks' tokens
+    pull dY and w from their buffers and push d_x into their slots. Outputs: dy_e bf16 [C, H]; d_gate, d_up bf16 [C, I];
     router_partials fp32 [C, I / 128]; slots bf16 [T * k, H] (row t * k + j: token t's d_x through
     expert j). `weight_grads`: bf16 weight gradients, bitwise expert_gemm_bwd.weight_gradient's.
     `num_comm_ctas`: CTAs that dispatch while the rest compute (0: all dispatch first).
-    `minibatch_size` (routed rows; None: all) never changes the bits.
+    `minibatch_size` (routed rows; None: all) never changes the bits. `slots`: the d_x slots
+    buffer to push into (None: a new one); `grid`: CTAs (None: the SM count).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -76,7 +82,12 @@ def routed_backward(
         for _ in range(2)
     )
     partials = torch.empty(capacity, intermediate_size // 128, dtype=torch.float32, device=device)
-    slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
+    if slots is None:
+        slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
+    check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
+    ep_rank, dy_table, weight_table, slots_table = (
+        peers if peers is not None else (0,) + (None,) * 3
+    )
     d_weights = None
     if weight_grads:
         d_weights = [
@@ -96,7 +107,7 @@ def routed_backward(
     kernel = get_kernel(KERNEL, device=device)
     down_flat = (num_experts * hidden_size, intermediate_size)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
-    grid = sm_count(device)
+    grid = grid or sm_count(device)
     kernel.launch(
         (grid, 1, 1),
         {
@@ -123,6 +134,9 @@ def routed_backward(
             "d_up_ptr": d_up,
             "partials_ptr": partials,
             "slots_ptr": slots,
+            "dy_ptrs": dy_table,
+            "weight_ptrs": weight_table,
+            "slots_ptrs": slots_table,
             **walk_arguments(
                 schedule,
                 counters,
@@ -134,8 +148,51 @@ def routed_backward(
                 num_comm_ctas,
                 grid,
                 minibatch_tiles,
+                ep_rank,
             ),  # fmt: skip
             "weight_gemms": 3 if weight_grads else 0,
         },
     )
     return dy_e, d_gate, d_up, partials, slots, d_weights
+
+
+def push_router_grads(
+    partials: torch.Tensor,
+    schedule,
+    router_weights: torch.Tensor,
+    d_router: torch.Tensor,
+    *,
+    peers: tuple | None = None,
+) -> torch.Tensor:
+    """d_router fp32 [T, k] of this rank's tokens' slots that this rank's experts hold: each
+    routed row's sum_b partials[r, b] / w, pushed to its token's rank (kernel router_grad_push).
+    `router_weights` fp32 [T, k] and `d_router` are this rank's; `peers` = (ep_rank, router-weight
+    table, d_router table) or None (a group of one)."""
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    capacity, blocks = partials.shape
+    check_arg("router_weights", router_weights, torch.float32, tuple(router_weights.shape),
+              cuda=True, align=4)  # fmt: skip
+    check_arg("d_router", d_router, torch.float32, tuple(router_weights.shape), cuda=True, align=4)
+    ep_rank, weight_table, d_router_table = peers if peers is not None else (0, None, None)
+    if capacity == 0:
+        return d_router
+    kernel = get_kernel("router_grad_push", device=partials.device)
+    threads = int(kernel.variant.config["threads"])
+    kernel.launch(
+        (-(-capacity // threads), 1, 1),
+        {
+            "partials_ptr": partials,
+            "peer_rank_ptr": schedule.peer_rank,
+            "peer_token_idx_ptr": schedule.peer_token_idx,
+            "num_tokens_ptr": schedule.num_tokens,
+            "weight_ptr": router_weights,
+            "d_router_ptr": d_router,
+            "weight_ptrs": weight_table,
+            "d_router_ptrs": d_router_table,
+            "ep_rank": ep_rank,
+            "num_rows": capacity,
+            "blocks": blocks,
+        },
+    )
+    return d_router

@@ -1,4 +1,6 @@
-"""The GPU backward op (`mok.ops.backward`), EP group of one.
+"""The GPU backward op (`mok.ops.backward`).
+
+    EP > 1: dY and w into this rank's symmetric buffers, then the group's start barrier
 
 routed experts: the backward megakernel (backward_megakernel.py), bf16 weight gradients in the
                 same launch (fp32 main_grads: the accumulate kernel adds them instead)
@@ -12,10 +14,12 @@ from __future__ import annotations
 import torch
 
 from . import epilogues, expert_gemm_bwd
-from .backward_megakernel import routed_backward
-from .checks import check_macrobatch, require_group_of_one
+from .backward_megakernel import push_router_grads, routed_backward
+from .checks import check_gpu_layer, check_macrobatch
 from .device_args import TILE_ROWS
-from .rows import gather_routed_rows, pad_rows, scatter_to_slots
+from .forward_op import group_barrier
+from .peer_tables import peer_tables
+from .rows import pad_rows
 
 
 def _weight_gradient(a_rows, b_rows, tokens, main_grad):
@@ -56,7 +60,7 @@ def backward(
     shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
     minibatch_size, macrobatch_size, main_grads,
 ):  # fmt: skip
-    require_group_of_one(ws, "backward")
+    check_gpu_layer(ws, "backward")
     check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "backward")
     if routed_down.shape[2] % expert_gemm_bwd.N_ALIGNMENT:
         raise ValueError(
@@ -65,25 +69,36 @@ def backward(
         )
     x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
     num_tokens, topk = router_weights.shape
-    peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
+    tokens = schedule.tokens_per_expert
+    tables = peer_tables(ws)
+    peers = grad_peers = slots = None
+    d_router = torch.empty(num_tokens, topk, dtype=torch.float32, device=x.device)
+    if tables is not None:
+        ws.buffers["d_y_buffer"].copy_(grad_output)
+        ws.buffers["router_weight_buffer"].copy_(router_weights)
+        peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
+                 tables["d_x_routed_buffer"])  # fmt: skip
+        grad_peers = (ws.ep_rank, tables["router_weight_buffer"], tables["d_router_weight_buffer"])
+        slots = ws.buffers["d_x_routed_buffer"]
+        d_router = ws.buffers["d_router_weight_buffer"]
+    group_barrier(ws, "PEER_BARRIER_START")
 
-    # ---- routed experts (weight gradients in the same launch unless fp32 main_grads) ----
+    # ---- routed experts; the weight gradients in the same launch unless they go into fp32
+    # main_grads ----
     in_launch = all(g is None for g in main_grads[:3])
     dy_e, d_gate, d_up, partials, slots, routed_grads = routed_backward(
         grad_output, router_weights, schedule, x_routed, gate, up, hidden, routed_gate,
         routed_up, routed_down, swiglu_limit=swiglu_limit, weight_grads=in_launch,
         num_comm_ctas=bwd_num_comm_sms, minibatch_size=minibatch_size,
+        timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots, grid=ws.megakernel_ctas,
     )  # fmt: skip
+    push_router_grads(partials, schedule, router_weights, d_router, peers=grad_peers)
+    group_barrier(ws, "PEER_BARRIER_END")
     if not in_launch:
         routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden, tokens,
                                          main_grads[:3])  # fmt: skip
-    # d_router[t, j] = (sum_b partials[r, b]) / w[r], w gathered like dY with one "token" per slot
-    # (k = 1); padding rows (w = 0) give 0 and are never scattered.
-    w_routed = gather_routed_rows(router_weights.view(-1, 1), peer, slot, 1)
-    tiny = torch.finfo(torch.float32).tiny
-    d_router_routed = partials.sum(dim=1, keepdim=True) / w_routed.clamp_min(tiny)
-    d_router = scatter_to_slots(d_router_routed, peer, slot, num_tokens * topk)
-    d_router = d_router.view(num_tokens, topk)
+    if tables is not None:
+        d_router = d_router.clone()  # the buffer is the next call's
 
     # ---- shared expert ----
     # Distinct empty tensors: custom-op outputs may not alias each other.

@@ -11,6 +11,10 @@ MAX_ROWS = 1 << 30
 MAX_COLS = 1 << 16
 # The sm_90a GEMMs take two 128-column blocks of H a tile.
 HIDDEN_ALIGNMENT = 256
+# The kernels pack a routed row's (source rank, row) into one int32: rank * 2^24 + row
+# (dsl_kernels/common/peers.py).
+MAX_EP_SIZE = 127
+MAX_PACKED_ROWS = 1 << 24
 
 
 def check_arg(
@@ -72,18 +76,23 @@ def check_host(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple
     check_arg(name, tensor, dtype, shape, cuda=False)
 
 
-def require_group_of_one(ws, op: str) -> None:
-    """The GPU layer runs an EP group of one (with sm_90a's hidden_size alignment)."""
-    if ws.ep_size != 1:
-        raise MoKKernelUnavailableError(
-            f"mok.ops.{op} on CUDA with an EP group of {ws.ep_size}: the GPU megakernels run "
-            f"an EP group of one only (peers in the kernels are not built yet). CPU tensors "
-            f"run the reference path for any EP size."
-        )
+def check_gpu_layer(ws, op: str) -> None:
+    """The GPU layer's limits on a workspace: hidden_size aligned for the sm_90a GEMMs, and a
+    (rank, row) that packs into one int32."""
     if ws.hidden_size % HIDDEN_ALIGNMENT:
         raise ValueError(
-            f"hidden_size must be a multiple of {HIDDEN_ALIGNMENT} on the sm_90a "
-            f"kernel path, got {ws.hidden_size}"
+            f"hidden_size must be a multiple of {HIDDEN_ALIGNMENT} on the sm_90a kernel path "
+            f"(mok.ops.{op}), got {ws.hidden_size}"
+        )
+    if ws.ep_size > MAX_EP_SIZE:
+        raise MoKKernelUnavailableError(
+            f"mok.ops.{op} on CUDA with an EP group of {ws.ep_size}: the GPU kernels take EP "
+            f"groups of at most {MAX_EP_SIZE} ranks"
+        )
+    if ws.num_local_tokens * ws.topk >= MAX_PACKED_ROWS:
+        raise ValueError(
+            f"num_local_tokens * topk must be below {MAX_PACKED_ROWS} on the GPU path "
+            f"(mok.ops.{op}), got {ws.num_local_tokens} * {ws.topk}"
         )
 
 

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-# Default bound of every wait: long enough for a slow peer (another job's kernel, a debugger
-# attach), short enough that a lost peer becomes an error instead of a hang.
-DEFAULT_TIMEOUT_NS = 10_000_000_000
+from ..config import DEFAULT_WAIT_TIMEOUT_NS as DEFAULT_TIMEOUT_NS
+
 # Upper bound on the all-gather grid: small enough to be co-resident on any supported GPU
 # (so no CTA waits on a CTA that cannot be scheduled), large enough to keep NVLink busy.
 MAX_GATHER_CTAS = 64

@@ -28,13 +28,20 @@ def routed_forward(
     num_comm_ctas: int = 0,
     minibatch_size: int | None = None,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    peers: tuple | None = None,
+    slots: torch.Tensor | None = None,
+    grid: int | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """((x_routed, gate, up, hidden), slots) of the routed experts, in one launch.
+    """((x_routed, gate, up, hidden), slots) of this rank's routed experts, in one launch.
 
-    x bf16 [T, H]; weights bf16 [E, I, H] (gate, up), [E, H, I] (down); `schedule` this rank's
-    MoKSchedule (group of one). slots bf16 [T * k, H]: row t * k + j is token t's j-th expert
-    output. `num_comm_ctas`: CTAs that dispatch while the rest compute (0: all dispatch first).
-    `minibatch_size` (routed rows; None: all) never changes the bits.
+    x bf16 [T, H]; weights bf16 [E, I, H] (gate, up), [E, H, I] (down) of the local experts;
+    `schedule` this rank's MoKSchedule. slots bf16 [T * k, H] (`slots`, or a new tensor): row
+    t * k + j is token t's j-th expert output. `peers` = (ep_rank, x table, slots table), the
+    int64 [P] tables of every rank's x and slots buffers (None: a group of one): rows of other
+    ranks' tokens are pulled from their x buffers and pushed into their slots buffers.
+    `num_comm_ctas`: CTAs that dispatch while the rest compute (0: all dispatch first).
+    `minibatch_size` (routed rows; None: all) never changes the bits. `grid`: CTAs (None: the
+    SM count).
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -60,14 +67,17 @@ def routed_forward(
         torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
         for _ in range(3)
     )
-    slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
+    if slots is None:
+        slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
+    check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
+    ep_rank, x_table, slots_table = peers if peers is not None else (0, None, None)
     if capacity == 0 or num_experts == 0 or num_tokens == 0:
         return (x_routed, gate, up, hidden), slots
     # dispatched[m], hidden_done[m] per 128-row tile, then the task ticket.
     counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 1, dtype=torch.int32, device=device)
     kernel = get_kernel(KERNEL, device=device)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
-    grid = sm_count(device)
+    grid = grid or sm_count(device)
     kernel.launch(
         (grid, 1, 1),
         {
@@ -84,6 +94,8 @@ def routed_forward(
             "up_ptr": up,
             "hidden_ptr": hidden,
             "slots_ptr": slots,
+            "x_ptrs": x_table,
+            "slots_ptrs": slots_table,
             **walk_arguments(
                 schedule,
                 counters,
@@ -95,6 +107,7 @@ def routed_forward(
                 num_comm_ctas,
                 grid,
                 minibatch_tiles,
+                ep_rank,
             ),  # fmt: skip
         },
     )

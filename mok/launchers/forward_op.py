@@ -1,21 +1,28 @@
-"""The GPU forward op (`mok.ops.forward`) and the recomputed forward context, EP group of one.
+"""The GPU forward op (`mok.ops.forward`) and the recomputed forward context.
 
-    routed experts: the forward megakernel (forward_megakernel.py)
+    EP > 1: x into this rank's symmetric x buffer, then the group's start barrier
+    routed experts: the forward megakernel (forward_megakernel.py): rows pulled from their
+                    token's rank, gate/up + SwiGLU, down rows pushed to their (token, j) slot
+                    on their token's rank, in one launch
+    EP > 1: the group's end barrier (every rank's pushes into this rank's slots are done)
     shared expert:  expert_gemm's gate/up and down on one 'expert' of T rows (padded to 128)
     out = y_shared + sum_j w[t, j] * slots[t * k + j]  (fixed j order)   moe_combine_forward
 
-The recomputed context runs the gather and gate/up as separate kernels. Current stream, no host
-sync; every step is deterministic (no atomics, no split-K).
+The recomputed context pulls the rows with the gather kernel and runs the same gate/up tiles
+as separate kernels. All launches go on the current stream with no host sync; every step is
+deterministic (no atomics on values, no split-K, each output element written by one thread in
+a fixed order), so results are bitwise identical run to run and across EP sizes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import dispatch, epilogues, expert_gemm
-from .checks import check_macrobatch, require_group_of_one
+from . import comm, dispatch, epilogues, expert_gemm
+from .checks import check_gpu_layer, check_macrobatch
 from .device_args import TILE_ROWS
 from .forward_megakernel import routed_forward
+from .peer_tables import peer_tables
 from .rows import pad_rows
 
 
@@ -34,16 +41,40 @@ def _shared(x, gate_w, up_w, down_w, limit):
     return gate[:num_tokens], up[:num_tokens], hidden[:num_tokens], y
 
 
+def group_barrier(ws, phase_name: str) -> None:
+    """The EP group's device barrier (nothing for a group of one)."""
+    from mok.runtime import WaitPhase  # noqa: PLC0415
+
+    if ws.ep_size > 1:
+        comm.ep_barrier(ws, phase=WaitPhase[phase_name], timeout_ns=ws.wait_timeout_ns)
+
+
+def publish_x(ws, x, tables) -> None:
+    """EP > 1: x into this rank's symmetric x buffer, then the start barrier: peers pull from
+    it once every rank has arrived."""
+    if tables is not None:
+        ws.buffers["x_buffer"].copy_(x)
+    group_barrier(ws, "PEER_BARRIER_START")
+
+
 def forward(
     ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
     routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
 ):  # fmt: skip
-    require_group_of_one(ws, "forward")
+    check_gpu_layer(ws, "forward")
     check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "forward")
+    tables = peer_tables(ws)
+    publish_x(ws, x, tables)
+    peers, slots = None, None
+    if tables is not None:
+        peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
+        slots = ws.buffers["combine_buffer"]
     routed_ctx, slots = routed_forward(
         x, schedule, ws.topk, routed_gate, routed_up, routed_down, swiglu_limit=swiglu_limit,
         num_comm_ctas=fwd_num_comm_sms, minibatch_size=minibatch_size,
+        timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots, grid=ws.megakernel_ctas,
     )  # fmt: skip
+    group_barrier(ws, "PEER_BARRIER_END")
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
     if shared_gate is not None:
@@ -55,9 +86,13 @@ def forward(
 def recompute_forward_context(
     ws, schedule, x, shared_gate, shared_up, routed_gate, routed_up, swiglu_limit
 ):
-    require_group_of_one(ws, "recompute_forward_context")
+    check_gpu_layer(ws, "recompute_forward_context")
+    tables = peer_tables(ws)
+    publish_x(ws, x, tables)
+    peers = None if tables is None else (ws.ep_rank, tables["x_buffer"])
     x_routed = dispatch.gather_rows(x, schedule.peer_rank, schedule.peer_token_idx,
-                                    schedule.num_tokens, ws.topk)  # fmt: skip
+                                    schedule.num_tokens, ws.topk, peers=peers)  # fmt: skip
+    group_barrier(ws, "PEER_BARRIER_END")
     gate, up, hidden = expert_gemm.gate_up_swiglu(
         x_routed, routed_gate, routed_up, schedule.tokens_per_expert, swiglu_limit=swiglu_limit
     )

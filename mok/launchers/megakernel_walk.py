@@ -17,7 +17,7 @@ def minibatch_row_tiles(minibatch_size: int | None, capacity: int) -> int:
 
 def walk_arguments(
     schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit, num_comm_ctas, grid,
-    minibatch_tiles,
+    minibatch_tiles, ep_rank=0,
 ) -> dict:  # fmt: skip
     """`rows`: the dispatch source [T, H]; `gate_weights` [E, I, H]; at most grid - 1 comm CTAs."""
     return {
@@ -32,7 +32,7 @@ def walk_arguments(
         "hidden_size": rows.shape[1],
         "intermediate_size": gate_weights.shape[1],
         "topk": topk,
-        "num_src_rows": rows.shape[0],
+        "ep_rank": ep_rank,
         "capacity": schedule.peer_rank.shape[0],
         "has_limit": int(swiglu_limit is not None),
         "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),

@@ -8,9 +8,15 @@ import torch
 from mok import functional as F
 from mok.launchers import expert_gemm_bwd
 from mok.launchers.backward_megakernel import routed_backward
-from mok.launchers.rows import scatter_to_slots
 
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
+
+
+def scatter_to_slots(y, peer_rank, peer_token_idx, num_slots):
+    """slots[peer_token_idx[r]] = y[r] for every real row r (each slot once); padding dropped."""
+    keys = torch.where(peer_rank >= 0, peer_token_idx, num_slots).long()
+    out = y.new_empty(num_slots + 1, *y.shape[1:])
+    return out.index_copy_(0, keys, y)[:num_slots]
 
 
 def megakernel_and_kernels_backward(inputs, num_experts, limit):

@@ -1,0 +1,119 @@
+"""The router-weight gradient of each routed row, pushed to the rank that owns its token."""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from .args import global_pointer
+from .peers import peer_table, rank_address
+
+# The smallest normal fp32: a router weight is > 0 (checked on the device), so this only
+# keeps a padding row's 0 / 0 out of the arithmetic.
+FP32_TINY = 1.1754943508222875e-38
+
+
+@dataclass(frozen=True)
+class RouterGradPush:
+    """For every routed row r < num_tokens with peer_rank[r] >= 0:
+
+        d_router[p][peer_token_idx[r]] = (sum_{b=0..blocks-1} partials[r, b]) / max(w, tiny)
+        w = router_weights[p][peer_token_idx[r]],  p = peer_rank[r]
+
+    `partials` hold <dY_e, y> = w * <dY, y> per 128-column block (the d_hidden epilogue's), so
+    the quotient is <dY, y>. The sum runs in increasing b, one thread per row: the same bits on
+    every rank and EP size. router_weights[p] and d_router[p] (fp32 [T * k]) are this rank's
+    `weight_ptr` / `d_router_ptr` for p == ep_rank and the peer tables' addresses (int64 [P])
+    otherwise. The pushed values are read by their rank after the group's end barrier.
+
+    Kernel parameters, in order: `partials_ptr` fp32 [num_rows, blocks], `peer_rank_ptr`,
+    `peer_token_idx_ptr` int32 [num_rows], `num_tokens_ptr` int32 [1], `weight_ptr`,
+    `d_router_ptr`, `weight_ptrs`, `d_router_ptrs`, `ep_rank`, `num_rows`, `blocks`. Launch:
+    grid (ceil(num_rows / threads), 1, 1), block (threads, 1, 1).
+    """
+
+    threads: int = 128
+
+    def validate(self) -> None:
+        if self.threads not in (64, 128, 256):
+            raise ValueError(f"threads must be one of 64, 128, 256, got {self.threads}")
+
+    def compile_arguments(self) -> tuple:
+        return (
+            global_pointer(Float32, 4),  # partials_ptr
+            global_pointer(Int32, 4),  # peer_rank_ptr
+            global_pointer(Int32, 4),  # peer_token_idx_ptr
+            global_pointer(Int32, 4),  # num_tokens_ptr
+            global_pointer(Float32, 4),  # weight_ptr
+            global_pointer(Float32, 4),  # d_router_ptr
+            global_pointer(Int64, 8),  # weight_ptrs
+            global_pointer(Int64, 8),  # d_router_ptrs
+            Int32(0),  # ep_rank
+            Int32(0),  # num_rows
+            Int32(1),  # blocks
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        partials_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
+        num_tokens_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        d_router_ptr: cute.Pointer,
+        weight_ptrs: cute.Pointer,
+        d_router_ptrs: cute.Pointer,
+        ep_rank: Int32,
+        num_rows: Int32,
+        blocks: Int32,
+    ):
+        self.kernel(
+            partials_ptr, peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr, weight_ptr,
+            d_router_ptr, weight_ptrs, d_router_ptrs, ep_rank, num_rows, blocks,
+        ).launch(grid=[(num_rows + self.threads - 1) // self.threads, 1, 1],
+                 block=[self.threads, 1, 1])  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        partials_ptr: cute.Pointer,
+        peer_rank_ptr: cute.Pointer,
+        peer_token_idx_ptr: cute.Pointer,
+        num_tokens_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        d_router_ptr: cute.Pointer,
+        weight_ptrs: cute.Pointer,
+        d_router_ptrs: cute.Pointer,
+        ep_rank: Int32,
+        num_rows: Int32,
+        blocks: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        row = bidx * self.threads + tidx
+        rows = cutlass.min(num_rows, cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0])
+        rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(num_rows))
+        slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(num_rows))
+        partials = cute.make_tensor(partials_ptr, cute.make_layout((num_rows, blocks),
+                                                                   stride=(blocks, 1)))  # fmt: skip
+        weight_table = peer_table(weight_ptrs)
+        d_router_table = peer_table(d_router_ptrs)
+        if row < rows:
+            peer = rank[row]
+            if peer >= 0:
+                total = Float32(0.0)
+                for b in cutlass.range(blocks, unroll=1):
+                    total = total + partials[row, b]
+                offset = Int64(slot[row]) * Int64(4)
+                w_base = rank_address(weight_ptr, weight_table, ep_rank, peer)
+                d_base = rank_address(d_router_ptr, d_router_table, ep_rank, peer)
+                w_ptr = cute.make_ptr(Float32, w_base + offset, cute.AddressSpace.gmem,
+                                      assumed_align=4)  # fmt: skip
+                w = cute.make_tensor(w_ptr, cute.make_layout(1))[0]
+                d_ptr = cute.make_ptr(Float32, d_base + offset, cute.AddressSpace.gmem,
+                                      assumed_align=4)  # fmt: skip
+                cute.make_tensor(d_ptr, cute.make_layout(1))[0] = total / cutlass.max(
+                    w, Float32(FP32_TINY)
+                )

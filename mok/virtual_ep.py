@@ -1,0 +1,128 @@
+"""A virtual EP group: P logical expert-parallel ranks in one process on one GPU.
+
+Each rank has its own workspace (plain allocations on the one GPU) whose peer tables point at
+the other ranks' buffers, its own CUDA stream, and a megakernel grid of SM count // P CTAs, so
+the P ranks run side by side. The ranks go through the same kernels and the same launch code
+as real ranks; only the allocation and the peer tables differ. It proves the EP protocol
+(pull dispatch, push combine, device barriers) on one GPU; it cannot show NVLink's timing or
+memory ordering between GPUs.
+
+    group = VirtualEPGroup(4)
+    workspaces = group.workspaces(config, num_local_tokens=T, hidden_size=H, topk=k,
+                                  num_local_experts=E // 4)
+    outs = group.run(lambda rank: forward_of(rank, workspaces[rank]))
+    group.synchronize()
+
+`run(fn)` calls fn(rank) for every rank in turn with that rank's stream current. Ops of one
+rank must not wait on the host for another rank's work (no `.item()` in `fn`): the host
+issues rank 0's ops before rank 1's, and a cross-rank device wait resolves only once every
+rank's ops are queued.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import MoKConfig
+from .validation import check_int, check_type
+from .workspace import _create
+
+# CUDA's default for CUDA_DEVICE_MAX_CONNECTIONS: more streams than this share hardware queues.
+DEFAULT_MAX_CONNECTIONS = 8
+
+
+class VirtualEPGroup:
+    """P logical EP ranks on one CUDA device (see the module docstring)."""
+
+    def __init__(self, size: int, device: torch.device | str | None = None):
+        check_int("size", size, minimum=1)
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "a VirtualEPGroup needs a CUDA device; torch.cuda.is_available() is False"
+            )
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        device = torch.device(device) if isinstance(device, str) else device
+        check_type("device", device, torch.device)
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {device}")
+        connections = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS))
+        if connections < size:
+            raise ValueError(
+                f"CUDA_DEVICE_MAX_CONNECTIONS is {connections}, below the group size {size}: the "
+                f"ranks' streams would share hardware queues and serialise (set it to >= {size} "
+                f"before CUDA is initialised)"
+            )
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if sms // size < 1:
+            raise ValueError(
+                f"size must be at most the SM count ({sms}) so every rank's megakernel has a CTA "
+                f"resident at once, got {size}"
+            )
+        self.size = size
+        self.device = device
+        self.megakernel_ctas = sms // size
+        self.streams = [torch.cuda.Stream(device) for _ in range(size)]
+
+    def workspaces(
+        self,
+        config: MoKConfig,
+        *,
+        num_local_tokens: int,
+        hidden_size: int,
+        topk: int,
+        num_local_experts: int | None = None,
+    ) -> list:
+        """One MoKWorkspace per rank, each rank's peer tables pointing at every rank's
+        buffers. Destroy them with `ws.destroy()` on each."""
+        check_type("config", config, MoKConfig)
+        config.validate()
+        capacity = config.schedule_capacity(
+            num_local_tokens=num_local_tokens, topk=topk, ep_size=self.size,
+            num_local_experts=num_local_experts or 0,
+        )  # fmt: skip
+        spaces = [
+            _create(
+                None,
+                rank,
+                self.size,
+                self.device,
+                num_local_tokens,
+                hidden_size,
+                topk,
+                capacity,
+                plain=True,
+            )  # fmt: skip
+            for rank in range(self.size)
+        ]
+        for ws in spaces:
+            ws.megakernel_ctas = self.megakernel_ctas
+            ws.peer_ptrs = {
+                name: [other.buffers[name].data_ptr() for other in spaces] for name in ws.buffers
+            }
+        torch.cuda.synchronize(
+            self.device
+        )  # the buffers' initial fill, before any stream uses them
+        return spaces
+
+    def run(self, fn) -> list:
+        """[fn(rank) for each rank], each call with that rank's stream current."""
+        caller = torch.cuda.current_stream(self.device)
+        results = []
+        for rank in range(self.size):
+            stream = self.streams[rank]
+            stream.wait_stream(caller)  # the caller's inputs are ready before a rank reads them
+            with torch.cuda.stream(stream):
+                results.append(fn(rank))
+        return results
+
+    def join(self) -> None:
+        """Make the caller's current stream wait for every rank's queued work (no host sync)."""
+        caller = torch.cuda.current_stream(self.device)
+        for stream in self.streams:
+            caller.wait_stream(stream)
+
+    def synchronize(self) -> None:
+        for stream in self.streams:
+            stream.synchronize()
