@@ -335,6 +335,11 @@ def check_errors(workspace: MoKWorkspace) -> None:
     from . import launchers  # noqa: PLC0415 - CUDA only
     from .validation import raise_deferred_value_errors  # noqa: PLC0415
 
-    raise_deferred_value_errors(wait=True)
-    launchers.raise_pending_errors(workspace, wait=True)
+    try:
+        raise_deferred_value_errors(wait=True)
+        launchers.raise_pending_errors(workspace, wait=True)
+    except RuntimeError:
+        # A trapped kernel fails every sync: report the wait that gave up, if one did.
+        launchers.check_errors(workspace.device)
+        raise
     launchers.check_errors(workspace.device)

@@ -1,8 +1,9 @@
 """A virtual EP group: P logical expert-parallel ranks in one process on one GPU.
 
 Each rank has its own workspace (plain allocations on the one GPU) whose peer tables point at
-the other ranks' buffers, its own CUDA stream, and a megakernel grid of SM count // P CTAs, so
-the P ranks run side by side. The ranks go through the same kernels and the same launch code
+the other ranks' buffers, its own CUDA stream, and a megakernel grid of (SM count - P) // P
+CTAs, so the P ranks' megakernels and their P barrier kernels are resident side by side (the
+megakernels need every CTA resident: a rank's dispatch is split over all its CTAs). The ranks go through the same kernels and the same launch code
 as real ranks; only the allocation and the peer tables differ. It proves the EP protocol
 (pull dispatch, push combine, device barriers) on one GPU; it cannot show NVLink's timing or
 memory ordering between GPUs.
@@ -27,9 +28,10 @@ import torch
 
 from .config import MoKConfig
 from .validation import check_int, check_type
-from .workspace import _create
+from .workspace import _create, upload_peer_tables
 
 # CUDA's default for CUDA_DEVICE_MAX_CONNECTIONS: more streams than this share hardware queues.
+# It is read when CUDA initialises, so it must be set before.
 DEFAULT_MAX_CONNECTIONS = 8
 
 
@@ -48,21 +50,25 @@ class VirtualEPGroup:
         if device.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {device}")
         connections = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS))
-        if connections < size:
+        if size > 1 and connections <= size:
             raise ValueError(
-                f"CUDA_DEVICE_MAX_CONNECTIONS is {connections}, below the group size {size}: the "
-                f"ranks' streams would share hardware queues and serialise (set it to >= {size} "
-                f"before CUDA is initialised)"
+                f"CUDA_DEVICE_MAX_CONNECTIONS is {connections}, not above the group size {size}: "
+                f"the ranks' streams and the caller's would share hardware queues, and a rank "
+                f"queued behind a peer's barrier waits for ever (set it to >= {size + 1} before "
+                f"CUDA is initialised)"
             )
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if sms // size < 1:
+        if size > 1 and (sms - size) // size < 1:
             raise ValueError(
-                f"size must be at most the SM count ({sms}) so every rank's megakernel has a CTA "
-                f"resident at once, got {size}"
+                f"size must leave every rank's megakernel at least one CTA beside the P barrier "
+                f"CTAs on the {sms} SMs (size <= {sms // 2}), got {size}"
             )
         self.size = size
         self.device = device
-        self.megakernel_ctas = sms // size
+        # A megakernel whose CTAs are not all resident can wait for ever on rows a non-resident
+        # CTA dispatches; each rank's spinning barrier kernel may hold an SM of its own. So
+        # P megakernels plus P barrier CTAs fit at once.
+        self.megakernel_ctas = sms if size == 1 else (sms - size) // size
         self.streams = [torch.cuda.Stream(device) for _ in range(size)]
 
     def workspaces(
@@ -101,9 +107,10 @@ class VirtualEPGroup:
             ws.peer_ptrs = {
                 name: [other.buffers[name].data_ptr() for other in spaces] for name in ws.buffers
             }
-        torch.cuda.synchronize(
-            self.device
-        )  # the buffers' initial fill, before any stream uses them
+            upload_peer_tables(ws)
+        _prepare(spaces)
+        # The buffers' initial fill, before any rank's stream uses them.
+        torch.cuda.synchronize(self.device)
         return spaces
 
     def run(self, fn) -> list:
@@ -126,3 +133,26 @@ class VirtualEPGroup:
     def synchronize(self) -> None:
         for stream in self.streams:
             stream.synchronize()
+
+
+# Every kernel a layer step runs: loaded now, since a module load or a blocking host copy
+# issued while one rank's stream waits for a peer not yet queued would wait for ever.
+LAYER_KERNELS = (
+    "all_gather_top_experts", "schedule_histogram", "schedule_scan", "schedule_place",
+    "ep_barrier", "moe_forward", "moe_backward", "router_grad_push", "gather_rows",
+    "expert_gemm_gate_up_swiglu", "expert_gemm_down", "expert_gemm_bwd_d_hidden_swiglu",
+    "expert_gemm_bwd_d_x", "expert_gemm_bwd_weights_bf16", "expert_gemm_bwd_weights_accumulate",
+    "moe_combine_forward", "moe_combine_backward",
+)  # fmt: skip
+
+
+def _prepare(spaces) -> None:
+    """The one-time setup each rank's first ops would otherwise do mid-step: the comm state
+    (error record, barrier tables) and the kernels' modules."""
+    from .launchers import comm  # noqa: PLC0415
+    from .runtime import get_kernel  # noqa: PLC0415
+
+    for ws in spaces:
+        comm.prepare(ws)
+    for name in LAYER_KERNELS:
+        get_kernel(name, device=spaces[0].device)

@@ -55,6 +55,9 @@ class MoKWorkspace:
     wait_timeout_ns: int = DEFAULT_WAIT_TIMEOUT_NS
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     peer_ptrs: dict[str, list[int]] = field(default_factory=dict)
+    # EP > 1 on CUDA: each buffer's peer_ptrs as a device int64 [P] table, uploaded when the
+    # workspace is made (a blocking copy later could wait behind a peer's barrier).
+    peer_tables: dict[str, torch.Tensor] = field(default_factory=dict)
     _handles: dict[str, object] = field(default_factory=dict, repr=False)
     destroyed: bool = False
 
@@ -95,6 +98,7 @@ class MoKWorkspace:
             dist.barrier(group=self.group)
         self.buffers.clear()
         self.peer_ptrs.clear()
+        self.peer_tables.clear()
         self._handles.clear()
         self.destroyed = True
         _LIVE.pop(self.handle, None)
@@ -258,5 +262,14 @@ def _create(
         ws.buffers[name] = buf
     if symmetric:
         dist.barrier(group=group)
+        upload_peer_tables(ws)
     _LIVE[ws.handle] = ws
     return ws
+
+
+def upload_peer_tables(ws: MoKWorkspace) -> None:
+    """ws.peer_tables from ws.peer_ptrs (one-time setup, outside graph capture)."""
+    ws.peer_tables = {
+        name: torch.tensor(pointers, dtype=torch.int64, device=ws.device)
+        for name, pointers in ws.peer_ptrs.items()
+    }

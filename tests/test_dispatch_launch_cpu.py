@@ -174,3 +174,47 @@ def test_minibatch_row_tiles_caps():
     assert minibatch_row_tiles(None, 1000) == 8  # all of it: ceil(1000 / 128)
     assert minibatch_row_tiles(256, 1000) == 2
     assert minibatch_row_tiles(131072, 1000) == 8  # at most the routed buffer
+
+
+def test_router_grad_push_launch_packs(monkeypatch, kernels):
+    from mok import reference as R
+    from mok.launchers import backward_megakernel
+
+    monkeypatch.setattr(backward_megakernel, "check_arg", lambda *a, **k: None)
+    t, k, e = 256, 2, 4
+    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
+                               capacity=t * k + e * 128)  # fmt: skip
+    partials = torch.zeros(schedule.capacity, 4)
+    w, d_router = torch.ones(t, k), torch.zeros(t, k)
+    tables = torch.zeros(2, dtype=torch.int64)
+    backward_megakernel.push_router_grads(
+        partials, schedule, w, d_router, peers=(1, tables, tables)
+    )
+    ((grid, args),) = kernels["router_grad_push"].launches
+    assert grid == (-(-schedule.capacity // 128), 1, 1)
+    assert args["ep_rank"] == 1 and args["blocks"] == 4 and args["num_rows"] == schedule.capacity
+
+
+def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):
+    from mok import reference as R
+    from mok.launchers import device_args, megakernel_walk
+    from mok.launchers import forward_megakernel as moe_forward
+
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(moe_forward, "check_cuda", lambda *a, **k: None)
+    device_args.clear_descriptor_cache()
+    t, h, i, e, k = 256, 256, 128, 4, 2
+    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
+                               capacity=t * k + e * 128)  # fmt: skip
+    x = torch.zeros(t, h, dtype=torch.bfloat16)
+    gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
+    down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
+    x_table, slots_table = torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.int64)
+    slots = torch.zeros(t * k, h, dtype=torch.bfloat16)
+    _, got = moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w,
+                                        peers=(3, x_table, slots_table), slots=slots,
+                                        grid=32)  # fmt: skip
+    device_args.clear_descriptor_cache()
+    ((grid, args),) = kernels["moe_forward"].launches
+    assert got is slots and grid == (32, 1, 1) and args["ep_rank"] == 3
+    assert args["x_ptrs"] is x_table and args["slots_ptrs"] is slots_table

@@ -113,6 +113,8 @@ def emulate_schedule(ids: torch.Tensor, *, ep_rank: int, num_local_experts: int,
     if overflow:
         peer_rank[:] = -1
         peer_token[:] = -1
+        tokens_per_expert.zero_()
+        num_tokens.zero_()
     else:
         # ---- phase 2: padding rows of each segment (q = e * 128 + i), then the tail ----
         q = torch.arange(num_experts * ROUTED_ROW_ALIGNMENT)
@@ -245,9 +247,11 @@ def test_emulation_overflow(capacity_rows):
     peer_rank, peer_token, num_tokens, tokens_per_expert, status = emulate_schedule(
         ids, ep_rank=0, num_local_experts=8, capacity=capacity_rows
     )
-    total = int(num_tokens)
+    total = int(status[1])
     assert status.tolist() == [1, total, 0, capacity_rows] and total > capacity_rows
     assert bool((peer_rank == -1).all()) and bool((peer_token == -1).all())
+    # No row to run: the layer's kernels walk nothing past the capacity.
+    assert int(num_tokens) == 0 and int(tokens_per_expert.sum()) == 0
     with pytest.raises(ValueError) as raised:
         raise ValueError(launcher.overflow_message(0, total, capacity_rows))
     assert str(raised.value) == str(error)

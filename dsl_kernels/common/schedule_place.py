@@ -50,8 +50,9 @@ class SchedulePlace:
       step with the same expert. So rows follow the flat entry index (rank, then t * k + j),
       whatever order CTAs and warps run in.
     If total > C (capacity overflow) nothing is placed: every row 0 .. C - 1 of peer_rank and
-    peer_token_idx is -1, num_tokens holds the true total and status[0] = 1; the host reads
-    the status at its next sync (mok.launchers.schedule.check_schedule).
+    peer_token_idx is -1, num_tokens and tokens_per_expert are 0 (the layer's kernels run no
+    row), status = [1, the true total, ...]; the host reads the status at its next sync
+    (mok.launchers.schedule_kernels.check_schedule).
 
     Constraints (the launcher checks them; the kernel does not):
     - 1 <= E <= 1024; 0 <= num_entries = P * entries_per_rank < 2^31; C + E * 128 < 2^31.
@@ -157,16 +158,17 @@ class SchedulePlace:
             total = total + warp_rows
             if w < warp:
                 row = row + warp_rows  # ... plus the rows of the warps before
+        overflow = total > capacity
         for i in cutlass.range_constexpr(EXPERTS_PER_THREAD):
             e = first_expert + i
             padded = round_up_rows(sCount[e])
             sStart[e] = row
             if chunk == 0 and e < num_experts:
-                mTokensPerExpert[e] = padded
+                # An overflowed schedule holds no rows: no kernel walks past the capacity.
+                mTokensPerExpert[e] = cutlass.select_(overflow, Int32(0), padded)
             row = row + padded
-        overflow = total > capacity
         if chunk == 0 and tidx == 0:
-            mNumTokens[0] = total
+            mNumTokens[0] = cutlass.select_(overflow, Int32(0), total)
             mStatus[0] = Int32(overflow)
             mStatus[1] = total
             mStatus[2] = ep_rank

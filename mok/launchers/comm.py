@@ -91,6 +91,8 @@ def _state(workspace) -> _CommState:
     if state is None:
 
         def table(name: str) -> torch.Tensor:
+            if name in workspace.peer_tables:  # uploaded with the workspace
+                return workspace.peer_tables[name]
             pointers = workspace.peer_ptrs[name]
             if len(pointers) != workspace.ep_size:
                 raise ValueError(
@@ -122,6 +124,12 @@ def _state(workspace) -> _CommState:
         get_error_record(workspace.device)  # made here, outside capture
         setattr(workspace, _STATE_ATTRIBUTE, state)
     return state
+
+
+def prepare(workspace) -> None:
+    """Do a workspace's one-time comm setup now (error record, barrier and gather tables),
+    outside graph capture and before any rank's stream can wait on a peer."""
+    _state(workspace)
 
 
 def _as_int32_bits(value: int) -> int:

@@ -17,7 +17,7 @@ def build_schedule(
 ):
     raise_pending_errors(ws, wait=False)
     config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
-    gathered = comm.all_gather_top_experts(ws, config, top_experts)
+    gathered = comm.all_gather_top_experts(ws, config, top_experts, timeout_ns=ws.wait_timeout_ns)
     peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status = (
         schedule_kernels.build_schedule_gpu(
             gathered, ep_rank=ws.ep_rank, num_local_experts=num_local_experts, capacity=capacity

@@ -131,11 +131,12 @@ def test_overflow_raises_and_writes_nothing_out_of_bounds(capacity):
     assert str(raised.value) == str(expected.value)
     for buffer in buffers:  # the guards on both sides are untouched
         assert bool((buffer[:GUARD] == POISON).all()) and bool((buffer[-GUARD:] == POISON).all())
-    # Documented overflow state: no row placed, every row -1, the true padded total reported.
+    # Documented overflow state: no row placed, every row -1, no row to run, the true padded
+    # total in the status.
     assert bool((outs[0] == -1).all()) and bool((outs[1] == -1).all())
-    total = int(outs[2])
-    assert total > capacity and int(outs[3].sum()) == total
-    assert outs[4].tolist() == [1, total, 0, capacity]
+    assert int(outs[2]) == 0 and int(outs[3].sum()) == 0
+    total = int(outs[4][1])
+    assert total > capacity and outs[4].tolist() == [1, total, 0, capacity]
 
 
 def test_cuda_graph_replay_equals_eager():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mok import functional as F
-from mok.testing import make_inputs, oracle_errors, rank_inputs, run_layer_step
+from mok.testing import make_inputs, oracle_errors, rank_inputs, rel_error, run_layer_step
 from mok.virtual_ep import VirtualEPGroup
 
 pytestmark = [
@@ -70,14 +70,35 @@ def assert_equal_to_group_of_one(inputs, num_experts, size, limit=None, check_or
         if expected[index] is None or expected[index].numel() == 0:
             continue
         total = sum(r[index].float() for r in ranks)
-        assert torch.allclose(total, expected[index].float(), rtol=2e-2, atol=2e-3), NAMES[index]
+        assert rel_error(total, expected[index].float()) < 1e-2, NAMES[index]
 
 
-@pytest.mark.parametrize("size", [2, 4, 8])
+@pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("shared", [False, True])
 def test_virtual_group_is_bitwise_the_group_of_one(size, shared):
     inputs = make_inputs(2048, 512, 512, 16, 4, shared=shared, seed=size, device=CUDA)
     assert_equal_to_group_of_one(inputs, 16, size, check_oracle=size == 2)
+
+
+def test_eight_ranks_in_a_process_with_enough_connections():
+    # Eight rank streams and the caller's need CUDA_DEVICE_MAX_CONNECTIONS > 8, set before
+    # CUDA initialises: a fresh process.
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, "tests/gpu")
+        import torch
+        from mok.testing import make_inputs
+        from test_virtual_ep_gpu import assert_equal_to_group_of_one
+        inputs = make_inputs(2048, 512, 512, 16, 4, shared=True, seed=8, device="cuda")
+        assert_equal_to_group_of_one(inputs, 16, 8)
+        print("EIGHT RANKS OK")
+        """
+    )
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="16")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=240, env=env)  # fmt: skip
+    assert "EIGHT RANKS OK" in done.stdout, (done.stdout + done.stderr)[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -108,8 +129,8 @@ def test_capacity_overflow_is_a_clear_error():
 
 
 def test_group_refuses_too_few_connections(monkeypatch):
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS is 1, below the group size"):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "2")
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS is 2, not above the group"):
         VirtualEPGroup(2)
 
 
@@ -126,13 +147,18 @@ def test_a_rank_that_never_arrives_times_out_naming_it():
         spaces = group.workspaces(F.MoKConfig(), num_local_tokens=256, hidden_size=512, topk=2,
                                   num_local_experts=2)
         spaces[0].wait_timeout_ns = 2_000_000_000
-        # Only rank 0 runs: rank 1 never arrives.
-        group.run(lambda rank: run_layer_step(F.MoKConfig(), spaces[0], rank_inputs(inputs, 0, 2),
-                                              2) if rank == 0 else None)
+        # Only rank 0 runs: rank 1 never arrives. The trapped wait fails the next CUDA call,
+        # and check_errors then names the wait that gave up.
         try:
+            group.run(lambda rank: run_layer_step(F.MoKConfig(), spaces[0],
+                                                  rank_inputs(inputs, 0, 2), 2)
+                      if rank == 0 else None)
             F.check_errors(spaces[0])
-        except Exception as error:
-            print(type(error).__name__, error)
+        except Exception:
+            try:
+                F.check_errors(spaces[0])
+            except Exception as error:
+                print(type(error).__name__, error)
         """
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
