@@ -1,0 +1,127 @@
+"""Virtual-EP rows: the P-rank layer on one GPU (mok.virtual_ep) against EP = 1 on the same
+global problem, in one run.
+
+    CUDA_DEVICE_MAX_CONNECTIONS=16 python -m benchmarks.virtual_ep --sizes 2,8
+
+For each shape (16384 tokens in all, split contiguously; experts split contiguously) and each
+P: forward and forward + backward time (CUDA events around every rank's queued work, so the
+slowest rank decides), the ratio to EP = 1, and the bytes each rank pulls and pushes through
+peer memory (rows whose token lives on another rank). Every P's outputs are checked bitwise
+against EP = 1 before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.shapes import SHAPES
+from mok import functional as F
+from mok.testing import WEIGHT_NAMES, make_inputs, rank_inputs
+from mok.virtual_ep import VirtualEPGroup
+
+
+def _layer(size, inputs, num_experts, config):
+    """(forward step, training step) closures of a virtual group of `size` ranks."""
+    group = VirtualEPGroup(size)
+    t, h = inputs["x"].shape
+    k = inputs["top_experts"].shape[1]
+    local_experts = num_experts // size
+    spaces = group.workspaces(config, num_local_tokens=t // size, hidden_size=h, topk=k,
+                              num_local_experts=local_experts)  # fmt: skip
+    shards = [rank_inputs(inputs, rank, size) for rank in range(size)]
+
+    def forward(rank, backward):
+        shard, ws = shards[rank], spaces[rank]
+        weights = [shard[n] for n in WEIGHT_NAMES]
+        schedule = F.build_schedule(ws, config, shard["top_experts"],
+                                    num_local_experts=local_experts)  # fmt: skip
+        out, ctx = F.forward(config, ws, schedule, shard["x"], shard["router_weights"], *weights)
+        if not backward:
+            return (out,)
+        grads = F.backward(config, ws, schedule, ctx, shard["grad_output"], shard["x"],
+                           shard["router_weights"], *weights)  # fmt: skip
+        return (out, *grads[:2])
+
+    def run(backward):
+        results = group.run(lambda rank: forward(rank, backward))
+        group.join()
+        return [torch.cat([r[i] for r in results]) for i in range(len(results[0]))]
+
+    return run, spaces
+
+
+def _time(run, backward, warmup, reps):
+    for _ in range(warmup):
+        run(backward)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(backward)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _peer_bytes(inputs, num_experts, size):
+    """Bytes one rank pulls (= pushes) per pass at most: rows of its experts from other ranks."""
+    t, h = inputs["x"].shape
+    owner = inputs["top_experts"] // (num_experts // size)
+    token_rank = torch.arange(t, device=owner.device)[:, None] // (t // size)
+    remote = owner != token_rank
+    per_rank = [int((remote & (owner == r)).sum()) for r in range(size)]
+    return max(per_rank) * h * 2
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.virtual_ep", description=__doc__)
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
+    parser.add_argument("--sizes", default="2,8")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    config = F.MoKConfig(schedule_capacity_multiplier=1.0)
+    rows = []
+    for shape in (s for s in SHAPES if s.name in args.shapes.split(",")):
+        e = shape.experts_one_gpu
+        inputs = make_inputs(args.tokens, shape.hidden_size, shape.intermediate_size, e,
+                             shape.topk, seed=1, device="cuda")  # fmt: skip
+        one, _ = _layer(1, inputs, e, config)
+        expected = one(True)
+        base = {p: _time(one, p, args.warmup, args.reps) for p in (False, True)}
+        for size in (int(s) for s in args.sizes.split(",")):
+            run, spaces = _layer(size, inputs, e, config)
+            got = run(True)
+            same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+            times = {p: _time(run, p, args.warmup, args.reps) for p in (False, True)}
+            row = {
+                "shape": shape.name, "P": size, "bitwise_equal_to_ep1": same,
+                "fwd_ms": times[False], "fwd_ep1_ms": base[False],
+                "fwd_ratio": times[False] / base[False], "fwdbwd_ms": times[True],
+                "fwdbwd_ep1_ms": base[True], "fwdbwd_ratio": times[True] / base[True],
+                "peer_bytes_per_rank_per_pass": _peer_bytes(inputs, e, size),
+            }  # fmt: skip
+            rows.append(row)
+            print(
+                f"{shape.name:16s} P={size}  fwd {times[False]:8.3f} ms vs EP=1 {base[False]:8.3f}"
+                f" ({row['fwd_ratio']:.3f}x)  fwd+bwd {times[True]:8.3f} ms vs {base[True]:8.3f}"
+                f" ({row['fwdbwd_ratio']:.3f}x)  pulled = pushed per rank per pass "
+                f"{row['peer_bytes_per_rank_per_pass'] / 1e6:8.1f} MB  bitwise {same}",
+                flush=True,
+            )
+            for ws in spaces:
+                ws.destroy()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
