@@ -6,12 +6,28 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .args import global_pointer
+from .params import fp32_pointer, int32_pointer, int64_pointer, placeholders
 from .peers import peer_table, rank_address
 
 # The smallest normal fp32: a router weight is > 0 (checked on the device), so this only
 # keeps a padding row's 0 / 0 out of the arithmetic.
 FP32_TINY = 1.1754943508222875e-38
+
+
+# `__call__`'s parameters, in order.
+PARAMS = (
+    ("partials_ptr", fp32_pointer),
+    ("peer_rank_ptr", int32_pointer),
+    ("peer_token_idx_ptr", int32_pointer),
+    ("num_tokens_ptr", int32_pointer),
+    ("weight_ptr", fp32_pointer),
+    ("d_router_ptr", fp32_pointer),
+    ("weight_ptrs", int64_pointer),
+    ("d_router_ptrs", int64_pointer),
+    ("ep_rank", Int32(0)),
+    ("num_rows", Int32(0)),
+    ("blocks", Int32(1)),
+)
 
 
 @dataclass(frozen=True)
@@ -40,19 +56,7 @@ class RouterGradPush:
             raise ValueError(f"threads must be one of 64, 128, 256, got {self.threads}")
 
     def compile_arguments(self) -> tuple:
-        return (
-            global_pointer(Float32, 4),  # partials_ptr
-            global_pointer(Int32, 4),  # peer_rank_ptr
-            global_pointer(Int32, 4),  # peer_token_idx_ptr
-            global_pointer(Int32, 4),  # num_tokens_ptr
-            global_pointer(Float32, 4),  # weight_ptr
-            global_pointer(Float32, 4),  # d_router_ptr
-            global_pointer(Int64, 8),  # weight_ptrs
-            global_pointer(Int64, 8),  # d_router_ptrs
-            Int32(0),  # ep_rank
-            Int32(0),  # num_rows
-            Int32(1),  # blocks
-        )
+        return placeholders(PARAMS)
 
     @cute.jit
     def __call__(
