@@ -22,7 +22,7 @@ from . import functional
 from .config import MoKConfig
 from .groups import group_rank_size
 from .types import MoKForwardContext, MoKSchedule
-from .workspace import MoKWorkspace
+from .workspace import MoKWorkspace, workspace_from_handle
 
 
 class MoKFunction(torch.autograd.Function):
@@ -186,11 +186,17 @@ class MoKExperts(nn.Module):
         )  # fmt: skip
 
     def workspace(self, num_tokens: int, device: torch.device) -> MoKWorkspace:
+        return workspace_from_handle(self._workspace_handle(num_tokens, device))
+
+    @torch.compiler.assume_constant_result
+    def _workspace_handle(self, num_tokens: int, device: torch.device) -> int:
+        # Run for real when torch.compile traces (not traced into the graph): the workspace
+        # must exist when the compiled graph's ops look its handle up.
         return functional.get_workspace(
             self.config, self.group, device=device, num_local_tokens=num_tokens,
             hidden_size=self.hidden_size, topk=self.topk,
             num_local_experts=self.num_local_experts,
-        )  # fmt: skip
+        ).handle  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, router_weights: torch.Tensor, top_experts: torch.Tensor

@@ -168,3 +168,43 @@ def test_python_dash_m_mok_runs_on_cpu():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "path   : PyTorch reference (CPU path)" in proc.stdout
     assert proc.stdout.strip().endswith("PASS")
+
+
+COLD_COMPILE = """
+import sys
+import torch
+from mok.nn import MoKExperts
+
+torch.manual_seed(0)
+experts = MoKExperts(num_experts=4, hidden_size=128, intermediate_size=128, topk=2)
+x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+w = (torch.rand(64, 2) + 0.1).requires_grad_()
+ids = torch.randint(0, 4, (64, 2))
+
+
+def loss(x, w, ids):
+    return experts(x, w, ids).float().square().sum()
+
+
+compiled = torch.compile(loss, fullgraph=True, backend=sys.argv[1])
+got = compiled(x, w, ids)  # the first call of mok in this process
+got.backward()
+d_x = x.grad.clone()
+x.grad = None
+want = loss(x, w, ids)
+want.backward()
+assert torch.allclose(got, want, rtol=1e-5), (got, want)
+assert torch.equal(d_x, x.grad)
+print("COLD COMPILE OK")
+"""
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_of_mok_experts_in_a_fresh_process(backend):
+    # A fresh process: compiling before any eager call creates the workspace at trace time.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", COLD_COMPILE, backend], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert "COLD COMPILE OK" in done.stdout, (done.stdout + done.stderr)[-3000:]
