@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from .errors import MoKInputError
+
 # Routed rows of one expert are padded to this many rows: the M height of the GEMM tile, so
 # that no GEMM tile ever straddles two experts.
 ROUTED_ROW_ALIGNMENT = 128
@@ -56,7 +58,7 @@ class MoKConfig:
             value = getattr(self, f.name)
             if f.name == "schedule_capacity_multiplier":
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise TypeError(
+                    raise MoKInputError(
                         f"MoKConfig.{f.name} must be a float, got {type(value).__name__}"
                     )
                 if not math.isfinite(value) or value <= 0:
@@ -64,7 +66,9 @@ class MoKConfig:
                         f"MoKConfig.{f.name} must be a finite number > 0, got {value!r}"
                     )
             elif isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"MoKConfig.{f.name} must be an int, got {type(value).__name__}")
+                raise MoKInputError(
+                    f"MoKConfig.{f.name} must be an int, got {type(value).__name__}"
+                )
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
             value = getattr(self, name)
             # Communication CTAs work in pairs (one pulls, one pushes), so the count is even.

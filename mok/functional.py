@@ -21,13 +21,23 @@ import torch
 
 from . import ops
 from .config import FEATURE_ALIGNMENT, MoKConfig
-from .errors import MoKKernelUnavailableError
+from .errors import MoKInputError, MoKKernelUnavailableError
 from .types import MoKForwardContext, MoKSchedule
 from .validation import check_int, check_swiglu_limit, check_tensor, check_type
-from .workspace import MoKWorkspace, clear_workspace_cache, get_workspace
+from .workspace import (
+    MoKWorkspace,
+    clear_workspace_cache,
+    create_workspace,
+    get_workspace,
+    validate_workspace_args,
+)
 
 __all__ = [
     "check_errors",
+    "create_workspace",
+    "MoKInputError",
+    "validate_inputs",
+    "validate_workspace_args",
     "MoKConfig",
     "MoKForwardContext",
     "MoKKernelUnavailableError",
@@ -69,7 +79,7 @@ def _check_weights(workspace, schedule, weights: dict, *, need_down: bool = True
     num_experts = schedule.num_local_experts
     for name in ("routed_gate_weights", "routed_up_weights", "routed_down_weights"):
         if isinstance(weights.get(name), tuple):
-            raise TypeError(_MXFP8_NOT_YET.format(name=name))
+            raise MoKInputError(_MXFP8_NOT_YET.format(name=name))
     gate = weights["routed_gate_weights"]
     check_type("routed_gate_weights", gate, torch.Tensor)
     if gate.dim() != 3:
@@ -115,6 +125,22 @@ def _check_activations(workspace, x, router_weights=None, grad_output=None) -> N
     if grad_output is not None:
         check_tensor("grad_output", grad_output, dtype=torch.bfloat16, shape=[t, h],
                      device=workspace.device)  # fmt: skip
+
+
+def validate_inputs(
+    config: MoKConfig,
+    workspace: MoKWorkspace,
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    grad_output: torch.Tensor | None = None,
+) -> None:
+    """Raise a clear error unless config, workspace, schedule, x (bf16 [T, H]), router_weights
+    (fp32 [T, k]) and grad_output (bf16 [T, H], when given) fit together: the checks forward
+    and backward run before their weights'. A wrong type or dtype raises MoKInputError, both a
+    ValueError and a TypeError."""
+    _check_common(config, workspace, schedule)
+    _check_activations(workspace, x, router_weights, grad_output)
 
 
 def _schedule_args(schedule: MoKSchedule):

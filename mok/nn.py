@@ -20,6 +20,7 @@ from torch import nn
 
 from . import functional
 from .config import MoKConfig
+from .errors import MoKInputError
 from .groups import group_rank_size
 from .types import MoKForwardContext, MoKSchedule
 from .workspace import MoKWorkspace, workspace_from_handle
@@ -151,7 +152,7 @@ class MoKExperts(nn.Module):
                 f"num_experts must be a multiple of the EP group size {ep_size}, got {num_experts}"
             )
         if dtype != torch.bfloat16:
-            raise TypeError(f"dtype must be torch.bfloat16, got {dtype}")
+            raise MoKInputError(f"dtype must be torch.bfloat16, got {dtype}")
         self.num_experts, self.num_local_experts = num_experts, num_experts // ep_size
         self.hidden_size, self.intermediate_size, self.topk = hidden_size, intermediate_size, topk
         self.group, self.config = group, config or MoKConfig()

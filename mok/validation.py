@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .errors import MoKInputError
+
 
 def check_type(name: str, value, expected: type | tuple[type, ...]) -> None:
     if not isinstance(value, expected):
@@ -20,12 +22,12 @@ def check_type(name: str, value, expected: type | tuple[type, ...]) -> None:
             if isinstance(expected, tuple)
             else expected.__name__
         )
-        raise TypeError(f"{name} must be a {names}, got {type(value).__name__}")
+        raise MoKInputError(f"{name} must be a {names}, got {type(value).__name__}")
 
 
 def check_int(name: str, value, *, minimum: int | None = None, multiple_of: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise MoKInputError(f"{name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if value % multiple_of:
@@ -43,9 +45,9 @@ def check_tensor(
 ) -> torch.Tensor:
     """dtype, then rank/shape (None matches any size), then device, then contiguity."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise MoKInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
+        raise MoKInputError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
     actual = tuple(tensor.shape)
     if len(actual) != len(shape) or any(
         want is not None and want != got for want, got in zip(shape, actual, strict=False)
@@ -74,7 +76,7 @@ def check_swiglu_limit(value) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"swiglu_limit must be a float or None, got {type(value).__name__}")
+        raise MoKInputError(f"swiglu_limit must be a float or None, got {type(value).__name__}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"swiglu_limit must be a finite number > 0 or None, got {value!r}")
     return float(value)

@@ -107,6 +107,42 @@ class MoKWorkspace:
                 del _CACHE[key]
 
 
+# The original's attribute names for the buffers: `<name>`, `<name>_ptrs` (each rank's address)
+# and `<name>_handle` (the symmetric-memory handle; None for plain allocations).
+BUFFER_NAMES = (
+    "x_buffer",
+    "combine_buffer",
+    "d_y_buffer",
+    "d_x_routed_buffer",
+    "router_weight_buffer",
+    "d_router_weight_buffer",
+    "all_gather_top_experts_buffer",
+    "barrier_buffer",
+)
+
+
+def _buffer_property(name: str, kind: str):
+    if kind == "tensor":
+        return property(lambda self: self.buffers[name], doc=f"The {name} tensor.")
+    if kind == "ptrs":
+        return property(lambda self: self.peer_ptrs[name], doc=f"{name} on every rank (int).")
+    return property(lambda self: self._handles.get(name), doc=f"{name}'s symmetric handle.")
+
+
+for _name in BUFFER_NAMES:
+    setattr(MoKWorkspace, _name, _buffer_property(_name, "tensor"))
+    setattr(MoKWorkspace, f"{_name}_ptrs", _buffer_property(_name, "ptrs"))
+    setattr(MoKWorkspace, f"{_name}_handle", _buffer_property(_name, "handle"))
+for _name in ("all_gather_top_experts_buffer", "barrier_buffer"):
+    # NVLink multicast is never used (it can take shared GPU hosts down): never a live address.
+    setattr(MoKWorkspace, f"{_name}_multicast_ptr", property(lambda self: 0, doc="Always 0."))
+MoKWorkspace.barrier_target = property(
+    lambda self: self.buffers["barrier_epoch_buffer"],
+    doc="The barrier's device-side target: this rank's arrival epoch (int32 [2]); mok keeps it "
+    "on the device so graph replays need no host count.",
+)
+
+
 def workspace_from_handle(handle: int) -> MoKWorkspace:
     """The live workspace with this handle (custom ops receive handles, not objects)."""
     ws = _LIVE.get(handle)
@@ -144,6 +180,63 @@ def _group_rank_size(group) -> tuple[int, int]:
     return group_rank_size(group)
 
 
+def validate_workspace_args(
+    config: MoKConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | str,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+    num_local_experts: int | None = None,
+) -> None:
+    """Raise a clear error (ValueError, or MoKInputError for a wrong type) unless the arguments
+    make a workspace: the checks `get_workspace` and `create_workspace` run first."""
+    _checked_args(config, group, device, num_local_tokens, hidden_size, topk, num_local_experts)
+
+
+def _checked_args(config, group, device, num_local_tokens, hidden_size, topk, num_local_experts):
+    """(device, ep_rank, ep_size, capacity) of valid workspace arguments."""
+    check_type("config", config, MoKConfig)
+    config.validate()
+    device = _check_device(device)
+    check_int("num_local_tokens", num_local_tokens, minimum=1)
+    check_int("hidden_size", hidden_size, minimum=FEATURE_ALIGNMENT, multiple_of=FEATURE_ALIGNMENT)
+    check_int("topk", topk, minimum=1)
+    if topk > MAX_TOPK:
+        raise ValueError(f"topk must be <= {MAX_TOPK}, got {topk}")
+    if num_local_experts is not None:
+        check_int("num_local_experts", num_local_experts, minimum=1)
+    ep_rank, ep_size = _group_rank_size(group)
+    capacity = config.schedule_capacity(
+        num_local_tokens=num_local_tokens,
+        topk=topk,
+        ep_size=ep_size,
+        num_local_experts=num_local_experts or 0,
+    )
+    return device, ep_rank, ep_size, capacity
+
+
+def create_workspace(
+    config: MoKConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | str,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+    num_local_experts: int | None = None,
+) -> MoKWorkspace:
+    """A new workspace, not cached (`get_workspace` returns the cached one); collective for an
+    EP group. Destroy it with `destroy()`."""
+    device, ep_rank, ep_size, capacity = _checked_args(
+        config, group, device, num_local_tokens, hidden_size, topk, num_local_experts
+    )
+    if ep_size > 1:
+        _check_same_shapes(group, device, (num_local_tokens, hidden_size, topk))
+    return _create(group, ep_rank, ep_size, device, num_local_tokens, hidden_size, topk, capacity)
+
+
 def get_workspace(
     config: MoKConfig,
     group: dist.ProcessGroup | None,
@@ -161,22 +254,8 @@ def get_workspace(
     reserves schedule room for each expert's padding to the GEMM tile height; without it the
     capacity is the original's and small layers with many experts may overflow it.
     """
-    check_type("config", config, MoKConfig)
-    config.validate()
-    device = _check_device(device)
-    check_int("num_local_tokens", num_local_tokens, minimum=1)
-    check_int("hidden_size", hidden_size, minimum=FEATURE_ALIGNMENT, multiple_of=FEATURE_ALIGNMENT)
-    check_int("topk", topk, minimum=1)
-    if topk > MAX_TOPK:
-        raise ValueError(f"topk must be <= {MAX_TOPK}, got {topk}")
-    if num_local_experts is not None:
-        check_int("num_local_experts", num_local_experts, minimum=1)
-    ep_rank, ep_size = _group_rank_size(group)
-    capacity = config.schedule_capacity(
-        num_local_tokens=num_local_tokens,
-        topk=topk,
-        ep_size=ep_size,
-        num_local_experts=num_local_experts or 0,
+    device, ep_rank, ep_size, capacity = _checked_args(
+        config, group, device, num_local_tokens, hidden_size, topk, num_local_experts
     )
     group_key = None if group is None else group.group_name
     key = (group_key, device, num_local_tokens, hidden_size, topk, capacity)

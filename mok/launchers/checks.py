@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import MoKKernelUnavailableError
+from ..errors import MoKInputError, MoKKernelUnavailableError
 
 # TMA coordinates are int32 and the kernels' coordinate tensors assume these extents.
 MAX_ROWS = 1 << 30
@@ -33,7 +33,7 @@ def check_arg(
     needs (4 for scalar reads, e.g. router-weight views).
     """
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise MoKInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     where = "CUDA " if cuda else ""
     if (
         tensor.dtype != dtype

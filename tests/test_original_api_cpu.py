@@ -1,0 +1,85 @@
+"""The original's functional and workspace surface on the CPU path: create_workspace,
+validate_workspace_args, validate_inputs, the workspace's buffer attributes, and input errors
+that are both ValueError and TypeError."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok import functional as F
+from mok.errors import MoKInputError
+from mok.testing import make_inputs
+
+T, H, K, E = 64, 128, 2, 4
+
+
+def test_create_workspace_is_new_each_call_and_get_workspace_is_cached():
+    config = F.MoKConfig()
+    args = dict(device="cpu", num_local_tokens=T, hidden_size=H, topk=K)
+    a, b = F.create_workspace(config, None, **args), F.create_workspace(config, None, **args)
+    assert a is not b and a.handle != b.handle
+    assert F.get_workspace(config, None, **args) is F.get_workspace(config, None, **args)
+    a.destroy()
+    b.destroy()
+
+
+def test_workspace_has_the_original_fields_and_buffers():
+    ws = F.get_workspace(F.MoKConfig(), None, device="cpu", num_local_tokens=T, hidden_size=H,
+                         topk=K)  # fmt: skip
+    assert (ws.group_name, ws.ep_rank, ws.ep_size) == ("", 0, 1)
+    assert (ws.num_local_tokens, ws.hidden_size, ws.topk) == (T, H, K)
+    assert ws.schedule_capacity > 0 and ws.device == torch.device("cpu")
+    shapes = {
+        "x_buffer": (T, H),
+        "combine_buffer": (T * K, H),
+        "d_y_buffer": (T, H),
+        "d_x_routed_buffer": (T * K, H),
+        "router_weight_buffer": (T, K),
+        "d_router_weight_buffer": (T, K),
+        "all_gather_top_experts_buffer": (1, T, K),
+    }
+    for name, shape in shapes.items():
+        buffer = getattr(ws, name)
+        assert tuple(buffer.shape) == shape, name
+        assert getattr(ws, f"{name}_ptrs") == [buffer.data_ptr()], name
+        assert getattr(ws, f"{name}_handle") is None, name  # plain allocations
+    assert ws.barrier_buffer.dtype == torch.int32 and ws.barrier_target.dtype == torch.int32
+    # Multicast is never used: the original's pointers exist and are never a live address.
+    assert ws.all_gather_top_experts_buffer_multicast_ptr == 0
+    assert ws.barrier_buffer_multicast_ptr == 0
+
+
+def test_validate_workspace_args_raises_what_get_workspace_would():
+    config = F.MoKConfig()
+    F.validate_workspace_args(config, None, device="cpu", num_local_tokens=T, hidden_size=H,
+                              topk=K)  # fmt: skip
+    with pytest.raises(ValueError, match="hidden_size"):
+        F.validate_workspace_args(config, None, device="cpu", num_local_tokens=T, hidden_size=100,
+                                  topk=K)  # fmt: skip
+    with pytest.raises(ValueError, match="topk"):
+        F.validate_workspace_args(config, None, device="cpu", num_local_tokens=T, hidden_size=H,
+                                  topk=0)  # fmt: skip
+    with pytest.raises(TypeError, match="config"):
+        F.validate_workspace_args("config", None, device="cpu", num_local_tokens=T,
+                                  hidden_size=H, topk=K)  # fmt: skip
+
+
+def test_validate_inputs_and_errors_that_are_both_value_and_type_errors():
+    inputs = make_inputs(T, H, 128, E, K, seed=2)
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
+                         num_local_experts=E)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=E)
+    F.validate_inputs(config, ws, schedule, inputs["x"], inputs["router_weights"])
+    F.validate_inputs(config, ws, schedule, inputs["x"], inputs["router_weights"],
+                      inputs["grad_output"])  # fmt: skip
+    wrong_dtype = inputs["x"].float()
+    for caught in (ValueError, TypeError, MoKInputError):  # the original raises ValueError here
+        with pytest.raises(caught, match=r"x must have dtype torch.bfloat16, got torch.float32"):
+            F.validate_inputs(config, ws, schedule, wrong_dtype, inputs["router_weights"])
+    with pytest.raises(ValueError, match=r"router_weights must have shape \[64, 2\]"):
+        F.validate_inputs(config, ws, schedule, inputs["x"], inputs["router_weights"][:10])
+    with pytest.raises(ValueError, match="grad_output"):
+        F.validate_inputs(config, ws, schedule, inputs["x"], inputs["router_weights"],
+                          inputs["grad_output"][:, :64])  # fmt: skip
