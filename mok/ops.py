@@ -353,34 +353,59 @@ def _(x, transpose):
 
 
 @torch.library.custom_op("mok::fwd_epilogue", mutates_args=())
-def fwd_epilogue(y_shared: Tensor | None, slots: Tensor, router_weights: Tensor) -> Tensor:
-    """out[t] = bf16(y_shared[t] + sum_j w[t, j] * slots[t*k + j]) in fp32, j in order.
+def fwd_epilogue(y_shared: Tensor | None, combine_buffer: Tensor, topk_weights: Tensor) -> Tensor:
+    """out[t] = bf16(y_shared[t] + sum_j w[t, j] * combine_buffer[t*k + j]) in fp32, j in order.
 
-    Inputs: y_shared bf16 [T, H] or None; slots bf16 [T*k, H]; router_weights fp32 [T, k].
+    Inputs: y_shared bf16 [T, H] or None; combine_buffer bf16 [T*k, H] (the slots);
+    topk_weights fp32 [T, k] (the router weights).
     Outputs: out bf16 [T, H].
     """
-    if slots.is_cuda:
-        return _gpu("fwd_epilogue", slots.device).fwd_epilogue(y_shared, slots, router_weights)
-    return reference.fwd_epilogue(y_shared, slots, router_weights)
+    if combine_buffer.is_cuda:
+        return _gpu("fwd_epilogue", combine_buffer.device).fwd_epilogue(
+            y_shared, combine_buffer, topk_weights
+        )
+    return reference.fwd_epilogue(y_shared, combine_buffer, topk_weights)
 
 
 @fwd_epilogue.register_fake
-def _(y_shared, slots, router_weights):
-    return slots.new_empty(router_weights.shape[0], slots.shape[1])
+def _(y_shared, combine_buffer, topk_weights):
+    return combine_buffer.new_empty(topk_weights.shape[0], combine_buffer.shape[1])
+
+
+def _epilogue_topk(d_x_shared: Tensor | None, d_x_routed_buffer: Tensor, topk: int | None) -> int:
+    """k of bwd_epilogue: given, or the routed rows over the tokens of d_x_shared."""
+    if topk is not None:
+        return topk
+    if d_x_shared is None:
+        raise ValueError("bwd_epilogue needs topk when d_x_shared is None (no shared expert)")
+    tokens = d_x_shared.shape[0]
+    if tokens == 0 or d_x_routed_buffer.shape[0] % tokens:
+        raise ValueError(
+            f"d_x_routed_buffer rows ({d_x_routed_buffer.shape[0]}) must be a multiple of the "
+            f"tokens of d_x_shared ({tokens})"
+        )
+    return d_x_routed_buffer.shape[0] // tokens
 
 
 @torch.library.custom_op("mok::bwd_epilogue", mutates_args=())
-def bwd_epilogue(d_x_shared: Tensor | None, slots: Tensor, topk: int) -> Tensor:
-    """d_x[t] = bf16(d_x_shared[t] + sum_j slots[t*k + j]) in fp32, j in order.
+def bwd_epilogue(
+    d_x_shared: Tensor | None, d_x_routed_buffer: Tensor, topk: int | None = None
+) -> Tensor:
+    """d_x[t] = bf16(d_x_shared[t] + sum_j d_x_routed_buffer[t*k + j]) in fp32, j in order.
 
-    Inputs: d_x_shared bf16 [T, H] or None; slots bf16 [T*k, H]; topk k.
+    Inputs: d_x_shared bf16 [T, H] or None; d_x_routed_buffer bf16 [T*k, H] (the slots); topk
+    k (None: inferred from d_x_shared, as the original's two-argument call).
     Outputs: d_x bf16 [T, H].
     """
-    if slots.is_cuda:
-        return _gpu("bwd_epilogue", slots.device).bwd_epilogue(d_x_shared, slots, topk)
-    return reference.bwd_epilogue(d_x_shared, slots, topk)
+    k = _epilogue_topk(d_x_shared, d_x_routed_buffer, topk)
+    if d_x_routed_buffer.is_cuda:
+        return _gpu("bwd_epilogue", d_x_routed_buffer.device).bwd_epilogue(
+            d_x_shared, d_x_routed_buffer, k
+        )
+    return reference.bwd_epilogue(d_x_shared, d_x_routed_buffer, k)
 
 
 @bwd_epilogue.register_fake
-def _(d_x_shared, slots, topk):
-    return slots.new_empty(slots.shape[0] // topk, slots.shape[1])
+def _(d_x_shared, d_x_routed_buffer, topk=None):
+    k = _epilogue_topk(d_x_shared, d_x_routed_buffer, topk)
+    return d_x_routed_buffer.new_empty(d_x_routed_buffer.shape[0] // k, d_x_routed_buffer.shape[1])

@@ -83,3 +83,20 @@ def test_validate_inputs_and_errors_that_are_both_value_and_type_errors():
     with pytest.raises(ValueError, match="grad_output"):
         F.validate_inputs(config, ws, schedule, inputs["x"], inputs["router_weights"],
                           inputs["grad_output"][:, :64])  # fmt: skip
+
+
+def test_epilogue_ops_take_the_original_arguments():
+    from mok import ops
+    from mok import reference as R
+
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    slots = torch.randn(T * K, H, generator=gen).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=gen) + 0.1
+    got = ops.fwd_epilogue(y_shared=shared, combine_buffer=slots, topk_weights=w)
+    assert torch.equal(got, R.fwd_epilogue(shared, slots, w))
+    # The original's two-argument call: k from the shared rows.
+    assert torch.equal(ops.bwd_epilogue(shared, slots), R.bwd_epilogue(shared, slots, K))
+    assert torch.equal(ops.bwd_epilogue(None, slots, K), R.bwd_epilogue(None, slots, K))
+    with pytest.raises(ValueError, match="needs topk when d_x_shared is None"):
+        ops.bwd_epilogue(None, slots)
