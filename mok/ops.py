@@ -327,29 +327,61 @@ def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("mok::mxfp8_quantize", mutates_args=())
-def mxfp8_quantize(x: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
-    """MXFP8 quantisation (SEMANTICS §5), bit-exact with `mok.reference.mxfp8_quantize`.
+def _check_mxfp8_input(x: Tensor, return_normal, return_transposed) -> None:
+    # The schema's bools: the dispatcher has converted or refused a non-bool already.
+    if not (return_normal or return_transposed):
+        raise ValueError("return_normal and return_transposed are both False: nothing to return")
+    if x.dim() not in (2, 3) or any(d <= 0 for d in x.shape):
+        raise ValueError(
+            f"x_bf16 must be [M, N] or [E, M, N] with every dim > 0, got {list(x.shape)}"
+        )
+    if x.shape[-1] % 128 or x.shape[-2] % 128:
+        raise ValueError(f"x_bf16's last two dims must be multiples of 128, got {list(x.shape)}")
+
+
+@torch.library.custom_op(
+    "mok::mxfp8_quantize",
+    mutates_args=(),
+    schema="(Tensor x_bf16, bool return_normal, bool return_transposed) "
+    "-> (Tensor?, Tensor?, Tensor?, Tensor?)",
+)
+def mxfp8_quantize(x_bf16, return_normal, return_transposed):
+    """MXFP8 quantisation (SEMANTICS §5), bit-exact with `mok.reference.mxfp8_quantize`; the
+    original's signature.
 
     Inputs:
-        x:         bf16 [..., R, K], R and K multiples of 128, leading dims fold into rows
-        transpose: quantise along R (output [..., K, R]) instead of along K
-    Outputs:
-        data float8_e4m3fn (x's shape, last two dims swapped if transpose);
-        scales uint8 [rows/128, cols/128, 32, 16]
+        x_bf16: bf16 [M, N] or [E, M, N], M and N multiples of 128 (E folds into the rows)
+        return_normal, return_transposed: which layouts to return (at least one)
+    Outputs (None for a layout not asked for):
+        x_fp8 float8_e4m3fn like x, x_sc uint8 [E*M/128, N/128, 32, 16] (along N);
+        x_fp8_t float8_e4m3fn [..., N, M], x_sc_t uint8 [E*N/128, M/128, 32, 16] (along M)
     """
-    if x.is_cuda:
-        return _gpu("mxfp8_quantize", x.device).mxfp8_quantize(x, transpose)
-    return reference.mxfp8_quantize(x, transpose=transpose)
+    _check_mxfp8_input(x_bf16, return_normal, return_transposed)
+    if x_bf16.is_cuda:
+        quantize = _gpu("mxfp8_quantize", x_bf16.device).mxfp8_quantize
+    else:
+
+        def quantize(x, transpose):
+            return reference.mxfp8_quantize(x, transpose=transpose)
+
+    normal = quantize(x_bf16, False) if return_normal else (None, None)
+    transposed = quantize(x_bf16, True) if return_transposed else (None, None)
+    return (*normal, *transposed)
 
 
 @mxfp8_quantize.register_fake
-def _(x, transpose):
-    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else tuple(x.shape)
-    rows = x.numel() // shape[-1]
-    data = x.new_empty(shape, dtype=torch.float8_e4m3fn)
-    scales = x.new_empty((rows // 128, shape[-1] // 128, 32, 16), dtype=torch.uint8)
-    return data, scales
+def _(x_bf16, return_normal, return_transposed):
+    def layout(transpose):
+        shape = tuple(x_bf16.shape)
+        if transpose:
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        rows = x_bf16.numel() // shape[-1]
+        data = x_bf16.new_empty(shape, dtype=torch.float8_e4m3fn)
+        return data, x_bf16.new_empty((rows // 128, shape[-1] // 128, 32, 16), dtype=torch.uint8)
+
+    normal = layout(False) if return_normal else (None, None)
+    transposed = layout(True) if return_transposed else (None, None)
+    return (*normal, *transposed)
 
 
 @torch.library.custom_op("mok::fwd_epilogue", mutates_args=())

@@ -100,3 +100,22 @@ def test_epilogue_ops_take_the_original_arguments():
     assert torch.equal(ops.bwd_epilogue(None, slots, K), R.bwd_epilogue(None, slots, K))
     with pytest.raises(ValueError, match="needs topk when d_x_shared is None"):
         ops.bwd_epilogue(None, slots)
+
+
+@pytest.mark.parametrize("shape", [(256, 128), (2, 128, 256)])
+def test_mxfp8_quantize_returns_the_original_four_tuple(shape):
+    from mok import ops
+    from mok import reference as R
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    x_fp8, x_sc, x_fp8_t, x_sc_t = ops.mxfp8_quantize(x, True, True)
+    for (data, scales), transpose in (((x_fp8, x_sc), False), ((x_fp8_t, x_sc_t), True)):
+        want_data, want_scales = R.mxfp8_quantize(x, transpose=transpose)
+        assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+        assert torch.equal(scales, want_scales)
+    only_t = ops.mxfp8_quantize(x, False, True)
+    assert only_t[0] is None and only_t[1] is None and torch.equal(only_t[3], x_sc_t)
+    with pytest.raises(ValueError, match="both False"):
+        ops.mxfp8_quantize(x, False, False)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        ops.mxfp8_quantize(x[..., :64], True, False)

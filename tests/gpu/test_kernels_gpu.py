@@ -40,7 +40,8 @@ def test_mxfp8_quantize_bit_exact(shape, transpose):
     runs = []
     for _ in range(3):
         poison_cuda_allocator()
-        data, scales = ops.mxfp8_quantize(x.to(CUDA), transpose)
+        x_fp8, x_sc, x_fp8_t, x_sc_t = ops.mxfp8_quantize(x.to(CUDA), not transpose, transpose)
+        data, scales = (x_fp8_t, x_sc_t) if transpose else (x_fp8, x_sc)
         runs.append((data.cpu(), scales.cpu()))
     for data, scales in runs:
         assert data.shape == want_data.shape and scales.shape == want_scales.shape
