@@ -109,16 +109,16 @@ class MoKWorkspace:
 
 # The original's attribute names for the buffers: `<name>`, `<name>_ptrs` (each rank's address)
 # and `<name>_handle` (the symmetric-memory handle; None for plain allocations).
-BUFFER_NAMES = (
+# The buffers peers pull rows from and push rows into (the megakernels' peer tables).
+DATA_BUFFER_NAMES = (
     "x_buffer",
     "combine_buffer",
     "d_y_buffer",
     "d_x_routed_buffer",
     "router_weight_buffer",
     "d_router_weight_buffer",
-    "all_gather_top_experts_buffer",
-    "barrier_buffer",
 )
+BUFFER_NAMES = (*DATA_BUFFER_NAMES, "all_gather_top_experts_buffer", "barrier_buffer")
 
 
 def _buffer_property(name: str, kind: str):

@@ -5,16 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..workspace import DATA_BUFFER_NAMES as NAMES
 from .checks import MAX_EP_SIZE
-
-NAMES = (
-    "x_buffer",
-    "combine_buffer",
-    "d_y_buffer",
-    "d_x_routed_buffer",
-    "router_weight_buffer",
-    "d_router_weight_buffer",
-)
 
 
 def peer_tables(workspace) -> dict[str, torch.Tensor] | None:
