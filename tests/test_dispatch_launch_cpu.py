@@ -218,3 +218,61 @@ def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):
     ((grid, args),) = kernels["moe_forward"].launches
     assert got is slots and grid == (32, 1, 1) and args["ep_rank"] == 3
     assert args["x_ptrs"] is x_table and args["slots_ptrs"] is slots_table
+
+
+def test_backward_megakernel_packs_peer_tables(monkeypatch, kernels):
+    from mok import reference as R
+    from mok.launchers import backward_megakernel as moe_backward
+    from mok.launchers import device_args, megakernel_walk
+
+    def check_on_cpu(*_, **__):
+        return None
+
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
+    device_args.clear_descriptor_cache()
+    t, h, i, e, k = 256, 256, 256, 4, 2
+    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
+                               capacity=t * k + e * 128)  # fmt: skip
+    c = schedule.capacity
+    dy, w = torch.zeros(t, h, dtype=torch.bfloat16), torch.ones(t, k)
+    x_routed = torch.zeros(c, h, dtype=torch.bfloat16)
+    gate, up, hidden = (torch.zeros(c, i, dtype=torch.bfloat16) for _ in range(3))
+    gate_w, down_w = (
+        torch.zeros(e, i, h, dtype=torch.bfloat16),
+        torch.zeros(e, h, i, dtype=torch.bfloat16),
+    )
+    tables = [torch.full((2,), n, dtype=torch.int64) for n in range(3)]
+    slots = torch.zeros(t * k, h, dtype=torch.bfloat16)
+    *_, got_slots, _ = moe_backward.routed_backward(
+        dy, w, schedule, x_routed, gate, up, hidden, gate_w, gate_w, down_w,
+        peers=(1, *tables), slots=slots, grid=64,
+    )  # fmt: skip
+    device_args.clear_descriptor_cache()
+    ((grid, args),) = kernels["moe_backward"].launches
+    assert got_slots is slots and grid == (64, 1, 1) and args["ep_rank"] == 1
+    assert args["dy_ptrs"] is tables[0] and args["weight_ptrs"] is tables[1]
+    assert args["slots_ptrs"] is tables[2]
+
+
+def test_gpu_layer_limits_are_clear_errors():
+    from mok.errors import MoKKernelUnavailableError
+    from mok.launchers.checks import check_gpu_layer
+
+    class _Workspace:
+        hidden_size, ep_size, num_local_tokens, topk = 512, 2, 1024, 8
+
+    check_gpu_layer(_Workspace(), "forward")
+    ws = _Workspace()
+    ws.hidden_size = 384
+    with pytest.raises(ValueError, match="hidden_size must be a multiple of 256"):
+        check_gpu_layer(ws, "forward")
+    ws = _Workspace()
+    ws.ep_size = 128
+    with pytest.raises(MoKKernelUnavailableError, match="at most 127 ranks"):
+        check_gpu_layer(ws, "backward")
+    ws = _Workspace()
+    ws.num_local_tokens = 1 << 22
+    with pytest.raises(ValueError, match=r"num_local_tokens \* topk must be below 16777216"):
+        check_gpu_layer(ws, "forward")
