@@ -3,8 +3,9 @@
 Each rank has its own workspace (plain allocations on the one GPU) whose peer tables point at
 the other ranks' buffers, its own CUDA stream, and a megakernel grid of (SM count - P) // P
 CTAs, so the P ranks' megakernels and their P barrier kernels are resident side by side (the
-megakernels need every CTA resident: a rank's dispatch is split over all its CTAs). The ranks go through the same kernels and the same launch code
-as real ranks; only the allocation and the peer tables differ. It proves the EP protocol
+megakernels need every CTA resident: a rank's dispatch is split over all its CTAs). The ranks go
+through the same kernels and the same launch code as real ranks; only the allocation and the
+peer tables differ. It proves the EP protocol
 (pull dispatch, push combine, device barriers) on one GPU; it cannot show NVLink's timing or
 memory ordering between GPUs.
 
@@ -28,7 +29,7 @@ import torch
 
 from .config import MoKConfig
 from .validation import check_int, check_type
-from .workspace import _create, upload_peer_tables
+from .workspace import allocate_workspace, upload_peer_tables
 
 # CUDA's default for CUDA_DEVICE_MAX_CONNECTIONS: more streams than this share hardware queues.
 # It is read when CUDA initialises, so it must be set before.
@@ -89,7 +90,7 @@ class VirtualEPGroup:
             num_local_experts=num_local_experts or 0,
         )  # fmt: skip
         spaces = [
-            _create(
+            allocate_workspace(
                 None,
                 rank,
                 self.size,

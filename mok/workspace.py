@@ -234,7 +234,9 @@ def create_workspace(
     )
     if ep_size > 1:
         _check_same_shapes(group, device, (num_local_tokens, hidden_size, topk))
-    return _create(group, ep_rank, ep_size, device, num_local_tokens, hidden_size, topk, capacity)
+    return allocate_workspace(
+        group, ep_rank, ep_size, device, num_local_tokens, hidden_size, topk, capacity
+    )
 
 
 def get_workspace(
@@ -264,7 +266,9 @@ def get_workspace(
         return cached
     if ep_size > 1:
         _check_same_shapes(group, device, (num_local_tokens, hidden_size, topk))
-    ws = _create(group, ep_rank, ep_size, device, num_local_tokens, hidden_size, topk, capacity)
+    ws = allocate_workspace(
+        group, ep_rank, ep_size, device, num_local_tokens, hidden_size, topk, capacity
+    )
     _CACHE[key] = ws
     return ws
 
@@ -305,10 +309,11 @@ def _buffer_specs(ep_size, num_tokens, hidden, topk):
     }
 
 
-def _create(
+def allocate_workspace(
     group, ep_rank, ep_size, device, num_tokens, hidden, topk, capacity, *, plain: bool = False
 ) -> MoKWorkspace:
-    """`plain`: plain allocations even for an EP group (a virtual group sets peer_ptrs)."""
+    """A new workspace's buffers, registered live: symmetric memory for an EP group on CUDA,
+    plain allocations otherwise or with `plain` (a virtual group then sets the peer tables)."""
     symmetric = ep_size > 1 and device.type == "cuda" and not plain
     ws = MoKWorkspace(
         handle=next(_NEXT_HANDLE),
