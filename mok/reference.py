@@ -532,6 +532,143 @@ def mxfp8_dequantize(
 
 
 # ----------------------------------------------------------------------------------------------
+# The MXFP8 layer (SEMANTICS §5): products of dequantised MXFP8 operands, fp32 accumulation
+# ----------------------------------------------------------------------------------------------
+# What Blackwell's block-scaled MMA computes. Every GEMM operand is quantised along the GEMM's
+# reduction dim: x and hidden along H / I in the forward; dY_e along H, d_gate / d_up along I in
+# the activation gradients; every operand along the tokens in the weight gradients. Weights come
+# pre-quantised (mxfp8_quantize): forward (fp8, scale) along K; backward gate / up also their
+# transposed copy (along I) and down its transposed copy (along H). The shared expert is bf16.
+
+
+def mxfp8_round_trip(a: torch.Tensor, *, along_rows: bool = False) -> torch.Tensor:
+    """bf16 values of `a` quantised to MXFP8 and back (exact in bf16): along its last dim, or
+    along its rows (the transposed quantisation)."""
+    data, scales = mxfp8_quantize(a, transpose=along_rows)
+    return mxfp8_dequantize(data, scales, transpose=along_rows).to(torch.bfloat16)
+
+
+def _mxfp8_weight(pair, *, transposed: bool = False) -> torch.Tensor:
+    """bf16 values of a pre-quantised weight (fp8, scale), in the weight's own layout."""
+    data, scales = pair
+    return mxfp8_dequantize(data, scales, transpose=transposed).to(torch.bfloat16)
+
+
+def mxfp8_forward(
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: tuple[torch.Tensor, torch.Tensor],
+    routed_up_weights: tuple[torch.Tensor, torch.Tensor],
+    routed_down_weights: tuple[torch.Tensor, torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor, MoKForwardContext]:
+    """`forward` with MXFP8 routed weights, each (fp8, scale) along its K: (out, context). The
+    context holds the bf16 rows; `mxfp8_backward` quantises them as each GEMM reads them."""
+    num_tokens, topk = router_weights.shape
+    gate_w, up_w = _mxfp8_weight(routed_gate_weights), _mxfp8_weight(routed_up_weights)
+    down_w = _mxfp8_weight(routed_down_weights)
+    x_routed = pull_rows(x, schedule.peer_rank, schedule.peer_token_idx.long() // topk, group)
+    capacity, inter = schedule.capacity, gate_w.shape[1]
+    gate = torch.zeros(capacity, inter, dtype=torch.bfloat16, device=x.device)
+    up, hidden = torch.zeros_like(gate), torch.zeros_like(gate)
+    y = torch.zeros(capacity, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    for e, (start, end) in enumerate(expert_segments(schedule)):
+        if end == start:
+            continue
+        rows = slice(start, end)
+        x_q = mxfp8_round_trip(x_routed[rows])
+        gate[rows] = _mm(x_q, gate_w[e]).to(torch.bfloat16)
+        up[rows] = _mm(x_q, up_w[e]).to(torch.bfloat16)
+        hidden[rows] = swiglu(gate[rows], up[rows], swiglu_limit)
+        y[rows] = _mm(mxfp8_round_trip(hidden[rows]), down_w[e]).to(torch.bfloat16)
+    slots = push_rows(y, schedule.peer_rank, schedule.peer_token_idx, num_tokens * topk, group)
+    ctx = MoKForwardContext(x_routed, gate, up, hidden)
+    y_shared = None
+    if shared_gate_weights is not None:
+        gate_s, up_s, hidden_s, y_shared = _mlp(
+            x, shared_gate_weights, shared_up_weights, shared_down_weights, swiglu_limit
+        )
+        ctx = MoKForwardContext(x_routed, gate, up, hidden, gate_s, up_s, hidden_s)
+    return fwd_epilogue(y_shared, slots, router_weights), ctx
+
+
+def mxfp8_backward(
+    schedule: MoKSchedule,
+    forward_context: MoKForwardContext,
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: tuple[torch.Tensor, ...],
+    routed_up_weights: tuple[torch.Tensor, ...],
+    routed_down_weights: tuple[torch.Tensor, torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """`backward` with MXFP8 routed weights: gate and up (fp8, scale, fp8_t, scale_t), down its
+    transposed copy (fp8_t, scale_t). The SwiGLU backward reads the dequantised saved gate and
+    up; d_router[t, j] = <bf16(SwiGLU(gate, up)), d_hidden> / w. Same returns as `backward`."""
+    num_tokens, topk = router_weights.shape
+    ctx = forward_context
+    peer, slot = schedule.peer_rank, schedule.peer_token_idx
+    dy_routed = pull_rows(grad_output, peer, slot.long() // topk, group)
+    w_routed = pull_rows(router_weights.reshape(-1, 1).float(), peer, slot, group)
+    dy_e = (w_routed * dy_routed.float()).to(torch.bfloat16)
+    # The activation gradients read each weight along its own dim of the reduction.
+    gate_t = _mxfp8_weight(routed_gate_weights[2:], transposed=True)  # [E, I, H] along I
+    up_t = _mxfp8_weight(routed_up_weights[2:], transposed=True)
+    down_t = _mxfp8_weight(routed_down_weights, transposed=True)  # [E, H, I] along H
+    num_experts, inter, hidden_size = gate_t.shape
+    d_gate_w = torch.zeros(num_experts, inter, hidden_size, device=x.device)
+    d_up_w = torch.zeros_like(d_gate_w)
+    d_down_w = torch.zeros(num_experts, hidden_size, inter, device=x.device)
+    d_x_routed = torch.zeros(schedule.capacity, hidden_size, dtype=torch.bfloat16, device=x.device)
+    d_router_routed = torch.zeros(schedule.capacity, 1, device=x.device)
+    for e, (start, end) in enumerate(expert_segments(schedule)):
+        if end == start:
+            continue
+        r = slice(start, end)
+        d_hidden = mxfp8_round_trip(dy_e[r]).float() @ down_t[e].float()
+        gate_q, up_q = mxfp8_round_trip(ctx.gate_routed[r]), mxfp8_round_trip(ctx.up_routed[r])
+        d_gate, d_up = swiglu_backward(d_hidden, gate_q, up_q, swiglu_limit)
+        d_x = (mxfp8_round_trip(d_gate).float() @ gate_t[e].float()
+               + mxfp8_round_trip(d_up).float() @ up_t[e].float())  # fmt: skip
+        d_x_routed[r] = d_x.to(torch.bfloat16)
+        by_token = dict(along_rows=True)
+        x_t = mxfp8_round_trip(ctx.x_routed[r], **by_token).float()
+        d_down_w[e] = (mxfp8_round_trip(dy_e[r], **by_token).float().t()
+                       @ mxfp8_round_trip(ctx.hidden_routed[r], **by_token).float())  # fmt: skip
+        d_gate_w[e] = mxfp8_round_trip(d_gate, **by_token).float().t() @ x_t
+        d_up_w[e] = mxfp8_round_trip(d_up, **by_token).float().t() @ x_t
+        hidden_q = swiglu(gate_q, up_q, swiglu_limit).float()
+        tiny = torch.finfo(torch.float32).tiny
+        d_router_routed[r, 0] = (hidden_q * d_hidden).sum(dim=1) / w_routed[r, 0].clamp_min(tiny)
+    slots = push_rows(d_x_routed, peer, slot, num_tokens * topk, group)
+    d_router = push_rows(d_router_routed, peer, slot, num_tokens * topk, group).view(
+        num_tokens, topk
+    )
+    d_x_shared = d_shared = None
+    if shared_gate_weights is not None:
+        d_xs, *d_shared = _mlp_backward(
+            grad_output, x, ctx.gate_shared, ctx.up_shared, ctx.hidden_shared,
+            shared_gate_weights, shared_up_weights, shared_down_weights, swiglu_limit,
+        )  # fmt: skip
+        d_x_shared = d_xs.to(torch.bfloat16)
+    d_x = bwd_epilogue(d_x_shared, slots, topk)
+    shared_grads = tuple(d_shared) if d_shared is not None else (None, None, None)
+    return (d_x, d_router, d_gate_w, d_up_w, d_down_w, *shared_grads)
+
+
+# ----------------------------------------------------------------------------------------------
 # An independent oracle: a per-expert loop differentiated by autograd
 # ----------------------------------------------------------------------------------------------
 # It shares no code with the functions above: no schedule, no padding, no hand-written backward.
