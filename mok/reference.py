@@ -301,7 +301,9 @@ def recompute_forward_context(
     return MoKForwardContext(*ctx.tensors()[:4], gate_s, up_s, swiglu(gate_s, up_s, swiglu_limit))
 
 
-def _routed_forward(schedule, x, gate_w, up_w, down_w, *, topk, group, swiglu_limit):
+def _routed_forward(schedule, x, gate_w, up_w, down_w, *, topk, group, swiglu_limit, mlp=None):
+    """(context, y) of the routed experts; `mlp` (default `_mlp`) computes one expert's rows."""
+    mlp = _mlp if mlp is None else mlp
     x_routed = pull_rows(x, schedule.peer_rank, schedule.peer_token_idx.long() // topk, group)
     capacity, inter = schedule.capacity, gate_w.shape[1]
     gate = torch.zeros(capacity, inter, dtype=torch.bfloat16, device=x.device)
@@ -316,7 +318,7 @@ def _routed_forward(schedule, x, gate_w, up_w, down_w, *, topk, group, swiglu_li
             up[rows] = _mm(x_routed[rows], up_w[e]).to(torch.bfloat16)
             hidden[rows] = swiglu(gate[rows], up[rows], swiglu_limit)
         else:
-            gate[rows], up[rows], hidden[rows], y[rows] = _mlp(
+            gate[rows], up[rows], hidden[rows], y[rows] = mlp(
                 x_routed[rows], gate_w[e], up_w[e], down_w[e], swiglu_limit
             )
     return MoKForwardContext(x_routed, gate, up, hidden), y
@@ -352,16 +354,18 @@ def forward(
     swiglu_limit: float | None = None,
 ) -> tuple[torch.Tensor, MoKForwardContext]:
     """The MoE layer forward (SEMANTICS §1); returns (out bf16 [T, H], context)."""
+    return _layer_forward(
+        schedule, x, router_weights, (shared_gate_weights, shared_up_weights, shared_down_weights),
+        (routed_gate_weights, routed_up_weights, routed_down_weights), group, swiglu_limit, _mlp,
+    )  # fmt: skip
+
+
+def _layer_forward(schedule, x, router_weights, shared, routed, group, swiglu_limit, mlp):
+    """forward's body; `mlp` computes one routed expert's rows (BF16 or MXFP8)."""
+    shared_gate_weights, shared_up_weights, shared_down_weights = shared
     num_tokens, topk = router_weights.shape
     ctx, y_routed = _routed_forward(
-        schedule,
-        x,
-        routed_gate_weights,
-        routed_up_weights,
-        routed_down_weights,
-        topk=topk,
-        group=group,
-        swiglu_limit=swiglu_limit,
+        schedule, x, *routed, topk=topk, group=group, swiglu_limit=swiglu_limit, mlp=mlp
     )
     slots = push_rows(
         y_routed, schedule.peer_rank, schedule.peer_token_idx, num_tokens * topk, group
@@ -413,15 +417,35 @@ def backward(
     d_shared_gate, d_shared_up, d_shared_down); shared gradients are None without a shared expert.
     Weight gradients are fp32 here (the caller rounds to bf16 or accumulates into main_grad).
     """
+
+    def expert(e, ctx, r, dy_e, dy_routed, w_routed):
+        d_x, d_gate_w, d_up_w, d_down_w = _mlp_backward(
+            dy_e, ctx.x_routed[r], ctx.gate_routed[r], ctx.up_routed[r], ctx.hidden_routed[r],
+            routed_gate_weights[e], routed_up_weights[e], routed_down_weights[e], swiglu_limit,
+        )  # fmt: skip
+        # d_router[t, j] = <dY[t], y_e(x_t)>, y_e in fp32 from the saved hidden.
+        y = _mm(ctx.hidden_routed[r], routed_down_weights[e])
+        return d_x, d_gate_w, d_up_w, d_down_w, (dy_routed.float() * y).sum(dim=1)
+
+    return _layer_backward(
+        schedule, forward_context, grad_output, x, router_weights,
+        (shared_gate_weights, shared_up_weights, shared_down_weights),
+        routed_gate_weights.shape, group, swiglu_limit, expert,
+    )  # fmt: skip
+
+
+def _layer_backward(schedule, ctx, grad_output, x, router_weights, shared, routed_shape, group,
+                    swiglu_limit, expert):  # fmt: skip
+    """backward's body. `expert(e, ctx, rows, dy_e, dy_routed, w_routed)` gives one routed
+    expert's (d_x fp32, dW_gate, dW_up, dW_down, d_router of its rows)."""
     num_tokens, topk = router_weights.shape
-    ctx = forward_context
     peer, slot = schedule.peer_rank, schedule.peer_token_idx
     # Pull dY and w for every routed row; dY_e = bf16(w * dY) on the expert's side.
     dy_routed = pull_rows(grad_output, peer, slot.long() // topk, group)
     w_routed = pull_rows(router_weights.reshape(-1, 1).float(), peer, slot, group)
     dy_e = (w_routed * dy_routed.float()).to(torch.bfloat16)
 
-    num_experts, inter, hidden_size = routed_gate_weights.shape
+    num_experts, inter, hidden_size = routed_shape
     d_gate_w = torch.zeros(num_experts, inter, hidden_size, device=x.device)
     d_up_w = torch.zeros_like(d_gate_w)
     d_down_w = torch.zeros(num_experts, hidden_size, inter, device=x.device)
@@ -431,39 +455,22 @@ def backward(
         if end == start:
             continue  # an expert with no rows keeps exact-zero weight gradients
         r = slice(start, end)
-        d_x, d_gate_w[e], d_up_w[e], d_down_w[e] = _mlp_backward(
-            dy_e[r],
-            ctx.x_routed[r],
-            ctx.gate_routed[r],
-            ctx.up_routed[r],
-            ctx.hidden_routed[r],
-            routed_gate_weights[e],
-            routed_up_weights[e],
-            routed_down_weights[e],
-            swiglu_limit,
+        d_x, d_gate_w[e], d_up_w[e], d_down_w[e], d_router_routed[r, 0] = expert(
+            e, ctx, r, dy_e[r], dy_routed[r], w_routed[r, 0]
         )
         d_x_routed[r] = d_x.to(torch.bfloat16)
-        # d_router[t, j] = <dY[t], y_e(x_t)>, y_e in fp32 from the saved hidden.
-        y = _mm(ctx.hidden_routed[r], routed_down_weights[e])
-        d_router_routed[r, 0] = (dy_routed[r].float() * y).sum(dim=1)
     slots = push_rows(d_x_routed, peer, slot, num_tokens * topk, group)
     d_router = push_rows(d_router_routed, peer, slot, num_tokens * topk, group).view(
         num_tokens, topk
     )
 
+    shared_gate_weights, shared_up_weights, shared_down_weights = shared
     d_x_shared = d_shared = None
     if shared_gate_weights is not None:
         d_xs, *d_shared = _mlp_backward(
-            grad_output,
-            x,
-            ctx.gate_shared,
-            ctx.up_shared,
-            ctx.hidden_shared,
-            shared_gate_weights,
-            shared_up_weights,
-            shared_down_weights,
-            swiglu_limit,
-        )
+            grad_output, x, ctx.gate_shared, ctx.up_shared, ctx.hidden_shared,
+            shared_gate_weights, shared_up_weights, shared_down_weights, swiglu_limit,
+        )  # fmt: skip
         d_x_shared = d_xs.to(torch.bfloat16)
     d_x = bwd_epilogue(d_x_shared, slots, topk)
     shared_grads = tuple(d_shared) if d_shared is not None else (None, None, None)
@@ -570,32 +577,23 @@ def mxfp8_forward(
 ) -> tuple[torch.Tensor, MoKForwardContext]:
     """`forward` with MXFP8 routed weights, each (fp8, scale) along its K: (out, context). The
     context holds the bf16 rows; `mxfp8_backward` quantises them as each GEMM reads them."""
-    num_tokens, topk = router_weights.shape
-    gate_w, up_w = _mxfp8_weight(routed_gate_weights), _mxfp8_weight(routed_up_weights)
-    down_w = _mxfp8_weight(routed_down_weights)
-    x_routed = pull_rows(x, schedule.peer_rank, schedule.peer_token_idx.long() // topk, group)
-    capacity, inter = schedule.capacity, gate_w.shape[1]
-    gate = torch.zeros(capacity, inter, dtype=torch.bfloat16, device=x.device)
-    up, hidden = torch.zeros_like(gate), torch.zeros_like(gate)
-    y = torch.zeros(capacity, x.shape[1], dtype=torch.bfloat16, device=x.device)
-    for e, (start, end) in enumerate(expert_segments(schedule)):
-        if end == start:
-            continue
-        rows = slice(start, end)
-        x_q = mxfp8_round_trip(x_routed[rows])
-        gate[rows] = _mm(x_q, gate_w[e]).to(torch.bfloat16)
-        up[rows] = _mm(x_q, up_w[e]).to(torch.bfloat16)
-        hidden[rows] = swiglu(gate[rows], up[rows], swiglu_limit)
-        y[rows] = _mm(mxfp8_round_trip(hidden[rows]), down_w[e]).to(torch.bfloat16)
-    slots = push_rows(y, schedule.peer_rank, schedule.peer_token_idx, num_tokens * topk, group)
-    ctx = MoKForwardContext(x_routed, gate, up, hidden)
-    y_shared = None
-    if shared_gate_weights is not None:
-        gate_s, up_s, hidden_s, y_shared = _mlp(
-            x, shared_gate_weights, shared_up_weights, shared_down_weights, swiglu_limit
-        )
-        ctx = MoKForwardContext(x_routed, gate, up, hidden, gate_s, up_s, hidden_s)
-    return fwd_epilogue(y_shared, slots, router_weights), ctx
+    routed = tuple(
+        _mxfp8_weight(w) for w in (routed_gate_weights, routed_up_weights, routed_down_weights)
+    )
+    return _layer_forward(
+        schedule, x, router_weights, (shared_gate_weights, shared_up_weights, shared_down_weights),
+        routed, group, swiglu_limit, _mlp_mxfp8,
+    )  # fmt: skip
+
+
+def _mlp_mxfp8(x, gate_w, up_w, down_w, limit):
+    """`_mlp` with x and hidden quantised to MXFP8 before their GEMMs (weights dequantised)."""
+    x_q = mxfp8_round_trip(x)
+    gate = _mm(x_q, gate_w).to(torch.bfloat16)
+    up = _mm(x_q, up_w).to(torch.bfloat16)
+    hidden = swiglu(gate, up, limit)
+    y = _mm(mxfp8_round_trip(hidden), down_w).to(torch.bfloat16)
+    return gate, up, hidden, y
 
 
 def mxfp8_backward(
@@ -617,55 +615,34 @@ def mxfp8_backward(
     """`backward` with MXFP8 routed weights: gate and up (fp8, scale, fp8_t, scale_t), down its
     transposed copy (fp8_t, scale_t). The SwiGLU backward reads the dequantised saved gate and
     up; d_router[t, j] = <bf16(SwiGLU(gate, up)), d_hidden> / w. Same returns as `backward`."""
-    num_tokens, topk = router_weights.shape
-    ctx = forward_context
-    peer, slot = schedule.peer_rank, schedule.peer_token_idx
-    dy_routed = pull_rows(grad_output, peer, slot.long() // topk, group)
-    w_routed = pull_rows(router_weights.reshape(-1, 1).float(), peer, slot, group)
-    dy_e = (w_routed * dy_routed.float()).to(torch.bfloat16)
     # The activation gradients read each weight along its own dim of the reduction.
     gate_t = _mxfp8_weight(routed_gate_weights[2:], transposed=True)  # [E, I, H] along I
     up_t = _mxfp8_weight(routed_up_weights[2:], transposed=True)
     down_t = _mxfp8_weight(routed_down_weights, transposed=True)  # [E, H, I] along H
-    num_experts, inter, hidden_size = gate_t.shape
-    d_gate_w = torch.zeros(num_experts, inter, hidden_size, device=x.device)
-    d_up_w = torch.zeros_like(d_gate_w)
-    d_down_w = torch.zeros(num_experts, hidden_size, inter, device=x.device)
-    d_x_routed = torch.zeros(schedule.capacity, hidden_size, dtype=torch.bfloat16, device=x.device)
-    d_router_routed = torch.zeros(schedule.capacity, 1, device=x.device)
-    for e, (start, end) in enumerate(expert_segments(schedule)):
-        if end == start:
-            continue
-        r = slice(start, end)
-        d_hidden = mxfp8_round_trip(dy_e[r]).float() @ down_t[e].float()
+    by_token = dict(along_rows=True)
+
+    def expert(e, ctx, r, dy_e, dy_routed, w_routed):
+        d_hidden = mxfp8_round_trip(dy_e).float() @ down_t[e].float()
         gate_q, up_q = mxfp8_round_trip(ctx.gate_routed[r]), mxfp8_round_trip(ctx.up_routed[r])
         d_gate, d_up = swiglu_backward(d_hidden, gate_q, up_q, swiglu_limit)
         d_x = (mxfp8_round_trip(d_gate).float() @ gate_t[e].float()
                + mxfp8_round_trip(d_up).float() @ up_t[e].float())  # fmt: skip
-        d_x_routed[r] = d_x.to(torch.bfloat16)
-        by_token = dict(along_rows=True)
         x_t = mxfp8_round_trip(ctx.x_routed[r], **by_token).float()
-        d_down_w[e] = (mxfp8_round_trip(dy_e[r], **by_token).float().t()
-                       @ mxfp8_round_trip(ctx.hidden_routed[r], **by_token).float())  # fmt: skip
-        d_gate_w[e] = mxfp8_round_trip(d_gate, **by_token).float().t() @ x_t
-        d_up_w[e] = mxfp8_round_trip(d_up, **by_token).float().t() @ x_t
+        d_down_w = (mxfp8_round_trip(dy_e, **by_token).float().t()
+                    @ mxfp8_round_trip(ctx.hidden_routed[r], **by_token).float())  # fmt: skip
+        d_gate_w = mxfp8_round_trip(d_gate, **by_token).float().t() @ x_t
+        d_up_w = mxfp8_round_trip(d_up, **by_token).float().t() @ x_t
         hidden_q = swiglu(gate_q, up_q, swiglu_limit).float()
-        tiny = torch.finfo(torch.float32).tiny
-        d_router_routed[r, 0] = (hidden_q * d_hidden).sum(dim=1) / w_routed[r, 0].clamp_min(tiny)
-    slots = push_rows(d_x_routed, peer, slot, num_tokens * topk, group)
-    d_router = push_rows(d_router_routed, peer, slot, num_tokens * topk, group).view(
-        num_tokens, topk
-    )
-    d_x_shared = d_shared = None
-    if shared_gate_weights is not None:
-        d_xs, *d_shared = _mlp_backward(
-            grad_output, x, ctx.gate_shared, ctx.up_shared, ctx.hidden_shared,
-            shared_gate_weights, shared_up_weights, shared_down_weights, swiglu_limit,
-        )  # fmt: skip
-        d_x_shared = d_xs.to(torch.bfloat16)
-    d_x = bwd_epilogue(d_x_shared, slots, topk)
-    shared_grads = tuple(d_shared) if d_shared is not None else (None, None, None)
-    return (d_x, d_router, d_gate_w, d_up_w, d_down_w, *shared_grads)
+        d_router = (hidden_q * d_hidden).sum(dim=1) / w_routed.clamp_min(
+            torch.finfo(torch.float32).tiny
+        )
+        return d_x, d_gate_w, d_up_w, d_down_w, d_router
+
+    return _layer_backward(
+        schedule, forward_context, grad_output, x, router_weights,
+        (shared_gate_weights, shared_up_weights, shared_down_weights),
+        gate_t.shape, group, swiglu_limit, expert,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
