@@ -22,6 +22,7 @@ import torch
 from . import ops
 from .config import FEATURE_ALIGNMENT, MoKConfig
 from .errors import MoKInputError, MoKKernelUnavailableError
+from .mxfp8_weights import check_mxfp8_weights, is_mxfp8
 from .types import MoKForwardContext, MoKSchedule
 from .validation import check_int, check_swiglu_limit, check_tensor, check_type
 from .workspace import (
@@ -52,8 +53,8 @@ __all__ = [
 ]
 
 _MXFP8_NOT_YET = (
-    "{name} was given as an MXFP8 tuple; MXFP8 layers are not supported yet (BF16 only in this "
-    "release; mok.ops.mxfp8_quantize and mok.reference.mxfp8_quantize exist for the quantiser)"
+    "{name} was given as an MXFP8 tuple; recompute_forward_context takes bf16 weights only so "
+    "far (forward and backward take MXFP8 tuples, on CPU tensors until the GPU kernels land)"
 )
 
 
@@ -202,8 +203,16 @@ def forward(
         shared_down_weights=shared_down_weights, routed_gate_weights=routed_gate_weights,
         routed_up_weights=routed_up_weights, routed_down_weights=routed_down_weights,
     )  # fmt: skip
-    _check_weights(workspace, schedule, weights)
     limit = check_swiglu_limit(swiglu_limit)
+    if is_mxfp8(weights):
+        check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=False)
+        out, *ctx = ops.forward_mxfp8(
+            workspace.handle, *_schedule_args(schedule), x, router_weights,
+            shared_gate_weights, shared_up_weights, shared_down_weights,
+            *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
+        )  # fmt: skip
+        return out, _context(ctx, has_shared=shared_gate_weights is not None)
+    _check_weights(workspace, schedule, weights)
     out, *ctx = ops.forward(
         workspace.handle, *_schedule_args(schedule), x, router_weights,
         shared_gate_weights, shared_up_weights, shared_down_weights,
@@ -281,12 +290,25 @@ def backward(
         routed_down_weights=routed_down_weights, shared_gate_weights=shared_gate_weights,
         shared_up_weights=shared_up_weights, shared_down_weights=shared_down_weights,
     )  # fmt: skip
-    inter = _check_weights(workspace, schedule, weights)
     limit = check_swiglu_limit(swiglu_limit)
     has_shared = shared_gate_weights is not None
+    empty = x.new_empty(0)
+    if is_mxfp8(weights):
+        inter = check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=True)
+        _check_context(forward_context, workspace, inter, has_shared)
+        if main_grads is not None and any(g is not None for g in main_grads):
+            raise ValueError("main_grads with MXFP8 routed weights are not supported yet")
+        ctx = [t if t is not None else empty for t in forward_context.tensors()]
+        grads = ops.backward_mxfp8(
+            workspace.handle, *_schedule_args(schedule), *ctx, grad_output, x, router_weights,
+            shared_gate_weights, shared_up_weights, shared_down_weights,
+            *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
+        )  # fmt: skip
+        shared_grads = grads[5:] if has_shared else (None, None, None)
+        return (*grads[:5], *shared_grads)
+    inter = _check_weights(workspace, schedule, weights)
     _check_context(forward_context, workspace, inter, has_shared)
     main = _check_main_grads(main_grads, weights)
-    empty = x.new_empty(0)
     ctx = [t if t is not None else empty for t in forward_context.tensors()]
     grads = ops.backward(
         workspace.handle, *_schedule_args(schedule), *ctx, grad_output, x, router_weights,

@@ -323,6 +323,136 @@ def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert
 
 
 # ----------------------------------------------------------------------------------------------
+# MXFP8 layers (the reference path; the GPU kernels have not landed)
+# ----------------------------------------------------------------------------------------------
+
+
+def _mxfp8_unavailable(op: str, device: torch.device) -> None:
+    if device.type == "cuda":
+        from .errors import MoKKernelUnavailableError  # noqa: PLC0415
+
+        raise MoKKernelUnavailableError(
+            f"mok.ops.{op} on CUDA: the MXFP8 layer's kernels have not landed yet (BF16 runs on "
+            f"the GPU); CPU tensors run mok.reference's MXFP8 layer"
+        )
+
+
+@torch.library.custom_op("mok::forward_mxfp8", mutates_args=())
+def forward_mxfp8(
+    workspace_handle: int,
+    peer_rank: Tensor,
+    peer_token_idx: Tensor,
+    num_tokens: Tensor,
+    tokens_per_expert: Tensor,
+    x: Tensor,
+    router_weights: Tensor,
+    shared_gate_weights: Tensor | None,
+    shared_up_weights: Tensor | None,
+    shared_down_weights: Tensor | None,
+    routed_gate: Tensor,
+    routed_gate_scales: Tensor,
+    routed_up: Tensor,
+    routed_up_scales: Tensor,
+    routed_down: Tensor,
+    routed_down_scales: Tensor,
+    swiglu_limit: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`forward` with MXFP8 routed weights ((fp8, scale) along K each, mxfp8_quantize's):
+    `mok.reference.mxfp8_forward`. Same outputs as `forward` (the context in bf16)."""
+    check_router_weight_values(router_weights, "mok.ops.forward_mxfp8")
+    _mxfp8_unavailable("forward_mxfp8", x.device)
+    ws = workspace_from_handle(workspace_handle)
+    schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+    ws.buffers["x_buffer"].copy_(x)
+    out, ctx = reference.mxfp8_forward(
+        schedule, x, router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
+        (routed_gate, routed_gate_scales), (routed_up, routed_up_scales),
+        (routed_down, routed_down_scales), group=ws.group, swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+    return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
+
+
+@forward_mxfp8.register_fake
+def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x,
+      router_weights, shared_gate_weights, shared_up_weights, shared_down_weights, routed_gate,
+      *_):  # fmt: skip
+    return (
+        torch.empty_like(x),
+        *_fake_context(peer_rank, x, routed_gate, shared_gate_weights is not None),
+    )
+
+
+@torch.library.custom_op("mok::backward_mxfp8", mutates_args=())
+def backward_mxfp8(
+    workspace_handle: int,
+    peer_rank: Tensor,
+    peer_token_idx: Tensor,
+    num_tokens: Tensor,
+    tokens_per_expert: Tensor,
+    x_routed: Tensor,
+    gate_routed: Tensor,
+    up_routed: Tensor,
+    hidden_routed: Tensor,
+    gate_shared: Tensor,
+    up_shared: Tensor,
+    hidden_shared: Tensor,
+    grad_output: Tensor,
+    x: Tensor,
+    router_weights: Tensor,
+    shared_gate_weights: Tensor | None,
+    shared_up_weights: Tensor | None,
+    shared_down_weights: Tensor | None,
+    routed_gate: Tensor,
+    routed_gate_scales: Tensor,
+    routed_gate_t: Tensor,
+    routed_gate_t_scales: Tensor,
+    routed_up: Tensor,
+    routed_up_scales: Tensor,
+    routed_up_t: Tensor,
+    routed_up_t_scales: Tensor,
+    routed_down_t: Tensor,
+    routed_down_t_scales: Tensor,
+    swiglu_limit: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`backward` with MXFP8 routed weights (gate and up with their transposed copies, down
+    transposed): `mok.reference.mxfp8_backward`. Same outputs as `backward` (bf16 weight
+    gradients, empty [0] shared ones without a shared expert)."""
+    check_router_weight_values(router_weights, "mok.ops.backward_mxfp8")
+    _mxfp8_unavailable("backward_mxfp8", x.device)
+    from .types import MoKForwardContext  # noqa: PLC0415
+
+    ws = workspace_from_handle(workspace_handle)
+    schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+    ctx = MoKForwardContext(*(_none_if_empty(t) for t in (
+        x_routed, gate_routed, up_routed, hidden_routed, gate_shared, up_shared, hidden_shared
+    )))  # fmt: skip
+    grads = reference.mxfp8_backward(
+        schedule, ctx, grad_output, x, router_weights, shared_gate_weights, shared_up_weights,
+        shared_down_weights,
+        (routed_gate, routed_gate_scales, routed_gate_t, routed_gate_t_scales),
+        (routed_up, routed_up_scales, routed_up_t, routed_up_t_scales),
+        (routed_down_t, routed_down_t_scales), group=ws.group, swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+    d_x, d_router, weight_grads = grads[0], grads[1], grads[2:]
+    return (d_x, d_router,
+            *(_empty(x) if g is None else g.to(torch.bfloat16) for g in weight_grads))  # fmt: skip
+
+
+@backward_mxfp8.register_fake
+def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x_routed,
+      gate_routed, up_routed, hidden_routed, gate_shared, up_shared, hidden_shared, grad_output,
+      x, router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
+      routed_gate, *_):  # fmt: skip
+    experts, inter, hidden = routed_gate.shape
+    bf16 = dict(dtype=torch.bfloat16, device=x.device)
+    routed = [x.new_empty(experts, inter, hidden, **bf16) for _ in range(2)]
+    routed.append(x.new_empty(experts, hidden, inter, **bf16))
+    weights = (shared_gate_weights, shared_up_weights, shared_down_weights)
+    shared = [_empty(x) if w is None else torch.empty_like(w) for w in weights]
+    return (torch.empty_like(x), torch.empty_like(router_weights), *routed, *shared)
+
+
+# ----------------------------------------------------------------------------------------------
 # MXFP8 quantiser and epilogues
 # ----------------------------------------------------------------------------------------------
 

@@ -79,3 +79,52 @@ def test_mxfp8_gemms_equal_bf16_ones_on_mxfp8_exact_operands():
     assert torch.equal(ctx_q.gate_routed[:rows], ctx_b.gate_routed[:rows])
     assert torch.equal(ctx_q.up_routed[:rows], ctx_b.up_routed[:rows])
     assert torch.equal(ctx_q.hidden_routed[:rows], ctx_b.hidden_routed[:rows])
+
+
+def test_functional_runs_the_mxfp8_layer_on_cpu():
+    from mok import functional as F
+    from mok.errors import MoKInputError
+
+    inputs = make_inputs(T, H, I, E, K, shared=True, seed=23)
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
+                         num_local_experts=E)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=E)
+    shared = [inputs[n] for n in SHARED]
+    fwd, bwd = _weights(inputs)
+    x, w, dy = inputs["x"], inputs["router_weights"], inputs["grad_output"]
+    out, ctx = F.forward(config, ws, schedule, x, w, *shared, *fwd, swiglu_limit=3.0)
+    grads = F.backward(config, ws, schedule, ctx, dy, x, w, *shared, *bwd, swiglu_limit=3.0)
+    r_schedule = _schedule(inputs)
+    want_out, want_ctx = R.mxfp8_forward(r_schedule, x, w, *shared, *fwd, swiglu_limit=3.0)
+    want = R.mxfp8_backward(r_schedule, want_ctx, dy, x, w, *shared, *bwd, swiglu_limit=3.0)
+    assert torch.equal(out, want_out)
+    assert torch.equal(grads[0], want[0]) and torch.equal(grads[1], want[1])
+    for got, ref in zip(grads[2:], want[2:], strict=True):
+        assert torch.equal(got, ref.to(torch.bfloat16))
+    # A wrong tuple is a clear error naming the weight.
+    bad = (fwd[0][0], fwd[0][1][:1])
+    with pytest.raises(ValueError, match="routed_gate_weights scales must have shape"):
+        F.forward(config, ws, schedule, x, w, *shared, bad, *fwd[1:])
+    with pytest.raises(ValueError, match=r"must be an MXFP8 tuple of 4 tensors"):
+        F.backward(config, ws, schedule, ctx, dy, x, w, *shared, *fwd)
+    with pytest.raises(MoKInputError, match="all MXFP8 tuples or all bf16 tensors"):
+        F.forward(config, ws, schedule, x, w, *shared, fwd[0], inputs["routed_up"], fwd[2])
+
+
+def test_mxfp8_forward_compiles_fullgraph():
+    from mok import functional as F
+
+    inputs = make_inputs(T, H, I, E, K, seed=24)
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
+                         num_local_experts=E)  # fmt: skip
+    fwd, _ = _weights(inputs)
+
+    def step(x, w, ids):
+        schedule = F.build_schedule(ws, config, ids, num_local_experts=E)
+        return F.forward(config, ws, schedule, x, w, None, None, None, *fwd)[0]
+
+    args = (inputs["x"], inputs["router_weights"], inputs["top_experts"])
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(*args), step(*args))

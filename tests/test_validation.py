@@ -170,7 +170,7 @@ def _bad(name, value):
         ("routed_gate_weights", lambda a: a[:3], ValueError, r"routed_gate_weights must have shape \[4, 128, 128\], got \[3, 128, 128\]"),
         ("routed_up_weights", lambda a: a.float(), TypeError, r"routed_up_weights must have dtype torch.bfloat16"),
         ("routed_down_weights", lambda a: a.transpose(1, 2), ValueError, r"routed_down_weights must be contiguous"),
-        ("routed_gate_weights", lambda a: (a, a), TypeError, r"routed_gate_weights was given as an MXFP8 tuple"),
+        ("routed_gate_weights", lambda a: (a, a), TypeError, r"routed weights must be all MXFP8 tuples or all bf16 tensors; \['routed_gate_weights'\] are tuples"),
         ("shared_gate_weights", lambda a: None, ValueError, r"shared expert weights must be all given or all None"),
         ("shared_down_weights", lambda a: a[:, :64].contiguous(), ValueError, r"shared_down_weights must have shape \[128, 128\], got \[128, 64\]"),
     ],
