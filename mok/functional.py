@@ -52,10 +52,7 @@ __all__ = [
     "recompute_forward_context",
 ]
 
-_MXFP8_NOT_YET = (
-    "{name} was given as an MXFP8 tuple; recompute_forward_context takes bf16 weights only so "
-    "far (forward and backward take MXFP8 tuples, on CPU tensors until the GPU kernels land)"
-)
+_MXFP8_NOT_YET = "{name} was given as an MXFP8 tuple where bf16 weights are expected"
 
 
 def _check_common(config, workspace, schedule=None) -> None:
@@ -245,8 +242,15 @@ def recompute_forward_context(
         shared_gate_weights=shared_gate_weights, shared_up_weights=shared_up_weights,
         routed_gate_weights=routed_gate_weights, routed_up_weights=routed_up_weights,
     )  # fmt: skip
-    _check_weights(workspace, schedule, weights, need_down=False)
     limit = check_swiglu_limit(swiglu_limit)
+    if is_mxfp8(weights):
+        check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=False)
+        ctx = ops.recompute_forward_context_mxfp8(
+            workspace.handle, *_schedule_args(schedule), x, shared_gate_weights,
+            shared_up_weights, *routed_gate_weights, *routed_up_weights, limit,
+        )  # fmt: skip
+        return _context(ctx, has_shared=shared_gate_weights is not None)
+    _check_weights(workspace, schedule, weights, need_down=False)
     ctx = ops.recompute_forward_context(
         workspace.handle, *_schedule_args(schedule), x, shared_gate_weights, shared_up_weights,
         routed_gate_weights, routed_up_weights, limit,

@@ -382,6 +382,40 @@ def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert
     )
 
 
+@torch.library.custom_op("mok::recompute_forward_context_mxfp8", mutates_args=())
+def recompute_forward_context_mxfp8(
+    workspace_handle: int,
+    peer_rank: Tensor,
+    peer_token_idx: Tensor,
+    num_tokens: Tensor,
+    tokens_per_expert: Tensor,
+    x: Tensor,
+    shared_gate_weights: Tensor | None,
+    shared_up_weights: Tensor | None,
+    routed_gate: Tensor,
+    routed_gate_scales: Tensor,
+    routed_up: Tensor,
+    routed_up_scales: Tensor,
+    swiglu_limit: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`recompute_forward_context` with MXFP8 gate and up weights ((fp8, scale) along H):
+    `mok.reference.mxfp8_recompute_forward_context`, bitwise `forward_mxfp8`'s context."""
+    _mxfp8_unavailable("recompute_forward_context_mxfp8", x.device)
+    ws = workspace_from_handle(workspace_handle)
+    schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+    ctx = reference.mxfp8_recompute_forward_context(
+        schedule, x, shared_gate_weights, shared_up_weights, (routed_gate, routed_gate_scales),
+        (routed_up, routed_up_scales), topk=ws.topk, group=ws.group, swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+    return tuple(t if t is not None else _empty(x) for t in ctx.tensors())
+
+
+@recompute_forward_context_mxfp8.register_fake
+def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x,
+      shared_gate_weights, shared_up_weights, routed_gate, *_):  # fmt: skip
+    return _fake_context(peer_rank, x, routed_gate, shared_gate_weights is not None)
+
+
 @torch.library.custom_op("mok::backward_mxfp8", mutates_args=())
 def backward_mxfp8(
     workspace_handle: int,

@@ -596,6 +596,32 @@ def _mlp_mxfp8(x, gate_w, up_w, down_w, limit):
     return gate, up, hidden, y
 
 
+def mxfp8_recompute_forward_context(
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    routed_gate_weights: tuple[torch.Tensor, torch.Tensor],
+    routed_up_weights: tuple[torch.Tensor, torch.Tensor],
+    *,
+    topk: int,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> MoKForwardContext:
+    """`mxfp8_forward`'s context, rebuilt bitwise (no down GEMM). x is quantised before the
+    pull: MXFP8 quantises each row on its own, so that equals quantising the pulled rows."""
+    routed = recompute_forward_context(
+        schedule, mxfp8_round_trip(x), None, None, _mxfp8_weight(routed_gate_weights),
+        _mxfp8_weight(routed_up_weights), topk=topk, group=group, swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+    bf16 = recompute_forward_context(
+        schedule, x, shared_gate_weights, shared_up_weights, _mxfp8_weight(routed_gate_weights),
+        _mxfp8_weight(routed_up_weights), topk=topk, group=group, swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+    # The context keeps the bf16 rows of x; the shared expert reads bf16 x.
+    return MoKForwardContext(bf16.x_routed, *routed.tensors()[1:4], *bf16.tensors()[4:])
+
+
 def mxfp8_backward(
     schedule: MoKSchedule,
     forward_context: MoKForwardContext,

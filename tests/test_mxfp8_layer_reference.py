@@ -128,3 +128,35 @@ def test_mxfp8_forward_compiles_fullgraph():
     args = (inputs["x"], inputs["router_weights"], inputs["top_experts"])
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     assert torch.equal(compiled(*args), step(*args))
+
+
+def test_mxfp8_recompute_rebuilds_the_forward_context_bitwise():
+    inputs = make_inputs(T, H, I, E, K, shared=True, seed=25)
+    schedule = _schedule(inputs)
+    shared = [inputs[n] for n in SHARED]
+    fwd, _ = _weights(inputs)
+    _, ctx = R.mxfp8_forward(schedule, inputs["x"], inputs["router_weights"], *shared, *fwd,
+                             swiglu_limit=3.0)  # fmt: skip
+    again = R.mxfp8_recompute_forward_context(schedule, inputs["x"], *shared[:2], *fwd[:2],
+                                              topk=K, swiglu_limit=3.0)  # fmt: skip
+    for a, b in zip(again.tensors(), ctx.tensors(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_functional_mxfp8_recompute_equals_the_forward_context():
+    from mok import functional as F
+
+    inputs = make_inputs(T, H, I, E, K, shared=True, seed=26)
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
+                         num_local_experts=E)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=E)
+    shared = [inputs[n] for n in SHARED]
+    fwd, _ = _weights(inputs)
+    _, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *shared, *fwd)
+    again = F.recompute_forward_context(config, ws, schedule, inputs["x"], *shared[:2], *fwd[:2])
+    rows = int(schedule.num_tokens)
+    for a, b in zip(again.tensors(), ctx.tensors(), strict=True):
+        if a.shape[0] == schedule.peer_rank.shape[0]:
+            a, b = a[:rows], b[:rows]  # rows past num_tokens are not part of the contract
+        assert torch.equal(a, b)
