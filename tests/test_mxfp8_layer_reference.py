@@ -41,6 +41,18 @@ def _layer(inputs, schedule, limit, mxfp8: bool):
     return out, ctx, grads
 
 
+def _functional_setup(seed):
+    """(inputs, config, workspace, schedule, shared weights, (forward, backward) MXFP8 tuples)."""
+    from mok import functional as F
+
+    inputs = make_inputs(T, H, I, E, K, shared=True, seed=seed)
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
+                         num_local_experts=E)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=E)
+    return inputs, config, ws, schedule, [inputs[n] for n in SHARED], _weights(inputs)
+
+
 def _schedule(inputs):
     return R.make_schedule(inputs["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
 
@@ -85,13 +97,7 @@ def test_functional_runs_the_mxfp8_layer_on_cpu():
     from mok import functional as F
     from mok.errors import MoKInputError
 
-    inputs = make_inputs(T, H, I, E, K, shared=True, seed=23)
-    config = F.MoKConfig()
-    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
-                         num_local_experts=E)  # fmt: skip
-    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=E)
-    shared = [inputs[n] for n in SHARED]
-    fwd, bwd = _weights(inputs)
+    inputs, config, ws, schedule, shared, (fwd, bwd) = _functional_setup(23)
     x, w, dy = inputs["x"], inputs["router_weights"], inputs["grad_output"]
     out, ctx = F.forward(config, ws, schedule, x, w, *shared, *fwd, swiglu_limit=3.0)
     grads = F.backward(config, ws, schedule, ctx, dy, x, w, *shared, *bwd, swiglu_limit=3.0)
@@ -146,13 +152,7 @@ def test_mxfp8_recompute_rebuilds_the_forward_context_bitwise():
 def test_functional_mxfp8_recompute_equals_the_forward_context():
     from mok import functional as F
 
-    inputs = make_inputs(T, H, I, E, K, shared=True, seed=26)
-    config = F.MoKConfig()
-    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
-                         num_local_experts=E)  # fmt: skip
-    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=E)
-    shared = [inputs[n] for n in SHARED]
-    fwd, _ = _weights(inputs)
+    inputs, config, ws, schedule, shared, (fwd, _) = _functional_setup(26)
     _, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *shared, *fwd)
     again = F.recompute_forward_context(config, ws, schedule, inputs["x"], *shared[:2], *fwd[:2])
     rows = int(schedule.num_tokens)
