@@ -21,13 +21,20 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
         "the routing all-gather and schedule kernels",
     ),
     # mok/launchers/forward_op.py: the routed experts run in the forward megakernel
-    # (moe_forward); the shared expert runs the gate/up and plain down GEMMs.
+    # (moe_forward); the shared expert runs the gate/up and plain down GEMMs; an EP group's
+    # barriers frame each pass (ep_barrier).
     "forward": (
-        ("expert_gemm_gate_up_swiglu", "expert_gemm_down", "moe_forward", "moe_combine_forward"),
+        (
+            "expert_gemm_gate_up_swiglu",
+            "expert_gemm_down",
+            "moe_forward",
+            "moe_combine_forward",
+            "ep_barrier",
+        ),
         "the SM90 expert GEMMs",
     ),  # fmt: skip
     "recompute_forward_context": (
-        ("gather_rows", "expert_gemm_gate_up_swiglu"),
+        ("gather_rows", "expert_gemm_gate_up_swiglu", "ep_barrier"),
         "the SM90 expert GEMMs",
     ),
     # mok/launchers/backward_op.py: the routed experts run in the backward megakernel
@@ -41,6 +48,7 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
             "expert_gemm_bwd_weights_bf16",
             "expert_gemm_bwd_weights_accumulate",
             "moe_combine_backward",
+            "ep_barrier",
         ),
         "the SM90 backward expert GEMMs",
     ),  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
+from .errors import MoKKernelUnavailableError
 from .types import MoKSchedule
 from .validation import (
     check_expert_id_values,
@@ -329,8 +330,6 @@ def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert
 
 def _mxfp8_unavailable(op: str, device: torch.device) -> None:
     if device.type == "cuda":
-        from .errors import MoKKernelUnavailableError  # noqa: PLC0415
-
         raise MoKKernelUnavailableError(
             f"mok.ops.{op} on CUDA: the MXFP8 layer's kernels have not landed yet (BF16 runs on "
             f"the GPU); CPU tensors run mok.reference's MXFP8 layer"

@@ -89,18 +89,13 @@ def run_layer(inputs: dict, num_experts: int, config=None, swiglu_limit=None, ma
     from mok import functional as F  # noqa: PLC0415
 
     config = F.MoKConfig() if config is None else config
-    x, router_weights = inputs["x"], inputs["router_weights"]
-    t, h = x.shape
-    ws = F.get_workspace(config, None, device=x.device, num_local_tokens=t, hidden_size=h,
-                         topk=inputs["top_experts"].shape[1], num_local_experts=num_experts)  # fmt: skip
-    weights = [inputs[n] for n in WEIGHT_NAMES]
-    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=num_experts)
-    out, ctx = F.forward(config, ws, schedule, x, router_weights, *weights,
-                         swiglu_limit=swiglu_limit)  # fmt: skip
-    grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], x, router_weights,
-                       *weights, swiglu_limit=swiglu_limit, main_grads=main_grads)  # fmt: skip
+    t, h = inputs["x"].shape
+    ws = F.get_workspace(config, None, device=inputs["x"].device, num_local_tokens=t,
+                         hidden_size=h, topk=inputs["top_experts"].shape[1],
+                         num_local_experts=num_experts)  # fmt: skip
+    result = _layer_step(config, ws, inputs, num_experts, swiglu_limit, main_grads)
     F.check_errors(ws)
-    return out, ctx, grads, schedule
+    return result
 
 
 def rank_inputs(inputs: dict, rank: int, size: int) -> dict:
@@ -128,6 +123,11 @@ def rank_inputs(inputs: dict, rank: int, size: int) -> dict:
 def run_layer_step(config, ws, inputs: dict, num_local_experts: int, swiglu_limit=None):
     """Schedule, forward and backward of one rank through `mok.functional`, with no host sync
     (usable inside a VirtualEPGroup's `run`): (out, context, 8 gradients)."""
+    return _layer_step(config, ws, inputs, num_local_experts, swiglu_limit)[:3]
+
+
+def _layer_step(config, ws, inputs, num_local_experts, swiglu_limit, main_grads=None):
+    """(out, context, grads, schedule) of one schedule + forward + backward, no sync."""
     from mok import functional as F  # noqa: PLC0415
 
     weights = [inputs[n] for n in WEIGHT_NAMES]
@@ -137,8 +137,8 @@ def run_layer_step(config, ws, inputs: dict, num_local_experts: int, swiglu_limi
     out, ctx = F.forward(config, ws, schedule, x, router_weights, *weights,
                          swiglu_limit=swiglu_limit)  # fmt: skip
     grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], x, router_weights,
-                       *weights, swiglu_limit=swiglu_limit)  # fmt: skip
-    return out, ctx, grads
+                       *weights, swiglu_limit=swiglu_limit, main_grads=main_grads)  # fmt: skip
+    return out, ctx, grads, schedule
 
 
 def poison_cuda_allocator(nbytes: int = 1 << 28) -> None:

@@ -136,24 +136,19 @@ class VirtualEPGroup:
             stream.synchronize()
 
 
-# Every kernel a layer step runs: loaded now, since a module load or a blocking host copy
-# issued while one rank's stream waits for a peer not yet queued would wait for ever.
-LAYER_KERNELS = (
-    "all_gather_top_experts", "schedule_histogram", "schedule_scan", "schedule_place",
-    "ep_barrier", "moe_forward", "moe_backward", "router_grad_push", "gather_rows",
-    "expert_gemm_gate_up_swiglu", "expert_gemm_down", "expert_gemm_bwd_d_hidden_swiglu",
-    "expert_gemm_bwd_d_x", "expert_gemm_bwd_weights_bf16", "expert_gemm_bwd_weights_accumulate",
-    "moe_combine_forward", "moe_combine_backward",
-)  # fmt: skip
+# The ops of a layer step, whose kernels are loaded up front: a module load (or a blocking host
+# copy) issued while one rank's stream waits for a peer not yet queued would wait for ever.
+LAYER_OPS = ("build_schedule", "forward", "recompute_forward_context", "backward")
 
 
 def _prepare(spaces) -> None:
     """The one-time setup each rank's first ops would otherwise do mid-step: the comm state
     (error record, barrier tables) and the kernels' modules."""
+    from .kernels import KERNELS_BY_OP  # noqa: PLC0415
     from .launchers import comm  # noqa: PLC0415
     from .runtime import get_kernel  # noqa: PLC0415
 
     for ws in spaces:
         comm.prepare(ws)
-    for name in LAYER_KERNELS:
+    for name in sorted({v for op in LAYER_OPS for v in KERNELS_BY_OP[op][0]}):
         get_kernel(name, device=spaces[0].device)

@@ -72,8 +72,9 @@ def backward(
     tokens = schedule.tokens_per_expert
     tables = peer_tables(ws)
     peers = grad_peers = slots = None
-    d_router = torch.empty(num_tokens, topk, dtype=torch.float32, device=x.device)
-    if tables is not None:
+    if tables is None:
+        d_router = torch.empty(num_tokens, topk, dtype=torch.float32, device=x.device)
+    else:
         ws.buffers["d_y_buffer"].copy_(grad_output)
         ws.buffers["router_weight_buffer"].copy_(router_weights)
         peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],

@@ -6,18 +6,14 @@ from __future__ import annotations
 import torch
 
 from ..workspace import DATA_BUFFER_NAMES as NAMES
-from .checks import MAX_EP_SIZE
 
 
 def peer_tables(workspace) -> dict[str, torch.Tensor] | None:
     """{buffer name: int64 [P] device table}, or None for an EP group of one (the kernels then
-    read and write this rank's own tensors only, and never the tables)."""
+    read and write this rank's own tensors only, and never the tables). The EP size limit is
+    checks.check_gpu_layer's, which every op runs first."""
     if workspace.ep_size == 1:
         return None
-    if workspace.ep_size > MAX_EP_SIZE:
-        raise ValueError(
-            f"ep_size must be <= {MAX_EP_SIZE} on the GPU path, got {workspace.ep_size}"
-        )
     missing = [name for name in NAMES if name not in workspace.peer_tables]
     if missing:
         raise ValueError(f"workspace.peer_tables lacks {missing}: make EP workspaces with "
