@@ -78,7 +78,7 @@ class Sm90ExpertGemmBwdWeights:
 
     def _tiled_mma(self):
         # Both operands MN-major (activations stored [tokens, M] and [tokens, N]).
-        MN = cute.nvgpu.warpgroup.OperandMajorMode.MN
+        MN = cute.nvgpu.OperandMajorMode.MN
         return phases.make_tiled_mma(MN, MN)
 
     def _smem_layout(self, extent: int):

@@ -7,9 +7,9 @@ the byte-identical cubin check.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int8, Int32, Int64
+from cutlass.tensor_utils import LayoutEnum
 
 from ..common.ptx import fence_operand
 from .expert_tiles import TILE_ROWS
@@ -63,21 +63,19 @@ def make_tiled_mma(a_major, b_major):
 
 def forward_mma():
     """The forward GEMMs' MMA: both operands K-major (activations [C, K], weights [E * N, K])."""
-    K = cute.nvgpu.warpgroup.OperandMajorMode.K
+    K = cute.nvgpu.OperandMajorMode.K
     return make_tiled_mma(K, K)
 
 
 def backward_mma():
     """The activation-gradient GEMMs' MMA: A K-major, B MN-major (weights read as stored)."""
-    return make_tiled_mma(
-        cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.MN
-    )
+    return make_tiled_mma(cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN)
 
 
 def k_major_smem_layout(rows: int, stages: int):
     """Staged (rows, TILE_K, stages) K-major layout with the 128-byte swizzle."""
     atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, BFloat16, TILE_K),
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BFloat16, TILE_K),
         BFloat16,
     )
     return cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2))
@@ -86,7 +84,7 @@ def k_major_smem_layout(rows: int, stages: int):
 def mn_major_smem_layout(extent: int, stages: int):
     """(extent, TILE_K, stages) MN-major 128B-swizzle layout, tiled K first (64 x 64 = a TMA box)."""
     atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(utils.LayoutEnum.COL_MAJOR, BFloat16, extent),
+        sm90_utils.get_smem_layout_atom(LayoutEnum.COL_MAJOR, BFloat16, extent),
         BFloat16,
     )
     return cute.tile_to_shape(atom, (extent, TILE_K, stages), order=(1, 0, 2))

@@ -418,7 +418,7 @@ class Sm90MoeBackward:
             states = past_last_task(ring, states)
             # ---- weight tasks: both operands MN-major, their own MMA object and A view ----
             w_mma = phases.make_tiled_mma(
-                cute.nvgpu.warpgroup.OperandMajorMode.MN, cute.nvgpu.warpgroup.OperandMajorMode.MN
+                cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.MN
             )
             w_thr, w_operands = phases.make_operand_fragments(w_mma, tidx, sA_w, sB0, sB1)
             consume_weight_tasks(
