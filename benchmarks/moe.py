@@ -1,6 +1,8 @@
 """``python -m benchmarks.moe``: mok against the baselines, every shape, one run (DESIGN.md §6).
 
 One GPU: ``python -m benchmarks.moe --json out.json --png out.png``.
+With LigerMoE importable (installed, on PYTHONPATH, or ``--liger-site DIR``) a one-GPU run adds
+its ``liger`` rows, each shape in its own process (benchmarks/liger.py); ``--no-liger`` drops them.
 EP over N GPUs: ``torchrun --nproc-per-node N -m benchmarks.moe`` (time = slowest rank).
 Smoke test on a CPU in seconds: ``python -m benchmarks.moe --quick --device cpu``.
 
@@ -11,6 +13,7 @@ checked against it (a failed check is reported and never timed), then timed per 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -18,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from benchmarks import report
+from benchmarks import liger, report
 from benchmarks.baselines import DEFAULT_ALIGN, grouped_mm_works
 from benchmarks.impls import Impl, baseline_impl
 from benchmarks.inputs import MoeInputs, make_inputs
@@ -51,6 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     parser.add_argument("--json", default=None, help="write results and provenance here")
     parser.add_argument("--png", default=None, help="write a bar chart here")
+    parser.add_argument("--no-liger", action="store_true", help="leave out the LigerMoE rows")
+    parser.add_argument("--liger-site", default=None, help="a site dir that holds LigerMoE")
+    parser.add_argument(
+        "--liger-timeout", type=float, default=liger.DEFAULT_TIMEOUT_S,
+        help="seconds per shape before its LigerMoE worker is killed (%(default)s)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.passes = [p.strip() for p in args.passes.split(",") if p.strip()]
     bad = [p for p in args.passes if p not in PASSES]
@@ -59,6 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tokens = args.tokens or (64 if args.quick else 16384)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.reps = args.reps or (3 if args.quick else 20)
+    args.liger = None  # main: a LigerAvailability when the liger row is attempted
     return args
 
 
@@ -96,6 +106,36 @@ def check(impl: Impl, inputs: MoeInputs, reference: dict, group) -> dict:
     if group is not None:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     return {"rel_err": errors, "max_rel_err": float(worst)}
+
+
+def refusal(check_result: dict) -> str | None:
+    """Why a checked implementation is not timed (it raised, or its error is too large)."""
+    if "error" in check_result:
+        return check_result["error"]
+    if check_result["max_rel_err"] > MAX_REL_ERR:
+        return f"check failed: rel err {check_result['max_rel_err']:.2e} > {MAX_REL_ERR}"
+    return None
+
+
+def timed_fields(shape: RunShape, args, pass_name: str, ms: float, ceilings: dict) -> dict:
+    """A timed row's numbers; % of the GEMM ceiling only where the measured GEMM is one."""
+    tflops = flops(shape, args.tokens, args.shared, pass_name) / (ms * 1e-3) / 1e12
+    fields = {"status": "ok", "ms": ms, "tflops": tflops}
+    if ceilings.get("gemm_is_ceiling", True):
+        fields["pct_of_gemm_ceiling"] = 100 * tflops / ceilings["gemm_bf16_tflops"]
+        fields["pct_of_sustained_gemm"] = 100 * tflops / ceilings["gemm_bf16_sustained_tflops"]
+    return fields
+
+
+def gemm_ceiling_note(device: torch.device, quick: bool) -> str | None:
+    """Why the measured dense GEMM rate is no ceiling of the layer here, or ``None``."""
+    if device.type != "cuda":
+        # A CPU's bf16 matmul rate hangs on size and kernel path: the layer's small matmuls
+        # have run at 5x the rate of its 512^3 one (rows read "510 % of GEMM").
+        return f"on {device.type} a bf16 matmul rate, not a ceiling of the layer"
+    if quick:
+        return "--quick: a 512^3 GEMM is launch-bound, far below the GPU's ceiling"
+    return None
 
 
 def time_pass(impl: Impl, inputs: MoeInputs, pass_name: str, timing, group) -> float:
@@ -181,22 +221,15 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
                 "baseline": impl.is_baseline,
                 **checks[impl.name],
             }
-            if "error" in row:
-                row["status"] = row.pop("error")
-            elif row["max_rel_err"] > MAX_REL_ERR:
-                row["status"] = f"check failed: rel err {row['max_rel_err']:.2e} > {MAX_REL_ERR}"
+            status = refusal(row)
+            row.pop("error", None)
+            if status is not None:
+                row["status"] = status
             else:
                 ms = time_pass(impl, inputs, pass_name, args.timing, group)
-                tflops = flops(shape, args.tokens, args.shared, pass_name) / (ms * 1e-3) / 1e12
                 if impl.is_baseline:
                     best_baseline[pass_name] = min(ms, best_baseline.get(pass_name, ms))
-                row.update(
-                    status="ok",
-                    ms=ms,
-                    tflops=tflops,
-                    pct_of_gemm_ceiling=100 * tflops / ceilings["gemm_bf16_tflops"],
-                    pct_of_sustained_gemm=100 * tflops / ceilings["gemm_bf16_sustained_tflops"],
-                )
+                row.update(timed_fields(shape, args, pass_name, ms, ceilings))
                 if pass_name in best_baseline:
                     row["speedup"] = best_baseline[pass_name] / ms
             emit(row)
@@ -213,7 +246,64 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
             }
             emit(row)
             rows.append(row)
+    if args.liger is not None:
+        # The worker needs the GPU's memory: free what this process holds first.
+        del impls, inputs
+        gc.collect()
+        torch.cuda.empty_cache()
+        rows += liger_rows(shape, args, device, base, best_baseline, ceilings, emit)
     return rows
+
+
+def liger_rows(shape, args, device, base, best_baseline, ceilings, emit) -> list[dict]:
+    """LigerMoE's rows of one shape, measured by its own worker process (benchmarks/liger.py)."""
+    availability = args.liger
+    label = availability.label()
+    status = availability.reason or liger.unsupported_reason(shape.swiglu_limit, args.shared)
+    if status is not None:
+        outcomes, result = {p: {"status": status} for p in args.passes}, {}
+    else:
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        heap_gib = liger.symmetric_heap_gib(
+            args.tokens, shape.num_experts, shape.hidden_size, shape.topk, sm_count
+        )
+        job = liger.LigerJob(
+            shape=shape.name,
+            num_tokens=args.tokens,
+            quick=args.quick,
+            seed=args.seed,
+            passes=tuple(args.passes),
+            warmup=args.warmup,
+            reps=args.reps,
+            device_index=device.index if device.index is not None else torch.cuda.current_device(),
+            heap_gib=heap_gib,
+            timeout_s=args.liger_timeout,
+            result_path="",  # run_job gives it a file of its own
+        )
+        result = liger.run_job(job, availability)
+        outcomes = liger.pass_outcomes(result, job.passes)
+    rows, log_tail = [], result.get("log_tail")
+    for pass_name, outcome in outcomes.items():
+        row = {**base, "pass": pass_name, "impl": "liger", "label": label, "baseline": False}
+        row.update(outcome)
+        if outcome["status"] == "ok":
+            row.update(timed_fields(shape, args, pass_name, outcome["ms"], ceilings))
+            if pass_name in best_baseline:
+                row["speedup"] = best_baseline[pass_name] / outcome["ms"]
+        elif log_tail:
+            row["log_tail"], log_tail = log_tail, None  # printed once, under the first failure
+        if result.get("info"):
+            row["peer"] = result["info"]
+        emit(row)
+        rows.append(row)
+    return rows
+
+
+def liger_availability(args, device: torch.device, world_size: int):
+    """Where LigerMoE is, when its rows are attempted (CUDA, EP=1, not --no-liger); else None."""
+    if args.no_liger or device.type != "cuda" or world_size != 1:
+        return None
+    return liger.find_liger(args.liger_site)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,16 +321,18 @@ def main(argv: list[str] | None = None) -> int:
             print(report.format_row(row), flush=True)
 
     ceilings = measure_ceilings(device, args.quick, args.timing)
+    note = gemm_ceiling_note(device, args.quick)
+    ceilings.update(gemm_is_ceiling=note is None, gemm_ceiling_note=note)
     probe = grouped_mm_works(device)
+    args.liger = liger_availability(args, device, world_size)
     if lead:
         print(f"device {device}, world size {world_size}, torch {torch.__version__}")
-        print(
-            f"ceilings: dense bf16 GEMM {ceilings['gemm_bf16_size']}^3 "
-            f"{ceilings['gemm_bf16_tflops']:.4g} TFLOP/s (burst), "
-            f"{ceilings['gemm_bf16_sustained_tflops']:.4g} TFLOP/s (sustained), copy "
-            f"{ceilings['copy_gbs']:.4g} GB/s (read + write)"
-        )
+        print(report.ceilings_line(ceilings))
         print(f"torch._grouped_mm: {probe[1]}")
+        if args.liger is not None:
+            print(f"liger: {args.liger.reason or args.liger.label() + ' at ' + args.liger.site}")
+        elif device.type == "cuda" and world_size != 1 and not args.no_liger:
+            print(f"liger: not run: its rows are measured at EP=1 (world size {world_size})")
     rows = []
     for model in select_shapes(args.shapes):
         rows += run_shape(model, args, device, rank, world_size, group, ceilings, probe, emit)
@@ -250,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         print(report.summary_table(rows))
         record = {
             "provenance": report.provenance(device, world_size),
-            "args": {k: v for k, v in vars(args).items() if k != "timing"},
+            "args": {k: v for k, v in vars(args).items() if k not in ("timing", "liger")},
+            "liger": dataclasses.asdict(args.liger) if args.liger is not None else None,
             "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
             "reference": "benchmarks.reference.moe_reference: fp32 per-expert loop, autograd",
             "max_rel_err": MAX_REL_ERR,

@@ -12,9 +12,22 @@ import subprocess
 import torch
 
 
+def ceilings_line(ceilings: dict) -> str:
+    """The measured ceilings, and why the GEMM rate is no ceiling where it is not one."""
+    gemm = (
+        f"dense bf16 GEMM {ceilings['gemm_bf16_size']}^3 {ceilings['gemm_bf16_tflops']:.4g} "
+        f"TFLOP/s (burst), {ceilings['gemm_bf16_sustained_tflops']:.4g} TFLOP/s (sustained)"
+    )
+    note = ceilings.get("gemm_ceiling_note")
+    if note:
+        gemm += f" [{note}: no % of GEMM shown]"
+    return f"ceilings: {gemm}, copy {ceilings['copy_gbs']:.4g} GB/s (read + write)"
+
+
 def format_row(row: dict) -> str:
     """One line per (shape, pass, impl): ms, TFLOP/s, % of the GEMM ceiling (burst, and
-    sustained under the power limit), speedup."""
+    sustained under the power limit) where there is one, speedup. A failed row's status, and
+    under it the last lines of its worker's output when it has them."""
     shape = row["shape"]
     head = (
         f"{shape['name']:<18} E={shape['num_experts']:<3} H={shape['hidden_size']:<5} "
@@ -22,35 +35,48 @@ def format_row(row: dict) -> str:
         f"{row['pass']:<6} {row['impl']:<20}"
     )
     if row["status"] != "ok":
-        return f"{head} {row['status']}"
+        tail = "".join(f"\n    | {line}" for line in row.get("log_tail") or ())
+        return f"{head} {row['status']}{tail}"
     speedup = f"{row['speedup']:.2f}x vs baseline" if row.get("speedup") else "no baseline"
+    ceiling = ""
+    if "pct_of_gemm_ceiling" in row:
+        ceiling = (
+            f"{row['pct_of_gemm_ceiling']:5.1f}% of GEMM "
+            f"({row['pct_of_sustained_gemm']:5.1f}% sustained)  "
+        )
     return (
-        f"{head} {row['ms']:9.3f} ms {row['tflops']:7.3g} TFLOP/s "
-        f"{row['pct_of_gemm_ceiling']:5.1f}% of GEMM ({row['pct_of_sustained_gemm']:5.1f}% "
-        f"sustained)  {speedup}  err {row['max_rel_err']:.1e}"
+        f"{head} {row['ms']:9.3f} ms {row['tflops']:7.3g} TFLOP/s {ceiling}"
+        f"{speedup}  err {row['max_rel_err']:.1e}"
     )
 
 
+def _summary_cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    if row["status"] != "ok":
+        return row["status"].split(":")[0]  # its kind; the row's line above has all of it
+    speed = f" ({row['speedup']:.2f}x)" if row.get("speedup") else ""
+    return f"{row['ms']:.3f} ms{speed}"
+
+
 def summary_table(rows: list[dict]) -> str:
-    """Shape x pass rows, one column per impl: ms (speedup) or its status."""
+    """Shape x pass rows, one column per impl: ms (speedup) or the kind of its status.
+
+    Every column is as wide as its widest cell: nothing is cut.
+    """
     impls = list(dict.fromkeys(row["impl"] for row in rows))
     keys = list(dict.fromkeys((row["shape"]["name"], row["pass"]) for row in rows))
-    cells = {(row["shape"]["name"], row["pass"], row["impl"]): row for row in rows}
-    width = 22
-    lines = [f"{'shape':<18} {'pass':<7}" + "".join(f"{name:>{width}}" for name in impls)]
+    by_key = {(row["shape"]["name"], row["pass"], row["impl"]): row for row in rows}
+    table = [["shape", "pass", *impls]]
     for shape, pass_name in keys:
-        line = f"{shape:<18} {pass_name:<7}"
-        for impl in impls:
-            row = cells.get((shape, pass_name, impl))
-            if row is None:
-                text = "-"
-            elif row["status"] != "ok":
-                text = row["status"].split(":")[0][: width - 2]
-            else:
-                speed = f" ({row['speedup']:.2f}x)" if row.get("speedup") else ""
-                text = f"{row['ms']:.3f} ms{speed}"
-            line += f"{text:>{width}}"
-        lines.append(line)
+        cells = [_summary_cell(by_key.get((shape, pass_name, impl))) for impl in impls]
+        table.append([shape, pass_name, *cells])
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    lines = []
+    for line in table:
+        head = f"{line[0]:<{widths[0]}}  {line[1]:<{widths[1]}}"
+        cells = "".join(f"  {c:>{w}}" for c, w in zip(line[2:], widths[2:], strict=True))
+        lines.append(head + cells)
     return "\n".join(lines)
 
 
@@ -122,10 +148,12 @@ def write_png(path: str, rows: list[dict], ceilings: dict, title: str) -> str:
     for i, impl in enumerate(impls):
         xs = [g + i * width for g in range(len(groups))]
         axes.bar(xs, [values.get((group, impl), 0.0) for group in groups], width, label=impl)
-    axes.axhline(ceilings["gemm_bf16_tflops"], color="k", linestyle="--", label="dense GEMM")
-    sustained = ceilings.get("gemm_bf16_sustained_tflops")
-    if sustained:
-        axes.axhline(sustained, color="k", linestyle=":", label="dense GEMM, sustained")
+    if ceilings.get("gemm_is_ceiling", True):
+        gemm = ceilings["gemm_bf16_tflops"]
+        axes.axhline(gemm, color="k", linestyle="--", label="dense GEMM")
+        sustained = ceilings.get("gemm_bf16_sustained_tflops")
+        if sustained:
+            axes.axhline(sustained, color="k", linestyle=":", label="dense GEMM, sustained")
     axes.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=7)
     axes.set_ylabel("TFLOP/s per GPU")
     axes.set_title(title, fontsize=9)

@@ -15,7 +15,7 @@ import torch
 # `pytest` (rootdir tests/ on sys.path) must find it from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import moe  # noqa: E402
+from benchmarks import moe, report  # noqa: E402
 from benchmarks.baselines import grouped_mm_works  # noqa: E402
 from benchmarks.impls import baseline_impl  # noqa: E402
 from benchmarks.inputs import make_inputs  # noqa: E402
@@ -46,6 +46,10 @@ def test_quick_run_writes_rows_and_provenance(tmp_path):
         assert row["status"] == "ok", row["status"]
         assert row["ms"] > 0 and row["tflops"] > 0 and row["speedup"] == 1.0
         assert row["max_rel_err"] <= MAX_REL_ERR
+    # A CPU's bf16 matmul rate is no ceiling of the layer: no row is put as a % of it.
+    assert record["ceilings"]["gemm_is_ceiling"] is False
+    assert "not a ceiling" in record["ceilings"]["gemm_ceiling_note"]
+    assert not any("pct_of_gemm_ceiling" in row for row in rows)
     # mok has no CPU kernel: its rows are its CPU reference path, named so, or say why not;
     # a row that did not pass its check never carries a time. One mok row per shape and pass.
     mok_rows = [row for row in rows if row["impl"].startswith("mok")]
@@ -113,3 +117,38 @@ def test_shapes_scale_per_gpu():
     assert (mixtral.num_experts, mixtral.experts_per_rank) == (8, 4)
     with pytest.raises(ValueError, match="unknown"):
         select_shapes("no-such-model")
+
+
+def _row(impl: str, pass_name: str, **fields) -> dict:
+    shape = scale_for_run(select_shapes("qwen3-30b-a3b")[0], world_size=1, quick=True)
+    return {"shape": shape.as_dict(), "num_tokens": 64, "pass": pass_name, "impl": impl, **fields}
+
+
+def test_row_shows_gemm_percent_only_against_a_ceiling():
+    timed = {"status": "ok", "ms": 2.0, "tflops": 0.5, "speedup": 1.0, "max_rel_err": 4e-3}
+    on_cpu = report.format_row(_row("torch_grouped_mm", "fwd", **timed))
+    assert "% of GEMM" not in on_cpu and "0.5 TFLOP/s" in on_cpu
+    ceiling = {"pct_of_gemm_ceiling": 62.5, "pct_of_sustained_gemm": 83.3}
+    on_gpu = report.format_row(_row("torch_grouped_mm", "fwd", **timed, **ceiling))
+    assert " 62.5% of GEMM ( 83.3% sustained)" in on_gpu
+    assert moe.gemm_ceiling_note(CPU, quick=False).startswith("on cpu")
+    assert moe.gemm_ceiling_note(torch.device("cuda"), quick=True).startswith("--quick")
+    assert moe.gemm_ceiling_note(torch.device("cuda"), quick=False) is None
+    ceilings = {"gemm_bf16_size": 512, "gemm_bf16_tflops": 0.1, "copy_gbs": 9.0}
+    ceilings.update(gemm_bf16_sustained_tflops=0.1, gemm_ceiling_note="on cpu ...")
+    assert "[on cpu ...: no % of GEMM shown]" in report.ceilings_line(ceilings)
+
+
+def test_summary_columns_are_never_cut():
+    long_status = "kernel not available (issue 4): MoKKernelUnavailableError: not landed"
+    rows = [
+        _row("torch_grouped_mm", "fwd", status="ok", ms=1234.567, speedup=1.0),
+        _row("mok", "fwd", status=long_status),
+        _row("liger", "fwd", status="liger timeout: killed after 300 s in stage time_fwd"),
+    ]
+    table = report.summary_table(rows)
+    header, line = table.splitlines()
+    assert "1234.567 ms (1.00x)" in line
+    assert "kernel not available (issue 4)" in line and line.endswith("liger timeout")
+    # Each column is right-aligned under its name: the two lines end at the same column.
+    assert len(header) == len(line) and header.endswith("liger")

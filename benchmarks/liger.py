@@ -1,0 +1,563 @@
+"""LigerMoE (liger-kernel's ``moe_fused``) as the ``liger`` row of ``python -m benchmarks.moe``.
+
+The row exists when ``liger_kernel`` and ``liger_cute_kernels`` are importable (installed, on
+PYTHONPATH, or in ``--liger-site DIR``) and the run is on CUDA at EP=1. Each shape runs in its
+own worker process, ``python -m benchmarks.liger --worker ...``, because:
+
+- NVSHMEM must be loaded before torch: Liger's core is built against NVSHMEM 3.6.5 (cu12) while
+  torch may link its own copy, and the first ``libnvshmem_host.so.3`` mapped is the one every
+  later lookup of that soname gets;
+- ``liger_cute_kernels.configure`` fixes the symmetric capacity (tokens, H, E, k) and the
+  NVSHMEM heap once per process: it cannot grow for a larger shape;
+- a hang or a native crash in a peer must cost one shape, not the run: the worker has a hard
+  timeout and the harness reports how it ended, with the last lines of its output.
+
+The worker builds the same inputs as the harness (``make_inputs``, same seed), checks them
+against the same fp32 reference with the same tolerance, and times them with the same timer and
+reps; it writes one JSON result that the harness turns into rows. Liger takes router weights in
+bf16 (they get a gradient) and expert ids in int32: the worker converts both from the harness'
+fp32 / int64, and the row's label says so. Liger's layer has no shared expert and no SwiGLU
+clamp: such shapes get a row that says so, never a number.
+
+Only the standard library is imported at module level: the worker loads NVSHMEM before torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import faulthandler
+import importlib.machinery
+import importlib.metadata
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGES = ("liger_kernel", "liger_cute_kernels")
+DISTRIBUTIONS = ("liger-kernel", "liger-cute-kernels", "apache-tvm-ffi", "nvidia-nvshmem-cu12")
+ENTRY_POINT = "liger_kernel.ops.cute.ops.moe.moe_fused"
+ENTRY_FILE = ("ops", "cute", "ops", "moe.py")  # under liger_kernel/: where moe_fused is defined
+NVSHMEM_HOST = "libnvshmem_host.so.3"
+CUDART_12 = "libcudart.so.12"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TIMEOUT_S = 300.0
+# How the harness' fp32 / int64 routing becomes Liger's calling convention (said in each row).
+CONVERSIONS = "router weights fp32->bf16, expert ids int64->int32"
+LOG_TAIL_LINES = 12
+# Seconds between SIGTERM (the worker dumps its Python stacks) and SIGKILL.
+KILL_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class LigerAvailability:
+    """Where LigerMoE is installed, or why it cannot be used.
+
+    ``site`` is the directory holding ``liger_cute_kernels`` (its NVSHMEM and CUDA runtime
+    libraries are looked up next to it), ``python_path`` the directories of both packages (the
+    worker's PYTHONPATH), ``reason`` is ``None`` when the row can be attempted.
+    """
+
+    reason: str | None
+    site: str | None = None
+    versions: dict | None = None
+    nvshmem_host: str | None = None
+    cudart: str | None = None
+    python_path: tuple[str, ...] = ()
+
+    @property
+    def available(self) -> bool:
+        return self.reason is None
+
+    def label(self) -> str:
+        versions = self.versions or {}
+        kernel = versions.get("liger-kernel", "?")
+        cute = versions.get("liger-cute-kernels", "?")
+        return (
+            f"LigerMoE moe_fused (liger-kernel {kernel}, liger-cute-kernels {cute}; EP=1, own "
+            f"process; {CONVERSIONS}; fwd timed on its no-grad path)"
+        )
+
+
+def _package_dir(name: str, search: list[str]) -> Path | None:
+    """Directory of top-level package ``name`` on ``search``, found without importing it."""
+    spec = importlib.machinery.PathFinder.find_spec(name, search)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _first_file(candidates: list[Path]) -> str | None:
+    return next((str(path) for path in candidates if path.is_file()), None)
+
+
+def find_liger(extra_site: str | None = None) -> LigerAvailability:
+    """Locate LigerMoE in ``extra_site`` (first) or on ``sys.path``; nothing is imported."""
+    search = [extra_site, *sys.path] if extra_site else list(sys.path)
+    where = f"--liger-site {extra_site} or sys.path" if extra_site else "sys.path"
+    dirs = {}
+    for name in PACKAGES:
+        dirs[name] = _package_dir(name, search)
+        if dirs[name] is None:
+            return LigerAvailability(
+                f"liger not importable: no package {name} on {where} (install liger-kernel and "
+                f"liger-cute-kernels, put their site on PYTHONPATH, or pass --liger-site DIR)"
+            )
+    entry = dirs["liger_kernel"].joinpath(*ENTRY_FILE)
+    if not entry.is_file():
+        return LigerAvailability(
+            f"liger not importable: {entry} is missing ({ENTRY_POINT} is in liger-kernel >= 0.8.5)"
+        )
+    package = dirs["liger_cute_kernels"]
+    site = package.parent
+    # Liger's own loader looks next to its package first, then in nvidia-nvshmem's wheel folder.
+    wheel_lib = site / "nvidia" / "nvshmem" / "lib"
+    nvshmem = _first_file([package / NVSHMEM_HOST, wheel_lib / NVSHMEM_HOST])
+    if nvshmem is None:
+        return LigerAvailability(
+            f"liger not usable: no {NVSHMEM_HOST} in {package} or {wheel_lib} "
+            f"(install liger-cute-kernels[cu12])",
+            site=str(site),
+        )
+    # The core needs libcudart.so.12; a CUDA 13 torch brings only .so.13. The carried peer keeps
+    # it in _lck_libs/ (out of torch's preload path), a pip install in nvidia-cuda-runtime-cu12.
+    cudart = _first_file(
+        [site / "_lck_libs" / CUDART_12, site / "nvidia" / "cuda_runtime" / "lib" / CUDART_12]
+    )
+    versions = {}
+    for dist_name in DISTRIBUTIONS:
+        found = next(importlib.metadata.distributions(name=dist_name, path=[str(site)]), None)
+        versions[dist_name] = found.version if found is not None else None
+    python_path = tuple(dict.fromkeys(str(d.parent) for d in dirs.values()))
+    return LigerAvailability(None, str(site), versions, nvshmem, cudart, python_path)
+
+
+def unsupported_reason(swiglu_limit: float | None, shared: bool) -> str | None:
+    """Why Liger's layer computes another function than this shape's, or ``None``."""
+    if shared:
+        return "unsupported: LigerMoE's moe_fused has no shared expert (--shared)"
+    if swiglu_limit is not None:
+        return f"unsupported: LigerMoE's SwiGLU has no clamp (this shape clamps at {swiglu_limit})"
+    return None
+
+
+def symmetric_heap_gib(
+    num_tokens: int, num_experts: int, hidden_size: int, topk: int, sm_count: int
+) -> int:
+    """NVSHMEM symmetric heap for one shape, in GiB (NVSHMEM's 1 GiB default is too small).
+
+    Liger's symmetric buffers, all bf16 rows of ``hidden_size``: four of ``slots`` rows
+    (forward x_sorted and y_buf, backward dy_sorted and dx_sorted), slots = T * k + E * 128 (its
+    MoEConfig's tile-padded slot count), and five per-SM staging buffers of 8 tiles of 128 rows
+    (forward source and destination, backward x, dy and dx). The core is a closed binary, so
+    this list is the peer's notes, not its source: 30 % plus 2 GiB of headroom covers NVSHMEM's
+    own allocations, and a shape that still runs out fails at configure, in its own process.
+    """
+    slots = num_tokens * topk + num_experts * 128
+    staging_rows = sm_count * 8 * 128
+    needed = (4 * slots + 5 * staging_rows) * hidden_size * 2
+    return max(4, math.ceil((1.3 * needed + 2 * 2**30) / 2**30))
+
+
+# ─── the job: what the harness asks one worker to do ──────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class LigerJob:
+    """One shape for one worker: everything it needs to rebuild the harness' inputs and timing."""
+
+    shape: str
+    num_tokens: int
+    quick: bool
+    seed: int
+    passes: tuple[str, ...]
+    warmup: int
+    reps: int
+    device_index: int
+    heap_gib: int
+    timeout_s: float
+    result_path: str
+
+    def argv(self) -> list[str]:
+        """Arguments of ``python -m benchmarks.liger`` that ``from_argv`` reads back."""
+        args = ["--worker"]
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            flag = "--" + field.name.replace("_", "-")
+            if field.name == "quick":
+                args += [flag] if value else []
+            elif field.name == "passes":
+                args += [flag, ",".join(value)]
+            else:
+                args += [flag, str(value)]
+        return args
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> LigerJob:
+        parser = argparse.ArgumentParser(prog="python -m benchmarks.liger --worker")
+        parser.add_argument("--worker", action="store_true", required=True)
+        parser.add_argument("--quick", action="store_true")
+        types = {"shape": str, "passes": str, "result_path": str, "timeout_s": float}
+        for field in dataclasses.fields(cls):
+            if field.name != "quick":
+                flag = "--" + field.name.replace("_", "-")
+                parser.add_argument(flag, type=types.get(field.name, int), required=True)
+        values = vars(parser.parse_args(argv))
+        values.pop("worker")
+        values["passes"] = tuple(p for p in values["passes"].split(",") if p)
+        return cls(**values)
+
+
+def worker_command(job: LigerJob) -> list[str]:
+    # -u: the log tail must hold what was printed right before a crash.
+    return [sys.executable, "-u", "-m", "benchmarks.liger", *job.argv()]
+
+
+def worker_env(job: LigerJob, availability: LigerAvailability, base: dict) -> dict:
+    """The worker's environment: ``base`` plus Liger's site and NVSHMEM's settings for one PE."""
+    env = dict(base)
+    path = env.get("PYTHONPATH")
+    entries = (*availability.python_path, str(REPO_ROOT), path)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in entries if p)
+    defaults = {
+        # One PE on one host: no remote transport or InfiniBand to probe (and none to reach).
+        "NVSHMEM_REMOTE_TRANSPORT": "none",
+        "NVSHMEM_IB_ENABLE_IBGDA": "0",
+        # NVSHMEM's NCCL interop is for multi-PE collectives; it would load a second NCCL.
+        "NVSHMEM_DISABLE_NCCL": "1",
+        # A single process bootstraps NVSHMEM (unique id) and NCCL (world of 1) over loopback.
+        "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+        "NCCL_SOCKET_IFNAME": "lo",
+    }
+    for key, value in defaults.items():
+        env.setdefault(key, value)
+    # NVLink multicast can take shared GPU hosts out of service: never, whatever the caller set.
+    env["NVSHMEM_DISABLE_NVLS"] = "1"
+    env["NVSHMEM_SYMMETRIC_SIZE"] = f"{job.heap_gib}G"
+    # The optional non-RDC Hopper cubin is not in every install (the carried peer drops it):
+    # the default RDC kernels are the ones every install has.
+    env.pop("LIGER_MOE_SM90_NONRDC", None)
+    return env
+
+
+# ─── the harness side: run one worker, turn its result into per-pass outcomes ────────────────
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the worker's process group (it dumps its stacks), SIGKILL it after a grace."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=KILL_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _log_tail(path: str) -> list[str]:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-LOG_TAIL_LINES:]
+
+
+def read_result(path: str) -> dict:
+    """The worker's latest result, or an empty one if it never wrote any."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {"status": "not started", "stage": "not started", "passes": {}}
+
+
+def run_job(job: LigerJob, availability: LigerAvailability) -> dict:
+    """Run one worker to its end or its timeout; its result with ``failure`` set if it failed.
+
+    ``failure`` says how: "liger timeout ...", "liger crashed ...", "liger error ..." with the
+    stage it was in; ``log_tail`` holds the last lines of its output then.
+    """
+    with tempfile.TemporaryDirectory(prefix="mok_liger_") as folder:
+        job = dataclasses.replace(job, result_path=os.path.join(folder, "result.json"))
+        log_path = os.path.join(folder, "worker.log")
+        timed_out, began = False, time.monotonic()
+        with open(log_path, "wb") as log:
+            try:
+                process = subprocess.Popen(
+                    worker_command(job),
+                    cwd=REPO_ROOT,
+                    env=worker_env(job, availability, dict(os.environ)),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: a kill reaches its children
+                )
+            except OSError as error:
+                return {"passes": {}, "failure": f"liger not started: {error}"}
+            try:
+                returncode = process.wait(timeout=job.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _stop(process)
+                returncode = process.returncode
+        result = read_result(job.result_path)
+        result["returncode"] = returncode
+        result["wall_s"] = round(time.monotonic() - began, 1)
+        failure = describe_end(result, returncode, timed_out, job.timeout_s)
+        if failure is not None:
+            result["failure"] = failure
+            result["log_tail"] = _log_tail(log_path)
+    return result
+
+
+def describe_end(result: dict, returncode: int | None, timed_out: bool, timeout_s: float):
+    """How a worker that did not finish cleanly ended, or ``None`` if it did."""
+    stage = result.get("stage", "not started")
+    if timed_out:
+        return f"liger timeout: killed after {timeout_s:.0f} s in stage {stage}"
+    if result.get("status") == "error":
+        return f"liger error in stage {stage}: {result.get('error')}"
+    if returncode != 0 or result.get("status") != "done":
+        how = f"signal {-returncode}" if returncode is not None and returncode < 0 else returncode
+        return f"liger crashed (exit {how}) in stage {stage}"
+    return None
+
+
+def pass_outcomes(result: dict, passes: tuple[str, ...]) -> dict[str, dict]:
+    """Per pass: what the worker measured for it (status, ms, rel_err, max_rel_err), or the
+    worker's failure for a pass it never reached."""
+    outcomes = {}
+    for pass_name in passes:
+        done = result.get("passes", {}).get(pass_name)
+        if done is not None:
+            outcomes[pass_name] = dict(done)
+        else:
+            outcomes[pass_name] = {"status": result.get("failure") or "liger: pass not run"}
+    return outcomes
+
+
+# ─── the worker: one shape, one process ──────────────────────────────────────────────────────
+
+
+class _Progress:
+    """The worker's result file, rewritten atomically at each stage: a crash leaves the last."""
+
+    def __init__(self, job: LigerJob):
+        self.path = job.result_path
+        self.result = {"job": dataclasses.asdict(job), "status": "running", "passes": {}}
+        self.result["info"] = {}
+
+    def stage(self, name: str) -> None:
+        self.result["stage"] = name
+        print(f"[liger worker] {name}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as handle:
+            json.dump(self.result, handle, indent=2, default=str)
+        os.replace(tmp, self.path)
+
+
+def _configure(device, shape, num_tokens: int) -> None:
+    """A torch.distributed world of one and Liger's runtime with exactly this shape's capacity."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from liger_cute_kernels import MoEConfig, configure
+
+    # NCCL: configure broadcasts NVSHMEM's unique id as a CUDA tensor over the bootstrap group.
+    store = dist.HashStore()
+    dist.init_process_group(
+        "nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=120)
+    )
+    moe_config = MoEConfig(
+        max_tokens=num_tokens,
+        hidden_size=shape.hidden_size,
+        num_experts=shape.num_experts,
+        top_k=shape.topk,
+        num_hosts=1,
+        gpus_per_host=1,
+        # The harness runs each forward's backward before the next forward.
+        max_inflight=1,
+    )
+    configure(bootstrap_group=dist.group.WORLD, device=device, moe=moe_config)
+
+
+def _liger_impls(moe_fused, inputs):
+    """(inference, training) ``Impl``s of Liger's layer over the harness' inputs.
+
+    Training: ``moe_fused`` with autograd; its forward keeps the backward's intermediates on
+    NVSHMEM's symmetric stack and its backward pops them. A training forward whose backward
+    never runs would leave them pushed (``max_inflight`` 1), so the fwd pass is timed on the
+    no-grad path, which runs the same forward kernel and pops at once.
+    """
+    import torch
+
+    from benchmarks.impls import Impl
+
+    top_experts = inputs.top_experts.to(torch.int32).contiguous()
+    tensors = {
+        "x": inputs.x,
+        "router_weights": inputs.router_weights.to(torch.bfloat16).contiguous(),
+        "gate": inputs.gate,
+        "up": inputs.up,
+        "down": inputs.down,
+    }
+    leaves = {name: t.detach().requires_grad_(True) for name, t in tensors.items()}
+    shape = inputs.shape
+
+    def call(operands):
+        return moe_fused(operands["x"], top_experts, operands["router_weights"],
+                         operands["gate"], operands["up"], operands["down"],
+                         shape.num_experts, shape.topk, None)  # fmt: skip
+
+    def inference_forward():
+        with torch.no_grad():
+            return call(tensors), None
+
+    def training_forward():
+        out = call(leaves)
+        return out, out
+
+    def backward(out, grad_output):
+        grads = torch.autograd.grad(out, list(leaves.values()), grad_output)
+        return dict(zip(leaves, grads, strict=True))
+
+    def no_backward(_state, _grad_output):
+        raise RuntimeError("the no-grad forward has no backward")
+
+    inference = Impl("liger", "LigerMoE no-grad forward", False, inference_forward, no_backward)
+    training = Impl("liger", "LigerMoE autograd", False, training_forward, backward)
+    return inference, training
+
+
+def _load_nvshmem(availability: LigerAvailability) -> None:
+    # RTLD_GLOBAL before torch: this copy (the one Liger's core was built against) is the one
+    # every later lookup of the soname gets, torch's own and the core's included. Liger loads
+    # the bootstrap plugin next to it itself, before NVSHMEM starts.
+    ctypes.CDLL(availability.nvshmem_host, mode=ctypes.RTLD_GLOBAL)
+
+
+def worker_main(job: LigerJob) -> int:
+    """Measure one shape; the result file says what happened. Exits without teardown."""
+    progress = _Progress(job)
+    # On the harness' SIGTERM (timeout) the log gets every thread's Python stack.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    try:
+        progress.stage("preload_nvshmem")
+        availability = find_liger()
+        if not availability.available:
+            raise RuntimeError(availability.reason)
+        _load_nvshmem(availability)
+        progress.result["info"].update(
+            site=availability.site, versions=availability.versions,
+            nvshmem_host=availability.nvshmem_host, heap_gib=job.heap_gib,
+        )  # fmt: skip
+        progress.stage("import_torch")
+        measure_shape(job, availability, progress)
+        progress.result["status"] = "done"
+        progress.stage("done")
+        code = 0
+    except BaseException as error:  # the result says where it stopped and why
+        progress.result.update(status="error", error=f"{type(error).__name__}: {error}")
+        progress.save()
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: NVSHMEM and NCCL shutdown can hang, and a hang after the result
+    # is written must not turn a finished shape into a timeout.
+    os._exit(code)
+
+
+def measure_shape(job: LigerJob, availability: LigerAvailability, progress: _Progress) -> None:
+    """Inputs, reference, check and timing of one shape, exactly as benchmarks.moe does them."""
+    import torch
+
+    from benchmarks import moe
+    from benchmarks.inputs import make_inputs
+    from benchmarks.reference import reference_results
+    from benchmarks.shapes import scale_for_run, select_shapes
+    from benchmarks.timing import TimingConfig
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: LigerMoE runs on Hopper or Blackwell GPUs")
+    device = torch.device("cuda", job.device_index)
+    torch.cuda.set_device(device)
+    progress.result["info"].update(
+        torch=torch.__version__, gpu=torch.cuda.get_device_name(device),
+        capability=list(torch.cuda.get_device_capability(device)),
+    )  # fmt: skip
+
+    progress.stage("load_liger")
+    if availability.cudart is not None:
+        ctypes.CDLL(availability.cudart)  # local: it only satisfies the core's DT_NEEDED
+    from liger_kernel.ops.cute.ops.moe import moe_fused
+
+    progress.stage("configure")
+    began = time.monotonic()
+    shape = scale_for_run(select_shapes(job.shape)[0], world_size=1, quick=job.quick)
+    _configure(device, shape, job.num_tokens)
+    progress.result["info"]["configure_s"] = round(time.monotonic() - began, 1)
+
+    progress.stage("reference")
+    inputs = make_inputs(shape, job.num_tokens, rank=0, world_size=1, device=device,
+                         seed=job.seed, shared=False)  # fmt: skip
+    with_grads = any(p != "fwd" for p in job.passes)
+    reference = reference_results(inputs, with_grads)
+    inputs.release_group_tensors()
+
+    progress.stage("check")
+    inference, training = _liger_impls(moe_fused, inputs)
+    checks = {"fwd": moe.check(inference, inputs, {"out": reference["out"]}, None)}
+    if with_grads:
+        checks["train"] = moe.check(training, inputs, reference, None)
+    del reference
+    torch.cuda.empty_cache()
+
+    timing = TimingConfig(warmup=job.warmup, reps=job.reps)
+    for pass_name in job.passes:
+        progress.stage(f"time_{pass_name}")
+        training_pass = pass_name != "fwd"
+        impl = training if training_pass else inference
+        check = checks["train" if training_pass else "fwd"]
+        outcome = dict(check)
+        refused = moe.refusal(check)
+        if refused is not None:
+            outcome["status"] = refused
+        else:
+            try:
+                ms = moe.time_pass(impl, inputs, pass_name, timing, None)
+                outcome.update(status="ok", ms=ms)
+            except Exception as error:  # this pass failed; the next ones still try
+                outcome["status"] = f"liger error: {type(error).__name__}: {error}"
+                traceback.print_exc()
+        progress.result["passes"][pass_name] = outcome
+        progress.save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--worker ...``: measure one shape (the harness starts it). Alone: say if Liger is here."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        return worker_main(LigerJob.from_argv(argv))
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.liger", description=__doc__)
+    parser.add_argument("--liger-site", default=None, help="a site dir that holds LigerMoE")
+    args = parser.parse_args(argv)
+    availability = find_liger(args.liger_site)
+    print(json.dumps(dataclasses.asdict(availability), indent=2))
+    return 0 if availability.available else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
