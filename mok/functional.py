@@ -163,7 +163,8 @@ def build_schedule(
     check_tensor("top_experts", top_experts, dtype=torch.int64,
                  shape=[workspace.num_local_tokens, workspace.topk],
                  device=workspace.device)  # fmt: skip
-    outs = ops.build_schedule(
+    outs = ops.call(
+        "build_schedule",
         workspace.handle,
         top_experts,
         num_local_experts,
@@ -210,7 +211,8 @@ def forward(
         )  # fmt: skip
         return out, _context(ctx, has_shared=shared_gate_weights is not None)
     _check_weights(workspace, schedule, weights)
-    out, *ctx = ops.forward(
+    out, *ctx = ops.call(
+        "forward",
         workspace.handle, *_schedule_args(schedule), x, router_weights,
         shared_gate_weights, shared_up_weights, shared_down_weights,
         routed_gate_weights, routed_up_weights, routed_down_weights,
@@ -251,7 +253,8 @@ def recompute_forward_context(
         )  # fmt: skip
         return _context(ctx, has_shared=shared_gate_weights is not None)
     _check_weights(workspace, schedule, weights, need_down=False)
-    ctx = ops.recompute_forward_context(
+    ctx = ops.call(
+        "recompute_forward_context",
         workspace.handle, *_schedule_args(schedule), x, shared_gate_weights, shared_up_weights,
         routed_gate_weights, routed_up_weights, limit,
     )  # fmt: skip
@@ -314,7 +317,8 @@ def backward(
     _check_context(forward_context, workspace, inter, has_shared)
     main = _check_main_grads(main_grads, weights)
     ctx = [t if t is not None else empty for t in forward_context.tensors()]
-    grads = ops.backward(
+    grads = ops.call(
+        "backward",
         workspace.handle, *_schedule_args(schedule), *ctx, grad_output, x, router_weights,
         shared_gate_weights, shared_up_weights, shared_down_weights,
         routed_gate_weights, routed_up_weights, routed_down_weights, limit,
@@ -385,13 +389,7 @@ def check_errors(workspace: MoKWorkspace) -> None:
     if workspace.device.type != "cuda":
         return
     from . import launchers  # noqa: PLC0415 - CUDA only
-    from .validation import raise_deferred_value_errors  # noqa: PLC0415
 
-    try:
-        raise_deferred_value_errors(wait=True)
-        launchers.raise_pending_errors(workspace, wait=True)
-    except RuntimeError:
-        # A trapped kernel fails every sync: report the wait that gave up, if one did.
-        launchers.check_errors(workspace.device)
-        raise
+    # Syncs the device, then raises a recorded timeout (chained to a trapped kernel's error).
     launchers.check_errors(workspace.device)
+    launchers.raise_value_errors(workspace.device)

@@ -4,34 +4,70 @@ Each op takes tensors, ints, floats and strings only: the workspace enters as it
 handle and the EP group as its name. CPU tensors run the PyTorch reference (`mok.reference`);
 CUDA tensors run the shipped kernels (`mok.kernels`), or raise MoKKernelUnavailableError where
 the kernel has not landed. The fake implementations give output shapes from input shapes alone,
-so `torch.compile(fullgraph=True)` traces a whole MoE step with no graph break.
+so `torch.compile(fullgraph=True)` traces a whole MoE step with no graph break. `mok.functional`
+runs the layer ops through `call`, which skips the dispatcher in eager mode.
 
 Optional tensor outputs (the shared expert's) are returned as empty [0] tensors when absent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from . import reference
 from .errors import MoKKernelUnavailableError
 from .types import MoKSchedule
-from .validation import (
-    check_expert_id_values,
-    check_router_weight_values,
-    raise_deferred_value_errors,
-)
+from .validation import check_expert_id_values, check_router_weight_values
 from .workspace import workspace_from_handle
 
 Tensor = torch.Tensor
 
 
+# The Python implementation of each custom op `call` runs outside torch.compile.
+_IMPLEMENTATIONS: dict[str, Callable] = {}
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def _op(name: str, mutates_args: tuple[str, ...] = ()):
+    """Register the decorated function as custom op mok::`name` and keep it for `call`."""
+
+    def register(fn: Callable):
+        _IMPLEMENTATIONS[name] = fn
+        return torch.library.custom_op(f"mok::{name}", mutates_args=mutates_args)(fn)
+
+    return register
+
+
+def call(name: str, *args):
+    """Run mok::`name` on `args`.
+
+    While torch.compile traces, or when a tensor subclass or a dispatch mode is involved, this
+    goes through torch's dispatcher (the op and its fake implementation). Otherwise it calls the
+    op's Python implementation directly, under no_grad: the dispatcher's per-call host cost
+    buys nothing in eager mode, where these ops have no autograd formula and their outputs
+    never alias their inputs.
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return getattr(torch.ops.mok, name)(*args)
+    for arg in args:
+        if isinstance(arg, Tensor) and arg.__class__ not in _PLAIN_TENSORS:
+            return getattr(torch.ops.mok, name)(*args)
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return _IMPLEMENTATIONS[name](*args)
+    return _IMPLEMENTATIONS[name](*args)
+
+
 def _gpu(op_name: str, device: torch.device):
+    """The CUDA launchers, after raising any bad input value a kernel found (launchers/status.py:
+    the kernels check the values they load, so CUDA inputs cost no check here)."""
     from . import kernels  # noqa: PLC0415 - CUDA-only path
 
-    if not torch.cuda.is_current_stream_capturing():
-        raise_deferred_value_errors(wait=False)
-    return kernels.require(op_name, device)
+    launchers = kernels.require(op_name, device)
+    launchers.raise_value_errors(device)
+    return launchers
 
 
 def _none_if_empty(t: Tensor | None) -> Tensor | None:
@@ -60,7 +96,7 @@ def _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert) -> MoKSc
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("mok::build_schedule", mutates_args=())
+@_op("build_schedule")
 def build_schedule(
     workspace_handle: int,
     top_experts: Tensor,
@@ -81,11 +117,11 @@ def build_schedule(
         tokens_per_expert int32 [E]  (SEMANTICS §3; padding rows are -1)
     """
     ws = workspace_from_handle(workspace_handle)
-    check_expert_id_values(top_experts, num_local_experts * ws.ep_size, "mok.ops.build_schedule")
     if top_experts.is_cuda:
         return _gpu("build_schedule", top_experts.device).build_schedule(
             ws, top_experts, num_local_experts, capacity, all_gather_chunk_bytes
         )
+    check_expert_id_values(top_experts, num_local_experts * ws.ep_size)
     s = reference.make_schedule(
         top_experts, num_local_experts=num_local_experts, capacity=capacity, group=ws.group
     )
@@ -108,7 +144,7 @@ def _(workspace_handle, top_experts, num_local_experts, capacity, all_gather_chu
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("mok::forward", mutates_args=())
+@_op("forward")
 def forward(
     workspace_handle: int,
     peer_rank: Tensor,
@@ -143,7 +179,6 @@ def forward(
         out bf16 [T, H]; x_routed bf16 [C, H]; gate_routed, up_routed, hidden_routed bf16 [C, I];
         gate_shared, up_shared, hidden_shared bf16 [T, I] (empty [0] without a shared expert)
     """
-    check_router_weight_values(router_weights, "mok.ops.forward")
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     if x.is_cuda:
@@ -152,6 +187,7 @@ def forward(
             shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
             swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
         )  # fmt: skip
+    check_router_weight_values(router_weights)
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.forward(
         schedule, x, router_weights, shared_gate_weights, shared_up_weights,
@@ -174,7 +210,7 @@ def _(
     )
 
 
-@torch.library.custom_op("mok::recompute_forward_context", mutates_args=())
+@_op("recompute_forward_context")
 def recompute_forward_context(
     workspace_handle: int,
     peer_rank: Tensor,
@@ -220,8 +256,8 @@ def _(
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(
-    "mok::backward",
+@_op(
+    "backward",
     mutates_args=(
         "main_grad_routed_gate", "main_grad_routed_up", "main_grad_routed_down",
         "main_grad_shared_gate", "main_grad_shared_up", "main_grad_shared_down",
@@ -271,7 +307,6 @@ def backward(
         d_shared_down bf16 [H, I]. A weight gradient that went into a main_grad, or a shared one
         without a shared expert, is empty [0].
     """
-    check_router_weight_values(router_weights, "mok.ops.backward")
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     main_grads = (
@@ -287,6 +322,7 @@ def backward(
             routed_down_weights, swiglu_limit, bwd_num_comm_sms, minibatch_size,
             macrobatch_size, main_grads,
         )  # fmt: skip
+    check_router_weight_values(router_weights)
     from .types import MoKForwardContext  # noqa: PLC0415
 
     ctx = MoKForwardContext(*(_none_if_empty(t) for t in ctx_tensors))
@@ -358,8 +394,8 @@ def forward_mxfp8(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`forward` with MXFP8 routed weights ((fp8, scale) along K each, mxfp8_quantize's):
     `mok.reference.mxfp8_forward`. Same outputs as `forward` (the context in bf16)."""
-    check_router_weight_values(router_weights, "mok.ops.forward_mxfp8")
     _mxfp8_unavailable("forward_mxfp8", x.device)
+    check_router_weight_values(router_weights)
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     ws.buffers["x_buffer"].copy_(x)
@@ -450,8 +486,8 @@ def backward_mxfp8(
     """`backward` with MXFP8 routed weights (gate and up with their transposed copies, down
     transposed): `mok.reference.mxfp8_backward`. Same outputs as `backward` (bf16 weight
     gradients, empty [0] shared ones without a shared expert)."""
-    check_router_weight_values(router_weights, "mok.ops.backward_mxfp8")
     _mxfp8_unavailable("backward_mxfp8", x.device)
+    check_router_weight_values(router_weights)
     from .types import MoKForwardContext  # noqa: PLC0415
 
     ws = workspace_from_handle(workspace_handle)

@@ -2,7 +2,8 @@
 
 Only metadata (dtype, shape, device, layout) is checked here, so the checks also run on fake
 tensors under torch.compile; value checks (router weights > 0, expert ids in range) run inside
-the ops, where the data is real.
+the ops, where the data is real: on CPU with the functions at the end of this module, on CUDA
+inside the kernels.
 """
 
 from __future__ import annotations
@@ -82,53 +83,12 @@ def check_swiglu_limit(value) -> float | None:
     return float(value)
 
 
-# Value checks of CUDA inputs never sync with the host: each one leaves its verdict in pinned
-# host memory behind an event. Every mok op on CUDA starts by raising the first failed verdict
-# that has landed (often already in the op that made the check), and
-# mok.functional.check_errors syncs and raises any that remain.
-_DEFERRED: list[tuple[torch.cuda.Event, torch.Tensor, str]] = []
-
-
-def _capturing(tensor: torch.Tensor) -> bool:
-    """True inside CUDA graph capture, where neither a host read nor an event query is allowed."""
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _defer(bad: torch.Tensor, message: str) -> None:
-    verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
-    verdict.copy_(bad.any(), non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    _DEFERRED.append((event, verdict, message))
-
-
-def raise_deferred_value_errors(*, wait: bool) -> None:
-    """Raise ValueError for a failed deferred value check (wait=True syncs on all of them)."""
-    pending, failed = [], None
-    for event, verdict, message in _DEFERRED:
-        if not wait and not event.query():
-            pending.append((event, verdict, message))
-            continue
-        event.synchronize()
-        if failed is None and bool(verdict):
-            failed = message
-    _DEFERRED[:] = pending
-    if failed is not None:
-        raise ValueError(failed)
-
-
-def check_router_weight_values(router_weights: torch.Tensor, op: str = "mok op") -> None:
-    """Router weights must be finite and > 0 (the original silently returned 0 gradient).
-
-    CPU: checked now, naming the first bad value and its index. CUDA: deferred (no host sync).
-    """
+# Value checks of CPU inputs: CUDA inputs are checked by the kernels that load them, without a
+# host sync (mok/launchers/status.py).
+def check_router_weight_values(router_weights: torch.Tensor) -> None:
+    """Router weights must be finite and > 0 (the original silently returned 0 gradient); CPU
+    tensors, naming the first bad value and its index."""
     bad = ~(torch.isfinite(router_weights) & (router_weights > 0))
-    if router_weights.is_cuda:
-        if not _capturing(router_weights):
-            _defer(bad, f"router_weights must be finite and > 0, got a value <= 0 or non-finite "
-                        f"in a call of {op} on {router_weights.device} (found without a host "
-                        f"sync; reported by a mok call once known, or check_errors)")  # fmt: skip
-        return
     if bool(bad.any()):
         index = tuple(int(i) for i in torch.nonzero(bad)[0])
         raise ValueError(
@@ -137,15 +97,9 @@ def check_router_weight_values(router_weights: torch.Tensor, op: str = "mok op")
         )
 
 
-def check_expert_id_values(top_experts: torch.Tensor, num_experts: int, op: str = "mok op") -> None:
+def check_expert_id_values(top_experts: torch.Tensor, num_experts: int) -> None:
+    """Expert ids in [0, num_experts) (CPU tensors), naming the first bad id and its index."""
     bad = (top_experts < 0) | (top_experts >= num_experts)
-    if top_experts.is_cuda:
-        if not _capturing(top_experts):
-            _defer(bad, f"top_experts must hold expert ids in [0, {num_experts}) (num_local_experts"
-                        f" * EP size), got one outside in a call of {op} on {top_experts.device} "
-                        f"(found without a host sync; reported by a mok call once known, or "
-                        f"check_errors)")  # fmt: skip
-        return
     if bool(bad.any()):
         index = tuple(int(i) for i in torch.nonzero(bad)[0])
         raise ValueError(

@@ -18,6 +18,11 @@ Layout: `ERROR_RECORD_FIELDS` int32 words at `device_ptr` (64 bytes, 64-byte ali
     8     task           task-list index the CTA was working on (-1: none)
     9-15  reserved       write 0
 
+The same allocation holds, after the record, `STATUS_WORDS` int32 value-status words at
+`status_ptr`: kernels that find a bad input value (an expert id out of range, a router weight
+<= 0 or non-finite, a schedule overflow) store a nonzero word there and go on without a fault;
+the host reads them with plain loads at the next mok call (layout: mok/launchers/status.py).
+
 Kernel protocol (one writer wins; later timeouts only trap):
   1. `atom.global.cas.b32 flag, 0 -> 1` (sys scope); if the old value was not 0, skip to 4.
   2. Store words 1..8 with `st.volatile.global` (or `st.relaxed.sys`).
@@ -40,6 +45,8 @@ from .module import _make_current, _restore, primary_context
 
 ERROR_RECORD_FIELDS = 16
 ERROR_RECORD_BYTES = ERROR_RECORD_FIELDS * 4
+STATUS_WORDS = 16
+_ALLOCATION_BYTES = ERROR_RECORD_BYTES + STATUS_WORDS * 4
 FLAG_CLEAR = 0
 FLAG_CLAIMED = 1
 FLAG_VALID = 2
@@ -107,9 +114,11 @@ def raise_for_words(words: list[int], cause: BaseException | None = None) -> Non
 
 
 class ErrorRecord:
-    """A pinned, mapped host buffer of ERROR_RECORD_FIELDS int32 words (layout: module doc).
+    """A pinned, mapped host buffer of ERROR_RECORD_FIELDS int32 words and STATUS_WORDS
+    value-status words (layout: module doc).
 
-    Pass `device_ptr` to the kernel as a pointer param. After a sync, or when a launch or
+    Pass `device_ptr` (`status_ptr`) to the kernel as a pointer param; `status` is the host view
+    of the value-status words. After a sync, or when a launch or
     sync raised, call `check(cause=exc)`: it raises MoKWaitTimeoutError if a wait gave up.
     Free with `destroy()` (or use as a context manager); one record per device.
     """
@@ -122,8 +131,8 @@ class ErrorRecord:
             flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
             self.host_ptr = int(
                 _driver.check(
-                    cu.cuMemHostAlloc(ERROR_RECORD_BYTES, flags),
-                    f"cuMemHostAlloc({ERROR_RECORD_BYTES} B, DEVICEMAP | PORTABLE)",
+                    cu.cuMemHostAlloc(_ALLOCATION_BYTES, flags),
+                    f"cuMemHostAlloc({_ALLOCATION_BYTES} B, DEVICEMAP | PORTABLE)",
                 )
             )
             try:
@@ -139,7 +148,11 @@ class ErrorRecord:
         finally:
             _restore(previous)
         self._words = (ctypes.c_int32 * ERROR_RECORD_FIELDS).from_address(self.host_ptr)
-        self.clear()
+        self.status_ptr = self.device_ptr + ERROR_RECORD_BYTES
+        self.status = (ctypes.c_int32 * STATUS_WORDS).from_address(
+            self.host_ptr + ERROR_RECORD_BYTES
+        )
+        ctypes.memset(self.host_ptr, 0, _ALLOCATION_BYTES)
 
     def read(self) -> ErrorRecordFields | None:
         """The record's fields, or None when clear. Plain host loads: no CUDA call."""
@@ -169,6 +182,7 @@ class ErrorRecord:
             cu.cuMemFreeHost(self.host_ptr)  # a dead context may refuse; nothing to do then
             self.host_ptr = 0
             self.device_ptr = 0
+            self.status_ptr = 0
 
     def _require_alive(self) -> None:
         if not self.host_ptr:

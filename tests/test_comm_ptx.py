@@ -65,6 +65,8 @@ PARAMS = {
         "entry_phase",
         "gather_phase",
         "timeout_ns",
+        "num_experts",
+        "status_ptr",
     ],
 }
 REQUIRED = {
@@ -72,7 +74,9 @@ REQUIRED = {
     "ep_barrier": BOUNDED_WAIT + ARRIVAL + (EPOCH_RETIRE, "bar.sync"),
     "all_gather_top_experts": BOUNDED_WAIT
     + ARRIVAL
-    + (EPOCH_RETIRE, "st.global.v4.b32", "st.global.b32", "fence.acq_rel.sys", "ld.global.nc.s64"),
+    + (EPOCH_RETIRE, "st.global.v4.b32", "st.global.b32", "fence.acq_rel.sys", "ld.global.nc.s64")
+    # The id range check on the int64 value, before narrowing (value_checks.py).
+    + ("setp.ge.u64", "@bad st.global.b32"),
 }
 
 

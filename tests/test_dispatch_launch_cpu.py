@@ -37,6 +37,7 @@ class _FakeKernel:
 
 class _Record:
     device_ptr = 0x1000
+    status_ptr = 0x1040
 
 
 @pytest.fixture()
@@ -181,6 +182,7 @@ def test_router_grad_push_launch_packs(monkeypatch, kernels):
     from mok.launchers import backward_megakernel
 
     monkeypatch.setattr(backward_megakernel, "check_arg", lambda *a, **k: None)
+    monkeypatch.setattr(backward_megakernel, "get_error_record", lambda device: _Record())
     t, k, e = 256, 2, 4
     schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
                                capacity=t * k + e * 128)  # fmt: skip
@@ -193,6 +195,7 @@ def test_router_grad_push_launch_packs(monkeypatch, kernels):
     ((grid, args),) = kernels["router_grad_push"].launches
     assert grid == (-(-schedule.capacity // 128), 1, 1)
     assert args["ep_rank"] == 1 and args["blocks"] == 4 and args["num_rows"] == schedule.capacity
+    assert args["status_ptr"] == _Record.status_ptr
 
 
 def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):

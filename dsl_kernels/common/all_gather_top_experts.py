@@ -5,8 +5,11 @@ slot [rank] of every peer's `all_gather_top_experts_buffer` (int32 [P, T, k], sy
 including its own, then arrives on the peer's barrier slot; the kernel ends on rank r only once
 all P slots of r's buffer are complete. NVLink multicast is never used.
 
-Why the kernel reads int64 and narrows itself: no extra torch op (and no temporary) per call;
-the narrowing keeps the low 32 bits (expert ids are < 2^31; the caller validates the range).
+Why the kernel reads int64 and narrows itself: no extra torch op (and no temporary) per call.
+It checks each id against [0, num_experts) on the int64 value, before narrowing to the low 32
+bits: an id outside sets the value-status words (value_checks.py) and is gathered narrowed; the
+schedule treats an id outside this rank's experts as not routed here, so nothing is written out
+of bounds.
 
 Barrier counters: the same per-source slots as common/ep_barrier.py (`barrier_buffer` [P]
 of each rank; slot s counts arrivals from rank s; monotone). The targets come from the arrival
@@ -50,7 +53,6 @@ from cutlass import Int32, Int64
 from .args import global_pointer
 from .bounded_wait import (
     fence_acq_rel_sys,
-    ld_global_s64_as_s32,
     st_global_b32,
     st_global_v4_b32,
 )
@@ -61,6 +63,7 @@ from .ep_barrier import (
     retire_arrival_epoch,
     wait_for_source,
 )
+from .value_checks import STATUS_BAD_EXPERT_ID, load_checked_id
 
 THREADS = 128
 VECTOR = 4  # int32 ids per 16-byte store
@@ -79,7 +82,8 @@ class AllGatherTopExperts:
     ...), `barrier_epoch_ptr` (int32 [2]: this rank's `barrier_epoch_buffer`, the arrival epoch
     of common/ep_barrier.py; targets are derived from it, wrap-safe), `error_record_ptr`
     (runtime/error_record.py), `entry_phase` (WaitPhase id of the entry wait), `gather_phase`
-    (WaitPhase id of the completion wait), `timeout_ns` (int64, per wait).
+    (WaitPhase id of the completion wait), `timeout_ns` (int64, per wait), `num_experts`
+    (E * P: ids must lie in [0, num_experts)), `status_ptr` (the value-status words).
 
     Stores: 16-byte `st.global.v4.b32` when num_ids % 4 == 0 (every slot then starts 16-byte
     aligned), else 4-byte stores. On timeout the record names this rank, the phase, the
@@ -108,6 +112,8 @@ class AllGatherTopExperts:
             Int32(0),
             Int32(0),
             Int64(0),
+            Int32(0),
+            global_pointer(Int32, 16),
         )
 
     @cute.jit
@@ -126,6 +132,8 @@ class AllGatherTopExperts:
         entry_phase: Int32,
         gather_phase: Int32,
         timeout_ns: Int64,
+        num_experts: Int32,
+        status_ptr: cute.Pointer,
     ):
         self.kernel(
             ids_ptr,
@@ -141,6 +149,8 @@ class AllGatherTopExperts:
             entry_phase,
             gather_phase,
             timeout_ns,
+            num_experts,
+            status_ptr,
         ).launch(grid=[ctas_per_peer, world_size, 1], block=[THREADS, 1, 1])
 
     @cute.kernel
@@ -159,6 +169,8 @@ class AllGatherTopExperts:
         entry_phase: Int32,
         gather_phase: Int32,
         timeout_ns: Int64,
+        num_experts: Int32,
+        status_ptr: cute.Pointer,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cta_in_peer, peer, _ = cute.arch.block_idx()
@@ -182,6 +194,8 @@ class AllGatherTopExperts:
 
         # ---- copy: chunks cta_in_peer, cta_in_peer + ctas_per_peer, ... into slot [rank] ----
         source = ids_ptr.toint()
+        limit = Int64(num_experts)
+        bad_id = status_ptr.toint() + Int64(STATUS_BAD_EXPERT_ID * 4)
         destination = (
             peer_address(peer_gather_ptrs.toint(), peer) + Int64(rank) * Int64(num_ids) * 4
         )
@@ -193,17 +207,18 @@ class AllGatherTopExperts:
                     load = source + Int64(i) * 8
                     st_global_v4_b32(
                         destination + Int64(i) * 4,
-                        ld_global_s64_as_s32(load),
-                        ld_global_s64_as_s32(load + 8),
-                        ld_global_s64_as_s32(load + 16),
-                        ld_global_s64_as_s32(load + 24),
+                        load_checked_id(load, limit, bad_id),
+                        load_checked_id(load + 8, limit, bad_id),
+                        load_checked_id(load + 16, limit, bad_id),
+                        load_checked_id(load + 24, limit, bad_id),
                     )
         else:
             for chunk in cutlass.range(cta_in_peer, num_chunks, ctas_per_peer, unroll=1):
                 end = cutlass.min((chunk + 1) * chunk_ids, num_ids)
                 for i in cutlass.range(chunk * chunk_ids + tidx, end, THREADS):
                     st_global_b32(
-                        destination + Int64(i) * 4, ld_global_s64_as_s32(source + Int64(i) * 8)
+                        destination + Int64(i) * 4,
+                        load_checked_id(source + Int64(i) * 8, limit, bad_id),
                     )
 
         # ---- publish: every thread's stores to `peer`, then one release add on its slot ----

@@ -4,11 +4,12 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from .args import global_pointer
 from .ptx import add_rn, mul_rn
 from .row_chunks import VECTOR, chunked_row_views
+from .value_checks import STATUS_BAD_WEIGHT_FORWARD, flag_unless_positive_finite
 
 # Slots of each token loaded per step: with 4 tokens, 8 independent 16-byte loads per thread
 # are in flight at once, and k = 2 (the latency-bound case) is a single step.
@@ -22,7 +23,8 @@ class MoeCombineForward:
     Kernel parameters (in this order): `out_ptr` (bf16 [num_tokens, hidden_size]),
     `shared_ptr` (bf16 [num_tokens, hidden_size], may be null when has_shared == 0),
     `weight_ptr` (fp32 [num_tokens, topk]), `slots_ptr` (bf16 [num_tokens * topk, hidden_size]),
-    `num_tokens`, `hidden_size`, `topk`, `has_shared` (int32; 0 = no shared expert).
+    `num_tokens`, `hidden_size`, `topk`, `has_shared` (int32; 0 = no shared expert),
+    `status_ptr` (the value-status words: a weight <= 0 or non-finite sets its word).
 
     Exact arithmetic (a PyTorch reference reproduces it bit for bit), per element, in fp32:
         acc = float(shared[t, h]) if has_shared else +0.0
@@ -67,6 +69,7 @@ class MoeCombineForward:
             Int32(0),
             Int32(0),
             Int32(0),
+            global_pointer(Int32, 16),
         )
 
     @cute.jit
@@ -80,10 +83,19 @@ class MoeCombineForward:
         hidden_size: Int32,
         topk: Int32,
         has_shared: Int32,
+        status_ptr: cute.Pointer,
     ):
         columns_per_cta = VECTOR * self.threads
         self.kernel(
-            out_ptr, shared_ptr, weight_ptr, slots_ptr, num_tokens, hidden_size, topk, has_shared
+            out_ptr,
+            shared_ptr,
+            weight_ptr,
+            slots_ptr,
+            num_tokens,
+            hidden_size,
+            topk,
+            has_shared,
+            status_ptr,
         ).launch(
             grid=[
                 (hidden_size + columns_per_cta - 1) // columns_per_cta,
@@ -104,6 +116,7 @@ class MoeCombineForward:
         hidden_size: Int32,
         topk: Int32,
         has_shared: Int32,
+        status_ptr: cute.Pointer,
     ):
         tokens = self.tokens_per_cta
         tidx, _, _ = cute.arch.thread_idx()
@@ -115,6 +128,7 @@ class MoeCombineForward:
             (slots_ptr, num_tokens * topk),
         )
         mWeight = cute.make_tensor(weight_ptr, cute.make_layout(num_tokens * topk))
+        bad_weight = status_ptr.toint() + Int64(STATUS_BAD_WEIGHT_FORWARD * 4)
 
         chunk = bidx * self.threads + tidx
         first_token = bidy * tokens
@@ -134,6 +148,7 @@ class MoeCombineForward:
                 num_tokens,
                 topk,
                 has_shared,
+                bad_weight,
                 Int32(0),
                 True,
             )
@@ -148,6 +163,7 @@ class MoeCombineForward:
                     num_tokens,
                     topk,
                     has_shared,
+                    bad_weight,
                     j0,
                     False,
                 )
@@ -170,6 +186,7 @@ class MoeCombineForward:
         num_tokens: Int32,
         topk: Int32,
         has_shared: Int32,
+        bad_weight: Int64,
         j0: Int32,
         first: cutlass.Constexpr,
     ):
@@ -209,6 +226,7 @@ class MoeCombineForward:
                         rAcc[None, t].store(rShared[None, t].load().to(Float32))
                 for s in cutlass.range_constexpr(SLOTS_PER_STEP):
                     if j0 + s < topk:
+                        flag_unless_positive_finite(rWeight[s, t], bad_weight, Int32(1))
                         rSlot.store(rSlots[None, s, t].load().to(Float32))
                         for i in cutlass.range_constexpr(VECTOR):
                             rAcc[i, t] = add_rn(rAcc[i, t], mul_rn(rWeight[s, t], rSlot[i]))

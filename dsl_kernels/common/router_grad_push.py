@@ -8,9 +8,10 @@ from cutlass import Float32, Int32, Int64
 
 from .params import fp32_pointer, int32_pointer, int64_pointer, placeholders
 from .peers import peer_table, rank_address
+from .value_checks import STATUS_BAD_WEIGHT_BACKWARD, flag_unless_positive_finite
 
-# The smallest normal fp32: a router weight is > 0 (checked on the device), so this only
-# keeps a padding row's 0 / 0 out of the arithmetic.
+# The smallest normal fp32: a router weight must be > 0 (a bad one sets the value-status word
+# 1 + its rank and still divides in bounds), so this only keeps 0 / 0 out of the arithmetic.
 FP32_TINY = 1.1754943508222875e-38
 
 
@@ -27,6 +28,7 @@ PARAMS = (
     ("ep_rank", Int32(0)),
     ("num_rows", Int32(0)),
     ("blocks", Int32(1)),
+    ("status_ptr", int32_pointer),
 )
 
 
@@ -45,7 +47,8 @@ class RouterGradPush:
 
     Kernel parameters, in order: `partials_ptr` fp32 [num_rows, blocks], `peer_rank_ptr`,
     `peer_token_idx_ptr` int32 [num_rows], `num_tokens_ptr` int32 [1], `weight_ptr`,
-    `d_router_ptr`, `weight_ptrs`, `d_router_ptrs`, `ep_rank`, `num_rows`, `blocks`. Launch:
+    `d_router_ptr`, `weight_ptrs`, `d_router_ptrs`, `ep_rank`, `num_rows`, `blocks`,
+    `status_ptr` (the value-status words). Launch:
     grid (ceil(num_rows / threads), 1, 1), block (threads, 1, 1).
     """
 
@@ -72,10 +75,11 @@ class RouterGradPush:
         ep_rank: Int32,
         num_rows: Int32,
         blocks: Int32,
+        status_ptr: cute.Pointer,
     ):
         self.kernel(
             partials_ptr, peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr, weight_ptr,
-            d_router_ptr, weight_ptrs, d_router_ptrs, ep_rank, num_rows, blocks,
+            d_router_ptr, weight_ptrs, d_router_ptrs, ep_rank, num_rows, blocks, status_ptr,
         ).launch(grid=[(num_rows + self.threads - 1) // self.threads, 1, 1],
                  block=[self.threads, 1, 1])  # fmt: skip
 
@@ -93,6 +97,7 @@ class RouterGradPush:
         ep_rank: Int32,
         num_rows: Int32,
         blocks: Int32,
+        status_ptr: cute.Pointer,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -116,6 +121,9 @@ class RouterGradPush:
                 w_ptr = cute.make_ptr(Float32, w_base + offset, cute.AddressSpace.gmem,
                                       assumed_align=4)  # fmt: skip
                 w = cute.make_tensor(w_ptr, cute.make_layout(1))[0]
+                flag_unless_positive_finite(
+                    w, status_ptr.toint() + Int64(STATUS_BAD_WEIGHT_BACKWARD * 4), peer + 1
+                )
                 d_ptr = cute.make_ptr(Float32, d_base + offset, cute.AddressSpace.gmem,
                                       assumed_align=4)  # fmt: skip
                 cute.make_tensor(d_ptr, cute.make_layout(1))[0] = total / cutlass.max(

@@ -22,7 +22,7 @@ from .schedule_warp import (
 
 EXPERTS_PER_THREAD = MAX_LOCAL_EXPERTS // THREADS  # experts of one thread in the segment scan
 PADDING = -1  # peer_rank and peer_token_idx of a padding row (and of every row past the total)
-STATUS_WORDS = 4  # status: [overflow 0/1, padded total, ep_rank, capacity]
+STATUS_WORDS = 4  # status on overflow: [1, padded total, ep_rank, capacity]
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,14 @@ class SchedulePlace:
     `ids_ptr` [num_entries] (all-gathered routing), `offsets_ptr` [num_chunks, E] (scan pass:
     each chunk's offset inside its expert's segment), `expert_counts_ptr` [E] (scan pass),
     `peer_rank_ptr` [capacity], `peer_token_idx_ptr` [capacity], `num_tokens_ptr` [1],
-    `tokens_per_expert_ptr` [E], `status_ptr` [4]; then int32 `num_entries` (P * T * k),
+    `tokens_per_expert_ptr` [E], `status_ptr` [4] (zeroed by the caller: written only on
+    overflow); then int32 `num_entries` (P * T * k),
     `entries_per_rank` (T * k), `ep_rank`, `num_local_experts` (E), `capacity` (C).
 
     Every CTA first rebuilds the segment table: padded[e] = round_up(count[e], 128),
     start[e] = sum_{e' < e} padded[e'], total = sum_e padded[e] (a block scan of <= 1024
-    values). CTA 0 writes tokens_per_expert = padded, num_tokens = total and the status words
-    [total > C, total, ep_rank, C]. Then, if total <= C:
+    values). CTA 0 writes tokens_per_expert = padded, num_tokens = total and, only if
+    total > C, the status words [1, total, ep_rank, C]. Then, if total <= C:
     - rows start[e] + count[e] .. start[e] + padded[e] - 1 and rows total .. C - 1 get -1
       (grid-stride over all CTAs);
     - CTA c places its chunk [c * 4096, (c + 1) * 4096): warp w's sub-chunk of 512 entries is
@@ -169,10 +170,13 @@ class SchedulePlace:
             row = row + padded
         if chunk == 0 and tidx == 0:
             mNumTokens[0] = cutlass.select_(overflow, Int32(0), total)
-            mStatus[0] = Int32(overflow)
-            mStatus[1] = total
-            mStatus[2] = ep_rank
-            mStatus[3] = capacity
+            # Written only on overflow: the words are sticky until the host reports them, so a
+            # later schedule that fits cannot erase an overflow nobody has seen yet.
+            if overflow:
+                mStatus[0] = Int32(1)
+                mStatus[1] = total
+                mStatus[2] = ep_rank
+                mStatus[3] = capacity
         cute.arch.sync_threads()
 
         stride = num_ctas * THREADS

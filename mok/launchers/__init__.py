@@ -9,7 +9,8 @@ from .comm import check_errors
 from .epilogues import bwd_epilogue, fwd_epilogue
 from .forward_op import forward, recompute_forward_context
 from .mxfp8 import mxfp8_quantize
-from .schedule_op import build_schedule, raise_pending_errors
+from .schedule_op import build_schedule
+from .status import raise_value_errors
 
 __all__ = [
     "backward",
@@ -19,6 +20,6 @@ __all__ = [
     "forward",
     "fwd_epilogue",
     "mxfp8_quantize",
-    "raise_pending_errors",
+    "raise_value_errors",
     "recompute_forward_context",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_arg, check_cuda, check_extents, check_multiple
-from .comm import DEFAULT_TIMEOUT_NS
+from .comm import DEFAULT_TIMEOUT_NS, get_error_record
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT
 from .megakernel_walk import minibatch_row_tiles, walk_arguments
@@ -165,7 +165,8 @@ def push_router_grads(
     peers: tuple | None = None,
 ) -> torch.Tensor:
     """d_router fp32 [T, k] of this rank's tokens' slots that this rank's experts hold: each
-    routed row's sum_b partials[r, b] / w, pushed to its token's rank (kernel router_grad_push).
+    routed row's sum_b partials[r, b] / w, pushed to its token's rank (kernel router_grad_push;
+    a weight <= 0 or non-finite sets the value-status words, launchers/status.py).
     `router_weights` fp32 [T, k] and `d_router` are this rank's; `peers` = (ep_rank, router-weight
     table, d_router table) or None (a group of one)."""
     from mok.runtime import get_kernel  # noqa: PLC0415
@@ -193,6 +194,7 @@ def push_router_grads(
             "ep_rank": ep_rank,
             "num_rows": capacity,
             "blocks": blocks,
+            "status_ptr": get_error_record(partials.device).status_ptr,
         },
     )
     return d_router

@@ -35,6 +35,7 @@ MAX_GATHER_CTAS = 64
 # ctas_per_peer uses grid.x, world_size grid.y (limit 65535).
 MAX_WORLD_SIZE = 65535
 _INT32_RANGE = 1 << 32
+_INT32_MAX = (1 << 31) - 1
 _STATE_ATTRIBUTE = "_mok_comm_state"
 
 _records_lock = threading.Lock()
@@ -194,11 +195,14 @@ def all_gather_top_experts(
     top_experts: torch.Tensor,
     *,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    num_experts: int | None = None,
     manifest: str | Path | None = None,
 ) -> torch.Tensor:
     """Gather every rank's routing ids into the workspace's `all_gather_top_experts_buffer`.
 
-    `top_experts`: int64 [T, k] contiguous on the workspace's device. Returns the buffer, int32
+    `top_experts`: int64 [T, k] contiguous on the workspace's device. `num_experts` (E * P;
+    None: no range check): an id outside [0, num_experts) sets the device's value-status words
+    (launchers/status.py) and is gathered narrowed to int32. Returns the buffer, int32
     [P, T, k], row p = rank p's ids, complete on this stream when the kernel ends; the next call
     overwrites it. Collective, in comm-call order, same `config`. No host sync; capturable after
     one eager comm call.
@@ -254,6 +258,8 @@ def all_gather_top_experts(
             "entry_phase": int(WaitPhase.PEER_BARRIER_START),
             "gather_phase": int(WaitPhase.ROUTING_ALLGATHER),
             "timeout_ns": timeout_ns,
+            "num_experts": _INT32_MAX if num_experts is None else num_experts,
+            "status_ptr": record.status_ptr,
         },
     )
     return workspace.buffers["all_gather_top_experts_buffer"]

@@ -3,7 +3,8 @@
 Kernels `moe_combine_forward` / `moe_combine_backward` (dsl_kernels/common): one CTA of
 `threads` threads per (block of `tokens_per_cta` tokens, 8 * threads columns), 16-byte loads,
 fp32 sums in j order with separate multiply and add roundings (bit-exact with
-`mok.reference.fwd_epilogue` / `bwd_epilogue`). Both numbers come from the manifest's config
+`mok.reference.fwd_epilogue` / `bwd_epilogue`). The forward one also checks every router
+weight (> 0 and finite) into the value-status words (launchers/status.py). Both numbers come from the manifest's config
 of the loaded variant, so the grid always matches the cubin.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_host
+from .comm import get_error_record
 
 # bf16 columns per thread (one 16-byte vector).
 COLUMNS_PER_THREAD = 8
@@ -54,6 +56,7 @@ def fwd_epilogue(
         check_host("y_shared", y_shared, torch.bfloat16, (num_tokens, hidden))
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
     kernel = get_kernel("moe_combine_forward", device=slots.device)
+    status_ptr = get_error_record(slots.device).status_ptr
     for grid, start, count in _launches(kernel, num_tokens, hidden):
         kernel.launch(
             grid,
@@ -66,6 +69,7 @@ def fwd_epilogue(
                 "hidden_size": hidden,
                 "topk": topk,
                 "has_shared": int(y_shared is not None),
+                "status_ptr": status_ptr,
             },
         )
     return out

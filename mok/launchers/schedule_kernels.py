@@ -5,13 +5,15 @@ A stable counting sort (dsl_kernels/common/schedule_*.py) of the all-gathered ro
 1. `schedule_histogram`, grid (num_chunks,): counts[c, e] of each 4096-entry chunk c.
 2. `schedule_scan`, grid (ceil(E / 32),): counts[c, e] <- chunk c's offset in expert e's
    segment, expert_counts[e] = expert e's total.
-3. `schedule_place`, grid (num_chunks,): CTA 0 writes tokens_per_expert, num_tokens and status;
+3. `schedule_place`, grid (num_chunks,): CTA 0 writes tokens_per_expert, num_tokens and,
+   on overflow, status;
    all CTAs fill padding rows with -1 and place their entries in flat-index order.
 Atomics only count; rows come from prefix sums: the same bits as `mok.reference.build_schedule`.
 
 Capacity overflow (padded rows > C) cannot raise without a sync: the kernels write nothing out
-of bounds, set peer_rank / peer_token_idx to -1, store the true totals and set status = [1,
-total, ep_rank, capacity] (status[0] = 0 when it fits); `check_schedule(status)` raises.
+of bounds, set peer_rank / peer_token_idx to -1 and store status = [1, total, ep_rank,
+capacity] (the words are left as they were when it fits: zero them first);
+`check_schedule(status)` raises.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def launch_schedule(
     peer_token_idx: torch.Tensor,
     num_tokens: torch.Tensor,
     tokens_per_expert: torch.Tensor,
-    status: torch.Tensor,
+    status: torch.Tensor | int,
     *,
     ep_rank: int,
     num_local_experts: int,
@@ -107,7 +109,8 @@ def launch_schedule(
 
     top_experts_all: int32 [P, T, k] contiguous (global ids; one outside this rank's experts is not
     routed here). Outputs, int32 contiguous: peer_rank [C], peer_token_idx [C], num_tokens [1],
-    tokens_per_expert [E], status [4]. Current stream, no sync; graph-capturable.
+    tokens_per_expert [E], status [4] (or the device address of 4 int32 words, e.g. the value-status
+    words; written only on overflow). Current stream, no sync; graph-capturable.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -118,7 +121,8 @@ def launch_schedule(
     _check_int32_vector("peer_token_idx", peer_token_idx, capacity, device)
     _check_int32_vector("num_tokens", num_tokens, 1, device)
     _check_int32_vector("tokens_per_expert", tokens_per_expert, num_local_experts, device)
-    _check_int32_vector("status", status, STATUS_WORDS, device)
+    if not isinstance(status, int):
+        _check_int32_vector("status", status, STATUS_WORDS, device)
     if capacity + num_local_experts * ROUTED_ROW_ALIGNMENT >= _INT32_LIMIT:
         raise ValueError(f"capacity {capacity} is too large for int32 row indices")
 
@@ -176,7 +180,8 @@ def build_schedule_gpu(
     ep_rank: int,
     num_local_experts: int,
     capacity: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    status: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's receive schedule from the all-gathered routing, without a host sync.
 
     Inputs:
@@ -185,7 +190,8 @@ def build_schedule_gpu(
         num_local_experts: int  E, 1..1024
         capacity:          int  C, routed rows (padding included)
     Outputs (int32): peer_rank [C], peer_token_idx [C], num_tokens [1], tokens_per_expert [E]
-        (equal to `mok.reference.build_schedule`), status [4] (for `check_schedule`).
+        (equal to `mok.reference.build_schedule`), status [4] (for `check_schedule`; None when
+        `status`, the device address of 4 int32 words to record an overflow in, is given).
     """
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
@@ -195,12 +201,13 @@ def build_schedule_gpu(
     peer_token_idx = torch.empty(capacity, **i32)
     num_tokens = torch.empty(1, **i32)
     tokens_per_expert = torch.empty(num_local_experts, **i32)
-    status = torch.empty(STATUS_WORDS, **i32)
+    words = torch.zeros(STATUS_WORDS, **i32) if status is None else None
     launch_schedule(
-        top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status,
-        ep_rank=ep_rank, num_local_experts=num_local_experts,
+        top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens_per_expert,
+        status if status is not None else words, ep_rank=ep_rank,
+        num_local_experts=num_local_experts,
     )  # fmt: skip
-    return peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status
+    return peer_rank, peer_token_idx, num_tokens, tokens_per_expert, words
 
 
 def check_schedule(schedule_status: torch.Tensor) -> None:
