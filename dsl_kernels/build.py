@@ -376,10 +376,15 @@ def build(archs, only=None, verbose=True) -> tuple[dict, dict[str, bytes], dict[
                     flush=True,
                 )
     if verbose:
+        # Variants with `archs` set skip the other archs, so kernels != variants x archs.
+        built = manifest["variants"]
+        per_arch = ", ".join(
+            f"{sum(e['arch'] == arch for e in built)} for {arch}" for arch in archs
+        )
         total = sum(len(c) for c in cubins.values())
         print(
-            f"built {len(manifest['variants'])} kernels ({len({e['name'] for e in manifest['variants']})} "
-            f"variants x {len(archs)} archs) in {time.perf_counter() - start:.1f} s, {total} cubin bytes"
+            f"built {len(built)} kernels from {len({e['name'] for e in built})} variants ({per_arch}) "
+            f"in {time.perf_counter() - start:.1f} s, {total} cubin bytes"
         )
     return manifest, cubins, ptxs
 
