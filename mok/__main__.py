@@ -9,12 +9,14 @@ shares no code with mok), held to 2x the error PyTorch itself makes in bf16.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
 import torch
 
 from . import functional, kernels
+from .config import FEATURE_ALIGNMENT, MAX_TOPK
 from .testing import make_inputs, oracle_errors
 
 
@@ -96,7 +98,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-shared", action="store_true", help="routed experts only")
     parser.add_argument("--swiglu-limit", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return run(args)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit through parser.error (usage and the rule broken, no traceback) on a bad value."""
+    align = FEATURE_ALIGNMENT
+    if args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    for flag, value in (("--hidden", args.hidden), ("--intermediate", args.intermediate)):
+        if value < align or value % align:
+            parser.error(f"{flag} must be a positive multiple of {align}, got {value}")
+    if args.experts < 1:
+        parser.error(f"--experts must be >= 1, got {args.experts}")
+    # The routing picks k distinct experts per token.
+    most = min(args.experts, MAX_TOPK)
+    if not 1 <= args.topk <= most:
+        parser.error(
+            f"--topk must be in [1, {most}] (at most --experts = {args.experts} and "
+            f"{MAX_TOPK}), got {args.topk}"
+        )
+    limit = args.swiglu_limit
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        parser.error(f"--swiglu-limit must be a finite number > 0, got {limit}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import errors, ops
 from .config import FEATURE_ALIGNMENT, MoKConfig
 from .errors import MoKInputError, MoKKernelUnavailableError
 from .mxfp8_weights import check_mxfp8_weights, is_mxfp8
@@ -50,7 +50,16 @@ __all__ = [
     "forward",
     "get_workspace",
     "recompute_forward_context",
+    *errors.RUNTIME_ERRORS,
 ]
+
+
+def __getattr__(name: str):
+    # The runtime's errors (MoKWaitTimeoutError, ...) load on first use, as in mok.errors.
+    if name in errors.RUNTIME_ERRORS:
+        return getattr(errors, name)
+    raise AttributeError(f"module 'mok.functional' has no attribute {name!r}")
+
 
 _MXFP8_NOT_YET = "{name} was given as an MXFP8 tuple where bf16 weights are expected"
 
@@ -209,7 +218,7 @@ def forward(
             shared_gate_weights, shared_up_weights, shared_down_weights,
             *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
         )  # fmt: skip
-        return out, _context(ctx, has_shared=shared_gate_weights is not None)
+        return out, _context(ctx, schedule, has_shared=shared_gate_weights is not None)
     _check_weights(workspace, schedule, weights)
     out, *ctx = ops.call(
         "forward",
@@ -218,12 +227,18 @@ def forward(
         routed_gate_weights, routed_up_weights, routed_down_weights,
         limit, config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
     )  # fmt: skip
-    return out, _context(ctx, has_shared=shared_gate_weights is not None)
+    return out, _context(ctx, schedule, has_shared=shared_gate_weights is not None)
 
 
-def _context(tensors, *, has_shared: bool) -> MoKForwardContext:
+def _context(tensors, schedule: MoKSchedule, *, has_shared: bool) -> MoKForwardContext:
     routed, shared = tensors[:4], tensors[4:]
-    return MoKForwardContext(*routed, *(shared if has_shared else (None, None, None)))
+    ctx = MoKForwardContext(*routed, *(shared if has_shared else (None, None, None)))
+    # The schedule it was made with (no dataclass field): backward refuses another's context.
+    object.__setattr__(ctx, _CONTEXT_SCHEDULE, schedule.peer_rank)
+    return ctx
+
+
+_CONTEXT_SCHEDULE = "_mok_schedule_peer_rank"
 
 
 def recompute_forward_context(
@@ -251,14 +266,14 @@ def recompute_forward_context(
             workspace.handle, *_schedule_args(schedule), x, shared_gate_weights,
             shared_up_weights, *routed_gate_weights, *routed_up_weights, limit,
         )  # fmt: skip
-        return _context(ctx, has_shared=shared_gate_weights is not None)
+        return _context(ctx, schedule, has_shared=shared_gate_weights is not None)
     _check_weights(workspace, schedule, weights, need_down=False)
     ctx = ops.call(
         "recompute_forward_context",
         workspace.handle, *_schedule_args(schedule), x, shared_gate_weights, shared_up_weights,
         routed_gate_weights, routed_up_weights, limit,
     )  # fmt: skip
-    return _context(ctx, has_shared=shared_gate_weights is not None)
+    return _context(ctx, schedule, has_shared=shared_gate_weights is not None)
 
 
 def backward(
@@ -302,7 +317,7 @@ def backward(
     empty = x.new_empty(0)
     if is_mxfp8(weights):
         inter = check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=True)
-        _check_context(forward_context, workspace, inter, has_shared)
+        _check_context(forward_context, workspace, schedule, inter, has_shared)
         if main_grads is not None and any(g is not None for g in main_grads):
             raise ValueError("main_grads with MXFP8 routed weights are not supported yet")
         ctx = [t if t is not None else empty for t in forward_context.tensors()]
@@ -314,7 +329,7 @@ def backward(
         shared_grads = grads[5:] if has_shared else (None, None, None)
         return (*grads[:5], *shared_grads)
     inter = _check_weights(workspace, schedule, weights)
-    _check_context(forward_context, workspace, inter, has_shared)
+    _check_context(forward_context, workspace, schedule, inter, has_shared)
     main = _check_main_grads(main_grads, weights)
     ctx = [t if t is not None else empty for t in forward_context.tensors()]
     grads = ops.call(
@@ -333,9 +348,20 @@ def backward(
     return (d_x, d_router, *weight_grads)
 
 
-def _check_context(ctx: MoKForwardContext, workspace, inter: int, has_shared: bool) -> None:
+def _check_context(
+    ctx: MoKForwardContext, workspace, schedule, inter: int, has_shared: bool
+) -> None:
     cap, hidden, t = workspace.schedule_capacity, workspace.hidden_size, workspace.num_local_tokens
     dev = workspace.device
+    # Host-side provenance (a context's rows are only meaningful in its own schedule's order;
+    # comparing them with the schedule would need a device sync). A context rebuilt by hand
+    # carries none and is only shape-checked.
+    made_with = getattr(ctx, _CONTEXT_SCHEDULE, None)
+    if made_with is not None and made_with is not schedule.peer_rank:
+        raise ValueError(
+            "forward_context must come from a forward with this schedule, got one a forward "
+            "with another MoKSchedule returned (pass backward the schedule its forward used)"
+        )
     check_tensor("forward_context.x_routed", ctx.x_routed, dtype=torch.bfloat16,
                  shape=[cap, hidden], device=dev)  # fmt: skip
     for name in ("gate_routed", "up_routed", "hidden_routed"):
@@ -351,6 +377,12 @@ def _check_context(ctx: MoKForwardContext, workspace, inter: int, has_shared: bo
                 )
             check_tensor(f"forward_context.{name}", value, dtype=torch.bfloat16,
                          shape=[t, inter], device=dev)  # fmt: skip
+        elif value is not None:
+            raise ValueError(
+                f"forward_context.{name} must be None without shared expert weights, got a "
+                f"tensor of shape {list(value.shape)} (the context comes from a forward with "
+                f"the shared expert: pass backward its shared weights)"
+            )
 
 
 _MAIN_GRAD_NAMES = (

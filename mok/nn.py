@@ -19,11 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import functional
-from .config import MoKConfig
+from .config import FEATURE_ALIGNMENT, MAX_TOPK, MoKConfig
 from .errors import MoKInputError
 from .groups import group_rank_size
 from .types import MoKForwardContext, MoKSchedule
-from .workspace import MoKWorkspace, workspace_from_handle
+from .validation import check_int, check_swiglu_limit, check_tensor, check_type, same_device
+from .workspace import MoKWorkspace, check_cuda_available, workspace_from_handle
 
 
 class MoKFunction(torch.autograd.Function):
@@ -146,6 +147,21 @@ class MoKExperts(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
+        # The rules every device holds (the GPU kernels' own, e.g. hidden_size a multiple of 256
+        # on sm_90a, are checked by the first forward on the GPU).
+        check_int("num_experts", num_experts, minimum=1)
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            check_int(name, size, minimum=FEATURE_ALIGNMENT, multiple_of=FEATURE_ALIGNMENT)
+        check_int("topk", topk, minimum=1)
+        if topk > MAX_TOPK:
+            raise ValueError(f"topk must be <= {MAX_TOPK}, got {topk}")
+        config = MoKConfig() if config is None else config
+        check_type("config", config, MoKConfig)
+        config.validate()
+        swiglu_limit = check_swiglu_limit(swiglu_limit)
+        device = _check_module_device(device)
+        if group is not None:
+            check_type("group", group, dist.ProcessGroup)
         _, ep_size = group_rank_size(group)
         if num_experts % ep_size:
             raise ValueError(
@@ -155,7 +171,7 @@ class MoKExperts(nn.Module):
             raise MoKInputError(f"dtype must be torch.bfloat16, got {dtype}")
         self.num_experts, self.num_local_experts = num_experts, num_experts // ep_size
         self.hidden_size, self.intermediate_size, self.topk = hidden_size, intermediate_size, topk
-        self.group, self.config = group, config or MoKConfig()
+        self.group, self.config = group, config
         self.swiglu_limit, self.recompute = swiglu_limit, recompute
         self.accumulate_main_grad = accumulate_main_grad
         e, h, i = self.num_local_experts, hidden_size, intermediate_size
@@ -202,6 +218,8 @@ class MoKExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, router_weights: torch.Tensor, top_experts: torch.Tensor
     ) -> torch.Tensor:
+        # Checked before the workspace is made: a bad call leaves no workspace behind.
+        self._check_inputs(x, router_weights, top_experts)
         ws = self.workspace(x.shape[0], x.device)
         schedule = functional.build_schedule(
             ws, self.config, top_experts, num_local_experts=self.num_local_experts
@@ -212,6 +230,26 @@ class MoKExperts(nn.Module):
             accumulate_main_grad=self.accumulate_main_grad,
         )  # fmt: skip
 
+    def _check_inputs(self, x, router_weights, top_experts) -> None:
+        check_type("x", x, torch.Tensor)
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"x must have shape [T, H] (num_tokens, hidden_size = {self.hidden_size}), got "
+                f"{list(x.shape)}"
+            )
+        check_tensor("x", x, dtype=torch.bfloat16, shape=[None, self.hidden_size])
+        weights_device = self.gate_weight.device
+        if not same_device(x.device, weights_device):
+            raise ValueError(
+                f"x must be on the device of the module's weights ({weights_device}), got "
+                f"{x.device}"
+            )
+        shape = [x.shape[0], self.topk]
+        check_tensor("router_weights", router_weights, dtype=torch.float32, shape=shape,
+                     device=x.device)  # fmt: skip
+        check_tensor("top_experts", top_experts, dtype=torch.int64, shape=shape,
+                     device=x.device)  # fmt: skip
+
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, local={self.num_local_experts}, "
@@ -219,3 +257,18 @@ class MoKExperts(nn.Module):
             f"topk={self.topk}, shared_expert={self.shared_gate_weight is not None}, "
             f"swiglu_limit={self.swiglu_limit}, recompute={self.recompute}"
         )
+
+
+def _check_module_device(device) -> torch.device | None:
+    """None (torch's default device) or a torch.device; a CUDA one must exist here."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise MoKInputError(
+            f"device must be a torch.device, a device string or None, got {device!r} ({error})"
+        ) from None
+    if device.type == "cuda":
+        check_cuda_available("device", device)
+    return device

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from . import reference
-from .errors import MoKKernelUnavailableError
+from .errors import MoKInputError, MoKKernelUnavailableError
 from .types import MoKSchedule
 from .validation import check_expert_id_values, check_router_weight_values
 from .workspace import workspace_from_handle
@@ -68,6 +68,14 @@ def _gpu(op_name: str, device: torch.device):
     launchers = kernels.require(op_name, device)
     launchers.raise_value_errors(device)
     return launchers
+
+
+def _check_macrobatch(macrobatch_size: int, router_weights: Tensor, op: str) -> None:
+    """The GPU path's macrobatch rule on the CPU path too (the rule lives in launchers.checks)."""
+    from .launchers.checks import check_macrobatch  # noqa: PLC0415 - launchers load lazily
+
+    num_tokens, topk = router_weights.shape
+    check_macrobatch(macrobatch_size, num_tokens, topk, op)
 
 
 def _none_if_empty(t: Tensor | None) -> Tensor | None:
@@ -188,6 +196,7 @@ def forward(
             swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
         )  # fmt: skip
     check_router_weight_values(router_weights)
+    _check_macrobatch(macrobatch_size, router_weights, "forward")
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.forward(
         schedule, x, router_weights, shared_gate_weights, shared_up_weights,
@@ -323,6 +332,7 @@ def backward(
             macrobatch_size, main_grads,
         )  # fmt: skip
     check_router_weight_values(router_weights)
+    _check_macrobatch(macrobatch_size, router_weights, "backward")
     from .types import MoKForwardContext  # noqa: PLC0415
 
     ctx = MoKForwardContext(*(_none_if_empty(t) for t in ctx_tensors))
@@ -530,12 +540,16 @@ def _check_mxfp8_input(x: Tensor, return_normal, return_transposed) -> None:
     # The schema's bools: the dispatcher has converted or refused a non-bool already.
     if not (return_normal or return_transposed):
         raise ValueError("return_normal and return_transposed are both False: nothing to return")
+    if x.dtype != torch.bfloat16:
+        raise MoKInputError(f"x_bf16 must have dtype torch.bfloat16, got {x.dtype}")
     if x.dim() not in (2, 3) or any(d <= 0 for d in x.shape):
         raise ValueError(
             f"x_bf16 must be [M, N] or [E, M, N] with every dim > 0, got {list(x.shape)}"
         )
     if x.shape[-1] % 128 or x.shape[-2] % 128:
         raise ValueError(f"x_bf16's last two dims must be multiples of 128, got {list(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"x_bf16 must be contiguous, got strides {tuple(x.stride())}")
 
 
 @torch.library.custom_op(

@@ -4,12 +4,17 @@ One GPU (or any CPU run): plain allocations. An EP group on CUDA: torch symmetri
 (`empty` + `rendezvous`), with each peer's buffer address in `peer_ptrs` for the kernels'
 unicast loads and stores (NVLink multicast is never used). Buffers are allocated once and reused
 by every call; `destroy()` releases them explicitly.
+
+`get_workspace` caches workspaces, at most `WORKSPACE_CACHE_SIZE` of one layer shape (its
+docstring gives the rule); ops look workspaces up by handle (`workspace_from_handle`).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -18,9 +23,20 @@ from .config import DEFAULT_WAIT_TIMEOUT_NS, FEATURE_ALIGNMENT, MAX_TOPK, MoKCon
 from .groups import group_rank_size
 from .validation import check_int, check_type
 
+# Workspaces get_workspace keeps for one (EP group, device, hidden_size, topk): one per token
+# count (and schedule capacity) in use, so a layer called with a few batch sizes keeps them all
+# while one called with ever new token counts does not grow without bound.
+WORKSPACE_CACHE_SIZE = 4
+
 _NEXT_HANDLE = itertools.count(1)
+# Every workspace not destroyed, by handle (the custom ops receive handles).
 _LIVE: dict[int, MoKWorkspace] = {}
-_CACHE: dict[tuple, MoKWorkspace] = {}
+# get_workspace's cache, least recently used first.
+_CACHE: OrderedDict[tuple, MoKWorkspace] = OrderedDict()
+# Workspaces the cache evicted (destroyed, buffers freed), by cache key and by handle: a handle
+# held past the eviction (a torch.compile graph bakes it in) gets its workspace made anew.
+_EVICTED: dict[tuple, MoKWorkspace] = {}
+_EVICTED_KEYS: dict[int, tuple] = {}
 
 
 @dataclass(eq=False)
@@ -60,6 +76,9 @@ class MoKWorkspace:
     peer_tables: dict[str, torch.Tensor] = field(default_factory=dict)
     _handles: dict[str, object] = field(default_factory=dict, repr=False)
     destroyed: bool = False
+    # Set when a mok op ran on this workspace during CUDA graph capture: the graph holds its
+    # buffers' addresses, so the cache never evicts it (destroy() or clear_workspace_cache()).
+    graph_captured: bool = False
 
     @property
     def group_name(self) -> str:
@@ -85,7 +104,10 @@ class MoKWorkspace:
 
     def require_alive(self) -> MoKWorkspace:
         if self.destroyed:
-            raise ValueError("workspace has been destroyed; get a new one with get_workspace()")
+            raise ValueError(
+                f"workspace has been destroyed (handle {self.handle}, by destroy() or "
+                f"clear_workspace_cache()); get a new one with get_workspace()"
+            )
         return self
 
     def destroy(self) -> None:
@@ -100,11 +122,17 @@ class MoKWorkspace:
         self.peer_ptrs.clear()
         self.peer_tables.clear()
         self._handles.clear()
+        # State the launchers set on the workspace (comm tables, a pending schedule status).
+        for name in [n for n in vars(self) if n not in _FIELD_NAMES]:
+            delattr(self, name)
         self.destroyed = True
         _LIVE.pop(self.handle, None)
         for key, ws in list(_CACHE.items()):
             if ws is self:
                 del _CACHE[key]
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(MoKWorkspace))
 
 
 # The original's attribute names for the buffers: `<name>`, `<name>_ptrs` (each rank's address)
@@ -144,10 +172,43 @@ MoKWorkspace.barrier_target = property(
 
 
 def workspace_from_handle(handle: int) -> MoKWorkspace:
-    """The live workspace with this handle (custom ops receive handles, not objects)."""
+    """The live workspace with this handle (custom ops receive handles, not objects).
+
+    The handle of a workspace get_workspace's cache evicted stays valid: its workspace is made
+    anew (an EP group's on CUDA, made collectively, raises instead: call get_workspace).
+    """
     ws = _LIVE.get(handle)
     if ws is None:
-        raise ValueError(f"no live MoKWorkspace with handle {handle} (destroyed or never made)")
+        ws = _remake_evicted(handle)
+    if (
+        not ws.graph_captured
+        and ws.device.type == "cuda"
+        and torch.cuda.is_current_stream_capturing()
+    ):
+        ws.graph_captured = True
+    return ws
+
+
+def _remake_evicted(handle: int) -> MoKWorkspace:
+    key = _EVICTED_KEYS.get(handle)
+    if key is None:
+        raise ValueError(
+            f"workspace_handle must name a live MoKWorkspace, got {handle}: destroyed (destroy(), "
+            f"clear_workspace_cache()) or never made"
+        )
+    ws = _EVICTED[key]
+    if ws.symmetric:
+        raise ValueError(
+            f"workspace_handle {handle} names an EP-group workspace (group "
+            f"{ws.group_name!r}, {ws.device}, num_local_tokens={ws.num_local_tokens}, "
+            f"hidden_size={ws.hidden_size}, topk={ws.topk}) that get_workspace's cache evicted "
+            f"(it keeps {WORKSPACE_CACHE_SIZE} token counts per layer shape); symmetric memory is "
+            f"made collectively, not inside an op: call get_workspace with these shapes on every "
+            f"rank first, or keep a reference to the workspace"
+        )
+    for victim in _pick_victims(key):
+        _evict(victim)
+    _revive(key, ws)
     return ws
 
 
@@ -163,15 +224,26 @@ def _check_device(device) -> torch.device:
     if device.type == "cuda":
         from . import kernels  # noqa: PLC0415 - GPU-only import, keeps CPU imports light
 
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device must be an available device, got {device} but torch.cuda.is_available() "
-                f"is False"
-            )
+        check_cuda_available("device", device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
         kernels.check_device_supported(device)
     return device
+
+
+def check_cuda_available(name: str, device: torch.device) -> None:
+    """Raise ValueError naming `name` unless the CUDA device `device` exists here."""
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{name} must be an available device, got {device} but torch.cuda.is_available() is "
+            f"False (mok runs CPU tensors on its PyTorch reference path: use device='cpu')"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"{name} must be an available device, got {device} but only {count} CUDA "
+            f"device(s) are visible"
+        )
 
 
 def _group_rank_size(group) -> tuple[int, int]:
@@ -252,9 +324,21 @@ def get_workspace(
     """The cached workspace for (group, device, T, H, k, capacity); made on first use.
 
     `group=None` is an EP group of one. For an EP group this is collective (every rank calls it
-    with the same shapes, checked once here). `num_local_experts` (beyond the original API)
-    reserves schedule room for each expert's padding to the GEMM tile height; without it the
-    capacity is the original's and small layers with many experts may overflow it.
+    with the same shapes, checked once here, in the same order). `num_local_experts` (beyond the
+    original API) reserves schedule room for each expert's padding to the GEMM tile height;
+    without it the capacity is the original's and small layers with many experts may overflow it.
+
+    Cache bound: at most `WORKSPACE_CACHE_SIZE` (4) workspaces per (group, device, hidden_size,
+    topk), i.e. per layer shape, one per token count (and capacity). Making one more destroys the
+    least recently used one that is not in use; in use means referenced outside the cache (a
+    variable of yours, an autograd graph between forward and backward) or run on during CUDA
+    graph capture (the graph holds its addresses: such a workspace is never evicted; free it
+    with `destroy()` or `clear_workspace_cache()`). While every one is in use the cache holds
+    more. An evicted workspace's handle stays valid (a torch.compile graph bakes handles in):
+    an op given it makes the workspace anew, except an EP group's on CUDA, whose symmetric
+    memory is made collectively: that op raises, naming the shapes to call get_workspace with.
+    For an EP group on CUDA the ranks evict only a workspace every rank finds unused (agreed in
+    the all-gather that checks the shapes). A call that raises leaves no workspace behind.
     """
     device, ep_rank, ep_size, capacity = _checked_args(
         config, group, device, num_local_tokens, hidden_size, topk, num_local_experts
@@ -263,9 +347,24 @@ def get_workspace(
     key = (group_key, device, num_local_tokens, hidden_size, topk, capacity)
     cached = _CACHE.get(key)
     if cached is not None:
+        _CACHE.move_to_end(key)
         return cached
+    victims = _pick_victims(key)
     if ep_size > 1:
-        _check_same_shapes(group, device, (num_local_tokens, hidden_size, topk))
+        # One all-gather checks the shapes and, for symmetric memory (destroyed collectively),
+        # agrees on the victims: those every rank found unused, in one order.
+        proposal = [(k[2], k[5]) for k in victims]  # (T, capacity)
+        proposals = _check_same_shapes(group, device, (num_local_tokens, hidden_size, topk),
+                                       proposal)  # fmt: skip
+        if device.type == "cuda":
+            victims = agreed_victims(victims, proposals)
+    for victim in victims:
+        _evict(victim)
+    evicted = _EVICTED.get(key)
+    if evicted is not None:
+        # This key's workspace was evicted: the same handle again (held handles stay valid).
+        _revive(key, evicted)
+        return evicted
     ws = allocate_workspace(
         group, ep_rank, ep_size, device, num_local_tokens, hidden_size, topk, capacity
     )
@@ -274,24 +373,102 @@ def get_workspace(
 
 
 def clear_workspace_cache() -> None:
-    """Destroy every cached workspace (collective for EP groups)."""
+    """Destroy every cached workspace (collective for EP groups); evicted workspaces' handles
+    stop being valid."""
     for ws in list(_CACHE.values()):
         ws.destroy()
     _CACHE.clear()
+    _EVICTED.clear()
+    _EVICTED_KEYS.clear()
 
 
-def _check_same_shapes(group, device, shapes: tuple[int, int, int]) -> None:
+def _pick_victims(key: tuple) -> list[tuple]:
+    """The cache keys to evict before adding `key` (least recently used first): as many unused
+    ones as bring its layer shape back within WORKSPACE_CACHE_SIZE, at most that many."""
+    group_key, device, _, hidden_size, topk, _ = key
+    shape = (group_key, device, hidden_size, topk)
+    same_shape = [k for k in _CACHE if (k[0], k[1], k[3], k[4]) == shape]
+    excess = min(len(same_shape) + 1 - WORKSPACE_CACHE_SIZE, WORKSPACE_CACHE_SIZE)
+    if excess <= 0:
+        return []
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return []  # destroy() synchronises, which capture forbids
+    unused = [
+        k for k in same_shape if not _CACHE[k].graph_captured and not _referenced_elsewhere(k)
+    ]
+    return unused[:excess]
+
+
+def agreed_victims(victims: list[tuple], proposals: list[list[tuple[int, int]]]) -> list[tuple]:
+    """This rank's `victims` (cache keys) that every rank proposed (`proposals`: each rank's
+    (T, capacity) pairs), in one order on every rank: what an EP group destroys together."""
+    agreed = set.intersection(*(set(p) for p in proposals))
+    return sorted((k for k in victims if (k[2], k[5]) in agreed), key=lambda k: (k[2], k[5]))
+
+
+class _Probe:
+    """Stands in for a workspace to count the references the cache itself holds."""
+
+
+def _referenced_elsewhere(key: tuple) -> bool:
+    """Whether the cached workspace at `key` has references beyond the cache's and the handle
+    registry's: counted against a probe held the same way, so the count is right whatever the
+    interpreter's own references (they differ between Python versions)."""
+    probe = _Probe()
+    held = ({0: probe}, {0: probe})  # as _CACHE and _LIVE hold the workspace
+    own = sys.getrefcount(probe)
+    del held
+    ws = _CACHE[key]
+    return sys.getrefcount(ws) > own
+
+
+def _evict(key: tuple) -> None:
+    ws = _CACHE[key]
+    ws.destroy()  # removes it from _CACHE and _LIVE
+    _EVICTED[key] = ws
+    _EVICTED_KEYS[ws.handle] = key
+
+
+def _revive(key: tuple, ws: MoKWorkspace) -> None:
+    """Buffers again for an evicted workspace (same handle, shapes and settings), cached."""
+    try:
+        _fill_buffers(ws)
+    except BaseException:
+        # Out of memory, say: the workspace stays evicted, holding nothing.
+        for table in (ws.buffers, ws.peer_ptrs, ws.peer_tables, ws._handles):
+            table.clear()
+        raise
+    ws.destroyed = False
+    del _EVICTED[key]
+    del _EVICTED_KEYS[ws.handle]
+    _LIVE[ws.handle] = ws
+    _CACHE[key] = ws
+
+
+def _check_same_shapes(
+    group, device, shapes: tuple[int, int, int], proposal: list[tuple[int, int]] = ()
+) -> list[list[tuple[int, int]]]:
+    """Raise unless `shapes` are equal on every EP rank; returns every rank's `proposal` (the
+    (T, capacity) of each workspace it would evict, at most WORKSPACE_CACHE_SIZE, gathered in
+    the same message, padded to a fixed size with -1)."""
     # One-time setup, so a host read of the gathered shapes is fine here.
     comm_device = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    local = torch.tensor(shapes, dtype=torch.int64, device=comm_device)
+    padded = [v for pair in proposal for v in pair]
+    padded += [-1] * (2 * WORKSPACE_CACHE_SIZE - len(padded))
+    local = torch.tensor((*shapes, *padded), dtype=torch.int64, device=comm_device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
+    proposals = []
     for rank, other in enumerate(gathered):
-        if tuple(other.tolist()) != shapes:
+        values = other.tolist()
+        if tuple(values[:3]) != shapes:
             raise ValueError(
                 f"(num_local_tokens, hidden_size, topk) must be equal on every EP rank: this rank "
-                f"has {shapes}, rank {rank} has {tuple(other.tolist())}"
+                f"has {shapes}, rank {rank} has {tuple(values[:3])}"
             )
+        pairs = zip(values[3::2], values[4::2], strict=True)
+        proposals.append([pair for pair in pairs if pair[0] >= 0])
+    return proposals
 
 
 def _buffer_specs(ep_size, num_tokens, hidden, topk):
@@ -327,7 +504,15 @@ def allocate_workspace(
         schedule_capacity=capacity,
         symmetric=symmetric,
     )
-    for name, (shape, dtype) in _buffer_specs(ep_size, num_tokens, hidden, topk).items():
+    _fill_buffers(ws)
+    _LIVE[ws.handle] = ws
+    return ws
+
+
+def _fill_buffers(ws: MoKWorkspace) -> None:
+    group, ep_size, device, symmetric = ws.group, ws.ep_size, ws.device, ws.symmetric
+    specs = _buffer_specs(ep_size, ws.num_local_tokens, ws.hidden_size, ws.topk)
+    for name, (shape, dtype) in specs.items():
         if symmetric:
             import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
 
@@ -347,8 +532,6 @@ def allocate_workspace(
     if symmetric:
         dist.barrier(group=group)
         upload_peer_tables(ws)
-    _LIVE[ws.handle] = ws
-    return ws
 
 
 def upload_peer_tables(ws: MoKWorkspace) -> None:

@@ -97,12 +97,13 @@ def check_gpu_layer(ws, op: str) -> None:
 
 
 def check_macrobatch(macrobatch_size: int, num_tokens: int, topk: int, op: str) -> None:
-    """Every routed row is held at once (no ring reuse yet): a smaller macrobatch is rejected."""
+    """Every routed row is held at once (no ring reuse yet): a smaller macrobatch is rejected,
+    on the GPU path and (mok.ops' CPU branch calls this too) on the CPU path alike."""
     rows = num_tokens * topk
     if macrobatch_size < rows:
         raise ValueError(
             f"MoKConfig.macrobatch_size must be at least the routed rows T * k = "
-            f"{num_tokens} * {topk} = {rows} on the GPU path ({op}): ring reuse of a smaller "
+            f"{num_tokens} * {topk} = {rows} ({op}): ring reuse of a smaller "
             f"macrobatch is not built yet; got {macrobatch_size} (pass a MoKConfig with "
             f"macrobatch_size >= {rows}, a multiple of its minibatch_size)"
         )
