@@ -1,0 +1,103 @@
+"""Check an installed mok against the checkout it was built from (run by .ci/run from a venv).
+
+    python check_wheel.py SOURCE_ROOT core   # torch + cuda-python only: mok imports without the DSL
+    python check_wheel.py SOURCE_ROOT all    # with the dev extra: every module imports
+
+Run it from outside the checkout, so that `import mok` finds the installed copy. It checks:
+- mok is imported from site-packages, not from SOURCE_ROOT;
+- every .py file of the source packages is an installed module (walked with pkgutil), and the
+  installed package has no module the sources lack;
+- every module imports (`core`: each one outside mok.dsl_kernels, and the kernel sources fail
+  only for want of the DSL, which is a dev dependency);
+- the manifest and every cubin it names are installed, byte-equal to the checkout's.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import pkgutil
+import sys
+from importlib import resources
+from pathlib import Path
+
+
+def package_roots(source_root: Path) -> dict[str, str]:
+    """setup.py's PACKAGE_ROOTS (installed name -> source folder), read without running it."""
+    tree = ast.parse((source_root / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PACKAGE_ROOTS":
+            return ast.literal_eval(node.value)
+    raise SystemExit("setup.py: no PACKAGE_ROOTS")
+
+
+def source_modules(source_root: Path) -> set[str]:
+    names = set()
+    for import_root, folder in package_roots(source_root).items():
+        for source in (source_root / folder).rglob("*.py"):
+            parts = source.relative_to(source_root / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            names.add(".".join((import_root, *parts)))
+    return names
+
+
+def installed_modules() -> set[str]:
+    import mok
+
+    # walk_packages imports each package (its __init__) to list the package's children; one that
+    # fails to import is listed without them, which the comparison with the sources then reports.
+    return {"mok", *(info.name for info in pkgutil.walk_packages(mok.__path__, "mok."))}
+
+
+def main() -> int:
+    source_root, mode = Path(sys.argv[1]).resolve(), sys.argv[2]
+    import mok
+
+    location = Path(mok.__file__).resolve()
+    if source_root in location.parents:
+        raise SystemExit(f"mok imported from the checkout ({location}), not the installed wheel")
+    print(f"mok from {location.parent}")
+
+    expected, installed = source_modules(source_root), installed_modules()
+    if expected != installed:
+        raise SystemExit(
+            f"installed modules differ from the sources: missing {sorted(expected - installed)}, "
+            f"extra {sorted(installed - expected)}"
+        )
+
+    failures = []
+    for name in sorted(installed):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            needs_dsl = error.name == "cutlass" or str(error.name).startswith("cutlass.")
+            if not (mode == "core" and needs_dsl and name.startswith("mok.dsl_kernels.")):
+                failures.append(f"{name}: {error!r}")
+        except Exception as error:  # report every module that fails, then stop
+            failures.append(f"{name}: {error!r}")
+    if failures:
+        raise SystemExit("modules that do not import:\n  " + "\n  ".join(failures))
+    print(f"{len(installed)} modules installed, each imports ({mode})")
+
+    cubins = resources.files("mok.dsl_kernels") / "cubins"
+    manifest = json.loads((cubins / "manifest.json").read_text())
+    source_cubins = source_root / "dsl_kernels" / "cubins"
+    if (cubins / "manifest.json").read_bytes() != (source_cubins / "manifest.json").read_bytes():
+        raise SystemExit("installed manifest.json differs from the checkout's")
+    names = [entry["cubin"] for entry in manifest["variants"]]
+    wrong = [
+        name
+        for name in names
+        if not (cubins / name).is_file()
+        or (cubins / name).read_bytes() != (source_cubins / name).read_bytes()
+    ]
+    if wrong:
+        raise SystemExit(f"cubins missing from the install or unequal to the checkout's: {wrong}")
+    print(f"manifest and {len(names)} cubins installed, byte-equal to the checkout's")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
