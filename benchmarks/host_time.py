@@ -20,6 +20,7 @@ import torch
 from mok.nn import MoKExperts
 from mok.testing import make_inputs
 
+DEFAULT_TOKENS = 4096
 SHAPES = {  # H, I, E, k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "deepseek-v3": (7168, 2048, 32, 8),
@@ -64,7 +65,7 @@ def measure(shape: str, tokens: int, steps: int = 20, warmup: int = 3, profile=N
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.host_time", description=__doc__)
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", default=None, help="write a cProfile text report here")
     args = parser.parse_args(argv)

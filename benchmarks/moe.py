@@ -55,6 +55,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write results and provenance here")
     parser.add_argument("--png", default=None, help="write a bar chart here")
     parser.add_argument("--no-liger", action="store_true", help="leave out the LigerMoE rows")
+    parser.add_argument(
+        "--virtual-ep", default=None, metavar="SIZES",
+        help="one GPU: add rows of P-rank virtual EP groups (comma list, e.g. 2,8) against EP=1 "
+        "(needs CUDA_DEVICE_MAX_CONNECTIONS > P)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-time", action="store_true",
+        help="add the host (enqueue) time of one eager MoKExperts forward + backward per shape",
+    )  # fmt: skip
     parser.add_argument("--liger-site", default=None, help="a site dir that holds LigerMoE")
     parser.add_argument(
         "--liger-timeout", type=float, default=liger.DEFAULT_TIMEOUT_S,
@@ -306,6 +315,29 @@ def liger_availability(args, device: torch.device, world_size: int):
     return liger.find_liger(args.liger_site)
 
 
+def extra_sections(args, device, world_size) -> dict:
+    """The virtual-EP rows and host times (one GPU, CUDA only), printed and returned for JSON."""
+    from benchmarks import host_time, virtual_ep  # noqa: PLC0415 - CUDA-only sections
+
+    extra = {}
+    names = [m.name for m in select_shapes(args.shapes)]
+    if args.virtual_ep and device.type == "cuda" and world_size == 1:
+        sizes = [int(s) for s in args.virtual_ep.split(",")]
+        print(f"\nvirtual EP on one GPU ({args.tokens} tokens in all, split over P ranks):")
+        extra["virtual_ep"] = virtual_ep.measure(names, sizes, args.tokens)
+    if args.host_time and device.type == "cuda":
+        extra["host_time"] = []
+        for name in (n for n in names if n in host_time.SHAPES):
+            result = host_time.measure(name, host_time.DEFAULT_TOKENS)
+            extra["host_time"].append({"shape": name, "num_tokens": host_time.DEFAULT_TOKENS,
+                                       **result})  # fmt: skip
+            print(
+                f"host time {name} T={host_time.DEFAULT_TOKENS}: eager MoKExperts forward + "
+                f"backward {result['host_ms']:.3f} ms host, {result['gpu_ms']:.3f} ms GPU"
+            )
+    return extra
+
+
 def main(argv: list[str] | None = None) -> int:
     # NVLink multicast (NVLS) can take shared GPU hosts out of service: never use it.
     os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -337,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in select_shapes(args.shapes):
         rows += run_shape(model, args, device, rank, world_size, group, ceilings, probe, emit)
         gc.collect()
+    extra = extra_sections(args, device, world_size) if lead else {}
     if lead:
         print()
         print(report.summary_table(rows))
@@ -350,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             "grouped_mm_probe": probe[1],
             "ceilings": ceilings,
             "rows": rows,
+            **extra,
         }
         if args.json:
             report.write_json(args.json, record)

@@ -78,29 +78,22 @@ def _peer_bytes(inputs, num_experts, size):
     return max(per_rank) * h * 2
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.virtual_ep", description=__doc__)
-    parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
-    parser.add_argument("--sizes", default="2,8")
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+def measure(shape_names, sizes, tokens=16384, warmup=2, reps=5) -> list[dict]:
+    """One row per (shape, P): times, ratios to EP = 1, peer bytes, bitwise equality."""
     config = F.MoKConfig(schedule_capacity_multiplier=1.0)
     rows = []
-    for shape in (s for s in SHAPES if s.name in args.shapes.split(",")):
+    for shape in (s for s in SHAPES if s.name in shape_names):
         e = shape.experts_one_gpu
-        inputs = make_inputs(args.tokens, shape.hidden_size, shape.intermediate_size, e,
+        inputs = make_inputs(tokens, shape.hidden_size, shape.intermediate_size, e,
                              shape.topk, seed=1, device="cuda")  # fmt: skip
         one, _ = _layer(1, inputs, e, config)
         expected = one(True)
-        base = {p: _time(one, p, args.warmup, args.reps) for p in (False, True)}
-        for size in (int(s) for s in args.sizes.split(",")):
+        base = {p: _time(one, p, warmup, reps) for p in (False, True)}
+        for size in sizes:
             run, spaces = _layer(size, inputs, e, config)
             got = run(True)
             same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-            times = {p: _time(run, p, args.warmup, args.reps) for p in (False, True)}
+            times = {p: _time(run, p, warmup, reps) for p in (False, True)}
             row = {
                 "shape": shape.name, "P": size, "bitwise_equal_to_ep1": same,
                 "fwd_ms": times[False], "fwd_ep1_ms": base[False],
@@ -118,6 +111,20 @@ def main(argv=None) -> None:
             )
             for ws in spaces:
                 ws.destroy()
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.virtual_ep", description=__doc__)
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
+    parser.add_argument("--sizes", default="2,8")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = measure(args.shapes.split(","), sizes, args.tokens, args.warmup, args.reps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -180,9 +180,12 @@ def workspace_from_handle(handle: int) -> MoKWorkspace:
     ws = _LIVE.get(handle)
     if ws is None:
         ws = _remake_evicted(handle)
+    # Not while torch.compile traces (the capture state is not a tensor; the compiled graph's
+    # ops look the handle up again when they run).
     if (
         not ws.graph_captured
         and ws.device.type == "cuda"
+        and not torch.compiler.is_compiling()
         and torch.cuda.is_current_stream_capturing()
     ):
         ws.graph_captured = True
