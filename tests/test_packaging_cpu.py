@@ -68,3 +68,26 @@ def test_package_data_carries_the_manifest_and_every_cubin():
     for name in shipped:
         assert (cubins / name).is_file(), name
         assert any(fnmatch(f"cubins/{name}", pattern) for pattern in patterns), name
+
+
+def test_source_checkout_imports_without_an_editable_install():
+    """From the checkout's root with a plain (non-editable) install, mok/ shadows the installed
+    package: mok.runtime and mok.dsl_kernels must still resolve to the sibling folders. `-S`
+    leaves out site's .pth files, and with them the editable install's finder."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); sys.path.append({site!r}); "
+        "import mok.runtime, mok.dsl_kernels, mok.functional, mok.launchers; "
+        "print(mok.runtime.__file__); print(mok.dsl_kernels.__file__)"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         check=True, cwd=root).stdout.split()  # fmt: skip
+    assert out == [os.path.join(root, "runtime", "__init__.py"),
+                   os.path.join(root, "dsl_kernels", "__init__.py")]  # fmt: skip
