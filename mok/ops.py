@@ -60,13 +60,18 @@ def call(name: str, *args):
     return _IMPLEMENTATIONS[name](*args)
 
 
-def _gpu(op_name: str, device: torch.device):
+def _gpu(op_name: str, device: torch.device, ep_size: int = 1):
     """The CUDA launchers, after raising any bad input value a kernel found (launchers/status.py:
-    the kernels check the values they load, so CUDA inputs cost no check here)."""
+    the kernels check the values they load, so CUDA inputs cost no check here).
+
+    Only for a group of one: a rank of an EP group that raised here, between the collective
+    launches of a step, would leave its peers waiting in a barrier until they time out. EP
+    groups get the error from `mok.functional.check_errors`, which every rank calls."""
     from . import kernels  # noqa: PLC0415 - CUDA-only path
 
     launchers = kernels.require(op_name, device)
-    launchers.raise_value_errors(device)
+    if ep_size == 1:
+        launchers.raise_value_errors(device)
     return launchers
 
 
@@ -126,7 +131,7 @@ def build_schedule(
     """
     ws = workspace_from_handle(workspace_handle)
     if top_experts.is_cuda:
-        return _gpu("build_schedule", top_experts.device).build_schedule(
+        return _gpu("build_schedule", top_experts.device, ws.ep_size).build_schedule(
             ws, top_experts, num_local_experts, capacity, all_gather_chunk_bytes
         )
     check_expert_id_values(top_experts, num_local_experts * ws.ep_size)
@@ -190,7 +195,7 @@ def forward(
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     if x.is_cuda:
-        return _gpu("forward", x.device).forward(
+        return _gpu("forward", x.device, ws.ep_size).forward(
             ws, schedule, x, router_weights, shared_gate_weights, shared_up_weights,
             shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
             swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
@@ -241,7 +246,7 @@ def recompute_forward_context(
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     if x.is_cuda:
-        return _gpu("recompute_forward_context", x.device).recompute_forward_context(
+        return _gpu("recompute_forward_context", x.device, ws.ep_size).recompute_forward_context(
             ws, schedule, x, shared_gate_weights, shared_up_weights, routed_gate_weights,
             routed_up_weights, swiglu_limit,
         )  # fmt: skip
@@ -325,7 +330,7 @@ def backward(
     ctx_tensors = (x_routed, gate_routed, up_routed, hidden_routed, gate_shared, up_shared,
                    hidden_shared)  # fmt: skip
     if x.is_cuda:
-        return _gpu("backward", x.device).backward(
+        return _gpu("backward", x.device, ws.ep_size).backward(
             ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate_weights,
             shared_up_weights, shared_down_weights, routed_gate_weights, routed_up_weights,
             routed_down_weights, swiglu_limit, bwd_num_comm_sms, minibatch_size,
