@@ -182,7 +182,7 @@ def test_router_grad_push_launch_packs(monkeypatch, kernels):
     from mok.launchers import backward_megakernel
 
     monkeypatch.setattr(backward_megakernel, "check_arg", lambda *a, **k: None)
-    monkeypatch.setattr(backward_megakernel, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(backward_megakernel, "status_ptr", lambda device: _Record.status_ptr)
     t, k, e = 256, 2, 4
     schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
                                capacity=t * k + e * 128)  # fmt: skip

@@ -263,21 +263,6 @@ def st_global_b32(address: Int64, value: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def ld_global_s64_as_s32(address: Int64, *, loc=None, ip=None) -> Int32:
-    """Load one int64 and keep its low 32 bits (`ld.global.nc.s64` + `cvt.u32.u64`)."""
-    return Int32(
-        side_effect_asm(
-            T.i32(),
-            [_i64(address, loc, ip)],
-            "{\n.reg .b64 wide;\nld.global.nc.s64 wide, [$1];\ncvt.u32.u64 $0, wide;\n}",
-            "=r,l,~{memory}",
-            loc,
-            ip,
-        )
-    )
-
-
-@dsl_user_op
 def ld_global_b64(address: Int64, *, loc=None, ip=None) -> Int64:
     """`ld.global.nc.b64`: one 64-bit word (an entry of a peer-pointer table)."""
     return Int64(

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 
 from .checks import check_arg, check_cuda, check_extents, check_multiple
-from .comm import DEFAULT_TIMEOUT_NS, get_error_record
+from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT
 from .megakernel_walk import minibatch_row_tiles, walk_arguments
+from .status import status_ptr
 
 KERNEL = "moe_backward"
 
@@ -194,7 +195,7 @@ def push_router_grads(
             "ep_rank": ep_rank,
             "num_rows": capacity,
             "blocks": blocks,
-            "status_ptr": get_error_record(partials.device).status_ptr,
+            "status_ptr": status_ptr(partials.device),
         },
     )
     return d_router

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_host
-from .comm import get_error_record
+from .status import status_ptr
 
 # bf16 columns per thread (one 16-byte vector).
 COLUMNS_PER_THREAD = 8
@@ -56,7 +56,7 @@ def fwd_epilogue(
         check_host("y_shared", y_shared, torch.bfloat16, (num_tokens, hidden))
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
     kernel = get_kernel("moe_combine_forward", device=slots.device)
-    status_ptr = get_error_record(slots.device).status_ptr
+    status = status_ptr(slots.device)
     for grid, start, count in _launches(kernel, num_tokens, hidden):
         kernel.launch(
             grid,
@@ -69,7 +69,7 @@ def fwd_epilogue(
                 "hidden_size": hidden,
                 "topk": topk,
                 "has_shared": int(y_shared is not None),
-                "status_ptr": status_ptr,
+                "status_ptr": status,
             },
         )
     return out
