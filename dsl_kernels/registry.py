@@ -37,6 +37,7 @@ def variants() -> list[Variant]:
     from .common.schedule_histogram import ScheduleHistogram
     from .common.schedule_place import SchedulePlace
     from .common.schedule_scan import ScheduleScan
+    from .common.sm_holder import SmHolder
     from .sm90.expert_gemm import Sm90ExpertGemm
     from .sm90.expert_gemm_bwd import Sm90ExpertGemmBwd
     from .sm90.expert_gemm_bwd_weights import Sm90ExpertGemmBwdWeights
@@ -89,6 +90,8 @@ def variants() -> list[Variant]:
             launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
         ),
         Variant("flag_wait_probe", FlagWaitProbe, launch_grid="(1, 1, 1)"),
+        # Holds num_ctas (<= SM count) whole SMs for the forward-progress test (sm_holder.py).
+        Variant("sm_holder", SmHolder, launch_grid="(num_ctas, 1, 1)"),
         # The router-weight gradient pushed to each token's rank (common/router_grad_push.py).
         Variant(
             "router_grad_push",

@@ -31,24 +31,31 @@ def test_dispatch_batches_its_loads(built):
 
 
 def assert_dispatch_batches(ptx: str) -> None:
-    """The megakernels' dispatch (dispatch_phase.py): every thread makes DISPATCH_BATCH (8)
-    16-byte loads of source rows before their stores, source rows from a shared-memory table;
-    then the async-proxy fence and the CTA barrier before thread 0's counter release."""
+    """The megakernels' dispatch (dispatch_phase.py): row tiles by ticket, a relaxed atomic add
+    for the first, then one per tile taken before that tile's loads (in flight during the
+    copy); every thread makes DISPATCH_BATCH (8) 16-byte loads of source rows before their
+    stores, source rows from a shared-memory table; then the async-proxy fence and the CTA
+    barrier before thread 0's counter release."""
     lines = [line.strip() for line in ptx.splitlines()]
     loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.v4")]
     assert len(loads) == 8
     first_store = next(i for i, line in enumerate(lines) if line.startswith("st.global.v4"))
     assert max(loads) < first_store
     fence = lines.index("fence.proxy.async.global;")
-    assert first_store < fence < lines.index("bar.sync \t0;", fence)
+    release = next(
+        i for i in range(fence, len(lines)) if lines[i].startswith("red.release.gpu.global")
+    )
+    assert first_store < fence < lines.index("bar.sync \t0;", fence) < release
+    tickets = [i for i, line in enumerate(lines[:fence]) if line.startswith("atom.relaxed.gpu")]
+    assert len(tickets) == 2 and tickets[1] < min(loads)
 
 
 def test_counters_and_handshake(built):
     _, _, ptx = built
     assert "red.release.gpu.global.add.s32" in ptx and "ld.acquire.gpu.global.b32" in ptx
-    # The dynamic ticket (tickets.py): a relaxed atomic add takes each task (the first ticket,
-    # then one site per phase loop).
-    assert ptx.count("atom.relaxed.gpu.global.add.s32") == 3
+    # The dynamic tickets: a relaxed atomic add takes each task (tickets.py: the first ticket,
+    # then one site per phase loop) and each dispatched row tile (two sites, above).
+    assert ptx.count("atom.relaxed.gpu.global.add.s32") == 3 + 2
     # The hand-off: the consumers' two phase loops and their end signal; the crew's first
     # wait and its two phase loops. The crew meets on barrier 6 before it releases a gate/up
     # tile's counter, and on 5 around slot look-ups.

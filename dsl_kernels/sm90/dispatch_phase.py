@@ -1,5 +1,5 @@
 """The megakernels' dispatch, a pull: every thread of a dispatching CTA (the comm CTAs, or with
-none every CTA) copies its row tiles' routed rows from the source ranks before the roles split,
+none every CTA) copies routed row tiles from the source ranks before the roles split,
 releasing each tile's counter once written. With p = peer_rank[r], t = peer_token_idx[r] // k:
 
     out[r] = src_p[t]                                           (forward: x -> x_routed)
@@ -10,6 +10,11 @@ src_p is this rank's own tensor for p == ep_rank and the peer's symmetric buffer
 from the peer table) otherwise; the peers wrote them before the group's start barrier, whose
 system-scope acquire orders these plain loads after their writes.
 
+Row tiles are taken by ticket (one `atom.add` on a zeroed int32 per tile), not by CTA index: a
+CTA leaves dispatch only once every row tile has been taken by a running CTA, and copying waits
+on nothing, so every tile gets copied whichever CTAs are resident. Which CTA copies a tile
+changes from run to run; the bytes written do not.
+
 Scaled: one fp32 `mul.rn` (no fma contraction), one rounding: bit for bit common/gather_rows.py.
 """
 
@@ -17,11 +22,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ..common.bounded_wait import red_add_release_gpu_s32
+from ..common.bounded_wait import atom_add_relaxed_gpu_s32, red_add_release_gpu_s32
 from ..common.peers import RANK_UNIT, rank_address
 from ..common.ptx import mul_rn
 from ..common.row_chunks import VECTOR, chunked_row_views
 from .gemm_phases import THREADS, TILE_M
+from .tickets import Tickets
 
 # WaitPhase ids (mok.runtime.WaitPhase, a wire format) of tasks waiting for dispatched rows.
 PHASE_DISPATCH = 5
@@ -33,15 +39,18 @@ DISPATCH_BATCH = 8
 
 @cute.jit
 def dispatch_rows(
-    src, out_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size, topk,
-    capacity, dispatched, table, tidx, first_tile, tile_stride, weights=None,
-):  # fmt: skip
-    """All 384 threads: row tiles first_tile, + tile_stride, ... of `out` (bf16 [capacity, H]).
+    src, out_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, topk, capacity, dispatched,
+    table, tidx, tickets: Tickets, weights=None,
+) -> Int32:  # fmt: skip
+    """All 384 threads: row tiles of `out` (bf16 [capacity, H]) by ticket, until the ticket
+    reaches `tickets.total` (the routed row tiles); returns how many this CTA copied.
     `src` = (local bf16 [T, H] pointer, peer table tensor of int64 addresses, ep_rank);
-    `weights` = (local fp32 [T * k] pointer, its peer table) or None: unscaled. A tile's 128
-    packed (rank, source) entries go to `table` (shared Int32 [128]); each warp copies whole
-    rows. Then fence for the async proxy (TMA readers), meet, and thread 0 releases counter m
-    at `dispatched` + 4 m."""
+    `weights` = (local fp32 [T * k] pointer, its peer table) or None: unscaled. Thread 0 takes
+    each ticket from `tickets.counter` and broadcasts it through `tickets.slots[0]` (free until
+    the producer's first ticket: the CTA meets before returning). A tile's 128 packed (rank,
+    source) entries go to `table` (shared Int32 [128]); each warp copies whole rows. Then fence
+    for the async proxy (TMA readers), meet, and thread 0 releases counter m at
+    `dispatched` + 4 m."""
     scaled = weights is not None
     src_ptr, src_table, ep_rank = src
     chunks, (mOut,) = chunked_row_views(hidden_size, (out_ptr, capacity))
@@ -54,9 +63,14 @@ def dispatch_rows(
     warp = tidx // 32
     lane = tidx % 32
     values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH), BFloat16)
-    for row_tile in cutlass.range(first_tile, row_tiles_total, tile_stride, unroll=1):
+    slot = tickets.slots
+    if tidx == 0:
+        slot[0] = atom_add_relaxed_gpu_s32(tickets.counter, Int32(1))
+    cute.arch.sync_threads()
+    row_tile = slot[0]
+    copied = Int32(0)
+    while row_tile < tickets.total:
         first_row = row_tile * TILE_M
-        cute.arch.sync_threads()  # the previous tile's copy is done with `table`
         if tidx < TILE_M:
             row = first_row + tidx
             # (rank, source row) packed; scaled: the slot, whose weight is needed too.
@@ -67,6 +81,11 @@ def dispatch_rows(
                 rank_of[row] >= 0, rank_of[row] * RANK_UNIT + source, Int32(-1)
             )
         cute.arch.sync_threads()
+        # The next ticket, taken now: its round trip overlaps this tile's copy. The CTA holds
+        # it meanwhile, which is safe: it copies that tile next, waiting on nothing.
+        next_tile = Int32(0)
+        if tidx == 0:
+            next_tile = atom_add_relaxed_gpu_s32(tickets.counter, Int32(1))
         for r in cutlass.range(warp, TILE_M, THREADS // 32, unroll=1):
             packed = table[r]
             rank = packed // RANK_UNIT
@@ -111,3 +130,11 @@ def dispatch_rows(
         cute.arch.sync_threads()
         if tidx == 0:
             red_add_release_gpu_s32(dispatched + Int64(4) * Int64(row_tile), Int32(1))
+            slot[0] = next_tile
+        # The next ticket is in the slot, and every thread is done with `table`.
+        cute.arch.sync_threads()
+        row_tile = slot[0]
+        copied = copied + 1
+    # Every thread has read the last ticket: the producer may reuse the slot.
+    cute.arch.sync_threads()
+    return copied

@@ -8,12 +8,22 @@ Phases, in dependency order, each in its own module:
 Weight tasks run when `weight_gemms` is 3 (bf16 gradients; 0 for fp32 main_grads, which the
 accumulate kernel adds). The fixed-order d_x combine is moe_combine_backward's.
 
-d_hidden and d_x tasks are ticketed in pipelined minibatch steps (task_walk.py); then CTA c runs
-weight tasks c, c + grid, ... d_hidden waits on dispatch, d_x on d_hidden, weights on both, all
-taken before any CTA runs out of tickets: the waits cannot deadlock.
+Dispatching CTAs (all, or 0 .. num_comm_ctas - 1) take row tiles by the dispatch ticket and copy
+them first. d_hidden and d_x tasks are ticketed in pipelined minibatch steps (task_walk.py);
+then CTA c runs weight tasks c, c + grid, ... d_hidden waits on dispatch, d_x on d_hidden,
+weights on all of both (counted in tiles, not CTAs), all taken before any CTA runs out of
+tickets: the waits cannot deadlock.
+
+Forward progress with any number of resident CTAs >= 1 (DESIGN §4; another kernel may hold SMs):
+a CTA leaves dispatch only once every row tile has been taken by a running CTA, and every
+ticketed task waits only on work of lower tickets, taken by running CTAs; nothing waits on a
+weight task. A CTA that starts late still runs its static share of weight tasks when it starts
+(no deadlock, a tail). With comm CTAs the pass needs one of CTAs 0 .. num_comm_ctas - 1
+resident, as in moe_forward.py.
 
 Counters (int32, zeroed by the launcher): dispatched[m] (to 1), dgu_done[m] (to I / 256) per
-128-row tile m, then dispatch_total, dgu_total and the ticket; release/acquire at GPU scope.
+128-row tile m, then dispatch_total (row tiles copied), dgu_total (d_hidden tiles stored), the
+task ticket and the dispatch ticket; release/acquire at GPU scope.
 
 Constraints (the launcher checks them): H, I multiples of 256, both < 2^16; schedule segments
 multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned, contiguous.
@@ -62,7 +72,7 @@ WEIGHT_PHASE_TMA = ("tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
 # `__call__`'s parameters, in order (the runtime encodes the descriptors from `tma_specs`).
 # Shapes: dY [T, H], dY_e and x_routed [C, H], gate/up/hidden/d_gate/d_up [C, I] bf16; router
 # weights [T * k] and partials [C, I / 128] fp32; dW_down [E, H, I], dW_gate/dW_up [E, I, H]
-# and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + 3] int32.
+# and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + 4] int32.
 PARAMS = (
     ("a_dy", bf16_pointer),
     ("b_wd", bf16_pointer),
@@ -311,18 +321,22 @@ class Sm90MoeBackward:
             tokens_per_expert, num_experts, hidden_size, intermediate_size, weight_gemms
         )
         dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
-        tickets = Tickets(dgu_total + Int64(4), task_slots(storage), num_d_hidden + num_d_x)
+        task_ticket = dgu_total + Int64(4)
+        tickets = Tickets(task_ticket, task_slots(storage), num_d_hidden + num_d_x)
+        # The int32 after the task ticket; both broadcast through the task slots, one at a time.
+        row_tickets = Tickets(task_ticket + Int64(4), task_slots(storage), row_tiles_total)
 
         # ---- dispatch: dY_e = bf16(w * dY), every thread of the dispatching CTAs ----
         if bidx < dispatchers:
-            dispatch_rows(
+            copied = dispatch_rows(
                 (dy_ptr, peer_table(dy_ptrs), ep_rank),
-                dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
-                topk, capacity, dispatched, buffers[2], tidx, bidx, dispatchers,
-                (weight_ptr, peer_table(weight_ptrs)),
+                dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, topk, capacity,
+                dispatched, buffers[2], tidx, row_tickets, (weight_ptr, peer_table(weight_ptrs)),
             )  # fmt: skip
-            if tidx == 0:  # after dispatch_rows' CTA barriers and per-row-tile releases
-                red_add_release_gpu_s32(dispatch_total, Int32(1))
+            # After dispatch_rows' last CTA barrier: every row tile this CTA copied is written.
+            # Counted in tiles, so the weight phase waits for the tiles, not for every CTA.
+            if tidx == 0:
+                red_add_release_gpu_s32(dispatch_total, copied)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -346,7 +360,7 @@ class Sm90MoeBackward:
                 state, _, _ = produce_steps(state, batches, tiles, tickets, waits, loads)
                 signal_no_task(ring, state)
                 state.advance()
-                wait = PhaseWait(dispatch_total, dispatchers, dgu_total, num_d_hidden,
+                wait = PhaseWait(dispatch_total, row_tiles_total, dgu_total, num_d_hidden,
                                  PHASE_BACKWARD_DISPATCH,
                                  d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM, record,
                                  timeout_ns)  # fmt: skip

@@ -6,14 +6,23 @@ Phases, in dependency order, each in its own module:
     down to slots   slots[peer_token_idx[r]] = hidden[r] @ W_down[e]^T           down_phase
 The fixed-order weighted sum of the slots is moe_combine_forward's.
 
-Dispatching CTAs (all, or 0 .. num_comm_ctas - 1) dispatch before the roles split. Then warp 0
-takes tickets in pipelined minibatch steps (task_walk.py), waiting (bounded) on the rows'
-counter; warpgroups 1-2 run the mainloops; the crew stores tiles and releases row-tile counters.
-A task is a whole tile in a fixed K order: any CTA computes the same bits.
+Dispatching CTAs (all, or 0 .. num_comm_ctas - 1) take row tiles by the dispatch ticket and copy
+them before the roles split. Then warp 0 takes tasks by the task ticket in pipelined minibatch
+steps (task_walk.py), waiting (bounded) on the rows' counter; warpgroups 1-2 run the mainloops;
+the crew stores tiles and releases row-tile counters. A task is a whole tile in a fixed K order:
+any CTA computes the same bits.
+
+Forward progress with any number of resident CTAs >= 1 (DESIGN §4; another kernel may hold SMs):
+a CTA leaves dispatch only once every row tile has been taken by a running CTA, copying waits on
+nothing, and a task waits only on row tiles and on gate/up tasks of lower tickets, all taken by
+running CTAs. With comm CTAs the compute CTAs wait for rows only comm CTAs copy, so the pass
+needs one of CTAs 0 .. num_comm_ctas - 1 resident: the lowest indices, which the hardware
+starts first in practice, though CUDA does not promise an order.
 
 Counters (int32, zeroed by the launcher): dispatched[m] (to 1), hidden_done[m] (to I / 128) per
-row tile, then the ticket. Writers fence the async proxy (TMA readers), then `red.release.gpu`;
-the producer polls `ld.acquire.gpu` (GPU scope: only this GPU writes and reads them).
+row tile, then the task ticket and the dispatch ticket. Writers fence the async proxy (TMA
+readers), then `red.release.gpu`; the producer polls `ld.acquire.gpu` (GPU scope: only this GPU
+writes and reads them).
 
 Constraints (the launcher checks them): H % 256 == 0, I % 128 == 0, both < 2^16; schedule
 segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
@@ -49,7 +58,7 @@ from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_sl
 # `__call__`'s parameters, in order (the runtime encodes the tma_* descriptors, box 64 x 128,
 # from `tma_specs`). Shapes: x [T, H], x_routed [C, H], gate/up/hidden [C, I], slots [T * k, H]
 # bf16; W_gate, W_up viewed [E * I, H], W_down [E * H, I]; peer_rank, peer_token_idx [C],
-# num_tokens [1], tokens_per_expert [E], counters [2 * ceil(C / 128) + 1] int32.
+# num_tokens [1], tokens_per_expert [E], counters [2 * ceil(C / 128) + 2] int32.
 PARAMS = (
     ("a_x", bf16_pointer),
     ("b_wg", bf16_pointer),
@@ -250,15 +259,18 @@ class Sm90MoeForward:
         record = error_record_ptr.toint()
         batches = Minibatches(minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
         num_tasks = row_tiles_total * (gate_up_cols + down_cols)
-        tickets = Tickets(hidden_done + row_tile_bytes, task_slots(storage), num_tasks)
+        task_ticket = hidden_done + row_tile_bytes
+        tickets = Tickets(task_ticket, task_slots(storage), num_tasks)
+        # The int32 after the task ticket; both broadcast through the task slots, one at a time.
+        row_tickets = Tickets(task_ticket + Int64(4), task_slots(storage), row_tiles_total)
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
         dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
         if bidx < dispatchers:
             dispatch_rows(
                 (x_ptr, peer_table(x_ptrs), ep_rank),
-                x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, row_tiles_total, hidden_size,
-                topk, capacity, dispatched, buffers[2], tidx, bidx, dispatchers,
+                x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, topk, capacity,
+                dispatched, buffers[2], tidx, row_tickets,
             )  # fmt: skip
 
         if warpgroup == 0:

@@ -2,6 +2,8 @@
 Tasks wait only on smaller tickets, already taken by running CTAs: no deadlock. The producer
 publishes each in slot `seq % TASK_SLOTS` before its first full-barrier arrive (release); 8 slots
 never overrun (producer <= 2 tasks ahead of the consumers, they <= 2 ahead of the crew).
+The megakernels' dispatch takes row tiles by a ticket of its own (dispatch_phase.py), through
+slot 0 before the roles split; the CTA meets after it, before the producer's first ticket.
 """
 
 from typing import NamedTuple

@@ -7,7 +7,8 @@
 
 Tasks: GEMM, expert, then grouped_tile_coords; CTA c takes c, c + grid, ... after its d_x tasks,
 each tile's whole token range in order. The first waits (bounded) for every dispatch and d_hidden
-tile, then fences the async proxy; nothing waits on weight tasks: no deadlock.
+tile (counted in tiles, which running CTAs took by ticket: no wait on a CTA that is not
+resident), then fences the async proxy; nothing waits on weight tasks: no deadlock.
 """
 
 from typing import NamedTuple
@@ -62,10 +63,11 @@ def num_weight_tasks(tasks: WeightTasks):
 
 
 class PhaseWait(NamedTuple):
-    """The whole-phase counters (addresses) the first task waits for, their targets, the record."""
+    """The whole-phase counters (addresses) the first task waits for, their targets (row tiles
+    copied, d_hidden tiles stored), the record."""
 
     dispatch_total: Int64
-    num_ctas: Int32
+    row_tiles: Int32
     dgu_total: Int64
     num_d_hidden: Int32
     dispatch_phase: int
@@ -82,7 +84,7 @@ def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size
     total = num_weight_tasks(tasks)
     if task < total:
         bounded_wait_reached(
-            wait.dispatch_total, wait.num_ctas, wait.timeout_ns, wait.record, Int32(0),
+            wait.dispatch_total, wait.row_tiles, wait.timeout_ns, wait.record, Int32(0),
             Int32(wait.dispatch_phase), Int32(0), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
         )  # fmt: skip
         bounded_wait_reached(

@@ -101,7 +101,7 @@ def routed_backward(
                 d_w.zero_()
         return dy_e, d_gate, d_up, partials, slots, d_weights
     # dispatched[m], dgu_done[m] per 128-row tile, dispatch_total, dgu_total, then the ticket.
-    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 3, dtype=torch.int32,
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 4, dtype=torch.int32,
                            device=device)  # fmt: skip
     # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
     d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3

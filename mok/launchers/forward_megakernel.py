@@ -74,7 +74,7 @@ def routed_forward(
     if capacity == 0 or num_experts == 0 or num_tokens == 0:
         return (x_routed, gate, up, hidden), slots
     # dispatched[m], hidden_done[m] per 128-row tile, then the task ticket.
-    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 1, dtype=torch.int32, device=device)
+    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 2, dtype=torch.int32, device=device)
     kernel = get_kernel(KERNEL, device=device)
     gate_up_flat = (num_experts * intermediate_size, hidden_size)
     grid = grid or sm_count(device)

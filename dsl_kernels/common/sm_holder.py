@@ -1,0 +1,87 @@
+"""A kernel that holds whole SMs until the host lets go: the test of the megakernels' forward
+progress with fewer resident CTAs than their grid (a data-parallel NCCL kernel on another stream
+holds SMs the same way in training)."""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from .args import global_pointer
+from .bounded_wait import (
+    BACKOFF_MIN_NS,
+    global_timer_ns,
+    ld_acquire_sys_s32,
+    nanosleep,
+    red_add_release_sys_s32,
+    wrapping_difference,
+)
+
+THREADS = 32  # one warp; only thread 0 works
+# More than half of an SM's shared memory (228 KiB on H100/H200/B200, 1 KiB more reserved per
+# CTA): at most one holder CTA per SM, and no CTA that needs more than the 35 KiB left (a
+# megakernel's ~215 KiB) beside it. Within the 227 KiB per-CTA opt-in.
+HOLD_SMEM_BYTES = 192 * 1024
+# Words of `counts` (each incremented once per CTA, at system scope).
+COUNT_STARTED = 0
+COUNT_RELEASED = 1
+COUNT_TIMED_OUT = 2
+# Loop state of thread 0.
+_HOLDING = 0
+# Back-off cap between polls: the flag is in host memory, read over PCIe by every CTA, and how
+# soon a holder lets go does not matter (the bounded waits elsewhere cap at 1 us).
+POLL_MAX_NS = 1 << 16
+
+
+@dataclass(frozen=True)
+class SmHolder:
+    """Each CTA takes one whole SM (HOLD_SMEM_BYTES of dynamic shared memory) and keeps it until
+    int32 `*flag_ptr` has reached `expected`, or `timeout_ns` has passed.
+
+    Kernel parameters (in this order): `flag_ptr` (int32, mapped host memory the host sets),
+    `counts_ptr` (int32 [3], mapped host memory, zeroed), `expected` (int32), `timeout_ns`
+    (int64). Thread 0 of every CTA adds 1 to counts[COUNT_STARTED] when it starts (the host
+    waits for all of them before launching what must run beside them), then polls the flag
+    (`ld.acquire.sys`, `nanosleep` back-off up to POLL_MAX_NS) and adds 1 to
+    counts[COUNT_RELEASED], or to counts[COUNT_TIMED_OUT] when it gave up, and returns. Giving
+    up never traps: a holder that outlived its limit is a failed test, not a dead context.
+
+    Constraints: both pointers 4-byte aligned; launch grid (n, 1, 1) with n <= SM count so that
+    every CTA is resident at once, block (32, 1, 1), cluster (1, 1, 1).
+    """
+
+    def compile_arguments(self) -> tuple:
+        """Placeholders for `__call__`, in order (see common/args.py)."""
+        return (global_pointer(Int32, 4), global_pointer(Int32, 4), Int32(0), Int64(0))
+
+    @cute.jit
+    def __call__(
+        self, flag_ptr: cute.Pointer, counts_ptr: cute.Pointer, expected: Int32, timeout_ns: Int64
+    ):
+        # The grid is the launcher's; the shared memory, a constant, goes into the manifest.
+        self.kernel(flag_ptr, counts_ptr, expected, timeout_ns).launch(
+            grid=[1, 1, 1], block=[THREADS, 1, 1], smem=HOLD_SMEM_BYTES
+        )
+
+    @cute.kernel
+    def kernel(
+        self, flag_ptr: cute.Pointer, counts_ptr: cute.Pointer, expected: Int32, timeout_ns: Int64
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            counts = counts_ptr.toint()
+            flag = flag_ptr.toint()
+            red_add_release_sys_s32(counts + 4 * COUNT_STARTED, Int32(1))
+            start = global_timer_ns()
+            backoff = Int32(BACKOFF_MIN_NS)
+            outcome = Int32(_HOLDING)
+            while outcome == Int32(_HOLDING):
+                if wrapping_difference(ld_acquire_sys_s32(flag), expected) >= Int32(0):
+                    outcome = Int32(COUNT_RELEASED)
+                elif global_timer_ns() - start > timeout_ns:
+                    outcome = Int32(COUNT_TIMED_OUT)
+                else:
+                    nanosleep(backoff)
+                    backoff = cutlass.min(backoff * 2, Int32(POLL_MAX_NS))
+            red_add_release_sys_s32(counts + Int64(4) * Int64(outcome), Int32(1))
