@@ -9,7 +9,9 @@ slots.
 
 Public functions: `all_gather_top_experts`, `build_schedule`, `forward`, `backward`,
 `recompute_forward_context`, `fwd_epilogue`, `bwd_epilogue`, `swiglu`, `swiglu_backward`,
-`mxfp8_quantize`, `mxfp8_dequantize`.
+`mxfp8_quantize`, `mxfp8_dequantize`, the MXFP8 layer (`mxfp8_forward`, ...), and each pass up
+to its epilogue (`forward_to_slots`, `backward_to_slots` and their MXFP8 twins: what the
+original's raw ops `dispatch_mlp_swiglu_combine_*` compute).
 """
 
 from __future__ import annotations
@@ -362,13 +364,42 @@ def forward(
 
 def _layer_forward(schedule, x, router_weights, shared, routed, group, swiglu_limit, mlp):
     """forward's body; `mlp` computes one routed expert's rows (BF16 or MXFP8)."""
+    ctx, slots, y_shared = _forward_to_slots(
+        schedule, x, router_weights.shape[1], shared, routed, group, swiglu_limit, mlp
+    )
+    return fwd_epilogue(y_shared, slots, router_weights), ctx
+
+
+def forward_to_slots(
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: torch.Tensor,
+    routed_up_weights: torch.Tensor,
+    routed_down_weights: torch.Tensor,
+    *,
+    topk: int,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> tuple[MoKForwardContext, torch.Tensor, torch.Tensor | None]:
+    """`forward` up to its epilogue: (context, slots bf16 [T*k, H], y_shared bf16 [T, H] or
+    None). Slot t*k + j holds token t's j-th expert output, unweighted (pushed to its token's
+    rank); `forward` returns fwd_epilogue(y_shared, slots, router_weights)."""
+    return _forward_to_slots(
+        schedule, x, topk, (shared_gate_weights, shared_up_weights, shared_down_weights),
+        (routed_gate_weights, routed_up_weights, routed_down_weights), group, swiglu_limit, _mlp,
+    )  # fmt: skip
+
+
+def _forward_to_slots(schedule, x, topk, shared, routed, group, swiglu_limit, mlp):
     shared_gate_weights, shared_up_weights, shared_down_weights = shared
-    num_tokens, topk = router_weights.shape
     ctx, y_routed = _routed_forward(
         schedule, x, *routed, topk=topk, group=group, swiglu_limit=swiglu_limit, mlp=mlp
     )
     slots = push_rows(
-        y_routed, schedule.peer_rank, schedule.peer_token_idx, num_tokens * topk, group
+        y_routed, schedule.peer_rank, schedule.peer_token_idx, x.shape[0] * topk, group
     )
     y_shared = None
     if shared_gate_weights is not None:
@@ -376,7 +407,7 @@ def _layer_forward(schedule, x, router_weights, shared, routed, group, swiglu_li
             x, shared_gate_weights, shared_up_weights, shared_down_weights, swiglu_limit
         )
         ctx = MoKForwardContext(*ctx.tensors()[:4], gate_s, up_s, hidden_s)
-    return fwd_epilogue(y_shared, slots, router_weights), ctx
+    return ctx, slots, y_shared
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,6 +448,33 @@ def backward(
     d_shared_gate, d_shared_up, d_shared_down); shared gradients are None without a shared expert.
     Weight gradients are fp32 here (the caller rounds to bf16 or accumulates into main_grad).
     """
+    return _epilogue_of_backward(backward_to_slots(
+        schedule, forward_context, grad_output, x, router_weights, shared_gate_weights,
+        shared_up_weights, shared_down_weights, routed_gate_weights, routed_up_weights,
+        routed_down_weights, group=group, swiglu_limit=swiglu_limit,
+    ))  # fmt: skip
+
+
+def backward_to_slots(
+    schedule: MoKSchedule,
+    forward_context: MoKForwardContext,
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: torch.Tensor,
+    routed_up_weights: torch.Tensor,
+    routed_down_weights: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """`backward` up to its epilogue: (d_x_shared bf16 [T, H] or None, slots bf16 [T*k, H],
+    d_router_weights fp32 [T, k], then the six weight gradients as `backward` returns them).
+    Slot t*k + j holds token t's d_x through its j-th expert (pushed to its token's rank);
+    `backward`'s d_x is bwd_epilogue(d_x_shared, slots, k)."""
 
     def expert(e, ctx, r, dy_e, dy_routed, w_routed):
         d_x, d_gate_w, d_up_w, d_down_w = _mlp_backward(
@@ -436,8 +494,8 @@ def backward(
 
 def _layer_backward(schedule, ctx, grad_output, x, router_weights, shared, routed_shape, group,
                     swiglu_limit, expert):  # fmt: skip
-    """backward's body. `expert(e, ctx, rows, dy_e, dy_routed, w_routed)` gives one routed
-    expert's (d_x fp32, dW_gate, dW_up, dW_down, d_router of its rows)."""
+    """backward_to_slots' body. `expert(e, ctx, rows, dy_e, dy_routed, w_routed)` gives one
+    routed expert's (d_x fp32, dW_gate, dW_up, dW_down, d_router of its rows)."""
     num_tokens, topk = router_weights.shape
     peer, slot = schedule.peer_rank, schedule.peer_token_idx
     # Pull dY and w for every routed row; dY_e = bf16(w * dY) on the expert's side.
@@ -472,9 +530,14 @@ def _layer_backward(schedule, ctx, grad_output, x, router_weights, shared, route
             shared_gate_weights, shared_up_weights, shared_down_weights, swiglu_limit,
         )  # fmt: skip
         d_x_shared = d_xs.to(torch.bfloat16)
-    d_x = bwd_epilogue(d_x_shared, slots, topk)
     shared_grads = tuple(d_shared) if d_shared is not None else (None, None, None)
-    return (d_x, d_router, d_gate_w, d_up_w, d_down_w, *shared_grads)
+    return (d_x_shared, slots, d_router, d_gate_w, d_up_w, d_down_w, *shared_grads)
+
+
+def _epilogue_of_backward(to_slots: tuple) -> tuple[torch.Tensor | None, ...]:
+    """A `*backward_to_slots` result as `*backward` returns it: d_x summed from the slots."""
+    d_x_shared, slots, d_router, *weight_grads = to_slots
+    return (bwd_epilogue(d_x_shared, slots, d_router.shape[1]), d_router, *weight_grads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,6 +649,30 @@ def mxfp8_forward(
     )  # fmt: skip
 
 
+def mxfp8_forward_to_slots(
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: tuple[torch.Tensor, torch.Tensor],
+    routed_up_weights: tuple[torch.Tensor, torch.Tensor],
+    routed_down_weights: tuple[torch.Tensor, torch.Tensor],
+    *,
+    topk: int,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> tuple[MoKForwardContext, torch.Tensor, torch.Tensor | None]:
+    """`mxfp8_forward` up to its epilogue, as `forward_to_slots` returns it."""
+    routed = tuple(
+        _mxfp8_weight(w) for w in (routed_gate_weights, routed_up_weights, routed_down_weights)
+    )
+    return _forward_to_slots(
+        schedule, x, topk, (shared_gate_weights, shared_up_weights, shared_down_weights), routed,
+        group, swiglu_limit, _mlp_mxfp8,
+    )  # fmt: skip
+
+
 def _mlp_mxfp8(x, gate_w, up_w, down_w, limit):
     """`_mlp` with x and hidden quantised to MXFP8 before their GEMMs (weights dequantised)."""
     x_q = mxfp8_round_trip(x)
@@ -641,6 +728,32 @@ def mxfp8_backward(
     """`backward` with MXFP8 routed weights: gate and up (fp8, scale, fp8_t, scale_t), down its
     transposed copy (fp8_t, scale_t). The SwiGLU backward reads the dequantised saved gate and
     up; d_router[t, j] = <bf16(SwiGLU(gate, up)), d_hidden> / w. Same returns as `backward`."""
+    return _epilogue_of_backward(mxfp8_backward_to_slots(
+        schedule, forward_context, grad_output, x, router_weights, shared_gate_weights,
+        shared_up_weights, shared_down_weights, routed_gate_weights, routed_up_weights,
+        routed_down_weights, group=group, swiglu_limit=swiglu_limit,
+    ))  # fmt: skip
+
+
+def mxfp8_backward_to_slots(
+    schedule: MoKSchedule,
+    forward_context: MoKForwardContext,
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    shared_gate_weights: torch.Tensor | None,
+    shared_up_weights: torch.Tensor | None,
+    shared_down_weights: torch.Tensor | None,
+    routed_gate_weights: tuple[torch.Tensor, ...],
+    routed_up_weights: tuple[torch.Tensor, ...],
+    routed_down_weights: tuple[torch.Tensor, torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """`mxfp8_backward` up to its epilogue, as `backward_to_slots` returns it. The routed
+    context is read only through its MXFP8 quantisation (x and hidden along the tokens, gate and
+    up along I), so a context of values already MXFP8-exact gives the same results."""
     # The activation gradients read each weight along its own dim of the reduction.
     gate_t = _mxfp8_weight(routed_gate_weights[2:], transposed=True)  # [E, I, H] along I
     up_t = _mxfp8_weight(routed_up_weights[2:], transposed=True)
