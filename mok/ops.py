@@ -659,3 +659,6 @@ def bwd_epilogue(
 def _(d_x_shared, d_x_routed_buffer, topk=None):
     k = _epilogue_topk(d_x_shared, d_x_routed_buffer, topk)
     return d_x_routed_buffer.new_empty(d_x_routed_buffer.shape[0] // k, d_x_routed_buffer.shape[1])
+
+
+from .original_ops import *  # noqa: E402, F403 - the original raw op set (mok/original_ops.py)

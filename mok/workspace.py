@@ -192,6 +192,11 @@ def workspace_from_handle(handle: int) -> MoKWorkspace:
     return ws
 
 
+def live_workspaces() -> list[MoKWorkspace]:
+    """Every workspace not destroyed (the original's raw ops find theirs by buffer address)."""
+    return list(_LIVE.values())
+
+
 def _remake_evicted(handle: int) -> MoKWorkspace:
     key = _EVICTED_KEYS.get(handle)
     if key is None:

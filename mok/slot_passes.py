@@ -1,0 +1,197 @@
+"""The layer's passes up to the per-(token, j) slots: the bodies of the original's raw ops
+`dispatch_mlp_swiglu_combine_{fwd,bwd}_{bf16,mxfp8}` (mok/original_ops.py).
+
+    forward:  each routed row's unweighted expert output lands in its token's slot
+              t * k + j of `slots` (the combine buffer, on the token's rank); the shared
+              expert's y_shared is returned apart. out = fwd_epilogue(y_shared, slots, w).
+    backward: each routed row's d_x lands in its token's slot of `slots` (the d_x_routed
+              buffer) and its router-weight gradient in `d_router`, on the token's rank;
+              d_x_shared is returned apart. d_x = bwd_epilogue(d_x_shared, slots).
+
+No barrier runs inside: an EP group frames each pass with barrier_all, as the original's
+functional API does. CPU tensors run `mok.reference`'s `*_to_slots` (the functions the
+reference layer is made of); CUDA tensors run the launchers `mok.ops`' layer ops run, so the
+raw ops and the layer ops compute the same bits. MXFP8 runs on CPU only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .types import MoKForwardContext, MoKSchedule
+from .validation import check_router_weight_values
+
+Tensor = torch.Tensor
+
+
+def _present(t: Tensor) -> Tensor | None:
+    return t if t.numel() else None
+
+
+def _filled(ctx: MoKForwardContext, like: Tensor) -> tuple[Tensor, ...]:
+    """The 7 context tensors, a distinct empty [0] for each absent shared one."""
+    return tuple(t if t is not None else like.new_empty(0) for t in ctx.tensors())
+
+
+def cuda_launchers(layer_op: str, ws):
+    """The CUDA launchers of `layer_op`'s kernels, after raising the bad input values a kernel
+    found (for a group of one only: a rank raising between collective launches would strand
+    its peers; EP groups get them from mok.functional.check_errors)."""
+    from . import kernels  # noqa: PLC0415 - CUDA-only path
+
+    launchers = kernels.require(layer_op, ws.device)
+    if ws.ep_size == 1:
+        launchers.raise_value_errors(ws.device)
+    return launchers
+
+
+# ----------------------------------------------------------------------------------------------
+# BF16
+# ----------------------------------------------------------------------------------------------
+
+
+def forward_to_slots(
+    ws, op: str, schedule: MoKSchedule, x: Tensor, slots: Tensor, shared: tuple, routed: tuple,
+    swiglu_limit, num_comm_sms: int, minibatch_size: int,
+):  # fmt: skip
+    """(the 7 context tensors, y_shared or None); `slots` [T*k, H] filled. `shared` and
+    `routed` are the (gate, up, down) weights (shared ones None for a routed-only layer)."""
+    if not x.is_cuda:
+        ctx, got, y_shared = reference.forward_to_slots(
+            schedule, x, *shared, *routed, topk=ws.topk, group=ws.group,
+            swiglu_limit=swiglu_limit,
+        )  # fmt: skip
+        slots.copy_(got)
+        return _filled(ctx, x), y_shared
+    from .launchers.checks import check_gpu_layer  # noqa: PLC0415 - CUDA-only path
+    from .launchers.forward_megakernel import routed_forward  # noqa: PLC0415
+    from .launchers.forward_op import _shared as shared_forward  # noqa: PLC0415
+    from .launchers.peer_tables import peer_tables  # noqa: PLC0415
+
+    cuda_launchers("forward", ws)
+    check_gpu_layer(ws, op)
+    tables = peer_tables(ws)
+    peers = None if tables is None else (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
+    routed_ctx, _ = routed_forward(
+        x, schedule, ws.topk, *routed, swiglu_limit=swiglu_limit, num_comm_ctas=num_comm_sms,
+        minibatch_size=minibatch_size, timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots,
+        grid=ws.megakernel_ctas,
+    )  # fmt: skip
+    # Distinct empty tensors: custom-op outputs may not alias each other.
+    shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
+    if shared[0] is not None:
+        *shared_ctx, y_shared = shared_forward(x, *shared, swiglu_limit)
+    return (*routed_ctx, *shared_ctx), y_shared
+
+
+def backward_to_slots(
+    ws, op: str, schedule: MoKSchedule, ctx: tuple, d_y: Tensor, router_weights: Tensor,
+    x: Tensor, slots: Tensor, d_router: Tensor, shared: tuple, routed: tuple, swiglu_limit,
+    num_comm_sms: int, minibatch_size: int,
+):  # fmt: skip
+    """(d_x_shared or None, the 6 bf16 weight gradients routed gate, up, down, shared gate, up,
+    down (None without a shared expert)); `slots` [T*k, H] and `d_router` [T, k] filled.
+    `ctx`: the forward's 7 context tensors (shared ones empty [0] without a shared expert)."""
+    if not x.is_cuda:
+        check_router_weight_values(router_weights)
+        d_x_shared, got, got_router, *grads = reference.backward_to_slots(
+            schedule, MoKForwardContext(*(_present(t) for t in ctx)), d_y, x, router_weights,
+            *shared, *routed, group=ws.group, swiglu_limit=swiglu_limit,
+        )  # fmt: skip
+        slots.copy_(got)
+        d_router.copy_(got_router)
+        return d_x_shared, tuple(None if g is None else g.to(torch.bfloat16) for g in grads)
+    from .launchers.backward_megakernel import push_router_grads, routed_backward  # noqa: PLC0415
+    from .launchers.backward_op import _shared_backward as shared_backward  # noqa: PLC0415
+    from .launchers.checks import check_gpu_layer  # noqa: PLC0415 - CUDA-only path
+    from .launchers.peer_tables import peer_tables  # noqa: PLC0415
+
+    cuda_launchers("backward", ws)
+    check_gpu_layer(ws, op)
+    tables = peer_tables(ws)
+    peers = grad_peers = None
+    if tables is not None:
+        peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
+                 tables["d_x_routed_buffer"])  # fmt: skip
+        grad_peers = (ws.ep_rank, tables["router_weight_buffer"], tables["d_router_weight_buffer"])
+    x_routed, gate, up, hidden, *shared_ctx = ctx
+    *_, partials, _, routed_grads = routed_backward(
+        d_y, router_weights, schedule, x_routed, gate, up, hidden, *routed,
+        swiglu_limit=swiglu_limit, weight_grads=True, num_comm_ctas=num_comm_sms,
+        minibatch_size=minibatch_size, timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots,
+        grid=ws.megakernel_ctas,
+    )  # fmt: skip
+    push_router_grads(partials, schedule, router_weights, d_router, peers=grad_peers)
+    d_x_shared, shared_grads = None, (None, None, None)
+    if shared[0] is not None:
+        d_x_shared, shared_grads = shared_backward(
+            d_y, x, tuple(shared_ctx), shared, swiglu_limit, (None, None, None)
+        )
+    return d_x_shared, (*routed_grads, *shared_grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP8 (CPU): the context leaves and enters in the original's quantised layout
+# ----------------------------------------------------------------------------------------------
+
+
+def quantised_context(ctx: MoKForwardContext, like: Tensor) -> tuple[Tensor, ...]:
+    """The original's MXFP8 context from mok's bf16 one: (x_fp8_t, x_sc_t, gate_shared,
+    gate_fp8, gate_sc, up_shared, up_fp8, up_sc, hidden_shared, hidden_fp8_t, hidden_sc_t).
+    x and hidden are quantised along the routed rows (what the weight gradients read), gate and
+    up along I (what the SwiGLU backward reads)."""
+
+    def quantised(t: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
+        # contiguous: the reference quantiser returns a 2-D transposed layout as a strided view
+        return tuple(q.contiguous() for q in reference.mxfp8_quantize(t, transpose=transpose))
+
+    x_q = quantised(ctx.x_routed, transpose=True)
+    gate_q, up_q = quantised(ctx.gate_routed), quantised(ctx.up_routed)
+    hidden_q = quantised(ctx.hidden_routed, transpose=True)
+    gate_s, up_s, hidden_s = _filled(ctx, like)[4:]
+    return (*x_q, gate_s, *gate_q, up_s, *up_q, hidden_s, *hidden_q)
+
+
+def _dequantised_context(q: tuple) -> MoKForwardContext:
+    """mok's bf16 context from the original's MXFP8 one (`quantised_context`'s order): the
+    dequantised values are MXFP8-exact, and mok's MXFP8 backward reads the context only through
+    the same quantisation, so the gradients are those of the bf16 context."""
+    x_fp8_t, x_sc_t, gate_s, gate, gate_sc, up_s, up, up_sc, hidden_s, hidden_t, hidden_sc_t = q
+
+    def values(data, scales, transpose=False):
+        return reference.mxfp8_dequantize(data, scales, transpose=transpose).to(torch.bfloat16)
+
+    return MoKForwardContext(
+        values(x_fp8_t, x_sc_t, True), values(gate, gate_sc), values(up, up_sc),
+        values(hidden_t, hidden_sc_t, True), _present(gate_s), _present(up_s), _present(hidden_s),
+    )  # fmt: skip
+
+
+def mxfp8_forward_to_slots(
+    ws, schedule: MoKSchedule, x: Tensor, slots: Tensor, shared: tuple, routed: tuple,
+    swiglu_limit,
+):  # fmt: skip
+    """(the 11 tensors of `quantised_context`, y_shared or None); `slots` filled. `routed`:
+    (gate, up, down) each (fp8, scale) along K."""
+    ctx, got, y_shared = reference.mxfp8_forward_to_slots(
+        schedule, x, *shared, *routed, topk=ws.topk, group=ws.group, swiglu_limit=swiglu_limit
+    )
+    slots.copy_(got)
+    return quantised_context(ctx, x), y_shared
+
+
+def mxfp8_backward_to_slots(
+    ws, schedule: MoKSchedule, ctx: tuple, d_y: Tensor, router_weights: Tensor, x: Tensor,
+    slots: Tensor, d_router: Tensor, shared: tuple, routed: tuple, swiglu_limit,
+):  # fmt: skip
+    """As `backward_to_slots`; `ctx` in `quantised_context`'s order, `routed` the MXFP8 tuples
+    of mok.reference.mxfp8_backward (gate and up with their transposed copies, down transposed)."""
+    check_router_weight_values(router_weights)
+    d_x_shared, got, got_router, *grads = reference.mxfp8_backward_to_slots(
+        schedule, _dequantised_context(ctx), d_y, x, router_weights, *shared, *routed,
+        group=ws.group, swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+    slots.copy_(got)
+    d_router.copy_(got_router)
+    return d_x_shared, tuple(None if g is None else g.to(torch.bfloat16) for g in grads)
