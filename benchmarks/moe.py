@@ -333,7 +333,8 @@ def extra_sections(args, device, world_size) -> dict:
                                        **result})  # fmt: skip
             print(
                 f"host time {name} T={host_time.DEFAULT_TOKENS}: eager MoKExperts forward + "
-                f"backward {result['host_ms']:.3f} ms host, {result['gpu_ms']:.3f} ms GPU"
+                f"backward {result['host_ms']:.3f} ms host, {result['gpu_ms']:.3f} ms GPU back to "
+                f"back ({result['host_idle_gpu_ms']:.3f} ms host with the GPU idle at each step)"
             )
     return extra
 

@@ -45,6 +45,15 @@ def check_tensor(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """dtype, then rank/shape (None matches any size), then device, then contiguity."""
+    # The common case first, in a few attribute reads (this runs on every layer call).
+    if (
+        isinstance(tensor, torch.Tensor)
+        and tensor.dtype == dtype
+        and tensor.shape == tuple(shape)
+        and (device is None or tensor.device == device)
+        and tensor.is_contiguous()
+    ):
+        return tensor
     if not isinstance(tensor, torch.Tensor):
         raise MoKInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != dtype:

@@ -186,10 +186,17 @@ def workspace_from_handle(handle: int) -> MoKWorkspace:
         not ws.graph_captured
         and ws.device.type == "cuda"
         and not torch.compiler.is_compiling()
-        and torch.cuda.is_current_stream_capturing()
+        and _capturing()
     ):
         ws.graph_captured = True
     return ws
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing (torch's C check, without the Python
+    wrapper's device lookups: this runs on every op call)."""
+    check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    return check() if check is not None else torch.cuda.is_current_stream_capturing()
 
 
 def live_workspaces() -> list[MoKWorkspace]:
@@ -319,6 +326,10 @@ def create_workspace(
     )
 
 
+_ARGS_MEMO: dict[tuple, tuple] = {}
+_ARGS_MEMO_SIZE = 64
+
+
 def get_workspace(
     config: MoKConfig,
     group: dist.ProcessGroup | None,
@@ -348,11 +359,27 @@ def get_workspace(
     For an EP group on CUDA the ranks evict only a workspace every rank finds unused (agreed in
     the all-gather that checks the shapes). A call that raises leaves no workspace behind.
     """
+    # Arguments already checked for a cached workspace: one lookup (a layer calls this on every
+    # step). Only a device with an index is memoised: 'cuda' alone means the current device.
+    memo = None
+    if device.__class__ is torch.device and (device.index is not None or device.type == "cpu"):
+        memo = (id(config), id(group), device, num_local_tokens, hidden_size, topk,
+                num_local_experts)  # fmt: skip
+        hit = _ARGS_MEMO.get(memo)
+        if hit is not None and hit[0] is config and hit[1] is group:
+            cached = _CACHE.get(hit[2])
+            if cached is not None:
+                _CACHE.move_to_end(hit[2])
+                return cached
     device, ep_rank, ep_size, capacity = _checked_args(
         config, group, device, num_local_tokens, hidden_size, topk, num_local_experts
     )
     group_key = None if group is None else group.group_name
     key = (group_key, device, num_local_tokens, hidden_size, topk, capacity)
+    if memo is not None:
+        if len(_ARGS_MEMO) >= _ARGS_MEMO_SIZE:
+            _ARGS_MEMO.clear()
+        _ARGS_MEMO[memo] = (config, group, key)  # holds config and group: their ids stay theirs
     cached = _CACHE.get(key)
     if cached is not None:
         _CACHE.move_to_end(key)

@@ -18,6 +18,7 @@ import torch
 
 from . import _driver
 from .arch import ARCH_ENV_VAR, device_index, native_arch, select_arch
+from .bound_launch import BoundLaunch
 from .errors import MoKCudaError, MoKManifestError, MoKUnsupportedDeviceError
 from .launch import ArgPacker, PackedArgs, check_param_layout, normalize_grid
 from .manifest import Manifest, TmaSpec, VariantSpec, load_manifest
@@ -347,6 +348,21 @@ class Kernel:
         if handle != state.stream_handle:
             config.hStream = self._cu.CUstream(handle)
             state.stream_handle = handle
+        self.launch_packed(config, packed, grid3)
+
+    def bind(
+        self, grid: int | Sequence[int], args: Mapping[str, Any], dynamic: Sequence[str] = ()
+    ) -> BoundLaunch:
+        """This launch with `args` checked and packed once; `BoundLaunch.launch` rewrites only
+        the `dynamic` params (runtime/bound_launch.py)."""
+        return BoundLaunch(self, grid, args, dynamic)
+
+    def current_stream_handle(self) -> int:
+        """torch's current CUstream of this kernel's device, as an int."""
+        return _current_stream_handle(self.device_index)
+
+    def launch_packed(self, config: Any, packed: PackedArgs, grid3: tuple) -> None:
+        """cuLaunchKernelEx of packed args with a ready CUlaunchConfig (grid and stream set)."""
         # torch keeps its device's primary context current, so this is one cuCtxGetCurrent
         # (a thread-local read in the driver); a switch happens only when it is another one.
         status, current = self._cu.cuCtxGetCurrent()

@@ -34,6 +34,19 @@ class _FakeKernel:
         pack_args(self.variant, addresses)
         self.launches.append((grid, args))
 
+    def bind(self, grid, args, dynamic=()):
+        """A launch plan's bound launch: each launch records the bound args with the dynamic
+        values written over them (addresses as ints, descriptors as given)."""
+        kernel = self
+
+        class _Bound:
+            def launch(self, *values, stream=None):
+                kernel.launch(grid, {**args, **dict(zip(dynamic, values, strict=True))})
+
+        pack_args(self.variant, {k: (v.data_ptr() if isinstance(v, torch.Tensor) else v)
+                                 for k, v in args.items()})  # fmt: skip
+        return _Bound()
+
 
 class _Record:
     device_ptr = 0x1000
@@ -145,7 +158,8 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     assert args["counters_ptr"].count_nonzero() == 0
     if weight_grads:
         assert [tuple(d.shape) for d in d_weights] == [(e, i, h), (e, i, h), (e, h, i)]
-        assert args["d_w_down_ptr"] is d_weights[2] and args["d_w_gate_ptr"] is d_weights[0]
+        assert args["d_w_down_ptr"] == d_weights[2].data_ptr()
+        assert args["d_w_gate_ptr"] == d_weights[0].data_ptr()
     else:
         assert d_weights is None
 
@@ -280,3 +294,35 @@ def test_gpu_layer_limits_are_clear_errors():
     ws.num_local_tokens = 1 << 22
     with pytest.raises(ValueError, match=r"num_local_tokens \* topk must be below 16777216"):
         check_gpu_layer(ws, "forward")
+
+
+def test_forward_plan_is_reused_and_rechecked(monkeypatch, kernels):
+    """A second call with new activations reuses the plan (one bind) and writes their addresses;
+    a tensor that differs in anything but its address gets a new plan, whose checks raise."""
+    from mok import reference as R
+    from mok.launchers import device_args, megakernel_walk, plans
+    from mok.launchers import forward_megakernel as moe_forward
+
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(moe_forward, "sm_count", lambda device: 132)
+    monkeypatch.setattr(moe_forward, "check_cuda", lambda name, t, dtype, shape: None)
+    plans.clear_plans()
+    device_args.clear_descriptor_cache()
+    t, h, i, e, k = 256, 256, 128, 4, 2
+    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
+                               capacity=t * k + e * 128)  # fmt: skip
+    gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
+    down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
+    binds = []
+    original_bind = _FakeKernel.bind
+    monkeypatch.setattr(_FakeKernel, "bind", lambda self, *a, **kw: binds.append(1)
+                        or original_bind(self, *a, **kw))  # fmt: skip
+    xs = [torch.randn(t, h).to(torch.bfloat16) for _ in range(2)]
+    for x in xs:
+        moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w)
+    launches = kernels["moe_forward"].launches
+    assert len(binds) == 1 and len(launches) == 2
+    assert [args["x_ptr"] for _, args in launches] == [x.data_ptr() for x in xs]
+    with pytest.raises(ValueError, match="hidden_size must be a positive multiple of 256"):
+        moe_forward.routed_forward(xs[0][:, :128], schedule, k, gate_w, gate_w, down_w)
+    plans.clear_plans()

@@ -1,6 +1,7 @@
 """The backward megakernel's launcher (dsl_kernels/sm90/moe_backward.py): dispatch, d_hidden,
 d_x to slots and (unless fp32 main_grads take them) the weight gradients in one launch. Its
-counters are zeroed right before it on the same stream (graph-capturable, no host sync).
+counters (the plan's, launchers/plans.py) are zeroed right before it on the same stream
+(graph-capturable, no host sync).
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ from .checks import check_arg, check_cuda, check_extents, check_multiple
 from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT
-from .megakernel_walk import minibatch_row_tiles, walk_arguments
+from .megakernel_walk import (
+    BACKWARD_COUNTER_TAIL,
+    check_schedule_tensors,
+    minibatch_row_tiles,
+    walk_arguments,
+)
+from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weight_key, zero_async
 from .status import status_ptr
 
 KERNEL = "moe_backward"
@@ -51,110 +58,180 @@ def routed_backward(
     `minibatch_size` (routed rows; None: all) never changes the bits. `slots`: the d_x slots
     buffer to push into (None: a new one); `grid`: CTAs (None: the SM count).
     """
-    from mok.runtime import get_kernel  # noqa: PLC0415
+    key = (
+        KERNEL, tensor_key(grad_output), tensor_key(router_weights),
+        tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
+        tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
+        tensor_key(x_routed), tensor_key(gate), tensor_key(up), tensor_key(hidden),
+        weight_key(gate_weights), weight_key(up_weights), weight_key(down_weights),
+        tensor_key(slots), swiglu_limit, weight_grads, num_comm_ctas, minibatch_size, timeout_ns,
+        None if peers is None else tuple(p if isinstance(p, int) else p.data_ptr() for p in peers),
+        grid, current_stream(grad_output.get_device()),
+    )  # fmt: skip
+    launch = plan(key, lambda: _BackwardPlan(
+        grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
+        up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
+        timeout_ns, peers, slots, grid,
+    ))  # fmt: skip
+    return launch(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots)
 
-    num_tokens, hidden_size = grad_output.shape
-    topk = router_weights.shape[1]
-    num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
-    capacity = schedule.peer_rank.shape[0]
-    check_cuda("grad_output", grad_output, torch.bfloat16, (num_tokens, hidden_size))
-    # Read as 4-byte scalars: a router-weight view needs no 16-byte alignment.
-    check_arg("router_weights", router_weights, torch.float32, (num_tokens, topk), cuda=True,
-              align=4)  # fmt: skip
-    check_multiple("hidden_size", hidden_size, N_ALIGNMENT)
-    check_multiple("intermediate_size", intermediate_size, N_ALIGNMENT)
-    for name, t, shape in (
-        ("x_routed", x_routed, (capacity, hidden_size)),
-        ("gate", gate, (capacity, intermediate_size)),
-        ("up", up, (capacity, intermediate_size)),
-        ("hidden", hidden, (capacity, intermediate_size)),
-        ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
-        ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
-        ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
-    ):
-        check_cuda(name, t, torch.bfloat16, shape)
-    check_extents("weight rows", capacity, num_experts * max(hidden_size, intermediate_size),
-                   max(hidden_size, intermediate_size), max(hidden_size, intermediate_size))  # fmt: skip
-    minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)  # before any allocation
-    device = grad_output.device
-    dy_e = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
-    d_gate, d_up = (
-        torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
-        for _ in range(2)
-    )
-    partials = torch.empty(capacity, intermediate_size // 128, dtype=torch.float32, device=device)
-    if slots is None:
-        slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
-    check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
-    ep_rank, dy_table, weight_table, slots_table = (
-        peers if peers is not None else (0,) + (None,) * 3
-    )
-    d_weights = None
-    if weight_grads:
-        d_weights = [
-            torch.empty(num_experts, *shape, dtype=torch.bfloat16, device=device)
-            for shape in ((intermediate_size, hidden_size),) * 2 + ((hidden_size, intermediate_size),)
-        ]  # fmt: skip
-    if capacity == 0 or num_experts == 0 or num_tokens == 0:
-        if d_weights is not None:
-            for d_w in d_weights:
-                d_w.zero_()
+
+class _BackwardPlan:
+    """One (shapes, weights, config) of `routed_backward`: checked and bound on its first call."""
+
+    def __init__(
+        self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
+        up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
+        timeout_ns, peers, slots, grid,
+    ):  # fmt: skip
+        from mok.runtime import get_kernel  # noqa: PLC0415
+
+        num_tokens, hidden_size = grad_output.shape
+        topk = router_weights.shape[1]
+        num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
+        capacity = schedule.peer_rank.shape[0]
+        check_cuda("grad_output", grad_output, torch.bfloat16, (num_tokens, hidden_size))
+        # Read as 4-byte scalars: a router-weight view needs no 16-byte alignment.
+        check_arg("router_weights", router_weights, torch.float32, (num_tokens, topk),
+                  cuda=True, align=4)  # fmt: skip
+        check_multiple("hidden_size", hidden_size, N_ALIGNMENT)
+        check_multiple("intermediate_size", intermediate_size, N_ALIGNMENT)
+        for name, t, shape in (
+            ("x_routed", x_routed, (capacity, hidden_size)),
+            ("gate", gate, (capacity, intermediate_size)),
+            ("up", up, (capacity, intermediate_size)),
+            ("hidden", hidden, (capacity, intermediate_size)),
+            ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
+            ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
+            ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
+        ):
+            check_cuda(name, t, torch.bfloat16, shape)
+        widest = max(hidden_size, intermediate_size)
+        check_extents("weight rows", capacity, num_experts * widest, widest, widest)
+        minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)
+        if slots is not None:
+            check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
+        check_schedule_tensors(schedule, capacity, num_experts, grad_output.device)
+        self.device = grad_output.device
+        self.device_index = grad_output.get_device()
+        self.sizes = (num_tokens, topk, capacity, num_experts, hidden_size, intermediate_size)
+        self.weight_grads = weight_grads
+        self.bound = None
+        if capacity == 0 or num_experts == 0 or num_tokens == 0:
+            return
+        ep_rank, dy_table, weight_table, slots_table = (
+            peers if peers is not None else (0,) + (None,) * 3
+        )
+        # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py).
+        self.counters = torch.zeros(
+            2 * (-(-capacity // TILE_ROWS)) + BACKWARD_COUNTER_TAIL, dtype=torch.int32,
+            device=self.device,
+        )  # fmt: skip
+        kernel = get_kernel(KERNEL, device=self.device)
+        down_flat = (num_experts * hidden_size, intermediate_size)
+        gate_up_flat = (num_experts * intermediate_size, hidden_size)
+        grid = grid or sm_count(self.device)
+        dy_e, d_gate, d_up, partials, first_slots, d_weights = self._outputs(slots)
+        # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
+        d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
+        self.descriptors = {name: Descriptors(kernel, name) for name in DYNAMIC_TMA}
+        tma = self._descriptors(dy_e, d_gate, d_up, hidden, x_routed)
+        self.bound = kernel.bind(
+            (grid, 1, 1),
+            {
+                **tma,
+                "tma_wd": tma_descriptor(kernel, "tma_wd", down_weights.view(down_flat)),
+                "tma_wg": tma_descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
+                "tma_wu": tma_descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
+                "d_w_down_ptr": d_w_down,
+                "d_w_gate_ptr": d_w_gate,
+                "d_w_up_ptr": d_w_up,
+                "dy_ptr": grad_output,
+                "weight_ptr": router_weights,
+                "dy_routed_ptr": dy_e,
+                "gate_ptr": gate,
+                "up_ptr": up,
+                "d_gate_ptr": d_gate,
+                "d_up_ptr": d_up,
+                "partials_ptr": partials,
+                "slots_ptr": first_slots,
+                "dy_ptrs": dy_table,
+                "weight_ptrs": weight_table,
+                "slots_ptrs": slots_table,
+                **walk_arguments(
+                    schedule,
+                    self.counters,
+                    timeout_ns,
+                    grad_output,
+                    gate_weights,
+                    topk,
+                    swiglu_limit,
+                    num_comm_ctas,
+                    grid,
+                    minibatch_tiles,
+                    ep_rank,
+                ),  # fmt: skip
+                "weight_gemms": 3 if weight_grads else 0,
+            },
+            dynamic=(*DYNAMIC_TMA, *DYNAMIC_POINTERS),
+        )
+
+    def _descriptors(self, dy_e, d_gate, d_up, hidden, x_routed) -> dict:
+        tensors = (dy_e, d_gate, d_up, dy_e, d_gate, d_up, hidden, x_routed)
+        cache = self.descriptors
+        return {name: cache[name].get(t) for name, t in zip(DYNAMIC_TMA, tensors, strict=True)}
+
+    def _outputs(self, slots):
+        num_tokens, topk, capacity, num_experts, hidden_size, inter = self.sizes
+        bf16 = dict(dtype=torch.bfloat16, device=self.device)
+        dy_e = torch.empty(capacity, hidden_size, **bf16)
+        d_gate, d_up = torch.empty(capacity, inter, **bf16), torch.empty(capacity, inter, **bf16)
+        partials = torch.empty(capacity, inter // 128, dtype=torch.float32, device=self.device)
+        if slots is None:
+            slots = torch.empty(num_tokens * topk, hidden_size, **bf16)
+        d_weights = None
+        if self.weight_grads:
+            d_weights = [torch.empty(num_experts, inter, hidden_size, **bf16),
+                         torch.empty(num_experts, inter, hidden_size, **bf16),
+                         torch.empty(num_experts, hidden_size, inter, **bf16)]  # fmt: skip
         return dy_e, d_gate, d_up, partials, slots, d_weights
-    # dispatched[m], dgu_done[m] per 128-row tile, dispatch_total, dgu_total, then the ticket.
-    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 4, dtype=torch.int32,
-                           device=device)  # fmt: skip
-    # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
-    d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
-    kernel = get_kernel(KERNEL, device=device)
-    down_flat = (num_experts * hidden_size, intermediate_size)
-    gate_up_flat = (num_experts * intermediate_size, hidden_size)
-    grid = grid or sm_count(device)
-    kernel.launch(
-        (grid, 1, 1),
-        {
-            "tma_dy": tma_descriptor(kernel, "tma_dy", dy_e),
-            "tma_wd": tma_descriptor(kernel, "tma_wd", down_weights.view(down_flat)),
-            "tma_dg": tma_descriptor(kernel, "tma_dg", d_gate),
-            "tma_du": tma_descriptor(kernel, "tma_du", d_up),
-            "tma_wg": tma_descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
-            "tma_wu": tma_descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
-            "tma_xdy": tma_descriptor(kernel, "tma_xdy", dy_e),
-            "tma_xdg": tma_descriptor(kernel, "tma_xdg", d_gate),
-            "tma_xdu": tma_descriptor(kernel, "tma_xdu", d_up),
-            "tma_xh": tma_descriptor(kernel, "tma_xh", hidden),
-            "tma_xx": tma_descriptor(kernel, "tma_xx", x_routed),
-            "d_w_down_ptr": d_w_down,
-            "d_w_gate_ptr": d_w_gate,
-            "d_w_up_ptr": d_w_up,
-            "dy_ptr": grad_output,
-            "weight_ptr": router_weights,
-            "dy_routed_ptr": dy_e,
-            "gate_ptr": gate,
-            "up_ptr": up,
-            "d_gate_ptr": d_gate,
-            "d_up_ptr": d_up,
-            "partials_ptr": partials,
-            "slots_ptr": slots,
-            "dy_ptrs": dy_table,
-            "weight_ptrs": weight_table,
-            "slots_ptrs": slots_table,
-            **walk_arguments(
-                schedule,
-                counters,
-                timeout_ns,
-                grad_output,
-                gate_weights,
-                topk,
-                swiglu_limit,
-                num_comm_ctas,
-                grid,
-                minibatch_tiles,
-                ep_rank,
-            ),  # fmt: skip
-            "weight_gemms": 3 if weight_grads else 0,
-        },
-    )
-    return dy_e, d_gate, d_up, partials, slots, d_weights
+
+    def __call__(self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots):
+        dy_e, d_gate, d_up, partials, slots, d_weights = self._outputs(slots)
+        if self.bound is None:
+            if d_weights is not None:
+                for d_w in d_weights:
+                    d_w.zero_()
+            return dy_e, d_gate, d_up, partials, slots, d_weights
+        addresses = {
+            "x_routed": x_routed.data_ptr(), "gate": gate.data_ptr(), "up": up.data_ptr(),
+            "hidden": hidden.data_ptr(), "grad_output": grad_output.data_ptr(),
+        }  # fmt: skip
+        for name, address in addresses.items():
+            aligned(name, address)
+        aligned("router_weights", router_weights.data_ptr(), 4)
+        d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
+        stream = current_stream(self.device_index)
+        zero_async(self.counters, stream)
+        self.bound.launch(
+            *self._descriptors(dy_e, d_gate, d_up, hidden, x_routed).values(),
+            d_w_down.data_ptr(), d_w_gate.data_ptr(), d_w_up.data_ptr(), addresses["grad_output"],
+            router_weights.data_ptr(), dy_e.data_ptr(), addresses["gate"], addresses["up"],
+            d_gate.data_ptr(), d_up.data_ptr(), partials.data_ptr(), slots.data_ptr(),
+            schedule.peer_rank.data_ptr(), schedule.peer_token_idx.data_ptr(),
+            schedule.num_tokens.data_ptr(), schedule.tokens_per_expert.data_ptr(),
+            stream=stream,
+        )  # fmt: skip
+        return dy_e, d_gate, d_up, partials, slots, d_weights
+
+
+# Rewritten on every launch, in this order (BoundLaunch.launch): descriptors, then pointers.
+DYNAMIC_TMA = ("tma_dy", "tma_dg", "tma_du", "tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
+DYNAMIC_POINTERS = (
+    "d_w_down_ptr", "d_w_gate_ptr", "d_w_up_ptr", "dy_ptr", "weight_ptr", "dy_routed_ptr",
+    "gate_ptr", "up_ptr", "d_gate_ptr", "d_up_ptr", "partials_ptr", "slots_ptr",
+    "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr", "tokens_per_expert_ptr",
+)  # fmt: skip
 
 
 def push_router_grads(
@@ -170,18 +247,40 @@ def push_router_grads(
     a weight <= 0 or non-finite sets the value-status words, launchers/status.py).
     `router_weights` fp32 [T, k] and `d_router` are this rank's; `peers` = (ep_rank, router-weight
     table, d_router table) or None (a group of one)."""
+    key = ("router_grad_push", tensor_key(partials), tensor_key(schedule.peer_rank),
+           tensor_key(router_weights), tensor_key(d_router),
+           None if peers is None else (peers[0], peers[1].data_ptr(), peers[2].data_ptr()),
+           current_stream(partials.get_device()))  # fmt: skip
+    bound = plan(key, lambda: _bind_router_grad_push(partials, schedule, router_weights,
+                                                     d_router, peers))  # fmt: skip
+    if bound is not None:
+        bound.launch(
+            partials.data_ptr(), schedule.peer_rank.data_ptr(),
+            schedule.peer_token_idx.data_ptr(), schedule.num_tokens.data_ptr(),
+            router_weights.data_ptr(), d_router.data_ptr(),
+            stream=current_stream(partials.get_device()),
+        )  # fmt: skip
+    return d_router
+
+
+def _bind_router_grad_push(partials, schedule, router_weights, d_router, peers):
     from mok.runtime import get_kernel  # noqa: PLC0415
 
     capacity, blocks = partials.shape
     check_arg("router_weights", router_weights, torch.float32, tuple(router_weights.shape),
               cuda=True, align=4)  # fmt: skip
     check_arg("d_router", d_router, torch.float32, tuple(router_weights.shape), cuda=True, align=4)
+    check_arg("partials", partials, torch.float32, (capacity, blocks), cuda=True, align=4)
+    for name, t, size in (("schedule.peer_rank", schedule.peer_rank, capacity),
+                          ("schedule.peer_token_idx", schedule.peer_token_idx, capacity),
+                          ("schedule.num_tokens", schedule.num_tokens, 1)):  # fmt: skip
+        check_arg(name, t, torch.int32, (size,), cuda=True, align=4)
     ep_rank, weight_table, d_router_table = peers if peers is not None else (0, None, None)
     if capacity == 0:
-        return d_router
+        return None
     kernel = get_kernel("router_grad_push", device=partials.device)
     threads = int(kernel.variant.config["threads"])
-    kernel.launch(
+    return kernel.bind(
         (-(-capacity // threads), 1, 1),
         {
             "partials_ptr": partials,
@@ -197,5 +296,6 @@ def push_router_grads(
             "blocks": blocks,
             "status_ptr": status_ptr(partials.device),
         },
-    )
-    return d_router
+        dynamic=("partials_ptr", "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr",
+                 "weight_ptr", "d_router_ptr"),
+    )  # fmt: skip

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEFAULT_WAIT_TIMEOUT_NS as DEFAULT_TIMEOUT_NS
+from .plans import current_stream, plan, tensor_key
 
 # Upper bound on the all-gather grid: small enough to be co-resident on any supported GPU
 # (so no CTA waits on a CTA that cannot be scheduled), large enough to keep NVLink busy.
@@ -54,6 +55,10 @@ class _CommState:
 # ---- error records ----
 def get_error_record(device: int | str | torch.device | None = None):
     """The device's ErrorRecord (pinned, mapped), made once per process and device."""
+    if device.__class__ is torch.device and device.index is not None:
+        record = _error_records.get(device.index)
+        if record is not None:
+            return record
     from mok.runtime import ErrorRecord  # noqa: PLC0415
     from mok.runtime.arch import device_index  # noqa: PLC0415
 
@@ -168,6 +173,13 @@ def ep_barrier(
     it queued before its call. `phase` (a WaitPhase) is what a timeout reports. Capturable after one
     eager comm call (the target comes from the device epoch).
     """
+    workspace.require_alive()  # a plan holds the workspace's addresses
+    key = ("ep_barrier", workspace.handle, phase, timeout_ns, manifest,
+           current_stream(workspace.device.index or 0))  # fmt: skip
+    plan(key, lambda: _bind_barrier(workspace, phase, timeout_ns, manifest)).launch(stream=key[-1])
+
+
+def _bind_barrier(workspace, phase, timeout_ns, manifest):
     from mok.runtime import get_kernel  # noqa: PLC0415
 
     phase_id = _phase_id(phase)
@@ -175,7 +187,7 @@ def ep_barrier(
     state = _state(workspace)
     kernel = get_kernel("ep_barrier", device=workspace.device, manifest=manifest)
     record = get_error_record(workspace.device)
-    kernel.launch(
+    return kernel.bind(
         (1, 1, 1),
         {
             "peer_barrier_ptrs": state.barrier_ptrs,
@@ -207,6 +219,18 @@ def all_gather_top_experts(
     overwrites it. Collective, in comm-call order, same `config`. No host sync; capturable after
     one eager comm call.
     """
+    workspace.require_alive()  # a plan holds the workspace's addresses
+    chunk_bytes = getattr(config, "all_gather_top_experts_chunk_bytes", None)
+    key = ("all_gather_top_experts", workspace.handle, tensor_key(top_experts), chunk_bytes,
+           timeout_ns, num_experts, manifest, current_stream(workspace.device.index or 0))  # fmt: skip
+    bound = plan(key, lambda: _bind_all_gather(workspace, config, top_experts, timeout_ns,
+                                               num_experts, manifest))  # fmt: skip
+    bound.launch(top_experts.data_ptr(), stream=key[-1])
+    return workspace.buffers["all_gather_top_experts_buffer"]
+
+
+def _bind_all_gather(workspace, config, top_experts, timeout_ns, num_experts, manifest):
+    """The all-gather's launch for one workspace and config, after its full checks."""
     from mok.runtime import WaitPhase, get_kernel  # noqa: PLC0415
 
     _check_timeout(timeout_ns)
@@ -242,7 +266,7 @@ def all_gather_top_experts(
     ctas_per_peer = min(num_chunks, max(1, MAX_GATHER_CTAS // world_size))
     kernel = get_kernel("all_gather_top_experts", device=workspace.device, manifest=manifest)
     record = get_error_record(workspace.device)
-    kernel.launch(
+    return kernel.bind(
         (ctas_per_peer, world_size, 1),
         {
             "ids_ptr": top_experts,
@@ -261,8 +285,8 @@ def all_gather_top_experts(
             "num_experts": _INT32_MAX if num_experts is None else num_experts,
             "status_ptr": record.status_ptr,
         },
+        dynamic=("ids_ptr",),
     )
-    return workspace.buffers["all_gather_top_experts_buffer"]
 
 
 def flag_wait_probe(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_host
+from .plans import current_stream, plan, tensor_key
 from .status import status_ptr
 
 # bf16 columns per thread (one 16-byte vector).
@@ -44,62 +45,81 @@ def _launches(kernel, num_tokens: int, hidden: int):
 def fwd_epilogue(
     y_shared: torch.Tensor | None, slots: torch.Tensor, router_weights: torch.Tensor
 ) -> torch.Tensor:
-    from mok.runtime import get_kernel  # noqa: PLC0415
-
-    num_tokens, topk = router_weights.shape
-    hidden = slots.shape[1]
-    if hidden % HIDDEN_ALIGNMENT:
-        raise ValueError(f"hidden size must be a multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
-    check_host("slots", slots, torch.bfloat16, (num_tokens * topk, hidden))
-    check_host("router_weights", router_weights, torch.float32, (num_tokens, topk))
-    if y_shared is not None:
-        check_host("y_shared", y_shared, torch.bfloat16, (num_tokens, hidden))
-    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
-    kernel = get_kernel("moe_combine_forward", device=slots.device)
-    status = status_ptr(slots.device)
-    for grid, start, count in _launches(kernel, num_tokens, hidden):
-        kernel.launch(
-            grid,
-            {
-                "out_ptr": out[start:],
-                "shared_ptr": None if y_shared is None else y_shared[start:],
-                "weight_ptr": router_weights[start:],
-                "slots_ptr": slots[start * topk :],
-                "num_tokens": count,
-                "hidden_size": hidden,
-                "topk": topk,
-                "has_shared": int(y_shared is not None),
-                "status_ptr": status,
-            },
-        )
-    return out
+    """out[t] = y_shared[t] + sum_j w[t, j] * slots[t * k + j] (bf16 [T, H])."""
+    key = ("fwd_epilogue", tensor_key(y_shared), tensor_key(slots), tensor_key(router_weights),
+           current_stream(slots.get_device()))  # fmt: skip
+    return plan(key, lambda: _EpiloguePlan(True, y_shared, slots, router_weights.shape))(
+        y_shared, slots, router_weights
+    )
 
 
 def bwd_epilogue(d_x_shared: torch.Tensor | None, slots: torch.Tensor, topk: int) -> torch.Tensor:
-    from mok.runtime import get_kernel  # noqa: PLC0415
+    """d_x[t] = d_x_shared[t] + sum_j slots[t * k + j] (bf16 [T, H])."""
+    key = ("bwd_epilogue", tensor_key(d_x_shared), tensor_key(slots), topk,
+           current_stream(slots.get_device()))  # fmt: skip
+    return plan(key, lambda: _EpiloguePlan(False, d_x_shared, slots, topk))(d_x_shared, slots)
 
-    num_slots, hidden = slots.shape
-    if hidden % HIDDEN_ALIGNMENT:
-        raise ValueError(f"hidden size must be a multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
-    if topk < 1 or num_slots % topk:
-        raise ValueError(f"slots rows ({num_slots}) must be a multiple of topk ({topk})")
-    num_tokens = num_slots // topk
-    check_host("slots", slots, torch.bfloat16, (num_slots, hidden))
-    if d_x_shared is not None:
-        check_host("d_x_shared", d_x_shared, torch.bfloat16, (num_tokens, hidden))
-    d_x = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=slots.device)
-    kernel = get_kernel("moe_combine_backward", device=slots.device)
-    for grid, start, count in _launches(kernel, num_tokens, hidden):
-        kernel.launch(
-            grid,
-            {
-                "d_x_ptr": d_x[start:],
-                "d_x_shared_ptr": None if d_x_shared is None else d_x_shared[start:],
-                "slots_ptr": slots[start * topk :],
+
+class _EpiloguePlan:
+    """One (shapes, shared or not) of an epilogue: checked and bound on its first call. Launch
+    i covers tokens [start_i, start_i + count_i): its addresses are the call's plus offsets."""
+
+    def __init__(self, forward: bool, shared, slots, weights_shape_or_topk):
+        from mok.runtime import get_kernel  # noqa: PLC0415
+
+        num_slots, hidden = slots.shape if slots.dim() == 2 else (None, None)
+        if forward:
+            num_tokens, topk = weights_shape_or_topk
+        else:
+            topk = weights_shape_or_topk
+            if topk < 1 or num_slots is None or num_slots % topk:
+                raise ValueError(f"slots rows ({num_slots}) must be a multiple of topk ({topk})")
+            num_tokens = num_slots // topk
+        if hidden is None or hidden % HIDDEN_ALIGNMENT:
+            raise ValueError(f"hidden size must be a multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
+        check_host("slots", slots, torch.bfloat16, (num_tokens * topk, hidden))
+        name = "y_shared" if forward else "d_x_shared"
+        if shared is not None:
+            check_host(name, shared, torch.bfloat16, (num_tokens, hidden))
+        self.forward, self.shape, self.topk = forward, (num_tokens, hidden), topk
+        self.device = slots.device
+        self.device_index = slots.get_device()
+        kernel = get_kernel("moe_combine_forward" if forward else "moe_combine_backward",
+                            device=slots.device)  # fmt: skip
+        has_shared = int(shared is not None)
+        self.launches = []
+        for grid, start, count in _launches(kernel, num_tokens, hidden):
+            args = {
                 "num_tokens": count,
                 "hidden_size": hidden,
                 "topk": topk,
-                "has_shared": int(d_x_shared is not None),
-            },
-        )
-    return d_x
+                "has_shared": has_shared,
+            }
+            if forward:
+                args.update(out_ptr=slots, shared_ptr=shared, weight_ptr=slots, slots_ptr=slots,
+                            status_ptr=status_ptr(slots.device))  # fmt: skip
+                dynamic = ("out_ptr", "shared_ptr", "weight_ptr", "slots_ptr")
+            else:
+                args.update(d_x_ptr=slots, d_x_shared_ptr=shared, slots_ptr=slots)
+                dynamic = ("d_x_ptr", "d_x_shared_ptr", "slots_ptr")
+            self.launches.append((kernel.bind(grid, args, dynamic), start))
+
+    def __call__(self, shared, slots, router_weights=None):
+        num_tokens, hidden = self.shape
+        if self.forward:
+            # A view of the weights needs only 4-byte alignment (scalar loads).
+            check_host("router_weights", router_weights, torch.float32, (num_tokens, self.topk))
+        out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=self.device)
+        out_at, slots_at = out.data_ptr(), slots.data_ptr()
+        shared_at = 0 if shared is None else shared.data_ptr()
+        weights_at = 0 if router_weights is None else router_weights.data_ptr()
+        row_bytes, k = 2 * hidden, self.topk
+        stream = current_stream(self.device_index)
+        for bound, start in self.launches:
+            at = (out_at + start * row_bytes, shared_at and shared_at + start * row_bytes)
+            if self.forward:
+                bound.launch(*at, weights_at + start * k * 4, slots_at + start * k * row_bytes,
+                             stream=stream)  # fmt: skip
+            else:
+                bound.launch(*at, slots_at + start * k * row_bytes, stream=stream)
+        return out

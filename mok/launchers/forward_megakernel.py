@@ -1,6 +1,7 @@
 """The forward megakernel's launcher (dsl_kernels/sm90/moe_forward.py): dispatch, gate/up +
-SwiGLU and down to slots in one launch, before `epilogues.fwd_epilogue`. Its counters are zeroed
-right before it on the same stream (graph-capturable, no host sync).
+SwiGLU and down to slots in one launch, before `epilogues.fwd_epilogue`. Its counters (the
+plan's, launchers/plans.py) are zeroed right before it on the same stream (graph-capturable, no
+host sync).
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ from .checks import check_cuda, check_extents, check_multiple
 from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm import DOWN_N_ALIGNMENT, GATE_UP_N_ALIGNMENT, K_ALIGNMENT
-from .megakernel_walk import minibatch_row_tiles, walk_arguments
+from .megakernel_walk import (
+    FORWARD_COUNTER_TAIL,
+    check_schedule_tensors,
+    minibatch_row_tiles,
+    walk_arguments,
+)
+from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weight_key, zero_async
 
 KERNEL = "moe_forward"
 
@@ -43,72 +50,135 @@ def routed_forward(
     `minibatch_size` (routed rows; None: all) never changes the bits. `grid`: CTAs (None: the
     SM count).
     """
-    from mok.runtime import get_kernel  # noqa: PLC0415
+    key = (
+        KERNEL, tensor_key(x), tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
+        tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
+        weight_key(gate_weights), weight_key(up_weights), weight_key(down_weights),
+        tensor_key(slots), topk, swiglu_limit, num_comm_ctas, minibatch_size, timeout_ns,
+        None if peers is None else (peers[0], peers[1].data_ptr(), peers[2].data_ptr()), grid,
+        current_stream(x.get_device()),
+    )  # fmt: skip
+    launch = plan(key, lambda: _ForwardPlan(
+        x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
+        minibatch_size, timeout_ns, peers, slots, grid,
+    ))  # fmt: skip
+    return launch(x, schedule, slots)
 
-    num_tokens, hidden_size = x.shape
-    num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
-    capacity = schedule.peer_rank.shape[0]
-    check_cuda("x", x, torch.bfloat16, (num_tokens, hidden_size))
-    check_multiple("hidden_size", hidden_size, DOWN_N_ALIGNMENT)
-    check_multiple("intermediate_size", intermediate_size, GATE_UP_N_ALIGNMENT)
-    check_multiple("intermediate_size", intermediate_size, K_ALIGNMENT)
-    for name, w, shape in (
-        ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
-        ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
-        ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
-    ):
-        check_cuda(name, w, torch.bfloat16, shape)
-    widest = max(hidden_size, intermediate_size)
-    check_extents("weight rows", capacity, num_experts * widest, widest, widest)
-    minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)  # before any allocation
-    device = x.device
-    x_routed = torch.empty(capacity, hidden_size, dtype=torch.bfloat16, device=device)
-    gate, up, hidden = (
-        torch.empty(capacity, intermediate_size, dtype=torch.bfloat16, device=device)
-        for _ in range(3)
-    )
-    if slots is None:
-        slots = torch.empty(num_tokens * topk, hidden_size, dtype=torch.bfloat16, device=device)
-    check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
-    ep_rank, x_table, slots_table = peers if peers is not None else (0, None, None)
-    if capacity == 0 or num_experts == 0 or num_tokens == 0:
-        return (x_routed, gate, up, hidden), slots
-    # dispatched[m], hidden_done[m] per 128-row tile, then the task ticket.
-    counters = torch.zeros(2 * (-(-capacity // TILE_ROWS)) + 2, dtype=torch.int32, device=device)
-    kernel = get_kernel(KERNEL, device=device)
-    gate_up_flat = (num_experts * intermediate_size, hidden_size)
-    grid = grid or sm_count(device)
-    kernel.launch(
-        (grid, 1, 1),
-        {
-            "tma_x": tma_descriptor(kernel, "tma_x", x_routed),
-            "tma_wg": tma_descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
-            "tma_wu": tma_descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
-            "tma_h": tma_descriptor(kernel, "tma_h", hidden),
-            "tma_wd": tma_descriptor(
-                kernel, "tma_wd", down_weights.view(num_experts * hidden_size, intermediate_size)
-            ),
-            "x_ptr": x,
-            "x_routed_ptr": x_routed,
-            "gate_ptr": gate,
-            "up_ptr": up,
-            "hidden_ptr": hidden,
-            "slots_ptr": slots,
-            "x_ptrs": x_table,
-            "slots_ptrs": slots_table,
-            **walk_arguments(
-                schedule,
-                counters,
-                timeout_ns,
-                x,
-                gate_weights,
-                topk,
-                swiglu_limit,
-                num_comm_ctas,
-                grid,
-                minibatch_tiles,
-                ep_rank,
-            ),  # fmt: skip
-        },
-    )
-    return (x_routed, gate, up, hidden), slots
+
+class _ForwardPlan:
+    """One (shapes, weights, config) of `routed_forward`: checked and bound on its first call."""
+
+    def __init__(
+        self, x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit,
+        num_comm_ctas, minibatch_size, timeout_ns, peers, slots, grid,
+    ):  # fmt: skip
+        from mok.runtime import get_kernel  # noqa: PLC0415
+
+        num_tokens, hidden_size = x.shape
+        num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
+        capacity = schedule.peer_rank.shape[0]
+        check_cuda("x", x, torch.bfloat16, (num_tokens, hidden_size))
+        check_multiple("hidden_size", hidden_size, DOWN_N_ALIGNMENT)
+        check_multiple("intermediate_size", intermediate_size, GATE_UP_N_ALIGNMENT)
+        check_multiple("intermediate_size", intermediate_size, K_ALIGNMENT)
+        for name, w, shape in (
+            ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
+            ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
+            ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
+        ):
+            check_cuda(name, w, torch.bfloat16, shape)
+        widest = max(hidden_size, intermediate_size)
+        check_extents("weight rows", capacity, num_experts * widest, widest, widest)
+        minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)
+        if slots is not None:
+            check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
+        check_schedule_tensors(schedule, capacity, num_experts, x.device)
+        self.device = x.device
+        self.device_index = x.get_device()
+        self.shapes = ((capacity, hidden_size), (capacity, intermediate_size),
+                       (num_tokens * topk, hidden_size))  # fmt: skip
+        self.bound = None
+        if capacity == 0 or num_experts == 0 or num_tokens == 0:
+            return
+        ep_rank, x_table, slots_table = peers if peers is not None else (0, None, None)
+        # dispatched[m], hidden_done[m] per 128-row tile, the task ticket, the dispatch ticket.
+        self.counters = torch.zeros(
+            2 * (-(-capacity // TILE_ROWS)) + FORWARD_COUNTER_TAIL,
+            dtype=torch.int32,
+            device=x.device,
+        )
+        kernel = get_kernel(KERNEL, device=x.device)
+        gate_up_flat = (num_experts * intermediate_size, hidden_size)
+        grid = grid or sm_count(x.device)
+        x_routed, gate, up, hidden = self._outputs()
+        self.tma_x = Descriptors(kernel, "tma_x")
+        self.tma_h = Descriptors(kernel, "tma_h")
+        first_slots = slots if slots is not None else x_routed  # any address: rewritten per call
+        self.bound = kernel.bind(
+            (grid, 1, 1),
+            {
+                "tma_x": self.tma_x.get(x_routed),
+                "tma_wg": tma_descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
+                "tma_wu": tma_descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
+                "tma_h": self.tma_h.get(hidden),
+                "tma_wd": tma_descriptor(
+                    kernel,
+                    "tma_wd",
+                    down_weights.view(num_experts * hidden_size, intermediate_size),
+                ),  # fmt: skip
+                "x_ptr": x,
+                "x_routed_ptr": x_routed,
+                "gate_ptr": gate,
+                "up_ptr": up,
+                "hidden_ptr": hidden,
+                "slots_ptr": first_slots,
+                "x_ptrs": x_table,
+                "slots_ptrs": slots_table,
+                **walk_arguments(
+                    schedule,
+                    self.counters,
+                    timeout_ns,
+                    x,
+                    gate_weights,
+                    topk,
+                    swiglu_limit,
+                    num_comm_ctas,
+                    grid,
+                    minibatch_tiles,
+                    ep_rank,
+                ),  # fmt: skip
+            },
+            dynamic=DYNAMIC,
+        )
+
+    def _outputs(self):
+        (rows, hidden_size), (_, inter), _ = self.shapes
+        bf16 = dict(dtype=torch.bfloat16, device=self.device)
+        return (torch.empty(rows, hidden_size, **bf16), torch.empty(rows, inter, **bf16),
+                torch.empty(rows, inter, **bf16), torch.empty(rows, inter, **bf16))  # fmt: skip
+
+    def __call__(self, x, schedule, slots):
+        x_routed, gate, up, hidden = outputs = self._outputs()
+        if slots is None:
+            slots = torch.empty(self.shapes[2], dtype=torch.bfloat16, device=self.device)
+        if self.bound is None:
+            return outputs, slots
+        x_address = x.data_ptr()
+        aligned("x", x_address)
+        stream = current_stream(self.device_index)
+        zero_async(self.counters, stream)
+        self.bound.launch(
+            self.tma_x.get(x_routed), self.tma_h.get(hidden), x_address, x_routed.data_ptr(),
+            gate.data_ptr(), up.data_ptr(), hidden.data_ptr(), slots.data_ptr(),
+            schedule.peer_rank.data_ptr(), schedule.peer_token_idx.data_ptr(),
+            schedule.num_tokens.data_ptr(), schedule.tokens_per_expert.data_ptr(),
+            stream=stream,
+        )  # fmt: skip
+        return outputs, slots
+
+
+# Rewritten on every launch, in this order (BoundLaunch.launch).
+DYNAMIC = (
+    "tma_x", "tma_h", "x_ptr", "x_routed_ptr", "gate_ptr", "up_ptr", "hidden_ptr", "slots_ptr",
+    "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr", "tokens_per_expert_ptr",
+)  # fmt: skip

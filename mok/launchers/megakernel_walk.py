@@ -3,8 +3,30 @@ record, sizes, communication CTAs and the minibatch in row tiles."""
 
 from __future__ import annotations
 
+import torch
+
+from .checks import check_arg
 from .comm import get_error_record
 from .device_args import TILE_ROWS
+
+# Counters after the two per-row-tile arrays: the forward's task and dispatch tickets; the
+# backward's dispatch_total, dgu_total, task ticket and dispatch ticket.
+FORWARD_COUNTER_TAIL = 2
+BACKWARD_COUNTER_TAIL = 4
+
+
+def check_schedule_tensors(schedule, capacity: int, num_experts: int, device) -> None:
+    """The schedule's int32 tensors as the kernels read them: [C], [C], [1], [E] on `device`
+    (the dispatch source's: CUDA, except in the launchers' CPU tests)."""
+    for name, t, size in (
+        ("schedule.peer_rank", schedule.peer_rank, capacity),
+        ("schedule.peer_token_idx", schedule.peer_token_idx, capacity),
+        ("schedule.num_tokens", schedule.num_tokens, 1),
+        ("schedule.tokens_per_expert", schedule.tokens_per_expert, num_experts),
+    ):
+        check_arg(name, t, torch.int32, (size,), cuda=device.type == "cuda", align=4)
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
 def minibatch_row_tiles(minibatch_size: int | None, capacity: int) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ROUTED_ROW_ALIGNMENT
+from .plans import current_stream, plan, tensor_key
 
 # Launch constants; they mirror dsl_kernels/common/schedule_warp.py and schedule_scan.py
 # (tests/test_schedule_ptx.py checks that they agree).
@@ -112,66 +113,97 @@ def launch_schedule(
     tokens_per_expert [E], status [4] (or the device address of 4 int32 words, e.g. the value-status
     words; written only on overflow). Current stream, no sync; graph-capturable.
     """
-    from mok.runtime import get_kernel  # noqa: PLC0415
+    static_status = status if isinstance(status, int) else None
+    key = ("schedule", tensor_key(top_experts_all), tensor_key(peer_rank),
+           tensor_key(peer_token_idx), tensor_key(num_tokens), tensor_key(tokens_per_expert),
+           static_status if static_status is not None else tensor_key(status), ep_rank,
+           num_local_experts, current_stream(top_experts_all.get_device()))  # fmt: skip
+    launches = plan(key, lambda: _SchedulePlan(
+        top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status,
+        ep_rank, num_local_experts,
+    ))  # fmt: skip
+    launches(top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status)
 
-    _check_routing(top_experts_all, ep_rank, num_local_experts)
-    device = top_experts_all.device
-    capacity = peer_rank.numel() if isinstance(peer_rank, torch.Tensor) else -1
-    _check_int32_vector("peer_rank", peer_rank, capacity, device)
-    _check_int32_vector("peer_token_idx", peer_token_idx, capacity, device)
-    _check_int32_vector("num_tokens", num_tokens, 1, device)
-    _check_int32_vector("tokens_per_expert", tokens_per_expert, num_local_experts, device)
-    if not isinstance(status, int):
-        _check_int32_vector("status", status, STATUS_WORDS, device)
-    if capacity + num_local_experts * ROUTED_ROW_ALIGNMENT >= _INT32_LIMIT:
-        raise ValueError(f"capacity {capacity} is too large for int32 row indices")
 
-    num_ranks, tokens, topk = top_experts_all.shape
-    num_entries = num_ranks * tokens * topk
-    num_chunks, scan_ctas = schedule_grids(num_entries, num_local_experts)
-    if num_chunks * num_local_experts >= _INT32_LIMIT:
-        raise ValueError(f"{num_chunks} chunks x {num_local_experts} experts overflow int32")
-    # Every scratch element is written by the kernel that produces it: torch.empty is enough.
-    counts = torch.empty(num_chunks * num_local_experts, dtype=torch.int32, device=device)
-    expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+class _SchedulePlan:
+    """The three schedule kernels for one set of shapes: checked and bound on the first call,
+    with their scratch (every element written by the kernel that produces it)."""
 
-    get_kernel("schedule_histogram", device=device).launch(
-        (num_chunks, 1, 1),
-        {
-            "ids_ptr": top_experts_all,
-            "counts_ptr": counts,
-            "num_entries": num_entries,
-            "ep_rank": ep_rank,
-            "num_local_experts": num_local_experts,
-        },
-    )
-    get_kernel("schedule_scan", device=device).launch(
-        (scan_ctas, 1, 1),
-        {
-            "counts_ptr": counts,
-            "expert_counts_ptr": expert_counts,
-            "num_chunks": num_chunks,
-            "num_local_experts": num_local_experts,
-        },
-    )
-    get_kernel("schedule_place", device=device).launch(
-        (num_chunks, 1, 1),
-        {
-            "ids_ptr": top_experts_all,
-            "offsets_ptr": counts,
-            "expert_counts_ptr": expert_counts,
-            "peer_rank_ptr": peer_rank,
-            "peer_token_idx_ptr": peer_token_idx,
-            "num_tokens_ptr": num_tokens,
-            "tokens_per_expert_ptr": tokens_per_expert,
-            "status_ptr": status,
-            "num_entries": num_entries,
-            "entries_per_rank": tokens * topk,
-            "ep_rank": ep_rank,
-            "num_local_experts": num_local_experts,
-            "capacity": capacity,
-        },
-    )
+    def __init__(self, top_experts_all, peer_rank, peer_token_idx, num_tokens,
+                 tokens_per_expert, status, ep_rank, num_local_experts):  # fmt: skip
+        from mok.runtime import get_kernel  # noqa: PLC0415
+
+        _check_routing(top_experts_all, ep_rank, num_local_experts)
+        device = top_experts_all.device
+        capacity = peer_rank.numel() if isinstance(peer_rank, torch.Tensor) else -1
+        _check_int32_vector("peer_rank", peer_rank, capacity, device)
+        _check_int32_vector("peer_token_idx", peer_token_idx, capacity, device)
+        _check_int32_vector("num_tokens", num_tokens, 1, device)
+        _check_int32_vector("tokens_per_expert", tokens_per_expert, num_local_experts, device)
+        if not isinstance(status, int):
+            _check_int32_vector("status", status, STATUS_WORDS, device)
+        if capacity + num_local_experts * ROUTED_ROW_ALIGNMENT >= _INT32_LIMIT:
+            raise ValueError(f"capacity {capacity} is too large for int32 row indices")
+        num_ranks, tokens, topk = top_experts_all.shape
+        num_entries = num_ranks * tokens * topk
+        num_chunks, scan_ctas = schedule_grids(num_entries, num_local_experts)
+        if num_chunks * num_local_experts >= _INT32_LIMIT:
+            raise ValueError(f"{num_chunks} chunks x {num_local_experts} experts overflow int32")
+        self.device_index = top_experts_all.get_device()
+        counts = torch.empty(num_chunks * num_local_experts, dtype=torch.int32, device=device)
+        expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+        self.scratch = (counts, expert_counts)
+        self.histogram = get_kernel("schedule_histogram", device=device).bind(
+            (num_chunks, 1, 1),
+            {
+                "ids_ptr": top_experts_all,
+                "counts_ptr": counts,
+                "num_entries": num_entries,
+                "ep_rank": ep_rank,
+                "num_local_experts": num_local_experts,
+            },
+            dynamic=("ids_ptr",),
+        )
+        self.scan = get_kernel("schedule_scan", device=device).bind(
+            (scan_ctas, 1, 1),
+            {
+                "counts_ptr": counts,
+                "expert_counts_ptr": expert_counts,
+                "num_chunks": num_chunks,
+                "num_local_experts": num_local_experts,
+            },
+        )
+        self.place = get_kernel("schedule_place", device=device).bind(
+            (num_chunks, 1, 1),
+            {
+                "ids_ptr": top_experts_all,
+                "offsets_ptr": counts,
+                "expert_counts_ptr": expert_counts,
+                "peer_rank_ptr": peer_rank,
+                "peer_token_idx_ptr": peer_token_idx,
+                "num_tokens_ptr": num_tokens,
+                "tokens_per_expert_ptr": tokens_per_expert,
+                "status_ptr": status,
+                "num_entries": num_entries,
+                "entries_per_rank": tokens * topk,
+                "ep_rank": ep_rank,
+                "num_local_experts": num_local_experts,
+                "capacity": capacity,
+            },
+            dynamic=("ids_ptr", "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr",
+                     "tokens_per_expert_ptr", "status_ptr"),
+        )  # fmt: skip
+
+    def __call__(self, ids, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status):
+        stream = current_stream(self.device_index)
+        ids_at = ids.data_ptr()
+        self.histogram.launch(ids_at, stream=stream)
+        self.scan.launch(stream=stream)
+        self.place.launch(
+            ids_at, peer_rank.data_ptr(), peer_token_idx.data_ptr(), num_tokens.data_ptr(),
+            tokens_per_expert.data_ptr(), status if isinstance(status, int) else status.data_ptr(),
+            stream=stream,
+        )  # fmt: skip
 
 
 def build_schedule_gpu(

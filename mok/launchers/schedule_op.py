@@ -11,11 +11,16 @@ from ..config import MoKConfig
 from . import comm, schedule_kernels
 from .status import status_ptr
 
+_CONFIGS: dict[int, MoKConfig] = {}  # by chunk size: made (and validated) once
+
 
 def build_schedule(
     ws, top_experts, num_local_experts: int, capacity: int, chunk_bytes: int
 ):  # fmt: skip
-    config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
+    config = _CONFIGS.get(chunk_bytes)
+    if config is None:
+        config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
+        _CONFIGS[chunk_bytes] = config
     gathered = comm.all_gather_top_experts(
         ws, config, top_experts, timeout_ns=ws.wait_timeout_ns,
         num_experts=num_local_experts * ws.ep_size,

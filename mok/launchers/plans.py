@@ -1,0 +1,109 @@
+"""Launch plans: what a launcher derives from a call's unchanging part, made once and reused.
+
+A training step calls each launcher with the same weights, workspace, sizes and config every
+time; only the activations are new. A launcher keys a plan on everything but the activations'
+addresses (`tensor_key` of each tensor: shape, dtype, device, layout; `weight_key` adds the
+address) and the current stream. The first call of a key runs the launcher's full argument
+checks and binds its kernels (`Kernel.bind`: constant params checked and packed once); later
+calls write only the new addresses and launch. So every call is checked: a tensor that differs
+in anything but its address from the one the plan was checked with makes a new key, whose plan
+runs the checks again (and raises).
+
+Plans are per thread and per stream (a plan's scratch counters serve one stream's launches in
+order) and bounded (the cache is cleared when full).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from mok.runtime import _driver
+
+_PLANS_MAX = 64
+_DESCRIPTORS_MAX = 32
+_local = threading.local()
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a plan checked about an activation: all but its address (None: absent)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return (t.__class__,)  # the plan's checks raise the launcher's error
+    return (t.shape, t.dtype, t.get_device(), t.is_contiguous(), t.__class__)
+
+
+def weight_key(t: torch.Tensor | None) -> tuple | None:
+    """What a plan checked about a tensor it keeps using: `tensor_key` and its address."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return (t.__class__,)
+    return (t.data_ptr(), t.shape, t.dtype, t.get_device(), t.is_contiguous(), t.__class__)
+
+
+def current_stream(device_index: int) -> int:
+    """torch's current CUstream on a CUDA device (0 for a CPU tensor's index -1: the launchers'
+    CPU tests, whose fake kernels ignore it)."""
+    return torch._C._cuda_getCurrentRawStream(device_index) if device_index >= 0 else 0
+
+
+def plan(key: tuple, make: Callable[[], object]):
+    """This thread's plan for `key` (make() on a miss: it runs the full checks)."""
+    plans = getattr(_local, "plans", None)
+    if plans is None:
+        plans = _local.plans = {}
+    found = plans.get(key)
+    if found is None:
+        found = make()
+        if len(plans) >= _PLANS_MAX:
+            plans.clear()
+        plans[key] = found
+    return found
+
+
+def clear_plans() -> None:
+    """Drop this thread's plans (tests; a plan holds no tensor the caller passed)."""
+    _local.plans = {}
+
+
+class Descriptors:
+    """TMA descriptors of one kernel param for tensors of one shape, by address."""
+
+    __slots__ = ("kernel", "param", "_by_address")
+
+    def __init__(self, kernel, param: str):
+        self.kernel, self.param = kernel, param
+        self._by_address: dict[int, object] = {}
+
+    def get(self, tensor: torch.Tensor):
+        from .device_args import tma_descriptor  # noqa: PLC0415
+
+        address = tensor.data_ptr()
+        descriptor = self._by_address.get(address)
+        if descriptor is None:
+            descriptor = tma_descriptor(self.kernel, self.param, tensor)
+            if len(self._by_address) >= _DESCRIPTORS_MAX:
+                self._by_address.clear()
+            self._by_address[address] = descriptor
+        return descriptor
+
+
+def zero_async(tensor: torch.Tensor, stream: int) -> None:
+    """Zero an int32 tensor on `stream` (cuMemsetD32Async: no allocation, capturable)."""
+    if not tensor.is_cuda:
+        tensor.zero_()
+        return
+    cu = _driver.driver()
+    result = cu.cuMemsetD32Async(tensor.data_ptr(), 0, tensor.numel(), stream)
+    if result[0] != cu.CUresult.CUDA_SUCCESS:
+        _driver.check(result, "cuMemsetD32Async (launch-plan counters)")
+
+
+def aligned(name: str, address: int, align: int = 16) -> None:
+    """A dynamic address must keep the alignment the plan's first tensor was checked for."""
+    if address % align:
+        raise ValueError(f"{name} must be {align}-byte aligned, got address {address:#x}")

@@ -1,0 +1,135 @@
+"""Host cost of the primitives a mok step is made of, on this machine (microseconds per call).
+
+    python -m tools.host_floors
+
+Each row is the median of 20 batches of 200 calls, with the GPU kept busy by nothing but the
+calls themselves (small kernels; a sync between batches). These are the floors under
+`benchmarks.host_time`: a step's launches, allocations and autograd cannot cost less.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+
+import torch
+
+
+def _per_call(fn, calls: int = 200, batches: int = 10) -> float:
+    samples = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad, None
+
+
+def main() -> None:
+    from mok.runtime import _driver, get_kernel
+
+    from mok.launchers.plans import current_stream, zero_async
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    cu = _driver.driver()
+    rows = {}
+    small = torch.empty(256, dtype=torch.int32, device=device)
+    rows["torch.empty (4 MB bf16)"] = _per_call(
+        lambda: torch.empty(1024, 2048, dtype=torch.bfloat16, device=device)
+    )
+    rows["Tensor.new_empty(0)"] = _per_call(lambda: small.new_empty(0))
+    rows["Tensor.data_ptr"] = _per_call(small.data_ptr)
+    rows["torch.zero_ (1 KB)"] = _per_call(small.zero_)
+    stream = current_stream(device.index)
+    rows["cuMemsetD32Async (cuda-python)"] = _per_call(lambda: zero_async(small, stream))
+    rows["cuCtxGetCurrent (cuda-python)"] = _per_call(cu.cuCtxGetCurrent)
+    kernel = get_kernel("schedule_scan", device=device)
+    counts = torch.zeros(64, dtype=torch.int32, device=device)
+    expert = torch.zeros(32, dtype=torch.int32, device=device)
+    args = {"counts_ptr": counts, "expert_counts_ptr": expert, "num_chunks": 1,
+            "num_local_experts": 32}  # fmt: skip
+    rows["Kernel.launch (4 params, checked)"] = _per_call(lambda: kernel.launch((1, 1, 1), args))
+    bound = kernel.bind((1, 1, 1), args, dynamic=("counts_ptr", "expert_counts_ptr"))
+    c_at, e_at = counts.data_ptr(), expert.data_ptr()
+    rows["BoundLaunch.launch (2 dynamic)"] = _per_call(
+        lambda: bound.launch(c_at, e_at, stream=stream)
+    )
+    config = bound._config
+    packed = bound._packed
+    function = kernel.function
+    rows["cuLaunchKernelEx alone (cuda-python)"] = _per_call(
+        lambda: cu.cuLaunchKernelEx(config, function, packed.address, 0)
+    )
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    launch = libcuda.cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_uint, ctypes.c_void_p,
+                                                                  ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+    f_handle = int(function)
+    rows["cuLaunchKernel via ctypes (no cluster attribute)"] = _per_call(
+        lambda: launch(f_handle, 1, 1, 1, 1024, 1, 1, 0, stream, packed.address, None)
+    )
+    x = torch.randn(256, 256, device=device, requires_grad=True)
+    w = torch.randn(256, device=device, requires_grad=True)
+    g = torch.randn(256, 256, device=device)
+
+    def autograd_step():
+        _Identity.apply(x, w).backward(g)
+        x.grad = None
+
+    rows["autograd.Function apply + backward (no kernels)"] = _per_call(autograd_step, 100)
+    rows.update(_layer_rows(device))
+    for name, us in rows.items():
+        print(f"{name:52s} {us:8.2f} us")
+
+
+def _layer_rows(device) -> dict:
+    """The functional pieces of one Qwen3-30B-A3B-shaped step (T = 4096), each timed alone."""
+    import mok.functional as F  # noqa: PLC0415
+    from mok.testing import make_inputs  # noqa: PLC0415
+
+    t, h, i, e, k = 4096, 2048, 768, 128, 8
+    inputs = make_inputs(t, h, i, e, k, device=device)
+    weights = (None, None, None, inputs["routed_gate"], inputs["routed_up"], inputs["routed_down"])
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device=device, num_local_tokens=t, hidden_size=h,
+                         topk=k, num_local_experts=e)  # fmt: skip
+    x, w, dy = inputs["x"], inputs["router_weights"], inputs["grad_output"]
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
+    _, ctx = F.forward(config, ws, schedule, x, w, *weights)
+    rows = {
+        "layer: functional.build_schedule": _per_call(
+            lambda: F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e), 20
+        ),
+        "layer: functional.forward": _per_call(
+            lambda: F.forward(config, ws, schedule, x, w, *weights), 20
+        ),
+        "layer: functional.backward": _per_call(
+            lambda: F.backward(config, ws, schedule, ctx, dy, x, w, *weights), 20
+        ),
+    }
+    from mok.launchers import forward_op  # noqa: PLC0415
+
+    rows["layer: launchers forward_op.forward"] = _per_call(
+        lambda: forward_op.forward(ws, schedule, x, w, *weights, None, 0, config.minibatch_size,
+                                   config.macrobatch_size), 20,
+    )  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
