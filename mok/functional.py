@@ -24,7 +24,14 @@ from .config import FEATURE_ALIGNMENT, MoKConfig
 from .errors import MoKInputError, MoKKernelUnavailableError
 from .mxfp8_weights import check_mxfp8_weights, is_mxfp8
 from .types import MoKForwardContext, MoKSchedule
-from .validation import check_int, check_swiglu_limit, check_tensor, check_type
+from .validation import (
+    CheckedCalls,
+    check_int,
+    check_swiglu_limit,
+    check_tensor,
+    check_type,
+    tensor_key,
+)
 from .workspace import (
     MoKWorkspace,
     clear_workspace_cache,
@@ -166,11 +173,16 @@ def build_schedule(
     top_experts: int64 [T, k], global expert ids in [0, num_local_experts * EP size).
     Raises ValueError on ids out of range or when routed rows exceed the schedule capacity.
     """
-    _check_common(config, workspace)
-    check_int("num_local_experts", num_local_experts, minimum=1)
-    check_tensor("top_experts", top_experts, dtype=torch.int64,
-                 shape=[workspace.num_local_tokens, workspace.topk],
-                 device=workspace.device)  # fmt: skip
+    key = _call_key("build_schedule", config, workspace, None, (top_experts,), num_local_experts)
+    if key in _CHECKED:
+        workspace.require_alive()
+    else:
+        _check_common(config, workspace)
+        check_int("num_local_experts", num_local_experts, minimum=1)
+        check_tensor("top_experts", top_experts, dtype=torch.int64,
+                     shape=[workspace.num_local_tokens, workspace.topk],
+                     device=workspace.device)  # fmt: skip
+        _CHECKED.add(key, config)
     outs = ops.call(
         "build_schedule",
         workspace.handle,
@@ -202,23 +214,33 @@ def forward(
     [H, I], or all three None; routed gate/up bf16 [E, I, H], down [E, H, I]. H and I are
     multiples of 128. Returns (out bf16 [T, H], the context backward needs).
     """
-    _check_common(config, workspace, schedule)
-    _check_activations(workspace, x, router_weights)
-    weights = dict(
-        shared_gate_weights=shared_gate_weights, shared_up_weights=shared_up_weights,
-        shared_down_weights=shared_down_weights, routed_gate_weights=routed_gate_weights,
-        routed_up_weights=routed_up_weights, routed_down_weights=routed_down_weights,
+    key = _call_key(
+        "forward", config, workspace, schedule,
+        (x, router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
+         routed_gate_weights, routed_up_weights, routed_down_weights), swiglu_limit,
     )  # fmt: skip
-    limit = check_swiglu_limit(swiglu_limit)
-    if is_mxfp8(weights):
-        check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=False)
-        out, *ctx = ops.forward_mxfp8(
-            workspace.handle, *_schedule_args(schedule), x, router_weights,
-            shared_gate_weights, shared_up_weights, shared_down_weights,
-            *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
+    if key in _CHECKED:
+        workspace.require_alive()
+        limit = None if swiglu_limit is None else float(swiglu_limit)
+    else:
+        _check_common(config, workspace, schedule)
+        _check_activations(workspace, x, router_weights)
+        weights = dict(
+            shared_gate_weights=shared_gate_weights, shared_up_weights=shared_up_weights,
+            shared_down_weights=shared_down_weights, routed_gate_weights=routed_gate_weights,
+            routed_up_weights=routed_up_weights, routed_down_weights=routed_down_weights,
         )  # fmt: skip
-        return out, _context(ctx, schedule, has_shared=shared_gate_weights is not None)
-    _check_weights(workspace, schedule, weights)
+        limit = check_swiglu_limit(swiglu_limit)
+        if is_mxfp8(weights):
+            check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=False)
+            out, *ctx = ops.forward_mxfp8(
+                workspace.handle, *_schedule_args(schedule), x, router_weights,
+                shared_gate_weights, shared_up_weights, shared_down_weights,
+                *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
+            )  # fmt: skip
+            return out, _context(ctx, schedule, has_shared=shared_gate_weights is not None)
+        _check_weights(workspace, schedule, weights)
+        _CHECKED.add(key, config)
     out, *ctx = ops.call(
         "forward",
         workspace.handle, *_schedule_args(schedule), x, router_weights,
@@ -227,6 +249,31 @@ def forward(
         limit, config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
     )  # fmt: skip
     return out, _context(ctx, schedule, has_shared=shared_gate_weights is not None)
+
+
+# Argument sets whose checks passed (the BF16 layer calls; see validation.CheckedCalls).
+_CHECKED = CheckedCalls()
+
+
+def _call_key(op, config, workspace, schedule, tensors, *values) -> tuple | None:
+    """The key of a call's checks: its config and workspace, the `tensor_key` of the
+    schedule's and every given tensor, and the plain values (None: not memoisable, and always
+    while torch.compile traces: the checks then run on the fake tensors, and the memo would be a
+    side effect in the graph)."""
+    if torch.compiler.is_compiling():
+        return None
+    if config.__class__ is not MoKConfig or workspace.__class__ is not MoKWorkspace:
+        return None
+    sched = ()
+    if schedule is not None:
+        if schedule.__class__ is not MoKSchedule:
+            return None
+        sched = (tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
+                 tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert))  # fmt: skip
+    # The workspace by handle: a memo must not hold it (the cache evicts unreferenced ones), and
+    # a handle names one shape for life (an evicted workspace's handle is remade alike).
+    return (op, id(config), workspace.handle, *sched, *(tensor_key(t) for t in tensors),
+            *((v.__class__, v) for v in values))  # fmt: skip
 
 
 def _context(tensors, schedule: MoKSchedule, *, has_shared: bool) -> MoKForwardContext:
@@ -303,34 +350,45 @@ def backward(
     down, shared gate, up, down, shaped like their weights: those gradients are accumulated in
     place into them (fp32) and the same tensors are returned in their places.
     """
-    _check_common(config, workspace, schedule)
-    _check_activations(workspace, x, router_weights, grad_output)
-    check_type("forward_context", forward_context, MoKForwardContext)
-    weights = dict(
-        routed_gate_weights=routed_gate_weights, routed_up_weights=routed_up_weights,
-        routed_down_weights=routed_down_weights, shared_gate_weights=shared_gate_weights,
-        shared_up_weights=shared_up_weights, shared_down_weights=shared_down_weights,
-    )  # fmt: skip
-    limit = check_swiglu_limit(swiglu_limit)
     has_shared = shared_gate_weights is not None
-    empty = x.new_empty(0)
-    if is_mxfp8(weights):
-        inter = check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=True)
-        _check_context(forward_context, workspace, schedule, inter, has_shared)
-        if main_grads is not None and any(g is not None for g in main_grads):
-            raise ValueError("main_grads with MXFP8 routed weights are not supported yet")
-        ctx = [t if t is not None else empty for t in forward_context.tensors()]
-        grads = ops.backward_mxfp8(
-            workspace.handle, *_schedule_args(schedule), *ctx, grad_output, x, router_weights,
-            shared_gate_weights, shared_up_weights, shared_down_weights,
-            *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
+    context_tensors = (forward_context.tensors()
+                       if forward_context.__class__ is MoKForwardContext else None)  # fmt: skip
+    key = None
+    if context_tensors is not None and (main_grads is None or main_grads.__class__ is tuple):
+        key = _call_key(
+            "backward", config, workspace, schedule,
+            (*context_tensors, grad_output, x, router_weights, shared_gate_weights,
+             shared_up_weights, shared_down_weights, routed_gate_weights, routed_up_weights,
+             routed_down_weights, *(main_grads or ())), swiglu_limit, main_grads is None,
         )  # fmt: skip
-        shared_grads = grads[5:] if has_shared else (None, None, None)
-        return (*grads[:5], *shared_grads)
-    inter = _check_weights(workspace, schedule, weights)
-    _check_context(forward_context, workspace, schedule, inter, has_shared)
-    main = _check_main_grads(main_grads, weights)
-    ctx = [t if t is not None else empty for t in forward_context.tensors()]
+    if key in _CHECKED:
+        workspace.require_alive()
+        _check_provenance(forward_context, schedule)
+        limit = None if swiglu_limit is None else float(swiglu_limit)
+        main = main_grads if main_grads is not None else (None,) * 6
+        ctx = context_tensors
+    else:
+        _check_common(config, workspace, schedule)
+        _check_activations(workspace, x, router_weights, grad_output)
+        check_type("forward_context", forward_context, MoKForwardContext)
+        weights = dict(
+            routed_gate_weights=routed_gate_weights, routed_up_weights=routed_up_weights,
+            routed_down_weights=routed_down_weights, shared_gate_weights=shared_gate_weights,
+            shared_up_weights=shared_up_weights, shared_down_weights=shared_down_weights,
+        )  # fmt: skip
+        limit = check_swiglu_limit(swiglu_limit)
+        if is_mxfp8(weights):
+            return _backward_mxfp8(config, workspace, schedule, forward_context, grad_output, x,
+                                   router_weights, weights, limit, has_shared, main_grads)  # fmt: skip
+        inter = _check_weights(workspace, schedule, weights)
+        _check_context(
+            forward_context, workspace, schedule, inter, has_shared, config.macrobatch_size
+        )
+        main = _check_main_grads(main_grads, weights)
+        _CHECKED.add(key, config)
+        ctx = forward_context.tensors()
+    empty = x.new_empty(0)
+    ctx = [t if t is not None else empty for t in ctx]
     grads = ops.call(
         "backward",
         workspace.handle, *_schedule_args(schedule), *ctx, grad_output, x, router_weights,
@@ -347,20 +405,51 @@ def backward(
     return (d_x, d_router, *weight_grads)
 
 
-def _check_context(
-    ctx: MoKForwardContext, workspace, schedule, inter: int, has_shared: bool
-) -> None:
-    cap, hidden, t = workspace.schedule_capacity, workspace.hidden_size, workspace.num_local_tokens
-    dev = workspace.device
-    # Host-side provenance (a context's rows are only meaningful in its own schedule's order;
-    # comparing them with the schedule would need a device sync). A context rebuilt by hand
-    # carries none and is only shape-checked.
+def _backward_mxfp8(config, workspace, schedule, forward_context, grad_output, x,
+                    router_weights, weights, limit, has_shared, main_grads):  # fmt: skip
+    inter = check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=True)
+    _check_context(forward_context, workspace, schedule, inter, has_shared)
+    if main_grads is not None and any(g is not None for g in main_grads):
+        raise ValueError("main_grads with MXFP8 routed weights are not supported yet")
+    empty = x.new_empty(0)
+    ctx = [t if t is not None else empty for t in forward_context.tensors()]
+    grads = ops.backward_mxfp8(
+        workspace.handle, *_schedule_args(schedule), *ctx, grad_output, x, router_weights,
+        weights["shared_gate_weights"], weights["shared_up_weights"],
+        weights["shared_down_weights"], *weights["routed_gate_weights"],
+        *weights["routed_up_weights"], *weights["routed_down_weights"], limit,
+    )  # fmt: skip
+    shared_grads = grads[5:] if has_shared else (None, None, None)
+    return (*grads[:5], *shared_grads)
+
+
+def _check_provenance(ctx: MoKForwardContext, schedule) -> None:
+    """Host-side provenance (a context's rows are only meaningful in its own schedule's order;
+    comparing them with the schedule would need a device sync). A context rebuilt by hand
+    carries none and is only shape-checked."""
     made_with = getattr(ctx, _CONTEXT_SCHEDULE, None)
     if made_with is not None and made_with is not schedule.peer_rank:
         raise ValueError(
             "forward_context must come from a forward with this schedule, got one a forward "
             "with another MoKSchedule returned (pass backward the schedule its forward used)"
         )
+
+
+def _check_context(
+    ctx: MoKForwardContext,
+    workspace,
+    schedule,
+    inter: int,
+    has_shared: bool,
+    macrobatch_size: int | None = None,
+) -> None:
+    cap, hidden, t = workspace.schedule_capacity, workspace.hidden_size, workspace.num_local_tokens
+    if macrobatch_size is not None and getattr(ctx.x_routed, "shape", (cap,))[:1] != (cap,):
+        from .launchers.checks import context_rows  # noqa: PLC0415 - launchers load lazily
+
+        cap = context_rows(macrobatch_size, cap, t, workspace.topk)  # ring reuse: macrobatch 0's
+    dev = workspace.device
+    _check_provenance(ctx, schedule)
     check_tensor("forward_context.x_routed", ctx.x_routed, dtype=torch.bfloat16,
                  shape=[cap, hidden], device=dev)  # fmt: skip
     for name in ("gate_routed", "up_routed", "hidden_routed"):

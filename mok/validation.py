@@ -82,6 +82,36 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     )
 
 
+def tensor_key(t) -> tuple | None:
+    """What the metadata checks look at in a tensor (shape, dtype, device, layout, class): two
+    tensors with equal keys pass or fail every check alike (None: absent)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return (t.__class__,)
+    return (t.shape, t.dtype, t.device, t.is_contiguous(), t.__class__)
+
+
+class CheckedCalls:
+    """Argument sets whose checks passed, by key (`tensor_key`s and plain values): a call whose
+    key is here skips the checks, whose outcome its arguments' keys decide. Bounded: cleared
+    when full. Each entry holds the objects whose ids its key uses, so an id stays theirs."""
+
+    def __init__(self, size: int = 256):
+        self._size = size
+        self._keys: dict[tuple, tuple] = {}
+
+    def __contains__(self, key) -> bool:
+        return key is not None and key in self._keys
+
+    def add(self, key, *pinned) -> None:
+        if key is None:
+            return
+        if len(self._keys) >= self._size:
+            self._keys.clear()
+        self._keys[key] = pinned
+
+
 def check_swiglu_limit(value) -> float | None:
     if value is None:
         return None

@@ -116,6 +116,9 @@ class MoKWorkspace:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            from .launchers.plans import clear_plans  # noqa: PLC0415 - CUDA only
+
+            clear_plans()  # this thread's launch plans hold buffers and tables of workspaces
         if self.symmetric and self.group is not None:
             dist.barrier(group=self.group)
         self.buffers.clear()

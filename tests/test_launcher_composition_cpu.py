@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mok import reference as R
-from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd
+from mok.launchers import dispatch, expert_gemm, expert_gemm_bwd
 from mok.testing import make_inputs, rel_error
 
 # The modules, not the `forward` and `backward` functions mok.launchers re-exports by name.
@@ -141,24 +141,49 @@ def fake_push_router_grads(partials, schedule, router_weights, d_router, *, peer
     return d_router
 
 
+def _fake_forward_plan(x, schedule, topk, gate_w, up_w, down_w, limit, *_):
+    return lambda x, schedule, slots: fake_routed_forward(x, schedule, topk, gate_w, up_w,
+                                                          down_w, swiglu_limit=limit)  # fmt: skip
+
+
+def _fake_backward_plan(dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w, down_w,
+                        limit, weight_grads, *_):  # fmt: skip
+    def run(dy, w, schedule, x_routed, gate, up, hidden, slots):
+        return fake_routed_backward(dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w,
+                                    down_w, swiglu_limit=limit, weight_grads=weight_grads)  # fmt: skip
+
+    return run
+
+
 @pytest.fixture()
 def fake_kernels(monkeypatch):
+    """The ops' plans built from the kernels' fakes (the op plans call these factories)."""
+    from mok.launchers import plans
+
+    plans.clear_plans()
     monkeypatch.setattr(dispatch, "gather_rows", fake_gather_rows)
-    monkeypatch.setattr(fwd, "routed_forward", fake_routed_forward)
-    monkeypatch.setattr(bwd, "routed_backward", fake_routed_backward)
-    monkeypatch.setattr(bwd, "push_router_grads", fake_push_router_grads)
+    monkeypatch.setattr(fwd, "forward_plan", _fake_forward_plan)
+    monkeypatch.setattr(bwd, "backward_plan", _fake_backward_plan)
+    monkeypatch.setattr(bwd, "router_grad_push_plan",
+                        lambda *_: fake_push_router_grads)  # fmt: skip
     monkeypatch.setattr(expert_gemm, "gate_up_swiglu", fake_gate_up_swiglu)
-    monkeypatch.setattr(epilogues, "fwd_epilogue", R.fwd_epilogue)
+    monkeypatch.setattr(fwd, "fwd_epilogue_plan", lambda *_: R.fwd_epilogue)
     monkeypatch.setattr(expert_gemm, "down", fake_down)
     monkeypatch.setattr(expert_gemm_bwd, "d_hidden_swiglu", fake_d_hidden)
     monkeypatch.setattr(expert_gemm_bwd, "d_x", fake_d_x)
     monkeypatch.setattr(expert_gemm_bwd, "weight_gradient", fake_weight_gradient)
-    monkeypatch.setattr(epilogues, "bwd_epilogue", R.bwd_epilogue)
+    monkeypatch.setattr(bwd, "bwd_epilogue_plan",
+                        lambda shared, slots, topk: lambda d, s: R.bwd_epilogue(d, s, topk))  # fmt: skip
+    yield
+    plans.clear_plans()
 
 
 class _Workspace:
     ep_rank, ep_size, hidden_size, topk, num_local_tokens = 0, 1, H, K, T
-    megakernel_ctas, wait_timeout_ns = None, 1
+    megakernel_ctas, wait_timeout_ns, handle = None, 1, -1
+
+    def require_alive(self):
+        return self
 
 
 @pytest.mark.parametrize("shared,limit,main", [(True, None, False), (False, 0.5, True)])

@@ -68,12 +68,26 @@ def routed_backward(
         None if peers is None else tuple(p if isinstance(p, int) else p.data_ptr() for p in peers),
         grid, current_stream(grad_output.get_device()),
     )  # fmt: skip
-    launch = plan(key, lambda: _BackwardPlan(
+    launch = plan(key, lambda: backward_plan(
         grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
         up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
         timeout_ns, peers, slots, grid,
     ))  # fmt: skip
     return launch(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots)
+
+
+def backward_plan(
+    grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights, up_weights,
+    down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size, timeout_ns, peers,
+    slots, grid,
+):  # fmt: skip
+    """`routed_backward`'s plan for these arguments (checked now); call it as
+    plan(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots)."""
+    return _BackwardPlan(
+        grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
+        up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
+        timeout_ns, peers, slots, grid,
+    )  # fmt: skip
 
 
 class _BackwardPlan:
@@ -251,16 +265,31 @@ def push_router_grads(
            tensor_key(router_weights), tensor_key(d_router),
            None if peers is None else (peers[0], peers[1].data_ptr(), peers[2].data_ptr()),
            current_stream(partials.get_device()))  # fmt: skip
-    bound = plan(key, lambda: _bind_router_grad_push(partials, schedule, router_weights,
-                                                     d_router, peers))  # fmt: skip
-    if bound is not None:
-        bound.launch(
-            partials.data_ptr(), schedule.peer_rank.data_ptr(),
-            schedule.peer_token_idx.data_ptr(), schedule.num_tokens.data_ptr(),
-            router_weights.data_ptr(), d_router.data_ptr(),
-            stream=current_stream(partials.get_device()),
-        )  # fmt: skip
-    return d_router
+    push = plan(key, lambda: router_grad_push_plan(partials, schedule, router_weights,
+                                                   d_router, peers))  # fmt: skip
+    return push(partials, schedule, router_weights, d_router)
+
+
+def router_grad_push_plan(partials, schedule, router_weights, d_router, peers):
+    """`push_router_grads`' plan for these shapes (checked now):
+    plan(partials, schedule, router_weights, d_router)."""
+    return _RouterGradPushPlan(partials, schedule, router_weights, d_router, peers)
+
+
+class _RouterGradPushPlan:
+    def __init__(self, partials, schedule, router_weights, d_router, peers):
+        self.device_index = partials.get_device()
+        self.bound = _bind_router_grad_push(partials, schedule, router_weights, d_router, peers)
+
+    def __call__(self, partials, schedule, router_weights, d_router):
+        if self.bound is not None:
+            self.bound.launch(
+                partials.data_ptr(), schedule.peer_rank.data_ptr(),
+                schedule.peer_token_idx.data_ptr(), schedule.num_tokens.data_ptr(),
+                router_weights.data_ptr(), d_router.data_ptr(),
+                stream=current_stream(self.device_index),
+            )  # fmt: skip
+        return d_router
 
 
 def _bind_router_grad_push(partials, schedule, router_weights, d_router, peers):

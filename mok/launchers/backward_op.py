@@ -11,14 +11,18 @@ d_x = d_x_shared + sum_j slots[t * k + j]  (fixed j order)          moe_combine_
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from . import epilogues, expert_gemm_bwd
-from .backward_megakernel import push_router_grads, routed_backward
+from . import expert_gemm_bwd
+from .backward_megakernel import backward_plan, router_grad_push_plan
 from .checks import check_gpu_layer, check_macrobatch
 from .device_args import TILE_ROWS
+from .epilogues import bwd_epilogue_plan
 from .forward_op import group_barrier
 from .peer_tables import peer_tables
+from .plans import current_stream, plan, replace_plan, tensor_key, weight_key
 from .rows import pad_rows
 
 
@@ -60,54 +64,104 @@ def backward(
     shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
     minibatch_size, macrobatch_size, main_grads,
 ):  # fmt: skip
-    check_gpu_layer(ws, "backward")
-    check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "backward")
-    if routed_down.shape[2] % expert_gemm_bwd.N_ALIGNMENT:
-        raise ValueError(
-            f"intermediate_size must be a multiple of {expert_gemm_bwd.N_ALIGNMENT} on the "
-            f"sm_90a backward kernel path, got {routed_down.shape[2]}"
-        )
-    x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
-    num_tokens, topk = router_weights.shape
-    tokens = schedule.tokens_per_expert
-    tables = peer_tables(ws)
-    peers = grad_peers = slots = None
-    if tables is None:
-        d_router = torch.empty(num_tokens, topk, dtype=torch.float32, device=x.device)
-    else:
-        ws.buffers["d_y_buffer"].copy_(grad_output)
-        ws.buffers["router_weight_buffer"].copy_(router_weights)
-        peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
-                 tables["d_x_routed_buffer"])  # fmt: skip
-        grad_peers = (ws.ep_rank, tables["router_weight_buffer"], tables["d_router_weight_buffer"])
-        slots = ws.buffers["d_x_routed_buffer"]
-        d_router = ws.buffers["d_router_weight_buffer"]
-    group_barrier(ws, "PEER_BARRIER_START")
+    if macrobatch_size < x.shape[0] * router_weights.shape[1]:  # ring reuse (macrobatch.py)
+        from . import macrobatch  # noqa: PLC0415 - it imports this module
 
-    # ---- routed experts; the weight gradients in the same launch unless they go into fp32
-    # main_grads ----
-    in_launch = all(g is None for g in main_grads[:3])
-    dy_e, d_gate, d_up, partials, slots, routed_grads = routed_backward(
-        grad_output, router_weights, schedule, x_routed, gate, up, hidden, routed_gate,
-        routed_up, routed_down, swiglu_limit=swiglu_limit, weight_grads=in_launch,
-        num_comm_ctas=bwd_num_comm_sms, minibatch_size=minibatch_size,
-        timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots, grid=ws.megakernel_ctas,
-    )  # fmt: skip
-    push_router_grads(partials, schedule, router_weights, d_router, peers=grad_peers)
-    group_barrier(ws, "PEER_BARRIER_END")
-    if not in_launch:
-        routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden, tokens,
-                                         main_grads[:3])  # fmt: skip
-    if tables is not None:
-        d_router = d_router.clone()  # the buffer is the next call's
-
-    # ---- shared expert ----
-    # Distinct empty tensors: custom-op outputs may not alias each other.
-    d_x_shared, shared_grads = None, [x.new_empty(0) for _ in range(3)]
-    if shared_gate is not None:
-        d_x_shared, shared_grads = _shared_backward(
-            grad_output, x, (gate_s, up_s, hidden_s), (shared_gate, shared_up, shared_down),
-            swiglu_limit, main_grads[3:],
+        return macrobatch.backward(
+            ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
+            shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
+            minibatch_size, macrobatch_size, main_grads,
         )  # fmt: skip
-    d_x = epilogues.bwd_epilogue(d_x_shared, slots, topk)
-    return (d_x, d_router, *routed_grads, *shared_grads)
+    key = (
+        "backward", ws.handle, *(tensor_key(t) for t in ctx_tensors), tensor_key(grad_output),
+        tensor_key(x), tensor_key(router_weights), tensor_key(schedule.peer_rank),
+        tensor_key(schedule.peer_token_idx), tensor_key(schedule.num_tokens),
+        tensor_key(schedule.tokens_per_expert), weight_key(shared_gate), weight_key(shared_up),
+        weight_key(shared_down), weight_key(routed_gate), weight_key(routed_up),
+        weight_key(routed_down), *(weight_key(g) for g in main_grads), swiglu_limit,
+        bwd_num_comm_sms, minibatch_size, macrobatch_size, current_stream(x.get_device()),
+    )  # fmt: skip
+    ws.require_alive()  # a plan holds the workspace's buffers
+
+    def make():
+        return _BackwardOp(
+            ws, schedule, ctx_tensors, grad_output, router_weights,
+            (shared_gate, shared_up, shared_down), (routed_gate, routed_up, routed_down),
+            swiglu_limit, bwd_num_comm_sms, minibatch_size, macrobatch_size, main_grads,
+        )  # fmt: skip
+
+    op = plan(key, make)
+    if op.ws() is not ws:  # made for an evicted workspace whose handle this one took over
+        op = replace_plan(key, make)
+    return op(schedule, ctx_tensors, grad_output, x, router_weights, main_grads)
+
+
+class _BackwardOp:
+    """The backward op for one (workspace, shapes, weights, main_grads, config): its checks and
+    the backward megakernel's plan made on the first call, then only launches."""
+
+    def __init__(self, ws, schedule, ctx_tensors, grad_output, router_weights, shared, routed,
+                 swiglu_limit, bwd_num_comm_sms, minibatch_size, macrobatch_size,
+                 main_grads):  # fmt: skip
+        check_gpu_layer(ws, "backward")
+        check_macrobatch(macrobatch_size, grad_output.shape[0], router_weights.shape[1],
+                         "backward")  # fmt: skip
+        if routed[2].shape[2] % expert_gemm_bwd.N_ALIGNMENT:
+            raise ValueError(
+                f"intermediate_size must be a multiple of {expert_gemm_bwd.N_ALIGNMENT} on the "
+                f"sm_90a backward kernel path, got {routed[2].shape[2]}"
+            )
+        # By weak reference: the workspace cache evicts only workspaces nothing else holds.
+        self.ws, self.shared, self.limit = weakref.ref(ws), shared, swiglu_limit
+        self.tables = tables = peer_tables(ws)
+        peers = self.grad_peers = self.slots = None
+        if tables is not None:
+            peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
+                     tables["d_x_routed_buffer"])  # fmt: skip
+            self.grad_peers = (ws.ep_rank, tables["router_weight_buffer"],
+                               tables["d_router_weight_buffer"])  # fmt: skip
+            self.slots = ws.buffers["d_x_routed_buffer"]
+        # The weight gradients in the megakernel's launch unless they go into fp32 main_grads.
+        self.in_launch = all(g is None for g in main_grads[:3])
+        x_routed, gate, up, hidden = ctx_tensors[:4]
+        self.routed = backward_plan(
+            grad_output, router_weights, schedule, x_routed, gate, up, hidden, *routed,
+            swiglu_limit, self.in_launch, bwd_num_comm_sms, minibatch_size, ws.wait_timeout_ns,
+            peers, self.slots, ws.megakernel_ctas,
+        )  # fmt: skip
+        self.push = self.epilogue = None  # bound on the first call, with their tensors
+
+    def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, main_grads):
+        ws, tables = self.ws(), self.tables
+        x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
+        if tables is None:
+            d_router = torch.empty(router_weights.shape, dtype=torch.float32, device=x.device)
+        else:
+            ws.buffers["d_y_buffer"].copy_(grad_output)
+            ws.buffers["router_weight_buffer"].copy_(router_weights)
+            d_router = ws.buffers["d_router_weight_buffer"]
+        group_barrier(ws, "PEER_BARRIER_START")
+        dy_e, d_gate, d_up, partials, slots, routed_grads = self.routed(
+            grad_output, router_weights, schedule, x_routed, gate, up, hidden, self.slots
+        )
+        if self.push is None:
+            self.push = router_grad_push_plan(partials, schedule, router_weights, d_router,
+                                              self.grad_peers)  # fmt: skip
+        self.push(partials, schedule, router_weights, d_router)
+        group_barrier(ws, "PEER_BARRIER_END")
+        if not self.in_launch:
+            routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden,
+                                             schedule.tokens_per_expert, main_grads[:3])  # fmt: skip
+        if tables is not None:
+            d_router = d_router.clone()  # the buffer is the next call's
+        # Distinct empty tensors: custom-op outputs may not alias each other.
+        d_x_shared, shared_grads = None, [x.new_empty(0), x.new_empty(0), x.new_empty(0)]
+        if self.shared[0] is not None:
+            d_x_shared, shared_grads = _shared_backward(
+                grad_output, x, (gate_s, up_s, hidden_s), self.shared, self.limit,
+                main_grads[3:],
+            )  # fmt: skip
+        if self.epilogue is None:
+            self.epilogue = bwd_epilogue_plan(d_x_shared, slots, ws.topk)
+        d_x = self.epilogue(d_x_shared, slots)
+        return (d_x, d_router, *routed_grads, *shared_grads)

@@ -48,16 +48,26 @@ def fwd_epilogue(
     """out[t] = y_shared[t] + sum_j w[t, j] * slots[t * k + j] (bf16 [T, H])."""
     key = ("fwd_epilogue", tensor_key(y_shared), tensor_key(slots), tensor_key(router_weights),
            current_stream(slots.get_device()))  # fmt: skip
-    return plan(key, lambda: _EpiloguePlan(True, y_shared, slots, router_weights.shape))(
+    return plan(key, lambda: fwd_epilogue_plan(y_shared, slots, router_weights.shape))(
         y_shared, slots, router_weights
     )
+
+
+def fwd_epilogue_plan(y_shared, slots, weights_shape):
+    """`fwd_epilogue`'s plan for these shapes (checked now): plan(y_shared, slots, weights)."""
+    return _EpiloguePlan(True, y_shared, slots, weights_shape)
+
+
+def bwd_epilogue_plan(d_x_shared, slots, topk: int):
+    """`bwd_epilogue`'s plan for these shapes (checked now): plan(d_x_shared, slots)."""
+    return _EpiloguePlan(False, d_x_shared, slots, topk)
 
 
 def bwd_epilogue(d_x_shared: torch.Tensor | None, slots: torch.Tensor, topk: int) -> torch.Tensor:
     """d_x[t] = d_x_shared[t] + sum_j slots[t * k + j] (bf16 [T, H])."""
     key = ("bwd_epilogue", tensor_key(d_x_shared), tensor_key(slots), topk,
            current_stream(slots.get_device()))  # fmt: skip
-    return plan(key, lambda: _EpiloguePlan(False, d_x_shared, slots, topk))(d_x_shared, slots)
+    return plan(key, lambda: bwd_epilogue_plan(d_x_shared, slots, topk))(d_x_shared, slots)
 
 
 class _EpiloguePlan:

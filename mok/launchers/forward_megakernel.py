@@ -58,11 +58,23 @@ def routed_forward(
         None if peers is None else (peers[0], peers[1].data_ptr(), peers[2].data_ptr()), grid,
         current_stream(x.get_device()),
     )  # fmt: skip
-    launch = plan(key, lambda: _ForwardPlan(
+    launch = plan(key, lambda: forward_plan(
         x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
         minibatch_size, timeout_ns, peers, slots, grid,
     ))  # fmt: skip
     return launch(x, schedule, slots)
+
+
+def forward_plan(
+    x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
+    minibatch_size, timeout_ns, peers, slots, grid,
+):  # fmt: skip
+    """`routed_forward`'s plan for these arguments (checked now); call it as
+    plan(x, schedule, slots) with tensors that differ from these in their addresses only."""
+    return _ForwardPlan(
+        x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
+        minibatch_size, timeout_ns, peers, slots, grid,
+    )  # fmt: skip
 
 
 class _ForwardPlan:

@@ -16,13 +16,17 @@ a fixed order), so results are bitwise identical run to run and across EP sizes.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from . import comm, dispatch, epilogues, expert_gemm
+from . import comm, dispatch, expert_gemm
 from .checks import check_gpu_layer, check_macrobatch
 from .device_args import TILE_ROWS
-from .forward_megakernel import routed_forward
+from .epilogues import fwd_epilogue_plan
+from .forward_megakernel import forward_plan
 from .peer_tables import peer_tables
+from .plans import current_stream, plan, replace_plan, tensor_key, weight_key
 from .rows import pad_rows
 
 
@@ -43,9 +47,9 @@ def _shared(x, gate_w, up_w, down_w, limit):
 
 def group_barrier(ws, phase_name: str) -> None:
     """The EP group's device barrier (nothing for a group of one)."""
-    from mok.runtime import WaitPhase  # noqa: PLC0415
-
     if ws.ep_size > 1:
+        from mok.runtime import WaitPhase  # noqa: PLC0415
+
         comm.ep_barrier(ws, phase=WaitPhase[phase_name], timeout_ns=ws.wait_timeout_ns)
 
 
@@ -61,26 +65,71 @@ def forward(
     ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
     routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
 ):  # fmt: skip
-    check_gpu_layer(ws, "forward")
-    check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "forward")
-    tables = peer_tables(ws)
-    publish_x(ws, x, tables)
-    peers, slots = None, None
-    if tables is not None:
-        peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
-        slots = ws.buffers["combine_buffer"]
-    routed_ctx, slots = routed_forward(
-        x, schedule, ws.topk, routed_gate, routed_up, routed_down, swiglu_limit=swiglu_limit,
-        num_comm_ctas=fwd_num_comm_sms, minibatch_size=minibatch_size,
-        timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots, grid=ws.megakernel_ctas,
+    if macrobatch_size < x.shape[0] * router_weights.shape[1]:  # ring reuse (macrobatch.py)
+        from . import macrobatch  # noqa: PLC0415 - it imports this module
+
+        return macrobatch.forward(
+            ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
+            routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size,
+            macrobatch_size,
+        )  # fmt: skip
+    key = (
+        "forward", ws.handle, tensor_key(x), tensor_key(router_weights),
+        tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
+        tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
+        weight_key(shared_gate), weight_key(shared_up), weight_key(shared_down),
+        weight_key(routed_gate), weight_key(routed_up), weight_key(routed_down), swiglu_limit,
+        fwd_num_comm_sms, minibatch_size, macrobatch_size, current_stream(x.get_device()),
     )  # fmt: skip
-    group_barrier(ws, "PEER_BARRIER_END")
-    # Distinct empty tensors: custom-op outputs may not alias each other.
-    shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
-    if shared_gate is not None:
-        *shared_ctx, y_shared = _shared(x, shared_gate, shared_up, shared_down, swiglu_limit)
-    out = epilogues.fwd_epilogue(y_shared, slots, router_weights)
-    return (out, *routed_ctx, *shared_ctx)
+    ws.require_alive()  # a plan holds the workspace's buffers
+
+    def make():
+        return _ForwardOp(
+            ws, schedule, x, router_weights, (shared_gate, shared_up, shared_down),
+            (routed_gate, routed_up, routed_down), swiglu_limit, fwd_num_comm_sms, minibatch_size,
+            macrobatch_size,
+        )  # fmt: skip
+
+    op = plan(key, make)
+    if op.ws() is not ws:  # made for an evicted workspace whose handle this one took over
+        op = replace_plan(key, make)
+    return op(schedule, x, router_weights)
+
+
+class _ForwardOp:
+    """The forward op for one (workspace, shapes, weights, config): its checks and the routed
+    megakernel's plan made on the first call, then only launches."""
+
+    def __init__(self, ws, schedule, x, router_weights, shared, routed, swiglu_limit,
+                 fwd_num_comm_sms, minibatch_size, macrobatch_size):  # fmt: skip
+        check_gpu_layer(ws, "forward")
+        check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "forward")
+        # By weak reference: the workspace cache evicts only workspaces nothing else holds.
+        self.ws, self.shared, self.limit = weakref.ref(ws), shared, swiglu_limit
+        self.tables = tables = peer_tables(ws)
+        peers, self.slots = None, None
+        if tables is not None:
+            peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
+            self.slots = ws.buffers["combine_buffer"]
+        self.routed = forward_plan(
+            x, schedule, ws.topk, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
+            ws.wait_timeout_ns, peers, self.slots, ws.megakernel_ctas,
+        )  # fmt: skip
+        self.epilogue = None  # bound on the first call, with its slots and y_shared
+
+    def __call__(self, schedule, x, router_weights):
+        ws = self.ws()
+        publish_x(ws, x, self.tables)
+        routed_ctx, slots = self.routed(x, schedule, self.slots)
+        group_barrier(ws, "PEER_BARRIER_END")
+        # Distinct empty tensors: custom-op outputs may not alias each other.
+        shared_ctx, y_shared = (x.new_empty(0), x.new_empty(0), x.new_empty(0)), None
+        if self.shared[0] is not None:
+            *shared_ctx, y_shared = _shared(x, *self.shared, self.limit)
+        if self.epilogue is None:
+            self.epilogue = fwd_epilogue_plan(y_shared, slots, router_weights.shape)
+        out = self.epilogue(y_shared, slots, router_weights)
+        return (out, *routed_ctx, *shared_ctx)
 
 
 def recompute_forward_context(

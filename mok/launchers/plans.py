@@ -22,18 +22,11 @@ import torch
 
 from mok.runtime import _driver
 
+from ..validation import tensor_key  # noqa: F401 - the launchers key their plans with it
+
 _PLANS_MAX = 64
 _DESCRIPTORS_MAX = 32
 _local = threading.local()
-
-
-def tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """What a plan checked about an activation: all but its address (None: absent)."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return (t.__class__,)  # the plan's checks raise the launcher's error
-    return (t.shape, t.dtype, t.get_device(), t.is_contiguous(), t.__class__)
 
 
 def weight_key(t: torch.Tensor | None) -> tuple | None:
@@ -42,7 +35,7 @@ def weight_key(t: torch.Tensor | None) -> tuple | None:
         return None
     if not isinstance(t, torch.Tensor):
         return (t.__class__,)
-    return (t.data_ptr(), t.shape, t.dtype, t.get_device(), t.is_contiguous(), t.__class__)
+    return (t.data_ptr(), t.shape, t.dtype, t.device, t.is_contiguous(), t.__class__)
 
 
 def current_stream(device_index: int) -> int:
@@ -53,9 +46,7 @@ def current_stream(device_index: int) -> int:
 
 def plan(key: tuple, make: Callable[[], object]):
     """This thread's plan for `key` (make() on a miss: it runs the full checks)."""
-    plans = getattr(_local, "plans", None)
-    if plans is None:
-        plans = _local.plans = {}
+    plans = plans_of_thread()
     found = plans.get(key)
     if found is None:
         found = make()
@@ -63,6 +54,19 @@ def plan(key: tuple, make: Callable[[], object]):
             plans.clear()
         plans[key] = found
     return found
+
+
+def replace_plan(key: tuple, make: Callable[[], object]):
+    """A new plan for `key` in place of the one found (made for an object that is gone)."""
+    found = plans_of_thread()[key] = make()
+    return found
+
+
+def plans_of_thread() -> dict:
+    plans = getattr(_local, "plans", None)
+    if plans is None:
+        plans = _local.plans = {}
+    return plans
 
 
 def clear_plans() -> None:
