@@ -90,6 +90,7 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
         assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
 
     monkeypatch.setattr(moe_forward, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
     device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 128, 4, 2
     ids = torch.randint(0, e, (t, k))
@@ -127,6 +128,7 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
     monkeypatch.setattr(moe_backward, "sm_count", lambda device: 132)
     monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
     monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
     device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 256, 4, 2
@@ -220,6 +222,7 @@ def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):
 
     monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
     monkeypatch.setattr(moe_forward, "check_cuda", lambda *a, **k: None)
+    monkeypatch.setattr(megakernel_walk, "check_cuda", lambda *a, **k: None)
     device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 128, 4, 2
     schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
@@ -248,6 +251,7 @@ def test_backward_megakernel_packs_peer_tables(monkeypatch, kernels):
 
     monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
     monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
     monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
     device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 256, 4, 2
@@ -306,6 +310,7 @@ def test_forward_plan_is_reused_and_rechecked(monkeypatch, kernels):
     monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
     monkeypatch.setattr(moe_forward, "sm_count", lambda device: 132)
     monkeypatch.setattr(moe_forward, "check_cuda", lambda name, t, dtype, shape: None)
+    monkeypatch.setattr(megakernel_walk, "check_cuda", lambda name, t, dtype, shape: None)
     plans.clear_plans()
     device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 128, 4, 2

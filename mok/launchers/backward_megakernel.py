@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_arg, check_cuda, check_extents, check_multiple
+from .checks import check_arg, check_cuda, check_multiple
 from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT
 from .megakernel_walk import (
     BACKWARD_COUNTER_TAIL,
-    check_schedule_tensors,
+    check_routed_operands,
     minibatch_row_tiles,
     walk_arguments,
 )
@@ -102,12 +102,14 @@ class _BackwardPlan:
 
         num_tokens, hidden_size = grad_output.shape
         topk = router_weights.shape[1]
-        num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
-        capacity = schedule.peer_rank.shape[0]
         check_cuda("grad_output", grad_output, torch.bfloat16, (num_tokens, hidden_size))
         # Read as 4-byte scalars: a router-weight view needs no 16-byte alignment.
         check_arg("router_weights", router_weights, torch.float32, (num_tokens, topk),
                   cuda=True, align=4)  # fmt: skip
+        num_experts, intermediate_size, capacity = check_routed_operands(
+            gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk,
+            hidden_size, grad_output.device,
+        )  # fmt: skip
         check_multiple("hidden_size", hidden_size, N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, N_ALIGNMENT)
         for name, t, shape in (
@@ -115,17 +117,9 @@ class _BackwardPlan:
             ("gate", gate, (capacity, intermediate_size)),
             ("up", up, (capacity, intermediate_size)),
             ("hidden", hidden, (capacity, intermediate_size)),
-            ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
-            ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
-            ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
         ):
             check_cuda(name, t, torch.bfloat16, shape)
-        widest = max(hidden_size, intermediate_size)
-        check_extents("weight rows", capacity, num_experts * widest, widest, widest)
         minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)
-        if slots is not None:
-            check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
-        check_schedule_tensors(schedule, capacity, num_experts, grad_output.device)
         self.device = grad_output.device
         self.device_index = grad_output.get_device()
         self.sizes = (num_tokens, topk, capacity, num_experts, hidden_size, intermediate_size)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_cuda, check_extents, check_multiple
+from .checks import check_cuda, check_multiple
 from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm import DOWN_N_ALIGNMENT, GATE_UP_N_ALIGNMENT, K_ALIGNMENT
 from .megakernel_walk import (
     FORWARD_COUNTER_TAIL,
-    check_schedule_tensors,
+    check_routed_operands,
     minibatch_row_tiles,
     walk_arguments,
 )
@@ -87,24 +87,15 @@ class _ForwardPlan:
         from mok.runtime import get_kernel  # noqa: PLC0415
 
         num_tokens, hidden_size = x.shape
-        num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
-        capacity = schedule.peer_rank.shape[0]
         check_cuda("x", x, torch.bfloat16, (num_tokens, hidden_size))
+        num_experts, intermediate_size, capacity = check_routed_operands(
+            gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk,
+            hidden_size, x.device,
+        )  # fmt: skip
         check_multiple("hidden_size", hidden_size, DOWN_N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, GATE_UP_N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, K_ALIGNMENT)
-        for name, w, shape in (
-            ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
-            ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
-            ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
-        ):
-            check_cuda(name, w, torch.bfloat16, shape)
-        widest = max(hidden_size, intermediate_size)
-        check_extents("weight rows", capacity, num_experts * widest, widest, widest)
         minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)
-        if slots is not None:
-            check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
-        check_schedule_tensors(schedule, capacity, num_experts, x.device)
         self.device = x.device
         self.device_index = x.get_device()
         self.shapes = ((capacity, hidden_size), (capacity, intermediate_size),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_arg
+from .checks import check_arg, check_cuda, check_extents
 from .comm import get_error_record
 from .device_args import TILE_ROWS
 
@@ -13,6 +13,27 @@ from .device_args import TILE_ROWS
 # backward's dispatch_total, dgu_total, task ticket and dispatch ticket.
 FORWARD_COUNTER_TAIL = 2
 BACKWARD_COUNTER_TAIL = 4
+
+
+def check_routed_operands(
+    gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk, hidden_size, device
+):  # fmt: skip
+    """Both megakernels' weights (bf16 [E, I, H], [E, I, H], [E, H, I]), slots (bf16 [T * k, H]
+    or None) and schedule, as the kernels read them; returns (E, I, capacity)."""
+    num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
+    capacity = schedule.peer_rank.shape[0]
+    for name, w, shape in (
+        ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
+        ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
+        ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
+    ):
+        check_cuda(name, w, torch.bfloat16, shape)
+    widest = max(hidden_size, intermediate_size)
+    check_extents("weight rows", capacity, num_experts * widest, widest, widest)
+    if slots is not None:
+        check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
+    check_schedule_tensors(schedule, capacity, num_experts, device)
+    return num_experts, intermediate_size, capacity
 
 
 def check_schedule_tensors(schedule, capacity: int, num_experts: int, device) -> None:
