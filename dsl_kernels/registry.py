@@ -29,6 +29,7 @@ def variants() -> list[Variant]:
     from .common.ep_barrier import EpBarrier
     from .common.flag_wait_probe import FlagWaitProbe
     from .common.gather_rows import GatherRows
+    from .common.macrobatch_schedule import MacrobatchSchedule
     from .common.moe_combine_backward import MoeCombineBackward
     from .common.moe_combine_forward import MoeCombineForward
     from .common.mxfp8_quantize_rowwise import Mxfp8QuantizeRowwise
@@ -41,6 +42,7 @@ def variants() -> list[Variant]:
     from .sm90.expert_gemm import Sm90ExpertGemm
     from .sm90.expert_gemm_bwd import Sm90ExpertGemmBwd
     from .sm90.expert_gemm_bwd_weights import Sm90ExpertGemmBwdWeights
+    from .sm90.expert_gemm_bwd_weights_window import Sm90ExpertGemmBwdWeightsWindow
     from .sm90.moe_backward import Sm90MoeBackward
     from .sm90.moe_forward import Sm90MoeForward
 
@@ -90,6 +92,8 @@ def variants() -> list[Variant]:
             launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
         ),
         Variant("flag_wait_probe", FlagWaitProbe, launch_grid="(1, 1, 1)"),
+        # Each macrobatch's schedule sizes (common/macrobatch_schedule.py), for ring reuse.
+        Variant("macrobatch_schedule", MacrobatchSchedule, launch_grid="(1, 1, 1)"),
         # Holds num_ctas (<= SM count) whole SMs for the forward-progress test (sm_holder.py).
         Variant("sm_holder", SmHolder, launch_grid="(num_ctas, 1, 1)"),
         # The router-weight gradient pushed to each token's rank (common/router_grad_push.py).
@@ -166,6 +170,21 @@ def variants() -> list[Variant]:
                 ("expert_gemm_bwd_weights", "fp32", 4),
                 ("expert_gemm_bwd_weights_bf16", "bf16", 3),
                 ("expert_gemm_bwd_weights_accumulate", "fp32_accumulate", 4),
+            )
+        ),
+        # The same sums one macrobatch at a time (sm90/expert_gemm_bwd_weights_window.py):
+        # each expert's part in the macrobatch, continued from and into an fp32 partial.
+        *(
+            Variant(
+                name,
+                Sm90ExpertGemmBwdWeightsWindow,
+                {"stages": 4, "output": output},
+                launch_grid="(min(sm_count, num_experts * m_size / 128 * n_size / 256), 1, 1)",
+                archs=("sm_90a",),
+            )
+            for name, output in (
+                ("expert_gemm_bwd_weights_window_bf16", "bf16"),
+                ("expert_gemm_bwd_weights_window_accumulate", "fp32_accumulate"),
             )
         ),
     ]

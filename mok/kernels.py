@@ -22,7 +22,8 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     # mok/launchers/forward_op.py: the routed experts run in the forward megakernel
     # (moe_forward); the shared expert runs the gate/up and plain down GEMMs; an EP group's
-    # barriers frame each pass (ep_barrier).
+    # barriers frame each pass (ep_barrier). A macrobatch below the routed rows runs the
+    # megakernel once per macrobatch (launchers/macrobatch.py: macrobatch_schedule).
     "forward": (
         (
             "expert_gemm_gate_up_swiglu",
@@ -30,6 +31,7 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
             "moe_forward",
             "moe_combine_forward",
             "ep_barrier",
+            "macrobatch_schedule",
         ),
         "the SM90 expert GEMMs",
     ),  # fmt: skip
@@ -38,7 +40,9 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
         "the SM90 expert GEMMs",
     ),
     # mok/launchers/backward_op.py: the routed experts run in the backward megakernel
-    # (moe_backward); the shared expert runs the separate backward GEMMs.
+    # (moe_backward); the shared expert runs the separate backward GEMMs. A macrobatch below
+    # the routed rows replays macrobatches (gather_rows, gate/up) and sums the weight gradients
+    # macrobatch by macrobatch (launchers/macrobatch.py).
     "backward": (
         (
             "moe_backward",
@@ -49,6 +53,11 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
             "expert_gemm_bwd_weights_accumulate",
             "moe_combine_backward",
             "ep_barrier",
+            "macrobatch_schedule",
+            "gather_rows",
+            "expert_gemm_gate_up_swiglu",
+            "expert_gemm_bwd_weights_window_bf16",
+            "expert_gemm_bwd_weights_window_accumulate",
         ),
         "the SM90 backward expert GEMMs",
     ),  # fmt: skip

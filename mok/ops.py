@@ -75,12 +75,15 @@ def _gpu(op_name: str, device: torch.device, ep_size: int = 1):
     return launchers
 
 
-def _check_macrobatch(macrobatch_size: int, router_weights: Tensor, op: str) -> None:
-    """The GPU path's macrobatch rule on the CPU path too (the rule lives in launchers.checks)."""
+def _check_macrobatch(macrobatch_size: int, minibatch_size: int, router_weights: Tensor,
+                      op: str) -> int | None:  # fmt: skip
+    """The GPU path's macrobatch rule on the CPU path too (the rule lives in launchers.checks):
+    the reference's `macrobatch_size` (None: every routed row at once)."""
     from .launchers.checks import check_macrobatch  # noqa: PLC0415 - launchers load lazily
 
     num_tokens, topk = router_weights.shape
-    check_macrobatch(macrobatch_size, num_tokens, topk, op)
+    ring = check_macrobatch(macrobatch_size, num_tokens, topk, op, minibatch_size)
+    return macrobatch_size if ring else None
 
 
 def _none_if_empty(t: Tensor | None) -> Tensor | None:
@@ -91,9 +94,12 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
-def _fake_context(peer_rank, x, routed_gate_weights, has_shared: bool) -> tuple[Tensor, ...]:
-    """Empty tensors shaped like the 7 forward-context outputs (fake implementations)."""
-    capacity, (num_tokens, hidden) = peer_rank.shape[0], x.shape
+def _fake_context(peer_rank, x, routed_gate_weights, has_shared: bool,
+                  capacity: int | None = None) -> tuple[Tensor, ...]:  # fmt: skip
+    """Empty tensors shaped like the 7 forward-context outputs (fake implementations); routed
+    rows `capacity` (None: the schedule's)."""
+    capacity = peer_rank.shape[0] if capacity is None else capacity
+    num_tokens, hidden = x.shape
     inter = routed_gate_weights.shape[1]
     routed = [x.new_empty(capacity, hidden)] + [x.new_empty(capacity, inter) for _ in range(3)]
     shared = [x.new_empty(num_tokens, inter) if has_shared else _empty(x) for _ in range(3)]
@@ -201,12 +207,12 @@ def forward(
             swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
         )  # fmt: skip
     check_router_weight_values(router_weights)
-    _check_macrobatch(macrobatch_size, router_weights, "forward")
+    macrobatch = _check_macrobatch(macrobatch_size, minibatch_size, router_weights, "forward")
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.forward(
         schedule, x, router_weights, shared_gate_weights, shared_up_weights,
         shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
-        group=ws.group, swiglu_limit=swiglu_limit,
+        group=ws.group, swiglu_limit=swiglu_limit, macrobatch_size=macrobatch,
     )  # fmt: skip
     return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 
@@ -218,9 +224,12 @@ def _(
     routed_gate_weights, routed_up_weights, routed_down_weights, swiglu_limit,
     fwd_num_comm_sms, minibatch_size, macrobatch_size,
 ):  # fmt: skip
+    from .launchers.checks import context_rows  # noqa: PLC0415 - launchers load lazily
+
+    rows = context_rows(macrobatch_size, peer_rank.shape[0], *router_weights.shape)
     return (
         torch.empty_like(x),
-        *_fake_context(peer_rank, x, routed_gate_weights, shared_gate_weights is not None),
+        *_fake_context(peer_rank, x, routed_gate_weights, shared_gate_weights is not None, rows),
     )
 
 
@@ -337,14 +346,14 @@ def backward(
             macrobatch_size, main_grads,
         )  # fmt: skip
     check_router_weight_values(router_weights)
-    _check_macrobatch(macrobatch_size, router_weights, "backward")
+    macrobatch = _check_macrobatch(macrobatch_size, minibatch_size, router_weights, "backward")
     from .types import MoKForwardContext  # noqa: PLC0415
 
     ctx = MoKForwardContext(*(_none_if_empty(t) for t in ctx_tensors))
     grads = reference.backward(
         schedule, ctx, grad_output, x, router_weights, shared_gate_weights, shared_up_weights,
         shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
-        group=ws.group, swiglu_limit=swiglu_limit,
+        group=ws.group, swiglu_limit=swiglu_limit, macrobatch_size=macrobatch,
     )  # fmt: skip
     d_x, d_router, weight_grads = grads[0], grads[1], grads[2:]
     outs = []

@@ -89,12 +89,16 @@ def push_rows(
     dst_row: torch.Tensor,
     num_dst_rows: int,
     group: dist.ProcessGroup | None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Combine: table_on_rank[dst_rank[i]][dst_row[i]] = rows[i] for dst_rank[i] >= 0.
 
-    Returns this rank's table [num_dst_rows, W] (zero where no row landed).
+    Returns this rank's table [num_dst_rows, W] (zero where no row landed), or `out` with the
+    landed rows written and the others left as they were (one push per macrobatch).
     """
-    out = torch.zeros((num_dst_rows, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    if out is None:
+        out = torch.zeros((num_dst_rows, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
     rank, size = group_rank_size(group)
     dst_rank = dst_rank.long()
     dst_row = dst_row.long()
@@ -188,6 +192,116 @@ def expert_segments(schedule: MoKSchedule) -> list[tuple[int, int]]:
         bounds.append((start, start + n))
         start += n
     return bounds
+
+
+def _row_tiles(start: int, end: int):
+    """The ROUTED_ROW_ALIGNMENT-row tiles of rows [start, end) (a padded segment), in order.
+
+    Every routed GEMM here runs one tile at a time, as the kernels' tiles do: a macrobatch
+    edge is a tile edge, so the same tiles meet the same operations whatever the macrobatch
+    size, and the results are bitwise the same."""
+    return [
+        slice(r, min(r + ROUTED_ROW_ALIGNMENT, end))
+        for r in range(start, end, ROUTED_ROW_ALIGNMENT)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Macrobatches (MoKConfig.macrobatch_size below the routed rows: ring reuse with replay)
+# ----------------------------------------------------------------------------------------------
+
+
+def macrobatch_schedules(
+    num_tokens: torch.Tensor, tokens_per_expert: torch.Tensor, *, window_rows: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each macrobatch's schedule sizes: the `macrobatch_schedule` kernel's oracle.
+
+    Macrobatch m holds rows [m * window_rows, min((m + 1) * window_rows, capacity)) of a
+    schedule (`num_tokens` int32 [1], `tokens_per_expert` int32 [E], padded); there are
+    max(1, ceil(capacity / window_rows)) of them. Returns (num_tokens int32 [M]: its routed rows,
+    tokens_per_expert int32 [M, E]: each expert's segment clipped to it). `window_rows` is a
+    multiple of 128, so every clipped segment is too and is a schedule of its own.
+    """
+    num_windows = max(1, -(-capacity // window_rows))
+    first = torch.arange(num_windows, dtype=torch.int64, device=tokens_per_expert.device)
+    first = first * window_rows
+    end = torch.clamp(first + window_rows, max=capacity)
+    sizes = tokens_per_expert.long()
+    seg_end = torch.cumsum(sizes, 0)
+    seg_start = seg_end - sizes
+    clipped = torch.minimum(seg_end[None], end[:, None]) - torch.maximum(
+        seg_start[None], first[:, None]
+    )
+    rows = torch.minimum(num_tokens.long().reshape(1), end) - first
+    return rows.clamp_min(0).to(torch.int32), clipped.clamp_min(0).to(torch.int32)
+
+
+def weight_gradient_window(
+    a_rows: torch.Tensor,
+    b_rows: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    first_row: int,
+    out: torch.Tensor,
+    partial_in: torch.Tensor,
+    partial_out: torch.Tensor,
+    *,
+    output: str,
+) -> torch.Tensor:
+    """One macrobatch's part of the weight gradients out[e] = A[rows of e]^T @ B[rows of e]:
+    the `expert_gemm_bwd_weights_window_*` kernels' oracle (mok/launchers/macrobatch.py).
+
+    a_rows [R, M], b_rows [R, N] (bf16) are the routed rows first_row .. first_row + R - 1 of
+    a schedule whose padded segments are `tokens_per_expert` [E]. Expert e's segment [S, S + n)
+    meets them in [max(S, first_row), min(S + n, first_row + R)); there its fp32 sum starts
+    from `partial_in` [M, N] if S < first_row (else zero), adds the rows tile by tile
+    (ROUTED_ROW_ALIGNMENT rows, in order), and goes into `partial_out` if the segment goes on
+    past the macrobatch; else it is finished: out[e] = bf16(sum) (output "bf16") or
+    out[e] += sum (output "accumulate", fp32). An expert without rows is finished with a zero
+    sum by the macrobatch at row 0 only; other experts are not touched. Returns `out`."""
+    if output not in ("bf16", "accumulate"):
+        raise ValueError(f"output must be 'bf16' or 'accumulate', got {output!r}")
+    end_row = first_row + a_rows.shape[0]
+    segment_start = 0
+    for e, rows in enumerate(tokens_per_expert.tolist()):
+        start, segment_start = segment_start, segment_start + rows
+        low, high = max(start, first_row), min(start + rows, end_row)
+        meets = high > low
+        if not (meets or (rows == 0 and first_row == 0)):
+            continue
+        acc = torch.zeros(partial_in.shape, dtype=torch.float32, device=partial_in.device)
+        if meets and start < first_row:
+            acc = partial_in.clone()
+        for tile in _row_tiles(low - first_row, high - first_row) if meets else ():
+            acc += a_rows[tile].float().t() @ b_rows[tile].float()
+        if meets and start + rows > end_row:
+            partial_out.copy_(acc)
+        elif output == "bf16":
+            out[e] = acc.to(torch.bfloat16)
+        else:
+            out[e].add_(acc)
+    return out
+
+
+def macrobatch_windows(
+    schedule: MoKSchedule, macrobatch_size: int | None
+) -> list[tuple[int, MoKSchedule]]:
+    """(first row, schedule of the rows) of each macrobatch of `schedule`, in row order; one
+    macrobatch of every row for `macrobatch_size` None (or >= the capacity)."""
+    capacity = schedule.capacity
+    if macrobatch_size is None or macrobatch_size >= capacity:
+        return [(0, schedule)]
+    num_tokens, tokens_per_expert = macrobatch_schedules(
+        schedule.num_tokens, schedule.tokens_per_expert, window_rows=macrobatch_size,
+        capacity=capacity,
+    )  # fmt: skip
+    windows = []
+    for m in range(num_tokens.shape[0]):
+        rows = slice(m * macrobatch_size, min((m + 1) * macrobatch_size, capacity))
+        windows.append((rows.start, MoKSchedule(
+            schedule.peer_rank[rows], schedule.peer_token_idx[rows], num_tokens[m : m + 1],
+            tokens_per_expert[m],
+        )))  # fmt: skip
+    return windows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,7 +418,8 @@ def recompute_forward_context(
 
 
 def _routed_forward(schedule, x, gate_w, up_w, down_w, *, topk, group, swiglu_limit, mlp=None):
-    """(context, y) of the routed experts; `mlp` (default `_mlp`) computes one expert's rows."""
+    """(context, y) of the routed experts; `mlp` (default `_mlp`) computes one row tile of an
+    expert."""
     mlp = _mlp if mlp is None else mlp
     x_routed = pull_rows(x, schedule.peer_rank, schedule.peer_token_idx.long() // topk, group)
     capacity, inter = schedule.capacity, gate_w.shape[1]
@@ -312,17 +427,15 @@ def _routed_forward(schedule, x, gate_w, up_w, down_w, *, topk, group, swiglu_li
     up, hidden = torch.zeros_like(gate), torch.zeros_like(gate)
     y = torch.zeros(capacity, x.shape[1], dtype=torch.bfloat16, device=x.device)
     for e, (start, end) in enumerate(expert_segments(schedule)):
-        if end == start:
-            continue
-        rows = slice(start, end)
-        if down_w is None:
-            gate[rows] = _mm(x_routed[rows], gate_w[e]).to(torch.bfloat16)
-            up[rows] = _mm(x_routed[rows], up_w[e]).to(torch.bfloat16)
-            hidden[rows] = swiglu(gate[rows], up[rows], swiglu_limit)
-        else:
-            gate[rows], up[rows], hidden[rows], y[rows] = mlp(
-                x_routed[rows], gate_w[e], up_w[e], down_w[e], swiglu_limit
-            )
+        for rows in _row_tiles(start, end):
+            if down_w is None:
+                gate[rows] = _mm(x_routed[rows], gate_w[e]).to(torch.bfloat16)
+                up[rows] = _mm(x_routed[rows], up_w[e]).to(torch.bfloat16)
+                hidden[rows] = swiglu(gate[rows], up[rows], swiglu_limit)
+            else:
+                gate[rows], up[rows], hidden[rows], y[rows] = mlp(
+                    x_routed[rows], gate_w[e], up_w[e], down_w[e], swiglu_limit
+                )
     return MoKForwardContext(x_routed, gate, up, hidden), y
 
 
@@ -354,19 +467,28 @@ def forward(
     *,
     group: dist.ProcessGroup | None = None,
     swiglu_limit: float | None = None,
+    macrobatch_size: int | None = None,
 ) -> tuple[torch.Tensor, MoKForwardContext]:
-    """The MoE layer forward (SEMANTICS §1); returns (out bf16 [T, H], context)."""
+    """The MoE layer forward (SEMANTICS §1); returns (out bf16 [T, H], context).
+
+    `macrobatch_size` (a multiple of 128; None: every routed row at once): the schedule's rows
+    run in macrobatches of that many (`macrobatch_windows`), last to first, and the context
+    holds macrobatch 0's rows only ([macrobatch_size, ...]); `backward` replays the others.
+    Every output is bitwise the same for every macrobatch size."""
     return _layer_forward(
         schedule, x, router_weights, (shared_gate_weights, shared_up_weights, shared_down_weights),
         (routed_gate_weights, routed_up_weights, routed_down_weights), group, swiglu_limit, _mlp,
+        macrobatch_size,
     )  # fmt: skip
 
 
-def _layer_forward(schedule, x, router_weights, shared, routed, group, swiglu_limit, mlp):
+def _layer_forward(schedule, x, router_weights, shared, routed, group, swiglu_limit, mlp,
+                   macrobatch_size=None):  # fmt: skip
     """forward's body; `mlp` computes one routed expert's rows (BF16 or MXFP8)."""
     ctx, slots, y_shared = _forward_to_slots(
-        schedule, x, router_weights.shape[1], shared, routed, group, swiglu_limit, mlp
-    )
+        schedule, x, router_weights.shape[1], shared, routed, group, swiglu_limit, mlp,
+        macrobatch_size,
+    )  # fmt: skip
     return fwd_epilogue(y_shared, slots, router_weights), ctx
 
 
@@ -393,14 +515,17 @@ def forward_to_slots(
     )  # fmt: skip
 
 
-def _forward_to_slots(schedule, x, topk, shared, routed, group, swiglu_limit, mlp):
+def _forward_to_slots(schedule, x, topk, shared, routed, group, swiglu_limit, mlp,
+                      macrobatch_size=None):  # fmt: skip
     shared_gate_weights, shared_up_weights, shared_down_weights = shared
-    ctx, y_routed = _routed_forward(
-        schedule, x, *routed, topk=topk, group=group, swiglu_limit=swiglu_limit, mlp=mlp
-    )
-    slots = push_rows(
-        y_routed, schedule.peer_rank, schedule.peer_token_idx, x.shape[0] * topk, group
-    )
+    num_slots = x.shape[0] * topk
+    slots = torch.zeros(num_slots, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    # The macrobatches last to first (the original's order): the context left is macrobatch 0's.
+    for _, window in reversed(macrobatch_windows(schedule, macrobatch_size)):
+        ctx, y_routed = _routed_forward(
+            window, x, *routed, topk=topk, group=group, swiglu_limit=swiglu_limit, mlp=mlp
+        )
+        push_rows(y_routed, window.peer_rank, window.peer_token_idx, num_slots, group, out=slots)
     y_shared = None
     if shared_gate_weights is not None:
         gate_s, up_s, hidden_s, y_shared = _mlp(
@@ -441,17 +566,25 @@ def backward(
     *,
     group: dist.ProcessGroup | None = None,
     swiglu_limit: float | None = None,
+    macrobatch_size: int | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The MoE layer backward (SEMANTICS §2).
 
     Returns (d_x, d_router_weights fp32, d_routed_gate, d_routed_up, d_routed_down,
     d_shared_gate, d_shared_up, d_shared_down); shared gradients are None without a shared expert.
-    Weight gradients are fp32 here (the caller rounds to bf16 or accumulates into main_grad).
+    Weight gradients are fp32 here (the caller rounds to bf16 or accumulates into main_grad),
+    each expert's summed over its row tiles in order in fp32.
+
+    `macrobatch_size` as `forward`'s: the context holds macrobatch 0 (or every row, e.g. a
+    recomputed context); each later macrobatch is replayed (pull x, gate/up, SwiGLU) before its
+    backward, and the weight-gradient sums go on across macrobatches in the same tile order, so
+    every gradient is bitwise the same for every macrobatch size.
     """
     return _epilogue_of_backward(backward_to_slots(
         schedule, forward_context, grad_output, x, router_weights, shared_gate_weights,
         shared_up_weights, shared_down_weights, routed_gate_weights, routed_up_weights,
         routed_down_weights, group=group, swiglu_limit=swiglu_limit,
+        macrobatch_size=macrobatch_size,
     ))  # fmt: skip
 
 
@@ -470,11 +603,20 @@ def backward_to_slots(
     *,
     group: dist.ProcessGroup | None = None,
     swiglu_limit: float | None = None,
+    macrobatch_size: int | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """`backward` up to its epilogue: (d_x_shared bf16 [T, H] or None, slots bf16 [T*k, H],
     d_router_weights fp32 [T, k], then the six weight gradients as `backward` returns them).
     Slot t*k + j holds token t's d_x through its j-th expert (pushed to its token's rank);
-    `backward`'s d_x is bwd_epilogue(d_x_shared, slots, k)."""
+    `backward`'s d_x is bwd_epilogue(d_x_shared, slots, k). `macrobatch_size` as `backward`'s."""
+
+    def replay(window):
+        """A macrobatch's context, rebuilt: its x rows pulled, gate/up, SwiGLU."""
+        ctx, _ = _routed_forward(
+            window, x, routed_gate_weights, routed_up_weights, None,
+            topk=router_weights.shape[1], group=group, swiglu_limit=swiglu_limit,
+        )  # fmt: skip
+        return ctx
 
     def expert(e, ctx, r, dy_e, dy_routed, w_routed):
         d_x, d_gate_w, d_up_w, d_down_w = _mlp_backward(
@@ -488,39 +630,66 @@ def backward_to_slots(
     return _layer_backward(
         schedule, forward_context, grad_output, x, router_weights,
         (shared_gate_weights, shared_up_weights, shared_down_weights),
-        routed_gate_weights.shape, group, swiglu_limit, expert,
+        routed_gate_weights.shape, group, swiglu_limit, expert, macrobatch_size, replay,
     )  # fmt: skip
 
 
-def _layer_backward(schedule, ctx, grad_output, x, router_weights, shared, routed_shape, group,
-                    swiglu_limit, expert):  # fmt: skip
-    """backward_to_slots' body. `expert(e, ctx, rows, dy_e, dy_routed, w_routed)` gives one
-    routed expert's (d_x fp32, dW_gate, dW_up, dW_down, d_router of its rows)."""
-    num_tokens, topk = router_weights.shape
-    peer, slot = schedule.peer_rank, schedule.peer_token_idx
-    # Pull dY and w for every routed row; dY_e = bf16(w * dY) on the expert's side.
-    dy_routed = pull_rows(grad_output, peer, slot.long() // topk, group)
-    w_routed = pull_rows(router_weights.reshape(-1, 1).float(), peer, slot, group)
-    dy_e = (w_routed * dy_routed.float()).to(torch.bfloat16)
+def _macrobatch_context(ctx, schedule, windows, m, replay) -> MoKForwardContext:
+    """Macrobatch m's routed context: rows of a context that holds every row (no ring reuse,
+    or a recomputed one), macrobatch 0's own context, or `replay(window)`."""
+    first, window = windows[m]
+    if ctx.x_routed.shape[0] == schedule.capacity:
+        rows = slice(first, first + window.capacity)
+        return MoKForwardContext(*(t[rows] for t in ctx.tensors()[:4]))
+    if ctx.x_routed.shape[0] != windows[0][1].capacity:
+        raise ValueError(
+            f"forward_context.x_routed must have the schedule capacity ({schedule.capacity}) or "
+            f"macrobatch 0's ({windows[0][1].capacity}) rows, got {ctx.x_routed.shape[0]}"
+        )
+    if m == 0:
+        return ctx
+    if replay is None:
+        raise ValueError("a context of macrobatch 0 needs a replay of the other macrobatches")
+    return replay(window)
 
+
+def _layer_backward(schedule, ctx, grad_output, x, router_weights, shared, routed_shape, group,
+                    swiglu_limit, expert, macrobatch_size=None, replay=None):  # fmt: skip
+    """backward_to_slots' body. `expert(e, ctx, rows, dy_e, dy_routed, w_routed)` gives one
+    routed expert's (d_x fp32, dW_gate, dW_up, dW_down, d_router) of a row tile; the weight
+    gradients are summed tile by tile in fp32, macrobatch after macrobatch."""
+    num_tokens, topk = router_weights.shape
     num_experts, inter, hidden_size = routed_shape
     d_gate_w = torch.zeros(num_experts, inter, hidden_size, device=x.device)
     d_up_w = torch.zeros_like(d_gate_w)
     d_down_w = torch.zeros(num_experts, hidden_size, inter, device=x.device)
-    d_x_routed = torch.zeros(schedule.capacity, hidden_size, dtype=torch.bfloat16, device=x.device)
-    d_router_routed = torch.zeros(schedule.capacity, 1, device=x.device)
-    for e, (start, end) in enumerate(expert_segments(schedule)):
-        if end == start:
-            continue  # an expert with no rows keeps exact-zero weight gradients
-        r = slice(start, end)
-        d_x, d_gate_w[e], d_up_w[e], d_down_w[e], d_router_routed[r, 0] = expert(
-            e, ctx, r, dy_e[r], dy_routed[r], w_routed[r, 0]
-        )
-        d_x_routed[r] = d_x.to(torch.bfloat16)
-    slots = push_rows(d_x_routed, peer, slot, num_tokens * topk, group)
-    d_router = push_rows(d_router_routed, peer, slot, num_tokens * topk, group).view(
-        num_tokens, topk
-    )
+    num_slots = num_tokens * topk
+    slots = torch.zeros(num_slots, hidden_size, dtype=torch.bfloat16, device=x.device)
+    d_router = torch.zeros(num_slots, 1, device=x.device)
+    windows = macrobatch_windows(schedule, macrobatch_size)
+    for m, (_, window) in enumerate(windows):
+        ctx_m = _macrobatch_context(ctx, schedule, windows, m, replay)
+        peer, slot = window.peer_rank, window.peer_token_idx
+        # Pull dY and w for every routed row; dY_e = bf16(w * dY) on the expert's side.
+        dy_routed = pull_rows(grad_output, peer, slot.long() // topk, group)
+        w_routed = pull_rows(router_weights.reshape(-1, 1).float(), peer, slot, group)
+        dy_e = (w_routed * dy_routed.float()).to(torch.bfloat16)
+        d_x_routed = torch.zeros(window.capacity, hidden_size, dtype=torch.bfloat16,
+                                 device=x.device)  # fmt: skip
+        d_router_routed = torch.zeros(window.capacity, 1, device=x.device)
+        # An expert with no rows keeps exact-zero weight gradients.
+        for e, (start, end) in enumerate(expert_segments(window)):
+            for r in _row_tiles(start, end):
+                d_x, d_gate, d_up, d_down, d_router_routed[r, 0] = expert(
+                    e, ctx_m, r, dy_e[r], dy_routed[r], w_routed[r, 0]
+                )
+                d_gate_w[e] += d_gate
+                d_up_w[e] += d_up
+                d_down_w[e] += d_down
+                d_x_routed[r] = d_x.to(torch.bfloat16)
+        push_rows(d_x_routed, peer, slot, num_slots, group, out=slots)
+        push_rows(d_router_routed, peer, slot, num_slots, group, out=d_router)
+    d_router = d_router.view(num_tokens, topk)
 
     shared_gate_weights, shared_up_weights, shared_down_weights = shared
     d_x_shared = d_shared = None

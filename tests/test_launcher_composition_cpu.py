@@ -244,13 +244,3 @@ def _check_forward_composition(shared, limit):
     for i, (a, b) in enumerate(zip(again, got[1:], strict=True)):
         # Routed rows at or past num_tokens are not part of the contract.
         assert torch.equal(a[:rows], b[:rows]) if i < 4 else torch.equal(a, b)
-
-
-def test_gpu_path_rejects_a_macrobatch_smaller_than_the_routed_rows(fake_kernels):
-    inp = make_inputs(T, H, I, E, K, seed=5)
-    schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
-    weights = [inp[n] for n in WEIGHTS]
-    with pytest.raises(ValueError, match=r"macrobatch_size must be at least the routed rows "
-                                         r"T \* k = 200 \* 2 = 400 .*got 256"):  # fmt: skip
-        fwd.forward(_Workspace(), schedule, inp["x"], inp["router_weights"], *weights, None,
-                    16, 256, 256)  # fmt: skip

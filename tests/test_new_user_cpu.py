@@ -438,31 +438,41 @@ def test_importing_functional_does_not_import_the_runtime():
 def test_cpu_path_applies_the_gpu_macrobatch_rule():
     from mok.launchers.checks import check_macrobatch  # noqa: PLC0415
 
-    # T * k = 384 routed rows held at once; a 256-row macrobatch is refused on both paths.
+    # T * k = 384 routed rows: a 256-row macrobatch runs ring reuse on both paths (the context
+    # holds macrobatch 0), with the bits of every row at once.
     config = MoKConfig(minibatch_size=256, macrobatch_size=256)
     inputs = make_inputs(192, 128, 128, 4, 2, seed=1)
     ws = F.get_workspace(config, None, device="cpu", num_local_tokens=192, hidden_size=128,
                          topk=2, num_local_experts=4)  # fmt: skip
     schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=4)
     weights = [inputs[n] for n in WEIGHT_NAMES]
+    assert check_macrobatch(256, 192, 2, "forward", 256) is True
+    out, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights)
+    assert ctx.x_routed.shape == (256, 128)
+    grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], inputs["x"],
+                       inputs["router_weights"], *weights)  # fmt: skip
+    every_row = MoKConfig(minibatch_size=256, macrobatch_size=512)
+    out_all, ctx_all = F.forward(every_row, ws, schedule, inputs["x"], inputs["router_weights"],
+                                 *weights)  # fmt: skip
+    assert ctx_all.x_routed.shape == (schedule.capacity, 128)
+    grads_all = F.backward(every_row, ws, schedule, ctx_all, inputs["grad_output"], inputs["x"],
+                           inputs["router_weights"], *weights)  # fmt: skip
+    assert torch.equal(out, out_all)
+    for a, b in zip(grads, grads_all, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    # A macrobatch off the 128-row tiles (the op's ints are not a validated MoKConfig) is
+    # refused with the GPU path's message, before the x buffer is written.
+    ws.buffers["x_buffer"].fill_(float("nan"))
+    sched = (schedule.peer_rank, schedule.peer_token_idx, schedule.num_tokens,
+             schedule.tokens_per_expert)  # fmt: skip
     with pytest.raises(ValueError) as cpu_error:
-        F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights)
+        ops.forward(ws.handle, *sched, inputs["x"], inputs["router_weights"], *weights, None, 0,
+                    256, 320)  # fmt: skip
     with pytest.raises(ValueError) as rule:
-        check_macrobatch(256, 192, 2, "forward")
+        check_macrobatch(320, 192, 2, "forward", 256)
     assert str(cpu_error.value) == str(rule.value)
-    assert "macrobatch_size must be at least the routed rows T * k = 192 * 2 = 384" in str(
-        rule.value
-    )
-    # The x buffer was not written before the refusal.
+    assert "macrobatch_size must be a positive multiple of 128" in str(rule.value)
     assert torch.isnan(ws.buffers["x_buffer"]).all()
-    # Backward, with a context of a config that fits, is refused the same way.
-    fits = MoKConfig(minibatch_size=256, macrobatch_size=512)
-    _, ctx = F.forward(fits, ws, schedule, inputs["x"], inputs["router_weights"], *weights)
-    with pytest.raises(
-        ValueError, match=r"macrobatch_size must be at least the routed rows .*\(backward\)"
-    ):
-        F.backward(config, ws, schedule, ctx, inputs["grad_output"], inputs["x"],
-                   inputs["router_weights"], *weights)  # fmt: skip
 
 
 # --- 3. DSL sources use the DSL's current names ---------------------------------------------

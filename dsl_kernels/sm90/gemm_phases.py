@@ -269,14 +269,19 @@ def mma_k_tiles(
     operands: tuple,
     accumulators: tuple,
     may_be_empty: bool = False,
+    from_zero: bool = True,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
-    the stage before it released. `may_be_empty`: k_tiles may be 0. Returns (read, release)."""
+    the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
+    accumulators go on from the values the caller put in them (every wgmma accumulates, so a
+    sum continued from its stored fp32 partial is bitwise the uninterrupted one). Returns
+    (read, release)."""
     tCrA, tCrB0, tCrB1 = operands
     acc0, acc1 = accumulators
     k_blocks = cute.size(tCrA, mode=[2])
-    acc0.fill(0.0)
-    acc1.fill(0.0)
+    if cutlass.const_expr(from_zero):
+        acc0.fill(0.0)
+        acc1.fill(0.0)
     fence_accumulators(accumulators)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     cute.nvgpu.warpgroup.fence()

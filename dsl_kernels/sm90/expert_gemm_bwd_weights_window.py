@@ -1,0 +1,301 @@
+"""SM90 weight-gradient GEMMs of one macrobatch (ring reuse, MoKConfig.macrobatch_size below the
+routed rows): each expert's sum over its rows, taken up where the previous macrobatch left it.
+
+    out[e] = A[rows of e]^T @ B[rows of e]      [E, M, N], summed macrobatch after macrobatch
+
+The macrobatch holds rows [first_row, first_row + window_rows) of the schedule and A, B are its
+routed buffers ([window_rows, M], [window_rows, N]; the operands of expert_gemm_bwd_weights.py,
+both MN-major). Expert e's segment [S, S + n) of the whole schedule (`tokens_per_expert` is the
+schedule's, not the macrobatch's) meets the macrobatch in [max(S, first_row), min(S + n, end));
+for each 128 x 256 output tile of e, one CTA:
+    - starts from zero where the segment starts in this macrobatch, else from `partial_in`, the
+      fp32 [M, N] tile sums the previous macrobatch stored (one expert crosses each edge);
+    - runs the K loop over the macrobatch's part of the segment, 64 rows a stage, in order;
+    - stores the fp32 sums into `partial_out` where the segment goes on past the macrobatch,
+      else the result: bf16 (output "bf16") or out += sum in fp32 (output "fp32_accumulate",
+      a caller's main_grad, as torch's `add_`).
+Every wgmma accumulates (gemm_phases.mma_k_tiles), so the sum continued from its stored fp32
+partial is bitwise the one-pass sum of expert_gemm_bwd_weights.py and of the backward
+megakernel's weight phase, for any macrobatch edges on 128-row tiles. An expert without rows is
+written (zeros, or out += 0) by the first macrobatch only; experts outside the macrobatch are
+not touched.
+
+Kernel parameters, in order:
+- `tma_a`  A bf16 [window_rows, M], box 64 (M) x 64 (rows); `tma_b`  B bf16 [window_rows, N]
+- `out_ptr`  bf16 [E, M, N] (fp32 for output="fp32_accumulate")
+- `partial_in_ptr`, `partial_out_ptr`  fp32 [M, N], different buffers
+- `tokens_per_expert_ptr`  int32 [num_experts], the schedule's padded segment sizes
+- `num_experts`, `m_size`, `n_size`, `first_row`, `window_rows`
+
+Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0; first_row and
+window_rows multiples of 128; m_size % 128 == 0, n_size % 256 == 0, both < 2^16; window_rows,
+num_experts * m_size < 2^30; 16-byte aligned; grid <= SM count, block 384, cluster 1.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..common.args import global_pointer
+from . import gemm_phases as phases
+from .expert_gemm_bwd_weights import grouped_tile_coords
+from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
+
+OUTPUTS = ("bf16", "fp32_accumulate")
+
+
+@cute.jit
+def window_part(segment_start: Int32, segment_rows: Int32, first_row: Int32, window_rows: Int32):
+    """(first K tile in the macrobatch's buffers, K tiles, from partial, into partial, writes)
+    of an expert's segment [segment_start, + segment_rows) in rows [first_row, + window_rows).
+    An expert with rows writes in every macrobatch it meets; one without, in the first only."""
+    end_row = first_row + window_rows
+    low = cutlass.max(segment_start, first_row)
+    high = cutlass.min(segment_start + segment_rows, end_row)
+    meets = high > low
+    k_tiles = cutlass.max(high - low, Int32(0)) // TILE_K
+    writes = meets | ((segment_rows == 0) & (first_row == 0))
+    from_partial = meets & (segment_start < first_row)
+    into_partial = meets & (segment_start + segment_rows > end_row)
+    return (low - first_row) // TILE_K, k_tiles, from_partial, into_partial, writes
+
+
+@dataclass(frozen=True)
+class Sm90ExpertGemmBwdWeightsWindow:
+    """See the module docstring. `stages`: ring depth; `output`: one of OUTPUTS."""
+
+    stages: int = 4
+    output: str = "bf16"
+
+    def validate(self) -> None:
+        if self.output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
+        phases.validate_stages(self.stages, phases.MAX_STAGES)
+
+    @property
+    def threads(self) -> int:
+        return phases.THREADS
+
+    def _tiled_mma(self):
+        # Both operands MN-major (activations stored [tokens, M] and [tokens, N]).
+        MN = cute.nvgpu.OperandMajorMode.MN
+        return phases.make_tiled_mma(MN, MN)
+
+    def _smem_layout(self, extent: int):
+        return phases.mn_major_smem_layout(extent, self.stages)
+
+    def tma_specs(self) -> list[dict]:
+        """Rank-2 bf16 [rows, M or N], box 64 (one 128-byte swizzle row) x 64 rows."""
+        return [phases.tma_spec(param, [64, TILE_K]) for param in ("tma_a", "tma_b")]
+
+    def stage_bytes(self) -> int:
+        return phases.stage_bytes()
+
+    def compile_arguments(self) -> tuple:
+        return (
+            global_pointer(BFloat16, 16),  # a_ptr
+            global_pointer(BFloat16, 16),  # b_ptr
+            global_pointer(BFloat16 if self.output == "bf16" else Float32, 16),  # out_ptr
+            global_pointer(Float32, 16),  # partial_in_ptr
+            global_pointer(Float32, 16),  # partial_out_ptr
+            global_pointer(Int32, 4),  # tokens_per_expert_ptr
+            Int32(0),  # num_experts
+            Int32(0),  # m_size
+            Int32(0),  # n_size
+            Int32(0),  # first_row
+            Int32(0),  # window_rows
+            Int32(1),  # num_ctas
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        partial_in_ptr: cute.Pointer,
+        partial_out_ptr: cute.Pointer,
+        tokens_per_expert_ptr: cute.Pointer,
+        num_experts: Int32,
+        m_size: Int32,
+        n_size: Int32,
+        first_row: Int32,
+        window_rows: Int32,
+        num_ctas: Int32,
+    ):
+        # Descriptors built here are thrown away: the runtime encodes its own from the manifest.
+        operand_layout = phases.mn_major_coords()
+        a_smem = self._smem_layout(TILE_M)
+        b_smem = self._smem_layout(TILE_N)
+        tma_a, mA = phases.make_tma_load(a_ptr, operand_layout, a_smem, (TILE_M, TILE_K))
+        tma_b, mB = phases.make_tma_load(b_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
+        self.kernel(
+            tma_a, mA, tma_b, mB, out_ptr, partial_in_ptr, partial_out_ptr,
+            tokens_per_expert_ptr, num_experts, m_size, n_size, first_row, window_rows,
+        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        out_ptr: cute.Pointer,
+        partial_in_ptr: cute.Pointer,
+        partial_out_ptr: cute.Pointer,
+        tokens_per_expert_ptr: cute.Pointer,
+        num_experts: Int32,
+        m_size: Int32,
+        n_size: Int32,
+        first_row: Int32,
+        window_rows: Int32,
+    ):
+        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+
+        # ---- static layouts, MMA, shared storage, operand ring ----
+        tiled_mma = self._tiled_mma()
+        a_layout = self._smem_layout(TILE_M)
+        b_layout = self._smem_layout(TILE_N)
+        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
+            a_layout, b_layout, self.stages
+        )
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+
+        # ---- tile list: every expert's tiles; those of experts outside the macrobatch skip ----
+        tokens_per_expert = cute.make_tensor(
+            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+        )
+        m_tiles = m_size // TILE_M
+        tiles_per_expert = m_tiles * (n_size // (2 * TILE_N))
+        num_tiles = num_experts * tiles_per_expert
+
+        if warpgroup == 0:
+            # ======== producer warpgroup: warp 0 issues TMA (the rest idle) ========
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                tAsA, tAgA = phases.partition_tma_load(tma_a, sA, mA, (TILE_M, TILE_K))
+                tBsB0, tBsB1, tBgB = phases.partition_tma_load_pair(tma_b, sB0, sB1, mB)
+                state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                cursor = Int32(0)
+                row_base = Int32(0)
+                tile = bidx
+                while tile < num_tiles:
+                    expert = tile // tiles_per_expert
+                    local = tile - expert * tiles_per_expert
+                    cursor, row_base = _advance(tokens_per_expert, expert, cursor, row_base)
+                    m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
+                    k_base, k_tiles, _, _, _ = window_part(
+                        row_base, tokens_per_expert[expert], first_row, window_rows
+                    )
+                    # Fixed K order: the expert's rows in this macrobatch, increasing.
+                    loads = (
+                        (tma_a, tAgA, m_tile, k_base, tAsA),
+                        (tma_b, tBgB, 2 * n_pair, k_base, tBsB0),
+                        (tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
+                    )
+                    state = phases.load_k_tiles(ring, state, k_tiles, loads)
+                    tile = tile + grid_size
+                # Keep the CTA alive until the consumers released every stage it filled.
+                ring.producer_tail(state)
+        else:
+            # ========= consumer warpgroups: partial in, wgmma mainloop, partial or result out ==
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            thr_mma, operands, (acc0, acc1) = phases.make_consumer_fragments(
+                tiled_mma, tidx, sA, sB0, sB1
+            )
+            read_state, release_state = phases.make_consumer_states(self.stages)
+            cursor = Int32(0)
+            row_base = Int32(0)
+            tile = bidx
+            while tile < num_tiles:
+                expert = tile // tiles_per_expert
+                local = tile - expert * tiles_per_expert
+                cursor, row_base = _advance(tokens_per_expert, expert, cursor, row_base)
+                m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
+                first_out_row = m_tile * TILE_M
+                first_col = n_pair * (2 * TILE_N)
+                _, k_tiles, from_partial, into_partial, writes = window_part(
+                    row_base, tokens_per_expert[expert], first_row, window_rows
+                )
+
+                if writes:
+                    # ---- the sums so far: the previous macrobatch's partial, or zero ----
+                    load_partial(thr_mma, (acc0, acc1), partial_in_ptr, from_partial,
+                                 first_out_row, first_col, n_size)  # fmt: skip
+                    read_state, release_state = phases.mma_k_tiles(
+                        tiled_mma, ring, read_state, release_state, k_tiles, operands,
+                        (acc0, acc1), may_be_empty=True, from_zero=False,
+                    )  # fmt: skip
+
+                    # ---- the sums on to the next macrobatch, or the result ----
+                    if into_partial:
+                        copy_tile(thr_mma, (acc0, acc1), partial_out_ptr, None, first_out_row,
+                                  first_col, n_size, "store")  # fmt: skip
+                    else:
+                        expert_offset = Int64(expert) * Int64(m_size) * Int64(n_size)
+                        copy_tile(thr_mma, (acc0, acc1), out_ptr, expert_offset, first_out_row,
+                                  first_col, n_size, self.output)  # fmt: skip
+                tile = tile + grid_size
+
+
+@cute.jit
+def _advance(tokens_per_expert: cute.Tensor, expert: Int32, cursor: Int32, row_base: Int32):
+    """Move the cursor (expert, rows before it) forward to `expert` (never backward)."""
+    while cursor < expert:
+        row_base = row_base + tokens_per_expert[cursor]
+        cursor = cursor + 1
+    return cursor, row_base
+
+
+@cute.jit
+def load_partial(thr_mma, accumulators: tuple, ptr: cute.Pointer, from_partial, first_row: Int32,
+                 first_col: Int32, n_size: Int32):  # fmt: skip
+    """The accumulators = the fp32 tile at (first_row, first_col) of the [*, n_size] partial at
+    `ptr` if `from_partial`, else zero. The load goes through a staging fragment and a select:
+    accumulator registers defined on one path of a branch make ptxas serialise every wgmma of
+    the kernel (C7515), and an unconditional load would read 128 KiB a tile for nothing."""
+    for j in cutlass.range_constexpr(2):
+        acc = accumulators[j]
+        staged = cute.make_rmem_tensor(acc.shape, Float32)
+        staged.fill(0.0)
+        if from_partial:
+            block = phases.output_tile(ptr, None, first_row, first_col + j * TILE_N, n_size,
+                                       2 * TILE_N)  # fmt: skip
+            cute.autovec_copy(thr_mma.partition_C(block), staged)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = cutlass.select_(from_partial, staged[i], Float32(0.0))
+
+
+@cute.jit
+def copy_tile(thr_mma, accumulators: tuple, ptr: cute.Pointer, base_offset, first_row: Int32,
+              first_col: Int32, n_size: Int32, how: cutlass.Constexpr):  # fmt: skip
+    """The two 128 x 128 accumulators and the tile at (first_row, first_col) of the row-major
+    [*, n_size] tensor at `ptr` + base_offset: "load" fp32 into them, "store" fp32 from them,
+    "bf16" their rounding, or "fp32_accumulate" out += them in fp32 (old + sum, torch's `add_`)."""
+    for j in cutlass.range_constexpr(2):
+        block = phases.output_tile(ptr, base_offset, first_row, first_col + j * TILE_N, n_size,
+                                   2 * TILE_N)  # fmt: skip
+        tCgOut = thr_mma.partition_C(block)
+        acc = accumulators[j]
+        if cutlass.const_expr(how == "load"):
+            cute.autovec_copy(tCgOut, acc)
+        elif cutlass.const_expr(how == "store"):
+            cute.autovec_copy(acc, tCgOut)
+        elif cutlass.const_expr(how == "bf16"):
+            rounded = cute.make_rmem_tensor(acc.shape, BFloat16)
+            rounded.store(acc.load().to(BFloat16))
+            cute.autovec_copy(rounded, tCgOut)
+        else:
+            old = cute.make_rmem_tensor(acc.shape, Float32)
+            cute.autovec_copy(tCgOut, old)
+            acc.store(old.load() + acc.load())
+            cute.autovec_copy(acc, tCgOut)

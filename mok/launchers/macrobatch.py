@@ -1,0 +1,352 @@
+"""Macrobatch ring reuse with replay: the GPU forward and backward ops when
+`MoKConfig.macrobatch_size` is below the routed rows T * k (forward_op.py and backward_op.py
+hand over to this module; every other size runs there, every routed row at once).
+
+Macrobatch m is rows [m * MB, min((m + 1) * MB, C)) of the schedule (MB = macrobatch_size, a
+multiple of 128 and of the minibatch; C the capacity): the `macrobatch_schedule` kernel writes
+each one's sub-schedule (its rows and its clipped expert segments) on the device, and each
+megakernel launch walks one macrobatch through views of the schedule, with no host sync.
+
+    forward   macrobatches C / MB - 1 .. 0, one forward megakernel launch each (dispatch,
+              gate/up + SwiGLU, down rows pushed to their slots); the context returned holds
+              macrobatch 0's rows only ([MB, H], [MB, I]); shared expert and the fixed-order
+              combine as forward_op's
+    backward  macrobatches 0 .. C / MB - 1: macrobatch 0 from the context (or every macrobatch
+              from a context of all C rows, e.g. a recomputed one), each later one replayed
+              (gather_rows, the gate/up + SwiGLU kernel: recompute_forward_context's kernels,
+              bitwise the forward's); then one backward megakernel launch without its weight
+              phase (dispatch of w * dY, d_hidden + SwiGLU backward, d_x rows to slots), the
+              router-grad push, and the window weight-gradient kernel for each of dW_gate,
+              dW_up, dW_down (expert_gemm_bwd_weights_window.py): each expert's fp32 sum goes
+              on from the previous macrobatch's partial and is rounded to bf16 (or added into
+              its fp32 main_grad) only in the macrobatch holding the expert's last rows
+
+Every row's results are computed by the same tiles as with one macrobatch (its edges are row
+tile edges) and every weight-gradient sum runs over the same 64-row K steps in the same order,
+continued in fp32: every output and gradient is bitwise the same for every macrobatch size.
+
+Memory: the routed buffers are per macrobatch, released before the next macrobatch's are made,
+so torch's caching allocator hands the same memory back (stream-ordered): the ring. The
+backward holds the context (macrobatch 0), one replay ring, one macrobatch of activation
+gradients and two fp32 partials of [3 * H * I] (one expert crosses each macrobatch edge).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..types import MoKSchedule
+from . import dispatch, epilogues, expert_gemm
+from .backward_megakernel import push_router_grads, routed_backward
+from .backward_op import _shared_backward
+from .checks import check_cuda, check_extents, check_gpu_layer, check_macrobatch, check_multiple
+from .device_args import TILE_ROWS, sm_count, tma_descriptor
+from .expert_gemm_bwd import M_ALIGNMENT, N_ALIGNMENT
+from .forward_megakernel import routed_forward
+from .forward_op import _shared, group_barrier, publish_x
+from .peer_tables import peer_tables
+
+SCHEDULE_KERNEL = "macrobatch_schedule"
+# The macrobatch_schedule kernel's one CTA has a thread per local expert.
+MAX_LOCAL_EXPERTS = 1024
+# weight_gradient_window's `output` -> (kernel, dtype of out)
+WINDOW_KERNELS = {
+    "bf16": ("expert_gemm_bwd_weights_window_bf16", torch.bfloat16),
+    "accumulate": ("expert_gemm_bwd_weights_window_accumulate", torch.float32),
+}
+
+
+def num_macrobatches(capacity: int, macrobatch_size: int) -> int:
+    """Macrobatches of a schedule of `capacity` rows (at least one)."""
+    return max(1, -(-capacity // macrobatch_size))
+
+
+def window_schedules(schedule, macrobatch_size: int) -> list[tuple[int, MoKSchedule]]:
+    """(first row, sub-schedule) of each macrobatch of `schedule` (one `macrobatch_schedule`
+    launch, no host sync): rows as views of the schedule's, num_tokens and tokens_per_expert
+    written on the device. mok.reference.macrobatch_windows is the oracle."""
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    capacity = schedule.peer_rank.shape[0]
+    num_experts = schedule.tokens_per_expert.shape[0]
+    if not 1 <= num_experts <= MAX_LOCAL_EXPERTS:
+        raise ValueError(
+            f"a macrobatch below the routed rows takes 1 to {MAX_LOCAL_EXPERTS} local experts, "
+            f"got {num_experts}"
+        )
+    windows = num_macrobatches(capacity, macrobatch_size)
+    device = schedule.peer_rank.device
+    num_tokens = torch.empty(windows, dtype=torch.int32, device=device)
+    tokens_per_expert = torch.empty(windows, num_experts, dtype=torch.int32, device=device)
+    get_kernel(SCHEDULE_KERNEL, device=device).launch(
+        (1, 1, 1),
+        {
+            "num_tokens_ptr": schedule.num_tokens,
+            "tokens_per_expert_ptr": schedule.tokens_per_expert,
+            "window_tokens_ptr": num_tokens,
+            "window_tokens_per_expert_ptr": tokens_per_expert,
+            "num_experts": num_experts,
+            "num_windows": windows,
+            "window_rows": macrobatch_size,
+            "capacity": capacity,
+        },
+    )
+    out = []
+    for m in range(windows):
+        rows = slice(m * macrobatch_size, min((m + 1) * macrobatch_size, capacity))
+        out.append((rows.start, MoKSchedule(
+            schedule.peer_rank[rows], schedule.peer_token_idx[rows], num_tokens[m : m + 1],
+            tokens_per_expert[m],
+        )))  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+
+
+def forward(
+    ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
+    routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
+):  # fmt: skip
+    """forward_op.forward with ring reuse: the same outputs, bitwise; the routed context holds
+    macrobatch 0 ([macrobatch_size, H], [macrobatch_size, I])."""
+    check_gpu_layer(ws, "forward")
+    num_tokens, topk = router_weights.shape
+    check_macrobatch(macrobatch_size, num_tokens, topk, "forward", minibatch_size)
+    tables = peer_tables(ws)
+    publish_x(ws, x, tables)
+    peers, slots = None, None
+    if tables is not None:
+        peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
+        slots = ws.buffers["combine_buffer"]
+    else:
+        slots = torch.empty(num_tokens * topk, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    windows = window_schedules(schedule, macrobatch_size)
+    routed_ctx = None
+    # Last to first: the context left is macrobatch 0's. Each macrobatch's buffers are
+    # dropped before the next macrobatch's are made: the allocator hands the memory back.
+    for _, window in reversed(windows):
+        routed_ctx = None
+        routed_ctx, slots = routed_forward(
+            x, window, ws.topk, routed_gate, routed_up, routed_down, swiglu_limit=swiglu_limit,
+            num_comm_ctas=fwd_num_comm_sms, minibatch_size=minibatch_size,
+            timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots, grid=ws.megakernel_ctas,
+        )  # fmt: skip
+    group_barrier(ws, "PEER_BARRIER_END")
+    # Distinct empty tensors: custom-op outputs may not alias each other.
+    shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
+    if shared_gate is not None:
+        *shared_ctx, y_shared = _shared(x, shared_gate, shared_up, shared_down, swiglu_limit)
+    out = epilogues.fwd_epilogue(y_shared, slots, router_weights)
+    return (out, *routed_ctx, *shared_ctx)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------
+
+
+def backward(
+    ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
+    shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
+    minibatch_size, macrobatch_size, main_grads,
+):  # fmt: skip
+    """backward_op.backward with ring reuse and replay: the same outputs, bitwise. The routed
+    context holds macrobatch 0 (forward's) or every row (recompute_forward_context's)."""
+    check_gpu_layer(ws, "backward")
+    num_tokens, topk = router_weights.shape
+    check_macrobatch(macrobatch_size, num_tokens, topk, "backward", minibatch_size)
+    if routed_down.shape[2] % N_ALIGNMENT:
+        raise ValueError(
+            f"intermediate_size must be a multiple of {N_ALIGNMENT} on the sm_90a backward "
+            f"kernel path, got {routed_down.shape[2]}"
+        )
+    x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
+    capacity = schedule.peer_rank.shape[0]
+    first_rows = min(macrobatch_size, capacity)
+    if x_routed.dim() != 2 or x_routed.shape[0] not in (capacity, first_rows):
+        raise ValueError(
+            f"forward_context.x_routed must hold macrobatch 0 ({first_rows} rows) or every "
+            f"routed row ({capacity}), got shape {list(x_routed.shape)}"
+        )
+    full_context = x_routed.shape[0] == capacity
+    tables = peer_tables(ws)
+    peers = grad_peers = slots = x_peers = None
+    if tables is None:
+        d_router = torch.empty(num_tokens, topk, dtype=torch.float32, device=x.device)
+        slots = torch.empty(num_tokens * topk, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    else:
+        ws.buffers["d_y_buffer"].copy_(grad_output)
+        ws.buffers["router_weight_buffer"].copy_(router_weights)
+        # The replayed macrobatches pull x rows again (on every rank: a peer may replay).
+        ws.buffers["x_buffer"].copy_(x)
+        peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
+                 tables["d_x_routed_buffer"])  # fmt: skip
+        grad_peers = (ws.ep_rank, tables["router_weight_buffer"], tables["d_router_weight_buffer"])
+        x_peers = (ws.ep_rank, tables["x_buffer"])
+        slots = ws.buffers["d_x_routed_buffer"]
+        d_router = ws.buffers["d_router_weight_buffer"]
+    group_barrier(ws, "PEER_BARRIER_START")
+
+    windows = window_schedules(schedule, macrobatch_size)
+    grads = _WeightGradients(routed_gate, routed_up, routed_down, main_grads[:3])
+    replay = None if full_context else _Replay(x, routed_gate, routed_up, swiglu_limit, first_rows)
+    for m, (first, window) in enumerate(windows):
+        rows = window.peer_rank.shape[0]
+        if full_context:
+            ctx = tuple(t[first : first + rows] for t in (x_routed, gate, up, hidden))
+        elif m == 0:
+            ctx = (x_routed, gate, up, hidden)
+        else:
+            ctx = replay(window, topk, x_peers)
+        dy_e, d_gate, d_up, partials, slots, _ = routed_backward(
+            grad_output, router_weights, window, *ctx, routed_gate, routed_up, routed_down,
+            swiglu_limit=swiglu_limit, weight_grads=False, num_comm_ctas=bwd_num_comm_sms,
+            minibatch_size=minibatch_size, timeout_ns=ws.wait_timeout_ns, peers=peers,
+            slots=slots, grid=ws.megakernel_ctas,
+        )  # fmt: skip
+        push_router_grads(partials, window, router_weights, d_router, peers=grad_peers)
+        grads.add(m, first, schedule.tokens_per_expert, (d_gate, d_up, dy_e), (ctx[0], ctx[3]))
+        # Released before the next macrobatch's are made (stream-ordered: the allocator
+        # hands the memory back to the next launch only).
+        del dy_e, d_gate, d_up, partials, ctx
+    group_barrier(ws, "PEER_BARRIER_END")
+    if tables is not None:
+        d_router = d_router.clone()  # the buffer is the next call's
+
+    # Distinct empty tensors: custom-op outputs may not alias each other.
+    d_x_shared, shared_grads = None, [x.new_empty(0) for _ in range(3)]
+    if shared_gate is not None:
+        d_x_shared, shared_grads = _shared_backward(
+            grad_output, x, (gate_s, up_s, hidden_s), (shared_gate, shared_up, shared_down),
+            swiglu_limit, main_grads[3:],
+        )  # fmt: skip
+    d_x = epilogues.bwd_epilogue(d_x_shared, slots, topk)
+    return (d_x, d_router, *grads.results(x), *shared_grads)
+
+
+class _Replay:
+    """A later macrobatch's context, rebuilt into one ring of [macrobatch_size] rows: its x rows
+    pulled (gather_rows), gate/up + SwiGLU (recompute_forward_context's kernels, bitwise the
+    forward megakernel's rows)."""
+
+    def __init__(self, x, gate_weights, up_weights, swiglu_limit, rows: int):
+        inter = gate_weights.shape[1]
+        bf16 = dict(dtype=torch.bfloat16, device=x.device)
+        self.x, self.weights, self.limit = x, (gate_weights, up_weights), swiglu_limit
+        self.ring = (torch.empty(rows, x.shape[1], **bf16),
+                     *(torch.empty(rows, inter, **bf16) for _ in range(3)))  # fmt: skip
+
+    def __call__(self, window, topk: int, peers) -> tuple:
+        rows = window.peer_rank.shape[0]
+        x_routed, gate, up, hidden = (t[:rows] for t in self.ring)
+        dispatch.gather_rows(self.x, window.peer_rank, window.peer_token_idx, window.num_tokens,
+                             topk, out=x_routed, peers=peers)  # fmt: skip
+        expert_gemm.gate_up_swiglu(
+            x_routed, *self.weights, window.tokens_per_expert, swiglu_limit=self.limit,
+            gate=gate, up=up, hidden=hidden,
+        )  # fmt: skip
+        return x_routed, gate, up, hidden
+
+
+class _WeightGradients:
+    """dW_gate, dW_up, dW_down summed macrobatch by macrobatch (weight_gradient_window): into
+    new bf16 tensors, or added into the fp32 main_grads given. Two fp32 partial slots per GEMM:
+    macrobatch m reads slot m % 2 (what crossed its first edge) and writes slot (m + 1) % 2."""
+
+    def __init__(self, gate_weights, up_weights, down_weights, main_grads):
+        num_experts, inter, hidden = gate_weights.shape
+        device = gate_weights.device
+        self.outputs, self.modes = [], []
+        for weight, main_grad in zip((gate_weights, up_weights, down_weights), main_grads,
+                                     strict=True):  # fmt: skip
+            if main_grad is None:
+                self.outputs.append(torch.empty(weight.shape, dtype=torch.bfloat16, device=device))
+                self.modes.append("bf16")
+            else:
+                self.outputs.append(main_grad if main_grad.dim() == 3 else main_grad.unsqueeze(0))
+                self.modes.append("accumulate")
+        self.partials = torch.empty(2, 3, inter * hidden, dtype=torch.float32, device=device)
+        self.shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+
+    def add(self, m: int, first_row: int, tokens_per_expert, a_rows: tuple, b_rows: tuple):
+        """Macrobatch m's part: `a_rows` = (d_gate, d_up, dY_e), `b_rows` = (x_routed, hidden)
+        of its rows, which start at schedule row `first_row`."""
+        x_routed, hidden = b_rows
+        for g, (a, b) in enumerate(zip(a_rows, (x_routed, x_routed, hidden), strict=True)):
+            partial_in, partial_out = (self.partials[s, g].view(self.shapes[g])
+                                       for s in (m % 2, (m + 1) % 2))  # fmt: skip
+            weight_gradient_window(a, b, tokens_per_expert, first_row, self.outputs[g],
+                                   partial_in, partial_out, output=self.modes[g])  # fmt: skip
+
+    def results(self, like) -> list:
+        """[dW_gate, dW_up, dW_down]: bf16, or empty where added into a main_grad."""
+        return [out if mode == "bf16" else like.new_empty(0)
+                for out, mode in zip(self.outputs, self.modes, strict=True)]  # fmt: skip
+
+
+def weight_gradient_window(
+    a_rows: torch.Tensor,
+    b_rows: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    first_row: int,
+    out: torch.Tensor,
+    partial_in: torch.Tensor,
+    partial_out: torch.Tensor,
+    *,
+    output: str,
+) -> torch.Tensor:
+    """One macrobatch's part of out[e] = A[rows of e]^T @ B[rows of e] (kernel
+    expert_gemm_bwd_weights_window_*): a_rows bf16 [R, M] and b_rows bf16 [R, N] are the
+    macrobatch's routed rows, schedule rows first_row .. first_row + R - 1; `tokens_per_expert`
+    int32 [E] the whole schedule's. An expert's sum starts from `partial_in` (fp32 [M, N]) where
+    its rows began in an earlier macrobatch and goes into `partial_out` where they go on past
+    this one; else it is finished here: out bf16 [E, M, N] (output "bf16") or out fp32 += sum
+    (output "accumulate", a main_grad). An expert with no rows is finished (zeros, or out += 0)
+    by the macrobatch at row 0. Constraints: M % 128 == 0, N % 256 == 0, first_row % 128 == 0.
+    """
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    rows, m_size = a_rows.shape if a_rows.dim() == 2 else (-1, -1)
+    n_size = b_rows.shape[1] if b_rows.dim() == 2 else -1
+    num_experts = tokens_per_expert.shape[0] if tokens_per_expert.dim() == 1 else -1
+    if output not in WINDOW_KERNELS:
+        raise ValueError(f"output must be one of {sorted(WINDOW_KERNELS)}, got {output!r}")
+    kernel_name, out_dtype = WINDOW_KERNELS[output]
+    check_cuda("a_rows", a_rows, torch.bfloat16, (rows, m_size))
+    check_cuda("b_rows", b_rows, torch.bfloat16, (rows, n_size))
+    check_multiple("M (a_rows.shape[1])", m_size, M_ALIGNMENT)
+    check_multiple("N (b_rows.shape[1])", n_size, N_ALIGNMENT)
+    check_multiple("the macrobatch's rows", rows, TILE_ROWS)
+    if first_row < 0 or first_row % TILE_ROWS:
+        raise ValueError(f"first_row must be a multiple of {TILE_ROWS} >= 0, got {first_row}")
+    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_extents("E * M (output rows)", rows, num_experts * m_size, m_size, n_size)
+    check_cuda("out", out, out_dtype, (num_experts, m_size, n_size))
+    check_cuda("partial_in", partial_in, torch.float32, (m_size, n_size))
+    check_cuda("partial_out", partial_out, torch.float32, (m_size, n_size))
+    if partial_in.data_ptr() == partial_out.data_ptr():
+        raise ValueError("partial_in and partial_out must be different buffers")
+    if num_experts == 0:
+        return out
+    kernel = get_kernel(kernel_name, device=a_rows.device)
+    tiles = num_experts * (m_size // M_ALIGNMENT) * (n_size // N_ALIGNMENT)
+    kernel.launch(
+        (max(1, min(sm_count(a_rows.device), tiles)), 1, 1),
+        {
+            "tma_a": tma_descriptor(kernel, "tma_a", a_rows),
+            "tma_b": tma_descriptor(kernel, "tma_b", b_rows),
+            "out_ptr": out,
+            "partial_in_ptr": partial_in,
+            "partial_out_ptr": partial_out,
+            "tokens_per_expert_ptr": tokens_per_expert,
+            "num_experts": num_experts,
+            "m_size": m_size,
+            "n_size": n_size,
+            "first_row": first_row,
+            "window_rows": rows,
+        },
+    )
+    return out
