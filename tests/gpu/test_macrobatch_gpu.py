@@ -245,6 +245,46 @@ def test_virtual_ep_group_of_two_with_ring_reuse_gives_the_default_bits():
         assert_bitwise((got[rank][0], *got[rank][2:]), (want[rank][0], *want[rank][2:]), rank)
 
 
+def test_ring_reuse_step_replays_in_a_cuda_graph():
+    """Schedule + forward + backward with ring reuse captured once, replayed with new routing:
+    the same bits as eager (every macrobatch's sub-schedule is made on the device)."""
+    t, h, i, e, k = 1024, 512, 256, 8, 4
+    inputs = make_inputs(t, h, i, e, k, shared=True, seed=9, device=CUDA)
+    config = config_of(512)
+    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=t, hidden_size=h, topk=k,
+                         num_local_experts=e)  # fmt: skip
+    weights = [inputs[n] for n in WEIGHT_NAMES]
+    ids = inputs["top_experts"].clone()
+
+    def run():
+        schedule = F.build_schedule(ws, config, ids, num_local_experts=e)
+        out, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"],
+                             *weights)  # fmt: skip
+        grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], inputs["x"],
+                           inputs["router_weights"], *weights)  # fmt: skip
+        return (out, *grads)
+
+    run()
+    F.check_errors(ws)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        run()
+        F.check_errors(ws)
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(300 + seed)
+        ids.copy_(torch.randn(t, e, generator=gen).topk(k, dim=-1).indices)
+        for c in captured:
+            c.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(captured, run(), seed)
+
+
 # ----------------------------------------------------------------------------------------------
 # memory and time at the benchmark shapes
 # ----------------------------------------------------------------------------------------------
