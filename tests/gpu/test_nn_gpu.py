@@ -107,3 +107,47 @@ def test_training_step_in_a_cuda_graph():
         torch.cuda.synchronize()
         for a, b in zip(captured, step(), strict=True):
             assert torch.equal(a, b)
+
+
+COLD_COMPILE_CUDA = """
+import sys
+import torch
+from mok.nn import MoKExperts
+
+torch.manual_seed(0)
+cuda = torch.device("cuda")
+experts = MoKExperts(num_experts=8, hidden_size=256, intermediate_size=256, topk=2, device=cuda)
+x = torch.randn(512, 256, dtype=torch.bfloat16, device=cuda, requires_grad=True)
+w = (torch.rand(512, 2, device=cuda) + 0.1).requires_grad_()
+ids = torch.stack([torch.randperm(8, device=cuda)[:2] for _ in range(512)])
+
+
+def loss(x, w, ids):
+    return experts(x, w, ids).float().square().sum()
+
+
+compiled = torch.compile(loss, fullgraph=True, backend=sys.argv[1])
+got = compiled(x, w, ids)  # the first call of mok in this process
+got.backward()
+d_x = x.grad.clone()
+x.grad = None
+want = loss(x, w, ids)
+want.backward()
+assert torch.allclose(got, want, rtol=1e-5), (got, want)  # the loss' sum: inductor's order
+assert torch.equal(d_x, x.grad)
+print("COLD COMPILE OK")
+"""
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_before_any_eager_call_on_cuda(backend):
+    """A fresh process compiles MoKExperts before any eager call (issue 17, item 4): the
+    workspace is made at trace time; compiled and eager steps give the same bits."""
+    if backend == "inductor":
+        pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", COLD_COMPILE_CUDA, backend], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert "COLD COMPILE OK" in done.stdout, (done.stdout + done.stderr)[-3000:]

@@ -25,11 +25,12 @@ pytestmark = [
 ]
 CUDA = torch.device("cuda")
 
-# (name, T, H, I, E, k): the models' widths, experts and tokens scaled to a quick CPU oracle.
+# (name, T, H, I, E, k): the models' widths, experts and tokens scaled to a quick CPU oracle
+# (Mixtral's 8 experts of I = 14336 made its fp64 oracle outrun a device call: 2 experts).
 SHAPES = [
     ("qwen3-30b-a3b", 256, 2048, 768, 8, 8),
     ("deepseek-v3", 64, 7168, 2048, 8, 8),
-    ("mixtral-8x7b", 64, 4096, 14336, 8, 2),
+    ("mixtral-8x7b", 64, 4096, 14336, 2, 2),
 ]
 # The original's parameter sets, as MoKConfig fields.
 PARAMETER_SETS = {
