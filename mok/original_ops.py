@@ -320,7 +320,9 @@ def dispatch_mlp_swiglu_combine_fwd_bf16(
         topk:                int  the workspace's k
         swiglu_limit:        float > 0 or None
         num_comm_sms, macrobatch_size, minibatch_size: MoKConfig's fwd_num_comm_sms,
-            macrobatch_size (>= T * k) and minibatch_size
+            macrobatch_size and minibatch_size (checked as MoKConfig's; a macrobatch below
+            T * k gives the same bits, every routed row held at once: this op's outputs are
+            the whole context)
     Outputs:
         x_routed bf16 [C, H]; gate_shared [T, I]; gate_routed [C, I]; up_shared [T, I];
         up_routed [C, I]; hidden_shared [T, I]; hidden_routed [C, I]; y_shared [T, H];
