@@ -86,21 +86,22 @@ def backward(
     def make():
         return _BackwardOp(
             ws, schedule, ctx_tensors, grad_output, router_weights,
-            (shared_gate, shared_up, shared_down), (routed_gate, routed_up, routed_down),
-            swiglu_limit, bwd_num_comm_sms, minibatch_size, macrobatch_size, main_grads,
+            (routed_gate, routed_up, routed_down), swiglu_limit, bwd_num_comm_sms,
+            minibatch_size, macrobatch_size, main_grads,
         )  # fmt: skip
 
     op = plan(key, make)
     if op.ws() is not ws:  # made for an evicted workspace whose handle this one took over
         op = replace_plan(key, make)
-    return op(schedule, ctx_tensors, grad_output, x, router_weights, main_grads)
+    return op(schedule, ctx_tensors, grad_output, x, router_weights,
+              (shared_gate, shared_up, shared_down), main_grads)  # fmt: skip
 
 
 class _BackwardOp:
     """The backward op for one (workspace, shapes, weights, main_grads, config): its checks and
     the backward megakernel's plan made on the first call, then only launches."""
 
-    def __init__(self, ws, schedule, ctx_tensors, grad_output, router_weights, shared, routed,
+    def __init__(self, ws, schedule, ctx_tensors, grad_output, router_weights, routed,
                  swiglu_limit, bwd_num_comm_sms, minibatch_size, macrobatch_size,
                  main_grads):  # fmt: skip
         check_gpu_layer(ws, "backward")
@@ -111,8 +112,9 @@ class _BackwardOp:
                 f"intermediate_size must be a multiple of {expert_gemm_bwd.N_ALIGNMENT} on the "
                 f"sm_90a backward kernel path, got {routed[2].shape[2]}"
             )
-        # By weak reference: the workspace cache evicts only workspaces nothing else holds.
-        self.ws, self.shared, self.limit = weakref.ref(ws), shared, swiglu_limit
+        # By weak reference: the workspace cache evicts only workspaces nothing else holds; and no
+        # tensor of the caller's (the shared weights come with each call).
+        self.ws, self.limit = weakref.ref(ws), swiglu_limit
         self.tables = tables = peer_tables(ws)
         peers = self.grad_peers = self.slots = None
         if tables is not None:
@@ -131,7 +133,7 @@ class _BackwardOp:
         )  # fmt: skip
         self.push = self.epilogue = None  # bound on the first call, with their tensors
 
-    def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, main_grads):
+    def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, shared, main_grads):
         ws, tables = self.ws(), self.tables
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
         if tables is None:
@@ -156,9 +158,9 @@ class _BackwardOp:
             d_router = d_router.clone()  # the buffer is the next call's
         # Distinct empty tensors: custom-op outputs may not alias each other.
         d_x_shared, shared_grads = None, [x.new_empty(0), x.new_empty(0), x.new_empty(0)]
-        if self.shared[0] is not None:
+        if shared[0] is not None:
             d_x_shared, shared_grads = _shared_backward(
-                grad_output, x, (gate_s, up_s, hidden_s), self.shared, self.limit,
+                grad_output, x, (gate_s, up_s, hidden_s), shared, self.limit,
                 main_grads[3:],
             )  # fmt: skip
         if self.epilogue is None:

@@ -85,27 +85,27 @@ def forward(
 
     def make():
         return _ForwardOp(
-            ws, schedule, x, router_weights, (shared_gate, shared_up, shared_down),
-            (routed_gate, routed_up, routed_down), swiglu_limit, fwd_num_comm_sms, minibatch_size,
-            macrobatch_size,
+            ws, schedule, x, router_weights, (routed_gate, routed_up, routed_down), swiglu_limit,
+            fwd_num_comm_sms, minibatch_size, macrobatch_size,
         )  # fmt: skip
 
     op = plan(key, make)
     if op.ws() is not ws:  # made for an evicted workspace whose handle this one took over
         op = replace_plan(key, make)
-    return op(schedule, x, router_weights)
+    return op(schedule, x, router_weights, (shared_gate, shared_up, shared_down))
 
 
 class _ForwardOp:
     """The forward op for one (workspace, shapes, weights, config): its checks and the routed
     megakernel's plan made on the first call, then only launches."""
 
-    def __init__(self, ws, schedule, x, router_weights, shared, routed, swiglu_limit,
-                 fwd_num_comm_sms, minibatch_size, macrobatch_size):  # fmt: skip
+    def __init__(self, ws, schedule, x, router_weights, routed, swiglu_limit, fwd_num_comm_sms,
+                 minibatch_size, macrobatch_size):  # fmt: skip
         check_gpu_layer(ws, "forward")
         check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "forward")
-        # By weak reference: the workspace cache evicts only workspaces nothing else holds.
-        self.ws, self.shared, self.limit = weakref.ref(ws), shared, swiglu_limit
+        # By weak reference: the workspace cache evicts only workspaces nothing else holds; and no
+        # tensor of the caller's (the shared weights come with each call).
+        self.ws, self.limit = weakref.ref(ws), swiglu_limit
         self.tables = tables = peer_tables(ws)
         peers, self.slots = None, None
         if tables is not None:
@@ -117,15 +117,15 @@ class _ForwardOp:
         )  # fmt: skip
         self.epilogue = None  # bound on the first call, with its slots and y_shared
 
-    def __call__(self, schedule, x, router_weights):
+    def __call__(self, schedule, x, router_weights, shared):
         ws = self.ws()
         publish_x(ws, x, self.tables)
         routed_ctx, slots = self.routed(x, schedule, self.slots)
         group_barrier(ws, "PEER_BARRIER_END")
         # Distinct empty tensors: custom-op outputs may not alias each other.
         shared_ctx, y_shared = (x.new_empty(0), x.new_empty(0), x.new_empty(0)), None
-        if self.shared[0] is not None:
-            *shared_ctx, y_shared = _shared(x, *self.shared, self.limit)
+        if shared[0] is not None:
+            *shared_ctx, y_shared = _shared(x, *shared, self.limit)
         if self.epilogue is None:
             self.epilogue = fwd_epilogue_plan(y_shared, slots, router_weights.shape)
         out = self.epilogue(y_shared, slots, router_weights)

@@ -70,7 +70,8 @@ def plans_of_thread() -> dict:
 
 
 def clear_plans() -> None:
-    """Drop this thread's plans (tests; a plan holds no tensor the caller passed)."""
+    """Drop this thread's plans (tests, `MoKWorkspace.destroy`). A plan holds no tensor of the
+    caller's: only its own scratch and, for an EP group, its workspace's buffers and tables."""
     _local.plans = {}
 
 
