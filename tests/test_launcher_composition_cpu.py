@@ -244,3 +244,19 @@ def _check_forward_composition(shared, limit):
     for i, (a, b) in enumerate(zip(again, got[1:], strict=True)):
         # Routed rows at or past num_tokens are not part of the contract.
         assert torch.equal(a[:rows], b[:rows]) if i < 4 else torch.equal(a, b)
+
+
+def test_an_op_plan_is_not_reused_for_another_workspace_with_its_handle(fake_kernels):
+    """An evicted workspace's handle is taken over by the one made anew: the op plan made for
+    the old object (its buffers, tables) must not serve the new one."""
+    inp = make_inputs(T, H, I, E, K, seed=6)
+    schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
+    weights = [inp[n] for n in WEIGHTS]
+    first, second = _Workspace(), _Workspace()  # the same handle, two objects
+    outs = [fwd.forward(ws, schedule, inp["x"], inp["router_weights"], *weights, None, 16, 4096,
+                        131072) for ws in (first, second)]  # fmt: skip
+    from mok.launchers import plans
+
+    (op,) = [p for k, p in plans.plans_of_thread().items() if k[0] == "forward"]
+    assert op.ws() is second
+    assert torch.equal(outs[0][0], outs[1][0])
