@@ -23,6 +23,7 @@ import torch
 from mok.runtime import _driver
 
 from ..validation import tensor_key  # noqa: F401 - the launchers key their plans with it
+from .device_args import tma_descriptor
 
 _PLANS_MAX = 64
 _DESCRIPTORS_MAX = 32
@@ -85,8 +86,6 @@ class Descriptors:
         self._by_address: dict[int, object] = {}
 
     def get(self, tensor: torch.Tensor):
-        from .device_args import tma_descriptor  # noqa: PLC0415
-
         address = tensor.data_ptr()
         descriptor = self._by_address.get(address)
         if descriptor is None:
