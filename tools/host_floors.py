@@ -128,7 +128,34 @@ def _layer_rows(device) -> dict:
         lambda: forward_op.forward(ws, schedule, x, w, *weights, None, 0, config.minibatch_size,
                                    config.macrobatch_size), 20,
     )  # fmt: skip
+    rows["layer: functional.backward run by autograd's engine"] = _backward_in_engine(
+        lambda: F.backward(config, ws, schedule, ctx, dy, x, w, *weights)
+    )
     return rows
+
+
+def _backward_in_engine(run_backward, steps: int = 50) -> float:
+    """Median time of `run_backward` when autograd's engine calls it (on torch's device thread
+    for CUDA tensors), to set beside the same call on the main thread."""
+    inside = []
+
+    class _Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, anchor):
+            return anchor.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            t0 = time.perf_counter()
+            run_backward()
+            inside.append((time.perf_counter() - t0) * 1e6)
+            return grad
+
+    anchor = torch.zeros(1, device="cuda", requires_grad=True)
+    for _ in range(steps):
+        _Probe.apply(anchor).backward(torch.ones(1, device="cuda"))
+        torch.cuda.synchronize()
+    return statistics.median(inside[5:])
 
 
 if __name__ == "__main__":
