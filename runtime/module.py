@@ -36,10 +36,10 @@ _primary_contexts: dict[int, Any] = {}
 _modules: dict[tuple[int, str], Any] = {}
 _kernels: dict[tuple[int, str, str, str], Kernel] = {}
 _fast_kernels: dict[tuple, Kernel] = {}
-_current_raw_stream: Any = None  # resolved on first use, see _current_stream_handle
+_current_raw_stream: Any = None  # resolved on first use, see current_stream_handle()
 
 
-def _current_stream_handle(index: int) -> int:
+def current_stream_handle(index: int) -> int:
     """torch's current CUstream of device `index`, as an int.
 
     `torch._C._cuda_getCurrentRawStream` (what torch inductor's generated code calls) answers
@@ -299,7 +299,7 @@ class Kernel:
 
     def _stream_handle(self, stream: Any) -> int:
         if stream is None:
-            return _current_stream_handle(self.device_index)
+            return current_stream_handle(self.device_index)
         if isinstance(stream, torch.cuda.Stream):
             if stream.device_index != self.device_index:
                 raise ValueError(
@@ -339,7 +339,7 @@ class Kernel:
             state = self._new_thread_state()
         packed = self._packer.pack_into(state.packed, args, self.device_index)
         handle = (
-            _current_stream_handle(self.device_index)
+            current_stream_handle(self.device_index)
             if stream is None
             else self._stream_handle(stream)
         )
@@ -359,7 +359,7 @@ class Kernel:
 
     def current_stream_handle(self) -> int:
         """torch's current CUstream of this kernel's device, as an int."""
-        return _current_stream_handle(self.device_index)
+        return current_stream_handle(self.device_index)
 
     def launch_packed(self, config: Any, packed: PackedArgs, grid3: tuple) -> None:
         """cuLaunchKernelEx of packed args with a ready CUlaunchConfig (grid and stream set)."""

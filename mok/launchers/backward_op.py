@@ -22,7 +22,7 @@ from .device_args import TILE_ROWS
 from .epilogues import bwd_epilogue_plan
 from .forward_op import group_barrier
 from .peer_tables import peer_tables
-from .plans import current_stream, plan, replace_plan, tensor_key, weight_key
+from .plans import current_stream, plan, tensor_key, weight_key
 from .rows import pad_rows
 
 
@@ -90,9 +90,8 @@ def backward(
             minibatch_size, macrobatch_size, main_grads,
         )  # fmt: skip
 
-    op = plan(key, make)
-    if op.ws() is not ws:  # made for an evicted workspace whose handle this one took over
-        op = replace_plan(key, make)
+    # Not one made for an evicted workspace whose handle this one took over.
+    op = plan(key, make, current=lambda op: op.ws() is ws)
     return op(schedule, ctx_tensors, grad_output, x, router_weights,
               (shared_gate, shared_up, shared_down), main_grads)  # fmt: skip
 

@@ -26,7 +26,7 @@ from .device_args import TILE_ROWS
 from .epilogues import fwd_epilogue_plan
 from .forward_megakernel import forward_plan
 from .peer_tables import peer_tables
-from .plans import current_stream, plan, replace_plan, tensor_key, weight_key
+from .plans import current_stream, plan, tensor_key, weight_key
 from .rows import pad_rows
 
 
@@ -89,9 +89,8 @@ def forward(
             fwd_num_comm_sms, minibatch_size, macrobatch_size,
         )  # fmt: skip
 
-    op = plan(key, make)
-    if op.ws() is not ws:  # made for an evicted workspace whose handle this one took over
-        op = replace_plan(key, make)
+    # Not one made for an evicted workspace whose handle this one took over.
+    op = plan(key, make, current=lambda op: op.ws() is ws)
     return op(schedule, x, router_weights, (shared_gate, shared_up, shared_down))
 
 

@@ -21,8 +21,9 @@ from collections.abc import Callable
 import torch
 
 from mok.runtime import _driver
+from mok.runtime.module import current_stream_handle
 
-from ..validation import tensor_key  # noqa: F401 - the launchers key their plans with it
+from ..validation import tensor_key
 from .device_args import tma_descriptor
 
 _PLANS_MAX = 64
@@ -32,34 +33,27 @@ _local = threading.local()
 
 def weight_key(t: torch.Tensor | None) -> tuple | None:
     """What a plan checked about a tensor it keeps using: `tensor_key` and its address."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return (t.__class__,)
-    return (t.data_ptr(), t.shape, t.dtype, t.device, t.is_contiguous(), t.__class__)
+    key = tensor_key(t)
+    return (t.data_ptr(), *key) if isinstance(t, torch.Tensor) else key
 
 
 def current_stream(device_index: int) -> int:
     """torch's current CUstream on a CUDA device (0 for a CPU tensor's index -1: the launchers'
     CPU tests, whose fake kernels ignore it)."""
-    return torch._C._cuda_getCurrentRawStream(device_index) if device_index >= 0 else 0
+    return current_stream_handle(device_index) if device_index >= 0 else 0
 
 
-def plan(key: tuple, make: Callable[[], object]):
-    """This thread's plan for `key` (make() on a miss: it runs the full checks)."""
+def plan(key: tuple, make: Callable[[], object], current: Callable[[object], bool] | None = None):
+    """This thread's plan for `key` (make() on a miss: it runs the full checks). `current`: a
+    test a found plan must pass, else it is made anew in its place (a plan made for an object
+    that is gone, e.g. an evicted workspace whose handle a new one took over)."""
     plans = plans_of_thread()
     found = plans.get(key)
-    if found is None:
+    if found is None or (current is not None and not current(found)):
         found = make()
         if len(plans) >= _PLANS_MAX:
             plans.clear()
         plans[key] = found
-    return found
-
-
-def replace_plan(key: tuple, make: Callable[[], object]):
-    """A new plan for `key` in place of the one found (made for an object that is gone)."""
-    found = plans_of_thread()[key] = make()
     return found
 
 
