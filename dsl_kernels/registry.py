@@ -134,6 +134,13 @@ def variants() -> list[Variant]:
             archs=("sm_90a",),
         ),
         Variant(
+            "moe_forward_mxfp8",
+            Sm90MoeForward,
+            {"stages": 2, "mxfp8": True},
+            launch_grid="(sm_count, 1, 1)",
+            archs=("sm_90a",),
+        ),
+        Variant(
             "moe_backward",
             Sm90MoeBackward,
             {"stages": 3},

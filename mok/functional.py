@@ -237,6 +237,7 @@ def forward(
                 workspace.handle, *_schedule_args(schedule), x, router_weights,
                 shared_gate_weights, shared_up_weights, shared_down_weights,
                 *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
+                config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
             )  # fmt: skip
             return out, _context(ctx, schedule, has_shared=shared_gate_weights is not None)
         _check_weights(workspace, schedule, weights)

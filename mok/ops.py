@@ -415,18 +415,34 @@ def forward_mxfp8(
     routed_down: Tensor,
     routed_down_scales: Tensor,
     swiglu_limit: float | None,
+    fwd_num_comm_sms: int,
+    minibatch_size: int,
+    macrobatch_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`forward` with MXFP8 routed weights ((fp8, scale) along K each, mxfp8_quantize's):
-    `mok.reference.mxfp8_forward`. Same outputs as `forward` (the context in bf16)."""
-    _mxfp8_unavailable("forward_mxfp8", x.device)
-    check_router_weight_values(router_weights)
+    `mok.reference.mxfp8_forward`. Same outputs as `forward` (the context in bf16). On CUDA the
+    forward megakernel's MXFP8 variant; macrobatch ring reuse is not built for it yet."""
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+    routed = ((routed_gate, routed_gate_scales), (routed_up, routed_up_scales),
+              (routed_down, routed_down_scales))  # fmt: skip
+    if x.is_cuda:
+        if macrobatch_size < x.shape[0] * router_weights.shape[1]:
+            raise MoKKernelUnavailableError(
+                f"mok.ops.forward_mxfp8 on CUDA: macrobatch_size ({macrobatch_size}) below the "
+                f"routed rows ({x.shape[0] * router_weights.shape[1]}) needs ring reuse, which is "
+                f"not built for the MXFP8 layer yet"
+            )
+        return _gpu("forward", x.device, ws.ep_size).forward(
+            ws, schedule, x, router_weights, shared_gate_weights, shared_up_weights,
+            shared_down_weights, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
+            macrobatch_size,
+        )  # fmt: skip
+    check_router_weight_values(router_weights)
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.mxfp8_forward(
         schedule, x, router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
-        (routed_gate, routed_gate_scales), (routed_up, routed_up_scales),
-        (routed_down, routed_down_scales), group=ws.group, swiglu_limit=swiglu_limit,
+        *routed, group=ws.group, swiglu_limit=swiglu_limit,
     )  # fmt: skip
     return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 

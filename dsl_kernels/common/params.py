@@ -7,7 +7,7 @@ build checks that `__call__`'s names are the spec's, in order (`check_call_signa
 
 import inspect
 
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
 from .args import global_pointer
 
@@ -42,3 +42,7 @@ def check_call_signature(kernel_cls, spec: tuple) -> None:
         raise ValueError(
             f"{kernel_cls.__name__}.__call__ takes {names}, but its parameter spec says {expected}"
         )
+
+
+def uint8_pointer():
+    return global_pointer(Uint8, 16)

@@ -16,13 +16,17 @@ on nothing, so every tile gets copied whichever CTAs are resident. Which CTA cop
 changes from run to run; the bytes written do not.
 
 Scaled: one fp32 `mul.rn` (no fma contraction), one rounding: bit for bit common/gather_rows.py.
+With `rounded_ptr` (the MXFP8 forward) each row is also written there as its MXFP8 round trip
+along H (common/mxfp8_values.py), the gate/up GEMM's operand; the lanes of a 32-element block
+are adjacent and every lane of a warp takes the same chunk branch, as the shuffles need.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
 from ..common.bounded_wait import atom_add_relaxed_gpu_s32, red_add_release_gpu_s32
+from ..common.mxfp8_values import round_trip_chunk
 from ..common.peers import RANK_UNIT, rank_address
 from ..common.ptx import mul_rn
 from ..common.row_chunks import VECTOR, chunked_row_views
@@ -40,12 +44,13 @@ DISPATCH_BATCH = 8
 @cute.jit
 def dispatch_rows(
     src, out_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, topk, capacity, dispatched,
-    table, tidx, tickets: Tickets, weights=None,
+    table, tidx, tickets: Tickets, weights=None, rounded_ptr=None,
 ) -> Int32:  # fmt: skip
     """All 384 threads: row tiles of `out` (bf16 [capacity, H]) by ticket, until the ticket
     reaches `tickets.total` (the routed row tiles); returns how many this CTA copied.
     `src` = (local bf16 [T, H] pointer, peer table tensor of int64 addresses, ep_rank);
-    `weights` = (local fp32 [T * k] pointer, its peer table) or None: unscaled. Thread 0 takes
+    `weights` = (local fp32 [T * k] pointer, its peer table) or None: unscaled. `rounded_ptr`
+    (unscaled only): bf16 [capacity, H] for each row's MXFP8 round trip, or None. Thread 0 takes
     each ticket from `tickets.counter` and broadcasts it through `tickets.slots[0]` (free until
     the producer's first ticket: the CTA meets before returning). A tile's 128 packed (rank,
     source) entries go to `table` (shared Int32 [128]); each warp copies whole rows. Then fence
@@ -63,6 +68,16 @@ def dispatch_rows(
     warp = tidx // 32
     lane = tidx % 32
     values = cute.make_rmem_tensor((VECTOR, DISPATCH_BATCH), BFloat16)
+    rounded_words = None
+    if cutlass.const_expr(rounded_ptr is not None):
+        # The round trip's rows as 16-byte chunks of 4 bf16x2 words.
+        row_words = cute.assume(Int64(hidden_size) // Int64(2), divby=32)
+        rounded_words = cute.make_tensor(
+            cute.recast_ptr(rounded_ptr, dtype=Uint32),
+            cute.make_layout((VECTOR // 2, chunks, capacity), stride=(1, VECTOR // 2, row_words)),
+        )
+        widened = cute.make_rmem_tensor((VECTOR,), Float32)
+        packed_words = cute.make_rmem_tensor((VECTOR // 2,), Uint32)
     slot = tickets.slots
     if tidx == 0:
         slot[0] = atom_add_relaxed_gpu_s32(tickets.counter, Int32(1))
@@ -126,6 +141,10 @@ def dispatch_rows(
                             mOut[None, chunk, row].store(scaled_values.load().to(BFloat16))
                         else:
                             mOut[None, chunk, row].store(values[None, j].load())
+                            if cutlass.const_expr(rounded_ptr is not None):
+                                widened.store(values[None, j].load().to(Float32))
+                                round_trip_chunk(widened, packed_words)
+                                rounded_words[None, chunk, row].store(packed_words.load())
         cute.arch.fence_proxy("async.global")
         cute.arch.sync_threads()
         if tidx == 0:

@@ -5,13 +5,15 @@
 
 One 128 x 256 tile is the gate and up blocks of the same 128 columns (B0 = W_gate rows, B1 =
 W_up rows), so gate[i, j] and up[i, j] land in the same thread. The crew computes SwiGLU from
-the handed-off bf16 values while the consumers run the next mainloop.
+the handed-off bf16 values while the consumers run the next mainloop. The MXFP8 forward also
+writes each hidden row's MXFP8 round trip along I (`rounded_ptr`), the down GEMM's operand.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64
+from cutlass import BFloat16, Float32, Int64, Uint32
 
+from ..common.mxfp8_values import round_trip_chunk
 from . import gemm_phases as phases
 from .gemm_phases import TILE_K, TILE_M, TILE_N
 
@@ -42,13 +44,15 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
 
 
 def crew_stores(hidden_ptr, gate_ptr, up_ptr, intermediate_size, has_limit, swiglu_limit,
-                after_tile=None, after_args=()) -> dict:  # fmt: skip
+                after_tile=None, after_args=(), rounded_ptr=None) -> dict:  # fmt: skip
     """Crew store keywords (task_walk.store_phase) of gate/up tiles: gate, up, hidden [C, I] in
-    place, `after_tile(lane, first_row, *after_args)` after each."""
+    place (and hidden's MXFP8 round trip at `rounded_ptr`, if given), `after_tile(lane,
+    first_row, *after_args)` after each."""
     row_stride = cute.assume(Int64(intermediate_size), divby=TILE_N)
     stores = dict(
         tile_cols=TILE_N, slots=None, store_chunk=store_swiglu_chunk,
-        store_args=(hidden_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit),
+        store_args=(hidden_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit,
+                    rounded_ptr),
     )  # fmt: skip
     if after_tile is not None:
         stores.update(after_tile=after_tile, after_args=after_args)
@@ -58,10 +62,11 @@ def crew_stores(hidden_ptr, gate_ptr, up_ptr, intermediate_size, has_limit, swig
 @cute.jit
 def store_swiglu_chunk(
     gate_chunk, up_chunk, target, chunk, first_col, hidden_ptr, gate_ptr, up_ptr, row_stride,
-    has_limit, swiglu_limit,
+    has_limit, swiglu_limit, rounded_ptr,
 ):  # fmt: skip
     """One 16-byte chunk of row `target`: gate, up, and hidden = SwiGLU of the bf16-rounded
-    values in fp32 (mok.reference.swiglu)."""
+    values in fp32 (mok.reference.swiglu); with `rounded_ptr`, hidden's MXFP8 round trip there
+    (the crew's lanes 4q .. 4q + 3 hold one 32-column block: copy_out's chunk order)."""
     at = cute.assume(target * row_stride + Int64(first_col + chunk * 8), divby=8)
     cute.make_tensor(gate_ptr + at, cute.make_layout(8)).store(gate_chunk)
     cute.make_tensor(up_ptr + at, cute.make_layout(8)).store(up_chunk)
@@ -78,3 +83,12 @@ def store_swiglu_chunk(
             u = cutlass.max(cutlass.min(u, swiglu_limit), -swiglu_limit)
         hidden[i] = g / (Float32(1.0) + cute.math.exp(-g)) * u
     cute.make_tensor(hidden_ptr + at, cute.make_layout(8)).store(hidden.load().to(BFloat16))
+    if cutlass.const_expr(rounded_ptr is not None):
+        # The round trip of the bf16 hidden values, as mok.reference rounds hidden first.
+        hidden.store(hidden.load().to(BFloat16).to(Float32))
+        words = cute.make_rmem_tensor((4,), Uint32)
+        round_trip_chunk(hidden, words)
+        word_at = cute.assume(at // Int64(2), divby=4)
+        rounded = cute.make_tensor(cute.recast_ptr(rounded_ptr, dtype=Uint32) + word_at,
+                                   cute.make_layout(4))  # fmt: skip
+        rounded.store(words.load())

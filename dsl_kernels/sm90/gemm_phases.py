@@ -160,11 +160,13 @@ def allocate_operand_ring_storage(a_layout, b_layout, stages: int, staging_bytes
     return storage, sA, sB0, sB1
 
 
-def make_operand_ring(storage, a_layout, b_layout, stages: int):
-    """The operand ring: full barrier = TMA bytes landed, empty = every consumer warp done."""
-    tx_count = cute.size_in_bytes(
-        BFloat16, cute.slice_(a_layout, (None, None, 0))
-    ) + 2 * cute.size_in_bytes(BFloat16, cute.slice_(b_layout, (None, None, 0)))
+def make_operand_ring(storage, a_layout, b_layout, stages: int, tx_count=None):
+    """The operand ring: full barrier = TMA bytes landed (`tx_count`, None: the bf16 A, B0 and
+    B1 tiles), empty = every consumer warp done."""
+    if tx_count is None:
+        tx_count = cute.size_in_bytes(
+            BFloat16, cute.slice_(a_layout, (None, None, 0))
+        ) + 2 * cute.size_in_bytes(BFloat16, cute.slice_(b_layout, (None, None, 0)))
     ring = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.ring_barriers.data_ptr(),
         num_stages=stages,

@@ -14,6 +14,7 @@ from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm import DOWN_N_ALIGNMENT, GATE_UP_N_ALIGNMENT, K_ALIGNMENT
 from .megakernel_walk import (
     FORWARD_COUNTER_TAIL,
+    check_mxfp8_routed_operands,
     check_routed_operands,
     minibatch_row_tiles,
     walk_arguments,
@@ -21,6 +22,7 @@ from .megakernel_walk import (
 from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weight_key, zero_async
 
 KERNEL = "moe_forward"
+KERNEL_MXFP8 = "moe_forward_mxfp8"
 
 
 def routed_forward(
@@ -41,7 +43,9 @@ def routed_forward(
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((x_routed, gate, up, hidden), slots) of this rank's routed experts, in one launch.
 
-    x bf16 [T, H]; weights bf16 [E, I, H] (gate, up), [E, H, I] (down) of the local experts;
+    x bf16 [T, H]; weights bf16 [E, I, H] (gate, up), [E, H, I] (down) of the local experts,
+    or all three MXFP8 pairs (E4M3 data of those shapes, UE8M0 scales; mok.ops.mxfp8_quantize
+    along K): the MXFP8 layer (mok.reference.mxfp8_forward's rows, the same bf16 outputs);
     `schedule` this rank's MoKSchedule. slots bf16 [T * k, H] (`slots`, or a new tensor): row
     t * k + j is token t's j-th expert output. `peers` = (ep_rank, x table, slots table), the
     int64 [P] tables of every rank's x and slots buffers (None: a group of one): rows of other
@@ -88,7 +92,9 @@ class _ForwardPlan:
 
         num_tokens, hidden_size = x.shape
         check_cuda("x", x, torch.bfloat16, (num_tokens, hidden_size))
-        num_experts, intermediate_size, capacity = check_routed_operands(
+        self.mxfp8 = isinstance(gate_weights, tuple)
+        check = check_mxfp8_routed_operands if self.mxfp8 else check_routed_operands
+        num_experts, intermediate_size, capacity = check(
             gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk,
             hidden_size, x.device,
         )  # fmt: skip
@@ -110,25 +116,22 @@ class _ForwardPlan:
             dtype=torch.int32,
             device=x.device,
         )
-        kernel = get_kernel(KERNEL, device=x.device)
-        gate_up_flat = (num_experts * intermediate_size, hidden_size)
+        kernel = get_kernel(KERNEL_MXFP8 if self.mxfp8 else KERNEL, device=x.device)
         grid = grid or sm_count(x.device)
         x_routed, gate, up, hidden = self._outputs()
+        # MXFP8: the GEMMs' A operands are the rows' round trips (scratch of this call).
+        a_x, a_h = self._operands(x_routed, hidden)
         self.tma_x = Descriptors(kernel, "tma_x")
         self.tma_h = Descriptors(kernel, "tma_h")
         first_slots = slots if slots is not None else x_routed  # any address: rewritten per call
         self.bound = kernel.bind(
             (grid, 1, 1),
             {
-                "tma_x": self.tma_x.get(x_routed),
-                "tma_wg": tma_descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
-                "tma_wu": tma_descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
-                "tma_h": self.tma_h.get(hidden),
-                "tma_wd": tma_descriptor(
-                    kernel,
-                    "tma_wd",
-                    down_weights.view(num_experts * hidden_size, intermediate_size),
-                ),  # fmt: skip
+                "tma_x": self.tma_x.get(a_x),
+                "tma_h": self.tma_h.get(a_h),
+                **_weight_arguments(kernel, gate_weights, up_weights, down_weights),
+                "x_rounded_ptr": a_x if self.mxfp8 else None,
+                "hidden_rounded_ptr": a_h if self.mxfp8 else None,
                 "x_ptr": x,
                 "x_routed_ptr": x_routed,
                 "gate_ptr": gate,
@@ -142,7 +145,7 @@ class _ForwardPlan:
                     self.counters,
                     timeout_ns,
                     x,
-                    gate_weights,
+                    gate_weights[0] if self.mxfp8 else gate_weights,
                     topk,
                     swiglu_limit,
                     num_comm_ctas,
@@ -160,19 +163,28 @@ class _ForwardPlan:
         return (torch.empty(rows, hidden_size, **bf16), torch.empty(rows, inter, **bf16),
                 torch.empty(rows, inter, **bf16), torch.empty(rows, inter, **bf16))  # fmt: skip
 
+    def _operands(self, x_routed, hidden):
+        """The GEMMs' A operands: the rows themselves (BF16), or new scratch for their MXFP8
+        round trips, which dispatch and the crew write."""
+        if not self.mxfp8:
+            return x_routed, hidden
+        return torch.empty_like(x_routed), torch.empty_like(hidden)
+
     def __call__(self, x, schedule, slots):
         x_routed, gate, up, hidden = outputs = self._outputs()
         if slots is None:
             slots = torch.empty(self.shapes[2], dtype=torch.bfloat16, device=self.device)
         if self.bound is None:
             return outputs, slots
+        a_x, a_h = self._operands(x_routed, hidden)
         x_address = x.data_ptr()
         aligned("x", x_address)
         stream = current_stream(self.device_index)
         zero_async(self.counters, stream)
         self.bound.launch(
-            self.tma_x.get(x_routed), self.tma_h.get(hidden), x_address, x_routed.data_ptr(),
+            self.tma_x.get(a_x), self.tma_h.get(a_h), x_address, x_routed.data_ptr(),
             gate.data_ptr(), up.data_ptr(), hidden.data_ptr(), slots.data_ptr(),
+            a_x.data_ptr() if self.mxfp8 else 0, a_h.data_ptr() if self.mxfp8 else 0,
             schedule.peer_rank.data_ptr(), schedule.peer_token_idx.data_ptr(),
             schedule.num_tokens.data_ptr(), schedule.tokens_per_expert.data_ptr(),
             stream=stream,
@@ -180,8 +192,24 @@ class _ForwardPlan:
         return outputs, slots
 
 
+def _weight_arguments(kernel, gate_weights, up_weights, down_weights) -> dict:
+    """The weights' TMA descriptors over their [E * N, K] views, and with MXFP8 pairs their
+    scales (None in BF16: the variant ignores them)."""
+    mxfp8 = isinstance(gate_weights, tuple)
+    args = {"wg_scale_ptr": None, "wu_scale_ptr": None, "wd_scale_ptr": None}
+    for param, scale_param, weight in (("tma_wg", "wg_scale_ptr", gate_weights),
+                                       ("tma_wu", "wu_scale_ptr", up_weights),
+                                       ("tma_wd", "wd_scale_ptr", down_weights)):  # fmt: skip
+        data = weight[0] if mxfp8 else weight
+        if mxfp8:
+            args[scale_param] = weight[1]
+        args[param] = tma_descriptor(kernel, param, data.view(-1, data.shape[-1]))
+    return args
+
+
 # Rewritten on every launch, in this order (BoundLaunch.launch).
 DYNAMIC = (
     "tma_x", "tma_h", "x_ptr", "x_routed_ptr", "gate_ptr", "up_ptr", "hidden_ptr", "slots_ptr",
-    "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr", "tokens_per_expert_ptr",
+    "x_rounded_ptr", "hidden_rounded_ptr", "peer_rank_ptr", "peer_token_idx_ptr",
+    "num_tokens_ptr", "tokens_per_expert_ptr",
 )  # fmt: skip

@@ -36,6 +36,37 @@ def check_routed_operands(
     return num_experts, intermediate_size, capacity
 
 
+def check_mxfp8_routed_operands(
+    gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk, hidden_size, device
+):  # fmt: skip
+    """`check_routed_operands` for MXFP8 weights: (E4M3 data, UE8M0 scales) pairs along K, data
+    float8_e4m3fn [E, I, H], [E, I, H], [E, H, I], scales uint8 [E * N / 128, K / 128, 32, 16]
+    (mok.ops.mxfp8_quantize's); returns (E, I, capacity)."""
+    for name, pair in (("gate_weights", gate_weights), ("up_weights", up_weights),
+                       ("down_weights", down_weights)):  # fmt: skip
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise ValueError(f"{name} must be an MXFP8 pair (data, scales), got {type(pair)}")
+    data, _ = gate_weights
+    if data.dim() != 3:
+        raise ValueError(f"gate_weights data must be [E, I, H], got {list(data.shape)}")
+    num_experts, intermediate_size = data.shape[0], data.shape[1]
+    capacity = schedule.peer_rank.shape[0]
+    for name, (data, scales), (rows, k) in (
+        ("gate_weights", gate_weights, (intermediate_size, hidden_size)),
+        ("up_weights", up_weights, (intermediate_size, hidden_size)),
+        ("down_weights", down_weights, (hidden_size, intermediate_size)),
+    ):
+        check_cuda(f"{name} data", data, torch.float8_e4m3fn, (num_experts, rows, k))
+        check_cuda(f"{name} scales", scales, torch.uint8,
+                   (num_experts * rows // 128, k // 128, 32, 16))  # fmt: skip
+    widest = max(hidden_size, intermediate_size)
+    check_extents("weight rows", capacity, num_experts * widest, widest, widest)
+    if slots is not None:
+        check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
+    check_schedule_tensors(schedule, capacity, num_experts, device)
+    return num_experts, intermediate_size, capacity
+
+
 def check_schedule_tensors(schedule, capacity: int, num_experts: int, device) -> None:
     """The schedule's int32 tensors as the kernels read them: [C], [C], [1], [E] on `device`
     (the dispatch source's: CUDA, except in the launchers' CPU tests)."""

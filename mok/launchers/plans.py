@@ -33,6 +33,8 @@ _local = threading.local()
 
 def weight_key(t: torch.Tensor | None) -> tuple | None:
     """What a plan checked about a tensor it keeps using: `tensor_key` and its address."""
+    if isinstance(t, tuple):  # an MXFP8 pair (data, scales)
+        return tuple(weight_key(part) for part in t)
     key = tensor_key(t)
     return (t.data_ptr(), *key) if isinstance(t, torch.Tensor) else key
 

@@ -1,0 +1,111 @@
+"""The GPU MXFP8 forward (the forward megakernel's MXFP8 variant, EP group of one) through
+mok.functional, with weights quantised by mok.reference (independent of the GPU quantiser).
+
+Against mok.reference.mxfp8_forward (the oracle: products of the dequantised MXFP8 operands,
+fp32 sums): the routed context x_routed bitwise, gate / up / hidden and the output within
+bf16 rounding of the oracle's (only the fp32 summation order differs); against the BF16 layer
+within the original's tolerance (max abs 1.0, relative L1 0.1); bitwise identical across runs,
+outputs poisoned before each; adversarial routing, clamp on and off, a shared expert.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok import functional as F
+from mok import reference as R
+from mok.testing import make_inputs, poison_cuda_allocator
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+CUDA = torch.device("cuda")
+SHARED = ("shared_gate", "shared_up", "shared_down")
+ROUTED = ("routed_gate", "routed_up", "routed_down")
+
+CASES = [
+    # (T, H, I, E, k, shared, limit, routing)
+    (512, 256, 256, 8, 2, True, None, "random"),
+    (512, 256, 256, 8, 2, False, 3.0, "random"),
+    (300, 256, 128, 4, 1, False, None, "random"),  # k = 1, T not a multiple of 128
+    (256, 256, 256, 8, 2, True, None, "one_expert"),
+    (256, 256, 256, 8, 2, False, None, "empty_experts"),
+    (64, 512, 256, 4, 4, True, None, "first_experts"),  # k = E
+    (2048, 2048, 768, 32, 8, False, None, "random"),  # Qwen3-30B-A3B widths, fewer experts
+]
+
+
+def quantised(cpu):
+    """(fp8, scales) of each routed weight along its K, by mok.reference."""
+    return {n: R.mxfp8_quantize(cpu[n]) for n in ROUTED}
+
+
+def run_forward(inputs, mx, num_experts, limit):
+    t, h = inputs["x"].shape
+    k = inputs["top_experts"].shape[1]
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=t, hidden_size=h, topk=k,
+                         num_local_experts=num_experts)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=num_experts)
+    routed = [tuple(p.to(CUDA) for p in mx[n]) for n in ROUTED]
+    poison_cuda_allocator()
+    out, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"],
+                         *(inputs[n] for n in SHARED), *routed, swiglu_limit=limit)  # fmt: skip
+    torch.cuda.synchronize()
+    return ws, schedule, out, ctx
+
+
+def close(got, want, what, rel=2**-7):
+    got, want = got.cpu().float(), want.float()
+    assert torch.isfinite(got).all(), what
+    err = (got - want).norm()
+    assert err <= rel * want.norm() + 1e-6, f"{what}: |err| {err:.3e} vs |want| {want.norm():.3e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}H{c[1]}I{c[2]}E{c[3]}k{c[4]}-{c[7]}"
+                         f"{'-shared' if c[5] else ''}{'-clamp' if c[6] else ''}")  # fmt: skip
+def test_mxfp8_forward_matches_oracle_and_is_deterministic(case):
+    t, h, i, e, k, shared, limit, routing = case
+    inputs = make_inputs(t, h, i, e, k, shared=shared, routing=routing, seed=t + i + 7,
+                         device=CUDA)  # fmt: skip
+    cpu = {n: (v.cpu() if v is not None else None) for n, v in inputs.items()}
+    mx = quantised(cpu)
+    ws, schedule, out, ctx = run_forward(inputs, mx, e, limit)
+    ref_sched = R.make_schedule(cpu["top_experts"], num_local_experts=e,
+                                capacity=ws.schedule_capacity)  # fmt: skip
+    want, want_ctx = R.mxfp8_forward(ref_sched, cpu["x"], cpu["router_weights"],
+                                     *(cpu[n] for n in SHARED), *(mx[n] for n in ROUTED),
+                                     swiglu_limit=limit)  # fmt: skip
+    rows = int(schedule.num_tokens)
+    assert torch.equal(ctx.x_routed[:rows].cpu(), want_ctx.x_routed[:rows])
+    for name in ("gate_routed", "up_routed", "hidden_routed"):
+        close(getattr(ctx, name)[:rows], getattr(want_ctx, name)[:rows], name)
+    close(out, want, "out")
+    # The original's tolerance against the BF16 layer.
+    bf16_out, _ = R.forward(ref_sched, cpu["x"], cpu["router_weights"],
+                            *(cpu[n] for n in SHARED + ROUTED), swiglu_limit=limit)  # fmt: skip
+    diff = (out.cpu().float() - bf16_out.float()).abs()
+    assert diff.max() <= 1.0, f"max abs {diff.max():.3e} against BF16"
+    assert diff.sum() <= 0.1 * bf16_out.float().abs().sum(), "relative L1 against BF16"
+    for _ in range(2):
+        _, _, again, again_ctx = run_forward(inputs, mx, e, limit)
+        assert torch.equal(again, out)
+        for a, b in zip(again_ctx.tensors(), ctx.tensors(), strict=True):
+            assert (a is None and b is None) or torch.equal(a[:rows], b[:rows])
+
+
+def test_mxfp8_forward_rejects_a_wrong_tuple_on_cuda():
+    t, h, i, e, k = 256, 256, 128, 4, 2
+    inputs = make_inputs(t, h, i, e, k, seed=3, device=CUDA)
+    cpu = {n: v.cpu() for n, v in inputs.items() if v is not None}
+    mx = {n: tuple(p.to(CUDA) for p in pair) for n, pair in quantised(cpu).items()}
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=t, hidden_size=h, topk=k,
+                         num_local_experts=e)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
+    bad = (mx["routed_gate"][0], mx["routed_gate"][1][:1])
+    with pytest.raises(ValueError, match="routed_gate"):
+        F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], None, None, None,
+                  bad, mx["routed_up"], mx["routed_down"])  # fmt: skip
