@@ -136,7 +136,7 @@ def variants() -> list[Variant]:
         Variant(
             "moe_forward_mxfp8",
             Sm90MoeForward,
-            {"stages": 2, "mxfp8": True},
+            {"stages": 3, "mxfp8": True},
             launch_grid="(sm_count, 1, 1)",
             archs=("sm_90a",),
         ),

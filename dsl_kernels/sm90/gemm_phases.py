@@ -32,6 +32,7 @@ STAGED_PAD = 8
 STAGED_ROW = TILE_N + STAGED_PAD
 STAGED_BYTES = 2 * TILE_M * STAGED_ROW
 STAGED_CHUNKS = TILE_N // 8  # 16-byte chunks per staged row
+SWIZZLED_BYTES = 2 * TILE_M * TILE_N  # an unpadded, swizzled block (staged_block)
 
 
 # ---------------------------------------------------------------------- static configuration
@@ -359,9 +360,12 @@ def accumulator_rows(thr_mma):
     return row0, row1
 
 
-def staged_block(storage, offset_bytes: int = 0):
-    """A padded 128 x 128 bf16 block at `offset_bytes` (a multiple of 128) of `storage.staging`."""
-    return cute.make_tensor(
-        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=BFloat16),
-        cute.make_layout((TILE_M, TILE_N), stride=(STAGED_ROW, 1)),
-    )
+def staged_block(storage, offset_bytes: int = 0, swizzled: bool = False):
+    """A padded 128 x 128 bf16 block at `offset_bytes` (a multiple of 128) of `storage.staging`,
+    or with `swizzled` an unpadded one (SWIZZLED_BYTES, 1024-aligned) whose 16-byte chunk c of
+    row r sits at chunk c ^ (r % 8): the same distinct banks for the accumulator stores."""
+    ptr = cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=BFloat16)
+    if swizzled:
+        rows = cute.make_layout((TILE_M, TILE_N), stride=(TILE_N, 1))
+        return cute.make_tensor(ptr, cute.make_composed_layout(cute.make_swizzle(3, 3, 4), 0, rows))
+    return cute.make_tensor(ptr, cute.make_layout((TILE_M, TILE_N), stride=(STAGED_ROW, 1)))

@@ -48,7 +48,7 @@ from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from . import mxfp8_operands as mx
 from .dispatch_phase import PHASE_DISPATCH, dispatch_rows
-from .epilogue_warps import CREW, slot_stores
+from .epilogue_warps import CREW, SWIZZLED_CREW, slot_stores
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .minibatches import Minibatches, step_of, step_windows
@@ -267,6 +267,8 @@ class Sm90MoeForward:
     ):
         tma = (tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+        # MXFP8: unpadded swizzled hand-off blocks leave room for a third ring stage.
+        crew = SWIZZLED_CREW if cutlass.const_expr(self.mxfp8) else CREW
 
         tiled_mma = phases.forward_mma()
         a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
@@ -275,9 +277,9 @@ class Sm90MoeForward:
             b_layout = mx.bf16_buffer_layout()
             storage, sA, sF, (sB0, sB1) = mx.allocate_storage(
                 a_layout, mx.fp8_smem_layout(self.stages), b_layout, self.stages,
-                handoff.BUFFER_BYTES + SLOT_BYTES,
+                handoff.SWIZZLED_BUFFER_BYTES + SLOT_BYTES,
             )  # fmt: skip
-            buffers = handoff.handoff_buffers(storage)
+            buffers = handoff.handoff_buffers(storage, swizzled=True)
             ring = phases.make_operand_ring(
                 storage, a_layout, b_layout, self.stages, mx.stage_tx_bytes()
             )
@@ -312,9 +314,11 @@ class Sm90MoeForward:
         batches = Minibatches(minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
         num_tasks = row_tiles_total * (gate_up_cols + down_cols)
         task_ticket = hidden_done + row_tile_bytes
-        tickets = Tickets(task_ticket, task_slots(storage), num_tasks)
+        slots_at = handoff.SWIZZLED_BUFFER_BYTES if cutlass.const_expr(self.mxfp8) else None
+        slots = task_slots(storage) if slots_at is None else task_slots(storage, slots_at)
+        tickets = Tickets(task_ticket, slots, num_tasks)
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.
-        row_tickets = Tickets(task_ticket + Int64(4), task_slots(storage), row_tiles_total)
+        row_tickets = Tickets(task_ticket + Int64(4), slots, row_tiles_total)
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
         dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
@@ -352,14 +356,14 @@ class Sm90MoeForward:
                 stores = (
                     gate_up_phase.crew_stores(
                         hidden_ptr, gate_ptr, up_ptr, intermediate_size, has_limit,
-                        swiglu_limit, CREW.release_row_tile, (hidden_done,),
+                        swiglu_limit, crew.release_row_tile, (hidden_done,),
                         hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
                     ),
                     slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
                                 hidden_size),
                 )  # fmt: skip
-                lane = tidx - 32 * CREW.first_warp
-                store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)
+                lane = tidx - 32 * crew.first_warp
+                store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
         else:
             # ---- consumers: each task's mainloop, then its accumulators to the crew ----
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -374,7 +378,7 @@ class Sm90MoeForward:
                 read_state, release_state = phases.mma_k_tiles(
                     mma, ring, states[0], states[1], k_tiles, operands, accs
                 )
-                CREW.hand_off(thr, accs, buffers)
+                crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
             seq = Int32(0)
@@ -390,22 +394,20 @@ class Sm90MoeForward:
                 )
                 down_scales = mx.weight_scales(wd_scale_ptr.toint(), intermediate_size)
 
-                def gate_up_dequant(stage, buffer, k_tile, expert, col_tile):
-                    mx.dequantize_row(dq, stage, buffer, gate_up_scales,
-                                      expert * gate_up_cols + col_tile, k_tile)  # fmt: skip
-
-                def down_dequant(stage, buffer, k_tile, expert, col_tile):
-                    mx.dequantize_row(dq, stage, buffer, down_scales,
-                                      expert * (2 * down_cols) + 2 * col_tile + second,
-                                      k_tile)  # fmt: skip
-
-                def run_mxfp8_task(states, expert, col_tile, mma, thr, k_tiles, dequant):
+                def run_mxfp8_task(states, expert, col_tile, mma, thr, k_tiles, scales,
+                                   weight_tile):  # fmt: skip
                     read_state, release_state = mx.mma_k_tiles_dequant(
-                        mma, ring, states[0], states[1], k_tiles, operands, accs, dequant,
-                        (expert, col_tile),
+                        mma, ring, states[0], states[1], k_tiles, operands, accs, dq, scales,
+                        weight_tile(expert, col_tile),
                     )  # fmt: skip
-                    CREW.hand_off(thr, accs, buffers)
+                    crew.hand_off(thr, accs, buffers)
                     return read_state, release_state
+
+                def gate_up_tile(expert, col_tile):
+                    return expert * gate_up_cols + col_tile
+
+                def down_tile(expert, col_tile):
+                    return expert * (2 * down_cols) + 2 * col_tile + second
 
                 segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
                 while task >= 0:
@@ -414,12 +416,14 @@ class Sm90MoeForward:
                     )
                     states, seq, task = consume_phase(
                         states, ring, tickets, seq, task, base, middle, run_mxfp8_task,
-                        (tiled_mma, thr_mma, hidden_size // TILE_K, gate_up_dequant),
+                        (tiled_mma, thr_mma, hidden_size // TILE_K, gate_up_scales,
+                         gate_up_tile),
                         tiles[0], first, end_row, by_expert=True,
                     )  # fmt: skip
                     states, seq, task = consume_phase(
                         states, ring, tickets, seq, task, middle, end, run_mxfp8_task,
-                        (down_mma, down_thr, intermediate_size // TILE_K, down_dequant),
+                        (down_mma, down_thr, intermediate_size // TILE_K, down_scales,
+                         down_tile),
                         tiles[1], first_2, end_row_2, by_expert=True,
                     )  # fmt: skip
             else:
@@ -433,4 +437,4 @@ class Sm90MoeForward:
                         states, ring, tickets, seq, task, middle, end, run_task,
                         (down_mma, down_thr, intermediate_size // TILE_K),
                     )  # fmt: skip
-            CREW.hand_off_nothing()
+            crew.hand_off_nothing()

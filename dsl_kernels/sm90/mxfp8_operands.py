@@ -32,8 +32,9 @@ BF16_BUFFERS = 2
 DEQUANT_BARRIER = 7  # named barrier of the 256 consumer threads (epilogue_warps uses 3 .. 6)
 CONSUMER_THREADS = NUM_CONSUMER_WARPGROUPS * THREADS_PER_WARPGROUP
 # Ring stages beside the crew: A + two E4M3 tiles (32 KiB) per stage and two 32 KiB bf16
-# buffers leave room for 2 next to the crew's 68 KiB (3 would need 228 KiB of the 227).
-MAX_STAGES_WITH_CREW = 2
+# buffers leave room for 3 next to the crew's swizzled 64.5 KiB hand-off blocks (225.6 KiB of
+# the 227; the padded 68.5 KiB ones would need 229.6).
+MAX_STAGES_WITH_CREW = 3
 SCALE_GROUP = 128  # K elements of one 4-byte scale word (4 blocks of 32)
 WORDS_PER_CHUNK = 4  # 16 bytes
 
@@ -147,14 +148,17 @@ def make_dequantizer(storage, tidx, stages: int) -> Dequantizer:
 
 
 @cute.jit
-def dequantize_row(dq: Dequantizer, stage: Int32, buffer: Int32, scales: WeightScales,
-                   weight_tile: Int32, k_tile: Int32):  # fmt: skip
-    """This thread's row of one weight tile, K tile `k_tile`: E4M3 bytes of ring `stage` times
-    their scales into bf16 `buffer`, both in their swizzled places."""
+def scale_word(dq: Dequantizer, scales: WeightScales, weight_tile: Int32, pair: Int32) -> Uint32:
+    """The scales of this thread's row for K tiles 2 pair, 2 pair + 1 (4 blocks of 32)."""
     n = dq.row
-    word = scales.words[
-        (weight_tile * scales.k_groups + k_tile // 2) * 128 + (n % 32) * 4 + n // 32
-    ]
+    return scales.words[(weight_tile * scales.k_groups + pair) * 128 + (n % 32) * 4 + n // 32]
+
+
+@cute.jit
+def dequantize_row(dq: Dequantizer, stage: Int32, buffer: Int32, word: Uint32, k_tile: Int32):
+    """This thread's row of one weight tile, K tile `k_tile` (its scales in `word`): E4M3
+    bytes of ring `stage` times their scales into bf16 `buffer`, both in their swizzled places."""
+    n = dq.row
     shift = Uint32((k_tile % 2) * 16)
     fp8 = cute.make_rmem_tensor((WORDS_PER_CHUNK,), Uint32)
     halves = (
@@ -183,19 +187,24 @@ def meet_after_dequant():
 
 @cute.jit
 def mma_k_tiles_dequant(tiled_mma, ring, read_state, release_state, k_tiles: Int32,
-                        operands: tuple, accumulators: tuple, dequant, dequant_args):  # fmt: skip
+                        operands: tuple, accumulators: tuple, dq: Dequantizer,
+                        scales: WeightScales, weight_tile: Int32):  # fmt: skip
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` (>= 1) stages from zero, B from the bf16
-    buffers: `dequant(stage, buffer, k_tile, *dequant_args)` fills buffer k_tile % 2 from
-    the stage's E4M3 tiles while the previous tile's wgmmas run. Returns (read, release)."""
+    buffers: this thread's row of weight tile `weight_tile` (`scales`) is dequantised into
+    buffer k % 2 while tile k - 1's wgmmas run; each scale word is loaded a K tile pair ahead.
+    Returns (read, release)."""
     tCrA, tCrB0, tCrB1 = operands
     acc0, acc1 = accumulators
     k_blocks = cute.size(tCrA, mode=[2])
+    last_pair = (k_tiles - 1) // 2
     acc0.fill(0.0)
     acc1.fill(0.0)
     fence_accumulators(accumulators)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+    word = scale_word(dq, scales, weight_tile, Int32(0))
+    ahead = scale_word(dq, scales, weight_tile, cutlass.min(Int32(1), last_pair))
     ring.consumer_wait(read_state)
-    dequant(read_state.index, Int32(0), Int32(0), *dequant_args)
+    dequantize_row(dq, read_state.index, Int32(0), word, Int32(0))
     meet_after_dequant()
     for k_tile in cutlass.range(k_tiles, unroll=1):
         buffer = k_tile % BF16_BUFFERS
@@ -207,9 +216,15 @@ def mma_k_tiles_dequant(tiled_mma, ring, read_state, release_state, k_tiles: Int
             cute.gemm(tiled_mma, acc1, tCrA[a], tCrB1[b], acc1)
         cute.nvgpu.warpgroup.commit_group()
         read_state.advance()
-        if k_tile + 1 < k_tiles:
+        following = k_tile + 1
+        if following < k_tiles:
+            if following % 2 == 0:
+                word = ahead
+                ahead = scale_word(
+                    dq, scales, weight_tile, cutlass.min(following // 2 + 1, last_pair)
+                )
             ring.consumer_wait(read_state)
-            dequant(read_state.index, 1 - buffer, k_tile + 1, *dequant_args)
+            dequantize_row(dq, read_state.index, 1 - buffer, word, following)
         cute.nvgpu.warpgroup.wait_group(0)
         ring.consumer_release(release_state)
         release_state.advance()
