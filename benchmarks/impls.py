@@ -9,6 +9,7 @@ import torch
 
 from benchmarks.baselines import torchtitan_moe
 from benchmarks.inputs import MoeInputs
+from benchmarks.reference import MAX_REL_ERR
 
 SHARED_NAMES = ("shared_gate", "shared_up", "shared_down")
 
@@ -20,13 +21,20 @@ class Impl:
     ``forward()`` returns (out [T, H] bf16, state); ``backward(state, grad_output)`` returns the
     gradients by name (x, router_weights, gate, up, down, shared_*). The forward is a training
     forward: it keeps what the backward needs.
+
+    ``backward`` is ``None`` for a forward-only implementation: ``no_backward`` says why, as the
+    status of its other passes. ``max_rel_err``: the error above which its check fails.
+    ``state_bytes(state)``, where given: bytes of what the forward keeps for the backward.
     """
 
     name: str
     label: str
     is_baseline: bool
     forward: Callable[[], tuple[torch.Tensor, object]]
-    backward: Callable[[object, torch.Tensor], dict[str, torch.Tensor]]
+    backward: Callable[[object, torch.Tensor], dict[str, torch.Tensor]] | None
+    no_backward: str | None = None
+    max_rel_err: float = MAX_REL_ERR
+    state_bytes: Callable[[object], int] | None = None
 
 
 def baseline_impl(

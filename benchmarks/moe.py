@@ -3,6 +3,7 @@
 One GPU: ``python -m benchmarks.moe --json out.json --png out.png``.
 With LigerMoE importable (installed, on PYTHONPATH, or ``--liger-site DIR``) a one-GPU run adds
 its ``liger`` rows, each shape in its own process (benchmarks/liger.py); ``--no-liger`` drops them.
+The MXFP8 forward row (CUDA only, against an FP8 GEMM ceiling): add ``--mxfp8``.
 EP over N GPUs: ``torchrun --nproc-per-node N -m benchmarks.moe`` (time = slowest rank).
 Smoke test on a CPU in seconds: ``python -m benchmarks.moe --quick --device cpu``.
 
@@ -27,6 +28,8 @@ from benchmarks.impls import Impl, baseline_impl
 from benchmarks.inputs import MoeInputs, make_inputs
 from benchmarks.mok_impls import (
     MOK_IMPLS,
+    MXFP8,
+    MXFP8_IMPLS,
     NOT_AVAILABLE,
     describe_failure,
     unavailable_reason,
@@ -55,6 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write results and provenance here")
     parser.add_argument("--png", default=None, help="write a bar chart here")
     parser.add_argument("--no-liger", action="store_true", help="leave out the LigerMoE rows")
+    parser.add_argument(
+        "--mxfp8", action="store_true",
+        help="add the mok-mxfp8 forward row (CUDA only; weights quantised once, untimed)",
+    )  # fmt: skip
     parser.add_argument(
         "--virtual-ep", default=None, metavar="SIZES",
         help="one GPU: add rows of P-rank virtual EP groups (comma list, e.g. 2,8) against EP=1 "
@@ -108,31 +115,39 @@ def check(impl: Impl, inputs: MoeInputs, reference: dict, group) -> dict:
     """Relative error of every output the reference has; same worst value on every rank."""
     out, state = impl.forward()
     results = {"out": out}
-    if len(reference) > 1:
+    if len(reference) > 1 and impl.backward is not None:
         results.update(impl.backward(state, inputs.grad_output))
     errors = compare(results, reference)
     worst = torch.tensor(max(errors.values()), dtype=torch.float64, device=inputs.x.device)
     if group is not None:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    return {"rel_err": errors, "max_rel_err": float(worst)}
+    result = {"rel_err": errors, "max_rel_err": float(worst)}
+    if impl.state_bytes is not None:
+        result["context_bytes"] = impl.state_bytes(state)
+    return result
 
 
-def refusal(check_result: dict) -> str | None:
+def refusal(check_result: dict, max_rel_err: float = MAX_REL_ERR) -> str | None:
     """Why a checked implementation is not timed (it raised, or its error is too large)."""
     if "error" in check_result:
         return check_result["error"]
-    if check_result["max_rel_err"] > MAX_REL_ERR:
-        return f"check failed: rel err {check_result['max_rel_err']:.2e} > {MAX_REL_ERR}"
+    if check_result["max_rel_err"] > max_rel_err:
+        return f"check failed: rel err {check_result['max_rel_err']:.2e} > {max_rel_err}"
     return None
 
 
-def timed_fields(shape: RunShape, args, pass_name: str, ms: float, ceilings: dict) -> dict:
-    """A timed row's numbers; % of the GEMM ceiling only where the measured GEMM is one."""
+def timed_fields(
+    shape: RunShape, args, pass_name: str, ms: float, ceilings: dict, fp8: bool = False
+) -> dict:
+    """A timed row's numbers; % of the GEMM ceiling only where the measured GEMM is one (and,
+    for an ``fp8`` row, % of the FP8 GEMM's, where it was measured; same FLOP count)."""
     tflops = flops(shape, args.tokens, args.shared, pass_name) / (ms * 1e-3) / 1e12
     fields = {"status": "ok", "ms": ms, "tflops": tflops}
     if ceilings.get("gemm_is_ceiling", True):
         fields["pct_of_gemm_ceiling"] = 100 * tflops / ceilings["gemm_bf16_tflops"]
         fields["pct_of_sustained_gemm"] = 100 * tflops / ceilings["gemm_bf16_sustained_tflops"]
+        if fp8 and ceilings.get("gemm_fp8_tflops"):
+            fields["pct_of_fp8_ceiling"] = 100 * tflops / ceilings["gemm_fp8_tflops"]
     return fields
 
 
@@ -179,7 +194,8 @@ def build_impls(inputs: MoeInputs, args, group, probe) -> tuple[list[Impl], list
         )
     ]
     missing = []
-    for name, build in MOK_IMPLS.items():
+    builders = {**MOK_IMPLS, **(MXFP8_IMPLS if args.mxfp8 else {})}
+    for name, build in builders.items():
         impl = build(inputs, group)
         if impl is None:
             missing.append((name, unavailable_reason(name)))
@@ -219,7 +235,7 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    rows, best_baseline = [], {}
+    rows, best_baseline, mok_bf16_ms = [], {}, {}
     for impl in impls:
         for pass_name in args.passes:
             row = {
@@ -230,7 +246,9 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
                 "baseline": impl.is_baseline,
                 **checks[impl.name],
             }
-            status = refusal(row)
+            status = refusal(row, impl.max_rel_err)
+            if status is None and impl.backward is None and pass_name != "fwd":
+                status = impl.no_backward
             row.pop("error", None)
             if status is not None:
                 row["status"] = status
@@ -238,9 +256,13 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
                 ms = time_pass(impl, inputs, pass_name, args.timing, group)
                 if impl.is_baseline:
                     best_baseline[pass_name] = min(ms, best_baseline.get(pass_name, ms))
-                row.update(timed_fields(shape, args, pass_name, ms, ceilings))
+                if impl.name in ("mok", "mok_cpu_path"):  # the bf16 mok row, GPU or CPU
+                    mok_bf16_ms[pass_name] = ms
+                row.update(timed_fields(shape, args, pass_name, ms, ceilings, impl.name == MXFP8))
                 if pass_name in best_baseline:
                     row["speedup"] = best_baseline[pass_name] / ms
+                if impl.name == MXFP8 and pass_name in mok_bf16_ms:
+                    row["ratio_vs_mok_bf16"] = mok_bf16_ms[pass_name] / ms
             emit(row)
             rows.append(row)
     for name, reason in missing:

@@ -1,7 +1,8 @@
 """The hook for mok rows: ``MOK_IMPLS`` maps a row name to a builder of an ``Impl``.
 
 There is one mok row per pass: on a GPU, ``mok`` runs the forward megakernel and the backward
-megakernel, the only GPU implementation of each pass.
+megakernel, the only GPU implementation of each pass. ``--mxfp8`` adds ``MXFP8_IMPLS``: the
+``mok-mxfp8`` row, the forward megakernel's MXFP8 variant (forward only, CUDA only).
 
 A builder returns ``None`` when it cannot run here (``mok.functional`` not importable, no
 workspace for this device); ``unavailable_reason(name)`` then says why. A GPU whose kernel has
@@ -19,6 +20,12 @@ from benchmarks.impls import SHARED_NAMES, Impl
 from benchmarks.inputs import MoeInputs
 
 NOT_AVAILABLE = "kernel not available (issue 4)"
+MXFP8 = "mok-mxfp8"
+# E4M3 keeps 3 mantissa bits: quantising x, the weights and the hidden rows puts the output
+# ~6.4e-2 off the fp32 layer (mok.reference's MXFP8 layer at the --quick shapes); 0.1 is the
+# original's relative L1 tolerance of MXFP8 against BF16 (tests/gpu/test_mxfp8_forward_gpu.py).
+MXFP8_MAX_REL_ERR = 0.1
+MXFP8_DEVICES = ("cuda",)  # where the mok-mxfp8 row runs (a CPU's is mok.reference's layer)
 _REASONS: dict[str, str] = {}
 
 GRAD_ORDER = ("x", "router_weights", "gate", "up", "down", *SHARED_NAMES)
@@ -35,8 +42,8 @@ def describe_failure(error: Exception) -> str:
     return f"error: {type(error).__name__}: {error}"
 
 
-def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
-    """mok's bf16 layer: schedule + forward timed together, backward from the saved context."""
+def _mok_layer(name: str, inputs: MoeInputs, group) -> tuple | None:
+    """(mok.functional, config, workspace) for these inputs, or ``None`` (why: in _REASONS)."""
     try:
         import mok.functional as functional
 
@@ -56,12 +63,18 @@ def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
             num_local_experts=inputs.shape.experts_per_rank,
         )
     except Exception as error:  # not importable, device not supported, ...: no number
-        _REASONS["mok"] = f"{NOT_AVAILABLE}: {type(error).__name__}: {error}"
+        _REASONS[name] = f"{NOT_AVAILABLE}: {type(error).__name__}: {error}"
         return None
+    return functional, config, workspace
 
-    shared = inputs.shared if inputs.shared is not None else (None, None, None)
-    weights = (*shared, inputs.gate, inputs.up, inputs.down)
-    limit = inputs.shape.swiglu_limit
+
+def _shared_weights(inputs: MoeInputs) -> tuple:
+    return inputs.shared if inputs.shared is not None else (None, None, None)
+
+
+def _mok_forward(layer: tuple, inputs: MoeInputs, routed: tuple) -> Callable:
+    """An Impl's forward: schedule + ``mok.functional.forward`` (routed: gate, up, down)."""
+    functional, config, workspace = layer
 
     def forward():
         schedule = functional.build_schedule(
@@ -73,10 +86,29 @@ def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
             schedule,
             inputs.x,
             inputs.router_weights,
-            *weights,
-            swiglu_limit=limit,
+            *_shared_weights(inputs),
+            *routed,
+            swiglu_limit=inputs.shape.swiglu_limit,
         )
         return out, (schedule, context)
+
+    return forward
+
+
+def _context_bytes(state) -> int:
+    """Bytes of the forward context a mok forward returned (its state's second half)."""
+    return sum(t.nbytes for t in state[1].tensors() if t is not None)
+
+
+def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
+    """mok's bf16 layer: schedule + forward timed together, backward from the saved context."""
+    layer = _mok_layer("mok", inputs, group)
+    if layer is None:
+        return None
+    functional, config, workspace = layer
+    routed = (inputs.gate, inputs.up, inputs.down)
+    weights = (*_shared_weights(inputs), *routed)
+    forward = _mok_forward(layer, inputs, routed)
 
     def backward(state, grad_output):
         schedule, context = state
@@ -89,17 +121,55 @@ def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
             inputs.x,
             inputs.router_weights,
             *weights,
-            swiglu_limit=limit,
+            swiglu_limit=inputs.shape.swiglu_limit,
         )
         # backward returns (d_x, d_rw, d_routed gate/up/down, d_shared gate/up/down)
         return {n: g for n, g in zip(GRAD_ORDER, grads, strict=True) if g is not None}
 
     if inputs.x.device.type == "cpu":
-        return Impl("mok_cpu_path", "mok CPU path (PyTorch reference)", False, forward, backward)
+        label = "mok CPU path (PyTorch reference)"
+        return Impl("mok_cpu_path", label, False, forward, backward, state_bytes=_context_bytes)
     label = "mok (bf16: forward megakernel, backward megakernel)"
-    return Impl("mok", label, False, forward, backward)
+    return Impl("mok", label, False, forward, backward, state_bytes=_context_bytes)
+
+
+def _build_mok_mxfp8(inputs: MoeInputs, group) -> Impl | None:
+    """mok's MXFP8 forward (CUDA only): the routed weights quantised once, here, untimed."""
+    if inputs.x.device.type not in MXFP8_DEVICES:
+        _REASONS[MXFP8] = (
+            f"skipped on {inputs.x.device.type}: its MXFP8 layer is mok.reference's, "
+            "far too slow to benchmark"
+        )
+        return None
+    layer = _mok_layer(MXFP8, inputs, group)
+    if layer is None:
+        return None
+    try:
+        from mok.ops import mxfp8_quantize
+
+        # (fp8, scales) along K of each routed weight: gate, up [E, I, H], down [E, H, I].
+        routed = tuple(
+            tuple(mxfp8_quantize(w, True, False)[:2]) for w in (inputs.gate, inputs.up, inputs.down)
+        )
+    except Exception as error:
+        _REASONS[MXFP8] = describe_failure(error)
+        return None
+    return Impl(
+        MXFP8,
+        "mok (mxfp8 forward megakernel, weights quantised once)",
+        False,
+        _mok_forward(layer, inputs, routed),
+        None,
+        no_backward="skipped: MXFP8 backward not on the GPU yet",
+        max_rel_err=MXFP8_MAX_REL_ERR,
+        state_bytes=_context_bytes,
+    )
 
 
 MOK_IMPLS: dict[str, Callable[[MoeInputs, object], Impl | None]] = {
     "mok": _build_mok_bf16,
+}
+# Rows added by --mxfp8.
+MXFP8_IMPLS: dict[str, Callable[[MoeInputs, object], Impl | None]] = {
+    MXFP8: _build_mok_mxfp8,
 }

@@ -18,6 +18,10 @@ def ceilings_line(ceilings: dict) -> str:
         f"dense bf16 GEMM {ceilings['gemm_bf16_size']}^3 {ceilings['gemm_bf16_tflops']:.4g} "
         f"TFLOP/s (burst), {ceilings['gemm_bf16_sustained_tflops']:.4g} TFLOP/s (sustained)"
     )
+    if ceilings.get("gemm_fp8_tflops"):
+        gemm += f", dense fp8 e4m3 GEMM {ceilings['gemm_fp8_tflops']:.4g} TFLOP/s (burst)"
+    elif ceilings.get("gemm_fp8_note"):
+        gemm += f", no fp8 GEMM ({ceilings['gemm_fp8_note']})"
     note = ceilings.get("gemm_ceiling_note")
     if note:
         gemm += f" [{note}: no % of GEMM shown]"
@@ -26,8 +30,9 @@ def ceilings_line(ceilings: dict) -> str:
 
 def format_row(row: dict) -> str:
     """One line per (shape, pass, impl): ms, TFLOP/s, % of the GEMM ceiling (burst, and
-    sustained under the power limit) where there is one, speedup. A failed row's status, and
-    under it the last lines of its worker's output when it has them."""
+    sustained under the power limit; an MXFP8 row's % of the FP8 GEMM too) where there is one,
+    speedup (an MXFP8 row's against mok bf16 too), the forward context's size where known. A
+    failed row's status, and under it the last lines of its worker's output when it has them."""
     shape = row["shape"]
     head = (
         f"{shape['name']:<18} E={shape['num_experts']:<3} H={shape['hidden_size']:<5} "
@@ -44,9 +49,14 @@ def format_row(row: dict) -> str:
             f"{row['pct_of_gemm_ceiling']:5.1f}% of GEMM "
             f"({row['pct_of_sustained_gemm']:5.1f}% sustained)  "
         )
+    if "pct_of_fp8_ceiling" in row:
+        ceiling += f"{row['pct_of_fp8_ceiling']:5.1f}% of FP8 GEMM  "
+    if "ratio_vs_mok_bf16" in row:
+        speedup += f", {row['ratio_vs_mok_bf16']:.2f}x vs mok bf16"
+    context = f"  ctx {row['context_bytes'] / 2**20:.1f} MiB" if "context_bytes" in row else ""
     return (
         f"{head} {row['ms']:9.3f} ms {row['tflops']:7.3g} TFLOP/s {ceiling}"
-        f"{speedup}  err {row['max_rel_err']:.1e}"
+        f"{speedup}  err {row['max_rel_err']:.1e}{context}"
     )
 
 

@@ -81,20 +81,44 @@ def _matmul_pairs(device: torch.device, size: int, seed: int) -> list[tuple]:
     ]
 
 
+def _burst_tflops(device, size: int, config: TimingConfig, pairs: list, matmul) -> float:
+    """Median TFLOP/s of ``matmul(a, b)`` of size^3, the pairs rotated rep by rep."""
+    counter = iter(range(1 << 30))
+
+    def run(_state):
+        a, b = pairs[next(counter) % len(pairs)]
+        matmul(a, b)
+
+    ms = median(time_ms(device, config, run))
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
 def gemm_ceiling_tflops(device: torch.device, size: int, config: TimingConfig) -> float:
     """Median TFLOP/s of a dense bf16 ``torch.matmul`` of size^3 on random data.
 
     Three input pairs are rotated so that no rep finds its operands in L2 from the rep before.
     """
-    pairs = _matmul_pairs(device, size, seed=1)
-    counter = iter(range(1 << 30))
+    return _burst_tflops(device, size, config, _matmul_pairs(device, size, seed=1), torch.matmul)
 
-    def run(_state):
-        a, b = pairs[next(counter) % len(pairs)]
-        torch.matmul(a, b)
 
-    ms = median(time_ms(device, config, run))
-    return 2 * size**3 / (ms * 1e-3) / 1e12
+def fp8_gemm_ceiling_tflops(
+    device: torch.device, size: int, config: TimingConfig
+) -> tuple[float | None, str | None]:
+    """(TFLOP/s, None) of a dense FP8 E4M3 ``torch._scaled_mm`` of size^3 (a row-major, b
+    column-major, unit fp32 scales, bf16 out), timed as `gemm_ceiling_tflops`; (None, why)
+    off CUDA or where ``_scaled_mm`` raises."""
+    if device.type != "cuda":
+        return None, f"not measured on {device.type}: torch._scaled_mm FP8 needs CUDA"
+    fp8, one = torch.float8_e4m3fn, torch.ones((), device=device, dtype=torch.float32)
+    try:
+        pairs = [(a.to(fp8), b.to(fp8).t()) for a, b in _matmul_pairs(device, size, seed=3)]
+
+        def scaled_mm(a, b):
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        return _burst_tflops(device, size, config, pairs, scaled_mm), None
+    except Exception as error:  # unsupported on this GPU or torch build: no number, no crash
+        return None, f"torch._scaled_mm failed: {type(error).__name__}: {error}"
 
 
 def sustained_gemm_tflops(
@@ -132,15 +156,21 @@ def copy_bandwidth_gbs(device: torch.device, num_bytes: int, config: TimingConfi
 
 
 def measure_ceilings(device: torch.device, quick: bool, config: TimingConfig) -> dict:
-    """The GEMM and copy ceilings of this device, measured now (tiny sizes with ``quick``)."""
+    """The GEMM (bf16; FP8 on CUDA) and copy ceilings of this device, measured now (tiny sizes
+    with ``quick``)."""
     gemm_size = 512 if quick else 8192
     copy_bytes = (8 << 20) if quick else (2 << 30)
-    return {
+    ceilings = {
         "gemm_bf16_size": gemm_size,
         "gemm_bf16_tflops": gemm_ceiling_tflops(device, gemm_size, config),
-        "gemm_bf16_sustained_tflops": sustained_gemm_tflops(
-            device, gemm_size, *((0.01, 0.01) if quick else (1.5, 1.0))
-        ),
-        "copy_bytes": copy_bytes,
-        "copy_gbs": copy_bandwidth_gbs(device, copy_bytes, config),
     }
+    # The FP8 burst (same size) before the sustained run brings the clock down.
+    ceilings["gemm_fp8_tflops"], ceilings["gemm_fp8_note"] = fp8_gemm_ceiling_tflops(
+        device, gemm_size, config
+    )
+    ceilings["gemm_bf16_sustained_tflops"] = sustained_gemm_tflops(
+        device, gemm_size, *((0.01, 0.01) if quick else (1.5, 1.0))
+    )
+    ceilings["copy_bytes"] = copy_bytes
+    ceilings["copy_gbs"] = copy_bandwidth_gbs(device, copy_bytes, config)
+    return ceilings

@@ -15,7 +15,7 @@ import torch
 # `pytest` (rootdir tests/ on sys.path) must find it from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import moe, report  # noqa: E402
+from benchmarks import moe, mok_impls, report  # noqa: E402
 from benchmarks.baselines import grouped_mm_works  # noqa: E402
 from benchmarks.impls import baseline_impl  # noqa: E402
 from benchmarks.inputs import make_inputs  # noqa: E402
@@ -152,3 +152,46 @@ def test_summary_columns_are_never_cut():
     assert "kernel not available (issue 4)" in line and line.endswith("liger timeout")
     # Each column is right-aligned under its name: the two lines end at the same column.
     assert len(header) == len(line) and header.endswith("liger")
+
+
+def test_mxfp8_row_is_skipped_on_cpu_with_its_reason(tmp_path, capsys):
+    assert moe.parse_args([]).mxfp8 is False
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--shapes", "mixtral-8x7b", "--mxfp8", "--reps", "1"]
+    assert moe.main([*argv, "--warmup", "0", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["ceilings"]["gemm_fp8_tflops"] is None
+    assert "needs CUDA" in record["ceilings"]["gemm_fp8_note"]
+    rows = [row for row in record["rows"] if row["impl"] == "mok-mxfp8"]
+    assert [row["pass"] for row in rows] == list(moe.PASSES)
+    for row in rows:
+        assert row["status"].startswith("skipped on cpu") and "ms" not in row
+    printed = capsys.readouterr().out
+    assert "mok-mxfp8            skipped on cpu: " in printed and "no fp8 GEMM (" in printed
+
+
+def test_mxfp8_row_times_the_forward_only(monkeypatch):
+    # The GPU row's logic, run on mok's CPU MXFP8 layer (far too slow to benchmark, not to test).
+    monkeypatch.setattr(mok_impls, "MXFP8_DEVICES", ("cpu",))
+    argv = ["--quick", "--device", "cpu", "--passes", "fwd,fwdbwd", "--mxfp8", "--reps", "1"]
+    args = moe.parse_args(argv)
+    args.timing = moe.TimingConfig(warmup=0, reps=1)
+    ceilings = {"gemm_bf16_tflops": 1.0, "gemm_bf16_sustained_tflops": 1.0, "gemm_fp8_tflops": 2.0}
+    probe = grouped_mm_works(CPU)
+    rows = moe.run_shape(SHAPES[2], args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
+    by_key = {(row["impl"], row["pass"]): row for row in rows}
+    bf16, fwd = by_key["mok_cpu_path", "fwd"], by_key["mok-mxfp8", "fwd"]
+    assert fwd["status"] == "ok", fwd["status"]
+    # E4M3 operands put it ~6e-2 off the fp32 layer: over the bf16 rows' limit, under its own.
+    assert MAX_REL_ERR < fwd["max_rel_err"] <= mok_impls.MXFP8_MAX_REL_ERR
+    assert fwd["pct_of_fp8_ceiling"] == pytest.approx(fwd["pct_of_gemm_ceiling"] / 2)
+    assert fwd["ratio_vs_mok_bf16"] == pytest.approx(bf16["ms"] / fwd["ms"])
+    assert fwd["context_bytes"] == bf16["context_bytes"] > 0
+    assert "pct_of_fp8_ceiling" not in bf16 and "ratio_vs_mok_bf16" not in bf16
+    line = report.format_row(fwd)
+    assert "% of FP8 GEMM" in line and "x vs mok bf16" in line and " ctx " in line
+    fwdbwd = by_key["mok-mxfp8", "fwdbwd"]
+    assert fwdbwd["status"] == "skipped: MXFP8 backward not on the GPU yet" and "ms" not in fwdbwd
+    assert "fp8 e4m3 GEMM 2 TFLOP/s" in report.ceilings_line(
+        {**ceilings, "gemm_bf16_size": 512, "copy_gbs": 9.0}
+    )
