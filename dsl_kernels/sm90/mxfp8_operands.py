@@ -7,8 +7,8 @@ hidden) and the two weight tiles as E4M3 bytes (128 x 64, 64-byte swizzle) into 
 common/mxfp8_values.py) in one of two bf16 buffers, which the bf16 wgmma reads. Consumer thread
 c (0 .. 255) converts row c % 128 of weight tile c // 128, reading its scale word from global
 memory (SWIZZLE_32_4_4, mok.reference.mxfp8_quantize). Tile k + 1 is converted while tile k's
-wgmmas run; the two warpgroups meet on DEQUANT_BARRIER twice a tile: once both finished tile
-k - 1's wgmmas (its buffer is free), and once tile k + 1 is written.
+wgmmas run; the two warpgroups meet on DEQUANT_BARRIER after each tile's wgmmas completed and
+the next tile is written, so a buffer is rewritten only after both finished reading it.
 """
 
 from typing import NamedTuple
@@ -191,8 +191,7 @@ def mma_k_tiles_dequant(tiled_mma, ring, read_state, release_state, k_tiles: Int
                         scales: WeightScales, weight_tile: Int32):  # fmt: skip
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` (>= 1) stages from zero, B from the bf16
     buffers: this thread's row of weight tile `weight_tile` (`scales`) is dequantised into
-    buffer (k + 1) % 2 while tile k's wgmmas run, once both warpgroups finished tile k - 1's
-    (one wgmma batch always in flight); each scale word is loaded a K tile pair ahead.
+    buffer k % 2 while tile k - 1's wgmmas run; each scale word is loaded a K tile pair ahead.
     Returns (read, release)."""
     tCrA, tCrB0, tCrB1 = operands
     acc0, acc1 = accumulators
@@ -217,15 +216,8 @@ def mma_k_tiles_dequant(tiled_mma, ring, read_state, release_state, k_tiles: Int
             cute.gemm(tiled_mma, acc1, tCrA[a], tCrB1[b], acc1)
         cute.nvgpu.warpgroup.commit_group()
         read_state.advance()
-        if k_tile > 0:
-            # Tile k - 1's wgmmas are complete (this warpgroup's): its stage can be refilled.
-            cute.nvgpu.warpgroup.wait_group(1)
-            ring.consumer_release(release_state)
-            release_state.advance()
         following = k_tile + 1
         if following < k_tiles:
-            # Both warpgroups past tile k - 1's wgmmas: its buffer may be rewritten.
-            cute.arch.barrier(barrier_id=DEQUANT_BARRIER, number_of_threads=CONSUMER_THREADS)
             if following % 2 == 0:
                 word = ahead
                 ahead = scale_word(
@@ -233,9 +225,9 @@ def mma_k_tiles_dequant(tiled_mma, ring, read_state, release_state, k_tiles: Int
                 )
             ring.consumer_wait(read_state)
             dequantize_row(dq, read_state.index, 1 - buffer, word, following)
-            meet_after_dequant()
-    cute.nvgpu.warpgroup.wait_group(0)
-    ring.consumer_release(release_state)
-    release_state.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        ring.consumer_release(release_state)
+        release_state.advance()
+        meet_after_dequant()
     fence_accumulators(accumulators)
     return read_state, release_state
