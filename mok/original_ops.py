@@ -30,7 +30,8 @@ How they differ from the original's (README, "Differences from the original"):
 - barrier_buffer is mok's int32 [P] and target its int32 [2] arrival epoch
   (`workspace.barrier_target`); the multicast pointers are 0 (never used).
 - The MXFP8 ops run on CPU (mok.reference's MXFP8 layer, its context in the original's
-  quantised layout); on CUDA they check their arguments and raise MoKKernelUnavailableError.
+  quantised layout); on CUDA the forward runs the forward megakernel's MXFP8 variant, and the
+  backward and recompute check their arguments and raise MoKKernelUnavailableError.
 - `mok::recompute_forward_context_mxfp8` is also the name of mok's MXFP8 layer recompute (a
   workspace-handle op, its default overload): the original's op is its overload `original`,
   and `mok.ops.recompute_forward_context_mxfp8` (the overload packet) runs either, by
@@ -680,8 +681,10 @@ def dispatch_mlp_swiglu_combine_fwd_mxfp8(
         gate_sc_routed uint8 [C/128, I/128, 32, 16]; up_shared, up_fp8_routed, up_sc_routed
         likewise; hidden_shared bf16 [T, I]; hidden_fp8_t_routed fp8 [I, C], hidden_sc_t_routed
         uint8 [I/128, C/128, 32, 16]; y_shared bf16 [T, H]; y_routed empty [0]. The combine
-        buffer is filled as by the BF16 op. CPU only (mok.reference.mxfp8_forward's layer);
-        CUDA raises MoKKernelUnavailableError after the argument checks.
+        buffer is filled as by the BF16 op. CPU: mok.reference.mxfp8_forward's layer; CUDA: the
+        forward megakernel's MXFP8 variant (mok.functional.forward's bits with MXFP8 weights),
+        its context quantised by the GPU quantiser (ring reuse is not built for it: every
+        routed row is held, as this op returns the whole context).
     """
     op = "dispatch_mlp_swiglu_combine_fwd_mxfp8"
     weights = dict(w_shared_gate=w_shared_gate, w_shared_up=w_shared_up,
@@ -694,11 +697,11 @@ def dispatch_mlp_swiglu_combine_fwd_mxfp8(
         op, x, x_ptrs, combine_buffer, combine_buffer_ptrs, weights, sched,
         (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
     )  # fmt: skip
-    _mxfp8_unavailable(op, x.device)
     ctx, y_shared = slot_passes.mxfp8_forward_to_slots(
-        ws, MoKSchedule(*sched), x, combine_buffer, (w_shared_gate, w_shared_up, w_shared_down),
+        ws, op, MoKSchedule(*sched), x, combine_buffer,
+        (w_shared_gate, w_shared_up, w_shared_down),
         ((w_routed_gate, w_routed_gate_sc), (w_routed_up, w_routed_up_sc),
-         (w_routed_down, w_routed_down_sc)), limit,
+         (w_routed_down, w_routed_down_sc)), limit, num_comm_sms, minibatch_size,
     )  # fmt: skip
     return (*ctx, _empty(x) if y_shared is None else y_shared, _empty(x))
 

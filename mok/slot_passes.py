@@ -143,6 +143,10 @@ def quantised_context(ctx: MoKForwardContext, like: Tensor) -> tuple[Tensor, ...
     up along I (what the SwiGLU backward reads)."""
 
     def quantised(t: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
+        if t.is_cuda and t.shape[0] % 128 == 0 and t.shape[1] % 128 == 0:
+            from .launchers.mxfp8 import mxfp8_quantize  # noqa: PLC0415 - CUDA-only path
+
+            return mxfp8_quantize(t.contiguous(), transpose)  # bit-exact with the reference
         # contiguous: the reference quantiser returns a 2-D transposed layout as a strided view
         return tuple(q.contiguous() for q in reference.mxfp8_quantize(t, transpose=transpose))
 
@@ -169,11 +173,18 @@ def _dequantised_context(q: tuple) -> MoKForwardContext:
 
 
 def mxfp8_forward_to_slots(
-    ws, schedule: MoKSchedule, x: Tensor, slots: Tensor, shared: tuple, routed: tuple,
-    swiglu_limit,
+    ws, op: str, schedule: MoKSchedule, x: Tensor, slots: Tensor, shared: tuple, routed: tuple,
+    swiglu_limit, num_comm_sms: int, minibatch_size: int,
 ):  # fmt: skip
     """(the 11 tensors of `quantised_context`, y_shared or None); `slots` filled. `routed`:
-    (gate, up, down) each (fp8, scale) along K."""
+    (gate, up, down) each (fp8, scale) along K. CUDA: the forward megakernel's MXFP8 variant
+    (`forward_to_slots` with the MXFP8 pairs), its bf16 context then quantised."""
+    if x.is_cuda:
+        ctx, y_shared = forward_to_slots(
+            ws, op, schedule, x, slots, shared, routed, swiglu_limit, num_comm_sms,
+            minibatch_size,
+        )  # fmt: skip
+        return quantised_context(MoKForwardContext(*(_present(t) for t in ctx)), x), y_shared
     ctx, got, y_shared = reference.mxfp8_forward_to_slots(
         schedule, x, *shared, *routed, topk=ws.topk, group=ws.group, swiglu_limit=swiglu_limit
     )

@@ -1,7 +1,9 @@
 """The original's raw op set (mok/original_ops.py) on the GPU: composed as the original's
 functional API composes them (tests/original_composition.py), bitwise equal to mok.functional
 on CUDA, for a group of one, under torch.compile, and for a virtual EP group of two; the
-MXFP8 ops check their arguments, then raise MoKKernelUnavailableError."""
+MXFP8 forward op equal to mok.functional's MXFP8 forward bitwise (its context the GPU
+quantisation of that forward's), the MXFP8 backward and recompute check their arguments, then
+raise MoKKernelUnavailableError."""
 
 from __future__ import annotations
 
@@ -115,7 +117,9 @@ def test_raw_composition_under_torch_compile_on_cuda():
     assert_all_equal(got_grads, grads)
 
 
-def test_mxfp8_ops_check_their_arguments_then_raise_kernel_unavailable():
+def test_mxfp8_forward_op_equals_functional_and_the_rest_raise_kernel_unavailable():
+    from mok.slot_passes import _dequantised_context, quantised_context  # noqa: PLC0415
+
     inputs = make_inputs(T, H, I, E, K, shared=True, seed=33, device=CUDA)
     ws = _workspace()
     schedule = F.build_schedule(ws, CONFIG, inputs["top_experts"], num_local_experts=E)
@@ -126,11 +130,24 @@ def test_mxfp8_ops_check_their_arguments_then_raise_kernel_unavailable():
          for n in WEIGHTS[3:]}  # fmt: skip
     (g, gsc, _, _), (u, usc, _, _), (d, dsc, _, _) = (q[n] for n in WEIGHTS[3:])
     sg, su, sd = (inputs[n] for n in WEIGHTS[:3])
+    x, w = inputs["x"], inputs["router_weights"]
+    want_out, want_ctx = F.forward(CONFIG, ws, schedule, x, w, sg, su, sd, (g, gsc), (u, usc),
+                                   (d, dsc))  # fmt: skip
+    want = quantised_context(want_ctx, x)
     settings = (ws.topk, None, 0, CONFIG.macrobatch_size, CONFIG.minibatch_size)
     forward_args = [ws.x_buffer, ws.x_buffer_ptrs, ws.combine_buffer, ws.combine_buffer_ptrs, sg,
                     g, gsc, su, u, usc, sd, d, dsc, *sched, *settings]  # fmt: skip
-    with pytest.raises(MoKKernelUnavailableError, match="MXFP8 layer's kernels have not landed"):
-        ops.dispatch_mlp_swiglu_combine_fwd_mxfp8(*forward_args)
+    ws.x_buffer.copy_(x)
+    poison_cuda_allocator()
+    outs = ops.dispatch_mlp_swiglu_combine_fwd_mxfp8(*forward_args)
+    out = ops.fwd_epilogue(outs[11], ws.combine_buffer, w)
+    F.check_errors(ws)
+    assert torch.equal(out, want_out)
+    # Routed rows past the schedule's are never written (whole 32-row blocks of their own):
+    # compared through the dequantised values of the routed rows.
+    rows = int(schedule.num_tokens)
+    assert_all_equal(_routed_rows(_dequantised_context(outs[:11]).tensors(), rows),
+                     _routed_rows(_dequantised_context(want).tensors(), rows))  # fmt: skip
     bad = list(forward_args)
     bad[6] = gsc[:1]  # w_routed_gate_sc of the wrong shape: the checks come first
     with pytest.raises(ValueError, match="w_routed_gate_sc must have shape"):
