@@ -28,12 +28,8 @@ def check_routed_operands(
         ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
     ):
         check_cuda(name, w, torch.bfloat16, shape)
-    widest = max(hidden_size, intermediate_size)
-    check_extents("weight rows", capacity, num_experts * widest, widest, widest)
-    if slots is not None:
-        check_cuda("slots", slots, torch.bfloat16, (num_tokens * topk, hidden_size))
-    check_schedule_tensors(schedule, capacity, num_experts, device)
-    return num_experts, intermediate_size, capacity
+    return _check_rest(schedule, slots, num_tokens, topk, hidden_size, intermediate_size,
+                       num_experts, capacity, device)  # fmt: skip
 
 
 def check_mxfp8_routed_operands(
@@ -59,6 +55,13 @@ def check_mxfp8_routed_operands(
         check_cuda(f"{name} data", data, torch.float8_e4m3fn, (num_experts, rows, k))
         check_cuda(f"{name} scales", scales, torch.uint8,
                    (num_experts * rows // 128, k // 128, 32, 16))  # fmt: skip
+    return _check_rest(schedule, slots, num_tokens, topk, hidden_size, intermediate_size,
+                       num_experts, capacity, device)  # fmt: skip
+
+
+def _check_rest(schedule, slots, num_tokens, topk, hidden_size, intermediate_size, num_experts,
+                capacity, device):  # fmt: skip
+    """The checks after the weights': extents, slots, schedule; returns (E, I, capacity)."""
     widest = max(hidden_size, intermediate_size)
     check_extents("weight rows", capacity, num_experts * widest, widest, widest)
     if slots is not None:
