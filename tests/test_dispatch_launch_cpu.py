@@ -116,6 +116,59 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     assert args["counters_ptr"].count_nonzero() == 0
 
 
+def test_mxfp8_forward_megakernel_launch_packs(monkeypatch, kernels):
+    from mok.runtime.tma import tma_encode_args
+
+    from mok import reference as R
+    from mok.launchers import device_args, megakernel_walk
+    from mok.launchers import forward_megakernel as moe_forward
+
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(moe_forward, "sm_count", lambda device: 132)
+
+    def check_on_cpu(name, tensor, dtype, shape):  # the launcher's check, minus "on CUDA"
+        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
+
+    monkeypatch.setattr(moe_forward, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
+    device_args.clear_descriptor_cache()
+    t, h, i, e, k = 256, 256, 128, 4, 2
+    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
+                               capacity=t * k + e * 128)  # fmt: skip
+    x = torch.zeros(t, h, dtype=torch.bfloat16)
+    pairs = [R.mxfp8_quantize(torch.randn(e, n, kk).to(torch.bfloat16))
+             for n, kk in ((i, h), (i, h), (h, i))]  # fmt: skip
+    encoded = []
+    real_descriptor = device_args.tma_descriptor
+
+    def descriptor(kernel, param, tensor):  # the TMA spec must take the view's dtype and shape
+        spec = kernel.variant.tma_spec(param)
+        tma_encode_args(spec, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, 1 << 20)
+        encoded.append((param, tensor.dtype, tuple(tensor.shape)))
+        return real_descriptor(kernel, param, tensor)
+
+    monkeypatch.setattr(moe_forward, "tma_descriptor", descriptor)
+    (x_routed, gate, _, hidden), _ = moe_forward.routed_forward(x, schedule, k, *pairs)
+    device_args.clear_descriptor_cache()
+    assert "moe_forward" not in kernels
+    ((_, args),) = kernels["moe_forward_mxfp8"].launches
+    assert {p: (d, s) for p, d, s in encoded} == {
+        "tma_wg": (torch.float8_e4m3fn, (e * i, h)), "tma_wu": (torch.float8_e4m3fn, (e * i, h)),
+        "tma_wd": (torch.float8_e4m3fn, (e * h, i)),
+    }  # fmt: skip
+    for name, (_, scales) in zip(("wg", "wu", "wd"), pairs, strict=True):
+        assert args[f"{name}_scale_ptr"] is scales
+    # The GEMMs' A operands: per-call scratch of the context's shapes, not the context itself.
+    rounded = (args["x_rounded_ptr"], args["hidden_rounded_ptr"])
+    assert all(isinstance(a, int) and a != 0 for a in rounded)
+    assert rounded[0] not in (x_routed.data_ptr(), gate.data_ptr(), hidden.data_ptr())
+    assert rounded[1] not in (x_routed.data_ptr(), gate.data_ptr(), hidden.data_ptr())
+    with pytest.raises(ValueError, match="must be all bf16 tensors or all MXFP8 pairs"):
+        moe_forward.routed_forward(x, schedule, k, pairs[0][0], *pairs[1:])
+    with pytest.raises(ValueError, match="gate_weights must be an MXFP8 pair"):
+        moe_forward.routed_forward(x, schedule, k, pairs[0][:1], *pairs[1:])
+
+
 @pytest.mark.parametrize("weight_grads", [True, False])
 def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     from mok import reference as R

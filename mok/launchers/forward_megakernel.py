@@ -92,7 +92,13 @@ class _ForwardPlan:
 
         num_tokens, hidden_size = x.shape
         check_cuda("x", x, torch.bfloat16, (num_tokens, hidden_size))
-        self.mxfp8 = isinstance(gate_weights, tuple)
+        pairs = [isinstance(w, tuple) for w in (gate_weights, up_weights, down_weights)]
+        if any(pairs) and not all(pairs):
+            raise ValueError(
+                "gate_weights, up_weights and down_weights must be all bf16 tensors or all "
+                f"MXFP8 pairs (data, scales); got pairs for {pairs} (gate, up, down)"
+            )
+        self.mxfp8 = all(pairs)
         check = check_mxfp8_routed_operands if self.mxfp8 else check_routed_operands
         num_experts, intermediate_size, capacity = check(
             gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk,

@@ -5,17 +5,23 @@ Against mok.reference.mxfp8_forward (the oracle: products of the dequantised MXF
 fp32 sums): the routed context x_routed bitwise, gate / up / hidden and the output within
 bf16 rounding of the oracle's (only the fp32 summation order differs); against the BF16 layer
 within the original's tolerance (max abs 1.0, relative L1 0.1); bitwise identical across runs,
-outputs poisoned before each; adversarial routing, clamp on and off, a shared expert.
+outputs poisoned before each; adversarial routing, clamp on and off, a shared expert; on
+virtual EP groups of 2 and 4 ranks bitwise the EP group of one (each rank's weights its experts'
+slice, quantised there).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from mok import functional as F
+from mok import ops
 from mok import reference as R
-from mok.testing import make_inputs, poison_cuda_allocator
+from mok.testing import make_inputs, poison_cuda_allocator, rank_inputs
+from mok.virtual_ep import VirtualEPGroup
 
 pytestmark = [
     pytest.mark.gpu,
@@ -109,3 +115,35 @@ def test_mxfp8_forward_rejects_a_wrong_tuple_on_cuda():
     with pytest.raises(ValueError, match="routed_gate"):
         F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], None, None, None,
                   bad, mx["routed_up"], mx["routed_down"])  # fmt: skip
+
+
+def test_mxfp8_forward_on_virtual_ep_groups_equals_a_group_of_one():
+    t, h, i, e, k = 512, 256, 256, 8, 2
+    inputs = make_inputs(t, h, i, e, k, shared=True, routing="one_expert", seed=21, device=CUDA)
+    # Capacity for the adversarial routing: one rank may receive every routed row of the group.
+    config = dataclasses.replace(F.MoKConfig(), schedule_capacity_multiplier=1.0)
+    outs = {}
+    for size in (1, 2, 4):
+        group = VirtualEPGroup(size)
+        spaces = group.workspaces(config, num_local_tokens=t // size, hidden_size=h, topk=k,
+                                  num_local_experts=e // size)  # fmt: skip
+        shards = [rank_inputs(inputs, rank, size) for rank in range(size)]
+        routed = [[tuple(ops.mxfp8_quantize(shard[n], True, False)[:2]) for n in ROUTED]
+                  for shard in shards]  # fmt: skip
+
+        def step(rank, shards=shards, spaces=spaces, routed=routed, size=size):
+            shard, ws = shards[rank], spaces[rank]
+            schedule = F.build_schedule(ws, config, shard["top_experts"],
+                                        num_local_experts=e // size)  # fmt: skip
+            return F.forward(config, ws, schedule, shard["x"], shard["router_weights"],
+                             *(shard[n] for n in SHARED), *routed[rank])[0]  # fmt: skip
+
+        poison_cuda_allocator()
+        results = group.run(step)
+        group.join()
+        for ws in spaces:
+            F.check_errors(ws)
+        outs[size] = torch.cat(results)
+    assert torch.isfinite(outs[1].float()).all()
+    assert torch.equal(outs[2], outs[1])
+    assert torch.equal(outs[4], outs[1])
