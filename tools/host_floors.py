@@ -128,10 +128,27 @@ def _layer_rows(device) -> dict:
         lambda: forward_op.forward(ws, schedule, x, w, *weights, None, 0, config.minibatch_size,
                                    config.macrobatch_size), 20,
     )  # fmt: skip
+    # The engine row syncs before each step: beside it the same call on the main thread, also
+    # with the GPU idle at its start, so the two differ only in the thread.
+    rows["layer: functional.backward, GPU idle at the start"] = _idle_start(
+        lambda: F.backward(config, ws, schedule, ctx, dy, x, w, *weights)
+    )
     rows["layer: functional.backward run by autograd's engine"] = _backward_in_engine(
         lambda: F.backward(config, ws, schedule, ctx, dy, x, w, *weights)
     )
     return rows
+
+
+def _idle_start(fn, steps: int = 50) -> float:
+    """Median time of one `fn()` call on this thread, the GPU synchronised before each."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times[5:])
 
 
 def _backward_in_engine(run_backward, steps: int = 50) -> float:
