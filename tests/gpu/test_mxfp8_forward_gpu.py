@@ -147,3 +147,23 @@ def test_mxfp8_forward_on_virtual_ep_groups_equals_a_group_of_one():
     assert torch.isfinite(outs[1].float()).all()
     assert torch.equal(outs[2], outs[1])
     assert torch.equal(outs[4], outs[1])
+
+
+def test_mxfp8_forward_bits_do_not_depend_on_comm_ctas_or_minibatches():
+    t, h, i, e, k = 1024, 256, 256, 8, 2
+    inputs = make_inputs(t, h, i, e, k, shared=False, seed=22, device=CUDA)
+    cpu = {n: (v.cpu() if v is not None else None) for n, v in inputs.items()}
+    routed = [tuple(p.to(CUDA) for p in pair) for pair in quantised(cpu).values()]
+    outs = []
+    for config in (F.MoKConfig(), dataclasses.replace(F.MoKConfig(), fwd_num_comm_sms=2),
+                   dataclasses.replace(F.MoKConfig(), minibatch_size=256)):  # fmt: skip
+        ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=t, hidden_size=h,
+                             topk=k, num_local_experts=e)  # fmt: skip
+        schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
+        poison_cuda_allocator()
+        out, _ = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], None,
+                           None, None, *routed)  # fmt: skip
+        F.check_errors(ws)
+        outs.append(out)
+    assert torch.isfinite(outs[0].float()).all()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
