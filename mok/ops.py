@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from . import reference
-from .errors import MoKInputError, MoKKernelUnavailableError
+from .errors import MoKInputError, MoKKernelUnavailableError, refuse_mxfp8_on_cuda
 from .types import MoKSchedule
 from .validation import check_expert_id_values, check_router_weight_values
 from .workspace import workspace_from_handle
@@ -384,16 +384,8 @@ def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert
 
 
 # ----------------------------------------------------------------------------------------------
-# MXFP8 layers (the reference path; the GPU kernels have not landed)
+# MXFP8 layers (the forward on CUDA; the backward and recompute on the reference path only)
 # ----------------------------------------------------------------------------------------------
-
-
-def _mxfp8_unavailable(op: str, device: torch.device) -> None:
-    if device.type == "cuda":
-        raise MoKKernelUnavailableError(
-            f"mok.ops.{op} on CUDA: the MXFP8 layer's kernels have not landed yet (BF16 runs on "
-            f"the GPU); CPU tensors run mok.reference's MXFP8 layer"
-        )
 
 
 @torch.library.custom_op("mok::forward_mxfp8", mutates_args=())
@@ -475,7 +467,7 @@ def recompute_forward_context_mxfp8(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`recompute_forward_context` with MXFP8 gate and up weights ((fp8, scale) along H):
     `mok.reference.mxfp8_recompute_forward_context`, bitwise `forward_mxfp8`'s context."""
-    _mxfp8_unavailable("recompute_forward_context_mxfp8", x.device)
+    refuse_mxfp8_on_cuda("recompute_forward_context_mxfp8", x.device)
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     ctx = reference.mxfp8_recompute_forward_context(
@@ -526,7 +518,7 @@ def backward_mxfp8(
     """`backward` with MXFP8 routed weights (gate and up with their transposed copies, down
     transposed): `mok.reference.mxfp8_backward`. Same outputs as `backward` (bf16 weight
     gradients, empty [0] shared ones without a shared expert)."""
-    _mxfp8_unavailable("backward_mxfp8", x.device)
+    refuse_mxfp8_on_cuda("backward_mxfp8", x.device)
     check_router_weight_values(router_weights)
     from .types import MoKForwardContext  # noqa: PLC0415
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from . import original_op_checks as checks
 from . import reference, slot_passes
-from .errors import MoKKernelUnavailableError
+from .errors import refuse_mxfp8_on_cuda
 from .types import MoKForwardContext, MoKSchedule
 from .validation import check_expert_id_values, check_int, check_tensor
 
@@ -73,14 +73,6 @@ def _empty(like: Tensor, dtype: torch.dtype = BF16) -> Tensor:
 
 def _shared_rows(like: Tensor, rows: int, cols: int, present: bool) -> Tensor:
     return like.new_empty(rows, cols, dtype=BF16) if present else _empty(like)
-
-
-def _mxfp8_unavailable(op: str, device: torch.device) -> None:
-    if device.type == "cuda":
-        raise MoKKernelUnavailableError(
-            f"mok.ops.{op} on CUDA: the MXFP8 layer's kernels have not landed yet (BF16 runs on "
-            f"the GPU); CPU tensors run mok.reference's MXFP8 layer"
-        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -763,7 +755,7 @@ def _recompute_forward_context_mxfp8(
         op, x, x_ptrs, None, None, weights, sched,
         (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
     )  # fmt: skip
-    _mxfp8_unavailable(op, x.device)
+    refuse_mxfp8_on_cuda(op, x.device)
     layer = torch.ops.mok.recompute_forward_context_mxfp8.default(
         ws.handle, *sched, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_gate_sc,
         w_routed_up, w_routed_up_sc, limit,
@@ -936,7 +928,7 @@ def dispatch_mlp_swiglu_combine_bwd_mxfp8(
         op, d_y_buffer, d_y_buffer_ptrs, buffers, pointers, weights, ctx, sched,
         (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
     )  # fmt: skip
-    _mxfp8_unavailable(op, x.device)
+    refuse_mxfp8_on_cuda(op, x.device)
     routed = ((w_routed_gate, w_routed_gate_sc, w_routed_gate_T, w_routed_gate_T_sc),
               (w_routed_up, w_routed_up_sc, w_routed_up_T, w_routed_up_T_sc),
               (w_routed_down_T, w_routed_down_T_sc))  # fmt: skip
