@@ -78,9 +78,9 @@ def test_gather_rows_launch_packs(kernels):
     assert grid == (1, capacity // 4, 1) and args["num_rows"] == capacity
 
 
-def test_forward_megakernel_launch_packs(monkeypatch, kernels):
-    from mok import reference as R
-    from mok.launchers import comm, device_args, megakernel_walk
+def _forward_launcher_on_cpu(monkeypatch):
+    """mok.launchers.forward_megakernel with its CUDA-only checks and lookups made CPU-safe."""
+    from mok.launchers import device_args, megakernel_walk
     from mok.launchers import forward_megakernel as moe_forward
 
     monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
@@ -92,6 +92,14 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     monkeypatch.setattr(moe_forward, "check_cuda", check_on_cpu)
     monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
     device_args.clear_descriptor_cache()
+    return moe_forward
+
+
+def test_forward_megakernel_launch_packs(monkeypatch, kernels):
+    from mok import reference as R
+    from mok.launchers import comm, device_args
+
+    moe_forward = _forward_launcher_on_cpu(monkeypatch)
     t, h, i, e, k = 256, 256, 128, 4, 2
     ids = torch.randint(0, e, (t, k))
     schedule = R.make_schedule(ids, num_local_experts=e, capacity=t * k + e * 128)
@@ -120,18 +128,9 @@ def test_mxfp8_forward_megakernel_launch_packs(monkeypatch, kernels):
     from mok.runtime.tma import tma_encode_args
 
     from mok import reference as R
-    from mok.launchers import device_args, megakernel_walk
-    from mok.launchers import forward_megakernel as moe_forward
+    from mok.launchers import device_args
 
-    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
-    monkeypatch.setattr(moe_forward, "sm_count", lambda device: 132)
-
-    def check_on_cpu(name, tensor, dtype, shape):  # the launcher's check, minus "on CUDA"
-        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
-
-    monkeypatch.setattr(moe_forward, "check_cuda", check_on_cpu)
-    monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
-    device_args.clear_descriptor_cache()
+    moe_forward = _forward_launcher_on_cpu(monkeypatch)
     t, h, i, e, k = 256, 256, 128, 4, 2
     schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
                                capacity=t * k + e * 128)  # fmt: skip
