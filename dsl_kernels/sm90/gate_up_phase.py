@@ -82,10 +82,11 @@ def store_swiglu_chunk(
             g = cutlass.min(g, swiglu_limit)
             u = cutlass.max(cutlass.min(u, swiglu_limit), -swiglu_limit)
         hidden[i] = g / (Float32(1.0) + cute.math.exp(-g)) * u
-    cute.make_tensor(hidden_ptr + at, cute.make_layout(8)).store(hidden.load().to(BFloat16))
+    hidden_bf16 = hidden.load().to(BFloat16)
+    cute.make_tensor(hidden_ptr + at, cute.make_layout(8)).store(hidden_bf16)
     if cutlass.const_expr(rounded_ptr is not None):
         # The round trip of the bf16 hidden values, as mok.reference rounds hidden first.
-        hidden.store(hidden.load().to(BFloat16).to(Float32))
+        hidden.store(hidden_bf16.to(Float32))
         words = cute.make_rmem_tensor((4,), Uint32)
         round_trip_chunk(hidden, words)
         word_at = cute.assume(at // Int64(2), divby=4)

@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int8, Int32, Int64
+from cutlass import BFloat16, Float32, Int8, Int32, Int64, Uint8
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.ptx import fence_operand
@@ -142,14 +142,21 @@ def thread_roles():
     return tidx, bidx, grid_size, warp_idx, warpgroup
 
 
-def allocate_operand_ring_storage(a_layout, b_layout, stages: int, staging_bytes: int = 0):
+def allocate_operand_ring_storage(
+    a_layout, b_layout, stages: int, staging_bytes: int = 0, fp8_layout=None
+):
     """Ring shared memory: mbarriers, A, B0, B1 (1024-byte aligned for the 128B swizzle), then
-    `staging_bytes` of `storage.staging` (0: none). Returns (storage, sA, sB0, sB1)."""
+    `staging_bytes` of `storage.staging` (0: none). With `fp8_layout` also the MXFP8 engine's
+    two E4M3 rings `storage.sF0`, `sF1` after A (mxfp8_operands.fp8_rings). Returns (storage,
+    sA, sB0, sB1)."""
 
     @cute.struct
     class SharedStorage:
         ring_barriers: cute.struct.MemRange[Int64, stages * 2]
         sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
+        if fp8_layout is not None:
+            sF0: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(fp8_layout)], 1024]
+            sF1: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(fp8_layout)], 1024]
         sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
         sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
         staging: cute.struct.Align[cute.struct.MemRange[Int8, staging_bytes], 128]

@@ -275,10 +275,12 @@ class Sm90MoeForward:
         if cutlass.const_expr(self.mxfp8):
             # TMA fills A and the E4M3 rings (sF); the wgmma reads B from two bf16 buffers.
             b_layout = mx.bf16_buffer_layout()
-            storage, sA, sF, (sB0, sB1) = mx.allocate_storage(
-                a_layout, mx.fp8_smem_layout(self.stages), b_layout, self.stages,
-                handoff.SWIZZLED_BUFFER_BYTES + SLOT_BYTES,
+            f_layout = mx.fp8_smem_layout(self.stages)
+            storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
+                a_layout, b_layout, self.stages, handoff.SWIZZLED_BUFFER_BYTES + SLOT_BYTES,
+                fp8_layout=f_layout,
             )  # fmt: skip
+            sF = mx.fp8_rings(storage, f_layout)
             buffers = handoff.handoff_buffers(storage, swizzled=True)
             ring = phases.make_operand_ring(
                 storage, a_layout, b_layout, self.stages, mx.stage_tx_bytes()

@@ -1,5 +1,5 @@
 """MXFP8 weights in the SM90 engine, dequantised to bf16 (issue 18's first engine; the choice and
-its measurements are in docs/NOTES.md, session 12).
+its measurements are in docs/NOTES.md, "MXFP8 forward on the GPU").
 
 The producer's TMA brings each stage's A tile (bf16, already the MXFP8 round trip of x or
 hidden) and the two weight tiles as E4M3 bytes (128 x 64, 64-byte swizzle) into a ring of
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Int8, Int32, Int64, Uint8, Uint32
+from cutlass import Int32, Int64, Uint8, Uint32
 
 from ..common.mxfp8_values import dequantize_word, scale_bits_of
 from .gemm_phases import (
@@ -71,30 +71,12 @@ def stage_tx_bytes() -> int:
     return 2 * TILE_M * TILE_K + 2 * TILE_N * TILE_K
 
 
-def allocate_storage(a_layout, f_layout, b_layout, stages: int, staging_bytes: int):
-    """Shared memory of the MXFP8 engine: ring mbarriers, A and the two E4M3 rings, the two bf16
-    buffers of each weight operand (1024-byte aligned), then `staging_bytes` of
-    `storage.staging`. Returns (storage, sA, (sF0, sF1), (sB0, sB1))."""
-
-    @cute.struct
-    class SharedStorage:
-        ring_barriers: cute.struct.MemRange[Int64, stages * 2]
-        sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
-        sF0: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(f_layout)], 1024]
-        sF1: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(f_layout)], 1024]
-        sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-        sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
-        staging: cute.struct.Align[cute.struct.MemRange[Int8, staging_bytes], 128]
-
-    storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-    sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-    sF = tuple(
+def fp8_rings(storage, f_layout):
+    """(sF0, sF1): the E4M3 rings of `gemm_phases.allocate_operand_ring_storage(...,
+    fp8_layout=f_layout)`, swizzled as the TMA writes them."""
+    return tuple(
         f.get_tensor(f_layout.outer, swizzle=f_layout.inner) for f in (storage.sF0, storage.sF1)
     )
-    sB = tuple(
-        b.get_tensor(b_layout.outer, swizzle=b_layout.inner) for b in (storage.sB0, storage.sB1)
-    )
-    return storage, sA, sF, sB
 
 
 class WeightScales(NamedTuple):
