@@ -3,7 +3,7 @@
 One GPU: ``python -m benchmarks.moe --json out.json --png out.png``.
 With LigerMoE importable (installed, on PYTHONPATH, or ``--liger-site DIR``) a one-GPU run adds
 its ``liger`` rows, each shape in its own process (benchmarks/liger.py); ``--no-liger`` drops them.
-The MXFP8 forward row (CUDA only, against an FP8 GEMM ceiling): add ``--mxfp8``.
+The MXFP8 row (CUDA only, forward and backward, against an FP8 GEMM ceiling): add ``--mxfp8``.
 EP over N GPUs: ``torchrun --nproc-per-node N -m benchmarks.moe`` (time = slowest rank).
 Smoke test on a CPU in seconds: ``python -m benchmarks.moe --quick --device cpu``.
 
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-liger", action="store_true", help="leave out the LigerMoE rows")
     parser.add_argument(
         "--mxfp8", action="store_true",
-        help="add the mok-mxfp8 forward row (CUDA only; weights quantised once, untimed)",
+        help="add the mok-mxfp8 row (CUDA only; weights quantised once, untimed)",
     )  # fmt: skip
     parser.add_argument(
         "--virtual-ep", default=None, metavar="SIZES",

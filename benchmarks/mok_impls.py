@@ -2,7 +2,7 @@
 
 There is one mok row per pass: on a GPU, ``mok`` runs the forward megakernel and the backward
 megakernel, the only GPU implementation of each pass. ``--mxfp8`` adds ``MXFP8_IMPLS``: the
-``mok-mxfp8`` row, the forward megakernel's MXFP8 variant (forward only, CUDA only).
+``mok-mxfp8`` row, the megakernels' MXFP8 variants (CUDA only).
 
 A builder returns ``None`` when it cannot run here (``mok.functional`` not importable, no
 workspace for this device); ``unavailable_reason(name)`` then says why. A GPU whose kernel has
@@ -95,20 +95,10 @@ def _mok_forward(layer: tuple, inputs: MoeInputs, routed: tuple) -> Callable:
     return forward
 
 
-def _context_bytes(state) -> int:
-    """Bytes of the forward context a mok forward returned (its state's second half)."""
-    return sum(t.nbytes for t in state[1].tensors() if t is not None)
-
-
-def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
-    """mok's bf16 layer: schedule + forward timed together, backward from the saved context."""
-    layer = _mok_layer("mok", inputs, group)
-    if layer is None:
-        return None
+def _mok_backward(layer: tuple, inputs: MoeInputs, routed: tuple) -> Callable:
+    """An Impl's backward: ``mok.functional.backward`` from the forward's (schedule, context)."""
     functional, config, workspace = layer
-    routed = (inputs.gate, inputs.up, inputs.down)
     weights = (*_shared_weights(inputs), *routed)
-    forward = _mok_forward(layer, inputs, routed)
 
     def backward(state, grad_output):
         schedule, context = state
@@ -126,6 +116,22 @@ def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
         # backward returns (d_x, d_rw, d_routed gate/up/down, d_shared gate/up/down)
         return {n: g for n, g in zip(GRAD_ORDER, grads, strict=True) if g is not None}
 
+    return backward
+
+
+def _context_bytes(state) -> int:
+    """Bytes of the forward context a mok forward returned (its state's second half)."""
+    return sum(t.nbytes for t in state[1].tensors() if t is not None)
+
+
+def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
+    """mok's bf16 layer: schedule + forward timed together, backward from the saved context."""
+    layer = _mok_layer("mok", inputs, group)
+    if layer is None:
+        return None
+    routed = (inputs.gate, inputs.up, inputs.down)
+    forward = _mok_forward(layer, inputs, routed)
+    backward = _mok_backward(layer, inputs, routed)
     if inputs.x.device.type == "cpu":
         label = "mok CPU path (PyTorch reference)"
         return Impl("mok_cpu_path", label, False, forward, backward, state_bytes=_context_bytes)
@@ -134,7 +140,7 @@ def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
 
 
 def _build_mok_mxfp8(inputs: MoeInputs, group) -> Impl | None:
-    """mok's MXFP8 forward (CUDA only): the routed weights quantised once, here, untimed."""
+    """mok's MXFP8 layer (CUDA only): the routed weights quantised once, here, untimed."""
     if inputs.x.device.type not in MXFP8_DEVICES:
         _REASONS[MXFP8] = (
             f"skipped on {inputs.x.device.type}: its MXFP8 layer is mok.reference's, "
@@ -147,20 +153,21 @@ def _build_mok_mxfp8(inputs: MoeInputs, group) -> Impl | None:
     try:
         from mok.ops import mxfp8_quantize
 
-        # (fp8, scales) along K of each routed weight: gate, up [E, I, H], down [E, H, I].
-        routed = tuple(
-            tuple(mxfp8_quantize(w, True, False)[:2]) for w in (inputs.gate, inputs.up, inputs.down)
-        )
+        # Forward: (fp8, scales) along K of each routed weight (gate, up [E, I, H], down
+        # [E, H, I]); backward: gate and up also along I, down along H (the original's tuples).
+        gate, up = (mxfp8_quantize(w, True, True) for w in (inputs.gate, inputs.up))
+        down = mxfp8_quantize(inputs.down, True, True)
+        forward_routed = (tuple(gate[:2]), tuple(up[:2]), tuple(down[:2]))
+        backward_routed = (tuple(gate), tuple(up), tuple(down[2:]))
     except Exception as error:
         _REASONS[MXFP8] = describe_failure(error)
         return None
     return Impl(
         MXFP8,
-        "mok (mxfp8 forward megakernel, weights quantised once)",
+        "mok (mxfp8 forward and backward megakernels, weights quantised once)",
         False,
-        _mok_forward(layer, inputs, routed),
-        None,
-        no_backward="skipped: MXFP8 backward not on the GPU yet",
+        _mok_forward(layer, inputs, forward_routed),
+        _mok_backward(layer, inputs, backward_routed),
         max_rel_err=MXFP8_MAX_REL_ERR,
         state_bytes=_context_bytes,
     )

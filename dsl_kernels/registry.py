@@ -32,8 +32,12 @@ def variants() -> list[Variant]:
     from .common.macrobatch_schedule import MacrobatchSchedule
     from .common.moe_combine_backward import MoeCombineBackward
     from .common.moe_combine_forward import MoeCombineForward
+    from .common.mxfp8_dequantize_rowwise import Mxfp8DequantizeRowwise
+    from .common.mxfp8_dequantize_transposed import Mxfp8DequantizeTransposed
     from .common.mxfp8_quantize_rowwise import Mxfp8QuantizeRowwise
     from .common.mxfp8_quantize_transposed import Mxfp8QuantizeTransposed
+    from .common.mxfp8_round_trip_columns import Mxfp8RoundTripColumns
+    from .common.mxfp8_round_trip_rowwise import Mxfp8RoundTripRowwise
     from .common.router_grad_push import RouterGradPush
     from .common.schedule_histogram import ScheduleHistogram
     from .common.schedule_place import SchedulePlace
@@ -56,6 +60,27 @@ def variants() -> list[Variant]:
             "mxfp8_quantize_transposed",
             Mxfp8QuantizeTransposed,
             launch_grid="(num_cols / 128, num_rows / 128, 1)",
+        ),
+        # bf16 -> bf16 MXFP8 round trips (along rows, down columns) and the rowwise dequantiser.
+        Variant(
+            "mxfp8_round_trip_rowwise",
+            Mxfp8RoundTripRowwise,
+            launch_grid="(num_cols / 128, num_rows / 128, 1)",
+        ),
+        Variant(
+            "mxfp8_round_trip_columns",
+            Mxfp8RoundTripColumns,
+            launch_grid="(num_cols / 128, num_rows / 128, 1)",
+        ),
+        Variant(
+            "mxfp8_dequantize_rowwise",
+            Mxfp8DequantizeRowwise,
+            launch_grid="(num_cols / 128, num_rows / 128, 1)",
+        ),
+        Variant(
+            "mxfp8_dequantize_transposed",
+            Mxfp8DequantizeTransposed,
+            launch_grid="(num_cols / 128, num_rows / 128, batch)",
         ),
         Variant(
             "moe_combine_forward",
@@ -144,6 +169,13 @@ def variants() -> list[Variant]:
             "moe_backward",
             Sm90MoeBackward,
             {"stages": 3},
+            launch_grid="(sm_count, 1, 1)",
+            archs=("sm_90a",),
+        ),
+        Variant(
+            "moe_backward_mxfp8",
+            Sm90MoeBackward,
+            {"stages": 3, "mxfp8": True},
             launch_grid="(sm_count, 1, 1)",
             archs=("sm_90a",),
         ),

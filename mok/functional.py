@@ -419,6 +419,7 @@ def _backward_mxfp8(config, workspace, schedule, forward_context, grad_output, x
         weights["shared_gate_weights"], weights["shared_up_weights"],
         weights["shared_down_weights"], *weights["routed_gate_weights"],
         *weights["routed_up_weights"], *weights["routed_down_weights"], limit,
+        config.bwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
     )  # fmt: skip
     shared_grads = grads[5:] if has_shared else (None, None, None)
     return (*grads[:5], *shared_grads)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from . import reference
-from .errors import MoKInputError, MoKKernelUnavailableError, refuse_mxfp8_on_cuda
+from .errors import MoKInputError, MoKKernelUnavailableError
 from .types import MoKSchedule
 from .validation import check_expert_id_values, check_router_weight_values
 from .workspace import workspace_from_handle
@@ -388,6 +388,15 @@ def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert
 # ----------------------------------------------------------------------------------------------
 
 
+def _refuse_mxfp8_ring_reuse(op: str, macrobatch_size: int, router_weights: Tensor) -> None:
+    rows = router_weights.shape[0] * router_weights.shape[1]
+    if macrobatch_size < rows:
+        raise MoKKernelUnavailableError(
+            f"mok.ops.{op} on CUDA: macrobatch_size ({macrobatch_size}) below the routed rows "
+            f"({rows}) needs ring reuse, which is not built for the MXFP8 layer yet"
+        )
+
+
 @torch.library.custom_op("mok::forward_mxfp8", mutates_args=())
 def forward_mxfp8(
     workspace_handle: int,
@@ -419,12 +428,7 @@ def forward_mxfp8(
     routed = ((routed_gate, routed_gate_scales), (routed_up, routed_up_scales),
               (routed_down, routed_down_scales))  # fmt: skip
     if x.is_cuda:
-        if macrobatch_size < x.shape[0] * router_weights.shape[1]:
-            raise MoKKernelUnavailableError(
-                f"mok.ops.forward_mxfp8 on CUDA: macrobatch_size ({macrobatch_size}) below the "
-                f"routed rows ({x.shape[0] * router_weights.shape[1]}) needs ring reuse, which is "
-                f"not built for the MXFP8 layer yet"
-            )
+        _refuse_mxfp8_ring_reuse("forward_mxfp8", macrobatch_size, router_weights)
         return _gpu("forward", x.device, ws.ep_size).forward(
             ws, schedule, x, router_weights, shared_gate_weights, shared_up_weights,
             shared_down_weights, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
@@ -466,10 +470,16 @@ def recompute_forward_context_mxfp8(
     swiglu_limit: float | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`recompute_forward_context` with MXFP8 gate and up weights ((fp8, scale) along H):
-    `mok.reference.mxfp8_recompute_forward_context`, bitwise `forward_mxfp8`'s context."""
-    refuse_mxfp8_on_cuda("recompute_forward_context_mxfp8", x.device)
+    `mok.reference.mxfp8_recompute_forward_context`, bitwise `forward_mxfp8`'s context. On CUDA
+    the gather, x's round trip along H and the gate/up kernel on the dequantised weights."""
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+    if x.is_cuda:
+        gpu = _gpu("recompute_forward_context", x.device, ws.ep_size)
+        return gpu.recompute_forward_context(
+            ws, schedule, x, shared_gate_weights, shared_up_weights,
+            (routed_gate, routed_gate_scales), (routed_up, routed_up_scales), swiglu_limit,
+        )  # fmt: skip
     ctx = reference.mxfp8_recompute_forward_context(
         schedule, x, shared_gate_weights, shared_up_weights, (routed_gate, routed_gate_scales),
         (routed_up, routed_up_scales), topk=ws.topk, group=ws.group, swiglu_limit=swiglu_limit,
@@ -514,25 +524,36 @@ def backward_mxfp8(
     routed_down_t: Tensor,
     routed_down_t_scales: Tensor,
     swiglu_limit: float | None,
+    bwd_num_comm_sms: int,
+    minibatch_size: int,
+    macrobatch_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`backward` with MXFP8 routed weights (gate and up with their transposed copies, down
     transposed): `mok.reference.mxfp8_backward`. Same outputs as `backward` (bf16 weight
-    gradients, empty [0] shared ones without a shared expert)."""
-    refuse_mxfp8_on_cuda("backward_mxfp8", x.device)
-    check_router_weight_values(router_weights)
+    gradients, empty [0] shared ones without a shared expert). On CUDA the backward
+    megakernel's MXFP8 variant (launchers/backward_op.py); macrobatch ring reuse is not built
+    for it yet."""
     from .types import MoKForwardContext  # noqa: PLC0415
 
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
-    ctx = MoKForwardContext(*(_none_if_empty(t) for t in (
-        x_routed, gate_routed, up_routed, hidden_routed, gate_shared, up_shared, hidden_shared
-    )))  # fmt: skip
+    ctx_tensors = (x_routed, gate_routed, up_routed, hidden_routed, gate_shared, up_shared,
+                   hidden_shared)  # fmt: skip
+    routed = ((routed_gate, routed_gate_scales, routed_gate_t, routed_gate_t_scales),
+              (routed_up, routed_up_scales, routed_up_t, routed_up_t_scales),
+              (routed_down_t, routed_down_t_scales))  # fmt: skip
+    if x.is_cuda:
+        _refuse_mxfp8_ring_reuse("backward_mxfp8", macrobatch_size, router_weights)
+        return _gpu("backward", x.device, ws.ep_size).backward(
+            ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate_weights,
+            shared_up_weights, shared_down_weights, *routed, swiglu_limit, bwd_num_comm_sms,
+            minibatch_size, macrobatch_size, (None,) * 6,
+        )  # fmt: skip
+    check_router_weight_values(router_weights)
+    ctx = MoKForwardContext(*(_none_if_empty(t) for t in ctx_tensors))
     grads = reference.mxfp8_backward(
         schedule, ctx, grad_output, x, router_weights, shared_gate_weights, shared_up_weights,
-        shared_down_weights,
-        (routed_gate, routed_gate_scales, routed_gate_t, routed_gate_t_scales),
-        (routed_up, routed_up_scales, routed_up_t, routed_up_t_scales),
-        (routed_down_t, routed_down_t_scales), group=ws.group, swiglu_limit=swiglu_limit,
+        shared_down_weights, *routed, group=ws.group, swiglu_limit=swiglu_limit,
     )  # fmt: skip
     d_x, d_router, weight_grads = grads[0], grads[1], grads[2:]
     return (d_x, d_router,

@@ -218,6 +218,64 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
         assert d_weights is None
 
 
+def test_mxfp8_backward_megakernel_launch_packs(monkeypatch, kernels):
+    from mok import reference as R
+    from mok.launchers import backward_megakernel as moe_backward
+    from mok.launchers import device_args, megakernel_walk
+
+    def check_on_cpu(name, tensor, dtype, shape, **_):  # the launcher's checks, minus "on CUDA"
+        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
+
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(moe_backward, "sm_count", lambda device: 132)
+    monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
+    encoded = []
+    real_descriptor = device_args.tma_descriptor
+
+    def descriptor(kernel, param, tensor):
+        encoded.append((param, tensor.data_ptr()))
+        return real_descriptor(kernel, param, tensor)
+
+    monkeypatch.setattr(moe_backward, "tma_descriptor", descriptor)
+    monkeypatch.setattr(moe_backward.Descriptors, "get",
+                        lambda self, t: descriptor(self.kernel, self.param, t))  # fmt: skip
+    device_args.clear_descriptor_cache()
+    t, h, i, e, k = 256, 256, 256, 4, 2
+    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
+                               capacity=t * k + e * 128)  # fmt: skip
+    c = schedule.capacity
+    dy, w = torch.zeros(t, h, dtype=torch.bfloat16), torch.ones(t, k)
+    x_routed = torch.zeros(c, h, dtype=torch.bfloat16)
+    gate, up, hidden = (torch.zeros(c, i, dtype=torch.bfloat16) for _ in range(3))
+
+    def weights():  # the dequantised bf16 weights: new tensors on every call
+        return (torch.zeros(e, i, h, dtype=torch.bfloat16),
+                torch.zeros(e, i, h, dtype=torch.bfloat16),
+                torch.zeros(e, h, i, dtype=torch.bfloat16))  # fmt: skip
+
+    calls = [weights(), weights()]
+    for call in calls:
+        dy_e, d_gate, d_up, _, _, d_weights = moe_backward.routed_backward(
+            dy, w, schedule, x_routed, gate, up, hidden, *call, weight_grads=False, mxfp8=True
+        )
+        assert d_weights is None
+    device_args.clear_descriptor_cache()
+    assert "moe_backward" not in kernels
+    (_, args), *_ = kernels["moe_backward_mxfp8"].launches
+    assert args["weight_gemms"] == 0
+    rounded = [args[n] for n in ("dy_rounded_ptr", "d_gate_rounded_ptr", "d_up_rounded_ptr")]
+    assert all(isinstance(a, int) and a != 0 for a in rounded) and len(set(rounded)) == 3
+    # Every call's weights are encoded for its own launch.
+    for call in calls:
+        for param, weight in zip(("tma_wg", "tma_wu", "tma_wd"), call, strict=True):
+            assert (param, weight.data_ptr()) in encoded
+    with pytest.raises(ValueError, match="weight_grads must be False"):
+        moe_backward.routed_backward(dy, w, schedule, x_routed, gate, up, hidden, *weights(),
+                                     weight_grads=True, mxfp8=True)  # fmt: skip
+
+
 def test_comm_count_is_clamped_below_the_grid():
     from mok.launchers.megakernel_walk import walk_arguments
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mok import reference as R
-from mok.launchers import dispatch, expert_gemm, expert_gemm_bwd
+from mok.launchers import dispatch, expert_gemm, expert_gemm_bwd, mxfp8
 from mok.testing import make_inputs, rel_error
 
 # The modules, not the `forward` and `backward` functions mok.launchers re-exports by name.
@@ -109,16 +109,18 @@ def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit
 
 def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, up, hidden,
                          gate_w, up_w, down_w, *, swiglu_limit=None, weight_grads=True,
-                         **_):  # fmt: skip
-    """The backward megakernel's math: the kernels' fakes in sequence."""
+                         mxfp8=False, **_):  # fmt: skip
+    """The backward megakernel's math: the kernels' fakes in sequence (`mxfp8`: the GEMMs' A
+    operands are the round trips along their K, as the MXFP8 variant's dispatch and crew write)."""
     peer, slot, tokens = schedule.peer_rank, schedule.peer_token_idx, schedule.tokens_per_expert
     topk = router_weights.shape[1]
     dy_e = fake_gather_rows(grad_output, peer, slot, schedule.num_tokens, topk,
                             weights=router_weights)  # fmt: skip
+    a_operand = R.mxfp8_round_trip if mxfp8 else (lambda t: t)
     partials = torch.empty(dy_e.shape[0], gate.shape[1] // 128)
-    d_gate, d_up = fake_d_hidden(dy_e, down_w, gate, up, tokens, swiglu_limit=swiglu_limit,
-                                 router_partials=partials)  # fmt: skip
-    slots = _to_slots(fake_d_x(d_gate, d_up, gate_w, up_w, tokens),
+    d_gate, d_up = fake_d_hidden(a_operand(dy_e), down_w, gate, up, tokens,
+                                 swiglu_limit=swiglu_limit, router_partials=partials)  # fmt: skip
+    slots = _to_slots(fake_d_x(a_operand(d_gate), a_operand(d_up), gate_w, up_w, tokens),
                       (peer, slot, grad_output.shape[0] * topk))  # fmt: skip
     d_weights = None
     if weight_grads:
@@ -147,12 +149,27 @@ def _fake_forward_plan(x, schedule, topk, gate_w, up_w, down_w, limit, *_):
 
 
 def _fake_backward_plan(dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w, down_w,
-                        limit, weight_grads, *_):  # fmt: skip
-    def run(dy, w, schedule, x_routed, gate, up, hidden, slots):
-        return fake_routed_backward(dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w,
-                                    down_w, swiglu_limit=limit, weight_grads=weight_grads)  # fmt: skip
+                        limit, weight_grads, comm, minibatch, timeout, peers, slots, grid,
+                        mxfp8=False):  # fmt: skip
+    def run(dy, w, schedule, x_routed, gate, up, hidden, slots, weights=None):
+        assert (weights is not None) == mxfp8  # MXFP8: this call's dequantised weights
+        routed = weights if mxfp8 else (gate_w, up_w, down_w)
+        return fake_routed_backward(dy, w, schedule, x_routed, gate, up, hidden, *routed,
+                                    swiglu_limit=limit, weight_grads=weight_grads, mxfp8=mxfp8)  # fmt: skip
 
     return run
+
+
+def fake_dequantize(data, scales, *, transposed=False):
+    """The dequantising kernels' math: mok.reference's, in the weight's own layout."""
+    values = R.mxfp8_dequantize(data, scales, transpose=transposed)
+    return values.to(torch.bfloat16).contiguous()
+
+
+def fake_round_trip(x, *, along_rows, out=None):
+    """The round-trip kernels' math (mok.reference's), in place when `out` is x."""
+    got = R.mxfp8_round_trip(x, along_rows=along_rows)
+    return got if out is None else out.copy_(got)
 
 
 @pytest.fixture()
@@ -172,6 +189,8 @@ def fake_kernels(monkeypatch):
     monkeypatch.setattr(expert_gemm_bwd, "d_hidden_swiglu", fake_d_hidden)
     monkeypatch.setattr(expert_gemm_bwd, "d_x", fake_d_x)
     monkeypatch.setattr(expert_gemm_bwd, "weight_gradient", fake_weight_gradient)
+    monkeypatch.setattr(mxfp8, "mxfp8_round_trip", fake_round_trip)
+    monkeypatch.setattr(mxfp8, "mxfp8_dequantize", fake_dequantize)
     monkeypatch.setattr(bwd, "bwd_epilogue_plan",
                         lambda shared, slots, topk: lambda d, s: R.bwd_epilogue(d, s, topk))  # fmt: skip
     yield
@@ -209,6 +228,33 @@ def test_composition_equals_reference_backward(fake_kernels, shared, limit, main
             assert g.numel() == 0
         elif main:
             assert g.numel() == 0 and torch.allclose(mains[i], w, rtol=1e-5, atol=1e-5)
+        else:
+            assert rel_error(g.float(), w) < 2**-8 and g.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shared,limit", [(True, None), (False, 0.5)])
+def test_mxfp8_composition_equals_reference_backward(fake_kernels, shared, limit):
+    inp = make_inputs(T, H, I, E, K, shared=shared, seed=5)
+    # A capacity of whole 128-row tiles, as the workspace's (the round trips' kernels need it).
+    schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=1280)
+    shared_w = [inp[n] for n in WEIGHTS[:3]]
+    forward_q = [R.mxfp8_quantize(inp[n]) for n in WEIGHTS[3:]]
+    gate_t, up_t, down_t = (R.mxfp8_quantize(inp[n], transpose=True) for n in WEIGHTS[3:])
+    routed = (forward_q[0] + gate_t, forward_q[1] + up_t, down_t)
+    _, ctx = R.mxfp8_forward(schedule, inp["x"], inp["router_weights"], *shared_w, *forward_q,
+                             swiglu_limit=limit)  # fmt: skip
+    want = R.mxfp8_backward(schedule, ctx, inp["grad_output"], inp["x"], inp["router_weights"],
+                            *shared_w, *routed, swiglu_limit=limit)  # fmt: skip
+    empty = inp["x"].new_empty(0)
+    ctx_tensors = [t if t is not None else empty for t in ctx.tensors()]
+    got = bwd.backward(_Workspace(), schedule, ctx_tensors, inp["grad_output"], inp["x"],
+                       inp["router_weights"], *shared_w, *routed, limit, 16, 4096, 131072,
+                       (None,) * 6)  # fmt: skip
+    assert torch.equal(got[0], want[0])  # d_x: same round trips, same fp32 products
+    assert rel_error(got[1], want[1]) < 2**-8
+    for g, w in zip(got[2:], want[2:], strict=True):
+        if w is None:
+            assert g.numel() == 0
         else:
             assert rel_error(g.float(), w) < 2**-8 and g.dtype == torch.bfloat16
 

@@ -9,7 +9,7 @@ common/mxfp8_quantize_rowwise.py quantises, then dequantised).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Uint16, Uint32
+from cutlass import Float32, Int64, Uint16, Uint32
 from cutlass.cute.arch import inline_ptx
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -75,3 +75,17 @@ def round_trip_chunk(values: cute.Tensor, out: cute.Tensor):
             mul_rn(values[2 * w], inv_scale), mul_rn(values[2 * w + 1], inv_scale)
         )
         out[w] = e4m3x2_to_bf16x2(pair, scale_bits)
+
+
+@cute.jit
+def store_round_trip(chunk, rounded_ptr: cute.Pointer, at: Int64):
+    """Store the MXFP8 round trip of `chunk` (this lane's 8 bf16 values of a 32-element block,
+    as `round_trip_chunk` takes them) at element `at` (a multiple of 8) of bf16 `rounded_ptr`."""
+    widened = cute.make_rmem_tensor((CHUNK,), Float32)
+    widened.store(chunk.to(Float32))
+    words = cute.make_rmem_tensor((CHUNK // 2,), Uint32)
+    round_trip_chunk(widened, words)
+    word_at = cute.assume(at // Int64(2), divby=4)
+    rounded = cute.make_tensor(cute.recast_ptr(rounded_ptr, dtype=Uint32) + word_at,
+                               cute.make_layout(CHUNK // 2))  # fmt: skip
+    rounded.store(words.load())

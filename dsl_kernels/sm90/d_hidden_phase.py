@@ -4,7 +4,9 @@
     d_gate, d_up = mok.reference.swiglu_backward(d_hidden, gate[r], up[r], limit)
     partials[r, b] = sum over block b's 128 columns of bf16(hidden)[r, c] * d_hidden[r, c]
 
-W_down is read as stored ([H, I]: B MN-major). Partials sum in a fixed order (columns increasing,
+W_down is read as stored ([H, I]: B MN-major). The MXFP8 backward reads dY_e's round trip along H
+and the context's gate and up round-tripped along I, and its crew also writes d_gate's and
+d_up's round trips along I (`crew_stores(rounded=)`). Partials sum in a fixed order (columns increasing,
 then lane butterfly ^1, ^2): sum_b partials[r, b] = w * <dY, y>. ex2.approx and rcp.approx cost
 a few fp32 ulp, so a bf16 output may differ from the reference by 1 ulp on a rounding boundary.
 """
@@ -14,6 +16,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
+from ..common.mxfp8_values import store_round_trip
 from ..common.ptx import prefetch_l2
 from . import gemm_phases as phases
 from .epilogue_warps import CREW, store_split
@@ -46,13 +49,30 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up
     return load
 
 
-def crew_stores(d_gate_ptr, d_up_ptr, intermediate_size, dgu_done, dgu_total) -> dict:
-    """Crew store keywords of d_hidden tiles: d_gate, d_up in place, two hand-offs, then release."""
+def crew_stores(d_gate_ptr, d_up_ptr, intermediate_size, dgu_done, dgu_total,
+                rounded=None) -> dict:  # fmt: skip
+    """Crew store keywords of d_hidden tiles: d_gate, d_up in place (and with `rounded` = (bf16
+    pointer, bf16 pointer) their MXFP8 round trips along I there, the d_x GEMM's operands), two
+    hand-offs, then release."""
+    row_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
+    store_chunk, store_args = store_split, (d_gate_ptr, d_up_ptr, row_stride)
+    if rounded is not None:
+        store_chunk, store_args = store_split_rounded, (*store_args, *rounded)
     return dict(
-        tile_cols=2 * TILE_N, slots=None, store_chunk=store_split,
-        store_args=(d_gate_ptr, d_up_ptr, cute.assume(Int64(intermediate_size), divby=2 * TILE_N)),
+        tile_cols=2 * TILE_N, slots=None, store_chunk=store_chunk, store_args=store_args,
         after_tile=release_d_hidden_tile, after_args=(dgu_done, dgu_total), handoffs=2,
     )  # fmt: skip
+
+
+@cute.jit
+def store_split_rounded(d_gate, d_up, target, chunk, first_col, d_gate_ptr, d_up_ptr, row_stride,
+                        d_gate_rounded_ptr, d_up_rounded_ptr):  # fmt: skip
+    """`store_split`, then each chunk's MXFP8 round trip (the crew's lanes 4q .. 4q + 3 hold one
+    32-column block: copy_out's chunk order)."""
+    store_split(d_gate, d_up, target, chunk, first_col, d_gate_ptr, d_up_ptr, row_stride)
+    at = cute.assume(target * row_stride + Int64(first_col + chunk * 8), divby=8)
+    store_round_trip(d_gate, d_gate_rounded_ptr, at)
+    store_round_trip(d_up, d_up_rounded_ptr, at)
 
 
 @cute.jit

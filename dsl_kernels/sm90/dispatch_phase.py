@@ -16,8 +16,8 @@ on nothing, so every tile gets copied whichever CTAs are resident. Which CTA cop
 changes from run to run; the bytes written do not.
 
 Scaled: one fp32 `mul.rn` (no fma contraction), one rounding: bit for bit common/gather_rows.py.
-With `rounded_ptr` (the MXFP8 forward) each row is also written there as its MXFP8 round trip
-along H (common/mxfp8_values.py), the gate/up GEMM's operand; the lanes of a 32-element block
+With `rounded_ptr` (the MXFP8 megakernels) each written row is also written there as its MXFP8
+round trip along H (common/mxfp8_values.py), the first GEMM's operand (x, or dY_e); the lanes of a 32-element block
 are adjacent and every lane of a warp takes the same chunk branch, as the shuffles need.
 """
 
@@ -49,8 +49,8 @@ def dispatch_rows(
     """All 384 threads: row tiles of `out` (bf16 [capacity, H]) by ticket, until the ticket
     reaches `tickets.total` (the routed row tiles); returns how many this CTA copied.
     `src` = (local bf16 [T, H] pointer, peer table tensor of int64 addresses, ep_rank);
-    `weights` = (local fp32 [T * k] pointer, its peer table) or None: unscaled. `rounded_ptr`
-    (unscaled only): bf16 [capacity, H] for each row's MXFP8 round trip, or None. Thread 0 takes
+    `weights` = (local fp32 [T * k] pointer, its peer table) or None: unscaled. `rounded_ptr`:
+    bf16 [capacity, H] for each written row's MXFP8 round trip (after the scaling), or None. Thread 0 takes
     each ticket from `tickets.counter` and broadcasts it through `tickets.slots[0]` (free until
     the producer's first ticket: the CTA meets before returning). A tile's 128 packed (rank,
     source) entries go to `table` (shared Int32 [128]); each warp copies whole rows. Then fence
@@ -133,18 +133,18 @@ def dispatch_rows(
                 for j in cutlass.range_constexpr(DISPATCH_BATCH):
                     chunk = base + 32 * j
                     if chunk < chunks:
+                        row_values = values[None, j].load()
                         if cutlass.const_expr(scaled):
                             # Padding rows: w = 0 times +0.0 is +0.0.
-                            scaled_values.store(values[None, j].load().to(Float32))
+                            scaled_values.store(row_values.to(Float32))
                             for i in cutlass.range_constexpr(VECTOR):
                                 scaled_values[i] = mul_rn(w, scaled_values[i])
-                            mOut[None, chunk, row].store(scaled_values.load().to(BFloat16))
-                        else:
-                            mOut[None, chunk, row].store(values[None, j].load())
-                            if cutlass.const_expr(rounded_ptr is not None):
-                                widened.store(values[None, j].load().to(Float32))
-                                round_trip_chunk(widened, packed_words)
-                                rounded_words[None, chunk, row].store(packed_words.load())
+                            row_values = scaled_values.load().to(BFloat16)
+                        mOut[None, chunk, row].store(row_values)
+                        if cutlass.const_expr(rounded_ptr is not None):
+                            widened.store(row_values.to(Float32))
+                            round_trip_chunk(widened, packed_words)
+                            rounded_words[None, chunk, row].store(packed_words.load())
         cute.arch.fence_proxy("async.global")
         cute.arch.sync_threads()
         if tidx == 0:

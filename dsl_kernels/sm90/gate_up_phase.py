@@ -11,9 +11,9 @@ writes each hidden row's MXFP8 round trip along I (`rounded_ptr`), the down GEMM
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64, Uint32
+from cutlass import BFloat16, Float32, Int64
 
-from ..common.mxfp8_values import round_trip_chunk
+from ..common.mxfp8_values import store_round_trip
 from . import gemm_phases as phases
 from .gemm_phases import TILE_K, TILE_M, TILE_N
 
@@ -86,10 +86,4 @@ def store_swiglu_chunk(
     cute.make_tensor(hidden_ptr + at, cute.make_layout(8)).store(hidden_bf16)
     if cutlass.const_expr(rounded_ptr is not None):
         # The round trip of the bf16 hidden values, as mok.reference rounds hidden first.
-        hidden.store(hidden_bf16.to(Float32))
-        words = cute.make_rmem_tensor((4,), Uint32)
-        round_trip_chunk(hidden, words)
-        word_at = cute.assume(at // Int64(2), divby=4)
-        rounded = cute.make_tensor(cute.recast_ptr(rounded_ptr, dtype=Uint32) + word_at,
-                                   cute.make_layout(4))  # fmt: skip
-        rounded.store(words.load())
+        store_round_trip(hidden_bf16, rounded_ptr, at)

@@ -25,6 +25,12 @@ Counters (int32, zeroed by the launcher): dispatched[m] (to 1), dgu_done[m] (to 
 128-row tile m, then dispatch_total (row tiles copied), dgu_total (d_hidden tiles stored), the
 task ticket and the dispatch ticket; release/acquire at GPU scope.
 
+`mxfp8` (a compile-time variant, SEMANTICS §5; weights are the dequantised bf16 values of the
+transposed MXFP8 copies, gate/up the context's round trips along I, `weight_gemms` 0): dispatch
+also writes dY_e's MXFP8 round trip along H (dy_rounded_ptr), which tma_dy reads, and the crew
+d_gate's and d_up's along I (d_gate_rounded_ptr, d_up_rounded_ptr), which tma_dg / tma_du read.
+The weight gradients' operands are round-tripped along the tokens after the launch.
+
 Constraints (the launcher checks them): H, I multiples of 256, both < 2^16; schedule segments
 multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligned, contiguous.
 """
@@ -100,6 +106,9 @@ PARAMS = (
     ("dy_ptrs", int64_pointer),
     ("weight_ptrs", int64_pointer),
     ("slots_ptrs", int64_pointer),
+    ("dy_rounded_ptr", bf16_pointer),
+    ("d_gate_rounded_ptr", bf16_pointer),
+    ("d_up_rounded_ptr", bf16_pointer),
     *WALK_PARAMS,
     ("weight_gemms", Int32(0)),
     *STEP_PARAMS,
@@ -111,6 +120,7 @@ class Sm90MoeBackward:
     """See the module docstring. `stages`: depth of the shared-memory operand ring."""
 
     stages: int = 3
+    mxfp8: bool = False
 
     def validate(self) -> None:
         phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
@@ -167,6 +177,9 @@ class Sm90MoeBackward:
         dy_ptrs: cute.Pointer,
         weight_ptrs: cute.Pointer,
         slots_ptrs: cute.Pointer,
+        dy_rounded_ptr: cute.Pointer,
+        d_gate_rounded_ptr: cute.Pointer,
+        d_up_rounded_ptr: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -210,7 +223,8 @@ class Sm90MoeBackward:
             tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu,
             tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx,
             d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr, dy_ptr, weight_ptr, dy_routed_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
-            partials_ptr, slots_ptr, dy_ptrs, weight_ptrs, slots_ptrs, peer_rank_ptr,
+            partials_ptr, slots_ptr, dy_ptrs, weight_ptrs, slots_ptrs, dy_rounded_ptr,
+            d_gate_rounded_ptr, d_up_rounded_ptr, peer_rank_ptr,
             peer_token_idx_ptr, num_tokens_ptr,
             tokens_per_expert_ptr, counters_ptr, error_record_ptr, timeout_ns,
             num_experts,
@@ -258,6 +272,9 @@ class Sm90MoeBackward:
         dy_ptrs: cute.Pointer,
         weight_ptrs: cute.Pointer,
         slots_ptrs: cute.Pointer,
+        dy_rounded_ptr: cute.Pointer,
+        d_gate_rounded_ptr: cute.Pointer,
+        d_up_rounded_ptr: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -332,6 +349,7 @@ class Sm90MoeBackward:
                 (dy_ptr, peer_table(dy_ptrs), ep_rank),
                 dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, topk, capacity,
                 dispatched, buffers[2], tidx, row_tickets, (weight_ptr, peer_table(weight_ptrs)),
+                dy_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
             )  # fmt: skip
             # After dispatch_rows' last CTA barrier: every row tile this CTA copied is written.
             # Counted in tiles, so the weight phase waits for the tiles, not for every CTA.
@@ -372,8 +390,11 @@ class Sm90MoeBackward:
             else:
                 # ---- crew: d_gate/d_up (then the counters), d_x rows to slots, weights ----
                 stores = (
-                    d_hidden_phase.crew_stores(d_gate_ptr, d_up_ptr, intermediate_size, dgu_done,
-                                               dgu_total),
+                    d_hidden_phase.crew_stores(
+                        d_gate_ptr, d_up_ptr, intermediate_size, dgu_done, dgu_total,
+                        (d_gate_rounded_ptr, d_up_rounded_ptr)
+                        if cutlass.const_expr(self.mxfp8) else None,
+                    ),  # fmt: skip
                     slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
                                 hidden_size),
                 )  # fmt: skip

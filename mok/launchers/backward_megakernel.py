@@ -22,6 +22,7 @@ from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weigh
 from .status import status_ptr
 
 KERNEL = "moe_backward"
+KERNEL_MXFP8 = "moe_backward_mxfp8"
 
 
 def routed_backward(
@@ -44,6 +45,7 @@ def routed_backward(
     peers: tuple | None = None,
     slots: torch.Tensor | None = None,
     grid: int | None = None,
+    mxfp8: bool = False,
 ) -> tuple:
     """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) in one launch.
 
@@ -57,36 +59,46 @@ def routed_backward(
     `num_comm_ctas`: CTAs that dispatch while the rest compute (0: all dispatch first).
     `minibatch_size` (routed rows; None: all) never changes the bits. `slots`: the d_x slots
     buffer to push into (None: a new one); `grid`: CTAs (None: the SM count).
+
+    `mxfp8`: the MXFP8 variant (SEMANTICS §5). The weights are the bf16 values of the MXFP8
+    copies, new tensors on every call (bound per launch); gate and up the context's round trips
+    along I; the GEMMs read dY_e's round trip along H and d_gate's and d_up's along I (scratch
+    per call). No weight gradients in the launch (`weight_grads` must be False): their operands
+    are round-tripped along the tokens first (backward_op.py).
     """
     key = (
         KERNEL, tensor_key(grad_output), tensor_key(router_weights),
         tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
         tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
         tensor_key(x_routed), tensor_key(gate), tensor_key(up), tensor_key(hidden),
-        weight_key(gate_weights), weight_key(up_weights), weight_key(down_weights),
+        *(tensor_key(w) if mxfp8 else weight_key(w) for w in (gate_weights, up_weights,
+                                                               down_weights)),
         tensor_key(slots), swiglu_limit, weight_grads, num_comm_ctas, minibatch_size, timeout_ns,
         None if peers is None else tuple(p if isinstance(p, int) else p.data_ptr() for p in peers),
-        grid, current_stream(grad_output.get_device()),
+        grid, mxfp8, current_stream(grad_output.get_device()),
     )  # fmt: skip
     launch = plan(key, lambda: backward_plan(
         grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
         up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid,
+        timeout_ns, peers, slots, grid, mxfp8,
     ))  # fmt: skip
-    return launch(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots)
+    weights = (gate_weights, up_weights, down_weights) if mxfp8 else None
+    return launch(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots,
+                  weights)  # fmt: skip
 
 
 def backward_plan(
     grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights, up_weights,
     down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size, timeout_ns, peers,
-    slots, grid,
+    slots, grid, mxfp8=False,
 ):  # fmt: skip
     """`routed_backward`'s plan for these arguments (checked now); call it as
-    plan(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots)."""
+    plan(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots, weights)
+    (`weights` = (gate, up, down) with `mxfp8`, else None)."""
     return _BackwardPlan(
         grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
         up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid,
+        timeout_ns, peers, slots, grid, mxfp8,
     )  # fmt: skip
 
 
@@ -96,9 +108,15 @@ class _BackwardPlan:
     def __init__(
         self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
         up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid,
+        timeout_ns, peers, slots, grid, mxfp8,
     ):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
+
+        if mxfp8 and weight_grads:
+            raise ValueError(
+                "the MXFP8 backward megakernel computes no weight gradients in its launch "
+                "(weight_grads must be False; backward_op round-trips their operands first)"
+            )
 
         num_tokens, hidden_size = grad_output.shape
         topk = router_weights.shape[1]
@@ -124,6 +142,7 @@ class _BackwardPlan:
         self.device_index = grad_output.get_device()
         self.sizes = (num_tokens, topk, capacity, num_experts, hidden_size, intermediate_size)
         self.weight_grads = weight_grads
+        self.mxfp8 = mxfp8
         self.bound = None
         if capacity == 0 or num_experts == 0 or num_tokens == 0:
             return
@@ -135,22 +154,29 @@ class _BackwardPlan:
             2 * (-(-capacity // TILE_ROWS)) + BACKWARD_COUNTER_TAIL, dtype=torch.int32,
             device=self.device,
         )  # fmt: skip
-        kernel = get_kernel(KERNEL, device=self.device)
-        down_flat = (num_experts * hidden_size, intermediate_size)
-        gate_up_flat = (num_experts * intermediate_size, hidden_size)
+        kernel = get_kernel(KERNEL_MXFP8 if mxfp8 else KERNEL, device=self.device)
+        self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size),
+                     "tma_wg": (num_experts * intermediate_size, hidden_size),
+                     "tma_wu": (num_experts * intermediate_size, hidden_size)}  # fmt: skip
         grid = grid or sm_count(self.device)
-        dy_e, d_gate, d_up, partials, first_slots, d_weights = self._outputs(slots)
+        dy_e, d_gate, d_up, partials, first_slots, d_weights, rounded = self._outputs(slots)
         # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
         d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
-        self.descriptors = {name: Descriptors(kernel, name) for name in DYNAMIC_TMA}
-        tma = self._descriptors(dy_e, d_gate, d_up, hidden, x_routed)
+        self.dynamic_tma = DYNAMIC_TMA + (WEIGHT_TMA if mxfp8 else ())
+        self.descriptors = {name: Descriptors(kernel, name) for name in self.dynamic_tma}
+        weights = (gate_weights, up_weights, down_weights)
+        tma = self._descriptors(dy_e, d_gate, d_up, hidden, x_routed, rounded, weights)
+        if not mxfp8:
+            tma.update({name: tma_descriptor(kernel, name, w.view(self.flat[name]))
+                        for name, w in zip(WEIGHT_TMA, weights, strict=True)})  # fmt: skip
+        dy_q, d_gate_q, d_up_q = rounded if mxfp8 else (None,) * 3
         self.bound = kernel.bind(
             (grid, 1, 1),
             {
                 **tma,
-                "tma_wd": tma_descriptor(kernel, "tma_wd", down_weights.view(down_flat)),
-                "tma_wg": tma_descriptor(kernel, "tma_wg", gate_weights.view(gate_up_flat)),
-                "tma_wu": tma_descriptor(kernel, "tma_wu", up_weights.view(gate_up_flat)),
+                "dy_rounded_ptr": dy_q,
+                "d_gate_rounded_ptr": d_gate_q,
+                "d_up_rounded_ptr": d_up_q,
                 "d_w_down_ptr": d_w_down,
                 "d_w_gate_ptr": d_w_gate,
                 "d_w_up_ptr": d_w_up,
@@ -181,13 +207,21 @@ class _BackwardPlan:
                 ),  # fmt: skip
                 "weight_gemms": 3 if weight_grads else 0,
             },
-            dynamic=(*DYNAMIC_TMA, *DYNAMIC_POINTERS),
-        )
+            dynamic=(*self.dynamic_tma, *DYNAMIC_POINTERS,
+                     *(ROUNDED_POINTERS if mxfp8 else ())),
+        )  # fmt: skip
 
-    def _descriptors(self, dy_e, d_gate, d_up, hidden, x_routed) -> dict:
-        tensors = (dy_e, d_gate, d_up, dy_e, d_gate, d_up, hidden, x_routed)
+    def _descriptors(self, dy_e, d_gate, d_up, hidden, x_routed, rounded, weights) -> dict:
+        """The per-launch descriptors: the GEMMs' A (MXFP8: the round trips), the weight
+        phase's operands, then (MXFP8) the weights of this call."""
+        a_operands = rounded if self.mxfp8 else (dy_e, d_gate, d_up)
+        tensors = (*a_operands, dy_e, d_gate, d_up, hidden, x_routed)
+        if self.mxfp8:
+            tensors += tuple(w.view(self.flat[name]) for name, w in zip(WEIGHT_TMA, weights,
+                                                                         strict=True))  # fmt: skip
         cache = self.descriptors
-        return {name: cache[name].get(t) for name, t in zip(DYNAMIC_TMA, tensors, strict=True)}
+        return {name: cache[name].get(t) for name, t in zip(self.dynamic_tma, tensors,
+                                                              strict=True)}  # fmt: skip
 
     def _outputs(self, slots):
         num_tokens, topk, capacity, num_experts, hidden_size, inter = self.sizes
@@ -202,10 +236,15 @@ class _BackwardPlan:
             d_weights = [torch.empty(num_experts, inter, hidden_size, **bf16),
                          torch.empty(num_experts, inter, hidden_size, **bf16),
                          torch.empty(num_experts, hidden_size, inter, **bf16)]  # fmt: skip
-        return dy_e, d_gate, d_up, partials, slots, d_weights
+        rounded = None
+        if self.mxfp8:  # scratch of this launch: the round trips the GEMMs read
+            rounded = (torch.empty(capacity, hidden_size, **bf16),
+                       torch.empty(capacity, inter, **bf16), torch.empty(capacity, inter, **bf16))  # fmt: skip
+        return dy_e, d_gate, d_up, partials, slots, d_weights, rounded
 
-    def __call__(self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots):
-        dy_e, d_gate, d_up, partials, slots, d_weights = self._outputs(slots)
+    def __call__(self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots,
+                 weights=None):  # fmt: skip
+        dy_e, d_gate, d_up, partials, slots, d_weights, rounded = self._outputs(slots)
         if self.bound is None:
             if d_weights is not None:
                 for d_w in d_weights:
@@ -219,22 +258,37 @@ class _BackwardPlan:
             aligned(name, address)
         aligned("router_weights", router_weights.data_ptr(), 4)
         d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
+        if self.mxfp8:
+            check_mxfp8_call_weights(weights, self.sizes)
         stream = current_stream(self.device_index)
         zero_async(self.counters, stream)
         self.bound.launch(
-            *self._descriptors(dy_e, d_gate, d_up, hidden, x_routed).values(),
+            *self._descriptors(dy_e, d_gate, d_up, hidden, x_routed, rounded, weights).values(),
             d_w_down.data_ptr(), d_w_gate.data_ptr(), d_w_up.data_ptr(), addresses["grad_output"],
             router_weights.data_ptr(), dy_e.data_ptr(), addresses["gate"], addresses["up"],
             d_gate.data_ptr(), d_up.data_ptr(), partials.data_ptr(), slots.data_ptr(),
             schedule.peer_rank.data_ptr(), schedule.peer_token_idx.data_ptr(),
             schedule.num_tokens.data_ptr(), schedule.tokens_per_expert.data_ptr(),
+            *(t.data_ptr() for t in rounded or ()),
             stream=stream,
         )  # fmt: skip
         return dy_e, d_gate, d_up, partials, slots, d_weights
 
 
+def check_mxfp8_call_weights(weights, sizes) -> None:
+    """The bf16 weights an MXFP8 plan is called with: the shapes it was made for."""
+    _, _, _, num_experts, hidden_size, inter = sizes
+    shapes = ((num_experts, inter, hidden_size),) * 2 + ((num_experts, hidden_size, inter),)
+    for name, w, shape in zip(("gate_weights", "up_weights", "down_weights"), weights, shapes,
+                              strict=True):  # fmt: skip
+        check_cuda(name, w, torch.bfloat16, shape)
+
+
 # Rewritten on every launch, in this order (BoundLaunch.launch): descriptors, then pointers.
 DYNAMIC_TMA = ("tma_dy", "tma_dg", "tma_du", "tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
+# The MXFP8 variant's weights (dequantised per call) and round-trip scratch, after those.
+WEIGHT_TMA = ("tma_wg", "tma_wu", "tma_wd")
+ROUNDED_POINTERS = ("dy_rounded_ptr", "d_gate_rounded_ptr", "d_up_rounded_ptr")
 DYNAMIC_POINTERS = (
     "d_w_down_ptr", "d_w_gate_ptr", "d_w_up_ptr", "dy_ptr", "weight_ptr", "dy_routed_ptr",
     "gate_ptr", "up_ptr", "d_gate_ptr", "d_up_ptr", "partials_ptr", "slots_ptr",

@@ -7,6 +7,15 @@ routed experts: the backward megakernel (backward_megakernel.py), bf16 weight gr
 d_router[t, j] = sum_b partials[r, b] / w[r]  (fixed-order sums)
 shared expert:  expert_gemm_bwd's kernels on one 'expert' of T rows (padded to 128)
 d_x = d_x_shared + sum_j slots[t * k + j]  (fixed j order)          moe_combine_backward
+
+MXFP8 routed weights (gate, up: (fp8, scale, fp8_t, scale_t); down: (fp8_t, scale_t)), the
+layer of mok.reference.mxfp8_backward:
+    weights: the transposed copies dequantised to bf16 (exact) in the weights' own layouts
+    gate, up: the context's MXFP8 round trips along I (the SwiGLU backward's inputs)
+    the backward megakernel's MXFP8 variant: the GEMMs read dY_e's round trip along H and
+                d_gate's, d_up's along I; no weight gradients in the launch
+    weight gradients: x, hidden, dY_e, d_gate, d_up round-tripped along the tokens (32-row
+                blocks), then the weight-gradient kernels
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import weakref
 
 import torch
 
-from . import expert_gemm_bwd
+from . import expert_gemm_bwd, mxfp8
 from .backward_megakernel import backward_plan, router_grad_push_plan
 from .checks import check_gpu_layer, check_macrobatch
 from .device_args import TILE_ROWS
@@ -43,6 +52,26 @@ def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
         _weight_gradient(d_up, x_rows, tokens, main_up),
         _weight_gradient(dy_e, hidden, tokens, main_down),
     ]
+
+
+def _dequantized_weights(routed) -> tuple[torch.Tensor, ...]:
+    """bf16 (gate [E, I, H], up [E, I, H], down [E, H, I]) from the backward's MXFP8 copies:
+    gate's and up's transposed copies (along I), down's (along H), each exact in bf16."""
+    gate, up, down = routed
+    return tuple(
+        mxfp8.mxfp8_dequantize(data_t, scales_t, transposed=True)
+        for data_t, scales_t in (gate[2:], up[2:], down)
+    )
+
+
+def _along_tokens(dy_e, x_rows, d_gate, d_up, hidden) -> tuple[torch.Tensor, ...]:
+    """The weight gradients' operands as their MXFP8 round trips along the tokens: this call's
+    own dy_e, d_gate, d_up in place, the context's x and hidden into new tensors."""
+    for t in (dy_e, d_gate, d_up):
+        mxfp8.mxfp8_round_trip(t, along_rows=True, out=t)
+    x_q = mxfp8.mxfp8_round_trip(x_rows, along_rows=True)
+    hidden_q = mxfp8.mxfp8_round_trip(hidden, along_rows=True)
+    return dy_e, x_q, d_gate, d_up, hidden_q
 
 
 def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
@@ -93,7 +122,8 @@ def backward(
     # Not one made for an evicted workspace whose handle this one took over.
     op = plan(key, make, current=lambda op: op.ws() is ws)
     return op(schedule, ctx_tensors, grad_output, x, router_weights,
-              (shared_gate, shared_up, shared_down), main_grads)  # fmt: skip
+              (shared_gate, shared_up, shared_down), main_grads,
+              (routed_gate, routed_up, routed_down))  # fmt: skip
 
 
 class _BackwardOp:
@@ -106,6 +136,10 @@ class _BackwardOp:
         check_gpu_layer(ws, "backward")
         check_macrobatch(macrobatch_size, grad_output.shape[0], router_weights.shape[1],
                          "backward")  # fmt: skip
+        self.mxfp8 = isinstance(routed[0], tuple)
+        if self.mxfp8:
+            # Checked: the tuples (mok.mxfp8_weights); no main_grads (mok.functional).
+            routed = self.first_weights = _dequantized_weights(routed)
         if routed[2].shape[2] % expert_gemm_bwd.N_ALIGNMENT:
             raise ValueError(
                 f"intermediate_size must be a multiple of {expert_gemm_bwd.N_ALIGNMENT} on the "
@@ -122,19 +156,26 @@ class _BackwardOp:
             self.grad_peers = (ws.ep_rank, tables["router_weight_buffer"],
                                tables["d_router_weight_buffer"])  # fmt: skip
             self.slots = ws.buffers["d_x_routed_buffer"]
-        # The weight gradients in the megakernel's launch unless they go into fp32 main_grads.
-        self.in_launch = all(g is None for g in main_grads[:3])
+        # The weight gradients in the megakernel's launch unless they go into fp32 main_grads
+        # (or their MXFP8 operands need round trips first).
+        self.in_launch = all(g is None for g in main_grads[:3]) and not self.mxfp8
         x_routed, gate, up, hidden = ctx_tensors[:4]
         self.routed = backward_plan(
             grad_output, router_weights, schedule, x_routed, gate, up, hidden, *routed,
             swiglu_limit, self.in_launch, bwd_num_comm_sms, minibatch_size, ws.wait_timeout_ns,
-            peers, self.slots, ws.megakernel_ctas,
+            peers, self.slots, ws.megakernel_ctas, self.mxfp8,
         )  # fmt: skip
         self.push = self.epilogue = None  # bound on the first call, with their tensors
 
-    def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, shared, main_grads):
+    def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, shared, main_grads,
+                 routed):  # fmt: skip
         ws, tables = self.ws(), self.tables
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
+        weights = None
+        if self.mxfp8:
+            weights, self.first_weights = self.first_weights or _dequantized_weights(routed), None
+            gate = mxfp8.mxfp8_round_trip(gate, along_rows=False)
+            up = mxfp8.mxfp8_round_trip(up, along_rows=False)
         if tables is None:
             d_router = torch.empty(router_weights.shape, dtype=torch.float32, device=x.device)
         else:
@@ -143,7 +184,7 @@ class _BackwardOp:
             d_router = ws.buffers["d_router_weight_buffer"]
         group_barrier(ws, "PEER_BARRIER_START")
         dy_e, d_gate, d_up, partials, slots, routed_grads = self.routed(
-            grad_output, router_weights, schedule, x_routed, gate, up, hidden, self.slots
+            grad_output, router_weights, schedule, x_routed, gate, up, hidden, self.slots, weights
         )
         if self.push is None:
             self.push = router_grad_push_plan(partials, schedule, router_weights, d_router,
@@ -151,8 +192,11 @@ class _BackwardOp:
         self.push(partials, schedule, router_weights, d_router)
         group_barrier(ws, "PEER_BARRIER_END")
         if not self.in_launch:
-            routed_grads = _weight_gradients(dy_e, x_routed, d_gate, d_up, hidden,
-                                             schedule.tokens_per_expert, main_grads[:3])  # fmt: skip
+            operands = (dy_e, x_routed, d_gate, d_up, hidden)
+            if self.mxfp8:
+                operands = _along_tokens(*operands)
+            routed_grads = _weight_gradients(*operands, schedule.tokens_per_expert,
+                                             main_grads[:3])  # fmt: skip
         if tables is not None:
             d_router = d_router.clone()  # the buffer is the next call's
         # Distinct empty tensors: custom-op outputs may not alias each other.

@@ -9,7 +9,7 @@
     out = y_shared + sum_j w[t, j] * slots[t * k + j]  (fixed j order)   moe_combine_forward
 
 The recomputed context pulls the rows with the gather kernel and runs the same gate/up tiles
-as separate kernels. All launches go on the current stream with no host sync; every step is
+as separate kernels (MXFP8: on x's round trip along H and the dequantised weights). All launches go on the current stream with no host sync; every step is
 deterministic (no atomics on values, no split-K, each output element written by one thread in
 a fixed order), so results are bitwise identical run to run and across EP sizes.
 """
@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from . import comm, dispatch, expert_gemm
+from . import comm, dispatch, expert_gemm, mxfp8
 from .checks import check_gpu_layer, check_macrobatch
 from .device_args import TILE_ROWS
 from .epilogues import fwd_epilogue_plan
@@ -141,8 +141,12 @@ def recompute_forward_context(
     x_routed = dispatch.gather_rows(x, schedule.peer_rank, schedule.peer_token_idx,
                                     schedule.num_tokens, ws.topk, peers=peers)  # fmt: skip
     group_barrier(ws, "PEER_BARRIER_END")
+    a_rows = x_routed
+    if isinstance(routed_gate, tuple):  # MXFP8 (fp8, scale) along H: the forward's operands
+        a_rows = mxfp8.mxfp8_round_trip(x_routed, along_rows=False)
+        routed_gate, routed_up = (mxfp8.mxfp8_dequantize(*w) for w in (routed_gate, routed_up))
     gate, up, hidden = expert_gemm.gate_up_swiglu(
-        x_routed, routed_gate, routed_up, schedule.tokens_per_expert, swiglu_limit=swiglu_limit
+        a_rows, routed_gate, routed_up, schedule.tokens_per_expert, swiglu_limit=swiglu_limit
     )
     shared_ctx = tuple(x.new_empty(0) for _ in range(3))
     if shared_gate is not None:

@@ -1,6 +1,7 @@
 """The first shipped kernels on the GPU, through mok.ops, against mok.reference (run on CPU).
 
-MXFP8 quantiser: bit-exact (data bytes and scale bytes). Epilogues: bit-exact (same fp32
+MXFP8 quantiser: bit-exact (data bytes and scale bytes). MXFP8 round trips and rowwise
+dequantiser (through mok.launchers.mxfp8): bitwise. Epilogues: bit-exact (same fp32
 operation order and roundings). Outputs are poisoned before each run (the ops allocate them
 with torch.empty: we fill the caching allocator's blocks with NaN first), inputs are random,
 and every result is compared over 3 runs for determinism.
@@ -47,6 +48,129 @@ def test_mxfp8_quantize_bit_exact(shape, transpose):
         assert data.shape == want_data.shape and scales.shape == want_scales.shape
         assert torch.equal(scales, want_scales)
         assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+
+
+def blockwise_spread_bf16(*shape, seed, along_rows):
+    """Random nonzero values, each 32-element block (along the last dim, or down the rows) at its
+    own exponent in 2^-20 .. 2^20, each value within 2^+-6 of it: the scales span ~40 binades
+    and the E4M3 values cover normals, subnormals and underflow to zero."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = shape[-2], shape[-1]
+    blocks = (*shape[:-2], rows // 32, cols) if along_rows else (*shape[:-1], cols // 32)
+    block_exp = torch.randint(-20, 21, blocks, generator=gen)
+    block_exp = block_exp.repeat_interleave(32, dim=-2 if along_rows else -1)
+    value_exp = torch.randint(-6, 7, shape, generator=gen)
+    x = torch.randn(*shape, generator=gen) * torch.exp2((block_exp + value_exp).float())
+    x = x.to(torch.bfloat16)
+    flat = x.view(-1, cols)
+    flat[0, 32:64] = 0.0  # an all-zero 32-block along a row
+    flat[32:64, 5] = 0.0  # and one down a column
+    flat[1, 64:96] = 448.0 * 4  # amax exactly 448 * 2^2: scale exactly 4
+    return x
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bitwise equality (NaN bits included) of two bf16 tensors of one shape."""
+    return got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+MXFP8_SHAPES = [(128, 128), (256, 512), (4, 256, 384), (2, 3, 128, 256), (16384, 2048)]
+
+
+@pytest.mark.parametrize("shape", MXFP8_SHAPES, ids=str)
+@pytest.mark.parametrize("along_rows", [False, True])
+def test_mxfp8_round_trip_bit_exact(shape, along_rows):
+    from mok.launchers import mxfp8
+
+    x = blockwise_spread_bf16(*shape, seed=sum(shape), along_rows=along_rows)
+    want = R.mxfp8_round_trip(x, along_rows=along_rows)
+    x_gpu = x.to(CUDA)
+    for _ in range(3):
+        poison_cuda_allocator()
+        got = mxfp8.mxfp8_round_trip(x_gpu, along_rows=along_rows)
+        assert same_bits(got.cpu(), want)
+    assert same_bits(x_gpu.cpu(), x)  # the input is only read
+
+
+@pytest.mark.parametrize("along_rows", [False, True])
+def test_mxfp8_round_trip_in_place_and_into_out(along_rows):
+    from mok.launchers import mxfp8
+
+    x = blockwise_spread_bf16(2, 512, 384, seed=17, along_rows=along_rows)
+    want = R.mxfp8_round_trip(x, along_rows=along_rows)
+    out = torch.full(x.shape, float("nan"), dtype=torch.bfloat16, device=CUDA)
+    assert mxfp8.mxfp8_round_trip(x.to(CUDA), along_rows=along_rows, out=out) is out
+    assert same_bits(out.cpu(), want)
+    in_place = x.to(CUDA)
+    assert mxfp8.mxfp8_round_trip(in_place, along_rows=along_rows, out=in_place) is in_place
+    assert same_bits(in_place.cpu(), want)
+    # A round trip is idempotent: its values are MXFP8 values already.
+    mxfp8.mxfp8_round_trip(in_place, along_rows=along_rows, out=in_place)
+    assert same_bits(in_place.cpu(), want)
+
+
+@pytest.mark.parametrize("shape", MXFP8_SHAPES, ids=str)
+def test_mxfp8_dequantize_bit_exact(shape):
+    from mok.launchers import mxfp8
+
+    data, scales = R.mxfp8_quantize(blockwise_spread_bf16(*shape, seed=sum(shape) + 1,
+                                                          along_rows=False))  # fmt: skip
+    want = R.mxfp8_dequantize(data, scales).to(torch.bfloat16)
+    data_gpu, scales_gpu = data.to(CUDA), scales.to(CUDA)
+    for _ in range(3):
+        poison_cuda_allocator()
+        assert same_bits(mxfp8.mxfp8_dequantize(data_gpu, scales_gpu).cpu(), want)
+
+
+@pytest.mark.parametrize("shape", MXFP8_SHAPES, ids=str)
+def test_mxfp8_dequantize_transposed_bit_exact(shape):
+    """A transposed copy back into the original layout in one pass (the MXFP8 backward's
+    weights): mok.reference's dequantisation with transpose=True, bit for bit."""
+    from mok.launchers import mxfp8
+
+    x = blockwise_spread_bf16(*shape, seed=sum(shape) + 2, along_rows=True)
+    data, scales = (t.contiguous() for t in R.mxfp8_quantize(x, transpose=True))
+    want = R.mxfp8_dequantize(data, scales, transpose=True).to(torch.bfloat16)
+    data_gpu, scales_gpu = data.to(CUDA), scales.to(CUDA)
+    for _ in range(3):
+        poison_cuda_allocator()
+        got = mxfp8.mxfp8_dequantize(data_gpu, scales_gpu, transposed=True)
+        assert got.shape == x.shape and same_bits(got.cpu(), want)
+
+
+def test_mxfp8_dequantize_any_bytes_bit_exact():
+    """Beyond what the quantiser writes: every finite E4M3 byte times every scale byte but 255
+    (infinity), so products are fp32 subnormals rounded to bf16, zeros (scale byte 0) and
+    infinities; one RNE rounding, the reference's, each."""
+    from mok.launchers import mxfp8
+
+    gen = torch.Generator().manual_seed(23)
+    data = torch.randint(0, 256, (512, 1024), generator=gen, dtype=torch.uint8)
+    data[(data & 0x7F) == 0x7F] = 0x41  # E4M3 NaN bytes (0x7F, 0xFF): NaN bits differ
+    scales = torch.randint(0, 255, (4, 8, 32, 16), generator=gen, dtype=torch.uint8)
+    data = data.view(torch.float8_e4m3fn)
+    want = R.mxfp8_dequantize(data, scales).to(torch.bfloat16)
+    assert same_bits(mxfp8.mxfp8_dequantize(data.to(CUDA), scales.to(CUDA)).cpu(), want)
+
+
+@pytest.mark.parametrize("kind", ["rowwise", "columns", "dequantize"])
+def test_mxfp8_launches_in_row_tile_chunks(monkeypatch, kind):
+    """Several launches over one tensor (chunk limit 3 row tiles instead of grid.y's 65535):
+    every launch's pointer offsets, scale offsets included, on the real kernels."""
+    from mok.launchers import mxfp8
+
+    monkeypatch.setattr(mxfp8, "MAX_ROW_TILES_PER_LAUNCH", 3)
+    x = blockwise_spread_bf16(5, 256, 384, seed=29, along_rows=kind == "columns")
+    if kind == "dequantize":
+        data, scales = R.mxfp8_quantize(x)
+        want = R.mxfp8_dequantize(data, scales).to(torch.bfloat16)
+        poison_cuda_allocator()
+        got = mxfp8.mxfp8_dequantize(data.to(CUDA), scales.to(CUDA))
+    else:
+        want = R.mxfp8_round_trip(x, along_rows=kind == "columns")
+        poison_cuda_allocator()
+        got = mxfp8.mxfp8_round_trip(x.to(CUDA), along_rows=kind == "columns")
+    assert same_bits(got.cpu(), want)
 
 
 @pytest.mark.parametrize("num_tokens,hidden,topk", [(1, 64, 1), (300, 2048, 8), (4096, 7168, 2),

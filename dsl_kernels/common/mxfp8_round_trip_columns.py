@@ -1,0 +1,160 @@
+"""MXFP8 round trip down columns: bf16 [rows, cols] -> bf16 [rows, cols], every value quantised
+to MXFP8 (scale per 32 consecutive rows of a column) and dequantised again.
+
+`Mxfp8RoundTripColumns` is a pure memory-bound CUDA-core kernel (no TMA, no smem), the same code
+for sm_90a and sm_100a. It is `Mxfp8QuantizeTransposed` with the E4M3 bytes turned straight
+back into bf16 and written in the input's own layout (no transpose in memory).
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+
+from .args import global_pointer
+from .mxfp8_values import e4m3x2_to_bf16x2, scale_bits_of
+from .ptx import cvt_e4m3x2_rn_satfinite, mul_rn, mxfp8_scale_from_amax
+
+TILE = 128  # rows and columns of one CTA tile
+VECTOR = 8  # a thread owns VECTOR rows x VECTOR columns
+THREADS = 256
+LOW_HALF = 0x0000FFFF
+HIGH_HALF = 0xFFFF0000
+
+
+@dataclass(frozen=True)
+class Mxfp8RoundTripColumns:
+    """Replace each value of a bf16 matrix by its MXFP8 round trip down its column.
+
+    The result is `mok.reference.mxfp8_round_trip(input, along_rows=True)` bit for bit: the
+    values `Mxfp8QuantizeTransposed` would quantise to, dequantised and put back in place.
+
+    Kernel parameters (in this order): `input_ptr` (bf16 [num_rows, num_cols] row-major),
+    `output_ptr` (bf16 [num_rows, num_cols] row-major), `num_rows`, `num_cols` (int32).
+
+    Constraints (the caller checks them; the kernel does not):
+    - num_rows % 128 == 0 and num_cols % 128 == 0, both > 0 (element offsets are 64-bit).
+    - both pointers 16-byte aligned and contiguous; output_ptr == input_ptr (in place) is
+      allowed, any other overlap is not.
+    - launch: grid (num_cols/128, num_rows/128, 1), block (256, 1, 1), no dynamic smem,
+      cluster (1, 1, 1). num_rows/128 <= 65535 (grid.y limit).
+
+    Math, bit-exact (SEMANTICS.md §5): per 32 consecutive rows of one column, the scale byte and
+    E4M3 bytes exactly as `Mxfp8QuantizeTransposed` computes them; each output = the E4M3 value
+    (cvt.rn.f16x2.e4m3x2, exact) times 2^(byte - 127) (mul.rn.f32, exact), converted to bf16
+    (exact). NaN or infinite inputs give unspecified results.
+
+    Work split (as `Mxfp8QuantizeTransposed`): CTA = one 128x128 tile, 8 warps as
+    4 (32-row groups) x 2 (64-column groups); lane = 4 (8-row chunks) x 8 (8-column chunks), so
+    each load and each store instruction of a warp covers 4 rows x 128 contiguous bytes. The
+    4 lanes of one 32-row block (lane bits 3 and 4) reduce amax with 2 shuffles. A column's
+    pairs of rows come out as bf16x2 words; a 2x2 transpose of 16-bit halves turns them into
+    pairs of columns of one row. In place is safe: a thread reads exactly the elements it
+    writes, all of them before its first store, and shares only registers.
+    """
+
+    @property
+    def threads(self) -> int:
+        return THREADS
+
+    def compile_arguments(self) -> tuple:
+        """Placeholders for `__call__`, in order (see common/args.py)."""
+        return (
+            global_pointer(BFloat16, 16),
+            global_pointer(BFloat16, 16),
+            Int32(0),
+            Int32(0),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        input_ptr: cute.Pointer,
+        output_ptr: cute.Pointer,
+        num_rows: Int32,
+        num_cols: Int32,
+    ):
+        self.kernel(input_ptr, output_ptr, num_rows, num_cols).launch(
+            grid=[num_cols // TILE, num_rows // TILE, 1], block=[THREADS, 1, 1]
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        input_ptr: cute.Pointer,
+        output_ptr: cute.Pointer,
+        num_rows: Int32,
+        num_cols: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_col, tile_row, _ = cute.arch.block_idx()
+        # The documented alignment lets CuTe prove every 8-element chunk is 16-byte aligned;
+        # 64-bit row strides keep row * num_cols from overflowing int32.
+        num_cols = cute.assume(num_cols, divby=TILE)
+        num_rows = cute.assume(num_rows, divby=TILE)
+
+        # ---- views: input bf16 [rows, cols]; output the same matrix as 32-bit words ----
+        mX = cute.make_tensor(
+            input_ptr,
+            cute.make_layout(
+                (num_rows, num_cols), stride=(cute.assume(Int64(num_cols), divby=TILE), 1)
+            ),
+        )
+        words_per_row = num_cols // 2
+        mY = cute.make_tensor(
+            cute.recast_ptr(output_ptr, dtype=Uint32),
+            cute.make_layout(
+                (num_rows, words_per_row),
+                stride=(cute.assume(Int64(words_per_row), divby=TILE // 2), 1),
+            ),
+        )
+        gX = cute.flat_divide(
+            cute.local_tile(mX, (TILE, TILE), (tile_row, tile_col)), (1, VECTOR)
+        )  # (1, 8, 128 rows, 16 column chunks)
+        gY = cute.flat_divide(
+            cute.local_tile(mY, (TILE, TILE // 2), (tile_row, tile_col)), (1, VECTOR // 2)
+        )  # (1, 4, 128 rows, 16 column chunks)
+
+        warp = tidx // 32
+        lane = tidx % 32
+        row_group = warp % 4  # which 32-row block of the tile
+        col_chunk = (warp // 4) * 8 + lane % 8  # 0..15: which 8 columns
+        row_chunk = row_group * 4 + lane // 8  # 0..15: which 8 rows
+        row0 = row_chunk * VECTOR
+
+        # ---- loads: 8 rows x 16 bytes; values[j, i] = input[row0 + i, col0 + j] ----
+        # Held as bf16 and widened per column: fp32 would double the registers they take.
+        values = cute.make_rmem_tensor((VECTOR, VECTOR), BFloat16)
+        for i in cutlass.range_constexpr(VECTOR):
+            values[None, i].store(gX[0, None, row0 + i, col_chunk].load())
+
+        # ---- per column: amax over 32 rows, scale, round trip of 8 values ----
+        # by_column[k, j] = bf16x2 of rows 2k, 2k + 1 of column j (low half: row 2k)
+        by_column = cute.make_rmem_tensor((VECTOR // 2, VECTOR), Uint32)
+        column = cute.make_rmem_tensor((VECTOR,), Float32)
+        for j in cutlass.range_constexpr(VECTOR):
+            column.store(values[j, None].load().to(Float32))
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(VECTOR):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(column[i], -column[i]))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=8))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=16))
+            scale_byte, inv_scale = mxfp8_scale_from_amax(amax)
+            scale_bits = scale_bits_of(scale_byte)
+            for k in cutlass.range_constexpr(VECTOR // 2):
+                pair = cvt_e4m3x2_rn_satfinite(
+                    mul_rn(column[2 * k], inv_scale), mul_rn(column[2 * k + 1], inv_scale)
+                )
+                by_column[k, j] = e4m3x2_to_bf16x2(pair, scale_bits)
+
+        # ---- per row: columns 2w, 2w + 1 from the halves of two column words, store 16 B ----
+        for k in cutlass.range_constexpr(VECTOR // 2):
+            even_row = cute.make_rmem_tensor((VECTOR // 2,), Uint32)
+            odd_row = cute.make_rmem_tensor((VECTOR // 2,), Uint32)
+            for w in cutlass.range_constexpr(VECTOR // 2):
+                left, right = by_column[k, 2 * w], by_column[k, 2 * w + 1]
+                even_row[w] = (left & Uint32(LOW_HALF)) | (right << Uint32(16))
+                odd_row[w] = (left >> Uint32(16)) | (right & Uint32(HIGH_HALF))
+            gY[0, None, row0 + 2 * k, col_chunk].store(even_row.load())
+            gY[0, None, row0 + 2 * k + 1, col_chunk].store(odd_row.load())
