@@ -174,8 +174,7 @@ def _dequantize_transposed(data, scales, batch: int, rows: int, cols: int) -> to
         )
     if out.numel() >= MAX_DEQUANTIZE_ELEMENTS_PER_LAUNCH:
         raise ValueError(
-            f"transposed MXFP8 dequantisation supports fewer than 2^36 elements, got "
-            f"{out.numel()}"
+            f"transposed MXFP8 dequantisation supports fewer than 2^36 elements, got {out.numel()}"
         )
     kernel = get_kernel("mxfp8_dequantize_transposed", device=data.device)
     kernel.launch(
