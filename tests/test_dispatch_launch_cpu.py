@@ -138,25 +138,26 @@ def test_mxfp8_forward_megakernel_launch_packs(monkeypatch, kernels):
     pairs = [R.mxfp8_quantize(torch.randn(e, n, kk).to(torch.bfloat16))
              for n, kk in ((i, h), (i, h), (h, i))]  # fmt: skip
     encoded = []
-    real_descriptor = device_args.tma_descriptor
 
-    def descriptor(kernel, param, tensor):  # the TMA spec must take the view's dtype and shape
-        spec = kernel.variant.tma_spec(param)
+    def descriptor(self, tensor):  # the TMA spec must take the view's dtype and shape
+        spec = self.kernel.variant.tma_spec(self.param)
         tma_encode_args(spec, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, 1 << 20)
-        encoded.append((param, tensor.dtype, tuple(tensor.shape)))
-        return real_descriptor(kernel, param, tensor)
+        encoded.append((self.param, tensor.dtype, tuple(tensor.shape), tensor.data_ptr()))
+        return device_args.tma_descriptor(self.kernel, self.param, tensor)
 
-    monkeypatch.setattr(moe_forward, "tma_descriptor", descriptor)
-    (x_routed, gate, _, hidden), _ = moe_forward.routed_forward(x, schedule, k, *pairs)
+    monkeypatch.setattr(moe_forward.Descriptors, "get", descriptor)
+    for _ in range(2):
+        (x_routed, gate, _, hidden), _ = moe_forward.routed_forward(x, schedule, k, *pairs)
     device_args.clear_descriptor_cache()
     assert "moe_forward" not in kernels
-    ((_, args),) = kernels["moe_forward_mxfp8"].launches
-    assert {p: (d, s) for p, d, s in encoded} == {
-        "tma_wg": (torch.float8_e4m3fn, (e * i, h)), "tma_wu": (torch.float8_e4m3fn, (e * i, h)),
-        "tma_wd": (torch.float8_e4m3fn, (e * h, i)),
-    }  # fmt: skip
-    for name, (_, scales) in zip(("wg", "wu", "wd"), pairs, strict=True):
-        assert args[f"{name}_scale_ptr"] is scales
+    (_, args), *_ = kernels["moe_forward_mxfp8"].launches
+    # The weights: their bf16 values, dequantised on every call and bound per launch (the
+    # plan's binding, then each of the two launches).
+    assert "mxfp8_dequantize_rowwise" in kernels
+    assert len([p for p, *_ in encoded if p.startswith("tma_w")]) == 9
+    weights = {(p, d, s) for p, d, s, _ in encoded if p.startswith("tma_w")}
+    assert weights == {("tma_wg", torch.bfloat16, (e * i, h)), ("tma_wu", torch.bfloat16, (e * i, h)),
+                       ("tma_wd", torch.bfloat16, (e * h, i))}  # fmt: skip
     # The GEMMs' A operands: per-call scratch of the context's shapes, not the context itself.
     rounded = (args["x_rounded_ptr"], args["hidden_rounded_ptr"])
     assert all(isinstance(a, int) and a != 0 for a in rounded)

@@ -144,8 +144,9 @@ def fake_push_router_grads(partials, schedule, router_weights, d_router, *, peer
 
 
 def _fake_forward_plan(x, schedule, topk, gate_w, up_w, down_w, limit, *_):
-    return lambda x, schedule, slots: fake_routed_forward(x, schedule, topk, gate_w, up_w,
-                                                          down_w, swiglu_limit=limit)  # fmt: skip
+    return lambda x, schedule, slots, weights: fake_routed_forward(
+        x, schedule, topk, gate_w, up_w, down_w, swiglu_limit=limit
+    )
 
 
 def _fake_backward_plan(dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w, down_w,

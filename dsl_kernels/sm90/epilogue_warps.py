@@ -22,7 +22,6 @@ from .gemm_phases import (
     STAGED_BYTES,
     STAGED_CHUNKS,
     STAGED_ROW,
-    SWIZZLED_BYTES,
     THREADS_PER_WARPGROUP,
     TILE_M,
     TILE_N,
@@ -38,9 +37,6 @@ CONSUMER_THREADS = 2 * THREADS_PER_WARPGROUP
 # Two staged blocks and the 128 destination rows of a slots tile.
 TARGETS_OFFSET = 2 * STAGED_BYTES
 BUFFER_BYTES = TARGETS_OFFSET + 4 * TILE_M
-# The same with swizzled blocks (gemm_phases.staged_block), 4 KiB less.
-SWIZZLED_TARGETS_OFFSET = 2 * SWIZZLED_BYTES
-SWIZZLED_BUFFER_BYTES = SWIZZLED_TARGETS_OFFSET + 4 * TILE_M
 CHUNKS_PER_TILE = TILE_M * STAGED_CHUNKS
 
 
@@ -53,17 +49,15 @@ def allocate_crew_storage(a_layout, b_layout, stages: int, extra_bytes: int = 0)
     return storage, sA, sB0, sB1, handoff_buffers(storage)
 
 
-def handoff_buffers(storage, offset_bytes: int = 0, swizzled: bool = False):
-    """(block 0, block 1, targets) in `storage.staging` from `offset_bytes` (BUFFER_BYTES, or
-    SWIZZLED_BUFFER_BYTES with swizzled blocks)."""
-    block = SWIZZLED_BYTES if swizzled else STAGED_BYTES
+def handoff_buffers(storage, offset_bytes: int = 0):
+    """(block 0, block 1, targets) in `storage.staging` from `offset_bytes` (BUFFER_BYTES)."""
     targets = cute.make_tensor(
-        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes + 2 * block, dtype=Int32),
+        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes + TARGETS_OFFSET, dtype=Int32),
         cute.make_layout(TILE_M),
     )
     return (
-        staged_block(storage, offset_bytes, swizzled),
-        staged_block(storage, offset_bytes + block, swizzled),
+        staged_block(storage, offset_bytes),
+        staged_block(storage, offset_bytes + STAGED_BYTES),
         targets,
     )
 
@@ -90,7 +84,6 @@ class EpilogueCrew:
 
     first_warp: int = 1
     num_warps: int = 3
-    swizzled: bool = False  # the hand-off blocks' layout (handoff_buffers)
 
     @property
     def threads(self) -> int:
@@ -147,26 +140,22 @@ class EpilogueCrew:
     def copy_out(self, buffers, lane, first_row, first_col, targets, store_chunk, store_args):
         """Crew: store_chunk(block 0 chunk, block 1 chunk, destination row, chunk, first_col,
         *store_args) for every 16-byte chunk whose target is not -1 (`targets` None: in place)."""
-        row_elements = TILE_N if cutlass.const_expr(self.swizzled) else STAGED_ROW
         views = [
             cute.make_tensor(
                 buffers[j].iterator,
-                cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, row_elements)),
+                cute.make_layout((8, STAGED_CHUNKS, TILE_M), stride=(1, 8, STAGED_ROW)),
             )
             for j in range(2)
         ]
         for idx in cutlass.range(lane, CHUNKS_PER_TILE, self.threads, unroll=1):
             row = idx // STAGED_CHUNKS
             chunk = idx % STAGED_CHUNKS
-            at = chunk
-            if cutlass.const_expr(self.swizzled):
-                at = chunk ^ (row % 8)
             target = Int64(first_row + row)
             if cutlass.const_expr(targets is not None):
                 target = Int64(targets[row])
             if target >= 0:
                 store_chunk(
-                    views[0][None, at, row].load(), views[1][None, at, row].load(),
+                    views[0][None, chunk, row].load(), views[1][None, chunk, row].load(),
                     target, chunk, first_col, *store_args,
                 )  # fmt: skip
 
@@ -230,8 +219,6 @@ class EpilogueCrew:
 # Warps 1-3 of the producer warpgroup, in every SM90 GEMM and megakernel. The release atomics
 # live here, not in the consumers: there, one makes ptxas serialise every wgmma (C7520).
 CREW = EpilogueCrew(first_warp=1, num_warps=3)
-# The same warps over swizzled hand-off blocks (the MXFP8 forward, whose rings need the room).
-SWIZZLED_CREW = EpilogueCrew(first_warp=1, num_warps=3, swizzled=True)
 
 
 def slot_stores(slots_ptr, slots_table, ep_rank, peer_rank_ptr, peer_token_idx_ptr,

@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int8, Int32, Int64, Uint8
+from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.ptx import fence_operand
@@ -32,7 +32,6 @@ STAGED_PAD = 8
 STAGED_ROW = TILE_N + STAGED_PAD
 STAGED_BYTES = 2 * TILE_M * STAGED_ROW
 STAGED_CHUNKS = TILE_N // 8  # 16-byte chunks per staged row
-SWIZZLED_BYTES = 2 * TILE_M * TILE_N  # an unpadded, swizzled block (staged_block)
 
 
 # ---------------------------------------------------------------------- static configuration
@@ -142,21 +141,14 @@ def thread_roles():
     return tidx, bidx, grid_size, warp_idx, warpgroup
 
 
-def allocate_operand_ring_storage(
-    a_layout, b_layout, stages: int, staging_bytes: int = 0, fp8_layout=None
-):
+def allocate_operand_ring_storage(a_layout, b_layout, stages: int, staging_bytes: int = 0):
     """Ring shared memory: mbarriers, A, B0, B1 (1024-byte aligned for the 128B swizzle), then
-    `staging_bytes` of `storage.staging` (0: none). With `fp8_layout` also the MXFP8 engine's
-    two E4M3 rings `storage.sF0`, `sF1` after A (mxfp8_operands.fp8_rings). Returns (storage,
-    sA, sB0, sB1)."""
+    `staging_bytes` of `storage.staging` (0: none). Returns (storage, sA, sB0, sB1)."""
 
     @cute.struct
     class SharedStorage:
         ring_barriers: cute.struct.MemRange[Int64, stages * 2]
         sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
-        if fp8_layout is not None:
-            sF0: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(fp8_layout)], 1024]
-            sF1: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(fp8_layout)], 1024]
         sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
         sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
         staging: cute.struct.Align[cute.struct.MemRange[Int8, staging_bytes], 128]
@@ -168,13 +160,12 @@ def allocate_operand_ring_storage(
     return storage, sA, sB0, sB1
 
 
-def make_operand_ring(storage, a_layout, b_layout, stages: int, tx_count=None):
-    """The operand ring: full barrier = TMA bytes landed (`tx_count`, None: the bf16 A, B0 and
-    B1 tiles), empty = every consumer warp done."""
-    if tx_count is None:
-        tx_count = cute.size_in_bytes(
-            BFloat16, cute.slice_(a_layout, (None, None, 0))
-        ) + 2 * cute.size_in_bytes(BFloat16, cute.slice_(b_layout, (None, None, 0)))
+def make_operand_ring(storage, a_layout, b_layout, stages: int):
+    """The operand ring: full barrier = TMA bytes landed (the bf16 A, B0 and B1 tiles), empty =
+    every consumer warp done."""
+    tx_count = cute.size_in_bytes(
+        BFloat16, cute.slice_(a_layout, (None, None, 0))
+    ) + 2 * cute.size_in_bytes(BFloat16, cute.slice_(b_layout, (None, None, 0)))
     ring = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.ring_barriers.data_ptr(),
         num_stages=stages,
@@ -367,12 +358,7 @@ def accumulator_rows(thr_mma):
     return row0, row1
 
 
-def staged_block(storage, offset_bytes: int = 0, swizzled: bool = False):
-    """A padded 128 x 128 bf16 block at `offset_bytes` (a multiple of 128) of `storage.staging`,
-    or with `swizzled` an unpadded one (SWIZZLED_BYTES, 1024-aligned) whose 16-byte chunk c of
-    row r sits at chunk c ^ (r % 8): the same distinct banks for the accumulator stores."""
+def staged_block(storage, offset_bytes: int = 0):
+    """A padded 128 x 128 bf16 block at `offset_bytes` (a multiple of 128) of `storage.staging`."""
     ptr = cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=BFloat16)
-    if swizzled:
-        rows = cute.make_layout((TILE_M, TILE_N), stride=(TILE_N, 1))
-        return cute.make_tensor(ptr, cute.make_composed_layout(cute.make_swizzle(3, 3, 4), 0, rows))
     return cute.make_tensor(ptr, cute.make_layout((TILE_M, TILE_N), stride=(STAGED_ROW, 1)))

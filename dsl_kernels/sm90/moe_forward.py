@@ -27,11 +27,10 @@ writes and reads them).
 Constraints (the launcher checks them): H % 256 == 0, I % 128 == 0, both < 2^16; schedule
 segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contiguous.
 
-`mxfp8` (a compile-time variant, SEMANTICS §5): the weights are E4M3 bytes with UE8M0 scales
-(wg/wu/wd_scale_ptr, SWIZZLE_32_4_4 over the [E * N, K] views), dequantised to bf16 by the
-consumers (mxfp8_operands.py); dispatch also writes x's MXFP8 round trip along H
+`mxfp8` (a compile-time variant, SEMANTICS §5; the weights are the bf16 values of the MXFP8
+weights, dequantised by the launcher): dispatch also writes x's MXFP8 round trip along H
 (x_rounded_ptr) and the crew hidden's along I (hidden_rounded_ptr), which tma_x and tma_h read;
-x_routed, gate, up and hidden are the bf16 rows as in BF16. The BF16 variant ignores the five.
+x_routed, gate, up and hidden are the bf16 rows as in BF16. The BF16 variant ignores the two.
 """
 
 from dataclasses import dataclass
@@ -41,17 +40,16 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
-from ..common.params import bf16_pointer, int64_pointer, placeholders, uint8_pointer
+from ..common.params import bf16_pointer, int64_pointer, placeholders
 from ..common.peers import peer_table
 from . import down_phase, gate_up_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
-from . import mxfp8_operands as mx
 from .dispatch_phase import PHASE_DISPATCH, dispatch_rows
-from .epilogue_warps import CREW, SWIZZLED_CREW, slot_stores
+from .epilogue_warps import CREW, slot_stores
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
-from .minibatches import Minibatches, step_of, step_windows
+from .minibatches import Minibatches, step_of
 from .task_walk import (
     STEP_PARAMS,
     WALK_PARAMS,
@@ -80,9 +78,6 @@ PARAMS = (
     ("slots_ptr", bf16_pointer),
     ("x_ptrs", int64_pointer),
     ("slots_ptrs", int64_pointer),
-    ("wg_scale_ptr", uint8_pointer),
-    ("wu_scale_ptr", uint8_pointer),
-    ("wd_scale_ptr", uint8_pointer),
     ("x_rounded_ptr", bf16_pointer),
     ("hidden_rounded_ptr", bf16_pointer),
     *WALK_PARAMS,
@@ -92,15 +87,14 @@ PARAMS = (
 
 @dataclass(frozen=True)
 class Sm90MoeForward:
-    """See the module docstring. `stages`: ring depth (3 fit beside the crew's hand-off blocks;
-    2 with `mxfp8`)."""
+    """See the module docstring. `stages`: ring depth (3 fit beside the crew's hand-off
+    blocks)."""
 
     stages: int = 3
     mxfp8: bool = False
 
     def validate(self) -> None:
-        most = mx.MAX_STAGES_WITH_CREW if self.mxfp8 else phases.MAX_STAGES_WITH_CREW
-        phases.validate_stages(self.stages, most)
+        phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
 
     @property
     def threads(self) -> int:
@@ -108,22 +102,14 @@ class Sm90MoeForward:
 
     def tma_specs(self) -> list[dict]:
         box = [TILE_K, TILE_M]
-        weight = mx.fp8_tma_spec if self.mxfp8 else (lambda param: phases.tma_spec(param, box))
-        return [
-            phases.tma_spec("tma_x", box), weight("tma_wg"), weight("tma_wu"),
-            phases.tma_spec("tma_h", box), weight("tma_wd"),
-        ]  # fmt: skip
+        return [phases.tma_spec(name, box) for name in ("tma_x", "tma_wg", "tma_wu", "tma_h",
+                                                        "tma_wd")]  # fmt: skip
 
     def stage_bytes(self) -> int:
-        return mx.stage_tx_bytes() if self.mxfp8 else phases.stage_bytes()
+        return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        # The weight pointers carry E4M3 bytes in the MXFP8 variant (the TMA atoms' type).
-        weight = uint8_pointer if self.mxfp8 else bf16_pointer
-        spec = tuple(
-            (name, weight if name in ("b_wg", "b_wu", "b_wd") else make) for name, make in PARAMS
-        )
-        return placeholders(spec)
+        return placeholders(PARAMS)
 
     @cute.jit
     def __call__(
@@ -141,9 +127,6 @@ class Sm90MoeForward:
         slots_ptr: cute.Pointer,
         x_ptrs: cute.Pointer,
         slots_ptrs: cute.Pointer,
-        wg_scale_ptr: cute.Pointer,
-        wu_scale_ptr: cute.Pointer,
-        wd_scale_ptr: cute.Pointer,
         x_rounded_ptr: cute.Pointer,
         hidden_rounded_ptr: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
@@ -169,8 +152,6 @@ class Sm90MoeForward:
         layout = phases.k_major_coords()
         a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
         b_smem = phases.k_major_smem_layout(TILE_N, self.stages)
-        if cutlass.const_expr(self.mxfp8):
-            b_smem = mx.fp8_smem_layout(self.stages)
         tile_a = (TILE_M, TILE_K)
         tile_b = (TILE_N, TILE_K)
         tma_x, mX = phases.make_tma_load(a_x, layout, a_smem, tile_a)
@@ -197,9 +178,6 @@ class Sm90MoeForward:
             slots_ptr,
             x_ptrs,
             slots_ptrs,
-            wg_scale_ptr,
-            wu_scale_ptr,
-            wd_scale_ptr,
             x_rounded_ptr,
             hidden_rounded_ptr,
             peer_rank_ptr,
@@ -242,9 +220,6 @@ class Sm90MoeForward:
         slots_ptr: cute.Pointer,
         x_ptrs: cute.Pointer,
         slots_ptrs: cute.Pointer,
-        wg_scale_ptr: cute.Pointer,
-        wu_scale_ptr: cute.Pointer,
-        wd_scale_ptr: cute.Pointer,
         x_rounded_ptr: cute.Pointer,
         hidden_rounded_ptr: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
@@ -267,32 +242,16 @@ class Sm90MoeForward:
     ):
         tma = (tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
-        # MXFP8: unpadded swizzled hand-off blocks leave room for a third ring stage.
-        crew = SWIZZLED_CREW if cutlass.const_expr(self.mxfp8) else CREW
+        crew = CREW
 
         tiled_mma = phases.forward_mma()
         a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
-        if cutlass.const_expr(self.mxfp8):
-            # TMA fills A and the E4M3 rings (sF); the wgmma reads B from two bf16 buffers.
-            b_layout = mx.bf16_buffer_layout()
-            f_layout = mx.fp8_smem_layout(self.stages)
-            storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
-                a_layout, b_layout, self.stages, handoff.SWIZZLED_BUFFER_BYTES + SLOT_BYTES,
-                fp8_layout=f_layout,
-            )  # fmt: skip
-            sF = mx.fp8_rings(storage, f_layout)
-            buffers = handoff.handoff_buffers(storage, swizzled=True)
-            ring = phases.make_operand_ring(
-                storage, a_layout, b_layout, self.stages, mx.stage_tx_bytes()
-            )
-            loaded = (sA, sF[0], sF[1])
-        else:
-            b_layout = phases.k_major_smem_layout(TILE_N, self.stages)
-            storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-                a_layout, b_layout, self.stages, SLOT_BYTES
-            )
-            ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
-            loaded = (sA, sB0, sB1)
+        b_layout = phases.k_major_smem_layout(TILE_N, self.stages)
+        storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
+            a_layout, b_layout, self.stages, SLOT_BYTES
+        )
+        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+        loaded = (sA, sB0, sB1)
         if warp_idx == 0:
             for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
@@ -316,8 +275,7 @@ class Sm90MoeForward:
         batches = Minibatches(minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
         num_tasks = row_tiles_total * (gate_up_cols + down_cols)
         task_ticket = hidden_done + row_tile_bytes
-        slots_at = handoff.SWIZZLED_BUFFER_BYTES if cutlass.const_expr(self.mxfp8) else None
-        slots = task_slots(storage) if slots_at is None else task_slots(storage, slots_at)
+        slots = task_slots(storage)
         tickets = Tickets(task_ticket, slots, num_tasks)
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.
         row_tickets = Tickets(task_ticket + Int64(4), slots, row_tiles_total)
@@ -386,57 +344,14 @@ class Sm90MoeForward:
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
             states = (read_state, release_state)
-            if cutlass.const_expr(self.mxfp8):
-                dq = mx.make_dequantizer(storage, tidx, self.stages)
-                # Warpgroup 1 converts the first weight tile of a task, warpgroup 2 the second.
-                second = warpgroup - 1
-                gate_up_scales = mx.weight_scales(
-                    cutlass.select_(second == 0, wg_scale_ptr.toint(), wu_scale_ptr.toint()),
-                    hidden_size,
-                )
-                down_scales = mx.weight_scales(wd_scale_ptr.toint(), intermediate_size)
-
-                def run_mxfp8_task(states, expert, col_tile, mma, thr, k_tiles, scales,
-                                   weight_tile):  # fmt: skip
-                    read_state, release_state = mx.mma_k_tiles_dequant(
-                        mma, ring, states[0], states[1], k_tiles, operands, accs, dq, scales,
-                        weight_tile(expert, col_tile),
-                    )  # fmt: skip
-                    crew.hand_off(thr, accs, buffers)
-                    return read_state, release_state
-
-                def gate_up_tile(expert, col_tile):
-                    return expert * gate_up_cols + col_tile
-
-                def down_tile(expert, col_tile):
-                    return expert * (2 * down_cols) + 2 * col_tile + second
-
-                segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
-                while task >= 0:
-                    segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = (
-                        step_windows(batches, tiles[0], segments, task)
-                    )
-                    states, seq, task = consume_phase(
-                        states, ring, tickets, seq, task, base, middle, run_mxfp8_task,
-                        (tiled_mma, thr_mma, hidden_size // TILE_K, gate_up_scales,
-                         gate_up_tile),
-                        tiles[0], first, end_row, by_expert=True,
-                    )  # fmt: skip
-                    states, seq, task = consume_phase(
-                        states, ring, tickets, seq, task, middle, end, run_mxfp8_task,
-                        (down_mma, down_thr, intermediate_size // TILE_K, down_scales,
-                         down_tile),
-                        tiles[1], first_2, end_row_2, by_expert=True,
-                    )  # fmt: skip
-            else:
-                while task >= 0:
-                    (base, middle, _, _), (_, end, _, _) = step_of(batches, task)
-                    states, seq, task = consume_phase(
-                        states, ring, tickets, seq, task, base, middle, run_task,
-                        (tiled_mma, thr_mma, hidden_size // TILE_K),
-                    )  # fmt: skip
-                    states, seq, task = consume_phase(
-                        states, ring, tickets, seq, task, middle, end, run_task,
-                        (down_mma, down_thr, intermediate_size // TILE_K),
-                    )  # fmt: skip
+            while task >= 0:
+                (base, middle, _, _), (_, end, _, _) = step_of(batches, task)
+                states, seq, task = consume_phase(
+                    states, ring, tickets, seq, task, base, middle, run_task,
+                    (tiled_mma, thr_mma, hidden_size // TILE_K),
+                )  # fmt: skip
+                states, seq, task = consume_phase(
+                    states, ring, tickets, seq, task, middle, end, run_task,
+                    (down_mma, down_thr, intermediate_size // TILE_K),
+                )  # fmt: skip
             crew.hand_off_nothing()

@@ -110,10 +110,9 @@ def produce_steps(state, batches, tiles: tuple, tickets: Tickets, waits: tuple, 
 @cute.jit
 def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
                   end: Int32, run_task, run_args, tiles=None, first=None,
-                  end_row=None, by_expert: bool = False):  # fmt: skip
+                  end_row=None):  # fmt: skip
     """Consumers: for tasks in base .. end - 1, `states = run_task(states, *run_args)`, or with
-    `tiles` `run_task(states, first_row, col_tile, *run_args)` (`by_expert`: the expert instead
-    of first_row). Returns (states, seq, task)."""
+    `tiles` `run_task(states, first_row, col_tile, *run_args)`. Returns (states, seq, task)."""
     cursor = (Int32(0), Int32(0), Int32(0), Int32(0))
     if cutlass.const_expr(tiles is not None):
         cursor = first
@@ -123,11 +122,8 @@ def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base:
         if cutlass.const_expr(tiles is None):
             states = run_task(states, *run_args)
         else:
-            cursor, expert, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
-            if cutlass.const_expr(by_expert):
-                states = run_task(states, expert, col_tile, *run_args)
-            else:
-                states = run_task(states, row_tile * TILE_M, col_tile, *run_args)
+            cursor, _, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
+            states = run_task(states, row_tile * TILE_M, col_tile, *run_args)
         seq = seq + 1
         task = consumer_task(ring, states[0], tickets, seq)
     return states, seq, task

@@ -20,11 +20,10 @@ SLOT_BYTES = 4 * TASK_SLOTS
 NO_TASK = -1
 
 
-def task_slots(storage, offset_bytes: int = BUFFER_BYTES) -> cute.Tensor:
-    """TASK_SLOTS int32 slots after the crew's hand-off blocks (`offset_bytes` of them) in
-    `storage.staging`."""
+def task_slots(storage) -> cute.Tensor:
+    """TASK_SLOTS int32 slots after the crew's hand-off blocks in `storage.staging`."""
     return cute.make_tensor(
-        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=Int32),
+        cute.recast_ptr(storage.staging.data_ptr() + BUFFER_BYTES, dtype=Int32),
         cute.make_layout(TASK_SLOTS),
     )
 

@@ -58,10 +58,7 @@ def _dequantized_weights(routed) -> tuple[torch.Tensor, ...]:
     """bf16 (gate [E, I, H], up [E, I, H], down [E, H, I]) from the backward's MXFP8 copies:
     gate's and up's transposed copies (along I), down's (along H), each exact in bf16."""
     gate, up, down = routed
-    return tuple(
-        mxfp8.mxfp8_dequantize(data_t, scales_t, transposed=True)
-        for data_t, scales_t in (gate[2:], up[2:], down)
-    )
+    return mxfp8.dequantized_weights((gate[2:], up[2:], down), transposed=True)
 
 
 def _along_tokens(dy_e, x_rows, d_gate, d_up, hidden) -> tuple[torch.Tensor, ...]:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from . import mxfp8
 from .checks import check_cuda, check_multiple
 from .comm import DEFAULT_TIMEOUT_NS
-from .device_args import TILE_ROWS, sm_count, tma_descriptor
+from .device_args import TILE_ROWS, sm_count
 from .expert_gemm import DOWN_N_ALIGNMENT, GATE_UP_N_ALIGNMENT, K_ALIGNMENT
 from .megakernel_walk import (
     FORWARD_COUNTER_TAIL,
@@ -66,7 +67,7 @@ def routed_forward(
         x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
         minibatch_size, timeout_ns, peers, slots, grid,
     ))  # fmt: skip
-    return launch(x, schedule, slots)
+    return launch(x, schedule, slots, (gate_weights, up_weights, down_weights))
 
 
 def forward_plan(
@@ -74,7 +75,8 @@ def forward_plan(
     minibatch_size, timeout_ns, peers, slots, grid,
 ):  # fmt: skip
     """`routed_forward`'s plan for these arguments (checked now); call it as
-    plan(x, schedule, slots) with tensors that differ from these in their addresses only."""
+    plan(x, schedule, slots, (gate, up, down)) with tensors that differ from these in their
+    addresses only (the weights are read on every call only as MXFP8 pairs)."""
     return _ForwardPlan(
         x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
         minibatch_size, timeout_ns, peers, slots, grid,
@@ -123,6 +125,10 @@ class _ForwardPlan:
             device=x.device,
         )
         kernel = get_kernel(KERNEL_MXFP8 if self.mxfp8 else KERNEL, device=x.device)
+        weights = (gate_weights, up_weights, down_weights)
+        self.weight_tma = {name: Descriptors(kernel, name) for name in WEIGHT_TMA}
+        if self.mxfp8:  # bf16 values of the pairs, new on every call: bound per launch
+            weights = self.first_weights = mxfp8.dequantized_weights(weights)
         grid = grid or sm_count(x.device)
         x_routed, gate, up, hidden = self._outputs()
         # MXFP8: the GEMMs' A operands are the rows' round trips (scratch of this call).
@@ -135,7 +141,7 @@ class _ForwardPlan:
             {
                 "tma_x": self.tma_x.get(a_x),
                 "tma_h": self.tma_h.get(a_h),
-                **_weight_arguments(kernel, gate_weights, up_weights, down_weights),
+                **self._weight_descriptors(weights),
                 "x_rounded_ptr": a_x if self.mxfp8 else None,
                 "hidden_rounded_ptr": a_h if self.mxfp8 else None,
                 "x_ptr": x,
@@ -151,7 +157,7 @@ class _ForwardPlan:
                     self.counters,
                     timeout_ns,
                     x,
-                    gate_weights[0] if self.mxfp8 else gate_weights,
+                    weights[0],
                     topk,
                     swiglu_limit,
                     num_comm_ctas,
@@ -160,8 +166,13 @@ class _ForwardPlan:
                     ep_rank,
                 ),  # fmt: skip
             },
-            dynamic=DYNAMIC,
+            dynamic=DYNAMIC + (WEIGHT_TMA if self.mxfp8 else ()),
         )
+
+    def _weight_descriptors(self, weights) -> dict:
+        """The bf16 weights' TMA descriptors over their [E * N, K] views."""
+        return {name: self.weight_tma[name].get(w.view(-1, w.shape[-1]))
+                for name, w in zip(WEIGHT_TMA, weights, strict=True)}  # fmt: skip
 
     def _outputs(self):
         (rows, hidden_size), (_, inter), _ = self.shapes
@@ -176,13 +187,18 @@ class _ForwardPlan:
             return x_routed, hidden
         return torch.empty_like(x_routed), torch.empty_like(hidden)
 
-    def __call__(self, x, schedule, slots):
+    def __call__(self, x, schedule, slots, weights):
         x_routed, gate, up, hidden = outputs = self._outputs()
         if slots is None:
             slots = torch.empty(self.shapes[2], dtype=torch.bfloat16, device=self.device)
         if self.bound is None:
             return outputs, slots
         a_x, a_h = self._operands(x_routed, hidden)
+        bf16_weights = ()
+        if self.mxfp8:
+            bf16 = self.first_weights or mxfp8.dequantized_weights(weights)
+            self.first_weights = None
+            bf16_weights = tuple(self._weight_descriptors(bf16).values())
         x_address = x.data_ptr()
         aligned("x", x_address)
         stream = current_stream(self.device_index)
@@ -193,24 +209,9 @@ class _ForwardPlan:
             a_x.data_ptr() if self.mxfp8 else 0, a_h.data_ptr() if self.mxfp8 else 0,
             schedule.peer_rank.data_ptr(), schedule.peer_token_idx.data_ptr(),
             schedule.num_tokens.data_ptr(), schedule.tokens_per_expert.data_ptr(),
-            stream=stream,
+            *bf16_weights, stream=stream,
         )  # fmt: skip
         return outputs, slots
-
-
-def _weight_arguments(kernel, gate_weights, up_weights, down_weights) -> dict:
-    """The weights' TMA descriptors over their [E * N, K] views, and with MXFP8 pairs their
-    scales (None in BF16: the variant ignores them)."""
-    mxfp8 = isinstance(gate_weights, tuple)
-    args = {"wg_scale_ptr": None, "wu_scale_ptr": None, "wd_scale_ptr": None}
-    for param, scale_param, weight in (("tma_wg", "wg_scale_ptr", gate_weights),
-                                       ("tma_wu", "wu_scale_ptr", up_weights),
-                                       ("tma_wd", "wd_scale_ptr", down_weights)):  # fmt: skip
-        data = weight[0] if mxfp8 else weight
-        if mxfp8:
-            args[scale_param] = weight[1]
-        args[param] = tma_descriptor(kernel, param, data.view(-1, data.shape[-1]))
-    return args
 
 
 # Rewritten on every launch, in this order (BoundLaunch.launch).
@@ -219,3 +220,5 @@ DYNAMIC = (
     "x_rounded_ptr", "hidden_rounded_ptr", "peer_rank_ptr", "peer_token_idx_ptr",
     "num_tokens_ptr", "tokens_per_expert_ptr",
 )  # fmt: skip
+# The weights' descriptors: bound once (BF16), or after DYNAMIC on every launch (MXFP8).
+WEIGHT_TMA = ("tma_wg", "tma_wu", "tma_wd")

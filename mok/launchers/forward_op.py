@@ -91,7 +91,8 @@ def forward(
 
     # Not one made for an evicted workspace whose handle this one took over.
     op = plan(key, make, current=lambda op: op.ws() is ws)
-    return op(schedule, x, router_weights, (shared_gate, shared_up, shared_down))
+    return op(schedule, x, router_weights, (shared_gate, shared_up, shared_down),
+              (routed_gate, routed_up, routed_down))  # fmt: skip
 
 
 class _ForwardOp:
@@ -116,10 +117,10 @@ class _ForwardOp:
         )  # fmt: skip
         self.epilogue = None  # bound on the first call, with its slots and y_shared
 
-    def __call__(self, schedule, x, router_weights, shared):
+    def __call__(self, schedule, x, router_weights, shared, routed):
         ws = self.ws()
         publish_x(ws, x, self.tables)
-        routed_ctx, slots = self.routed(x, schedule, self.slots)
+        routed_ctx, slots = self.routed(x, schedule, self.slots, routed)
         group_barrier(ws, "PEER_BARRIER_END")
         # Distinct empty tensors: custom-op outputs may not alias each other.
         shared_ctx, y_shared = (x.new_empty(0), x.new_empty(0), x.new_empty(0)), None

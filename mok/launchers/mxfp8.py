@@ -160,6 +160,13 @@ def mxfp8_dequantize(
     return out
 
 
+def dequantized_weights(pairs, *, transposed: bool = False) -> tuple[torch.Tensor, ...]:
+    """bf16 values of MXFP8 weight pairs (data, scales), each in its weight's own layout (exact:
+    an E4M3 value times a power of two is a bf16). `transposed`: the pairs are transposed
+    copies (the backward's), dequantised back into the weights' layouts in one pass."""
+    return tuple(mxfp8_dequantize(data, scales, transposed=transposed) for data, scales in pairs)
+
+
 def _dequantize_transposed(data, scales, batch: int, rows: int, cols: int) -> torch.Tensor:
     """`mxfp8_dequantize(transposed=True)`'s launch: every matrix in one grid (z = matrix)."""
     from mok.runtime import get_kernel  # noqa: PLC0415
