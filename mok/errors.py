@@ -18,17 +18,6 @@ class MoKKernelUnavailableError(NotImplementedError):
     """
 
 
-def refuse_mxfp8_on_cuda(op: str, device) -> None:
-    """Raise MoKKernelUnavailableError for an MXFP8 op whose GPU kernels have not landed (the
-    backward and the recompute) when its tensors are on CUDA."""
-    if device.type == "cuda":
-        raise MoKKernelUnavailableError(
-            f"mok.ops.{op} on CUDA: the MXFP8 backward and recompute kernels have not landed yet "
-            f"(the MXFP8 forward and the BF16 layer run on the GPU); CPU tensors run "
-            f"mok.reference's MXFP8 layer"
-        )
-
-
 class MoKInputError(ValueError, TypeError):
     """An argument of the wrong type or dtype. Both a TypeError (Python's convention for a wrong
     type) and a ValueError (what the original raises for a wrong dtype), so code catching

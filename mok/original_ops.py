@@ -30,8 +30,8 @@ How they differ from the original's (README, "Differences from the original"):
 - barrier_buffer is mok's int32 [P] and target its int32 [2] arrival epoch
   (`workspace.barrier_target`); the multicast pointers are 0 (never used).
 - The MXFP8 ops run on CPU (mok.reference's MXFP8 layer, its context in the original's
-  quantised layout); on CUDA the forward runs the forward megakernel's MXFP8 variant, and the
-  backward and recompute check their arguments and raise MoKKernelUnavailableError.
+  quantised layout) and on CUDA (the megakernels' MXFP8 variants, as mok.functional's MXFP8
+  layer runs them; the context quantised by the GPU quantiser and dequantised exactly).
 - `mok::recompute_forward_context_mxfp8` is also the name of mok's MXFP8 layer recompute (a
   workspace-handle op, its default overload): the original's op is its overload `original`,
   and `mok.ops.recompute_forward_context_mxfp8` (the overload packet) runs either, by
@@ -45,7 +45,6 @@ import torch.distributed as dist
 
 from . import original_op_checks as checks
 from . import reference, slot_passes
-from .errors import refuse_mxfp8_on_cuda
 from .types import MoKForwardContext, MoKSchedule
 from .validation import check_expert_id_values, check_int, check_tensor
 
@@ -740,9 +739,9 @@ def _recompute_forward_context_mxfp8(
     """The MXFP8 forward context again, bitwise (activation checkpointing): no down GEMM.
 
     Inputs: as dispatch_mlp_swiglu_combine_fwd_mxfp8, without the combine buffer and the down
-        weights. Outputs: its first 11 outputs. CPU only (runs mok's MXFP8 layer recompute,
-        the default overload of this op); CUDA raises MoKKernelUnavailableError after the
-        argument checks.
+        weights. Outputs: its first 11 outputs. Runs mok's MXFP8 layer recompute (the default
+        overload of this op; CUDA: the gather, x's round trip and the gate/up kernel on the
+        dequantised weights), then quantises the context as the forward op does.
     """
     from . import ops  # noqa: F401, PLC0415 - registers the default overload this one runs
 
@@ -755,7 +754,6 @@ def _recompute_forward_context_mxfp8(
         op, x, x_ptrs, None, None, weights, sched,
         (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
     )  # fmt: skip
-    refuse_mxfp8_on_cuda(op, x.device)
     layer = torch.ops.mok.recompute_forward_context_mxfp8.default(
         ws.handle, *sched, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_gate_sc,
         w_routed_up, w_routed_up_sc, limit,
@@ -901,8 +899,9 @@ def dispatch_mlp_swiglu_combine_bwd_mxfp8(
         (d_x_routed, d_gate_shared, d_gate_fp8_routed, d_gate_sc_routed, d_up_shared,
         d_up_fp8_routed, d_up_sc_routed, d_hidden_shared, d_hidden_routed, d_y_fp8_routed,
         d_y_sc_routed); the six bf16 weight gradients in the BF16 op's order. The buffers are
-        filled as by the BF16 op. CPU only (mok.reference.mxfp8_backward's layer); CUDA raises
-        MoKKernelUnavailableError after the argument checks.
+        filled as by the BF16 op. CPU: mok.reference.mxfp8_backward's layer; CUDA: the context
+        dequantised (exact), then the backward megakernel's MXFP8 variant as mok.functional's
+        MXFP8 backward runs it.
     """
     op = "dispatch_mlp_swiglu_combine_bwd_mxfp8"
     buffers = dict(d_x_routed_buffer=d_x_routed_buffer, router_weight_buffer=router_weight_buffer,
@@ -928,14 +927,13 @@ def dispatch_mlp_swiglu_combine_bwd_mxfp8(
         op, d_y_buffer, d_y_buffer_ptrs, buffers, pointers, weights, ctx, sched,
         (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
     )  # fmt: skip
-    refuse_mxfp8_on_cuda(op, x.device)
     routed = ((w_routed_gate, w_routed_gate_sc, w_routed_gate_T, w_routed_gate_T_sc),
               (w_routed_up, w_routed_up_sc, w_routed_up_T, w_routed_up_T_sc),
               (w_routed_down_T, w_routed_down_T_sc))  # fmt: skip
     d_x_shared, grads = slot_passes.mxfp8_backward_to_slots(
-        ws, MoKSchedule(*sched), tuple(ctx.values()), d_y_buffer, router_weight_buffer, x,
+        ws, op, MoKSchedule(*sched), tuple(ctx.values()), d_y_buffer, router_weight_buffer, x,
         d_x_routed_buffer, d_router_weight_buffer, (w_shared_gate, w_shared_up, w_shared_down),
-        routed, limit,
+        routed, limit, num_comm_sms, minibatch_size,
     )  # fmt: skip
     return _mxfp8_gradient_outputs(x, d_x_shared, grads, weights, has_shared)
 

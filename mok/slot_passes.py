@@ -102,9 +102,20 @@ def backward_to_slots(
         slots.copy_(got)
         d_router.copy_(got_router)
         return d_x_shared, tuple(None if g is None else g.to(torch.bfloat16) for g in grads)
+    return _cuda_backward_to_slots(ws, op, schedule, ctx, d_y, router_weights, x, slots,
+                                   d_router, shared, routed, swiglu_limit, num_comm_sms,
+                                   minibatch_size)  # fmt: skip
+
+
+def _cuda_backward_to_slots(
+    ws, op, schedule, ctx, d_y, router_weights, x, slots, d_router, shared, routed, swiglu_limit,
+    num_comm_sms, minibatch_size, mxfp8: bool = False,
+):  # fmt: skip
+    """`backward_to_slots` on CUDA: the backward megakernel (with `mxfp8` its MXFP8 variant,
+    composed as launchers/backward_op.py composes it; `routed` the MXFP8 tuples)."""
+    from .launchers import backward_op  # noqa: PLC0415 - CUDA-only path
     from .launchers.backward_megakernel import push_router_grads, routed_backward  # noqa: PLC0415
-    from .launchers.backward_op import _shared_backward as shared_backward  # noqa: PLC0415
-    from .launchers.checks import check_gpu_layer  # noqa: PLC0415 - CUDA-only path
+    from .launchers.checks import check_gpu_layer  # noqa: PLC0415
     from .launchers.peer_tables import peer_tables  # noqa: PLC0415
 
     cuda_launchers("backward", ws)
@@ -116,16 +127,24 @@ def backward_to_slots(
                  tables["d_x_routed_buffer"])  # fmt: skip
         grad_peers = (ws.ep_rank, tables["router_weight_buffer"], tables["d_router_weight_buffer"])
     x_routed, gate, up, hidden, *shared_ctx = ctx
-    *_, partials, _, routed_grads = routed_backward(
-        d_y, router_weights, schedule, x_routed, gate, up, hidden, *routed,
-        swiglu_limit=swiglu_limit, weight_grads=True, num_comm_ctas=num_comm_sms,
+    weights = routed
+    if mxfp8:
+        weights = backward_op.mxfp8_weights(routed)
+        gate, up = backward_op.mxfp8_gate_up(gate, up)
+    dy_e, d_gate, d_up, partials, _, routed_grads = routed_backward(
+        d_y, router_weights, schedule, x_routed, gate, up, hidden, *weights,
+        swiglu_limit=swiglu_limit, weight_grads=not mxfp8, num_comm_ctas=num_comm_sms,
         minibatch_size=minibatch_size, timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots,
-        grid=ws.megakernel_ctas,
+        grid=ws.megakernel_ctas, mxfp8=mxfp8,
     )  # fmt: skip
     push_router_grads(partials, schedule, router_weights, d_router, peers=grad_peers)
+    if mxfp8:
+        routed_grads = backward_op.mxfp8_weight_gradients(
+            dy_e, x_routed, d_gate, d_up, hidden, schedule.tokens_per_expert, (None,) * 3
+        )
     d_x_shared, shared_grads = None, (None, None, None)
     if shared[0] is not None:
-        d_x_shared, shared_grads = shared_backward(
+        d_x_shared, shared_grads = backward_op._shared_backward(
             d_y, x, tuple(shared_ctx), shared, swiglu_limit, (None, None, None)
         )
     return d_x_shared, (*routed_grads, *shared_grads)
@@ -172,6 +191,18 @@ def _dequantised_context(q: tuple) -> MoKForwardContext:
     )  # fmt: skip
 
 
+def _gpu_dequantised_context(q: tuple) -> tuple[Tensor, ...]:
+    """`_dequantised_context` by the GPU kernels (bit-exact), as the 7 context tensors."""
+    from .launchers.mxfp8 import mxfp8_dequantize  # noqa: PLC0415 - CUDA-only path
+
+    x_fp8_t, x_sc_t, gate_s, gate, gate_sc, up_s, up, up_sc, hidden_s, hidden_t, hidden_sc_t = q
+    return (
+        mxfp8_dequantize(x_fp8_t, x_sc_t, transposed=True), mxfp8_dequantize(gate, gate_sc),
+        mxfp8_dequantize(up, up_sc), mxfp8_dequantize(hidden_t, hidden_sc_t, transposed=True),
+        gate_s, up_s, hidden_s,
+    )  # fmt: skip
+
+
 def mxfp8_forward_to_slots(
     ws, op: str, schedule: MoKSchedule, x: Tensor, slots: Tensor, shared: tuple, routed: tuple,
     swiglu_limit, num_comm_sms: int, minibatch_size: int,
@@ -193,11 +224,19 @@ def mxfp8_forward_to_slots(
 
 
 def mxfp8_backward_to_slots(
-    ws, schedule: MoKSchedule, ctx: tuple, d_y: Tensor, router_weights: Tensor, x: Tensor,
-    slots: Tensor, d_router: Tensor, shared: tuple, routed: tuple, swiglu_limit,
+    ws, op: str, schedule: MoKSchedule, ctx: tuple, d_y: Tensor, router_weights: Tensor,
+    x: Tensor, slots: Tensor, d_router: Tensor, shared: tuple, routed: tuple, swiglu_limit,
+    num_comm_sms: int, minibatch_size: int,
 ):  # fmt: skip
     """As `backward_to_slots`; `ctx` in `quantised_context`'s order, `routed` the MXFP8 tuples
-    of mok.reference.mxfp8_backward (gate and up with their transposed copies, down transposed)."""
+    of mok.reference.mxfp8_backward (gate and up with their transposed copies, down transposed).
+    CUDA: the context dequantised by the GPU kernels, then the backward megakernel's MXFP8
+    variant (`backward_to_slots`' composition)."""
+    if x.is_cuda:
+        return _cuda_backward_to_slots(
+            ws, op, schedule, _gpu_dequantised_context(ctx), d_y, router_weights, x, slots,
+            d_router, shared, routed, swiglu_limit, num_comm_sms, minibatch_size, mxfp8=True,
+        )  # fmt: skip
     check_router_weight_values(router_weights)
     d_x_shared, got, got_router, *grads = reference.mxfp8_backward_to_slots(
         schedule, _dequantised_context(ctx), d_y, x, router_weights, *shared, *routed,

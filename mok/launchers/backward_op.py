@@ -54,21 +54,28 @@ def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
     ]
 
 
-def _dequantized_weights(routed) -> tuple[torch.Tensor, ...]:
+def mxfp8_weights(routed) -> tuple[torch.Tensor, ...]:
     """bf16 (gate [E, I, H], up [E, I, H], down [E, H, I]) from the backward's MXFP8 copies:
     gate's and up's transposed copies (along I), down's (along H), each exact in bf16."""
     gate, up, down = routed
     return mxfp8.dequantized_weights((gate[2:], up[2:], down), transposed=True)
 
 
-def _along_tokens(dy_e, x_rows, d_gate, d_up, hidden) -> tuple[torch.Tensor, ...]:
-    """The weight gradients' operands as their MXFP8 round trips along the tokens: this call's
-    own dy_e, d_gate, d_up in place, the context's x and hidden into new tensors."""
+def mxfp8_gate_up(gate, up) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context's gate and up as the MXFP8 backward reads them: round trips along I."""
+    return (mxfp8.mxfp8_round_trip(gate, along_rows=False),
+            mxfp8.mxfp8_round_trip(up, along_rows=False))  # fmt: skip
+
+
+def mxfp8_weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads) -> list:
+    """`_weight_gradients` of the MXFP8 layer: every operand's MXFP8 round trip along the
+    tokens first (this call's own dy_e, d_gate, d_up in place; the context's x and hidden into
+    new tensors)."""
     for t in (dy_e, d_gate, d_up):
         mxfp8.mxfp8_round_trip(t, along_rows=True, out=t)
     x_q = mxfp8.mxfp8_round_trip(x_rows, along_rows=True)
     hidden_q = mxfp8.mxfp8_round_trip(hidden, along_rows=True)
-    return dy_e, x_q, d_gate, d_up, hidden_q
+    return _weight_gradients(dy_e, x_q, d_gate, d_up, hidden_q, tokens, main_grads)
 
 
 def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
@@ -136,7 +143,7 @@ class _BackwardOp:
         self.mxfp8 = isinstance(routed[0], tuple)
         if self.mxfp8:
             # Checked: the tuples (mok.mxfp8_weights); no main_grads (mok.functional).
-            routed = self.first_weights = _dequantized_weights(routed)
+            routed = self.first_weights = mxfp8_weights(routed)
         if routed[2].shape[2] % expert_gemm_bwd.N_ALIGNMENT:
             raise ValueError(
                 f"intermediate_size must be a multiple of {expert_gemm_bwd.N_ALIGNMENT} on the "
@@ -170,9 +177,8 @@ class _BackwardOp:
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
         weights = None
         if self.mxfp8:
-            weights, self.first_weights = self.first_weights or _dequantized_weights(routed), None
-            gate = mxfp8.mxfp8_round_trip(gate, along_rows=False)
-            up = mxfp8.mxfp8_round_trip(up, along_rows=False)
+            weights, self.first_weights = self.first_weights or mxfp8_weights(routed), None
+            gate, up = mxfp8_gate_up(gate, up)
         if tables is None:
             d_router = torch.empty(router_weights.shape, dtype=torch.float32, device=x.device)
         else:
@@ -189,11 +195,9 @@ class _BackwardOp:
         self.push(partials, schedule, router_weights, d_router)
         group_barrier(ws, "PEER_BARRIER_END")
         if not self.in_launch:
-            operands = (dy_e, x_routed, d_gate, d_up, hidden)
-            if self.mxfp8:
-                operands = _along_tokens(*operands)
-            routed_grads = _weight_gradients(*operands, schedule.tokens_per_expert,
-                                             main_grads[:3])  # fmt: skip
+            gradients = mxfp8_weight_gradients if self.mxfp8 else _weight_gradients
+            routed_grads = gradients(dy_e, x_routed, d_gate, d_up, hidden,
+                                     schedule.tokens_per_expert, main_grads[:3])  # fmt: skip
         if tables is not None:
             d_router = d_router.clone()  # the buffer is the next call's
         # Distinct empty tensors: custom-op outputs may not alias each other.

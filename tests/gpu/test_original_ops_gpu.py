@@ -1,9 +1,8 @@
 """The original's raw op set (mok/original_ops.py) on the GPU: composed as the original's
 functional API composes them (tests/original_composition.py), bitwise equal to mok.functional
 on CUDA, for a group of one, under torch.compile, and for a virtual EP group of two; the
-MXFP8 forward op equal to mok.functional's MXFP8 forward bitwise (its context the GPU
-quantisation of that forward's), the MXFP8 backward and recompute check their arguments, then
-raise MoKKernelUnavailableError."""
+MXFP8 forward, recompute and backward ops equal to mok.functional's MXFP8 layer bitwise (the
+context the GPU quantisation of that forward's)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ from original_composition import (
 
 from mok import functional as F
 from mok import ops
-from mok.errors import MoKKernelUnavailableError
 from mok.testing import make_inputs, poison_cuda_allocator
 
 pytestmark = [
@@ -117,7 +115,7 @@ def test_raw_composition_under_torch_compile_on_cuda():
     assert_all_equal(got_grads, grads)
 
 
-def test_mxfp8_forward_op_equals_functional_and_the_rest_raise_kernel_unavailable():
+def test_mxfp8_raw_ops_equal_functional_on_cuda():
     from mok.slot_passes import _dequantised_context, quantised_context  # noqa: PLC0415
 
     inputs = make_inputs(T, H, I, E, K, shared=True, seed=33, device=CUDA)
@@ -128,16 +126,19 @@ def test_mxfp8_forward_op_equals_functional_and_the_rest_raise_kernel_unavailabl
     # Quantised on the CPU reference path: this test is about the ops' CUDA branch.
     q = {n: [t.to(CUDA) for t in ops.mxfp8_quantize(inputs[n].cpu(), True, True)]
          for n in WEIGHTS[3:]}  # fmt: skip
-    (g, gsc, _, _), (u, usc, _, _), (d, dsc, _, _) = (q[n] for n in WEIGHTS[3:])
+    (g, gsc, gt, gtsc), (u, usc, ut, utsc), (d, dsc, dt, dtsc) = (q[n] for n in WEIGHTS[3:])
     sg, su, sd = (inputs[n] for n in WEIGHTS[:3])
-    x, w = inputs["x"], inputs["router_weights"]
+    x, w, dy = inputs["x"], inputs["router_weights"], inputs["grad_output"]
     want_out, want_ctx = F.forward(CONFIG, ws, schedule, x, w, sg, su, sd, (g, gsc), (u, usc),
                                    (d, dsc))  # fmt: skip
+    want_grads = F.backward(CONFIG, ws, schedule, want_ctx, dy, x, w, sg, su, sd,
+                            (g, gsc, gt, gtsc), (u, usc, ut, utsc), (dt, dtsc))  # fmt: skip
     want = quantised_context(want_ctx, x)
     settings = (ws.topk, None, 0, CONFIG.macrobatch_size, CONFIG.minibatch_size)
     forward_args = [ws.x_buffer, ws.x_buffer_ptrs, ws.combine_buffer, ws.combine_buffer_ptrs, sg,
                     g, gsc, su, u, usc, sd, d, dsc, *sched, *settings]  # fmt: skip
     ws.x_buffer.copy_(x)
+    ws.router_weight_buffer.copy_(w)
     poison_cuda_allocator()
     outs = ops.dispatch_mlp_swiglu_combine_fwd_mxfp8(*forward_args)
     out = ops.fwd_epilogue(outs[11], ws.combine_buffer, w)
@@ -148,13 +149,28 @@ def test_mxfp8_forward_op_equals_functional_and_the_rest_raise_kernel_unavailabl
     rows = int(schedule.num_tokens)
     assert_all_equal(_routed_rows(_dequantised_context(outs[:11]).tensors(), rows),
                      _routed_rows(_dequantised_context(want).tensors(), rows))  # fmt: skip
+    recomputed = ops.recompute_forward_context_mxfp8(ws.x_buffer, ws.x_buffer_ptrs, sg, g, gsc,
+                                                     su, u, usc, *sched, *settings)  # fmt: skip
+    assert_all_equal(_routed_rows(_dequantised_context(recomputed).tensors(), rows),
+                     _routed_rows(_dequantised_context(outs[:11]).tensors(), rows))  # fmt: skip
+    # The backward from the quantised context: mok.functional's MXFP8 backward's bits.
+    ws.d_y_buffer.copy_(dy)
+    poison_cuda_allocator()
+    bwd = ops.dispatch_mlp_swiglu_combine_bwd_mxfp8(
+        ws.d_y_buffer, ws.d_y_buffer_ptrs, ws.d_x_routed_buffer, ws.d_x_routed_buffer_ptrs,
+        ws.router_weight_buffer, ws.router_weight_buffer_ptrs, ws.d_router_weight_buffer,
+        ws.d_router_weight_buffer_ptrs, sg, gt, gtsc, su, ut, utsc, sd, dt, dtsc, *outs[:11],
+        ws.x_buffer, ws.x_buffer_ptrs, g, gsc, u, usc, *sched, *settings,
+    )  # fmt: skip
+    F.check_errors(ws)
+    d_x = ops.bwd_epilogue(bwd[0], ws.d_x_routed_buffer, K)
+    got = (d_x, ws.d_router_weight_buffer.clone(), bwd[13], bwd[15], bwd[17], bwd[12], bwd[14],
+           bwd[16])  # fmt: skip
+    assert_all_equal(got, want_grads)
     bad = list(forward_args)
     bad[6] = gsc[:1]  # w_routed_gate_sc of the wrong shape: the checks come first
     with pytest.raises(ValueError, match="w_routed_gate_sc must have shape"):
         ops.dispatch_mlp_swiglu_combine_fwd_mxfp8(*bad)
-    with pytest.raises(MoKKernelUnavailableError, match="recompute_forward_context_mxfp8"):
-        ops.recompute_forward_context_mxfp8(ws.x_buffer, ws.x_buffer_ptrs, sg, g, gsc, su, u,
-                                            usc, *sched, *settings)  # fmt: skip
 
 
 def test_raw_composition_on_a_virtual_ep_group_equals_functional():
