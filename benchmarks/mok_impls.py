@@ -121,7 +121,9 @@ def _mok_backward(layer: tuple, inputs: MoeInputs, routed: tuple) -> Callable:
 
 def _context_bytes(state) -> int:
     """Bytes of the forward context a mok forward returned (its state's second half)."""
-    return sum(t.nbytes for t in state[1].tensors() if t is not None)
+    fields = state[1].tensors()  # an MXFP8 context's routed fields are (data, scales) pairs
+    return sum(t.nbytes for f in fields if f is not None
+               for t in (f if isinstance(f, tuple) else (f,)))  # fmt: skip
 
 
 def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:

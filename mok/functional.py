@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import errors, ops
+from . import errors, mxfp8_context, ops
 from .config import FEATURE_ALIGNMENT, MoKConfig
 from .errors import MoKInputError, MoKKernelUnavailableError
 from .mxfp8_weights import check_mxfp8_weights, is_mxfp8
@@ -239,7 +239,7 @@ def forward(
                 *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
                 config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
             )  # fmt: skip
-            return out, _context(ctx, schedule, has_shared=shared_gate_weights is not None)
+            return out, _mxfp8_context(ctx, x, schedule, shared_gate_weights is not None)
         _check_weights(workspace, schedule, weights)
         _CHECKED.add(key, config)
     out, *ctx = ops.call(
@@ -288,6 +288,14 @@ def _context(tensors, schedule: MoKSchedule, *, has_shared: bool) -> MoKForwardC
 _CONTEXT_SCHEDULE = "_mok_schedule_peer_rank"
 
 
+def _mxfp8_context(tensors, like, schedule: MoKSchedule, has_shared: bool) -> MoKForwardContext:
+    """The original's MXFP8 context (mok/mxfp8_context.py) of the layer op's bf16 one: the
+    routed fields (data, scales) pairs, about half the bytes."""
+    bf16 = MoKForwardContext(*tensors[:4], *(t if t.numel() else None for t in tensors[4:]))
+    pairs = mxfp8_context.as_pairs(mxfp8_context.quantised_context(bf16, like))
+    return _context(pairs, schedule, has_shared=has_shared)
+
+
 def recompute_forward_context(
     config: MoKConfig,
     workspace: MoKWorkspace,
@@ -313,7 +321,7 @@ def recompute_forward_context(
             workspace.handle, *_schedule_args(schedule), x, shared_gate_weights,
             shared_up_weights, *routed_gate_weights, *routed_up_weights, limit,
         )  # fmt: skip
-        return _context(ctx, schedule, has_shared=shared_gate_weights is not None)
+        return _mxfp8_context(ctx, x, schedule, shared_gate_weights is not None)
     _check_weights(workspace, schedule, weights, need_down=False)
     ctx = ops.call(
         "recompute_forward_context",
@@ -409,11 +417,19 @@ def backward(
 def _backward_mxfp8(config, workspace, schedule, forward_context, grad_output, x,
                     router_weights, weights, limit, has_shared, main_grads):  # fmt: skip
     inter = check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=True)
-    _check_context(forward_context, workspace, schedule, inter, has_shared)
+    values = forward_context
+    if mxfp8_context.is_quantised(forward_context):  # the original's: (data, scales) pairs
+        _check_provenance(forward_context, schedule)
+        mxfp8_context.check_quantised(forward_context, workspace.schedule_capacity,
+                                      workspace.hidden_size, inter, workspace.device)  # fmt: skip
+        _check_shared_context(forward_context, workspace, inter, has_shared)
+        values = mxfp8_context.dequantised_context(mxfp8_context.flat(forward_context, x))
+    else:  # a bf16 context (mok's BF16 layout) gives the same gradients
+        _check_context(forward_context, workspace, schedule, inter, has_shared)
     if main_grads is not None and any(g is not None for g in main_grads):
         raise ValueError("main_grads with MXFP8 routed weights are not supported yet")
     empty = x.new_empty(0)
-    ctx = [t if t is not None else empty for t in forward_context.tensors()]
+    ctx = [t if t is not None else empty for t in values.tensors()]
     grads = ops.backward_mxfp8(
         workspace.handle, *_schedule_args(schedule), *ctx, grad_output, x, router_weights,
         weights["shared_gate_weights"], weights["shared_up_weights"],
@@ -457,6 +473,12 @@ def _check_context(
     for name in ("gate_routed", "up_routed", "hidden_routed"):
         check_tensor(f"forward_context.{name}", getattr(ctx, name), dtype=torch.bfloat16,
                      shape=[cap, inter], device=dev)  # fmt: skip
+    _check_shared_context(ctx, workspace, inter, has_shared)
+
+
+def _check_shared_context(ctx: MoKForwardContext, workspace, inter: int, has_shared: bool):
+    """The shared expert's context rows: bf16 [T, I] with one, None without."""
+    t, dev = workspace.num_local_tokens, workspace.device
     for name in ("gate_shared", "up_shared", "hidden_shared"):
         value = getattr(ctx, name)
         if has_shared:

@@ -43,8 +43,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import mxfp8_context, reference, slot_passes
 from . import original_op_checks as checks
-from . import reference, slot_passes
 from .types import MoKForwardContext, MoKSchedule
 from .validation import check_expert_id_values, check_int, check_tensor
 
@@ -621,7 +621,7 @@ def _check_fwd_mxfp8(op, x, x_ptrs, combine_buffer, combine_buffer_ptrs, weights
 
 
 def _fake_mxfp8_context(x, ws, inter: int, has_shared: bool) -> tuple[Tensor, ...]:
-    """The 11 context outputs of the MXFP8 forward (slot_passes.quantised_context's order)."""
+    """The 11 context outputs of the MXFP8 forward (mxfp8_context's flat order)."""
     (tokens, hidden), capacity = x.shape, ws.schedule_capacity
 
     def pair(rows, cols):
@@ -759,7 +759,7 @@ def _recompute_forward_context_mxfp8(
         w_routed_up, w_routed_up_sc, limit,
     )  # fmt: skip
     ctx = MoKForwardContext(*layer[:4], *(t if t.numel() else None for t in layer[4:]))
-    return slot_passes.quantised_context(ctx, x)
+    return mxfp8_context.quantised_context(ctx, x)
 
 
 def _recompute_forward_context_mxfp8_fake(

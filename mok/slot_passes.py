@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
+from .mxfp8_context import dequantised_context, quantised_context
 from .types import MoKForwardContext, MoKSchedule
 from .validation import check_router_weight_values
 
@@ -151,56 +152,8 @@ def _cuda_backward_to_slots(
 
 
 # ----------------------------------------------------------------------------------------------
-# MXFP8 (CPU): the context leaves and enters in the original's quantised layout
+# MXFP8: the context leaves and enters in the original's quantised layout (mxfp8_context.py)
 # ----------------------------------------------------------------------------------------------
-
-
-def quantised_context(ctx: MoKForwardContext, like: Tensor) -> tuple[Tensor, ...]:
-    """The original's MXFP8 context from mok's bf16 one: (x_fp8_t, x_sc_t, gate_shared,
-    gate_fp8, gate_sc, up_shared, up_fp8, up_sc, hidden_shared, hidden_fp8_t, hidden_sc_t).
-    x and hidden are quantised along the routed rows (what the weight gradients read), gate and
-    up along I (what the SwiGLU backward reads)."""
-
-    def quantised(t: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
-        if t.is_cuda and t.shape[0] % 128 == 0 and t.shape[1] % 128 == 0:
-            from .launchers.mxfp8 import mxfp8_quantize  # noqa: PLC0415 - CUDA-only path
-
-            return mxfp8_quantize(t.contiguous(), transpose)  # bit-exact with the reference
-        # contiguous: the reference quantiser returns a 2-D transposed layout as a strided view
-        return tuple(q.contiguous() for q in reference.mxfp8_quantize(t, transpose=transpose))
-
-    x_q = quantised(ctx.x_routed, transpose=True)
-    gate_q, up_q = quantised(ctx.gate_routed), quantised(ctx.up_routed)
-    hidden_q = quantised(ctx.hidden_routed, transpose=True)
-    gate_s, up_s, hidden_s = _filled(ctx, like)[4:]
-    return (*x_q, gate_s, *gate_q, up_s, *up_q, hidden_s, *hidden_q)
-
-
-def _dequantised_context(q: tuple) -> MoKForwardContext:
-    """mok's bf16 context from the original's MXFP8 one (`quantised_context`'s order): the
-    dequantised values are MXFP8-exact, and mok's MXFP8 backward reads the context only through
-    the same quantisation, so the gradients are those of the bf16 context."""
-    x_fp8_t, x_sc_t, gate_s, gate, gate_sc, up_s, up, up_sc, hidden_s, hidden_t, hidden_sc_t = q
-
-    def values(data, scales, transpose=False):
-        return reference.mxfp8_dequantize(data, scales, transpose=transpose).to(torch.bfloat16)
-
-    return MoKForwardContext(
-        values(x_fp8_t, x_sc_t, True), values(gate, gate_sc), values(up, up_sc),
-        values(hidden_t, hidden_sc_t, True), _present(gate_s), _present(up_s), _present(hidden_s),
-    )  # fmt: skip
-
-
-def _gpu_dequantised_context(q: tuple) -> tuple[Tensor, ...]:
-    """`_dequantised_context` by the GPU kernels (bit-exact), as the 7 context tensors."""
-    from .launchers.mxfp8 import mxfp8_dequantize  # noqa: PLC0415 - CUDA-only path
-
-    x_fp8_t, x_sc_t, gate_s, gate, gate_sc, up_s, up, up_sc, hidden_s, hidden_t, hidden_sc_t = q
-    return (
-        mxfp8_dequantize(x_fp8_t, x_sc_t, transposed=True), mxfp8_dequantize(gate, gate_sc),
-        mxfp8_dequantize(up, up_sc), mxfp8_dequantize(hidden_t, hidden_sc_t, transposed=True),
-        gate_s, up_s, hidden_s,
-    )  # fmt: skip
 
 
 def mxfp8_forward_to_slots(
@@ -234,12 +187,12 @@ def mxfp8_backward_to_slots(
     variant (`backward_to_slots`' composition)."""
     if x.is_cuda:
         return _cuda_backward_to_slots(
-            ws, op, schedule, _gpu_dequantised_context(ctx), d_y, router_weights, x, slots,
+            ws, op, schedule, dequantised_context(ctx).tensors(), d_y, router_weights, x, slots,
             d_router, shared, routed, swiglu_limit, num_comm_sms, minibatch_size, mxfp8=True,
         )  # fmt: skip
     check_router_weight_values(router_weights)
     d_x_shared, got, got_router, *grads = reference.mxfp8_backward_to_slots(
-        schedule, _dequantised_context(ctx), d_y, x, router_weights, *shared, *routed,
+        schedule, dequantised_context(ctx), d_y, x, router_weights, *shared, *routed,
         group=ws.group, swiglu_limit=swiglu_limit,
     )  # fmt: skip
     slots.copy_(got)

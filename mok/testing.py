@@ -141,6 +141,19 @@ def _layer_step(config, ws, inputs, num_local_experts, swiglu_limit, main_grads=
     return out, ctx, grads, schedule
 
 
+def context_values(ctx, rows: int | None = None) -> tuple:
+    """A forward context's 7 fields as bf16 tensors (an MXFP8 context's pairs dequantised,
+    exact), the routed ones cut to their first `rows` rows (the contract's) if given."""
+    from .mxfp8_context import dequantised_context, flat, is_quantised  # noqa: PLC0415
+
+    if is_quantised(ctx):
+        ctx = dequantised_context(flat(ctx, ctx.x_routed[0]))
+    fields = ctx.tensors()
+    if rows is None:
+        return fields
+    return tuple(t[:rows] if i < 4 else t for i, t in enumerate(fields))
+
+
 def poison_cuda_allocator(nbytes: int = 1 << 28) -> None:
     """Fill a block of torch's CUDA caching allocator with 0xFF bytes and free it, so that the
     next `torch.empty` outputs of that size start as NaN (0xFFFF is a bf16 NaN, 0xFFFFFFFF an

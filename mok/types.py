@@ -33,22 +33,29 @@ class MoKSchedule:
 
 @dataclass(frozen=True)
 class MoKForwardContext:
-    """What backward needs from forward (BF16 mode), all bf16.
+    """What backward needs from forward.
 
+    BF16 mode, all bf16:
     x_routed:      [C, H]  routed input rows in schedule order (padding rows zero)
     gate_routed:   [C, I]  gate projection before the clamp
     up_routed:     [C, I]  up projection before the clamp
     hidden_routed: [C, I]  SwiGLU output, the down GEMM's operand
     gate_shared, up_shared, hidden_shared: [T, I] for the shared expert, or None without one.
 
+    MXFP8 mode (the original's): each routed field an (E4M3 data, UE8M0 scales) pair of
+    `mok.ops.mxfp8_quantize`'s layouts: x_routed and hidden_routed quantised along the routed
+    rows (data [H, C] and [I, C]), gate_routed and up_routed along I (data [C, I]); the shared
+    ones bf16 (mok/mxfp8_context.py). mok's MXFP8 backward also takes a bf16 context.
+
     Rows at or past `schedule.num_tokens` are not part of the contract.
-    Bytes per routed row: 2*H + 6*I (x, gate, up, hidden), e.g. 8,704 B for Qwen3-30B-A3B.
+    Bytes per routed row: 2*H + 6*I (x, gate, up, hidden), e.g. 8,704 B for Qwen3-30B-A3B; in
+    MXFP8 (H + 3*I) * 33/32, 4,488 B there.
     """
 
-    x_routed: torch.Tensor
-    gate_routed: torch.Tensor
-    up_routed: torch.Tensor
-    hidden_routed: torch.Tensor
+    x_routed: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    gate_routed: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    up_routed: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    hidden_routed: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     gate_shared: torch.Tensor | None = None
     up_shared: torch.Tensor | None = None
     hidden_shared: torch.Tensor | None = None

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from mok import functional as F
 from mok import ops
 from mok.errors import MoKInputError
+from mok.mxfp8_context import flat
 from mok.testing import make_inputs
 
 # T multiple of 128: mok's MXFP8 recompute quantises x [T, H] along H in 128-row tiles.
@@ -261,7 +262,7 @@ def test_mxfp8_raw_composition_equals_functional_bitwise(shared):
                        q["routed_up"], (dt, dtsc))  # fmt: skip
     # mok.functional's MXFP8 recompute still reaches mok's layer op (the default overload).
     again = F.recompute_forward_context(CONFIG, ws, schedule, x, sg, su, (g, gsc), (u, usc))
-    assert_all_equal(again.tensors(), ctx.tensors())
+    assert_all_equal(flat(again, x), flat(ctx, x))
 
     sched, settings = _tensors(schedule), launch(CONFIG, ws, None, 0)
     ws.x_buffer.copy_(x)
@@ -272,10 +273,9 @@ def test_mxfp8_raw_composition_equals_functional_bitwise(shared):
     )  # fmt: skip
     y_shared = fwd[11] if shared else None
     assert torch.equal(ops.fwd_epilogue(y_shared, ws.combine_buffer, ws.router_weight_buffer), out)
-    # The original's quantised context holds mok's bf16 context quantised as its GEMMs read it.
-    x_t = ops.mxfp8_quantize(ctx.x_routed, False, True)[2:]
-    assert torch.equal(fwd[0].view(torch.uint8), x_t[0].view(torch.uint8))
-    assert torch.equal(fwd[1], x_t[1])
+    # The raw op's quantised context is mok.functional's MXFP8 context (the original's layout).
+    for a, b in zip(fwd[:11], flat(ctx, x), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     recomputed = ops.recompute_forward_context_mxfp8(
         ws.x_buffer, ws.x_buffer_ptrs, sg, g, gsc, su, u, usc, *sched, *settings
     )
@@ -381,7 +381,7 @@ def test_compile_fullgraph_of_the_mxfp8_ops(backend):
             ws.x_buffer, ws.x_buffer_ptrs, g, gsc, u, usc, *sched, *settings,
         )  # fmt: skip
         d_x = ops.bwd_epilogue(bwd[0], ws.d_x_routed_buffer)
-        return (out, *recomputed, *layer_ctx.tensors(), d_x, *bwd[12:])
+        return (out, *recomputed, *flat(layer_ctx, x), d_x, *bwd[12:])
 
     args = (inputs["x"], inputs["router_weights"], inputs["grad_output"])
     eager = step(*args)

@@ -2,8 +2,11 @@
 mok.functional, with weights quantised by mok.reference (independent of the GPU quantiser).
 
 Against mok.reference.mxfp8_forward (the oracle: products of the dequantised MXFP8 operands,
-fp32 sums): the routed context x_routed bitwise, gate / up / hidden and the output within
-bf16 rounding of the oracle's (only the fp32 summation order differs); against the BF16 layer
+fp32 sums): the output within bf16 rounding of the oracle's (only the fp32 summation order
+differs); the context, the original's MXFP8 pairs (x and hidden quantised along the routed
+rows, gate and up along I), dequantised: x bitwise the round trip of the oracle's x rows,
+gate / up / hidden within 2^-6 of the round trips of the oracle's (bf16 rounding of the fp32
+sums, now and then moved one E4M3 step); against the BF16 layer
 within the original's tolerance (max abs 1.0, relative L1 0.1); bitwise identical across runs,
 outputs poisoned before each; adversarial routing, clamp on and off, a shared expert; on
 virtual EP groups of 2 and 4 ranks bitwise the EP group of one (each rank's weights its experts'
@@ -20,7 +23,7 @@ import torch
 from mok import functional as F
 from mok import ops
 from mok import reference as R
-from mok.testing import make_inputs, poison_cuda_allocator, rank_inputs
+from mok.testing import context_values, make_inputs, poison_cuda_allocator, rank_inputs
 from mok.virtual_ep import VirtualEPGroup
 
 pytestmark = [
@@ -85,9 +88,14 @@ def test_mxfp8_forward_matches_oracle_and_is_deterministic(case):
                                      *(cpu[n] for n in SHARED), *(mx[n] for n in ROUTED),
                                      swiglu_limit=limit)  # fmt: skip
     rows = int(schedule.num_tokens)
-    assert torch.equal(ctx.x_routed[:rows].cpu(), want_ctx.x_routed[:rows])
-    for name in ("gate_routed", "up_routed", "hidden_routed"):
-        close(getattr(ctx, name)[:rows], getattr(want_ctx, name)[:rows], name)
+    got_ctx = context_values(ctx, rows)
+    by_token = dict(along_rows=True)
+    assert torch.equal(got_ctx[0].cpu(), R.mxfp8_round_trip(want_ctx.x_routed[:rows], **by_token))
+    for name, got, along_rows in (("gate_routed", got_ctx[1], False),
+                                  ("up_routed", got_ctx[2], False),
+                                  ("hidden_routed", got_ctx[3], True)):  # fmt: skip
+        want_rows = R.mxfp8_round_trip(getattr(want_ctx, name)[:rows], along_rows=along_rows)
+        close(got, want_rows, name, rel=2**-6)
     close(out, want, "out")
     # The original's tolerance against the BF16 layer.
     bf16_out, _ = R.forward(ref_sched, cpu["x"], cpu["router_weights"],
@@ -98,8 +106,8 @@ def test_mxfp8_forward_matches_oracle_and_is_deterministic(case):
     for _ in range(2):
         _, _, again, again_ctx = run_forward(inputs, mx, e, limit)
         assert torch.equal(again, out)
-        for a, b in zip(again_ctx.tensors(), ctx.tensors(), strict=True):
-            assert (a is None and b is None) or torch.equal(a[:rows], b[:rows])
+        for a, b in zip(context_values(again_ctx, rows), got_ctx, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_mxfp8_forward_rejects_a_wrong_tuple_on_cuda():

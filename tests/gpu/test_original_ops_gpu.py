@@ -116,7 +116,7 @@ def test_raw_composition_under_torch_compile_on_cuda():
 
 
 def test_mxfp8_raw_ops_equal_functional_on_cuda():
-    from mok.slot_passes import _dequantised_context, quantised_context  # noqa: PLC0415
+    from mok.mxfp8_context import dequantised_context, flat  # noqa: PLC0415
 
     inputs = make_inputs(T, H, I, E, K, shared=True, seed=33, device=CUDA)
     ws = _workspace()
@@ -133,7 +133,7 @@ def test_mxfp8_raw_ops_equal_functional_on_cuda():
                                    (d, dsc))  # fmt: skip
     want_grads = F.backward(CONFIG, ws, schedule, want_ctx, dy, x, w, sg, su, sd,
                             (g, gsc, gt, gtsc), (u, usc, ut, utsc), (dt, dtsc))  # fmt: skip
-    want = quantised_context(want_ctx, x)
+    want = flat(want_ctx, x)  # mok.functional's MXFP8 context: the original's pairs
     settings = (ws.topk, None, 0, CONFIG.macrobatch_size, CONFIG.minibatch_size)
     forward_args = [ws.x_buffer, ws.x_buffer_ptrs, ws.combine_buffer, ws.combine_buffer_ptrs, sg,
                     g, gsc, su, u, usc, sd, d, dsc, *sched, *settings]  # fmt: skip
@@ -147,12 +147,12 @@ def test_mxfp8_raw_ops_equal_functional_on_cuda():
     # Routed rows past the schedule's are never written (whole 32-row blocks of their own):
     # compared through the dequantised values of the routed rows.
     rows = int(schedule.num_tokens)
-    assert_all_equal(_routed_rows(_dequantised_context(outs[:11]).tensors(), rows),
-                     _routed_rows(_dequantised_context(want).tensors(), rows))  # fmt: skip
+    assert_all_equal(_routed_rows(dequantised_context(outs[:11]).tensors(), rows),
+                     _routed_rows(dequantised_context(want).tensors(), rows))  # fmt: skip
     recomputed = ops.recompute_forward_context_mxfp8(ws.x_buffer, ws.x_buffer_ptrs, sg, g, gsc,
                                                      su, u, usc, *sched, *settings)  # fmt: skip
-    assert_all_equal(_routed_rows(_dequantised_context(recomputed).tensors(), rows),
-                     _routed_rows(_dequantised_context(outs[:11]).tensors(), rows))  # fmt: skip
+    assert_all_equal(_routed_rows(dequantised_context(recomputed).tensors(), rows),
+                     _routed_rows(dequantised_context(outs[:11]).tensors(), rows))  # fmt: skip
     # The backward from the quantised context: mok.functional's MXFP8 backward's bits.
     ws.d_y_buffer.copy_(dy)
     poison_cuda_allocator()

@@ -1,11 +1,11 @@
-"""Where the MXFP8 backward's time goes, kernel by kernel, beside the BF16 backward's.
+"""Where the MXFP8 layer's time goes, kernel by kernel, beside the BF16 layer's.
 
-    python -m tools.mxfp8_backward_breakdown [--shape qwen|deepseek] [--reps 3]
+    python -m tools.mxfp8_breakdown [--shape qwen|deepseek] [--reps 3]
 
-One H200 (or any sm_90a GPU): the layer at 16384 tokens, forward once, then each backward
-`--reps` times under torch.profiler; prints each kernel's CUDA time per backward (summed over
-its launches), heaviest first, and the totals. Times are the profiler's (kernels back to back,
-no host gaps), so they add up to less than a benchmark's wall time.
+One H200 (or any sm_90a GPU): the layer at 16384 tokens; its forward and backward `--reps`
+times each under torch.profiler. Prints each kernel's CUDA time per call (summed over its
+launches), heaviest first, and the totals. Times are the profiler's (kernels back to back, no
+host gaps), so they add up to less than a benchmark's wall time.
 """
 
 from __future__ import annotations
@@ -62,23 +62,28 @@ def _profile(run, reps: int) -> dict[str, float]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.mxfp8_backward_breakdown")
+    parser = argparse.ArgumentParser(prog="python -m tools.mxfp8_breakdown")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
     F, config, ws, schedule, inputs, layers = _layer(SHAPES[args.shape])
     for name, (fwd, bwd) in layers.items():
-        _, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], None,
-                           None, None, *fwd)  # fmt: skip
+
+        def forward(fwd=fwd):
+            return F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], None,
+                             None, None, *fwd)[1]  # fmt: skip
+
+        ctx = forward()
 
         def backward(ctx=ctx, bwd=bwd):
             F.backward(config, ws, schedule, ctx, inputs["grad_output"], inputs["x"],
                        inputs["router_weights"], None, None, None, *bwd)  # fmt: skip
 
-        kernels = _profile(backward, args.reps)
-        print(f"{args.shape} {name} backward: {sum(kernels.values()):.3f} ms of kernels")
-        for kernel, ms in sorted(kernels.items(), key=lambda item: -item[1]):
-            print(f"  {ms:8.3f} ms  {kernel}")
+        for pass_name, run in (("forward", forward), ("backward", backward)):
+            kernels = _profile(run, args.reps)
+            print(f"{args.shape} {name} {pass_name}: {sum(kernels.values()):.3f} ms of kernels")
+            for kernel, ms in sorted(kernels.items(), key=lambda item: -item[1]):
+                print(f"  {ms:8.3f} ms  {kernel}")
 
 
 if __name__ == "__main__":
