@@ -32,12 +32,10 @@ def variants() -> list[Variant]:
     from .common.macrobatch_schedule import MacrobatchSchedule
     from .common.moe_combine_backward import MoeCombineBackward
     from .common.moe_combine_forward import MoeCombineForward
-    from .common.mxfp8_dequantize_rowwise import Mxfp8DequantizeRowwise
-    from .common.mxfp8_dequantize_transposed import Mxfp8DequantizeTransposed
+    from .common.mxfp8_dequantize import Mxfp8Dequantize
     from .common.mxfp8_quantize_rowwise import Mxfp8QuantizeRowwise
     from .common.mxfp8_quantize_transposed import Mxfp8QuantizeTransposed
-    from .common.mxfp8_round_trip_columns import Mxfp8RoundTripColumns
-    from .common.mxfp8_round_trip_rowwise import Mxfp8RoundTripRowwise
+    from .common.mxfp8_round_trip import Mxfp8RoundTrip
     from .common.router_grad_push import RouterGradPush
     from .common.schedule_histogram import ScheduleHistogram
     from .common.schedule_place import SchedulePlace
@@ -61,25 +59,27 @@ def variants() -> list[Variant]:
             Mxfp8QuantizeTransposed,
             launch_grid="(num_cols / 128, num_rows / 128, 1)",
         ),
-        # bf16 -> bf16 MXFP8 round trips (along rows, down columns) and the rowwise dequantiser.
+        # bf16 -> bf16 MXFP8 round trips (along rows, down columns) and the dequantisers.
         Variant(
             "mxfp8_round_trip_rowwise",
-            Mxfp8RoundTripRowwise,
+            Mxfp8RoundTrip,
             launch_grid="(num_cols / 128, num_rows / 128, 1)",
         ),
         Variant(
             "mxfp8_round_trip_columns",
-            Mxfp8RoundTripColumns,
+            Mxfp8RoundTrip,
+            {"along_rows": True},
             launch_grid="(num_cols / 128, num_rows / 128, 1)",
         ),
         Variant(
             "mxfp8_dequantize_rowwise",
-            Mxfp8DequantizeRowwise,
+            Mxfp8Dequantize,
             launch_grid="(num_cols / 128, num_rows / 128, 1)",
         ),
         Variant(
             "mxfp8_dequantize_transposed",
-            Mxfp8DequantizeTransposed,
+            Mxfp8Dequantize,
+            {"transposed": True},
             launch_grid="(num_cols / 128, num_rows / 128, batch)",
         ),
         Variant(

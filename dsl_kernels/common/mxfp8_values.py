@@ -89,3 +89,11 @@ def store_round_trip(chunk, rounded_ptr: cute.Pointer, at: Int64):
     rounded = cute.make_tensor(cute.recast_ptr(rounded_ptr, dtype=Uint32) + word_at,
                                cute.make_layout(CHUNK // 2))  # fmt: skip
     rounded.store(words.load())
+
+
+def transpose_halves(first: Uint32, second: Uint32):
+    """The 2x2 transpose of two bf16x2 words: (low halves, high halves), each as a bf16x2 word
+    (low half from `first`). Turns two words along one axis into two along the other."""
+    low = (first & Uint32(0x0000FFFF)) | (second << Uint32(16))
+    high = (first >> Uint32(16)) | (second & Uint32(0xFFFF0000))
+    return low, high
