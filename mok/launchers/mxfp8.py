@@ -19,7 +19,7 @@ from .checks import check_arg
 TILE = 128
 # grid.y carries the 128-row tile index.
 MAX_ROW_TILES_PER_LAUNCH = 65535
-# The dequantiser's scale offsets are int32 (common/mxfp8_dequantize_rowwise.py): it takes
+# The dequantiser's scale offsets are int32 (common/mxfp8_dequantize.py): it takes
 # fewer than 2^36 elements a launch.
 MAX_DEQUANTIZE_ELEMENTS_PER_LAUNCH = 1 << 36
 # The kernels' 16-byte loads and stores (and the dequantiser's 16-byte scale loads).
