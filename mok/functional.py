@@ -417,8 +417,8 @@ def backward(
 def _backward_mxfp8(config, workspace, schedule, forward_context, grad_output, x,
                     router_weights, weights, limit, has_shared, main_grads):  # fmt: skip
     inter = check_mxfp8_weights(workspace, schedule.num_local_experts, weights, backward=True)
-    values = forward_context
-    if mxfp8_context.is_quantised(forward_context):  # the original's: (data, scales) pairs
+    values, exact = forward_context, mxfp8_context.is_quantised(forward_context)
+    if exact:  # the original's: (data, scales) pairs, MXFP8 values once dequantised
         _check_provenance(forward_context, schedule)
         mxfp8_context.check_quantised(forward_context, workspace.schedule_capacity,
                                       workspace.hidden_size, inter, workspace.device)  # fmt: skip
@@ -435,7 +435,7 @@ def _backward_mxfp8(config, workspace, schedule, forward_context, grad_output, x
         weights["shared_gate_weights"], weights["shared_up_weights"],
         weights["shared_down_weights"], *weights["routed_gate_weights"],
         *weights["routed_up_weights"], *weights["routed_down_weights"], limit,
-        config.bwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
+        config.bwd_num_comm_sms, config.minibatch_size, config.macrobatch_size, exact,
     )  # fmt: skip
     shared_grads = grads[5:] if has_shared else (None, None, None)
     return (*grads[:5], *shared_grads)

@@ -527,12 +527,15 @@ def backward_mxfp8(
     bwd_num_comm_sms: int,
     minibatch_size: int,
     macrobatch_size: int,
+    context_exact: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`backward` with MXFP8 routed weights (gate and up with their transposed copies, down
     transposed): `mok.reference.mxfp8_backward`. Same outputs as `backward` (bf16 weight
     gradients, empty [0] shared ones without a shared expert). On CUDA the backward
     megakernel's MXFP8 variant (launchers/backward_op.py); macrobatch ring reuse is not built
-    for it yet."""
+    for it yet. `context_exact`: the routed context holds MXFP8 values already (a dequantised
+    quantised context, mok/mxfp8_context.py), so the round trips that are identities on it
+    are skipped; the results are the same either way."""
     from .types import MoKForwardContext  # noqa: PLC0415
 
     ws = workspace_from_handle(workspace_handle)
@@ -547,7 +550,7 @@ def backward_mxfp8(
         return _gpu("backward", x.device, ws.ep_size).backward(
             ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate_weights,
             shared_up_weights, shared_down_weights, *routed, swiglu_limit, bwd_num_comm_sms,
-            minibatch_size, macrobatch_size, (None,) * 6,
+            minibatch_size, macrobatch_size, (None,) * 6, context_exact,
         )  # fmt: skip
     check_router_weight_values(router_weights)
     ctx = MoKForwardContext(*(_none_if_empty(t) for t in ctx_tensors))

@@ -113,7 +113,8 @@ def _cuda_backward_to_slots(
     num_comm_sms, minibatch_size, mxfp8: bool = False,
 ):  # fmt: skip
     """`backward_to_slots` on CUDA: the backward megakernel (with `mxfp8` its MXFP8 variant,
-    composed as launchers/backward_op.py composes it; `routed` the MXFP8 tuples)."""
+    composed as launchers/backward_op.py composes it; `routed` the MXFP8 tuples, `ctx` a
+    dequantised quantised context, MXFP8 values already)."""
     from .launchers import backward_op  # noqa: PLC0415 - CUDA-only path
     from .launchers.backward_megakernel import push_router_grads, routed_backward  # noqa: PLC0415
     from .launchers.checks import check_gpu_layer  # noqa: PLC0415
@@ -131,7 +132,6 @@ def _cuda_backward_to_slots(
     weights = routed
     if mxfp8:
         weights = backward_op.mxfp8_weights(routed)
-        gate, up = backward_op.mxfp8_gate_up(gate, up)
     dy_e, d_gate, d_up, partials, _, routed_grads = routed_backward(
         d_y, router_weights, schedule, x_routed, gate, up, hidden, *weights,
         swiglu_limit=swiglu_limit, weight_grads=not mxfp8, num_comm_ctas=num_comm_sms,
@@ -141,7 +141,14 @@ def _cuda_backward_to_slots(
     push_router_grads(partials, schedule, router_weights, d_router, peers=grad_peers)
     if mxfp8:
         routed_grads = backward_op.mxfp8_weight_gradients(
-            dy_e, x_routed, d_gate, d_up, hidden, schedule.tokens_per_expert, (None,) * 3
+            dy_e,
+            x_routed,
+            d_gate,
+            d_up,
+            hidden,
+            schedule.tokens_per_expert,
+            (None,) * 3,
+            context_exact=True,
         )
     d_x_shared, shared_grads = None, (None, None, None)
     if shared[0] is not None:

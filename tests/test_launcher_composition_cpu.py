@@ -16,6 +16,7 @@ import torch
 
 from mok import reference as R
 from mok.launchers import dispatch, expert_gemm, expert_gemm_bwd, mxfp8
+from mok.mxfp8_context import dequantised_context, quantised_context
 from mok.testing import make_inputs, rel_error
 
 # The modules, not the `forward` and `backward` functions mok.launchers re-exports by name.
@@ -233,8 +234,11 @@ def test_composition_equals_reference_backward(fake_kernels, shared, limit, main
             assert rel_error(g.float(), w) < 2**-8 and g.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("shared,limit", [(True, None), (False, 0.5)])
-def test_mxfp8_composition_equals_reference_backward(fake_kernels, shared, limit):
+@pytest.mark.parametrize("shared,limit,exact", [(True, None, False), (False, 0.5, False),
+                                                (True, 0.5, True)])  # fmt: skip
+def test_mxfp8_composition_equals_reference_backward(fake_kernels, shared, limit, exact):
+    """`exact`: the context given as the dequantised quantised one (the original's, as
+    mok.functional keeps it), whose identity round trips the op skips: the same results."""
     inp = make_inputs(T, H, I, E, K, shared=shared, seed=5)
     # A capacity of whole 128-row tiles, as the workspace's (the round trips' kernels need it).
     schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=1280)
@@ -246,11 +250,13 @@ def test_mxfp8_composition_equals_reference_backward(fake_kernels, shared, limit
                              swiglu_limit=limit)  # fmt: skip
     want = R.mxfp8_backward(schedule, ctx, inp["grad_output"], inp["x"], inp["router_weights"],
                             *shared_w, *routed, swiglu_limit=limit)  # fmt: skip
+    if exact:
+        ctx = dequantised_context(quantised_context(ctx, inp["x"]))
     empty = inp["x"].new_empty(0)
     ctx_tensors = [t if t is not None else empty for t in ctx.tensors()]
     got = bwd.backward(_Workspace(), schedule, ctx_tensors, inp["grad_output"], inp["x"],
                        inp["router_weights"], *shared_w, *routed, limit, 16, 4096, 131072,
-                       (None,) * 6)  # fmt: skip
+                       (None,) * 6, exact)  # fmt: skip
     assert torch.equal(got[0], want[0])  # d_x: same round trips, same fp32 products
     assert rel_error(got[1], want[1]) < 2**-8
     for g, w in zip(got[2:], want[2:], strict=True):

@@ -67,15 +67,18 @@ def mxfp8_gate_up(gate, up) -> tuple[torch.Tensor, torch.Tensor]:
             mxfp8.mxfp8_round_trip(up, along_rows=False))  # fmt: skip
 
 
-def mxfp8_weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads) -> list:
+def mxfp8_weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads,
+                           context_exact: bool = False) -> list:  # fmt: skip
     """`_weight_gradients` of the MXFP8 layer: every operand's MXFP8 round trip along the
     tokens first (this call's own dy_e, d_gate, d_up in place; the context's x and hidden into
-    new tensors)."""
+    new tensors, unless `context_exact`: they are MXFP8 values along the tokens already, a
+    dequantised quantised context, whose round trip is the identity)."""
     for t in (dy_e, d_gate, d_up):
         mxfp8.mxfp8_round_trip(t, along_rows=True, out=t)
-    x_q = mxfp8.mxfp8_round_trip(x_rows, along_rows=True)
-    hidden_q = mxfp8.mxfp8_round_trip(hidden, along_rows=True)
-    return _weight_gradients(dy_e, x_q, d_gate, d_up, hidden_q, tokens, main_grads)
+    if not context_exact:
+        x_rows = mxfp8.mxfp8_round_trip(x_rows, along_rows=True)
+        hidden = mxfp8.mxfp8_round_trip(hidden, along_rows=True)
+    return _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads)
 
 
 def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
@@ -95,8 +98,11 @@ def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
 def backward(
     ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
     shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
-    minibatch_size, macrobatch_size, main_grads,
+    minibatch_size, macrobatch_size, main_grads, context_exact=False,
 ):  # fmt: skip
+    """The backward op; with MXFP8 routed weights `context_exact` says the routed context holds
+    MXFP8 values already (x, hidden along the tokens, gate, up along I: a dequantised quantised
+    context), so their round trips, identities, are skipped."""
     if macrobatch_size < x.shape[0] * router_weights.shape[1]:  # ring reuse (macrobatch.py)
         from . import macrobatch  # noqa: PLC0415 - it imports this module
 
@@ -127,7 +133,7 @@ def backward(
     op = plan(key, make, current=lambda op: op.ws() is ws)
     return op(schedule, ctx_tensors, grad_output, x, router_weights,
               (shared_gate, shared_up, shared_down), main_grads,
-              (routed_gate, routed_up, routed_down))  # fmt: skip
+              (routed_gate, routed_up, routed_down), context_exact)  # fmt: skip
 
 
 class _BackwardOp:
@@ -172,13 +178,14 @@ class _BackwardOp:
         self.push = self.epilogue = None  # bound on the first call, with their tensors
 
     def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, shared, main_grads,
-                 routed):  # fmt: skip
+                 routed, context_exact=False):  # fmt: skip
         ws, tables = self.ws(), self.tables
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
         weights = None
         if self.mxfp8:
             weights, self.first_weights = self.first_weights or mxfp8_weights(routed), None
-            gate, up = mxfp8_gate_up(gate, up)
+            if not context_exact:
+                gate, up = mxfp8_gate_up(gate, up)
         if tables is None:
             d_router = torch.empty(router_weights.shape, dtype=torch.float32, device=x.device)
         else:
@@ -195,9 +202,12 @@ class _BackwardOp:
         self.push(partials, schedule, router_weights, d_router)
         group_barrier(ws, "PEER_BARRIER_END")
         if not self.in_launch:
-            gradients = mxfp8_weight_gradients if self.mxfp8 else _weight_gradients
-            routed_grads = gradients(dy_e, x_routed, d_gate, d_up, hidden,
-                                     schedule.tokens_per_expert, main_grads[:3])  # fmt: skip
+            operands = (dy_e, x_routed, d_gate, d_up, hidden, schedule.tokens_per_expert,
+                        main_grads[:3])  # fmt: skip
+            if self.mxfp8:
+                routed_grads = mxfp8_weight_gradients(*operands, context_exact)
+            else:
+                routed_grads = _weight_gradients(*operands)
         if tables is not None:
             d_router = d_router.clone()  # the buffer is the next call's
         # Distinct empty tensors: custom-op outputs may not alias each other.
