@@ -170,11 +170,10 @@ def test_mxfp8_forward_megakernel_launch_packs(monkeypatch, kernels):
         moe_forward.routed_forward(x, schedule, k, pairs[0][:1], *pairs[1:])
 
 
-@pytest.mark.parametrize("weight_grads", [True, False])
-def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
-    from mok import reference as R
+def _backward_launcher_on_cpu(monkeypatch):
+    """mok.launchers.backward_megakernel with its CUDA-only checks and lookups made CPU-safe."""
     from mok.launchers import backward_megakernel as moe_backward
-    from mok.launchers import comm, device_args, megakernel_walk
+    from mok.launchers import device_args, megakernel_walk
 
     def check_on_cpu(name, tensor, dtype, shape, **_):  # the launcher's checks, minus "on CUDA"
         assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
@@ -185,6 +184,15 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
     monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
     device_args.clear_descriptor_cache()
+    return moe_backward
+
+
+@pytest.mark.parametrize("weight_grads", [True, False])
+def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
+    from mok import reference as R
+    from mok.launchers import comm, device_args
+
+    moe_backward = _backward_launcher_on_cpu(monkeypatch)
     t, h, i, e, k = 256, 256, 256, 4, 2
     ids = torch.randint(0, e, (t, k))
     schedule = R.make_schedule(ids, num_local_experts=e, capacity=t * k + e * 128)
@@ -222,17 +230,9 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
 
 def test_mxfp8_backward_megakernel_launch_packs(monkeypatch, kernels):
     from mok import reference as R
-    from mok.launchers import backward_megakernel as moe_backward
-    from mok.launchers import device_args, megakernel_walk
+    from mok.launchers import device_args
 
-    def check_on_cpu(name, tensor, dtype, shape, **_):  # the launcher's checks, minus "on CUDA"
-        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
-
-    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
-    monkeypatch.setattr(moe_backward, "sm_count", lambda device: 132)
-    monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
-    monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
-    monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
+    moe_backward = _backward_launcher_on_cpu(monkeypatch)
     encoded = []
     real_descriptor = device_args.tma_descriptor
 
