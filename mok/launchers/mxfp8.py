@@ -29,17 +29,7 @@ ALIGNMENT = 16
 def mxfp8_quantize(x: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from mok.runtime import get_kernel  # noqa: PLC0415
 
-    if x.dtype != torch.bfloat16 or x.dim() < 2 or not x.is_contiguous():
-        raise ValueError(
-            f"x must be a contiguous bf16 tensor with >= 2 dims, got {x.dtype} {list(x.shape)} "
-            f"(contiguous={x.is_contiguous()})"
-        )
-    rows, cols = x.shape[-2], x.shape[-1]
-    if rows % TILE or cols % TILE:
-        raise ValueError(
-            f"the last two dims of x must be multiples of {TILE}, got {list(x.shape[-2:])}"
-        )
-    batch = x.numel() // (rows * cols)
+    batch, rows, cols = _matrices("x", x, torch.bfloat16)
     out_rows, out_cols = (cols, rows) if transpose else (rows, cols)
     data = torch.empty((*x.shape[:-2], out_rows, out_cols), dtype=torch.float8_e4m3fn,
                        device=x.device)  # fmt: skip
