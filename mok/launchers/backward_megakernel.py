@@ -63,9 +63,8 @@ def routed_backward(
     `mxfp8`: the MXFP8 variant (SEMANTICS §5). The weights are the bf16 values of the MXFP8
     copies, new tensors on every call (bound per launch; their shapes are fixed by the plan's
     key, or its op's MXFP8 tuples, so they pass the plan's checks as the first call's did); gate
-    and up the context's round trips
-    along I; the GEMMs read dY_e's round trip along H and d_gate's and d_up's along I (scratch
-    per call). No weight gradients in the launch (`weight_grads` must be False): their operands
+    and up the context's round trips along I; the GEMMs read dY_e's round trip along H and
+    d_gate's and d_up's along I (scratch per call). No weight gradients in the launch (`weight_grads` must be False): their operands
     are round-tripped along the tokens first (backward_op.py).
     """
     key = (
