@@ -15,6 +15,7 @@ from cutlass import BFloat16, Int32, Int64, Uint8, Uint32
 
 from .args import global_pointer
 from .mxfp8_values import dequantize_word, scale_bits_of, transpose_halves
+from .tile_views import word_matrix
 
 TILE = 128  # rows and columns of one CTA tile (= one 512-byte scale tile)
 VECTOR = 8  # elements per thread per pass: an 8-byte load, a 16-byte store
@@ -118,14 +119,7 @@ class Mxfp8Dequantize:
             )
 
         # ---- views: E4M3 input [rows, cols] as 32-bit words, scales as words ----
-        in_words_per_row = num_cols // 4
-        mQ = cute.make_tensor(
-            cute.recast_ptr(input_ptr, dtype=Uint32),
-            cute.make_layout(
-                (num_rows, in_words_per_row),
-                stride=(cute.assume(Int64(in_words_per_row), divby=TILE // 4), 1),
-            ),
-        )
+        mQ = word_matrix(input_ptr, num_rows, num_cols, 4)
         # One word per (input row, 128-column tile): its 4 blocks' scale bytes.
         mS = cute.make_tensor(
             cute.recast_ptr(scale_ptr, dtype=Uint32),
@@ -140,14 +134,7 @@ class Mxfp8Dequantize:
         if cutlass.const_expr(self.transposed):
             out_rows, out_cols = num_cols, num_rows
             out_tile = (tile_col, tile_row)
-        out_words_per_row = out_cols // 2
-        mY = cute.make_tensor(
-            cute.recast_ptr(output_ptr, dtype=Uint32),
-            cute.make_layout(
-                (out_rows, out_words_per_row),
-                stride=(cute.assume(Int64(out_words_per_row), divby=TILE // 2), 1),
-            ),
-        )
+        mY = word_matrix(output_ptr, out_rows, out_cols, 2)
         gY = cute.flat_divide(
             cute.local_tile(mY, (TILE, TILE // 2), out_tile), (1, VECTOR // 2)
         )  # (1, 4, 128 output rows, 16 chunks)

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
+from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from .args import global_pointer
 from .ptx import cvt_e4m3x2_rn_satfinite, mul_rn, mxfp8_scale_from_amax
+from .tile_views import matrix, word_matrix
 
 TILE = 128  # input rows and columns of one CTA tile (= one 512-byte scale tile)
 VECTOR = 8  # a thread owns VECTOR input rows x VECTOR input columns
@@ -92,20 +93,8 @@ class Mxfp8QuantizeTransposed:
         num_rows = cute.assume(num_rows, divby=TILE)
 
         # ---- views: input [rows, cols] bf16; output [cols, rows] as 32-bit words ----
-        mX = cute.make_tensor(
-            input_ptr,
-            cute.make_layout(
-                (num_rows, num_cols), stride=(cute.assume(Int64(num_cols), divby=TILE), 1)
-            ),
-        )
-        words_per_row = num_rows // 4
-        mQ = cute.make_tensor(
-            cute.recast_ptr(output_ptr, dtype=Uint32),
-            cute.make_layout(
-                (num_cols, words_per_row),
-                stride=(cute.assume(Int64(words_per_row), divby=TILE // 4), 1),
-            ),
-        )
+        mX = matrix(input_ptr, num_rows, num_cols)
+        mQ = word_matrix(output_ptr, num_cols, num_rows, 4)
         mS = cute.make_tensor(scale_ptr, cute.make_layout(num_cols * (num_rows // TILE) * 4))
         gX = cute.flat_divide(
             cute.local_tile(mX, (TILE, TILE), (tile_row, tile_col)), (1, VECTOR)

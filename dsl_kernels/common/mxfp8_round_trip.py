@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Float32, Int32, Uint32
 
 from .args import global_pointer
 from .mxfp8_values import e4m3x2_to_bf16x2, round_trip_chunk, scale_bits_of, transpose_halves
 from .ptx import cvt_e4m3x2_rn_satfinite, mul_rn, mxfp8_scale_from_amax
+from .tile_views import matrix, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile
 VECTOR = 8  # bf16 elements per 16-byte load or store
@@ -101,21 +102,9 @@ class Mxfp8RoundTrip:
         num_rows = cute.assume(num_rows, divby=TILE)
 
         # ---- views: input bf16 [rows, cols]; output the same matrix as 32-bit words ----
-        mX = cute.make_tensor(
-            input_ptr,
-            cute.make_layout(
-                (num_rows, num_cols), stride=(cute.assume(Int64(num_cols), divby=TILE), 1)
-            ),
-        )
+        mX = matrix(input_ptr, num_rows, num_cols)
         # The bf16 output viewed as 32-bit words (bf16x2), the form the round trips return.
-        words_per_row = num_cols // 2
-        mY = cute.make_tensor(
-            cute.recast_ptr(output_ptr, dtype=Uint32),
-            cute.make_layout(
-                (num_rows, words_per_row),
-                stride=(cute.assume(Int64(words_per_row), divby=TILE // 2), 1),
-            ),
-        )
+        mY = word_matrix(output_ptr, num_rows, num_cols, 2)
         gX = cute.flat_divide(
             cute.local_tile(mX, (TILE, TILE), (tile_row, tile_col)), (1, VECTOR)
         )  # (1, 8, 128 rows, 16 column chunks)
