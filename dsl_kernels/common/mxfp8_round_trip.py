@@ -14,8 +14,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 
 from .args import global_pointer
-from .mxfp8_values import e4m3x2_to_bf16x2, round_trip_chunk, scale_bits_of, transpose_halves
-from .ptx import cvt_e4m3x2_rn_satfinite, mul_rn, mxfp8_scale_from_amax
+from .mxfp8_values import round_trip_chunk, transpose_halves
 from .tile_views import matrix, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile
@@ -158,20 +157,12 @@ class Mxfp8RoundTrip:
         # by_column[k, j] = bf16x2 of rows 2k, 2k + 1 of column j (low half: row 2k)
         by_column = cute.make_rmem_tensor((VECTOR // 2, VECTOR), Uint32)
         column = cute.make_rmem_tensor((VECTOR,), Float32)
+        words = cute.make_rmem_tensor((VECTOR // 2,), Uint32)
         for j in cutlass.range_constexpr(VECTOR):
             column.store(values[j, None].load().to(Float32))
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(VECTOR):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(column[i], -column[i]))
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=8))
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=16))
-            scale_byte, inv_scale = mxfp8_scale_from_amax(amax)
-            scale_bits = scale_bits_of(scale_byte)
+            round_trip_chunk(column, words, lane_stride=8)  # the block's 4 lanes: bits 3, 4
             for k in cutlass.range_constexpr(VECTOR // 2):
-                pair = cvt_e4m3x2_rn_satfinite(
-                    mul_rn(column[2 * k], inv_scale), mul_rn(column[2 * k + 1], inv_scale)
-                )
-                by_column[k, j] = e4m3x2_to_bf16x2(pair, scale_bits)
+                by_column[k, j] = words[k]
 
         # ---- per row: columns 2w, 2w + 1 from the halves of two column words, store 16 B ----
         for k in cutlass.range_constexpr(VECTOR // 2):

@@ -59,15 +59,17 @@ def scale_bits_of(byte: Uint32) -> Uint32:
 
 
 @cute.jit
-def round_trip_chunk(values: cute.Tensor, out: cute.Tensor):
+def round_trip_chunk(values: cute.Tensor, out: cute.Tensor,
+                     lane_stride: cutlass.Constexpr[int] = 1):  # fmt: skip
     """`out` (Uint32 [4], bf16x2) = the MXFP8 round trip of this lane's 8 fp32 `values` (bf16
-    values widened), its 32-element block being the 8-element chunks of the 4 adjacent lanes
-    (lane bits 0 and 1), every one of which must call this together."""
+    values widened), its 32-element block being the 8-element chunks of 4 lanes: the adjacent
+    ones (lane bits 0 and 1), or those `lane_stride` apart (stride 8: lane bits 3 and 4), every
+    one of which must call this together."""
     amax = Float32(0.0)
     for i in cutlass.range_constexpr(CHUNK):
         amax = cute.arch.fmax(amax, cute.arch.fmax(values[i], -values[i]))
-    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
-    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
+    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=lane_stride))
+    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2 * lane_stride))
     scale_byte, inv_scale = mxfp8_scale_from_amax(amax)
     scale_bits = scale_bits_of(scale_byte)
     for w in cutlass.range_constexpr(CHUNK // 2):
