@@ -1,51 +1,14 @@
-"""Launchers' argument dicts against the shipped manifest, on CPU (dispatch, megakernel).
-
-A fake kernel records the launch and packs its arguments with the runtime's `pack_args` for the
-real sm_90a manifest entry: a name the kernel does not take, or one it lacks, fails here
-instead of on the GPU.
+"""Launchers' argument dicts against the shipped manifest, on CPU (dispatch, megakernel),
+through tests/fake_kernels.py's FakeKernel.
 """
 
 from __future__ import annotations
 
-import mok.runtime as runtime
 import pytest
 import torch
-from mok.runtime.launch import pack_args
+from fake_kernels import FakeKernel, fake_kernels
 
 from mok.launchers import dispatch
-
-
-class _FakeKernel:
-    device_index = 0
-
-    def __init__(self, name: str):
-        self.variant = runtime.load_manifest().variant(name, "sm_90a")
-        self.launches = []
-
-    def make_tma_descriptor(self, param, tensor):
-        spec = self.variant.tma_spec(param)
-        assert spec is not None, f"no TMA spec for {param}"
-        return runtime.TmaDescriptor(spec, bytes(128))
-
-    def launch(self, grid, args):
-        addresses = {
-            k: (v.data_ptr() if isinstance(v, torch.Tensor) else v) for k, v in args.items()
-        }
-        pack_args(self.variant, addresses)
-        self.launches.append((grid, args))
-
-    def bind(self, grid, args, dynamic=()):
-        """A launch plan's bound launch: each launch records the bound args with the dynamic
-        values written over them (addresses as ints, descriptors as given)."""
-        kernel = self
-
-        class _Bound:
-            def launch(self, *values, stream=None):
-                kernel.launch(grid, {**args, **dict(zip(dynamic, values, strict=True))})
-
-        pack_args(self.variant, {k: (v.data_ptr() if isinstance(v, torch.Tensor) else v)
-                                 for k, v in args.items()})  # fmt: skip
-        return _Bound()
 
 
 class _Record:
@@ -55,15 +18,8 @@ class _Record:
 
 @pytest.fixture()
 def kernels(monkeypatch):
-    """{name: _FakeKernel} of every kernel a launcher asks the runtime for."""
-    made = {}
-
-    def fake_get_kernel(name, device=None, **_):
-        made[name] = _FakeKernel(name)
-        return made[name]
-
-    monkeypatch.setattr(runtime, "get_kernel", fake_get_kernel)
-    return made
+    """{name: FakeKernel} of every kernel a launcher asks the runtime for."""
+    return fake_kernels(monkeypatch)
 
 
 def test_gather_rows_launch_packs(kernels):
@@ -431,8 +387,8 @@ def test_forward_plan_is_reused_and_rechecked(monkeypatch, kernels):
     gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
     down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
     binds = []
-    original_bind = _FakeKernel.bind
-    monkeypatch.setattr(_FakeKernel, "bind", lambda self, *a, **kw: binds.append(1)
+    original_bind = FakeKernel.bind
+    monkeypatch.setattr(FakeKernel, "bind", lambda self, *a, **kw: binds.append(1)
                         or original_bind(self, *a, **kw))  # fmt: skip
     xs = [torch.randn(t, h).to(torch.bfloat16) for _ in range(2)]
     for x in xs:

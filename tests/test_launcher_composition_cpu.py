@@ -13,6 +13,7 @@ import importlib
 
 import pytest
 import torch
+from fake_kernels import fake_push_router_grads
 
 from mok import reference as R
 from mok.launchers import dispatch, expert_gemm, expert_gemm_bwd, mxfp8
@@ -130,18 +131,6 @@ def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, 
             for a, b in ((d_gate, x_routed), (d_up, x_routed), (dy_e, hidden))
         ]
     return dy_e, d_gate, d_up, partials, slots, d_weights
-
-
-def fake_push_router_grads(partials, schedule, router_weights, d_router, *, peers=None):
-    """The router_grad_push kernel's math: each real row's block sum (increasing b) over w."""
-    real = schedule.peer_rank >= 0
-    slot = schedule.peer_token_idx[real].long()
-    total = torch.zeros(partials.shape[0])
-    for b in range(partials.shape[1]):
-        total = total + partials[:, b]
-    w = router_weights.reshape(-1)[slot]
-    d_router.view(-1)[slot] = total[real] / w.clamp_min(torch.finfo(torch.float32).tiny)
-    return d_router
 
 
 def _fake_forward_plan(x, schedule, topk, gate_w, up_w, down_w, limit, *_):

@@ -21,12 +21,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-import mok.runtime as runtime
 import pytest
 import torch
 import torch.distributed as dist
 from ep_worker import run_on_gloo_group
-from mok.runtime.launch import pack_args
+from fake_kernels import fake_kernels, fake_push_router_grads
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mok import functional as F
@@ -384,17 +383,6 @@ def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, 
     return dy_e, d_gate, d_up, partials, slots, None
 
 
-def fake_push_router_grads(partials, schedule, router_weights, d_router, *, peers=None):
-    real = schedule.peer_rank >= 0
-    slot = schedule.peer_token_idx[real].long()
-    total = torch.zeros(partials.shape[0])
-    for b in range(partials.shape[1]):
-        total = total + partials[:, b]
-    w = router_weights.reshape(-1)[slot]
-    d_router.view(-1)[slot] = total[real] / w.clamp_min(torch.finfo(torch.float32).tiny)
-    return d_router
-
-
 def fake_gather_rows(src, peer_rank, peer_token_idx, num_tokens, topk, *, out=None, peers=None):
     rows = R.pull_rows(src, peer_rank, peer_token_idx.long() // topk, None)
     if out is None:
@@ -566,35 +554,10 @@ def test_gpu_ops_hand_a_small_macrobatch_to_the_ring_launchers(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-class _FakeKernel:
-    device_index = 0
-
-    def __init__(self, name: str):
-        self.variant = runtime.load_manifest().variant(name, "sm_90a")
-        self.launches = []
-
-    def make_tma_descriptor(self, param, tensor):
-        spec = self.variant.tma_spec(param)
-        assert spec is not None, f"no TMA spec for {param}"
-        return runtime.TmaDescriptor(spec, bytes(128))
-
-    def launch(self, grid, args):
-        addresses = {k: (v.data_ptr() if isinstance(v, torch.Tensor) else v)
-                     for k, v in args.items()}  # fmt: skip
-        pack_args(self.variant, addresses)
-        self.launches.append((grid, args))
-
-
 def test_new_kernels_launch_packs(monkeypatch):
     from mok.launchers import device_args
 
-    made = {}
-
-    def fake_get_kernel(name, device=None, **_):
-        made[name] = _FakeKernel(name)
-        return made[name]
-
-    monkeypatch.setattr(runtime, "get_kernel", fake_get_kernel)
+    made = fake_kernels(monkeypatch)
     monkeypatch.setattr(macrobatch, "sm_count", lambda device: 132)
     monkeypatch.setattr(macrobatch, "check_cuda", lambda name, t, dtype, shape: None)
     device_args.clear_descriptor_cache()
