@@ -143,20 +143,31 @@ def _backward_launcher_on_cpu(monkeypatch):
     return moe_backward
 
 
+BACKWARD_SIZES = (256, 256, 256, 4, 2)  # t, h, i, e, k
+
+
+def _backward_operands():
+    """(schedule, dY, w, x_routed, gate, up, hidden) of a routed backward at BACKWARD_SIZES."""
+    from mok import reference as R
+
+    t, h, i, e, k = BACKWARD_SIZES
+    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
+                               capacity=t * k + e * 128)  # fmt: skip
+    c = schedule.capacity
+    dy, w = torch.zeros(t, h, dtype=torch.bfloat16), torch.ones(t, k)
+    x_routed = torch.zeros(c, h, dtype=torch.bfloat16)
+    gate, up, hidden = (torch.zeros(c, i, dtype=torch.bfloat16) for _ in range(3))
+    return schedule, dy, w, x_routed, gate, up, hidden
+
+
 @pytest.mark.parametrize("weight_grads", [True, False])
 def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
-    from mok import reference as R
     from mok.launchers import comm, device_args
 
     moe_backward = _backward_launcher_on_cpu(monkeypatch)
-    t, h, i, e, k = 256, 256, 256, 4, 2
-    ids = torch.randint(0, e, (t, k))
-    schedule = R.make_schedule(ids, num_local_experts=e, capacity=t * k + e * 128)
+    t, h, i, e, k = BACKWARD_SIZES
+    schedule, dy, w, x_routed, gate, up, hidden = _backward_operands()
     c = schedule.capacity
-    dy = torch.zeros(t, h, dtype=torch.bfloat16)
-    w = torch.ones(t, k)
-    x_routed = torch.zeros(c, h, dtype=torch.bfloat16)
-    gate, up, hidden = (torch.zeros(c, i, dtype=torch.bfloat16) for _ in range(3))
     gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
     down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
     *_, d_weights = moe_backward.routed_backward(
@@ -185,7 +196,6 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
 
 
 def test_mxfp8_backward_megakernel_launch_packs(monkeypatch, kernels):
-    from mok import reference as R
     from mok.launchers import device_args
 
     moe_backward = _backward_launcher_on_cpu(monkeypatch)
@@ -200,13 +210,8 @@ def test_mxfp8_backward_megakernel_launch_packs(monkeypatch, kernels):
     monkeypatch.setattr(moe_backward.Descriptors, "get",
                         lambda self, t: descriptor(self.kernel, self.param, t))  # fmt: skip
     device_args.clear_descriptor_cache()
-    t, h, i, e, k = 256, 256, 256, 4, 2
-    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
-                               capacity=t * k + e * 128)  # fmt: skip
-    c = schedule.capacity
-    dy, w = torch.zeros(t, h, dtype=torch.bfloat16), torch.ones(t, k)
-    x_routed = torch.zeros(c, h, dtype=torch.bfloat16)
-    gate, up, hidden = (torch.zeros(c, i, dtype=torch.bfloat16) for _ in range(3))
+    t, h, i, e, k = BACKWARD_SIZES
+    schedule, dy, w, x_routed, gate, up, hidden = _backward_operands()
 
     def weights():  # the dequantised bf16 weights: new tensors on every call
         return (torch.zeros(e, i, h, dtype=torch.bfloat16),
@@ -310,7 +315,6 @@ def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):
 
 
 def test_backward_megakernel_packs_peer_tables(monkeypatch, kernels):
-    from mok import reference as R
     from mok.launchers import backward_megakernel as moe_backward
     from mok.launchers import device_args, megakernel_walk
 
@@ -322,13 +326,8 @@ def test_backward_megakernel_packs_peer_tables(monkeypatch, kernels):
     monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
     monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
     device_args.clear_descriptor_cache()
-    t, h, i, e, k = 256, 256, 256, 4, 2
-    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
-                               capacity=t * k + e * 128)  # fmt: skip
-    c = schedule.capacity
-    dy, w = torch.zeros(t, h, dtype=torch.bfloat16), torch.ones(t, k)
-    x_routed = torch.zeros(c, h, dtype=torch.bfloat16)
-    gate, up, hidden = (torch.zeros(c, i, dtype=torch.bfloat16) for _ in range(3))
+    t, h, i, e, k = BACKWARD_SIZES
+    schedule, dy, w, x_routed, gate, up, hidden = _backward_operands()
     gate_w, down_w = (
         torch.zeros(e, i, h, dtype=torch.bfloat16),
         torch.zeros(e, h, i, dtype=torch.bfloat16),
