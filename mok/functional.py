@@ -405,8 +405,14 @@ def backward(
         routed_gate_weights, routed_up_weights, routed_down_weights, limit,
         config.bwd_num_comm_sms, config.minibatch_size, config.macrobatch_size, *main,
     )  # fmt: skip
+    return backward_outputs(grads, main, has_shared)
+
+
+def backward_outputs(grads, main_grads, has_shared: bool) -> tuple:
+    """The backward op's outputs as `backward` returns them: a gradient that went into its
+    main_grad is that main_grad, the shared ones None without a shared expert."""
     d_x, d_router, weight_grads = grads[0], grads[1], list(grads[2:])
-    for i, main_grad in enumerate(main):
+    for i, main_grad in enumerate(main_grads):
         if main_grad is not None:
             weight_grads[i] = main_grad
     if not has_shared:

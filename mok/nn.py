@@ -22,6 +22,7 @@ from . import functional
 from .config import FEATURE_ALIGNMENT, MAX_TOPK, MoKConfig
 from .errors import MoKInputError
 from .groups import group_rank_size
+from .layer_plan import LayerStep, LayerSteps
 from .types import MoKForwardContext, MoKSchedule
 from .validation import check_int, check_swiglu_limit, check_tensor, check_type, same_device
 from .workspace import MoKWorkspace, check_cuda_available, workspace_from_handle
@@ -39,18 +40,23 @@ class MoKFunction(torch.autograd.Function):
         swiglu_limit: float | None,
         recompute: bool,
         accumulate_main_grad: bool,
+        step: LayerStep | None,
         x: torch.Tensor,
         router_weights: torch.Tensor,
         *weights: torch.Tensor | None,
     ) -> torch.Tensor:
-        out, fwd_ctx = functional.forward(
-            config, workspace, schedule, x, router_weights, *weights, swiglu_limit=swiglu_limit
-        )
-        ctx.config, ctx.workspace, ctx.schedule = config, workspace, schedule
+        if step is not None:  # a resolved step (mok/layer_plan.py): its plans, no re-check
+            out, saved_ctx = step.forward(schedule, x, router_weights, weights)
+        else:
+            out, fwd_ctx = functional.forward(
+                config, workspace, schedule, x, router_weights, *weights,
+                swiglu_limit=swiglu_limit,
+            )  # fmt: skip
+            saved_ctx = () if recompute else tuple(t for t in fwd_ctx.tensors() if t is not None)
+        ctx.config, ctx.workspace, ctx.schedule, ctx.step = config, workspace, schedule, step
         ctx.swiglu_limit, ctx.recompute = swiglu_limit, recompute
         ctx.accumulate_main_grad = accumulate_main_grad
         ctx.has_shared = weights[0] is not None
-        saved_ctx = () if recompute else tuple(t for t in fwd_ctx.tensors() if t is not None)
         ctx.save_for_backward(x, router_weights, *weights, *saved_ctx)
         return out
 
@@ -58,6 +64,12 @@ class MoKFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x, router_weights, *rest = ctx.saved_tensors
         weights, saved_ctx = rest[:6], rest[6:]
+        grad_output = grad_output.contiguous()
+        step = ctx.step
+        if step is not None:
+            grads = step.backward(ctx.schedule, saved_ctx, grad_output, x, router_weights, weights)
+            if grads is not None:
+                return (None,) * 7 + _module_order(grads)
         shared_gate, shared_up, _, routed_gate, routed_up, _ = weights
         if ctx.recompute:
             fwd_ctx = functional.recompute_forward_context(
@@ -73,16 +85,25 @@ class MoKFunction(torch.autograd.Function):
             order = (3, 4, 5, 0, 1, 2)
             main_grads = tuple(getattr(weights[i], "main_grad", None) for i in order)
         grads = functional.backward(
-            ctx.config, ctx.workspace, ctx.schedule, fwd_ctx, grad_output.contiguous(), x,
-            router_weights, *weights, swiglu_limit=ctx.swiglu_limit, main_grads=main_grads,
+            ctx.config, ctx.workspace, ctx.schedule, fwd_ctx, grad_output, x, router_weights,
+            *weights, swiglu_limit=ctx.swiglu_limit, main_grads=main_grads,
         )  # fmt: skip
-        d_x, d_router, dr_gate, dr_up, dr_down, ds_gate, ds_up, ds_down = grads
-        weight_grads = [ds_gate, ds_up, ds_down, dr_gate, dr_up, dr_down]
-        if main_grads is not None:
-            for i, main_grad in zip((3, 4, 5, 0, 1, 2), main_grads, strict=True):
-                if main_grad is not None:
-                    weight_grads[i] = None  # accumulated into main_grad instead
-        return (None, None, None, None, None, None, d_x, d_router, *weight_grads)
+        if step is not None:  # its plan for the next steps
+            step.resolve_backward(ctx.schedule, saved_ctx, grad_output, x, router_weights, weights)
+        return (None,) * 7 + _module_order(grads, main_grads)
+
+
+def _module_order(grads, main_grads=None) -> tuple:
+    """`functional.backward`'s (d_x, d_router, routed g/u/d, shared g/u/d) as MoKFunction's
+    input gradients (d_x, d_router, shared g/u/d, routed g/u/d); None where a gradient went
+    into its main_grad."""
+    d_x, d_router, dr_gate, dr_up, dr_down, ds_gate, ds_up, ds_down = grads
+    weight_grads = [ds_gate, ds_up, ds_down, dr_gate, dr_up, dr_down]
+    if main_grads is not None:
+        for i, main_grad in zip((3, 4, 5, 0, 1, 2), main_grads, strict=True):
+            if main_grad is not None:
+                weight_grads[i] = None  # accumulated into main_grad instead
+    return (d_x, d_router, *weight_grads)
 
 
 def moe(
@@ -104,7 +125,7 @@ def moe(
 ) -> torch.Tensor:
     """Differentiable mok layer: `functional.forward` with autograd attached."""
     return MoKFunction.apply(
-        config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad, x,
+        config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad, None, x,
         router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
         routed_gate_weights, routed_up_weights, routed_down_weights,
     )  # fmt: skip
@@ -174,6 +195,7 @@ class MoKExperts(nn.Module):
         self.group, self.config = group, config
         self.swiglu_limit, self.recompute = swiglu_limit, recompute
         self.accumulate_main_grad = accumulate_main_grad
+        self._steps = LayerSteps()
         e, h, i = self.num_local_experts, hidden_size, intermediate_size
         kw = dict(device=device, dtype=dtype)
         self.gate_weight = nn.Parameter(torch.empty(e, i, h, **kw))
@@ -218,17 +240,28 @@ class MoKExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, router_weights: torch.Tensor, top_experts: torch.Tensor
     ) -> torch.Tensor:
+        # A step whose key the full path ran before: its plans (mok/layer_plan.py).
+        key = self._steps.key(self, x, router_weights, top_experts)
+        step = self._steps.get(key, self.config)
+        if step is not None:
+            schedule = step.schedule(top_experts)
+            return MoKFunction.apply(
+                self.config, step.ws(), schedule, self.swiglu_limit, False, False, step, x,
+                router_weights, *self.weights(),
+            )  # fmt: skip
         # Checked before the workspace is made: a bad call leaves no workspace behind.
         self._check_inputs(x, router_weights, top_experts)
         ws = self.workspace(x.shape[0], x.device)
         schedule = functional.build_schedule(
             ws, self.config, top_experts, num_local_experts=self.num_local_experts
         )
-        return moe(
+        out = moe(
             self.config, ws, schedule, x, router_weights, *self.weights(),
             swiglu_limit=self.swiglu_limit, recompute=self.recompute,
             accumulate_main_grad=self.accumulate_main_grad,
         )  # fmt: skip
+        self._steps.add(key, self, ws, schedule, x, router_weights, top_experts)
+        return out
 
     def _check_inputs(self, x, router_weights, top_experts) -> None:
         check_type("x", x, torch.Tensor)

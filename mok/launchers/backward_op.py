@@ -111,6 +111,24 @@ def backward(
             shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
             minibatch_size, macrobatch_size, main_grads,
         )  # fmt: skip
+    op = backward_op(
+        ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
+        shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
+        minibatch_size, macrobatch_size, main_grads,
+    )  # fmt: skip
+    return op(schedule, ctx_tensors, grad_output, x, router_weights,
+              (shared_gate, shared_up, shared_down), main_grads,
+              (routed_gate, routed_up, routed_down), context_exact)  # fmt: skip
+
+
+def backward_op(
+    ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
+    shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
+    minibatch_size, macrobatch_size, main_grads,
+):  # fmt: skip
+    """The plan of `backward` (without ring reuse) for these arguments, checked when made:
+    op(schedule, ctx_tensors, grad_output, x, router_weights, shared weights, main_grads,
+    routed weights, context_exact) -> backward's outputs."""
     key = (
         "backward", ws.handle, *(tensor_key(t) for t in ctx_tensors), tensor_key(grad_output),
         tensor_key(x), tensor_key(router_weights), tensor_key(schedule.peer_rank),
@@ -130,10 +148,7 @@ def backward(
         )  # fmt: skip
 
     # Not one made for an evicted workspace whose handle this one took over.
-    op = plan(key, make, current=lambda op: op.ws() is ws)
-    return op(schedule, ctx_tensors, grad_output, x, router_weights,
-              (shared_gate, shared_up, shared_down), main_grads,
-              (routed_gate, routed_up, routed_down), context_exact)  # fmt: skip
+    return plan(key, make, current=lambda op: op.ws() is ws)
 
 
 class _BackwardOp:
@@ -178,7 +193,9 @@ class _BackwardOp:
         self.push = self.epilogue = None  # bound on the first call, with their tensors
 
     def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, shared, main_grads,
-                 routed, context_exact=False):  # fmt: skip
+                 routed, context_exact=False, placeholders=True):  # fmt: skip
+        """The op's outputs; without a shared expert its gradients are three distinct empty
+        tensors (custom-op outputs may not alias each other), or None without `placeholders`."""
         ws, tables = self.ws(), self.tables
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
         weights = None
@@ -210,8 +227,9 @@ class _BackwardOp:
                 routed_grads = _weight_gradients(*operands)
         if tables is not None:
             d_router = d_router.clone()  # the buffer is the next call's
-        # Distinct empty tensors: custom-op outputs may not alias each other.
-        d_x_shared, shared_grads = None, [x.new_empty(0), x.new_empty(0), x.new_empty(0)]
+        d_x_shared, shared_grads = None, [None, None, None]
+        if placeholders:
+            shared_grads = [x.new_empty(0), x.new_empty(0), x.new_empty(0)]
         if shared[0] is not None:
             d_x_shared, shared_grads = _shared_backward(
                 grad_output, x, (gate_s, up_s, hidden_s), shared, self.limit,

@@ -223,14 +223,15 @@ def all_gather_top_experts(
     chunk_bytes = getattr(config, "all_gather_top_experts_chunk_bytes", None)
     key = ("all_gather_top_experts", workspace.handle, tensor_key(top_experts), chunk_bytes,
            timeout_ns, num_experts, manifest, current_stream(workspace.device.index or 0))  # fmt: skip
-    bound = plan(key, lambda: _bind_all_gather(workspace, config, top_experts, timeout_ns,
-                                               num_experts, manifest))  # fmt: skip
+    bound = plan(key, lambda: all_gather_plan(workspace, config, top_experts, timeout_ns,
+                                              num_experts, manifest))  # fmt: skip
     bound.launch(top_experts.data_ptr(), stream=key[-1])
     return workspace.buffers["all_gather_top_experts_buffer"]
 
 
-def _bind_all_gather(workspace, config, top_experts, timeout_ns, num_experts, manifest):
-    """The all-gather's launch for one workspace and config, after its full checks."""
+def all_gather_plan(workspace, config, top_experts, timeout_ns, num_experts, manifest=None):
+    """The all-gather's launch for one workspace and config, after its full checks (a
+    BoundLaunch: launch(top_experts.data_ptr(), stream=...))."""
     from mok.runtime import WaitPhase, get_kernel  # noqa: PLC0415
 
     _check_timeout(timeout_ns)

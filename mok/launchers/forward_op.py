@@ -73,6 +73,20 @@ def forward(
             routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size,
             macrobatch_size,
         )  # fmt: skip
+    op = forward_op(
+        ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
+        routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
+    )  # fmt: skip
+    return op(schedule, x, router_weights, (shared_gate, shared_up, shared_down),
+              (routed_gate, routed_up, routed_down))  # fmt: skip
+
+
+def forward_op(
+    ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
+    routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
+):  # fmt: skip
+    """The plan of `forward` (without ring reuse) for these arguments, checked when made:
+    op(schedule, x, router_weights, shared weights, routed weights) -> forward's outputs."""
     key = (
         "forward", ws.handle, tensor_key(x), tensor_key(router_weights),
         tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
@@ -90,9 +104,7 @@ def forward(
         )  # fmt: skip
 
     # Not one made for an evicted workspace whose handle this one took over.
-    op = plan(key, make, current=lambda op: op.ws() is ws)
-    return op(schedule, x, router_weights, (shared_gate, shared_up, shared_down),
-              (routed_gate, routed_up, routed_down))  # fmt: skip
+    return plan(key, make, current=lambda op: op.ws() is ws)
 
 
 class _ForwardOp:
@@ -117,13 +129,16 @@ class _ForwardOp:
         )  # fmt: skip
         self.epilogue = None  # bound on the first call, with its slots and y_shared
 
-    def __call__(self, schedule, x, router_weights, shared, routed):
+    def __call__(self, schedule, x, router_weights, shared, routed, placeholders=True):
+        """The op's outputs; without a shared expert its context is three distinct empty
+        tensors (custom-op outputs may not alias each other), or None without `placeholders`."""
         ws = self.ws()
         publish_x(ws, x, self.tables)
         routed_ctx, slots = self.routed(x, schedule, self.slots, routed)
         group_barrier(ws, "PEER_BARRIER_END")
-        # Distinct empty tensors: custom-op outputs may not alias each other.
-        shared_ctx, y_shared = (x.new_empty(0), x.new_empty(0), x.new_empty(0)), None
+        shared_ctx, y_shared = (None, None, None), None
+        if placeholders:
+            shared_ctx = (x.new_empty(0), x.new_empty(0), x.new_empty(0))
         if shared[0] is not None:
             *shared_ctx, y_shared = _shared(x, *shared, self.limit)
         if self.epilogue is None:

@@ -118,11 +118,19 @@ def launch_schedule(
            tensor_key(peer_token_idx), tensor_key(num_tokens), tensor_key(tokens_per_expert),
            static_status if static_status is not None else tensor_key(status), ep_rank,
            num_local_experts, current_stream(top_experts_all.get_device()))  # fmt: skip
-    launches = plan(key, lambda: _SchedulePlan(
+    launches = plan(key, lambda: schedule_plan(
         top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status,
         ep_rank, num_local_experts,
     ))  # fmt: skip
     launches(top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status)
+
+
+def schedule_plan(top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens_per_expert,
+                  status, ep_rank: int, num_local_experts: int):  # fmt: skip
+    """`launch_schedule`'s plan for these shapes (checked now): plan(top_experts_all,
+    peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status) launches."""
+    return _SchedulePlan(top_experts_all, peer_rank, peer_token_idx, num_tokens,
+                         tokens_per_expert, status, ep_rank, num_local_experts)  # fmt: skip
 
 
 class _SchedulePlan:

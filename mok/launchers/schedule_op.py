@@ -7,8 +7,13 @@ device's value-status words (launchers/status.py): the next mok op on the device
 
 from __future__ import annotations
 
+import weakref
+
+import torch
+
 from ..config import MoKConfig
 from . import comm, schedule_kernels
+from .plans import current_stream, plan, tensor_key
 from .status import status_ptr
 
 _CONFIGS: dict[int, MoKConfig] = {}  # by chunk size: made (and validated) once
@@ -17,18 +22,57 @@ _CONFIGS: dict[int, MoKConfig] = {}  # by chunk size: made (and validated) once
 def build_schedule(
     ws, top_experts, num_local_experts: int, capacity: int, chunk_bytes: int
 ):  # fmt: skip
-    config = _CONFIGS.get(chunk_bytes)
-    if config is None:
-        config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
-        _CONFIGS[chunk_bytes] = config
-    gathered = comm.all_gather_top_experts(
-        ws, config, top_experts, timeout_ns=ws.wait_timeout_ns,
-        num_experts=num_local_experts * ws.ep_size,
-    )  # fmt: skip
-    peer_rank, peer_token_idx, num_tokens, tokens_per_expert, _ = (
-        schedule_kernels.build_schedule_gpu(
-            gathered, ep_rank=ws.ep_rank, num_local_experts=num_local_experts, capacity=capacity,
-            status=status_ptr(top_experts.device),
-        )
-    )  # fmt: skip
-    return peer_rank, peer_token_idx, num_tokens, tokens_per_expert
+    return schedule_op(ws, top_experts, num_local_experts, capacity, chunk_bytes)(top_experts)
+
+
+def schedule_op(ws, top_experts, num_local_experts: int, capacity: int, chunk_bytes: int):
+    """The plan of `build_schedule` for these arguments (checked when made): op(top_experts)
+    -> (peer_rank, peer_token_idx, num_tokens, tokens_per_expert)."""
+    ws.require_alive()  # a plan holds the workspace's addresses
+    key = ("build_schedule", ws.handle, tensor_key(top_experts), num_local_experts, capacity,
+           chunk_bytes, current_stream(top_experts.get_device()))  # fmt: skip
+    return plan(
+        key,
+        lambda: _ScheduleOp(ws, top_experts, num_local_experts, capacity, chunk_bytes),
+        # Not one made for an evicted workspace whose handle this one took over.
+        current=lambda op: op.ws() is ws,
+    )
+
+
+class _ScheduleOp:
+    """The all-gather's bound launch, then the schedule kernels' plan into new outputs. The
+    workspace by weak reference (the cache evicts only workspaces nothing else holds)."""
+
+    def __init__(self, ws, top_experts, num_local_experts, capacity, chunk_bytes):
+        config = _CONFIGS.get(chunk_bytes)
+        if config is None:
+            config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
+            _CONFIGS[chunk_bytes] = config
+        self.ws = weakref.ref(ws)
+        self.gather = comm.all_gather_plan(
+            ws, config, top_experts, timeout_ns=ws.wait_timeout_ns,
+            num_experts=num_local_experts * ws.ep_size,
+        )  # fmt: skip
+        self.device, self.device_index = top_experts.device, top_experts.get_device()
+        self.sizes = (capacity, num_local_experts)
+        outputs = self._outputs()
+        self.status = status_ptr(top_experts.device)
+        self.place = schedule_kernels.schedule_plan(
+            ws.buffers["all_gather_top_experts_buffer"], *outputs, self.status, ws.ep_rank,
+            num_local_experts,
+        )  # fmt: skip
+
+    def _outputs(self):
+        capacity, num_local_experts = self.sizes
+        i32, device = torch.int32, self.device
+        return (torch.empty(capacity, dtype=i32, device=device),
+                torch.empty(capacity, dtype=i32, device=device),
+                torch.empty(1, dtype=i32, device=device),
+                torch.empty(num_local_experts, dtype=i32, device=device))  # fmt: skip
+
+    def __call__(self, top_experts):
+        stream = current_stream(self.device_index)
+        self.gather.launch(top_experts.data_ptr(), stream=stream)
+        outputs = self._outputs()
+        self.place(self.ws().buffers["all_gather_top_experts_buffer"], *outputs, self.status)
+        return outputs

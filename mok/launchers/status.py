@@ -71,3 +71,16 @@ def raise_value_errors(device) -> None:
     snapshot = list(words)
     ctypes.memset(ctypes.addressof(words), 0, ctypes.sizeof(words))
     raise ValueError(message(snapshot, f"cuda:{record.device_index}"))
+
+
+def value_error_check(device):
+    """`raise_value_errors(device)` as a callable that reads the words it holds (a resolved
+    layer step calls it before each op)."""
+    words = get_error_record(device).status
+    a, b, c, d = _REPORTED
+
+    def check() -> None:
+        if words[a] or words[b] or words[c] or words[d]:
+            raise_value_errors(device)
+
+    return check

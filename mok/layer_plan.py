@@ -1,0 +1,176 @@
+"""A `MoKExperts` step's launcher plans, resolved once per key and then called directly.
+
+An eager training step calls the layer with the same weights, shapes, settings and stream
+every time. The first call of such a key takes the full path (`mok.functional`: every check,
+then `mok.ops`, then the launchers, each keying its own plan) and then resolves the plans that
+path made: the schedule op and the forward op; the first backward of a step resolves the
+backward op (on autograd's thread, for its stream). A later call with the key calls those
+plans directly: one key of the module's inputs, no re-check (the key holds what every check
+looks at), the launches. What stays per call, as on the full path: the value-status words (a
+bad value a kernel found is raised by the next call), and the workspace's life (a destroyed or
+evicted workspace sends the call down the full path).
+
+The full path is always taken under torch.compile, during CUDA graph capture (it marks the
+workspace captured), for tensor subclasses and dispatch modes, on the CPU, for an EP group,
+with `recompute`, `accumulate_main_grad` or macrobatch ring reuse.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from .functional import backward_outputs
+from .types import MoKSchedule
+from .validation import tensor_key
+
+_STEPS_MAX = 8  # keys per module (distinct token counts, streams, threads); cleared when full
+
+
+def _weight_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), *tensor_key(t))
+
+
+_CUDA_KEYS = None
+
+
+def _cuda_keys():
+    """(capturing(), current_stream(index), MOK_ARCH token()), imported on first CUDA use."""
+    global _CUDA_KEYS
+    if _CUDA_KEYS is None:
+        from .launchers.plans import current_stream  # noqa: PLC0415 - CUDA only
+        from .runtime.module import arch_env_token  # noqa: PLC0415
+        from .workspace import _capturing  # noqa: PLC0415
+
+        _CUDA_KEYS = (_capturing, current_stream, arch_env_token)
+    return _CUDA_KEYS
+
+
+class LayerSteps:
+    """One module's resolved steps by key (bounded). Dropped on copy and pickling: plans hold
+    launch buffers and weak references, remade by the copy's first call."""
+
+    def __init__(self) -> None:
+        self._steps: dict[tuple, LayerStep] = {}
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._steps = {}
+
+    def __deepcopy__(self, memo) -> LayerSteps:
+        return LayerSteps()
+
+    def key(self, module, x, router_weights, top_experts) -> tuple | None:
+        """The step key of this call, or None when it must take the full path."""
+        if (
+            torch.compiler.is_compiling()
+            or x.__class__ is not torch.Tensor
+            or router_weights.__class__ is not torch.Tensor
+            or top_experts.__class__ is not torch.Tensor
+            or not x.is_cuda
+            or module.group is not None
+            or module.recompute
+            or module.accumulate_main_grad
+            or torch._C._len_torch_dispatch_stack()
+        ):
+            return None
+        capturing, current_stream, arch = _cuda_keys()
+        if capturing():
+            return None
+        return (
+            tensor_key(x), tensor_key(router_weights), tensor_key(top_experts),
+            *(_weight_key(w) for w in module.weights()), id(module.config),
+            module.swiglu_limit, module.num_local_experts, arch(),
+            current_stream(x.get_device()), threading.get_ident(),
+        )  # fmt: skip
+
+    def get(self, key: tuple | None, config) -> LayerStep | None:
+        step = self._steps.get(key) if key is not None else None
+        if step is None or step.config is not config or not step.alive():
+            return None
+        return step
+
+    def add(self, key: tuple | None, module, workspace, schedule, x, router_weights,
+            top_experts) -> None:  # fmt: skip
+        """After the full path ran this call: resolve its plans under `key` (when it has one
+        and the call is one the step runs: a group of one without ring reuse)."""
+        if key is None or workspace.ep_size != 1:
+            return
+        if module.config.macrobatch_size < x.shape[0] * router_weights.shape[1]:
+            return
+        if len(self._steps) >= _STEPS_MAX:
+            self._steps.clear()
+        self._steps[key] = LayerStep(module, workspace, schedule, x, router_weights, top_experts)
+
+
+class LayerStep:
+    """The schedule, forward and backward plans of one step key (see the module docstring)."""
+
+    def __init__(self, module, workspace, schedule, x, router_weights, top_experts):
+        from .launchers import forward_op, schedule_op  # noqa: PLC0415 - CUDA only
+        from .launchers.status import value_error_check  # noqa: PLC0415
+
+        config = self.config = module.config
+        self.ws = weakref.ref(workspace)
+        self.device = x.device
+        self.raise_value_errors = value_error_check(x.device)
+        self.has_shared = module.shared_gate_weight is not None
+        self.limit = module.swiglu_limit
+        self.grad_key = tensor_key(x)  # grad_output's, as the full path checks it
+        self.schedule_op = schedule_op.schedule_op(
+            workspace, top_experts, module.num_local_experts, workspace.schedule_capacity,
+            config.all_gather_top_experts_chunk_bytes,
+        )  # fmt: skip
+        self.forward_op = forward_op.forward_op(
+            workspace, schedule, x, router_weights, *module.weights(), self.limit,
+            config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
+        )  # fmt: skip
+        self.backward_ops: dict[tuple, object] = {}
+
+    def alive(self) -> bool:
+        ws = self.ws()
+        return ws is not None and not ws.destroyed
+
+    def schedule(self, top_experts) -> MoKSchedule:
+        self.raise_value_errors()
+        return MoKSchedule(*self.schedule_op(top_experts))
+
+    def forward(self, schedule, x, router_weights, weights):
+        """(out, the context tensors MoKFunction saves: routed 4, then shared 3 if any)."""
+        self.raise_value_errors()
+        out, *ctx = self.forward_op(schedule, x, router_weights, weights[:3], weights[3:],
+                                    placeholders=False)  # fmt: skip
+        return out, tuple(ctx if self.has_shared else ctx[:4])
+
+    def _backward_key(self):
+        return threading.get_ident(), _cuda_keys()[1](self.device.index)
+
+    def backward(self, schedule, saved_ctx, grad_output, x, router_weights, weights):
+        """`functional.backward`'s outputs, or None when this thread and stream has no plan yet
+        (or grad_output is not what the plan was checked with): the caller takes the full path
+        and then `resolve_backward`."""
+        op = self.backward_ops.get(self._backward_key())
+        if op is None or tensor_key(grad_output) != self.grad_key or not self.alive():
+            return None
+        self.raise_value_errors()
+        ctx = saved_ctx if self.has_shared else (*saved_ctx, *(x.new_empty(0),) * 3)
+        grads = op(schedule, ctx, grad_output, x, router_weights, weights[:3], (None,) * 6,
+                   weights[3:], placeholders=False)  # fmt: skip
+        return backward_outputs(grads, (None,) * 6, self.has_shared)
+
+    def resolve_backward(self, schedule, saved_ctx, grad_output, x, router_weights, weights):
+        """After the full path's backward ran on this thread and stream: keep its plan."""
+        from .launchers import backward_op  # noqa: PLC0415
+
+        ws, config = self.ws(), self.config
+        if ws is None or tensor_key(grad_output) != self.grad_key:
+            return
+        ctx = saved_ctx if self.has_shared else (*saved_ctx, *(x.new_empty(0),) * 3)
+        self.backward_ops[self._backward_key()] = backward_op.backward_op(
+            ws, schedule, ctx, grad_output, x, router_weights, *weights, self.limit,
+            config.bwd_num_comm_sms, config.minibatch_size, config.macrobatch_size, (None,) * 6,
+        )  # fmt: skip

@@ -1,0 +1,110 @@
+"""`MoKExperts`' resolved steps (mok/layer_plan.py) on the GPU: after a key's first call (and
+its first backward) the module calls the launcher plans directly. Every output and gradient of
+such a step must be bitwise the full path's (`mok.nn.moe` over `mok.functional`, checked on
+every call), and what the full path guarantees per call must still hold: a bad value a kernel
+found is raised by the next call, a new weight tensor or token count or a destroyed workspace
+sends the call down the full path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok.functional as F
+from mok.nn import MoKExperts, moe
+from mok.testing import make_inputs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+CUDA = torch.device("cuda")
+H, I, E, K = 256, 256, 8, 2
+
+
+def _poison_allocator() -> None:
+    """Fill cached allocator blocks with NaN: outputs a plan allocates start as garbage."""
+    junk = torch.full((1 << 24,), float("nan"), dtype=torch.float32, device=CUDA)
+    del junk
+
+
+def _full_path(module):
+    def run(x, w, top):
+        ws = module.workspace(x.shape[0], x.device)
+        schedule = F.build_schedule(ws, module.config, top,
+                                    num_local_experts=module.num_local_experts)  # fmt: skip
+        return moe(module.config, ws, schedule, x, w, *module.weights(),
+                   swiglu_limit=module.swiglu_limit)  # fmt: skip
+
+    return run
+
+
+def _step(module, fn, inputs, grad):
+    """(out, *parameter grads, x.grad, w.grad) of out.backward(grad)."""
+    _poison_allocator()
+    x = inputs["x"].detach().clone().requires_grad_()
+    w = inputs["router_weights"].detach().clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = fn(x, w, inputs["top_experts"])
+    out.backward(grad)
+    return [out, *(p.grad for p in module.parameters()), x.grad, w.grad]
+
+
+def _resolved(module) -> list:
+    return list(module._steps._steps.values())
+
+
+@pytest.mark.parametrize("shared,limit", [(False, None), (True, 1.5)])
+def test_resolved_steps_are_bitwise_the_full_path(shared, limit):
+    torch.manual_seed(0)
+    module = MoKExperts(E, H, I, K, shared_expert=shared, swiglu_limit=limit, device=CUDA)
+    for seed, tokens in enumerate((512, 512, 384, 512, 384, 512, 384)):
+        inputs = make_inputs(tokens, H, I, E, K, shared=shared, seed=seed, device=CUDA)
+        grad = torch.randn(tokens, H, dtype=torch.bfloat16, device=CUDA)
+        fast = _step(module, module, inputs, grad)
+        full = _step(module, _full_path(module), inputs, grad)
+        for a, b in zip(fast, full, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b)
+    steps = _resolved(module)
+    assert len(steps) == 2  # one per token count
+    assert all(len(step.backward_ops) == 1 for step in steps)  # autograd's thread and stream
+
+
+def test_bad_router_weight_on_a_resolved_step_is_raised_by_the_next_call():
+    torch.manual_seed(0)
+    module = MoKExperts(E, H, I, K, device=CUDA)
+    inputs = make_inputs(512, H, I, E, K, seed=3, device=CUDA)
+    x, w, top = inputs["x"], inputs["router_weights"], inputs["top_experts"]
+    for _ in range(3):
+        module(x, w, top)
+    assert len(_resolved(module)) == 1
+    bad = w.clone()
+    bad[7, 1] = float("nan")
+    module(x, bad, top)  # resolved step: the combine kernel records the bad weight
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="router_weights must be finite and > 0"):
+        module(x, w, top)
+    torch.testing.assert_close(module(x, w, top), _full_path(module)(x, w, top), rtol=0, atol=0)
+
+
+def test_new_weights_and_a_destroyed_workspace_take_the_full_path():
+    torch.manual_seed(0)
+    module = MoKExperts(E, H, I, K, device=CUDA)
+    inputs = make_inputs(512, H, I, E, K, seed=4, device=CUDA)
+    grad = torch.randn(512, H, dtype=torch.bfloat16, device=CUDA)
+    for _ in range(3):
+        _step(module, module, inputs, grad)
+    with torch.no_grad():
+        module.gate_weight.data = module.gate_weight.data * 2  # a new tensor: a new key
+    fast = _step(module, module, inputs, grad)
+    full = _step(module, _full_path(module), inputs, grad)
+    for a, b in zip(fast, full, strict=True):
+        assert torch.equal(a, b)
+    F.clear_workspace_cache()  # destroys the workspace the resolved steps were made on
+    assert not any(step.alive() for step in _resolved(module))
+    fast = _step(module, module, inputs, grad)
+    full = _step(module, _full_path(module), inputs, grad)
+    for a, b in zip(fast, full, strict=True):
+        assert torch.equal(a, b)
