@@ -33,20 +33,27 @@ def _layer(size, inputs, num_experts, config):
                               num_local_experts=local_experts)  # fmt: skip
     shards = [rank_inputs(inputs, rank, size) for rank in range(size)]
 
-    def forward(rank, backward):
-        shard, ws = shards[rank], spaces[rank]
-        weights = [shard[n] for n in WEIGHT_NAMES]
-        schedule = F.build_schedule(ws, config, shard["top_experts"],
-                                    num_local_experts=local_experts)  # fmt: skip
-        out, ctx = F.forward(config, ws, schedule, shard["x"], shard["router_weights"], *weights)
-        if not backward:
-            return (out,)
-        grads = F.backward(config, ws, schedule, ctx, shard["grad_output"], shard["x"],
-                           shard["router_weights"], *weights)  # fmt: skip
-        return (out, *grads[:2])
+    def weights(rank):
+        return [shards[rank][n] for n in WEIGHT_NAMES]
+
+    def schedule(rank):
+        return F.build_schedule(spaces[rank], config, shards[rank]["top_experts"],
+                                num_local_experts=local_experts)  # fmt: skip
 
     def run(backward):
-        results = group.run(lambda rank: forward(rank, backward))
+        # Phase by phase over the ranks (every rank's schedule, then every rank's forward, then
+        # every rank's backward), as concurrent ranks issue them: a rank's device barrier then
+        # waits for its peers' same phase, not for their whole step to be queued behind it.
+        schedules = group.run(schedule)
+        fwd = group.run(lambda r: F.forward(config, spaces[r], schedules[r], shards[r]["x"],
+                                            shards[r]["router_weights"], *weights(r)))  # fmt: skip
+        results = [(out,) for out, _ in fwd]
+        if backward:
+            grads = group.run(lambda r: F.backward(
+                config, spaces[r], schedules[r], fwd[r][1], shards[r]["grad_output"],
+                shards[r]["x"], shards[r]["router_weights"], *weights(r),
+            ))  # fmt: skip
+            results = [(out, *g[:2]) for (out,), g in zip(results, grads, strict=True)]
         group.join()
         return [torch.cat([r[i] for r in results]) for i in range(len(results[0]))]
 
