@@ -29,22 +29,19 @@ from .validation import tensor_key
 _STEPS_MAX = 8  # keys per module (distinct token counts, streams, threads); cleared when full
 
 
-def _weight_key(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.data_ptr(), *tensor_key(t))
-
-
 _CUDA_KEYS = None
 
 
 def _cuda_keys():
-    """(capturing(), current_stream(index), MOK_ARCH token()), imported on first CUDA use."""
+    """(capturing(), current_stream(index), MOK_ARCH token(), weight_key(t)), imported on
+    first CUDA use."""
     global _CUDA_KEYS
     if _CUDA_KEYS is None:
-        from .launchers.plans import current_stream  # noqa: PLC0415 - CUDA only
+        from .launchers.plans import current_stream, weight_key  # noqa: PLC0415 - CUDA only
         from .runtime.module import arch_env_token  # noqa: PLC0415
         from .workspace import _capturing  # noqa: PLC0415
 
-        _CUDA_KEYS = (_capturing, current_stream, arch_env_token)
+        _CUDA_KEYS = (_capturing, current_stream, arch_env_token, weight_key)
     return _CUDA_KEYS
 
 
@@ -78,12 +75,12 @@ class LayerSteps:
             or torch._C._len_torch_dispatch_stack()
         ):
             return None
-        capturing, current_stream, arch = _cuda_keys()
+        capturing, current_stream, arch, weight_key = _cuda_keys()
         if capturing():
             return None
         return (
             tensor_key(x), tensor_key(router_weights), tensor_key(top_experts),
-            *(_weight_key(w) for w in module.weights()), id(module.config),
+            *(weight_key(w) for w in module.weights()), id(module.config),
             module.swiglu_limit, module.num_local_experts, arch(),
             current_stream(x.get_device()), threading.get_ident(),
         )  # fmt: skip
@@ -157,7 +154,8 @@ class LayerStep:
         if op is None or tensor_key(grad_output) != self.grad_key or not self.alive():
             return None
         self.raise_value_errors()
-        ctx = saved_ctx if self.has_shared else (*saved_ctx, *(x.new_empty(0),) * 3)
+        # Without a shared expert the op reads no shared context: None in its places.
+        ctx = saved_ctx if self.has_shared else (*saved_ctx, None, None, None)
         grads = op(schedule, ctx, grad_output, x, router_weights, weights[:3], (None,) * 6,
                    weights[3:], placeholders=False)  # fmt: skip
         return backward_outputs(grads, (None,) * 6, self.has_shared)
@@ -169,6 +167,7 @@ class LayerStep:
         ws, config = self.ws(), self.config
         if ws is None or tensor_key(grad_output) != self.grad_key:
             return
+        # The full path's context: empty shared tensors without a shared expert (its plan's key).
         ctx = saved_ctx if self.has_shared else (*saved_ctx, *(x.new_empty(0),) * 3)
         self.backward_ops[self._backward_key()] = backward_op.backward_op(
             ws, schedule, ctx, grad_output, x, router_weights, *weights, self.limit,
