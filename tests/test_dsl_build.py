@@ -74,6 +74,23 @@ def test_manifest_params_match_ptx_entry(fresh_build):
         assert committed["cubin"] == f"{committed['name']}.{committed['arch']}.cubin"
 
 
+# 8 rows x 16 B in and out per thread: the quantiser's exact math, then the exact
+# dequantisation (E4M3 -> f16 -> f32, mul.rn by the scale, bf16x2); plain loads (an
+# ld.global.nc would make the documented in-place use undefined).
+_ROUND_TRIP_PTX = (
+    {
+        "ld.global.v4.b32": 8,
+        "st.global.v4.b32": 8,
+        "div.rn.f32": 8,
+        "cvt.rn.satfinite.e4m3x2.f32": 32,
+        "cvt.rn.f16x2.e4m3x2": 32,
+        "mul.rn.f32": 128,
+        "cvt.rn.bf16x2.f32": 32,
+    },
+    ("fma.rn.f32", "div.approx.f32", "div.full.f32", "ld.global.nc.v4.b32"),
+)
+
+
 @pytest.mark.parametrize(
     "name, required, forbidden",
     [
@@ -98,35 +115,9 @@ def test_manifest_params_match_ptx_entry(fresh_build):
             },
             ("fma.rn.f32", "div.approx.f32", "div.full.f32"),
         ),
-        # 8 rows x 16 B in and out per thread: the quantiser's exact math, then the exact
-        # dequantisation (E4M3 -> f16 -> f32, mul.rn by the scale, bf16x2); plain loads (an
-        # ld.global.nc would make the documented in-place use undefined)
-        (
-            "mxfp8_round_trip_rowwise",
-            {
-                "ld.global.v4.b32": 8,
-                "st.global.v4.b32": 8,
-                "div.rn.f32": 8,
-                "cvt.rn.satfinite.e4m3x2.f32": 32,
-                "cvt.rn.f16x2.e4m3x2": 32,
-                "mul.rn.f32": 128,
-                "cvt.rn.bf16x2.f32": 32,
-            },
-            ("fma.rn.f32", "div.approx.f32", "div.full.f32", "ld.global.nc.v4.b32"),
-        ),
-        (
-            "mxfp8_round_trip_columns",
-            {
-                "ld.global.v4.b32": 8,
-                "st.global.v4.b32": 8,
-                "div.rn.f32": 8,
-                "cvt.rn.satfinite.e4m3x2.f32": 32,
-                "cvt.rn.f16x2.e4m3x2": 32,
-                "mul.rn.f32": 128,
-                "cvt.rn.bf16x2.f32": 32,
-            },
-            ("fma.rn.f32", "div.approx.f32", "div.full.f32", "ld.global.nc.v4.b32"),
-        ),
+        # Both round trips, along rows and along columns: the same instructions.
+        ("mxfp8_round_trip_rowwise", *_ROUND_TRIP_PTX),
+        ("mxfp8_round_trip_columns", *_ROUND_TRIP_PTX),
         # 8 x 8 E4M3 bytes and 8 scale words in, 8 x 16 B of bf16 out per thread
         (
             "mxfp8_dequantize_rowwise",
