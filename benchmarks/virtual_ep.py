@@ -6,8 +6,11 @@ global problem, in one run.
 For each shape (16384 tokens in all, split contiguously; experts split contiguously) and each
 P: forward and forward + backward time (CUDA events around every rank's queued work, so the
 slowest rank decides), the ratio to EP = 1, and the bytes each rank pulls and pushes through
-peer memory (rows whose token lives on another rank). Every P's outputs are checked bitwise
-against EP = 1 before timing.
+peer memory (rows whose token lives on another rank). Each time is taken twice: issued eagerly
+(one host thread issues every rank's ops, phase by phase) and replayed from a CUDA graph of the
+same step (the device's time: real ranks issue in parallel, so the virtual group's serial issue
+is not theirs). EP = 1 and the P-rank layer alternate round by round; the ratio is the median
+of the rounds' ratios. Every P's outputs are checked bitwise against EP = 1 before timing.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def _layer(size, inputs, num_experts, config):
         group.join()
         return [torch.cat([r[i] for r in results]) for i in range(len(results[0]))]
 
+    run.group = group
     return run, spaces
 
 
@@ -66,13 +70,46 @@ def _time(run, backward, warmup, reps):
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run(backward)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(_once(run, backward))
     return sorted(times)[len(times) // 2]
+
+
+def _once(run, backward):
+    """ms of one run(backward) from an idle GPU (CUDA events on the caller's stream)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run(backward)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def graph_of(run, backward):
+    """A replay closure of run(backward) captured once in a CUDA graph: the device's time with no
+    host issue in it (one host thread issues all P ranks' ops eagerly; real ranks issue theirs
+    in parallel). The first call runs outside capture (plans, modules, the error record)."""
+    run(backward)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(backward)
+    return lambda _: graph.replay()
+
+
+def paired(base, run, backward, warmup, reps):
+    """(median ms of run, median ms of base, median of the per-round ratios run / base): the two
+    alternate round by round, so a drift of the GPU's clocks moves both alike."""
+    for _ in range(warmup):
+        base(backward)
+        run(backward)
+    rounds = [(_once(run, backward), _once(base, backward)) for _ in range(reps)]
+
+    def median(values):
+        return sorted(values)[len(values) // 2]
+
+    return (median([r for r, _ in rounds]), median([b for _, b in rounds]),
+            median([r / b for r, b in rounds]))  # fmt: skip
 
 
 def _peer_bytes(inputs, num_experts, size):
@@ -95,24 +132,36 @@ def measure(shape_names, sizes, tokens=16384, warmup=2, reps=5) -> list[dict]:
                              shape.topk, seed=1, device="cuda")  # fmt: skip
         one, _ = _layer(1, inputs, e, config)
         expected = one(True)
-        base = {p: _time(one, p, warmup, reps) for p in (False, True)}
+        one_graph = {p: graph_of(one, p) for p in (False, True)}
         for size in sizes:
             run, spaces = _layer(size, inputs, e, config)
             got = run(True)
             same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-            times = {p: _time(run, p, warmup, reps) for p in (False, True)}
-            row = {
-                "shape": shape.name, "P": size, "bitwise_equal_to_ep1": same,
-                "fwd_ms": times[False], "fwd_ep1_ms": base[False],
-                "fwd_ratio": times[False] / base[False], "fwdbwd_ms": times[True],
-                "fwdbwd_ep1_ms": base[True], "fwdbwd_ratio": times[True] / base[True],
-                "peer_bytes_per_rank_per_pass": _peer_bytes(inputs, e, size),
-            }  # fmt: skip
+            eager = {p: paired(one, run, p, warmup, reps) for p in (False, True)}
+            graphs = {p: graph_of(run, p) for p in (False, True)}
+            graph = {p: paired(one_graph[p], graphs[p], p, warmup, reps) for p in (False, True)}
+            del graphs
+            row = {"shape": shape.name, "P": size, "bitwise_equal_to_ep1": same}
+            for mode, times in (("", eager), ("_graph", graph)):
+                for p, name in ((False, "fwd"), (True, "fwdbwd")):
+                    ms, ep1_ms, ratio = times[p]
+                    row |= {f"{name}{mode}_ms": ms, f"{name}{mode}_ep1_ms": ep1_ms,
+                            f"{name}{mode}_ratio": ratio}  # fmt: skip
+            row["peer_bytes_per_rank_per_pass"] = _peer_bytes(inputs, e, size)
             rows.append(row)
             print(
-                f"{shape.name:16s} P={size}  fwd {times[False]:8.3f} ms vs EP=1 {base[False]:8.3f}"
-                f" ({row['fwd_ratio']:.3f}x)  fwd+bwd {times[True]:8.3f} ms vs {base[True]:8.3f}"
-                f" ({row['fwdbwd_ratio']:.3f}x)  pulled = pushed per rank per pass "
+                f"{shape.name:16s} P={size}  "
+                + "  ".join(
+                    f"{label} {row[key + '_ms']:8.3f} ms vs EP=1 {row[key + '_ep1_ms']:8.3f} "
+                    f"({row[key + '_ratio']:.3f}x)"
+                    for label, key in (
+                        ("fwd", "fwd"),
+                        ("fwd+bwd", "fwdbwd"),
+                        ("graph fwd", "fwd_graph"),
+                        ("graph fwd+bwd", "fwdbwd_graph"),
+                    )
+                )  # fmt: skip
+                + f"  pulled = pushed per rank per pass "
                 f"{row['peer_bytes_per_rank_per_pass'] / 1e6:8.1f} MB  bitwise {same}",
                 flush=True,
             )
