@@ -246,6 +246,26 @@ def _(topk_all, num_local_experts, schedule_capacity, rank):
 # ----------------------------------------------------------------------------------------------
 
 
+# Each op and its fake check the same arguments: they pass them by name (`locals()` on entry),
+# and these pick the groups the checks and the layer passes take.
+_SCHEDULE_ARGS = ("schedule_peer_rank", "schedule_peer_token_idx", "num_tokens",
+                  "tokens_per_expert")  # fmt: skip
+_LAUNCH_ARGS = ("topk", "swiglu_limit", "num_comm_sms", "macrobatch_size", "minibatch_size")
+
+
+def _schedule_of(args: dict) -> tuple:
+    return tuple(args[n] for n in _SCHEDULE_ARGS)
+
+
+def _launch_of(args: dict) -> tuple:
+    return tuple(args[n] for n in _LAUNCH_ARGS)
+
+
+def _weights_of(args: dict) -> dict:
+    """{argument name: weight} of every `w_*` argument given."""
+    return {n: v for n, v in args.items() if n.startswith("w_")}
+
+
 def _forward_workspace(x, x_ptrs, combine_buffer=None, combine_buffer_ptrs=None):
     """The workspace `x_ptrs` names, with x (and the combine buffer) checked against it."""
     ws = checks.workspace_of("x_ptrs", "x_buffer", x_ptrs, x)
@@ -257,20 +277,14 @@ def _forward_workspace(x, x_ptrs, combine_buffer=None, combine_buffer_ptrs=None)
     return ws
 
 
-def _bf16_weights(shared: tuple, routed: tuple) -> dict:
-    """{argument name: weight} of the (gate, up[, down]) shared and routed weights."""
-    names = ("gate", "up", "down")[: len(routed)]
-    weights = {f"w_shared_{n}": w for n, w in zip(names, shared, strict=True)}
-    weights.update({f"w_routed_{n}": w for n, w in zip(names, routed, strict=True)})
-    return weights
-
-
-def _check_fwd_bf16(op, x, x_ptrs, combine_buffer, combine_buffer_ptrs, weights, sched, launch):
-    """(workspace, E, I, has_shared, swiglu_limit) of checked forward-op arguments."""
-    ws = _forward_workspace(x, x_ptrs, combine_buffer, combine_buffer_ptrs)
-    num_experts, inter, has_shared = checks.check_bf16_weights(ws, weights)
-    checks.check_schedule(ws, num_experts, *sched)
-    limit = checks.check_launch(ws, op, *launch)
+def _check_fwd_bf16(op, args):
+    """(workspace, E, I, has_shared, swiglu_limit) of a BF16 forward or recompute op's checked
+    arguments (`args` by name; the recompute has no combine buffer)."""
+    ws = _forward_workspace(args["x"], args["x_ptrs"], args.get("combine_buffer"),
+                            args.get("combine_buffer_ptrs"))  # fmt: skip
+    num_experts, inter, has_shared = checks.check_bf16_weights(ws, _weights_of(args))
+    checks.check_schedule(ws, num_experts, *_schedule_of(args))
+    limit = checks.check_launch(ws, op, *_launch_of(args))
     return ws, num_experts, inter, has_shared, limit
 
 
@@ -322,16 +336,12 @@ def dispatch_mlp_swiglu_combine_fwd_bf16(
         of the combine buffer on token t's rank gets its j-th expert's output once every rank's
         op has run (barrier_all); out = fwd_epilogue(y_shared, combine_buffer, router weights).
     """
-    op = "dispatch_mlp_swiglu_combine_fwd_bf16"
+    op, args = "dispatch_mlp_swiglu_combine_fwd_bf16", locals()
+    ws, _, _, _, limit = _check_fwd_bf16(op, args)
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     routed = (w_routed_gate, w_routed_up, w_routed_down)
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    ws, _, _, _, limit = _check_fwd_bf16(
-        op, x, x_ptrs, combine_buffer, combine_buffer_ptrs, _bf16_weights(shared, routed), sched,
-        (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
     ctx, y_shared = slot_passes.forward_to_slots(
-        ws, op, MoKSchedule(*sched), x, combine_buffer, shared, routed, limit, num_comm_sms,
+        ws, op, MoKSchedule(*_schedule_of(args)), x, combine_buffer, shared, routed, limit, num_comm_sms,
         minibatch_size,
     )  # fmt: skip
     x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx
@@ -344,26 +354,13 @@ def _(x, x_ptrs, combine_buffer, combine_buffer_ptrs, w_shared_gate, w_routed_ga
       w_routed_up, w_shared_down, w_routed_down, schedule_peer_rank, schedule_peer_token_idx,
       num_tokens, tokens_per_expert, topk, swiglu_limit, num_comm_sms, macrobatch_size,
       minibatch_size):  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    weights = _bf16_weights((w_shared_gate, w_shared_up, w_shared_down),
-                            (w_routed_gate, w_routed_up, w_routed_down))  # fmt: skip
-    ws, _, inter, has_shared, _ = _check_fwd_bf16(
-        "dispatch_mlp_swiglu_combine_fwd_bf16", x, x_ptrs, combine_buffer, combine_buffer_ptrs,
-        weights, sched, (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
+    ws, _, inter, has_shared, _ = _check_fwd_bf16("dispatch_mlp_swiglu_combine_fwd_bf16",
+                                                  locals())  # fmt: skip
     (tokens, hidden), capacity = x.shape, ws.schedule_capacity
     routed = [x.new_empty(capacity, inter) for _ in range(3)]
     shared = [_shared_rows(x, tokens, inter, has_shared) for _ in range(3)]
     return (x.new_empty(capacity, hidden), shared[0], routed[0], shared[1], routed[1], shared[2],
             routed[2], _shared_rows(x, tokens, hidden, has_shared), _empty(x))  # fmt: skip
-
-
-def _check_recompute_bf16(x, x_ptrs, weights, sched, launch):
-    ws = _forward_workspace(x, x_ptrs)
-    num_experts, inter, has_shared = checks.check_bf16_weights(ws, weights)
-    checks.check_schedule(ws, num_experts, *sched)
-    limit = checks.check_launch(ws, "recompute_forward_context_bf16", *launch)
-    return ws, inter, has_shared, limit
 
 
 @torch.library.custom_op("mok::recompute_forward_context_bf16", mutates_args=())
@@ -392,17 +389,22 @@ def recompute_forward_context_bf16(
         hidden_shared, hidden_routed). Runs mok's layer op `mok::recompute_forward_context`
         (on CUDA with an EP group, with its own start and end barriers inside).
     """
+    args = locals()
     from . import ops  # noqa: PLC0415 - mok.ops imports this module
 
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    weights = _bf16_weights((w_shared_gate, w_shared_up), (w_routed_gate, w_routed_up))
-    ws, _, _, limit = _check_recompute_bf16(
-        x, x_ptrs, weights, sched, (topk, swiglu_limit, num_comm_sms, macrobatch_size,
-                                    minibatch_size),
-    )  # fmt: skip
+    ws, _, _, _, limit = _check_fwd_bf16("recompute_forward_context_bf16", args)
     x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ops._IMPLEMENTATIONS[
         "recompute_forward_context"
-    ](ws.handle, *sched, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up, limit)
+    ](
+        ws.handle,
+        *_schedule_of(args),
+        x,
+        w_shared_gate,
+        w_shared_up,
+        w_routed_gate,
+        w_routed_up,
+        limit,
+    )
     return (x_routed, gate_s, gate, up_s, up, hidden_s, hidden)
 
 
@@ -410,12 +412,7 @@ def recompute_forward_context_bf16(
 def _(x, x_ptrs, w_shared_gate, w_routed_gate, w_shared_up, w_routed_up, schedule_peer_rank,
       schedule_peer_token_idx, num_tokens, tokens_per_expert, topk, swiglu_limit, num_comm_sms,
       macrobatch_size, minibatch_size):  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    weights = _bf16_weights((w_shared_gate, w_shared_up), (w_routed_gate, w_routed_up))
-    ws, inter, has_shared, _ = _check_recompute_bf16(
-        x, x_ptrs, weights, sched, (topk, swiglu_limit, num_comm_sms, macrobatch_size,
-                                    minibatch_size),
-    )  # fmt: skip
+    ws, _, inter, has_shared, _ = _check_fwd_bf16("recompute_forward_context_bf16", locals())
     capacity, tokens = ws.schedule_capacity, x.shape[0]
     routed = [x.new_empty(capacity, inter) for _ in range(3)]
     shared = [_shared_rows(x, tokens, inter, has_shared) for _ in range(3)]
@@ -437,24 +434,33 @@ _BACKWARD_BUFFERS = (
 )
 
 
-def _backward_workspace(d_y_buffer, d_y_buffer_ptrs, buffers: dict, pointers: dict):
+# The BF16 backward's context arguments, in the order the layer pass takes them.
+_BF16_CONTEXT_ARGS = ("x_routed", "gate_routed", "up_routed", "hidden_routed", "gate_shared",
+                      "up_shared", "hidden_shared")  # fmt: skip
+
+
+def _backward_workspace(args: dict):
     """The workspace `d_y_buffer_ptrs` names, with every backward buffer checked against it."""
-    ws = checks.workspace_of("d_y_buffer_ptrs", "d_y_buffer", d_y_buffer_ptrs, d_y_buffer)
+    d_y_buffer = args["d_y_buffer"]
+    ws = checks.workspace_of("d_y_buffer_ptrs", "d_y_buffer", args["d_y_buffer_ptrs"],
+                             d_y_buffer)  # fmt: skip
     checks.check_buffer(ws, "d_y_buffer", "d_y_buffer", d_y_buffer)
     for arg, name in _BACKWARD_BUFFERS:
-        checks.check_pointers(ws, f"{arg}_ptrs", name, pointers[arg], "d_y_buffer_ptrs")
-        checks.check_buffer(ws, arg, name, buffers[arg])
+        checks.check_pointers(ws, f"{arg}_ptrs", name, args[f"{arg}_ptrs"], "d_y_buffer_ptrs")
+        checks.check_buffer(ws, arg, name, args[arg])
     return ws
 
 
-def _check_bwd_bf16(op, d_y_buffer, d_y_buffer_ptrs, buffers, pointers, weights, ctx, sched,
-                    launch):  # fmt: skip
-    ws = _backward_workspace(d_y_buffer, d_y_buffer_ptrs, buffers, pointers)
-    num_experts, inter, has_shared = checks.check_bf16_weights(ws, weights)
+def _check_bwd_bf16(op, args):
+    """(workspace, E, I, has_shared, swiglu_limit, context by name) of the BF16 backward op's
+    checked arguments (`args` by name)."""
+    ws = _backward_workspace(args)
+    num_experts, inter, has_shared = checks.check_bf16_weights(ws, _weights_of(args))
+    ctx = {n: args[n] for n in _BF16_CONTEXT_ARGS}
     checks.check_bf16_context(ws, inter, has_shared, ctx)
-    checks.check_schedule(ws, num_experts, *sched)
-    limit = checks.check_launch(ws, op, *launch)
-    return ws, num_experts, inter, has_shared, limit
+    checks.check_schedule(ws, num_experts, *_schedule_of(args))
+    limit = checks.check_launch(ws, op, *_launch_of(args))
+    return ws, num_experts, inter, has_shared, limit, ctx
 
 
 def _weight_grad_outputs(like, grads, weights: dict, has_shared: bool) -> tuple[Tensor, ...]:
@@ -534,31 +540,18 @@ def dispatch_mlp_swiglu_combine_bwd_bf16(
         d_router_weight buffer the router weights' gradient: d_x = bwd_epilogue(d_x_shared,
         d_x_routed_buffer), d_router_weights = d_router_weight_buffer.clone().
     """
-    op = "dispatch_mlp_swiglu_combine_bwd_bf16"
-    buffers = dict(d_x_routed_buffer=d_x_routed_buffer, router_weight_buffer=router_weight_buffer,
-                   d_router_weight_buffer=d_router_weight_buffer, x=x)  # fmt: skip
-    pointers = dict(d_x_routed_buffer=d_x_routed_buffer_ptrs, x=x_ptrs,
-                    router_weight_buffer=router_weight_buffer_ptrs,
-                    d_router_weight_buffer=d_router_weight_buffer_ptrs)  # fmt: skip
+    op, args = "dispatch_mlp_swiglu_combine_bwd_bf16", locals()
+    ws, _, _, has_shared, limit, ctx = _check_bwd_bf16(op, args)
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     routed = (w_routed_gate, w_routed_up, w_routed_down)
-    weights = _bf16_weights(shared, routed)
-    ctx = dict(x_routed=x_routed, gate_routed=gate_routed, up_routed=up_routed,
-               hidden_routed=hidden_routed, gate_shared=gate_shared, up_shared=up_shared,
-               hidden_shared=hidden_shared)  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    ws, _, _, has_shared, limit = _check_bwd_bf16(
-        op, d_y_buffer, d_y_buffer_ptrs, buffers, pointers, weights, ctx, sched,
-        (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
     d_x_shared, grads = slot_passes.backward_to_slots(
-        ws, op, MoKSchedule(*sched), tuple(ctx.values()), d_y_buffer, router_weight_buffer, x,
+        ws, op, MoKSchedule(*_schedule_of(args)), tuple(ctx.values()), d_y_buffer, router_weight_buffer, x,
         d_x_routed_buffer, d_router_weight_buffer, shared, routed, limit, num_comm_sms,
         minibatch_size,
     )  # fmt: skip
     d_x_shared = _empty(x) if d_x_shared is None else d_x_shared
     return (d_x_shared, *(_empty(x) for _ in range(8)),
-            *_weight_grad_outputs(x, grads, weights, has_shared))  # fmt: skip
+            *_weight_grad_outputs(x, grads, _weights_of(args), has_shared))  # fmt: skip
 
 
 @dispatch_mlp_swiglu_combine_bwd_bf16.register_fake
@@ -569,24 +562,11 @@ def _(d_y_buffer, d_y_buffer_ptrs, d_x_routed_buffer, d_x_routed_buffer_ptrs,
       hidden_shared, hidden_routed, x, x_ptrs, schedule_peer_rank, schedule_peer_token_idx,
       num_tokens, tokens_per_expert, topk, swiglu_limit, num_comm_sms, macrobatch_size,
       minibatch_size):  # fmt: skip
-    buffers = dict(d_x_routed_buffer=d_x_routed_buffer, router_weight_buffer=router_weight_buffer,
-                   d_router_weight_buffer=d_router_weight_buffer, x=x)  # fmt: skip
-    pointers = dict(d_x_routed_buffer=d_x_routed_buffer_ptrs, x=x_ptrs,
-                    router_weight_buffer=router_weight_buffer_ptrs,
-                    d_router_weight_buffer=d_router_weight_buffer_ptrs)  # fmt: skip
-    weights = _bf16_weights((w_shared_gate, w_shared_up, w_shared_down),
-                            (w_routed_gate, w_routed_up, w_routed_down))  # fmt: skip
-    ctx = dict(x_routed=x_routed, gate_routed=gate_routed, up_routed=up_routed,
-               hidden_routed=hidden_routed, gate_shared=gate_shared, up_shared=up_shared,
-               hidden_shared=hidden_shared)  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    _, _, _, has_shared, _ = _check_bwd_bf16(
-        "dispatch_mlp_swiglu_combine_bwd_bf16", d_y_buffer, d_y_buffer_ptrs, buffers, pointers,
-        weights, ctx, sched, (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
+    args = locals()
+    has_shared = _check_bwd_bf16("dispatch_mlp_swiglu_combine_bwd_bf16", args)[3]
     d_x_shared = torch.empty_like(x) if has_shared else _empty(x)
     return (d_x_shared, *(_empty(x) for _ in range(8)),
-            *_weight_grad_outputs(x, None, weights, has_shared))  # fmt: skip
+            *_weight_grad_outputs(x, None, _weights_of(args), has_shared))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -610,13 +590,17 @@ def _check_mxfp8_forward_weights(ws, weights: dict, *, down: bool) -> tuple[int,
     return num_experts, inter, checks.check_shared_weights(ws, inter, shared)
 
 
-def _check_fwd_mxfp8(op, x, x_ptrs, combine_buffer, combine_buffer_ptrs, weights, sched, launch):
-    ws = _forward_workspace(x, x_ptrs, combine_buffer, combine_buffer_ptrs)
+def _check_fwd_mxfp8(op, args):
+    """(workspace, I, has_shared, swiglu_limit) of an MXFP8 forward or recompute op's checked
+    arguments (`args` by name; the recompute has no combine buffer and no down weights)."""
+    combine_buffer = args.get("combine_buffer")
+    ws = _forward_workspace(args["x"], args["x_ptrs"], combine_buffer,
+                            args.get("combine_buffer_ptrs"))  # fmt: skip
     num_experts, inter, has_shared = _check_mxfp8_forward_weights(
-        ws, weights, down=combine_buffer is not None
+        ws, _weights_of(args), down=combine_buffer is not None
     )
-    checks.check_schedule(ws, num_experts, *sched)
-    limit = checks.check_launch(ws, op, *launch)
+    checks.check_schedule(ws, num_experts, *_schedule_of(args))
+    limit = checks.check_launch(ws, op, *_launch_of(args))
     return ws, inter, has_shared, limit
 
 
@@ -677,19 +661,10 @@ def dispatch_mlp_swiglu_combine_fwd_mxfp8(
         its context quantised by the GPU quantiser (ring reuse is not built for it: every
         routed row is held, as this op returns the whole context).
     """
-    op = "dispatch_mlp_swiglu_combine_fwd_mxfp8"
-    weights = dict(w_shared_gate=w_shared_gate, w_shared_up=w_shared_up,
-                   w_shared_down=w_shared_down, w_routed_gate=w_routed_gate,
-                   w_routed_gate_sc=w_routed_gate_sc, w_routed_up=w_routed_up,
-                   w_routed_up_sc=w_routed_up_sc, w_routed_down=w_routed_down,
-                   w_routed_down_sc=w_routed_down_sc)  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    ws, _, _, limit = _check_fwd_mxfp8(
-        op, x, x_ptrs, combine_buffer, combine_buffer_ptrs, weights, sched,
-        (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
+    op, args = "dispatch_mlp_swiglu_combine_fwd_mxfp8", locals()
+    ws, _, _, limit = _check_fwd_mxfp8(op, args)
     ctx, y_shared = slot_passes.mxfp8_forward_to_slots(
-        ws, op, MoKSchedule(*sched), x, combine_buffer,
+        ws, op, MoKSchedule(*_schedule_of(args)), x, combine_buffer,
         (w_shared_gate, w_shared_up, w_shared_down),
         ((w_routed_gate, w_routed_gate_sc), (w_routed_up, w_routed_up_sc),
          (w_routed_down, w_routed_down_sc)), limit, num_comm_sms, minibatch_size,
@@ -703,16 +678,8 @@ def _(x, x_ptrs, combine_buffer, combine_buffer_ptrs, w_shared_gate, w_routed_ga
       w_routed_down_sc, schedule_peer_rank, schedule_peer_token_idx, num_tokens,
       tokens_per_expert, topk, swiglu_limit, num_comm_sms, macrobatch_size,
       minibatch_size):  # fmt: skip
-    weights = dict(w_shared_gate=w_shared_gate, w_shared_up=w_shared_up,
-                   w_shared_down=w_shared_down, w_routed_gate=w_routed_gate,
-                   w_routed_gate_sc=w_routed_gate_sc, w_routed_up=w_routed_up,
-                   w_routed_up_sc=w_routed_up_sc, w_routed_down=w_routed_down,
-                   w_routed_down_sc=w_routed_down_sc)  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    ws, inter, has_shared, _ = _check_fwd_mxfp8(
-        "dispatch_mlp_swiglu_combine_fwd_mxfp8", x, x_ptrs, combine_buffer, combine_buffer_ptrs,
-        weights, sched, (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
+    ws, inter, has_shared, _ = _check_fwd_mxfp8("dispatch_mlp_swiglu_combine_fwd_mxfp8",
+                                                locals())  # fmt: skip
     return (*_fake_mxfp8_context(x, ws, inter, has_shared),
             _shared_rows(x, x.shape[0], x.shape[1], has_shared), _empty(x))  # fmt: skip
 
@@ -743,19 +710,12 @@ def _recompute_forward_context_mxfp8(
         overload of this op; CUDA: the gather, x's round trip and the gate/up kernel on the
         dequantised weights), then quantises the context as the forward op does.
     """
+    args = locals()
     from . import ops  # noqa: F401, PLC0415 - registers the default overload this one runs
 
-    op = "recompute_forward_context_mxfp8"
-    weights = dict(w_shared_gate=w_shared_gate, w_shared_up=w_shared_up,
-                   w_routed_gate=w_routed_gate, w_routed_gate_sc=w_routed_gate_sc,
-                   w_routed_up=w_routed_up, w_routed_up_sc=w_routed_up_sc)  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    ws, _, _, limit = _check_fwd_mxfp8(
-        op, x, x_ptrs, None, None, weights, sched,
-        (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
+    ws, _, _, limit = _check_fwd_mxfp8("recompute_forward_context_mxfp8", args)
     layer = torch.ops.mok.recompute_forward_context_mxfp8.default(
-        ws.handle, *sched, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_gate_sc,
+        ws.handle, *_schedule_of(args), x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_gate_sc,
         w_routed_up, w_routed_up_sc, limit,
     )  # fmt: skip
     ctx = MoKForwardContext(*layer[:4], *(t if t.numel() else None for t in layer[4:]))
@@ -767,14 +727,7 @@ def _recompute_forward_context_mxfp8_fake(
     w_routed_up_sc, schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert,
     topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size,
 ):  # fmt: skip
-    weights = dict(w_shared_gate=w_shared_gate, w_shared_up=w_shared_up,
-                   w_routed_gate=w_routed_gate, w_routed_gate_sc=w_routed_gate_sc,
-                   w_routed_up=w_routed_up, w_routed_up_sc=w_routed_up_sc)  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    ws, inter, has_shared, _ = _check_fwd_mxfp8(
-        "recompute_forward_context_mxfp8", x, x_ptrs, None, None, weights, sched,
-        (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
+    ws, inter, has_shared, _ = _check_fwd_mxfp8("recompute_forward_context_mxfp8", locals())
     return _fake_mxfp8_context(x, ws, inter, has_shared)
 
 
@@ -798,11 +751,18 @@ recompute_forward_context_mxfp8 = torch.ops.mok.recompute_forward_context_mxfp8
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_bwd_mxfp8(op, d_y_buffer, d_y_buffer_ptrs, buffers, pointers, weights, ctx, sched,
-                     launch):  # fmt: skip
-    """Backward MXFP8 weights: gate and up (fp8, scale) [E, I, H] and their transposed copies
-    [E, H, I] (`_T`), down only transposed [E, I, H]."""
-    ws = _backward_workspace(d_y_buffer, d_y_buffer_ptrs, buffers, pointers)
+# The MXFP8 backward's context arguments, in the flat order (mok/mxfp8_context.py).
+_MXFP8_CONTEXT_ARGS = ("x_fp8_t_routed", "x_sc_t_routed", "gate_shared", "gate_fp8_routed",
+                       "gate_sc_routed", "up_shared", "up_fp8_routed", "up_sc_routed",
+                       "hidden_shared", "hidden_fp8_t_routed", "hidden_sc_t_routed")  # fmt: skip
+
+
+def _check_bwd_mxfp8(op, args):
+    """(workspace, E, I, has_shared, swiglu_limit, context by name) of the MXFP8 backward op's
+    checked arguments (`args` by name). Backward MXFP8 weights: gate and up (fp8, scale)
+    [E, I, H] and their transposed copies [E, H, I] (`_T`), down only transposed [E, I, H]."""
+    weights = _weights_of(args)
+    ws = _backward_workspace(args)
     num_experts, inter = checks.routed_sizes("w_routed_gate", weights["w_routed_gate"])
     hidden = ws.hidden_size
     gate_up, transposed = [num_experts, inter, hidden], [num_experts, hidden, inter]
@@ -812,10 +772,11 @@ def _check_bwd_mxfp8(op, d_y_buffer, d_y_buffer_ptrs, buffers, pointers, weights
         checks.check_mxfp8_pair(ws, name, weights[name], weights[f"{name}_sc"], shape)
     shared = {n: weights[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")}
     has_shared = checks.check_shared_weights(ws, inter, shared)
+    ctx = {n: args[n] for n in _MXFP8_CONTEXT_ARGS}
     checks.check_mxfp8_context(ws, inter, has_shared, ctx)
-    checks.check_schedule(ws, num_experts, *sched)
-    limit = checks.check_launch(ws, op, *launch)
-    return ws, num_experts, inter, has_shared, limit
+    checks.check_schedule(ws, num_experts, *_schedule_of(args))
+    limit = checks.check_launch(ws, op, *_launch_of(args))
+    return ws, num_experts, inter, has_shared, limit, ctx
 
 
 def _mxfp8_gradient_outputs(like, d_x_shared, grads, weights, has_shared) -> tuple[Tensor, ...]:
@@ -903,39 +864,17 @@ def dispatch_mlp_swiglu_combine_bwd_mxfp8(
         dequantised (exact), then the backward megakernel's MXFP8 variant as mok.functional's
         MXFP8 backward runs it.
     """
-    op = "dispatch_mlp_swiglu_combine_bwd_mxfp8"
-    buffers = dict(d_x_routed_buffer=d_x_routed_buffer, router_weight_buffer=router_weight_buffer,
-                   d_router_weight_buffer=d_router_weight_buffer, x=x)  # fmt: skip
-    pointers = dict(d_x_routed_buffer=d_x_routed_buffer_ptrs, x=x_ptrs,
-                    router_weight_buffer=router_weight_buffer_ptrs,
-                    d_router_weight_buffer=d_router_weight_buffer_ptrs)  # fmt: skip
-    weights = dict(w_shared_gate=w_shared_gate, w_shared_up=w_shared_up,
-                   w_shared_down=w_shared_down, w_routed_gate=w_routed_gate,
-                   w_routed_gate_sc=w_routed_gate_sc, w_routed_up=w_routed_up,
-                   w_routed_up_sc=w_routed_up_sc, w_routed_gate_T=w_routed_gate_T,
-                   w_routed_gate_T_sc=w_routed_gate_T_sc, w_routed_up_T=w_routed_up_T,
-                   w_routed_up_T_sc=w_routed_up_T_sc, w_routed_down_T=w_routed_down_T,
-                   w_routed_down_T_sc=w_routed_down_T_sc)  # fmt: skip
-    ctx = dict(x_fp8_t_routed=x_fp8_t_routed, x_sc_t_routed=x_sc_t_routed,
-               gate_shared=gate_shared, gate_fp8_routed=gate_fp8_routed,
-               gate_sc_routed=gate_sc_routed, up_shared=up_shared, up_fp8_routed=up_fp8_routed,
-               up_sc_routed=up_sc_routed, hidden_shared=hidden_shared,
-               hidden_fp8_t_routed=hidden_fp8_t_routed,
-               hidden_sc_t_routed=hidden_sc_t_routed)  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    ws, _, _, has_shared, limit = _check_bwd_mxfp8(
-        op, d_y_buffer, d_y_buffer_ptrs, buffers, pointers, weights, ctx, sched,
-        (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
+    op, args = "dispatch_mlp_swiglu_combine_bwd_mxfp8", locals()
+    ws, _, _, has_shared, limit, ctx = _check_bwd_mxfp8(op, args)
     routed = ((w_routed_gate, w_routed_gate_sc, w_routed_gate_T, w_routed_gate_T_sc),
               (w_routed_up, w_routed_up_sc, w_routed_up_T, w_routed_up_T_sc),
               (w_routed_down_T, w_routed_down_T_sc))  # fmt: skip
     d_x_shared, grads = slot_passes.mxfp8_backward_to_slots(
-        ws, op, MoKSchedule(*sched), tuple(ctx.values()), d_y_buffer, router_weight_buffer, x,
-        d_x_routed_buffer, d_router_weight_buffer, (w_shared_gate, w_shared_up, w_shared_down),
-        routed, limit, num_comm_sms, minibatch_size,
+        ws, op, MoKSchedule(*_schedule_of(args)), tuple(ctx.values()), d_y_buffer,
+        router_weight_buffer, x, d_x_routed_buffer, d_router_weight_buffer,
+        (w_shared_gate, w_shared_up, w_shared_down), routed, limit, num_comm_sms, minibatch_size,
     )  # fmt: skip
-    return _mxfp8_gradient_outputs(x, d_x_shared, grads, weights, has_shared)
+    return _mxfp8_gradient_outputs(x, d_x_shared, grads, _weights_of(args), has_shared)
 
 
 @dispatch_mlp_swiglu_combine_bwd_mxfp8.register_fake
@@ -949,27 +888,6 @@ def _(d_y_buffer, d_y_buffer_ptrs, d_x_routed_buffer, d_x_routed_buffer_ptrs,
       w_routed_up, w_routed_up_sc, schedule_peer_rank, schedule_peer_token_idx, num_tokens,
       tokens_per_expert, topk, swiglu_limit, num_comm_sms, macrobatch_size,
       minibatch_size):  # fmt: skip
-    buffers = dict(d_x_routed_buffer=d_x_routed_buffer, router_weight_buffer=router_weight_buffer,
-                   d_router_weight_buffer=d_router_weight_buffer, x=x)  # fmt: skip
-    pointers = dict(d_x_routed_buffer=d_x_routed_buffer_ptrs, x=x_ptrs,
-                    router_weight_buffer=router_weight_buffer_ptrs,
-                    d_router_weight_buffer=d_router_weight_buffer_ptrs)  # fmt: skip
-    weights = dict(w_shared_gate=w_shared_gate, w_shared_up=w_shared_up,
-                   w_shared_down=w_shared_down, w_routed_gate=w_routed_gate,
-                   w_routed_gate_sc=w_routed_gate_sc, w_routed_up=w_routed_up,
-                   w_routed_up_sc=w_routed_up_sc, w_routed_gate_T=w_routed_gate_T,
-                   w_routed_gate_T_sc=w_routed_gate_T_sc, w_routed_up_T=w_routed_up_T,
-                   w_routed_up_T_sc=w_routed_up_T_sc, w_routed_down_T=w_routed_down_T,
-                   w_routed_down_T_sc=w_routed_down_T_sc)  # fmt: skip
-    ctx = dict(x_fp8_t_routed=x_fp8_t_routed, x_sc_t_routed=x_sc_t_routed,
-               gate_shared=gate_shared, gate_fp8_routed=gate_fp8_routed,
-               gate_sc_routed=gate_sc_routed, up_shared=up_shared, up_fp8_routed=up_fp8_routed,
-               up_sc_routed=up_sc_routed, hidden_shared=hidden_shared,
-               hidden_fp8_t_routed=hidden_fp8_t_routed,
-               hidden_sc_t_routed=hidden_sc_t_routed)  # fmt: skip
-    sched = (schedule_peer_rank, schedule_peer_token_idx, num_tokens, tokens_per_expert)
-    _, _, _, has_shared, _ = _check_bwd_mxfp8(
-        "dispatch_mlp_swiglu_combine_bwd_mxfp8", d_y_buffer, d_y_buffer_ptrs, buffers, pointers,
-        weights, ctx, sched, (topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size),
-    )  # fmt: skip
-    return _mxfp8_gradient_outputs(x, None, None, weights, has_shared)
+    args = locals()
+    has_shared = _check_bwd_mxfp8("dispatch_mlp_swiglu_combine_bwd_mxfp8", args)[3]
+    return _mxfp8_gradient_outputs(x, None, None, _weights_of(args), has_shared)
