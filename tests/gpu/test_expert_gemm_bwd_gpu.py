@@ -26,10 +26,11 @@ import os
 
 import pytest
 import torch
+from grouped_gemm_cases import check_bound, poisoned, segments
 
 from mok import reference
 from mok.launchers import expert_gemm_bwd
-from mok.testing import rel_error, within_bf16_bound
+from mok.testing import rel_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,14 +48,6 @@ CASES = [
     ("many_small_and_empty", 256, 256, [128 if e % 3 else 0 for e in range(40)], 0),
     ("all_empty", 512, 256, [0, 0, 0], 384),
 ]
-
-
-def _segments(sizes):
-    bounds, start = [], 0
-    for n in sizes:
-        bounds.append((start, start + n))
-        start += n
-    return bounds, start
 
 
 def _inputs(hidden_size, intermediate_size, sizes, extra, seed=0):
@@ -77,14 +70,10 @@ def _inputs(hidden_size, intermediate_size, sizes, extra, seed=0):
     }
 
 
-def _poisoned(rows, cols):
-    return torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
 def _run(inp, limit):
     capacity, inter = inp["gate"].shape
     hidden_size = inp["dy"].shape[1]
-    d_gate, d_up = _poisoned(capacity, inter), _poisoned(capacity, inter)
+    d_gate, d_up = poisoned(capacity, inter), poisoned(capacity, inter)
     partials = torch.full((capacity, inter // 128), float("nan"), device="cuda")
     expert_gemm_bwd.d_hidden_swiglu(
         inp["dy"],
@@ -98,7 +87,7 @@ def _run(inp, limit):
         router_partials=partials,
         manifest=MANIFEST,
     )
-    d_x = _poisoned(capacity, hidden_size)
+    d_x = poisoned(capacity, hidden_size)
     expert_gemm_bwd.d_x(
         d_gate,
         d_up,
@@ -126,11 +115,6 @@ def _swiglu_backward64(d_hidden, gate, up, limit):
     return d_gate, d_up
 
 
-def _check_bound(what, got, truth, baseline):
-    ok, err, base = within_bf16_bound(got, truth, baseline)
-    assert ok, f"{what}: error {err:.3e} > 2 x PyTorch bf16 error {base:.3e}"
-
-
 @pytest.mark.parametrize("limit", [None, 1.0])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_reference(case, limit):
@@ -143,7 +127,7 @@ def test_matches_reference(case, limit):
             bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
             assert torch.equal(a.view(bits), b.view(bits)), "not bitwise stable"
 
-    bounds, total = _segments(sizes)
+    bounds, total = segments(sizes)
     # Rows past the last segment are not the kernel's: still poisoned.
     for out in (d_gate, d_up, d_x):
         assert torch.isnan(out[total:].float()).all()
@@ -162,11 +146,11 @@ def test_matches_reference(case, limit):
             ("fp32 GEMM", dy.float() @ down_w.float()),
         ):
             dg_ref, du_ref = reference.swiglu_backward(dh, gate, up, limit)
-            _check_bound(f"d_gate[{e}] vs {label}", d_gate[r], dg64, dg_ref)
-            _check_bound(f"d_up[{e}] vs {label}", d_up[r], du64, du_ref)
+            check_bound(f"d_gate[{e}] vs {label}", d_gate[r], dg64, dg_ref)
+            check_bound(f"d_up[{e}] vs {label}", d_up[r], du64, du_ref)
         # ---- router-weight partials: sum_b partials = <d_hidden, hidden> per row ----
         hidden_ref = reference.swiglu(gate, up, limit)
-        _check_bound(
+        check_bound(
             f"router partials[{e}]",
             partials[r].sum(dim=1),
             (dh64 * hidden_ref.double()).sum(dim=1),
@@ -179,9 +163,9 @@ def test_matches_reference(case, limit):
         # ---- d_x from the kernel's own d_gate, d_up ----
         dg, du = d_gate[r], d_up[r]
         dx64 = dg.double() @ gate_w.double() + du.double() @ up_w.double()
-        _check_bound(f"d_x[{e}] vs bf16 GEMM", d_x[r], dx64, dg @ gate_w + du @ up_w)
+        check_bound(f"d_x[{e}] vs bf16 GEMM", d_x[r], dx64, dg @ gate_w + du @ up_w)
         dx32 = (dg.float() @ gate_w.float() + du.float() @ up_w.float()).to(torch.bfloat16)
-        _check_bound(f"d_x[{e}] vs fp32 GEMM", d_x[r], dx64, dx32)
+        check_bound(f"d_x[{e}] vs fp32 GEMM", d_x[r], dx64, dx32)
 
         # ---- end to end vs the reference's expert backward ----
         chain64 = dg64 @ gate_w.double() + du64 @ up_w.double()
@@ -191,7 +175,7 @@ def test_matches_reference(case, limit):
         d_x_ref = reference._mlp_backward(
             dy, unused_x, gate, up, unused_hidden, gate_w, up_w, down_w, limit
         )[0].to(torch.bfloat16)
-        _check_bound(f"d_x[{e}] end to end", d_x[r], chain64, d_x_ref)
+        check_bound(f"d_x[{e}] end to end", d_x[r], chain64, d_x_ref)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -216,14 +200,14 @@ def test_weight_gradients(case):
         for other in runs[1:]:
             assert torch.equal(runs[0].view(torch.int32), other.view(torch.int32)), label
         out = runs[0]
-        bounds, _ = _segments(sizes)
+        bounds, _ = segments(sizes)
         for e, (start, end) in enumerate(bounds):
             if start == end:
                 assert torch.equal(out[e], torch.zeros_like(out[e])), f"{label}[{e}] not zero"
                 continue
             a_e, b_e = a[start:end], b[start:end]
             truth = a_e.double().t() @ b_e.double()
-            _check_bound(f"{label}[{e}] vs bf16 GEMM", out[e], truth, a_e.t() @ b_e)
+            check_bound(f"{label}[{e}] vs bf16 GEMM", out[e], truth, a_e.t() @ b_e)
             # fp32 output against an fp32 GEMM in another summation order: an fp32-level
             # bound, not the bf16 one (the bf16 bound above is the contract).
             fp32_err = rel_error(out[e], truth)

@@ -21,10 +21,10 @@ import os
 
 import pytest
 import torch
+from grouped_gemm_cases import check_bound, poisoned, segments
 
 from mok import reference
 from mok.launchers import expert_gemm
-from mok.testing import within_bf16_bound
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,14 +41,6 @@ CASES = [
     ("many_small_and_empty", 256, 256, [128 if e % 3 else 0 for e in range(40)], 0),
     ("all_empty", 512, 128, [0, 0, 0], 384),
 ]
-
-
-def _segments(sizes):
-    bounds, start = [], 0
-    for n in sizes:
-        bounds.append((start, start + n))
-        start += n
-    return bounds, start
 
 
 def _inputs(hidden_size, intermediate_size, sizes, extra, seed=0):
@@ -70,14 +62,10 @@ def _inputs(hidden_size, intermediate_size, sizes, extra, seed=0):
     }
 
 
-def _poisoned(rows, cols):
-    return torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
 def _run(inp, limit):
     capacity, inter = inp["x"].shape[0], inp["gate_w"].shape[1]
     hidden_size = inp["x"].shape[1]
-    gate, up, hidden = (_poisoned(capacity, inter) for _ in range(3))
+    gate, up, hidden = (poisoned(capacity, inter) for _ in range(3))
     expert_gemm.gate_up_swiglu(
         inp["x"],
         inp["gate_w"],
@@ -89,15 +77,10 @@ def _run(inp, limit):
         hidden=hidden,
         manifest=MANIFEST,
     )
-    y = _poisoned(capacity, hidden_size)
+    y = poisoned(capacity, hidden_size)
     expert_gemm.down(hidden, inp["down_w"], inp["tokens_per_expert"], out=y, manifest=MANIFEST)
     torch.cuda.synchronize()
     return gate, up, hidden, y
-
-
-def _check_bound(what, got, truth, bf16):
-    ok, err, base = within_bf16_bound(got, truth, bf16)
-    assert ok, f"{what}: error {err:.3e} > 2 x PyTorch bf16 error {base:.3e}"
 
 
 @pytest.mark.parametrize("limit", [None, 1.0])
@@ -111,7 +94,7 @@ def test_matches_reference(case, limit):
         for a, b in zip(runs[0], other, strict=True):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "not bitwise stable"
 
-    bounds, total = _segments(sizes)
+    bounds, total = segments(sizes)
     # Rows past the last segment are not the kernel's: still poisoned.
     for out in (gate, up, hidden, y):
         assert torch.isnan(out[total:].float()).all()
@@ -123,20 +106,20 @@ def test_matches_reference(case, limit):
         u64 = x.double() @ inp["up_w"][e].double().t()
         g16 = x @ inp["gate_w"][e].t()  # PyTorch's own bf16 GEMM: the error baseline
         u16 = x @ inp["up_w"][e].t()
-        _check_bound(f"gate[{e}]", gate[start:end], g64, g16)
-        _check_bound(f"up[{e}]", up[start:end], u64, u16)
+        check_bound(f"gate[{e}]", gate[start:end], g64, g16)
+        check_bound(f"up[{e}]", up[start:end], u64, u16)
         # The same fp32 SwiGLU from the kernel's own bf16 gate/up: equal up to 1 bf16 ulp.
         expected = reference.swiglu(gate[start:end], up[start:end], limit)
         assert torch.allclose(hidden[start:end].float(), expected.float(), rtol=2**-7, atol=0)
         g_c, u_c = reference._clamped(g64, u64, limit)
         h64 = g_c / (1 + torch.exp(-g_c)) * u_c
-        _check_bound(f"hidden[{e}]", hidden[start:end], h64, reference.swiglu(g16, u16, limit))
+        check_bound(f"hidden[{e}]", hidden[start:end], h64, reference.swiglu(g16, u16, limit))
         hid = hidden[start:end]
         y64 = hid.double() @ inp["down_w"][e].double().t()
-        _check_bound(f"y[{e}]", y[start:end], y64, hid @ inp["down_w"][e].t())
+        check_bound(f"y[{e}]", y[start:end], y64, hid @ inp["down_w"][e].t())
         # And the reference's GEMM (mok.reference._mm, fp32, rounded to bf16 as the kernel
         # stores it) is an equally valid baseline.
-        _check_bound(
+        check_bound(
             f"y[{e}] vs _mm",
             y[start:end],
             y64,
