@@ -2,8 +2,8 @@
 
 Each rank has its own workspace (plain allocations on the one GPU) whose peer tables point at
 the other ranks' buffers, its own CUDA stream, and a megakernel grid of (SM count - P) // P
-CTAs, so the P ranks' megakernels and their P barrier kernels are resident side by side (the
-megakernels need every CTA resident: a rank's dispatch is split over all its CTAs). The ranks go
+CTAs, so the P ranks' megakernels and their P barrier kernels are resident side by side and the
+ranks run concurrently, as real ranks do. The ranks go
 through the same kernels and the same launch code as real ranks; only the allocation and the
 peer tables differ. It proves the EP protocol
 (pull dispatch, push combine, device barriers) on one GPU; it cannot show NVLink's timing or
@@ -66,9 +66,8 @@ class VirtualEPGroup:
             )
         self.size = size
         self.device = device
-        # A megakernel whose CTAs are not all resident can wait for ever on rows a non-resident
-        # CTA dispatches; each rank's spinning barrier kernel may hold an SM of its own. So
-        # P megakernels plus P barrier CTAs fit at once.
+        # Each rank's spinning barrier kernel may hold an SM of its own: P megakernels plus P
+        # barrier CTAs fit at once, so the ranks run concurrently.
         self.megakernel_ctas = sms if size == 1 else (sms - size) // size
         self.streams = [torch.cuda.Stream(device) for _ in range(size)]
 
