@@ -11,7 +11,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from .args import global_pointer
-from .ptx import cvt_e4m3x2_rn_satfinite, mul_rn, mxfp8_scale_from_amax
+from .mxfp8_values import quantize_chunk
 from .tile_views import matrix, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile (= one 512-byte scale tile)
@@ -117,23 +117,9 @@ class Mxfp8QuantizeRowwise:
         # ---- per pass: amax over 32 elements, scale, convert, store ----
         for p in cutlass.range_constexpr(TILE // 16):
             row = p * 16 + row_in_pass
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(VECTOR):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(values[i, p], -values[i, p]))
-            # the 4 lanes holding one 32-element block are adjacent (lane bits 0 and 1)
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
-            scale_byte, inv_scale = mxfp8_scale_from_amax(amax)
-
             packed = cute.make_rmem_tensor((VECTOR // 4,), Uint32)
-            for w in cutlass.range_constexpr(VECTOR // 4):
-                lo = cvt_e4m3x2_rn_satfinite(
-                    mul_rn(values[4 * w, p], inv_scale), mul_rn(values[4 * w + 1, p], inv_scale)
-                )
-                hi = cvt_e4m3x2_rn_satfinite(
-                    mul_rn(values[4 * w + 2, p], inv_scale), mul_rn(values[4 * w + 3, p], inv_scale)
-                )
-                packed[w] = Uint32(lo) | (Uint32(hi) << 16)
+            # the 4 lanes holding one 32-element block are adjacent (lane bits 0 and 1)
+            scale_byte = quantize_chunk(values[None, p], packed)
             gQ[0, None, row, chunk].store(packed.load())
 
             if tidx % (BLOCK // VECTOR) == 0:

@@ -12,7 +12,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from .args import global_pointer
-from .ptx import cvt_e4m3x2_rn_satfinite, mul_rn, mxfp8_scale_from_amax
+from .mxfp8_values import quantize_chunk
 from .tile_views import matrix, word_matrix
 
 TILE = 128  # input rows and columns of one CTA tile (= one 512-byte scale tile)
@@ -118,22 +118,9 @@ class Mxfp8QuantizeTransposed:
 
         # ---- per input column: amax over 32 rows, scale, convert, store 8 bytes ----
         for j in cutlass.range_constexpr(VECTOR):
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(VECTOR):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(values[j, i], -values[j, i]))
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=8))
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=16))
-            scale_byte, inv_scale = mxfp8_scale_from_amax(amax)
-
             packed = cute.make_rmem_tensor((VECTOR // 4,), Uint32)
-            for w in cutlass.range_constexpr(VECTOR // 4):
-                lo = cvt_e4m3x2_rn_satfinite(
-                    mul_rn(values[j, 4 * w], inv_scale), mul_rn(values[j, 4 * w + 1], inv_scale)
-                )
-                hi = cvt_e4m3x2_rn_satfinite(
-                    mul_rn(values[j, 4 * w + 2], inv_scale), mul_rn(values[j, 4 * w + 3], inv_scale)
-                )
-                packed[w] = Uint32(lo) | (Uint32(hi) << 16)
+            # the block's 4 lanes are 8 apart (lane bits 3 and 4)
+            scale_byte = quantize_chunk(values[j, None], packed, lane_stride=8)
             out_row = col_chunk * VECTOR + j  # tile-local output row = input column
             gQ[0, None, out_row, row_chunk].store(packed.load())
 

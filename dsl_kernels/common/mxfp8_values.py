@@ -59,18 +59,41 @@ def scale_bits_of(byte: Uint32) -> Uint32:
 
 
 @cute.jit
-def round_trip_chunk(values: cute.Tensor, out: cute.Tensor,
-                     lane_stride: cutlass.Constexpr[int] = 1):  # fmt: skip
-    """`out` (Uint32 [4], bf16x2) = the MXFP8 round trip of this lane's 8 fp32 `values` (bf16
-    values widened), its 32-element block being the 8-element chunks of 4 lanes: the adjacent
-    ones (lane bits 0 and 1), or those `lane_stride` apart (stride 8: lane bits 3 and 4), every
-    one of which must call this together."""
+def block_amax(values: cute.Tensor, lane_stride: cutlass.Constexpr[int] = 1) -> Float32:
+    """max |v| of a 32-element block whose 8-element chunks (this lane's fp32 `values`) are in 4
+    lanes: the adjacent ones (lane bits 0 and 1), or those `lane_stride` apart (stride 8: lane
+    bits 3 and 4), every one of which must call this together."""
     amax = Float32(0.0)
     for i in cutlass.range_constexpr(CHUNK):
         amax = cute.arch.fmax(amax, cute.arch.fmax(values[i], -values[i]))
     amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=lane_stride))
-    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2 * lane_stride))
-    scale_byte, inv_scale = mxfp8_scale_from_amax(amax)
+    return cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2 * lane_stride))
+
+
+@cute.jit
+def quantize_chunk(values: cute.Tensor, packed: cute.Tensor,
+                   lane_stride: cutlass.Constexpr[int] = 1):  # fmt: skip
+    """`packed` (Uint32 [2]) = this lane's 8 fp32 `values` as E4M3 bytes (element 0 lowest)
+    under its block's scale (the lanes as `block_amax`'s); returns the UE8M0 scale byte. The
+    quantisers' math (common/mxfp8_quantize_rowwise.py)."""
+    scale_byte, inv_scale = mxfp8_scale_from_amax(block_amax(values, lane_stride))
+    for w in cutlass.range_constexpr(CHUNK // 4):
+        lo = cvt_e4m3x2_rn_satfinite(
+            mul_rn(values[4 * w], inv_scale), mul_rn(values[4 * w + 1], inv_scale)
+        )
+        hi = cvt_e4m3x2_rn_satfinite(
+            mul_rn(values[4 * w + 2], inv_scale), mul_rn(values[4 * w + 3], inv_scale)
+        )
+        packed[w] = Uint32(lo) | (Uint32(hi) << 16)
+    return scale_byte
+
+
+@cute.jit
+def round_trip_chunk(values: cute.Tensor, out: cute.Tensor,
+                     lane_stride: cutlass.Constexpr[int] = 1):  # fmt: skip
+    """`out` (Uint32 [4], bf16x2) = the MXFP8 round trip of this lane's 8 fp32 `values` (bf16
+    values widened), its block's lanes as `block_amax`'s."""
+    scale_byte, inv_scale = mxfp8_scale_from_amax(block_amax(values, lane_stride))
     scale_bits = scale_bits_of(scale_byte)
     for w in cutlass.range_constexpr(CHUNK // 2):
         pair = cvt_e4m3x2_rn_satfinite(
