@@ -2,17 +2,12 @@
 
 from dataclasses import dataclass
 
-import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Int32
 
 from .args import global_pointer
-from .ptx import add_rn
+from .combine_rows import combine_rows
 from .row_chunks import VECTOR, chunked_row_views
-
-# Slots of each token loaded per step: with 4 tokens, 8 independent 16-byte loads per thread
-# are in flight at once, and k = 2 (the latency-bound case) is a single step.
-SLOTS_PER_STEP = 2
 
 
 @dataclass(frozen=True)
@@ -113,92 +108,5 @@ class MoeCombineBackward:
 
         chunk = bidx * self.threads + tidx
         first_token = bidy * tokens
-        rAcc = cute.make_rmem_tensor((VECTOR, tokens), Float32)
-
-        # Only `chunk < chunks` can diverge, in the last column block.
-        if chunk < chunks:
-            # Step 0 is peeled (it alone loads the shared rows and initialises acc), so that
-            # the loop carries nothing but the accumulators.
-            self.accumulate_step(
-                rAcc,
-                mShared,
-                mSlots,
-                chunk,
-                first_token,
-                num_tokens,
-                topk,
-                has_shared,
-                Int32(0),
-                True,
-            )
-            for j0 in cutlass.range(SLOTS_PER_STEP, topk, SLOTS_PER_STEP, unroll=1):
-                self.accumulate_step(
-                    rAcc,
-                    mShared,
-                    mSlots,
-                    chunk,
-                    first_token,
-                    num_tokens,
-                    topk,
-                    has_shared,
-                    j0,
-                    False,
-                )
-
-            # ---- d_x = bf16(acc), round to nearest even ----
-            for t in cutlass.range_constexpr(tokens):
-                token = first_token + t
-                if token < num_tokens:
-                    mDx[None, chunk, token].store(rAcc[None, t].load().to(BFloat16))
-
-    @cute.jit
-    def accumulate_step(
-        self,
-        rAcc: cute.Tensor,
-        mShared: cute.Tensor,
-        mSlots: cute.Tensor,
-        chunk: Int32,
-        first_token: Int32,
-        num_tokens: Int32,
-        topk: Int32,
-        has_shared: Int32,
-        j0: Int32,
-        first: cutlass.Constexpr,
-    ):
-        """Slots j0 .. j0 + SLOTS_PER_STEP - 1 of the thread's tokens into rAcc (VECTOR, tokens).
-
-        Token and slot predicates are uniform across the CTA (they depend on bidy and topk
-        only), so these branches never diverge.
-        """
-        tokens = self.tokens_per_cta
-        # Raw bf16 landing buffers, converted only in the math phase (a conversion is a use:
-        # it would wait for the load). Local to the step so that nothing but the accumulators
-        # is live across steps: registers bound the CTAs per SM, hence the bytes in flight.
-        rShared = cute.make_rmem_tensor((VECTOR, tokens), BFloat16)
-        rSlots = cute.make_rmem_tensor((VECTOR, SLOTS_PER_STEP, tokens), BFloat16)
-        rSlot = cute.make_rmem_tensor((VECTOR,), Float32)
-
-        # ---- load: every global load of the step, before any arithmetic ----
-        for t in cutlass.range_constexpr(tokens):
-            token = first_token + t
-            if token < num_tokens:
-                if cutlass.const_expr(first):
-                    if has_shared != 0:
-                        rShared[None, t].store(mShared[None, chunk, token].load())
-                for s in cutlass.range_constexpr(SLOTS_PER_STEP):
-                    if j0 + s < topk:
-                        row = token * topk + j0 + s
-                        rSlots[None, s, t].store(mSlots[None, chunk, row].load())
-
-        # ---- math: acc = d_x_shared (or +0.0) in step 0, then acc = acc + slot_j ----
-        for t in cutlass.range_constexpr(tokens):
-            if first_token + t < num_tokens:
-                if cutlass.const_expr(first):
-                    rAcc[None, t].fill(0.0)
-                    if has_shared != 0:
-                        rAcc[None, t].store(rShared[None, t].load().to(Float32))
-                for s in cutlass.range_constexpr(SLOTS_PER_STEP):
-                    if j0 + s < topk:
-                        rSlot.store(rSlots[None, s, t].load().to(Float32))
-                        for i in cutlass.range_constexpr(VECTOR):
-                            rAcc[i, t] = add_rn(rAcc[i, t], rSlot[i])
+        combine_rows(tokens, chunks, chunk, first_token, num_tokens, topk, has_shared, mDx,
+                     mShared, mSlots)  # fmt: skip
