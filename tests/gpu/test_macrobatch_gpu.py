@@ -24,7 +24,7 @@ import importlib
 
 import pytest
 import torch
-from graph_replay import check_replays
+from graph_replay import assert_bitwise, bits, check_replays
 
 from mok import functional as F
 from mok import reference as R
@@ -47,20 +47,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 CUDA = torch.device("cuda")
-
-
-def bits(t):
-    return None if t is None else t.contiguous().view(torch.uint8)
-
-
-def assert_bitwise(got, want, what):
-    assert len(got) == len(want), what
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        if a is None or b is None:
-            assert a is None and b is None, (what, i)
-            continue
-        assert a.shape == b.shape and a.dtype == b.dtype, (what, i, a.shape, b.shape)
-        assert torch.equal(bits(a), bits(b)), (what, i)
 
 
 def config_of(macrobatch_size=None):
