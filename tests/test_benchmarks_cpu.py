@@ -198,3 +198,27 @@ def test_mxfp8_row_times_forward_and_backward(monkeypatch):
     assert "fp8 e4m3 GEMM 2 TFLOP/s" in report.ceilings_line(
         {**ceilings, "gemm_bf16_size": 512, "copy_gbs": 9.0}
     )
+
+
+def test_ep_timeline_maps_each_rank_stream_by_its_marker():
+    from tools.ep_timeline import lanes_of
+
+    def kernel(name, stream, ts, dur, grid=1):
+        return {"name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "grid": [grid]}}
+
+    # Two ranks on CUPTI streams 13 and 7; rank r's marker fill has grid (r + 1) * 1000. A float
+    # fill with a small grid is a step kernel of its stream's rank; another stream's is no rank's.
+    kernels = [
+        kernel("void FillFunctor<float> a", 13, 0.0, 5.0, grid=1000),
+        kernel("void FillFunctor<float> b", 7, 1.0, 5.0, grid=2000),
+        kernel("void FillFunctor<float> small", 7, 2.0, 1.0, grid=3),
+        kernel("mok_moe_forward_0", 7, 30.0, 20.0),
+        kernel("mok_ep_barrier_0", 13, 10.0, 15.0),
+        kernel("mok_moe_forward_0", 13, 26.0, 20.0),
+        kernel("elsewhere", 99, 0.5, 1.0),
+    ]
+    lanes = lanes_of(kernels, 2)  # times from the first step kernel's start (ts 2.0)
+    assert lanes == {
+        0: [("barrier", 8.0, 23.0), ("moe_forward", 24.0, 44.0)],
+        1: [("fill", 0.0, 1.0), ("moe_forward", 28.0, 48.0)],
+    }

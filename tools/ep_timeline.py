@@ -58,7 +58,13 @@ def _timeline(run, backward, size):
         torch.cuda.synchronize()
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
-    kernels = _kernels(path)
+    return lanes_of(_kernels(path), size)
+
+
+def lanes_of(kernels, size):
+    """{rank: [(short name, start us, end us)]} of a trace's kernel events: the `size` largest
+    float fills (`_markers`, grid growing with the rank) name each rank's stream; every other
+    kernel on those streams goes to its rank, in start order, times from the first one's start."""
     fills = (k for k in kernels if "FillFunctor<float>" in k["name"])
     marks = sorted(fills, key=lambda k: k["args"]["grid"][0])[-size:]
     stream_rank = {m["args"]["stream"]: rank for rank, m in enumerate(marks)}
