@@ -53,6 +53,16 @@ def grouped_tile_coords(local: Int32, m_tiles: Int32, tiles_per_expert: Int32):
     return first_m + within % rows, within // rows
 
 
+@cute.jit
+def advance_to_expert(tokens_per_expert: cute.Tensor, expert: Int32, cursor: Int32,
+                      row_base: Int32):  # fmt: skip
+    """Move the cursor (expert, rows before it) forward to `expert` (never backward)."""
+    while cursor < expert:
+        row_base = row_base + tokens_per_expert[cursor]
+        cursor = cursor + 1
+    return cursor, row_base
+
+
 @dataclass(frozen=True)
 class Sm90ExpertGemmBwdWeights:
     """See the module docstring. `stages`: ring depth; `output`: one of OUTPUTS."""
@@ -179,7 +189,9 @@ class Sm90ExpertGemmBwdWeights:
                 while tile < num_tiles:
                     expert = tile // tiles_per_expert
                     local = tile - expert * tiles_per_expert
-                    cursor, row_base = self._advance(tokens_per_expert, expert, cursor, row_base)
+                    cursor, row_base = advance_to_expert(
+                        tokens_per_expert, expert, cursor, row_base
+                    )
                     m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
                     n_tile = 2 * n_pair  # in units of TILE_N
                     k_base = row_base // TILE_K
@@ -239,14 +251,6 @@ class Sm90ExpertGemmBwdWeights:
                         )
                         self._store(acc0 if j == 0 else acc1, thr_mma.partition_C(tile_out))
                 tile = tile + grid_size
-
-    @cute.jit
-    def _advance(self, tokens_per_expert: cute.Tensor, expert: Int32, cursor: Int32, row_base):
-        """Move the cursor (expert, rows before it) forward to `expert` (never backward)."""
-        while cursor < expert:
-            row_base = row_base + tokens_per_expert[cursor]
-            cursor = cursor + 1
-        return cursor, row_base
 
     @cute.jit
     def _crew_stores(

@@ -41,7 +41,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
 from . import gemm_phases as phases
-from .expert_gemm_bwd_weights import grouped_tile_coords
+from .expert_gemm_bwd_weights import advance_to_expert, grouped_tile_coords
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 OUTPUTS = ("bf16", "fp32_accumulate")
@@ -191,7 +191,9 @@ class Sm90ExpertGemmBwdWeightsWindow:
                 while tile < num_tiles:
                     expert = tile // tiles_per_expert
                     local = tile - expert * tiles_per_expert
-                    cursor, row_base = _advance(tokens_per_expert, expert, cursor, row_base)
+                    cursor, row_base = advance_to_expert(
+                        tokens_per_expert, expert, cursor, row_base
+                    )
                     m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
                     k_base, k_tiles, _, _, _ = window_part(
                         row_base, tokens_per_expert[expert], first_row, window_rows
@@ -219,7 +221,7 @@ class Sm90ExpertGemmBwdWeightsWindow:
             while tile < num_tiles:
                 expert = tile // tiles_per_expert
                 local = tile - expert * tiles_per_expert
-                cursor, row_base = _advance(tokens_per_expert, expert, cursor, row_base)
+                cursor, row_base = advance_to_expert(tokens_per_expert, expert, cursor, row_base)
                 m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
                 first_out_row = m_tile * TILE_M
                 first_col = n_pair * (2 * TILE_N)
@@ -245,15 +247,6 @@ class Sm90ExpertGemmBwdWeightsWindow:
                         copy_tile(thr_mma, (acc0, acc1), out_ptr, expert_offset, first_out_row,
                                   first_col, n_size, self.output)  # fmt: skip
                 tile = tile + grid_size
-
-
-@cute.jit
-def _advance(tokens_per_expert: cute.Tensor, expert: Int32, cursor: Int32, row_base: Int32):
-    """Move the cursor (expert, rows before it) forward to `expert` (never backward)."""
-    while cursor < expert:
-        row_base = row_base + tokens_per_expert[cursor]
-        cursor = cursor + 1
-    return cursor, row_base
 
 
 @cute.jit
