@@ -15,7 +15,7 @@ from cutlass import BFloat16, Int32, Int64, Uint8, Uint32
 
 from .args import global_pointer
 from .mxfp8_values import dequantize_word, scale_bits_of, transpose_halves
-from .tile_views import word_matrix
+from .tile_views import tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile (= one 512-byte scale tile)
 VECTOR = 8  # elements per thread per pass: an 8-byte load, a 16-byte store
@@ -101,12 +101,7 @@ class Mxfp8Dequantize:
         num_rows: Int32,
         num_cols: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        tile_col, tile_row, matrix = cute.arch.block_idx()
-        # The documented alignment lets CuTe prove every chunk is 8- (input) or 16-byte
-        # (output) aligned; 64-bit row strides keep row * num_cols from overflowing int32.
-        num_cols = cute.assume(num_cols, divby=TILE)
-        num_rows = cute.assume(num_rows, divby=TILE)
+        tidx, tile_col, tile_row, matrix, num_rows, num_cols = tile_entry(num_rows, num_cols)
         scale_tile_base = (tile_row * (num_cols // TILE) + tile_col) * TILE  # in words
         if cutlass.const_expr(self.transposed):
             # Matrix `matrix` of the batch: its elements (64-bit), its scale words (int32).
@@ -125,8 +120,8 @@ class Mxfp8Dequantize:
             cute.recast_ptr(scale_ptr, dtype=Uint32),
             cute.make_layout(num_rows * (num_cols // TILE)),
         )
-        gQ = cute.flat_divide(
-            cute.local_tile(mQ, (TILE, TILE // 4), (tile_row, tile_col)), (1, VECTOR // 4)
+        gQ = tile_chunks(
+            mQ, (tile_row, tile_col), TILE // 4, VECTOR // 4
         )  # (1, 2, 128 input rows, 16 column chunks)
         # ---- the bf16 output as 32-bit words, [rows, cols] or transposed [cols, rows] ----
         out_rows, out_cols = num_rows, num_cols
@@ -135,9 +130,7 @@ class Mxfp8Dequantize:
             out_rows, out_cols = num_cols, num_rows
             out_tile = (tile_col, tile_row)
         mY = word_matrix(output_ptr, out_rows, out_cols, 2)
-        gY = cute.flat_divide(
-            cute.local_tile(mY, (TILE, TILE // 2), out_tile), (1, VECTOR // 2)
-        )  # (1, 4, 128 output rows, 16 chunks)
+        gY = tile_chunks(mY, out_tile, TILE // 2, VECTOR // 2)  # (1, 4, 128 output rows, 16 chunks)
         if cutlass.const_expr(self.transposed):
             self.back_transposed(gQ, mS, gY, scale_tile_base, tidx)
         else:

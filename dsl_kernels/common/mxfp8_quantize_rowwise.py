@@ -12,7 +12,7 @@ from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from .args import global_pointer
 from .mxfp8_values import quantize_chunk
-from .tile_views import matrix, word_matrix
+from .tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile (= one 512-byte scale tile)
 VECTOR = 8  # bf16 elements per thread per pass: one 16-byte load
@@ -84,24 +84,15 @@ class Mxfp8QuantizeRowwise:
         num_rows: Int32,
         num_cols: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        tile_col, tile_row, _ = cute.arch.block_idx()
-        # The documented alignment lets CuTe prove every 8-element chunk is 16-byte aligned;
-        # 64-bit row strides keep row * num_cols from overflowing int32.
-        num_cols = cute.assume(num_cols, divby=TILE)
-        num_rows = cute.assume(num_rows, divby=TILE)
+        tidx, tile_col, tile_row, _, num_rows, num_cols = tile_entry(num_rows, num_cols)
 
         # ---- views: global tensors -> this CTA's tile -> 8-element chunks ----
         mX = matrix(input_ptr, num_rows, num_cols)
         # E4M3 output viewed as 32-bit words: 8 bytes = 2 words per thread and pass.
         mQ = word_matrix(output_ptr, num_rows, num_cols, 4)
         mS = cute.make_tensor(scale_ptr, cute.make_layout(num_rows * (num_cols // TILE) * 4))
-        gX = cute.flat_divide(
-            cute.local_tile(mX, (TILE, TILE), (tile_row, tile_col)), (1, VECTOR)
-        )  # (1, 8, 128, 16)
-        gQ = cute.flat_divide(
-            cute.local_tile(mQ, (TILE, TILE // 4), (tile_row, tile_col)), (1, VECTOR // 4)
-        )  # (1, 2, 128, 16)
+        gX = tile_chunks(mX, (tile_row, tile_col), TILE, VECTOR)  # (1, 8, 128, 16)
+        gQ = tile_chunks(mQ, (tile_row, tile_col), TILE // 4, VECTOR // 4)  # (1, 2, 128, 16)
         scale_tile_base = (tile_row * (num_cols // TILE) + tile_col) * (TILE * 4)
 
         chunk = tidx % (TILE // VECTOR)  # 0..15: which 8 columns of the tile

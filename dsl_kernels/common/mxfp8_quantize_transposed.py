@@ -13,7 +13,7 @@ from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from .args import global_pointer
 from .mxfp8_values import quantize_chunk
-from .tile_views import matrix, word_matrix
+from .tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # input rows and columns of one CTA tile (= one 512-byte scale tile)
 VECTOR = 8  # a thread owns VECTOR input rows x VECTOR input columns
@@ -85,22 +85,17 @@ class Mxfp8QuantizeTransposed:
         num_rows: Int32,
         num_cols: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        tile_col, tile_row, _ = cute.arch.block_idx()
-        # The documented alignment lets CuTe prove every 8-element chunk is 16-byte aligned;
-        # 64-bit row strides keep row * num_cols from overflowing int32.
-        num_cols = cute.assume(num_cols, divby=TILE)
-        num_rows = cute.assume(num_rows, divby=TILE)
+        tidx, tile_col, tile_row, _, num_rows, num_cols = tile_entry(num_rows, num_cols)
 
         # ---- views: input [rows, cols] bf16; output [cols, rows] as 32-bit words ----
         mX = matrix(input_ptr, num_rows, num_cols)
         mQ = word_matrix(output_ptr, num_cols, num_rows, 4)
         mS = cute.make_tensor(scale_ptr, cute.make_layout(num_cols * (num_rows // TILE) * 4))
-        gX = cute.flat_divide(
-            cute.local_tile(mX, (TILE, TILE), (tile_row, tile_col)), (1, VECTOR)
+        gX = tile_chunks(
+            mX, (tile_row, tile_col), TILE, VECTOR
         )  # (1, 8, 128 rows, 16 column chunks)
-        gQ = cute.flat_divide(
-            cute.local_tile(mQ, (TILE, TILE // 4), (tile_col, tile_row)), (1, VECTOR // 4)
+        gQ = tile_chunks(
+            mQ, (tile_col, tile_row), TILE // 4, VECTOR // 4
         )  # (1, 2, 128 output rows, 16 output chunks)
         scale_tile_base = (tile_col * (num_rows // TILE) + tile_row) * (TILE * 4)
 

@@ -15,7 +15,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 
 from .args import global_pointer
 from .mxfp8_values import round_trip_chunk, transpose_halves
-from .tile_views import matrix, word_matrix
+from .tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile
 VECTOR = 8  # bf16 elements per 16-byte load or store
@@ -93,22 +93,17 @@ class Mxfp8RoundTrip:
         num_rows: Int32,
         num_cols: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        tile_col, tile_row, _ = cute.arch.block_idx()
-        # The documented alignment lets CuTe prove every 8-element chunk is 16-byte aligned;
-        # 64-bit row strides keep row * num_cols from overflowing int32.
-        num_cols = cute.assume(num_cols, divby=TILE)
-        num_rows = cute.assume(num_rows, divby=TILE)
+        tidx, tile_col, tile_row, _, num_rows, num_cols = tile_entry(num_rows, num_cols)
 
         # ---- views: input bf16 [rows, cols]; output the same matrix as 32-bit words ----
         mX = matrix(input_ptr, num_rows, num_cols)
         # The bf16 output viewed as 32-bit words (bf16x2), the form the round trips return.
         mY = word_matrix(output_ptr, num_rows, num_cols, 2)
-        gX = cute.flat_divide(
-            cute.local_tile(mX, (TILE, TILE), (tile_row, tile_col)), (1, VECTOR)
+        gX = tile_chunks(
+            mX, (tile_row, tile_col), TILE, VECTOR
         )  # (1, 8, 128 rows, 16 column chunks)
-        gY = cute.flat_divide(
-            cute.local_tile(mY, (TILE, TILE // 2), (tile_row, tile_col)), (1, VECTOR // 2)
+        gY = tile_chunks(
+            mY, (tile_row, tile_col), TILE // 2, VECTOR // 2
         )  # (1, 4, 128 rows, 16 column chunks)
         if cutlass.const_expr(self.along_rows):
             self.down_columns(gX, gY, tidx)

@@ -32,3 +32,20 @@ def word_matrix(ptr: cute.Pointer, num_rows, num_cols, per_word: int) -> cute.Te
             stride=(cute.assume(Int64(words_per_row), divby=TILE // per_word), 1),
         ),
     )
+
+
+def tile_entry(num_rows, num_cols):
+    """A tile kernel's (thread, tile column, tile row, grid z, num_rows, num_cols): the sizes
+    assumed multiples of TILE, which lets CuTe prove every chunk of a tile aligned (the
+    kernels' documented constraint; the launchers check it)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    tile_col, tile_row, z = cute.arch.block_idx()
+    num_cols = cute.assume(num_cols, divby=TILE)
+    num_rows = cute.assume(num_rows, divby=TILE)
+    return tidx, tile_col, tile_row, z, num_rows, num_cols
+
+
+def tile_chunks(mat: cute.Tensor, coords: tuple, cols: int, chunk: int) -> cute.Tensor:
+    """The [TILE, cols] tile of `mat` at (tile row, tile column) `coords`, in chunks of `chunk`
+    consecutive elements of a row: (1, chunk, TILE rows, cols / chunk chunks)."""
+    return cute.flat_divide(cute.local_tile(mat, (TILE, cols), coords), (1, chunk))
