@@ -24,6 +24,7 @@ import importlib
 import pytest
 import torch
 import torch.distributed as dist
+from bitwise import assert_bitwise, bits
 from ep_worker import run_on_gloo_group
 from fake_kernels import fake_kernels, fake_push_router_grads
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -42,21 +43,6 @@ macrobatch = importlib.import_module("mok.launchers.macrobatch")
 # taken in another order would show (two-term fp32 sums do not: they commute).
 T, H, I, E, K = 1024, 256, 256, 4, 2
 SIZES = (256, 512, 1024)  # the original's 4096 / 8192 / 16384 of 57344 rows, scaled
-
-
-def bits(t: torch.Tensor | None):
-    """The tensor's bytes (torch.equal would call -0.0 and 0.0 equal)."""
-    return None if t is None else t.contiguous().view(torch.uint8)
-
-
-def assert_bitwise(got, want, what):
-    assert len(got) == len(want), what
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        if a is None or b is None:
-            assert a is None and b is None, (what, i)
-        else:
-            assert a.shape == b.shape and a.dtype == b.dtype, (what, i)
-            assert torch.equal(bits(a), bits(b)), (what, i)
 
 
 def config_of(macrobatch_size: int | None) -> F.MoKConfig:

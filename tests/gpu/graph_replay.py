@@ -1,25 +1,10 @@
-"""What the bitwise GPU tests share: outputs compared bit for bit, and a step captured in a CUDA
-graph after eager warm-ups, replayed with new routing, each output bitwise the eager step's."""
+"""What the CUDA-graph tests share: a step captured after eager warm-ups, replayed with new
+routing, each output bitwise the eager step's (tests/bitwise.py)."""
 
 from __future__ import annotations
 
 import torch
-
-
-def bits(t):
-    """The bytes of a tensor (None stays None): equal bits compare equal, NaN included."""
-    return None if t is None else t.contiguous().view(torch.uint8)
-
-
-def assert_bitwise(got, want, what):
-    """Outputs (tensors or Nones) of two runs: the same count, shapes, dtypes and bits."""
-    assert len(got) == len(want), what
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        if a is None or b is None:
-            assert a is None and b is None, (what, i)
-            continue
-        assert a.shape == b.shape and a.dtype == b.dtype, (what, i, a.shape, b.shape)
-        assert torch.equal(bits(a), bits(b)), (what, i)
+from bitwise import assert_bitwise
 
 
 def check_replays(step, ids, num_experts, seeds, after_warmup=None):
