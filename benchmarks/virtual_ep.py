@@ -26,7 +26,7 @@ from mok.testing import WEIGHT_NAMES, make_inputs, rank_inputs
 from mok.virtual_ep import VirtualEPGroup
 
 
-def _layer(size, inputs, num_experts, config):
+def layer_step(size, inputs, num_experts, config):
     """(forward step, training step) closures of a virtual group of `size` ranks."""
     group = VirtualEPGroup(size)
     t, h = inputs["x"].shape
@@ -64,14 +64,15 @@ def _layer(size, inputs, num_experts, config):
     return run, spaces
 
 
-def _time(run, backward, warmup, reps):
+def _median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def median_ms(run, backward, warmup, reps):
+    """Median ms of `reps` runs of run(backward), each from an idle GPU, after `warmup`."""
     for _ in range(warmup):
         run(backward)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        times.append(_once(run, backward))
-    return sorted(times)[len(times) // 2]
+    return _median([_once(run, backward) for _ in range(reps)])
 
 
 def _once(run, backward):
@@ -104,12 +105,8 @@ def paired(base, run, backward, warmup, reps):
         base(backward)
         run(backward)
     rounds = [(_once(run, backward), _once(base, backward)) for _ in range(reps)]
-
-    def median(values):
-        return sorted(values)[len(values) // 2]
-
-    return (median([r for r, _ in rounds]), median([b for _, b in rounds]),
-            median([r / b for r, b in rounds]))  # fmt: skip
+    return (_median([r for r, _ in rounds]), _median([b for _, b in rounds]),
+            _median([r / b for r, b in rounds]))  # fmt: skip
 
 
 def _peer_bytes(inputs, num_experts, size):
@@ -130,19 +127,18 @@ def measure(shape_names, sizes, tokens=16384, warmup=2, reps=5) -> list[dict]:
         e = shape.experts_one_gpu
         inputs = make_inputs(tokens, shape.hidden_size, shape.intermediate_size, e,
                              shape.topk, seed=1, device="cuda")  # fmt: skip
-        one, _ = _layer(1, inputs, e, config)
+        one, _ = layer_step(1, inputs, e, config)
         expected = one(True)
         one_graph = {p: graph_of(one, p) for p in (False, True)}
         for size in sizes:
-            run, spaces = _layer(size, inputs, e, config)
+            run, spaces = layer_step(size, inputs, e, config)
             got = run(True)
             same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
             eager = {p: paired(one, run, p, warmup, reps) for p in (False, True)}
-            graphs = {p: graph_of(run, p) for p in (False, True)}
-            graph = {p: paired(one_graph[p], graphs[p], p, warmup, reps) for p in (False, True)}
-            del graphs
+            replayed = {p: paired(one_graph[p], graph_of(run, p), p, warmup, reps)
+                        for p in (False, True)}  # fmt: skip
             row = {"shape": shape.name, "P": size, "bitwise_equal_to_ep1": same}
-            for mode, times in (("", eager), ("_graph", graph)):
+            for mode, times in (("", eager), ("_graph", replayed)):
                 for p, name in ((False, "fwd"), (True, "fwdbwd")):
                     ms, ep1_ms, ratio = times[p]
                     row |= {f"{name}{mode}_ms": ms, f"{name}{mode}_ep1_ms": ep1_ms,

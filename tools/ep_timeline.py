@@ -22,9 +22,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.shapes import SHAPES
-from benchmarks.virtual_ep import _layer, _time, graph_of
+from benchmarks.virtual_ep import graph_of, layer_step, median_ms
 from mok import functional as F
 from mok.testing import make_inputs
+from mok.virtual_ep import VirtualEPGroup
 
 
 def _markers(group):
@@ -98,23 +99,19 @@ def _share(shape, tokens, size, ctas, seed):
     k = min(shape.topk, e)
     inputs = make_inputs(tokens * shape.topk // (size * k), shape.hidden_size,
                          shape.intermediate_size, e, k, seed=seed, device="cuda")  # fmt: skip
-    run, spaces = _layer(1, inputs, e, F.MoKConfig(schedule_capacity_multiplier=1.0))
+    run, spaces = layer_step(1, inputs, e, F.MoKConfig(schedule_capacity_multiplier=1.0))
     spaces[0].megakernel_ctas = ctas
     return run, spaces
 
 
 def _together(runs):
-    """One closure running every closure of `runs` at once, each on its own stream."""
-    streams = [torch.cuda.Stream() for _ in runs]
+    """One closure running every closure of `runs` at once, each on its own stream (a virtual
+    group's streams; the closures share no peers)."""
+    group = VirtualEPGroup(len(runs))
 
     def run(backward):
-        caller = torch.cuda.current_stream()
-        for stream, one in zip(streams, runs, strict=True):
-            stream.wait_stream(caller)
-            with torch.cuda.stream(stream):
-                one(backward)
-        for stream in streams:
-            caller.wait_stream(stream)
+        group.run(lambda rank: runs[rank](backward))
+        group.join()
 
     return run
 
@@ -123,11 +120,11 @@ def _references(shape, inputs, config, size, ctas, virtual, warmup, reps):
     """Graph-replayed [fwd, fwd+bwd] ms of: EP = 1 (every SM), EP = 1 on size x ctas CTAs,
     one rank's share alone, `size` shares at once (no peers), and the virtual group."""
     e, tokens = shape.experts_one_gpu, inputs["x"].shape[0]
-    cut = _layer(1, inputs, e, config)
+    cut = layer_step(1, inputs, e, config)
     cut[1][0].megakernel_ctas = size * ctas
     shares = [_share(shape, tokens, size, ctas, 3 + r) for r in range(size)]
     made = {
-        "EP=1": _layer(1, inputs, e, config),
+        "EP=1": layer_step(1, inputs, e, config),
         f"EP=1 on {size * ctas} CTAs": cut,
         f"one share alone ({ctas} CTAs)": _share(shape, tokens, size, ctas, 2),
         f"{size} shares at once, no peers": (
@@ -137,11 +134,11 @@ def _references(shape, inputs, config, size, ctas, virtual, warmup, reps):
     }
     times = {}
     for name, (run, spaces) in made.items():
-        times[name] = [_time(graph_of(run, p), p, warmup, reps) for p in (False, True)]
+        times[name] = [median_ms(graph_of(run, p), p, warmup, reps) for p in (False, True)]
         for ws in spaces:
             ws.destroy()
     times[f"virtual EP P={size}"] = [
-        _time(graph_of(virtual, p), p, warmup, reps) for p in (False, True)
+        median_ms(graph_of(virtual, p), p, warmup, reps) for p in (False, True)
     ]
     return times
 
@@ -161,11 +158,11 @@ def main(argv=None) -> None:
                          seed=1, device="cuda")  # fmt: skip
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for size in (int(s) for s in args.sizes.split(",")):
-        run, spaces = _layer(size, inputs, e, config)
+        run, spaces = layer_step(size, inputs, e, config)
         run(True)
         torch.cuda.synchronize()
         ctas = spaces[0].megakernel_ctas or sms
-        times = {p: _time(run, p, args.warmup, args.reps) for p in (False, True)}
+        times = {p: median_ms(run, p, args.warmup, args.reps) for p in (False, True)}
         print(f"== {shape.name} P={size} ({ctas} CTAs per rank): fwd {times[False]:.3f} ms, "
               f"fwd+bwd {times[True]:.3f} ms", flush=True)  # fmt: skip
         for backward in (False, True):
