@@ -341,8 +341,8 @@ def dispatch_mlp_swiglu_combine_fwd_bf16(
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     routed = (w_routed_gate, w_routed_up, w_routed_down)
     ctx, y_shared = slot_passes.forward_to_slots(
-        ws, op, MoKSchedule(*_schedule_of(args)), x, combine_buffer, shared, routed, limit, num_comm_sms,
-        minibatch_size,
+        ws, op, MoKSchedule(*_schedule_of(args)), x, combine_buffer, shared, routed, limit,
+        num_comm_sms, minibatch_size,
     )  # fmt: skip
     x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx
     y_shared = _empty(x) if y_shared is None else y_shared
@@ -393,18 +393,11 @@ def recompute_forward_context_bf16(
     from . import ops  # noqa: PLC0415 - mok.ops imports this module
 
     ws, _, _, _, limit = _check_fwd_bf16("recompute_forward_context_bf16", args)
-    x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ops._IMPLEMENTATIONS[
-        "recompute_forward_context"
-    ](
-        ws.handle,
-        *_schedule_of(args),
-        x,
-        w_shared_gate,
-        w_shared_up,
-        w_routed_gate,
-        w_routed_up,
+    recompute = ops._IMPLEMENTATIONS["recompute_forward_context"]
+    x_routed, gate, up, hidden, gate_s, up_s, hidden_s = recompute(
+        ws.handle, *_schedule_of(args), x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up,
         limit,
-    )
+    )  # fmt: skip
     return (x_routed, gate_s, gate, up_s, up, hidden_s, hidden)
 
 
@@ -545,9 +538,9 @@ def dispatch_mlp_swiglu_combine_bwd_bf16(
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     routed = (w_routed_gate, w_routed_up, w_routed_down)
     d_x_shared, grads = slot_passes.backward_to_slots(
-        ws, op, MoKSchedule(*_schedule_of(args)), tuple(ctx.values()), d_y_buffer, router_weight_buffer, x,
-        d_x_routed_buffer, d_router_weight_buffer, shared, routed, limit, num_comm_sms,
-        minibatch_size,
+        ws, op, MoKSchedule(*_schedule_of(args)), tuple(ctx.values()), d_y_buffer,
+        router_weight_buffer, x, d_x_routed_buffer, d_router_weight_buffer, shared, routed, limit,
+        num_comm_sms, minibatch_size,
     )  # fmt: skip
     d_x_shared = _empty(x) if d_x_shared is None else d_x_shared
     return (d_x_shared, *(_empty(x) for _ in range(8)),
@@ -715,8 +708,8 @@ def _recompute_forward_context_mxfp8(
 
     ws, _, _, limit = _check_fwd_mxfp8("recompute_forward_context_mxfp8", args)
     layer = torch.ops.mok.recompute_forward_context_mxfp8.default(
-        ws.handle, *_schedule_of(args), x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_gate_sc,
-        w_routed_up, w_routed_up_sc, limit,
+        ws.handle, *_schedule_of(args), x, w_shared_gate, w_shared_up, w_routed_gate,
+        w_routed_gate_sc, w_routed_up, w_routed_up_sc, limit,
     )  # fmt: skip
     ctx = MoKForwardContext(*layer[:4], *(t if t.numel() else None for t in layer[4:]))
     return mxfp8_context.quantised_context(ctx, x)

@@ -87,8 +87,9 @@ def _print_lanes(lanes):
         for n, s, e in lane:
             totals[n] = totals.get(n, 0.0) + (e - s)
     span = max(e for lane in lanes.values() for _, _, e in lane)
-    print(f"  span {span:.0f} us; kernel time summed over ranks: "
-          + ", ".join(f"{n} {t:.0f}" for n, t in sorted(totals.items(), key=lambda i: -i[1])))  # fmt: skip
+    by_time = sorted(totals.items(), key=lambda item: -item[1])
+    summed = ", ".join(f"{n} {t:.0f}" for n, t in by_time)
+    print(f"  span {span:.0f} us; kernel time summed over ranks: {summed}")
 
 
 def _share(shape, tokens, size, ctas, seed):
