@@ -37,9 +37,8 @@ def variants() -> list[Variant]:
     from .common.mxfp8_quantize_transposed import Mxfp8QuantizeTransposed
     from .common.mxfp8_round_trip import Mxfp8RoundTrip
     from .common.router_grad_push import RouterGradPush
-    from .common.schedule_histogram import ScheduleHistogram
+    from .common.schedule_count import ScheduleCount
     from .common.schedule_place import SchedulePlace
-    from .common.schedule_scan import ScheduleScan
     from .common.sm_holder import SmHolder
     from .sm90.expert_gemm import Sm90ExpertGemm
     from .sm90.expert_gemm_bwd import Sm90ExpertGemmBwd
@@ -102,14 +101,9 @@ def variants() -> list[Variant]:
             launch_grid="(ceil(hidden_size / (8 * 128)), min(ceil(num_rows / 4), 65535), 1)",
         ),
         Variant(
-            "schedule_histogram",
-            ScheduleHistogram,
+            "schedule_count",
+            ScheduleCount,
             launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
-        ),
-        Variant(
-            "schedule_scan",
-            ScheduleScan,
-            launch_grid="(ceil(num_local_experts / 32), 1, 1)",
         ),
         Variant(
             "schedule_place",

@@ -73,10 +73,10 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
              "ep_rank": 0, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
     # 16 communication CTAs (tasks by a dynamic ticket). Counters: dispatched and hidden_done
-    # per row tile, then the task ticket and the dispatch ticket, all zero.
+    # per row tile, then the task ticket, the dispatch ticket and the exit word, all zero.
     assert args["num_comm_ctas"] == 16
     assert args["minibatch_tiles"] == 2  # 256 routed rows
-    assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 2,)
+    assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 3,)
     assert args["counters_ptr"].count_nonzero() == 0
 
 
@@ -183,9 +183,9 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
     sizes = {"num_experts": e, "hidden_size": h, "intermediate_size": i, "topk": k,
              "ep_rank": 0, "capacity": c, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
-    # dispatched and dgu_done per row tile, then the two whole-phase counters, the task ticket
-    # and the dispatch ticket.
-    assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 4,)
+    # dispatched and dgu_done per row tile, then the two whole-phase counters, the task ticket,
+    # the dispatch ticket and the exit word.
+    assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 5,)
     assert args["counters_ptr"].count_nonzero() == 0
     if weight_grads:
         assert [tuple(d.shape) for d in d_weights] == [(e, i, h), (e, i, h), (e, h, i)]

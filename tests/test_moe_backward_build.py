@@ -1,6 +1,7 @@
 """CPU checks of the SM90 backward megakernel v1's build (dsl_kernels/sm90/moe_backward.py), no
 GPU: the scaled dispatch phase (batched loads, one mul.rn per element, fence and barrier before
-the counters are released), the GPU-scope release/acquire counters, the wgmmas reading B
+the counters are released), the GPU-scope release/acquire counters and the exit that leaves
+them zero, the wgmmas reading B
 transposed (weights as stored; both operands in the weight phase), the hand-off of every tile
 to the crew of warps 1-3 (two per d_hidden tile, one per d_x and weight tile), and shared
 memory within the H100/H200 opt-in.
@@ -18,7 +19,7 @@ from mok.dsl_kernels import build  # noqa: E402
 from mok.dsl_kernels.registry import variants  # noqa: E402
 
 from tests.test_expert_gemm_build import H200_SMEM_OPTIN, _count  # noqa: E402
-from tests.test_moe_forward_build import assert_dispatch_batches  # noqa: E402
+from tests.test_moe_forward_build import assert_dispatch_batches, assert_retires  # noqa: E402
 
 WGMMA = "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"
 
@@ -38,6 +39,7 @@ def test_scaled_dispatch_phase(built):
 
 def test_counters_and_wgmma(built):
     _, _, ptx = built
+    assert_retires(ptx)
     # The CTA's dispatch counters and the crew's d_hidden counters, per row tile; the CTA's
     # count of the row tiles it dispatched and the crew's count of d_hidden tiles (the weight
     # phase's two waits).

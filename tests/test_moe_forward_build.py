@@ -2,7 +2,7 @@
 
 What its GPU run depends on and a refactor could silently lose: the dispatch's batched loads
 and its fence and barrier before the counters are released, the GPU-scope release/acquire
-counters, the hand-off of every tile from the consumers to the crew of warps 1-3
+counters and the exit that leaves them zero for the next launch, the hand-off of every tile from the consumers to the crew of warps 1-3
 (epilogue_warps.py: named barriers 3 and 4 of 256 + 96 threads) and the crew's 16-byte stores and counter release, and shared
 memory within the H100/H200 opt-in.
 """
@@ -48,6 +48,28 @@ def assert_dispatch_batches(ptx: str) -> None:
     assert first_store < fence < lines.index("bar.sync \t0;", fence) < release
     tickets = [i for i, line in enumerate(lines[:fence]) if line.startswith("atom.relaxed.gpu")]
     assert len(tickets) == 2 and tickets[1] < min(loads)
+
+
+def test_exit_leaves_counters_zero(built):
+    _, _, ptx = built
+    assert_retires(ptx)
+    from mok.dsl_kernels.sm90 import moe_backward, moe_forward
+
+    from mok.launchers import megakernel_walk
+
+    assert moe_forward.COUNTER_TAIL == megakernel_walk.FORWARD_COUNTER_TAIL
+    assert moe_backward.COUNTER_TAIL == megakernel_walk.BACKWARD_COUNTER_TAIL
+
+
+def assert_retires(ptx: str) -> None:
+    """The megakernels' exit (sm90/retire.py): after the kernel's last CTA barrier, one
+    GPU-scope acq_rel count on the exit word behind a fence, then the zeroing stores."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    barrier = max(i for i, line in enumerate(lines) if line == "bar.sync \t0;")
+    (fence,) = [i for i, line in enumerate(lines) if line == "fence.acq_rel.sys;"]
+    (count,) = [i for i, line in enumerate(lines) if line.startswith("atom.acq_rel.gpu")]
+    stores = [i for i, line in enumerate(lines) if line.startswith("st.global.b32")]
+    assert barrier < fence < count < max(stores)
 
 
 def test_counters_and_handshake(built):

@@ -4,8 +4,9 @@
    same 8 warps x 16 steps x 32 lanes, same match.any groups and leaders, same scans, padding
    fill and overflow rule) equals `mok.reference.build_schedule` bit for bit, writes every
    output element and never writes outside [0, C). No GPU needed; this is the algorithm proof.
-2. The three variants compile for sm_90a and sm_100a, rely on `match.any.sync`, use only
-   integer (shared-memory) atomics, no floating-point atomics, and no dynamic shared memory.
+2. The two variants compile for sm_90a and sm_100a, rely on `match.any.sync`, use only
+   integer atomics (shared-memory counts, and the count pass's one global count of its CTAs),
+   no floating-point atomics, and no dynamic shared memory.
 """
 
 import re
@@ -24,7 +25,7 @@ WARPS = 8
 STEPS = 16  # ENTRIES_PER_LANE
 CHUNK = WARPS * STEPS * WARP_SIZE
 EXPERTS_PER_THREAD = 4
-SCAN_GROUPS = 32
+SCAN_GROUPS = 8  # the count pass's scan: one group of chunk rows per warp
 POISON = 12345
 
 
@@ -51,7 +52,7 @@ def _match_any(keys: torch.Tensor):
 
 
 def emulate_schedule(ids: torch.Tensor, *, ep_rank: int, num_local_experts: int, capacity: int):
-    """The GPU schedule computed the way the three kernels compute it (CPU, int64 math).
+    """The GPU schedule computed the way the two kernels compute it (CPU, int64 math).
 
     Returns (peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status) as int32,
     with outputs starting poisoned (12345) so that an unwritten element shows.
@@ -64,7 +65,7 @@ def emulate_schedule(ids: torch.Tensor, *, ep_rank: int, num_local_experts: int,
     below, group_size = _match_any(keys)
     leader = (keys >= 0) & (below == 0)
 
-    # ---- pass 1, schedule_histogram: leaders add group sizes per chunk ----
+    # ---- pass 1, schedule_count: leaders add group sizes per chunk ----
     counts = torch.zeros(num_chunks, num_experts + 1, dtype=torch.int64)  # column E: not mine
     chunk_of = torch.arange(num_chunks)[:, None, None, None].expand_as(keys)
     counts.index_put_(
@@ -72,7 +73,7 @@ def emulate_schedule(ids: torch.Tensor, *, ep_rank: int, num_local_experts: int,
     )  # integer adds: order does not matter, like the shared-memory atomics
     counts = counts[:, :num_experts]
 
-    # ---- pass 2, schedule_scan: 32 groups of chunk rows per expert ----
+    # ---- pass 1, schedule_count's last CTA: 8 groups of chunk rows per expert ----
     rows_per_group = -(-num_chunks // SCAN_GROUPS)
     offsets = torch.empty_like(counts)
     group_sums = []
@@ -87,9 +88,9 @@ def emulate_schedule(ids: torch.Tensor, *, ep_rank: int, num_local_experts: int,
             offsets[row] = running
             running = running + counts[row]
         running_groups = running_groups + group_sums[g]
-    expert_counts = running_groups  # what group 31 writes
+    expert_counts = running_groups  # what the last group writes
 
-    # ---- pass 3, schedule_place, phase 1: segment table (block scan of 256 x 4 experts) ----
+    # ---- pass 2, schedule_place, phase 1: segment table (block scan of 256 x 4 experts) ----
     padded_all = torch.zeros(launcher.MAX_LOCAL_EXPERTS, dtype=torch.int64)
     padded_all[:num_experts] = _round_up(expert_counts)
     thread_rows = padded_all.view(-1, EXPERTS_PER_THREAD).sum(1)  # 256 threads
@@ -272,13 +273,13 @@ def test_emulation_exact_fit_and_other_ids():
 # ---------------------------------------------------------------------------------------------
 # Compile checks (need nvidia-cutlass-dsl; no GPU)
 # ---------------------------------------------------------------------------------------------
-SCHEDULE_VARIANTS = ("schedule_histogram", "schedule_scan", "schedule_place")
+SCHEDULE_VARIANTS = ("schedule_count", "schedule_place")
 ARCHS = ("sm_90a", "sm_100a")
 
 
 @pytest.fixture(scope="module")
 def compiled_schedule():
-    """{(variant, arch): (manifest entry, PTX)} for the three schedule kernels (~1 s)."""
+    """{(variant, arch): (manifest entry, PTX)} for the two schedule kernels (~1 s)."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
     from mok.dsl_kernels import build
     from mok.dsl_kernels.registry import variants
@@ -295,7 +296,7 @@ def compiled_schedule():
 
 def test_constants_agree():
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-    from mok.dsl_kernels.common import schedule_place, schedule_scan, schedule_warp
+    from mok.dsl_kernels.common import schedule_count, schedule_place, schedule_warp
 
     assert schedule_warp.CHUNK == CHUNK == launcher.ENTRIES_PER_CHUNK
     assert (schedule_warp.WARPS, schedule_warp.ENTRIES_PER_LANE) == (WARPS, STEPS)
@@ -303,8 +304,8 @@ def test_constants_agree():
     assert schedule_warp.ROUTED_ROW_ALIGNMENT == ROUTED_ROW_ALIGNMENT
     assert schedule_place.EXPERTS_PER_THREAD == EXPERTS_PER_THREAD
     assert schedule_place.STATUS_WORDS == launcher.STATUS_WORDS
-    assert schedule_scan.EXPERTS_PER_CTA == launcher.EXPERTS_PER_SCAN_CTA
-    assert schedule_scan.CHUNK_GROUPS == SCAN_GROUPS
+    assert schedule_count.CHUNK_GROUPS == SCAN_GROUPS == schedule_warp.WARPS
+    assert schedule_count.EXPERTS_PER_BLOCK == WARP_SIZE
 
 
 def _opcodes(ptx: str) -> list[str]:
@@ -317,17 +318,20 @@ def test_schedule_ptx(compiled_schedule, name, arch):
     entry, ptx = compiled_schedule[name, arch]
     ops = _opcodes(ptx)
     atomics = [op for op in ops if op.startswith(("atom", "red"))]
-    # Determinism: integer atomics on shared memory only (counts), never float, never global.
-    assert all(op.startswith("atom.shared") and re.search(r"\.[us]32$", op) for op in atomics)
+    # Determinism: integer atomics on shared memory only (counts), never float; the count
+    # pass's one global atomic counts its CTAs (the last one scans).
+    shared = [op for op in atomics if op.startswith("atom.shared")]
+    assert all(re.search(r"\.[us]32$", op) for op in shared)
     assert not [op for op in ops if re.match(r"(atom|red)\..*\.(f16|bf16|f32|f64)", op)]
-    if name in ("schedule_histogram", "schedule_place"):
-        assert ops.count("match.any.sync.b32") == STEPS * (1 if name == "schedule_histogram" else 2)
-    if name == "schedule_histogram":
-        assert len(atomics) == STEPS
+    if name == "schedule_count":
+        assert ops.count("match.any.sync.b32") == STEPS
+        assert len(shared) == STEPS
+        assert [op for op in atomics if op not in shared] == ["atom.acq_rel.gpu.global.add.s32"]
     else:
+        assert ops.count("match.any.sync.b32") == STEPS * 2
         assert atomics == []
     # Static shared memory only, under the 48 KiB that needs no opt-in.
     assert entry["dynamic_smem_bytes"] == 0
     static = sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx))
     assert static <= 48 * 1024
-    assert entry["block"] == [1024 if name == "schedule_scan" else 256, 1, 1]
+    assert entry["block"] == [256, 1, 1]

@@ -58,12 +58,14 @@ def main() -> None:
     stream = current_stream(device.index)
     rows["cuMemsetD32Async (cuda-python)"] = _per_call(lambda: zero_async(small, stream))
     rows["cuCtxGetCurrent (cuda-python)"] = _per_call(cu.cuCtxGetCurrent)
-    kernel = get_kernel("schedule_scan", device=device)
+    kernel = get_kernel("schedule_count", device=device)
     counts = torch.zeros(64, dtype=torch.int32, device=device)
     expert = torch.zeros(32, dtype=torch.int32, device=device)
-    args = {"counts_ptr": counts, "expert_counts_ptr": expert, "num_chunks": 1,
+    arrivals = torch.zeros(1, dtype=torch.int32, device=device)  # one CTA: it leaves it zero
+    args = {"ids_ptr": counts, "counts_ptr": counts, "expert_counts_ptr": expert,
+            "arrivals_ptr": arrivals, "num_entries": 0, "ep_rank": 0,
             "num_local_experts": 32}  # fmt: skip
-    rows["Kernel.launch (4 params, checked)"] = _per_call(lambda: kernel.launch((1, 1, 1), args))
+    rows["Kernel.launch (7 params, checked)"] = _per_call(lambda: kernel.launch((1, 1, 1), args))
     bound = kernel.bind((1, 1, 1), args, dynamic=("counts_ptr", "expert_counts_ptr"))
     c_at, e_at = counts.data_ptr(), expert.data_ptr()
     rows["BoundLaunch.launch (2 dynamic)"] = _per_call(

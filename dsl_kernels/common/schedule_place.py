@@ -1,4 +1,4 @@
-"""Schedule pass 3 of 3: expert segments, padding rows and the stable placement of every entry."""
+"""Schedule pass 2 of 2: expert segments, padding rows and the stable placement of every entry."""
 
 from dataclasses import dataclass
 
@@ -27,11 +27,11 @@ STATUS_WORDS = 4  # status on overflow: [1, padded total, ep_rank, capacity]
 
 @dataclass(frozen=True)
 class SchedulePlace:
-    """Write this rank's receive schedule (SEMANTICS §3) from the scan pass's offsets.
+    """Write this rank's receive schedule (SEMANTICS §3) from the count pass's offsets.
 
     Kernel parameters (in this order), pointers to contiguous int32 buffers:
-    `ids_ptr` [num_entries] (all-gathered routing), `offsets_ptr` [num_chunks, E] (scan pass:
-    each chunk's offset inside its expert's segment), `expert_counts_ptr` [E] (scan pass),
+    `ids_ptr` [num_entries] (all-gathered routing), `offsets_ptr` [num_chunks, E] (count pass:
+    each chunk's offset inside its expert's segment), `expert_counts_ptr` [E] (count pass),
     `peer_rank_ptr` [capacity], `peer_token_idx_ptr` [capacity], `num_tokens_ptr` [1],
     `tokens_per_expert_ptr` [E], `status_ptr` [4] (zeroed by the caller: written only on
     overflow); then int32 `num_entries` (P * T * k),
@@ -57,8 +57,9 @@ class SchedulePlace:
 
     Constraints (the launcher checks them; the kernel does not):
     - 1 <= E <= 1024; 0 <= num_entries = P * entries_per_rank < 2^31; C + E * 128 < 2^31.
-    - launch: grid (max(1, ceil(num_entries / 4096)), 1, 1) (the histogram pass's grid),
-      block (256, 1, 1), no dynamic smem (40 KiB static), cluster (1, 1, 1).
+    - launch: grid (max(1, ceil(num_entries / 4096)), 1, 1),
+      block (256, 1, 1), no dynamic smem (40 KiB static), cluster (1, 1, 1). The count pass's
+      grid: it has the same chunks.
     """
 
     def compile_arguments(self) -> tuple:

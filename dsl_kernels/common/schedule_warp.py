@@ -1,12 +1,12 @@
-"""Warp-level helpers shared by the three schedule kernels (`schedule_histogram`,
-`schedule_scan`, `schedule_place`) and the constants that tie them together.
+"""Warp-level helpers shared by the two schedule kernels (`schedule_count`, `schedule_place`)
+and the constants that tie them together.
 
 The schedule is a stable counting sort of the all-gathered routing entries (flat index
 `i = rank * T * k + t * k + j`) by local expert. Every kernel walks the same chunking:
 CTA `c` owns entries [c * CHUNK, (c + 1) * CHUNK); inside it warp `w` owns the contiguous
 sub-chunk [c * CHUNK + w * WARP_CHUNK, ...), which it reads 32 entries (one per lane, lane
-order = entry order) per step. The per-CTA counts of the histogram pass and the per-CTA offsets
-of the scan pass are only consistent if all three kernels use these constants.
+order = entry order) per step. The count pass's per-chunk offsets are only consistent with
+the placement if both kernels use these constants.
 """
 
 import cutlass
@@ -14,7 +14,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
 WARP_SIZE = 32
-THREADS = 256  # threads of a histogram / placement CTA
+THREADS = 256  # threads of a count / placement CTA
 WARPS = THREADS // WARP_SIZE
 ENTRIES_PER_LANE = 16  # steps of 32 entries a warp takes over its sub-chunk
 WARP_CHUNK = WARP_SIZE * ENTRIES_PER_LANE  # 512 entries per warp

@@ -21,9 +21,10 @@ weight task. A CTA that starts late still runs its static share of weight tasks 
 (no deadlock, a tail). With comm CTAs the pass needs one of CTAs 0 .. num_comm_ctas - 1
 resident, as in moe_forward.py.
 
-Counters (int32, zeroed by the launcher): dispatched[m] (to 1), dgu_done[m] (to I / 256) per
-128-row tile m, then dispatch_total (row tiles copied), dgu_total (d_hidden tiles stored), the
-task ticket and the dispatch ticket; release/acquire at GPU scope.
+Counters (int32, zero at the start: the launcher zeroes them once, then every launch's last CTA
+leaves them zero, retire.py): dispatched[m] (to 1), dgu_done[m] (to I / 256) per 128-row tile
+m, then dispatch_total (row tiles copied), dgu_total (d_hidden tiles stored), the task ticket,
+the dispatch ticket and the exit word; release/acquire at GPU scope.
 
 `mxfp8` (a compile-time variant, SEMANTICS §5; weights are the dequantised bf16 values of the
 transposed MXFP8 copies, gate/up the context's round trips along I, `weight_gemms` 0): dispatch
@@ -53,6 +54,7 @@ from .epilogue_warps import CREW, slot_stores
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .minibatches import Minibatches, step_windows
+from .retire import retire_cta
 from .task_walk import (
     STEP_PARAMS,
     WALK_PARAMS,
@@ -72,13 +74,16 @@ from .weight_phase import (
     weight_loads,
 )
 
+# Counters after the two per-row-tile arrays: dispatch_total, dgu_total, the task ticket, the
+# dispatch ticket, the exit word.
+COUNTER_TAIL = 5
 # The weight phase's descriptors, MN-major: A = dY_e, d_gate, d_up; B = hidden, x_routed.
 WEIGHT_PHASE_TMA = ("tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
 
 # `__call__`'s parameters, in order (the runtime encodes the descriptors from `tma_specs`).
 # Shapes: dY [T, H], dY_e and x_routed [C, H], gate/up/hidden/d_gate/d_up [C, I] bf16; router
 # weights [T * k] and partials [C, I / 128] fp32; dW_down [E, H, I], dW_gate/dW_up [E, I, H]
-# and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + 4] int32.
+# and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + COUNTER_TAIL] int32.
 PARAMS = (
     ("a_dy", bf16_pointer),
     ("b_wd", bf16_pointer),
@@ -460,3 +465,5 @@ class Sm90MoeBackward:
                 states, weight_tasks, bidx, grid_size, w_mma, ring, w_operands, accs,
                 CREW, w_thr, buffers,
             )  # fmt: skip
+        row_tiles = (capacity + TILE_M - 1) // TILE_M
+        retire_cta(dispatched, 2 * row_tiles + COUNTER_TAIL, warp_idx, grid_size)

@@ -19,8 +19,9 @@ running CTAs. With comm CTAs the compute CTAs wait for rows only comm CTAs copy,
 needs one of CTAs 0 .. num_comm_ctas - 1 resident: the lowest indices, which the hardware
 starts first in practice, though CUDA does not promise an order.
 
-Counters (int32, zeroed by the launcher): dispatched[m] (to 1), hidden_done[m] (to I / 128) per
-row tile, then the task ticket and the dispatch ticket. Writers fence the async proxy (TMA
+Counters (int32, zero at the start: the launcher zeroes them once, then every launch's last CTA
+leaves them zero, retire.py): dispatched[m] (to 1), hidden_done[m] (to I / 128) per row tile,
+then the task ticket, the dispatch ticket and the exit word. Writers fence the async proxy (TMA
 readers), then `red.release.gpu`; the producer polls `ld.acquire.gpu` (GPU scope: only this GPU
 writes and reads them).
 
@@ -50,6 +51,7 @@ from .epilogue_warps import CREW, slot_stores
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .minibatches import Minibatches, step_of
+from .retire import retire_cta
 from .task_walk import (
     STEP_PARAMS,
     WALK_PARAMS,
@@ -63,7 +65,9 @@ from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_sl
 # `__call__`'s parameters, in order (the runtime encodes the tma_* descriptors, box 64 x 128,
 # from `tma_specs`). Shapes: x [T, H], x_routed [C, H], gate/up/hidden [C, I], slots [T * k, H]
 # bf16; W_gate, W_up viewed [E * I, H], W_down [E * H, I]; peer_rank, peer_token_idx [C],
-# num_tokens [1], tokens_per_expert [E], counters [2 * ceil(C / 128) + 2] int32.
+# num_tokens [1], tokens_per_expert [E], counters [2 * ceil(C / 128) + COUNTER_TAIL] int32.
+# Counters after the two per-row-tile arrays: the task ticket, the dispatch ticket, the exit word.
+COUNTER_TAIL = 3
 PARAMS = (
     ("a_x", bf16_pointer),
     ("b_wg", bf16_pointer),
@@ -355,3 +359,5 @@ class Sm90MoeForward:
                     (down_mma, down_thr, intermediate_size // TILE_K),
                 )  # fmt: skip
             crew.hand_off_nothing()
+        row_tiles = (capacity + TILE_M - 1) // TILE_M
+        retire_cta(dispatched, 2 * row_tiles + COUNTER_TAIL, warp_idx, grid_size)

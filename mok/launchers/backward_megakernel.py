@@ -1,7 +1,6 @@
 """The backward megakernel's launcher (dsl_kernels/sm90/moe_backward.py): dispatch, d_hidden,
 d_x to slots and (unless fp32 main_grads take them) the weight gradients in one launch. Its
-counters (the plan's, launchers/plans.py) are zeroed right before it on the same stream
-(graph-capturable, no host sync).
+counters (the plan's `plans.Counters`) are zero when it starts, as the forward megakernel's.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from .megakernel_walk import (
     minibatch_row_tiles,
     walk_arguments,
 )
-from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weight_key, zero_async
+from .plans import Counters, Descriptors, aligned, current_stream, plan, tensor_key, weight_key
 from .status import status_ptr
 
 KERNEL = "moe_backward"
@@ -151,10 +150,8 @@ class _BackwardPlan:
             peers if peers is not None else (0,) + (None,) * 3
         )
         # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py).
-        self.counters = torch.zeros(
-            2 * (-(-capacity // TILE_ROWS)) + BACKWARD_COUNTER_TAIL, dtype=torch.int32,
-            device=self.device,
-        )  # fmt: skip
+        self.counters = Counters(2 * (-(-capacity // TILE_ROWS)) + BACKWARD_COUNTER_TAIL,
+                                 self.device)  # fmt: skip
         kernel = get_kernel(KERNEL_MXFP8 if mxfp8 else KERNEL, device=self.device)
         self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size),
                      "tma_wg": (num_experts * intermediate_size, hidden_size),
@@ -195,7 +192,7 @@ class _BackwardPlan:
                 "slots_ptrs": slots_table,
                 **walk_arguments(
                     schedule,
-                    self.counters,
+                    self.counters.tensor,
                     timeout_ns,
                     grad_output,
                     gate_weights,
@@ -260,7 +257,7 @@ class _BackwardPlan:
         aligned("router_weights", router_weights.data_ptr(), 4)
         d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
         stream = current_stream(self.device_index)
-        zero_async(self.counters, stream)
+        self.counters.before_launch(stream)
         self.bound.launch(
             *self._descriptors(dy_e, d_gate, d_up, hidden, x_routed, rounded, weights).values(),
             d_w_down.data_ptr(), d_w_gate.data_ptr(), d_w_up.data_ptr(), addresses["grad_output"],

@@ -1,7 +1,7 @@
 """The forward megakernel's launcher (dsl_kernels/sm90/moe_forward.py): dispatch, gate/up +
 SwiGLU and down to slots in one launch, before `epilogues.fwd_epilogue`. Its counters (the
-plan's, launchers/plans.py) are zeroed right before it on the same stream (graph-capturable, no
-host sync).
+plan's `plans.Counters`) are zero when it starts: each launch leaves them zero, and they are
+zeroed on the stream only before the plan's first eager launch and before captured ones.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .megakernel_walk import (
     minibatch_row_tiles,
     walk_arguments,
 )
-from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weight_key, zero_async
+from .plans import Counters, Descriptors, aligned, current_stream, plan, tensor_key, weight_key
 
 KERNEL = "moe_forward"
 KERNEL_MXFP8 = "moe_forward_mxfp8"
@@ -118,12 +118,8 @@ class _ForwardPlan:
         if capacity == 0 or num_experts == 0 or num_tokens == 0:
             return
         ep_rank, x_table, slots_table = peers if peers is not None else (0, None, None)
-        # dispatched[m], hidden_done[m] per 128-row tile, the task ticket, the dispatch ticket.
-        self.counters = torch.zeros(
-            2 * (-(-capacity // TILE_ROWS)) + FORWARD_COUNTER_TAIL,
-            dtype=torch.int32,
-            device=x.device,
-        )
+        # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit.
+        self.counters = Counters(2 * (-(-capacity // TILE_ROWS)) + FORWARD_COUNTER_TAIL, x.device)
         kernel = get_kernel(KERNEL_MXFP8 if self.mxfp8 else KERNEL, device=x.device)
         weights = (gate_weights, up_weights, down_weights)
         self.weight_tma = {name: Descriptors(kernel, name) for name in WEIGHT_TMA}
@@ -154,7 +150,7 @@ class _ForwardPlan:
                 "slots_ptrs": slots_table,
                 **walk_arguments(
                     schedule,
-                    self.counters,
+                    self.counters.tensor,
                     timeout_ns,
                     x,
                     weights[0],
@@ -202,7 +198,7 @@ class _ForwardPlan:
         x_address = x.data_ptr()
         aligned("x", x_address)
         stream = current_stream(self.device_index)
-        zero_async(self.counters, stream)
+        self.counters.before_launch(stream)
         self.bound.launch(
             self.tma_x.get(a_x), self.tma_h.get(a_h), x_address, x_routed.data_ptr(),
             gate.data_ptr(), up.data_ptr(), hidden.data_ptr(), slots.data_ptr(),

@@ -10,9 +10,10 @@ from .comm import get_error_record
 from .device_args import TILE_ROWS
 
 # Counters after the two per-row-tile arrays: the forward's task and dispatch tickets; the
-# backward's dispatch_total, dgu_total, task ticket and dispatch ticket.
-FORWARD_COUNTER_TAIL = 2
-BACKWARD_COUNTER_TAIL = 4
+# backward's dispatch_total, dgu_total, task ticket and dispatch ticket; then each one's exit
+# word (dsl_kernels/sm90/retire.py). The kernels' COUNTER_TAIL (tests/test_moe_*_build.py).
+FORWARD_COUNTER_TAIL = 3
+BACKWARD_COUNTER_TAIL = 5
 
 
 def check_routed_operands(

@@ -24,6 +24,7 @@ from mok.runtime import _driver
 from mok.runtime.module import current_stream_handle
 
 from ..validation import tensor_key
+from ..workspace import _capturing
 from .device_args import tma_descriptor
 
 _PLANS_MAX = 64
@@ -101,6 +102,28 @@ def zero_async(tensor: torch.Tensor, stream: int) -> None:
     result = cu.cuMemsetD32Async(tensor.data_ptr(), 0, tensor.numel(), stream)
     if result[0] != cu.CUresult.CUDA_SUCCESS:
         _driver.check(result, "cuMemsetD32Async (launch-plan counters)")
+
+
+class Counters:
+    """A megakernel plan's int32 counters, zero whenever a launch starts. The kernel leaves them
+    zero itself (its grid's last CTA, dsl_kernels/sm90/retire.py), so they are zeroed on the
+    stream only before the plan's first eager launch and before every launch a CUDA graph
+    captures (each replay zeroes them first: a graph made before any eager launch, or replayed
+    after another stream's, starts from zero too)."""
+
+    __slots__ = ("tensor", "_zeroed")
+
+    def __init__(self, words: int, device: torch.device):
+        self.tensor = torch.empty(words, dtype=torch.int32, device=device)
+        self._zeroed = False
+
+    def before_launch(self, stream: int) -> None:
+        """Call right before each launch that uses them, on its stream."""
+        captured = self.tensor.is_cuda and _capturing()
+        if self._zeroed and not captured:
+            return
+        zero_async(self.tensor, stream)
+        self._zeroed = self._zeroed or not captured
 
 
 def aligned(name: str, address: int, align: int = 16) -> None:

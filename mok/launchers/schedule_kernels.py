@@ -1,11 +1,11 @@
-"""The receive schedule on the GPU: three kernels back to back on one stream, no host sync.
+"""The receive schedule on the GPU: two kernels back to back on one stream, no host sync.
 
 A stable counting sort (dsl_kernels/common/schedule_*.py) of the all-gathered routing entries
 (flat index i = rank * T * k + t * k + j) by local expert:
-1. `schedule_histogram`, grid (num_chunks,): counts[c, e] of each 4096-entry chunk c.
-2. `schedule_scan`, grid (ceil(E / 32),): counts[c, e] <- chunk c's offset in expert e's
-   segment, expert_counts[e] = expert e's total.
-3. `schedule_place`, grid (num_chunks,): CTA 0 writes tokens_per_expert, num_tokens and,
+1. `schedule_count`, grid (num_chunks,): counts[c, e] of each 4096-entry chunk c; the grid's
+   last CTA turns them into chunk c's offset in expert e's segment and writes
+   expert_counts[e] = expert e's total (its arrival word: the plan's `Counters`, left zero).
+2. `schedule_place`, grid (num_chunks,): CTA 0 writes tokens_per_expert, num_tokens and,
    on overflow, status;
    all CTAs fill padding rows with -1 and place their entries in flat-index order.
 Atomics only count; rows come from prefix sums: the same bits as `mok.reference.build_schedule`.
@@ -21,21 +21,19 @@ from __future__ import annotations
 import torch
 
 from ..config import ROUTED_ROW_ALIGNMENT
-from .plans import current_stream, plan, tensor_key
+from .plans import Counters, current_stream, plan, tensor_key
 
-# Launch constants; they mirror dsl_kernels/common/schedule_warp.py and schedule_scan.py
-# (tests/test_schedule_ptx.py checks that they agree).
-ENTRIES_PER_CHUNK = 4096  # entries of one histogram / placement CTA
-EXPERTS_PER_SCAN_CTA = 32
+# Launch constants; they mirror dsl_kernels/common/schedule_warp.py (tests/test_schedule_ptx.py
+# checks that they agree).
+ENTRIES_PER_CHUNK = 4096  # entries of one count / placement CTA
 MAX_LOCAL_EXPERTS = 1024  # the kernels' shared-memory tables hold this many experts
 STATUS_WORDS = 4  # [overflow 0/1, padded total, ep_rank, capacity]
 _INT32_LIMIT = 1 << 31
 
 
-def schedule_grids(num_entries: int, num_local_experts: int) -> tuple[int, int]:
-    """(histogram / placement grid, scan grid) for P * T * k entries and E local experts."""
-    num_chunks = max(1, -(-num_entries // ENTRIES_PER_CHUNK))
-    return num_chunks, -(-num_local_experts // EXPERTS_PER_SCAN_CTA)
+def schedule_grid(num_entries: int) -> int:
+    """The count and placement kernels' grid (chunks of 4096) for P * T * k entries."""
+    return max(1, -(-num_entries // ENTRIES_PER_CHUNK))
 
 
 def overflow_message(ep_rank: int, total: int, capacity: int) -> str:
@@ -134,8 +132,9 @@ def schedule_plan(top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens
 
 
 class _SchedulePlan:
-    """The three schedule kernels for one set of shapes: checked and bound on the first call,
-    with their scratch (every element written by the kernel that produces it)."""
+    """The two schedule kernels for one set of shapes: checked and bound on the first call,
+    with their scratch (every element written by the kernel that produces it; the count
+    pass's arrival word is zero between launches)."""
 
     def __init__(self, top_experts_all, peer_rank, peer_token_idx, num_tokens,
                  tokens_per_expert, status, ep_rank, num_local_experts):  # fmt: skip
@@ -154,32 +153,26 @@ class _SchedulePlan:
             raise ValueError(f"capacity {capacity} is too large for int32 row indices")
         num_ranks, tokens, topk = top_experts_all.shape
         num_entries = num_ranks * tokens * topk
-        num_chunks, scan_ctas = schedule_grids(num_entries, num_local_experts)
+        num_chunks = schedule_grid(num_entries)
         if num_chunks * num_local_experts >= _INT32_LIMIT:
             raise ValueError(f"{num_chunks} chunks x {num_local_experts} experts overflow int32")
         self.device_index = top_experts_all.get_device()
         counts = torch.empty(num_chunks * num_local_experts, dtype=torch.int32, device=device)
         expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+        self.arrivals = Counters(1, device)
         self.scratch = (counts, expert_counts)
-        self.histogram = get_kernel("schedule_histogram", device=device).bind(
+        self.count = get_kernel("schedule_count", device=device).bind(
             (num_chunks, 1, 1),
             {
                 "ids_ptr": top_experts_all,
                 "counts_ptr": counts,
+                "expert_counts_ptr": expert_counts,
+                "arrivals_ptr": self.arrivals.tensor,
                 "num_entries": num_entries,
                 "ep_rank": ep_rank,
                 "num_local_experts": num_local_experts,
             },
             dynamic=("ids_ptr",),
-        )
-        self.scan = get_kernel("schedule_scan", device=device).bind(
-            (scan_ctas, 1, 1),
-            {
-                "counts_ptr": counts,
-                "expert_counts_ptr": expert_counts,
-                "num_chunks": num_chunks,
-                "num_local_experts": num_local_experts,
-            },
         )
         self.place = get_kernel("schedule_place", device=device).bind(
             (num_chunks, 1, 1),
@@ -205,8 +198,8 @@ class _SchedulePlan:
     def __call__(self, ids, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status):
         stream = current_stream(self.device_index)
         ids_at = ids.data_ptr()
-        self.histogram.launch(ids_at, stream=stream)
-        self.scan.launch(stream=stream)
+        self.arrivals.before_launch(stream)
+        self.count.launch(ids_at, stream=stream)
         self.place.launch(
             ids_at, peer_rank.data_ptr(), peer_token_idx.data_ptr(), num_tokens.data_ptr(),
             tokens_per_expert.data_ptr(), status if isinstance(status, int) else status.data_ptr(),
