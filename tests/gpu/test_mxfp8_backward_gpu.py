@@ -148,9 +148,10 @@ def test_mxfp8_backward_matches_oracle_and_is_deterministic(case):
             assert (a is None and b is None) or torch.equal(a, b), f"{name} differs between runs"
 
 
-def test_mxfp8_recomputed_context_is_the_forward_context():
-    t, h, i, e, k = 512, 256, 256, 8, 2
-    inputs = make_inputs(t, h, i, e, k, shared=True, seed=41, device=CUDA)
+@pytest.mark.parametrize("shape", [(512, 256, 256, 8, 2), (1024, 512, 768, 16, 4)])
+def test_mxfp8_recomputed_context_is_the_forward_context(shape):
+    t, h, i, e, k = shape
+    inputs = make_inputs(t, h, i, e, k, shared=True, seed=41 + i, device=CUDA)
     cpu = {n: (v.cpu() if v is not None else None) for n, v in inputs.items()}
     fwd, bwd = quantised(cpu)
     _, ctx, _, ws, schedule = run_step(inputs, on(CUDA, fwd), on(CUDA, bwd), e, 0.75)
@@ -163,6 +164,12 @@ def test_mxfp8_recomputed_context_is_the_forward_context():
                           context_values(again, rows), context_values(ctx, rows),
                           strict=True):  # fmt: skip
         assert torch.equal(a, b), name
+    # Their bytes: the forward crew's gate and up quantisation is the GPU quantiser's of the
+    # recomputed bf16 rows (data and SWIZZLE_32_4_4 scales of the first `rows` rows).
+    for name in ("gate_routed", "up_routed"):
+        (data_a, scales_a), (data_b, scales_b) = getattr(again, name), getattr(ctx, name)
+        assert torch.equal(data_a[:rows].view(torch.uint8), data_b[:rows].view(torch.uint8)), name
+        assert torch.equal(scales_a[: rows // 128], scales_b[: rows // 128]), name
     # The original's MXFP8 context: about half the BF16 context's bytes per routed row.
     pairs = [t for field in ctx.tensors()[:4] for t in field]
     assert sum(t.nbytes for t in pairs) * 64 == ws.schedule_capacity * (h + 3 * i) * 66
