@@ -239,9 +239,6 @@ def forward(
                 *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
                 config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
             )  # fmt: skip
-            # gate and up come quantised along I (the crew's): pairs in the context's places.
-            x_routed, gate, gate_sc, up, up_sc, *rest = ctx
-            ctx = (x_routed, (gate, gate_sc), (up, up_sc), *rest)
             return out, _mxfp8_context(ctx, x, schedule, shared_gate_weights is not None)
         _check_weights(workspace, schedule, weights)
         _CHECKED.add(key, config)
@@ -292,9 +289,8 @@ _CONTEXT_SCHEDULE = "_mok_schedule_peer_rank"
 
 
 def _mxfp8_context(tensors, like, schedule: MoKSchedule, has_shared: bool) -> MoKForwardContext:
-    """The original's MXFP8 context (mok/mxfp8_context.py) of the layer op's bf16 one (gate and
-    up possibly quantised already): the routed fields (data, scales) pairs, about half the
-    bytes."""
+    """The original's MXFP8 context (mok/mxfp8_context.py) of the layer op's bf16 one: the
+    routed fields (data, scales) pairs, about half the bytes."""
     bf16 = MoKForwardContext(*tensors[:4], *(t if t.numel() else None for t in tensors[4:]))
     pairs = mxfp8_context.as_pairs(mxfp8_context.quantised_context(bf16, like))
     return _context(pairs, schedule, has_shared=has_shared)

@@ -45,12 +45,10 @@ def _values(data: Tensor, scales: Tensor, transpose: bool = False) -> Tensor:
 
 
 def quantised_context(ctx: MoKForwardContext, like: Tensor) -> tuple[Tensor, ...]:
-    """The flat quantised context (the module docstring's order) of mok's bf16 one, whose gate
-    and up may be their quantisation along I already (pairs: the MXFP8 forward megakernel's);
-    an absent shared expert's rows are distinct empty [0] tensors like `like`."""
+    """The flat quantised context (the module docstring's order) of mok's bf16 one; an absent
+    shared expert's rows are distinct empty [0] tensors like `like`."""
     x_q = _quantised(ctx.x_routed, transpose=True)
-    gate_q, up_q = (t if isinstance(t, tuple) else _quantised(t)
-                    for t in (ctx.gate_routed, ctx.up_routed))  # fmt: skip
+    gate_q, up_q = _quantised(ctx.gate_routed), _quantised(ctx.up_routed)
     hidden_q = _quantised(ctx.hidden_routed, transpose=True)
     gate_s, up_s, hidden_s = (t if t is not None else like.new_empty(0) for t in ctx.tensors()[4:])
     return (*x_q, gate_s, *gate_q, up_s, *up_q, hidden_s, *hidden_q)

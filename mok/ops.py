@@ -419,48 +419,38 @@ def forward_mxfp8(
     fwd_num_comm_sms: int,
     minibatch_size: int,
     macrobatch_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`forward` with MXFP8 routed weights ((fp8, scale) along K each, mxfp8_quantize's):
-    `mok.reference.mxfp8_forward`. Outputs: out, x_routed, gate and up as their MXFP8
-    quantisation along I (fp8 [C, I], uint8 scales [C / 128, I / 128, 32, 16] each,
-    `mxfp8_quantize` of the bf16 rows; rows past num_tokens unspecified), hidden (bf16), the
-    shared context as `forward`'s. On CUDA the forward megakernel's MXFP8 variant, whose crew
-    quantises gate and up; macrobatch ring reuse is not built for it yet."""
+    `mok.reference.mxfp8_forward`. Same outputs as `forward` (the context in bf16). On CUDA the
+    forward megakernel's MXFP8 variant; macrobatch ring reuse is not built for it yet."""
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     routed = ((routed_gate, routed_gate_scales), (routed_up, routed_up_scales),
               (routed_down, routed_down_scales))  # fmt: skip
     if x.is_cuda:
         _refuse_mxfp8_ring_reuse("forward_mxfp8", macrobatch_size, router_weights)
-        out, x_routed, gate, up, *rest = _gpu("forward", x.device, ws.ep_size).forward(
+        return _gpu("forward", x.device, ws.ep_size).forward(
             ws, schedule, x, router_weights, shared_gate_weights, shared_up_weights,
             shared_down_weights, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
             macrobatch_size,
         )  # fmt: skip
-        return (out, x_routed, *gate, *up, *rest)
     check_router_weight_values(router_weights)
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.mxfp8_forward(
         schedule, x, router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
         *routed, group=ws.group, swiglu_limit=swiglu_limit,
     )  # fmt: skip
-    x_routed, gate, up, hidden, *shared = ctx.tensors()
-    pairs = (t for g in (gate, up) for t in reference.mxfp8_quantize(g))
-    return (out, x_routed, *pairs, hidden, *(t if t is not None else _empty(x) for t in shared))
+    return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 
 
 @forward_mxfp8.register_fake
 def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x,
       router_weights, shared_gate_weights, shared_up_weights, shared_down_weights, routed_gate,
       *_):  # fmt: skip
-    x_routed, gate, up, hidden, *shared = _fake_context(
-        peer_rank, x, routed_gate, shared_gate_weights is not None
+    return (
+        torch.empty_like(x),
+        *_fake_context(peer_rank, x, routed_gate, shared_gate_weights is not None),
     )
-    rows, inter = gate.shape
-    pairs = [(t.new_empty(rows, inter, dtype=torch.float8_e4m3fn),
-              t.new_empty(rows // 128, inter // 128, 32, 16, dtype=torch.uint8))
-             for t in (gate, up)]  # fmt: skip
-    return (torch.empty_like(x), x_routed, *pairs[0], *pairs[1], hidden, *shared)
 
 
 @torch.library.custom_op("mok::recompute_forward_context_mxfp8", mutates_args=())

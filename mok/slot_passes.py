@@ -26,9 +26,8 @@ from .validation import check_router_weight_values
 Tensor = torch.Tensor
 
 
-def _present(t: Tensor | tuple) -> Tensor | tuple | None:
-    """A context field, None for an empty one (an MXFP8 pair is kept)."""
-    return t if isinstance(t, tuple) or t.numel() else None
+def _present(t: Tensor) -> Tensor | None:
+    return t if t.numel() else None
 
 
 def _filled(ctx: MoKForwardContext, like: Tensor) -> tuple[Tensor, ...]:
@@ -170,8 +169,7 @@ def mxfp8_forward_to_slots(
 ):  # fmt: skip
     """(the 11 tensors of `quantised_context`, y_shared or None); `slots` filled. `routed`:
     (gate, up, down) each (fp8, scale) along K. CUDA: the forward megakernel's MXFP8 variant
-    (`forward_to_slots` with the MXFP8 pairs: gate and up quantised by its crew), the rest of
-    its context then quantised."""
+    (`forward_to_slots` with the MXFP8 pairs), its bf16 context then quantised."""
     if x.is_cuda:
         ctx, y_shared = forward_to_slots(
             ws, op, schedule, x, slots, shared, routed, swiglu_limit, num_comm_sms,

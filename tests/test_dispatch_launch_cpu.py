@@ -118,18 +118,8 @@ def test_mxfp8_forward_megakernel_launch_packs(monkeypatch, kernels):
     # The GEMMs' A operands: per-call scratch of the context's shapes, not the context itself.
     rounded = (args["x_rounded_ptr"], args["hidden_rounded_ptr"])
     assert all(isinstance(a, int) and a != 0 for a in rounded)
-    assert rounded[0] not in (x_routed.data_ptr(), hidden.data_ptr())
-    assert rounded[1] not in (x_routed.data_ptr(), hidden.data_ptr())
-    # gate and up: the crew's MXFP8 quantisation along I (E4M3 rows, SWIZZLE_32_4_4 scales),
-    # no bf16 rows.
-    c = schedule.capacity
-    assert [(t.dtype, tuple(t.shape)) for t in gate] == [
-        (torch.float8_e4m3fn, (c, i)), (torch.uint8, (c // 128, i // 128, 32, 16))
-    ]  # fmt: skip
-    assert (
-        args["gate_q_ptr"] == gate[0].data_ptr() and args["gate_scales_ptr"] == gate[1].data_ptr()
-    )
-    assert args["gate_ptr"] == 0 and args["up_ptr"] == 0
+    assert rounded[0] not in (x_routed.data_ptr(), gate.data_ptr(), hidden.data_ptr())
+    assert rounded[1] not in (x_routed.data_ptr(), gate.data_ptr(), hidden.data_ptr())
     with pytest.raises(ValueError, match="must be all bf16 tensors or all MXFP8 pairs"):
         moe_forward.routed_forward(x, schedule, k, pairs[0][0], *pairs[1:])
     with pytest.raises(ValueError, match="gate_weights must be an MXFP8 pair"):

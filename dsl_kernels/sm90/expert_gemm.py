@@ -278,8 +278,7 @@ class Sm90ExpertGemm:
         seq = Int32(0)
         task = crew_task(CREW, tickets, seq)
         if cutlass.const_expr(self.epilogue == "swiglu"):
-            store_args = (out_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit,
-                          None, None)  # fmt: skip
+            store_args = (out_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit, None)
             store_phase(CREW, tiles, tickets, seq, task, Int32(0), no_end, buffers, lane, TILE_N,
                         None, store_swiglu_chunk, store_args)  # fmt: skip
         else:

@@ -6,22 +6,19 @@
 One 128 x 256 tile is the gate and up blocks of the same 128 columns (B0 = W_gate rows, B1 =
 W_up rows), so gate[i, j] and up[i, j] land in the same thread. The crew computes SwiGLU from
 the handed-off bf16 values while the consumers run the next mainloop. The MXFP8 forward also
-writes each hidden row's MXFP8 round trip along I (`rounded_ptr`), the down GEMM's operand,
-and stores gate and up quantised along I (`quantized`: the context's E4M3 rows and their
-SWIZZLE_32_4_4 scales, as common/mxfp8_quantize_rowwise.py writes them) instead of in bf16.
+writes each hidden row's MXFP8 round trip along I (`rounded_ptr`), the down GEMM's operand.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64, Uint8, Uint32
+from cutlass import BFloat16, Float32, Int64
 
-from ..common.mxfp8_values import BLOCK, CHUNK, quantize_chunk, store_round_trip
+from ..common.mxfp8_values import store_round_trip
 from . import gemm_phases as phases
 from .gemm_phases import TILE_K, TILE_M, TILE_N
 
 # WaitPhase id (mok.runtime.WaitPhase, a wire format) of a down task waiting for hidden rows.
 PHASE_GATE_UP_GEMM = 6
-SCALE_TILE = 128  # rows and columns of one 512-byte tile of SWIZZLE_32_4_4 scales
 
 
 def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
@@ -47,17 +44,15 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
 
 
 def crew_stores(hidden_ptr, gate_ptr, up_ptr, intermediate_size, has_limit, swiglu_limit,
-                after_tile=None, after_args=(), rounded_ptr=None,
-                quantized=None) -> dict:  # fmt: skip
+                after_tile=None, after_args=(), rounded_ptr=None) -> dict:  # fmt: skip
     """Crew store keywords (task_walk.store_phase) of gate/up tiles: gate, up, hidden [C, I] in
-    place (and hidden's MXFP8 round trip at `rounded_ptr`, if given; with `quantized` = (gate
-    E4M3, gate scales, up E4M3, up scales) gate and up go there instead), `after_tile(lane,
+    place (and hidden's MXFP8 round trip at `rounded_ptr`, if given), `after_tile(lane,
     first_row, *after_args)` after each."""
     row_stride = cute.assume(Int64(intermediate_size), divby=TILE_N)
     stores = dict(
         tile_cols=TILE_N, slots=None, store_chunk=store_swiglu_chunk,
         store_args=(hidden_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit,
-                    rounded_ptr, quantized),
+                    rounded_ptr),
     )  # fmt: skip
     if after_tile is not None:
         stores.update(after_tile=after_tile, after_args=after_args)
@@ -67,21 +62,14 @@ def crew_stores(hidden_ptr, gate_ptr, up_ptr, intermediate_size, has_limit, swig
 @cute.jit
 def store_swiglu_chunk(
     gate_chunk, up_chunk, target, chunk, first_col, hidden_ptr, gate_ptr, up_ptr, row_stride,
-    has_limit, swiglu_limit, rounded_ptr, quantized,
+    has_limit, swiglu_limit, rounded_ptr,
 ):  # fmt: skip
     """One 16-byte chunk of row `target`: gate, up, and hidden = SwiGLU of the bf16-rounded
     values in fp32 (mok.reference.swiglu); with `rounded_ptr`, hidden's MXFP8 round trip there
-    (the crew's lanes 4q .. 4q + 3 hold one 32-column block: copy_out's chunk order); with
-    `quantized`, gate and up as MXFP8 along I there instead of in bf16."""
+    (the crew's lanes 4q .. 4q + 3 hold one 32-column block: copy_out's chunk order)."""
     at = cute.assume(target * row_stride + Int64(first_col + chunk * 8), divby=8)
-    if cutlass.const_expr(quantized is None):
-        cute.make_tensor(gate_ptr + at, cute.make_layout(8)).store(gate_chunk)
-        cute.make_tensor(up_ptr + at, cute.make_layout(8)).store(up_chunk)
-    else:
-        gate_q, gate_scales, up_q, up_scales = quantized
-        column = first_col + chunk * 8
-        store_quantized(gate_chunk, gate_q, gate_scales, at, target, column, row_stride)
-        store_quantized(up_chunk, up_q, up_scales, at, target, column, row_stride)
+    cute.make_tensor(gate_ptr + at, cute.make_layout(8)).store(gate_chunk)
+    cute.make_tensor(up_ptr + at, cute.make_layout(8)).store(up_chunk)
     gate = cute.make_rmem_tensor((8,), BFloat16)
     up = cute.make_rmem_tensor((8,), BFloat16)
     hidden = cute.make_rmem_tensor((8,), Float32)
@@ -99,27 +87,3 @@ def store_swiglu_chunk(
     if cutlass.const_expr(rounded_ptr is not None):
         # The round trip of the bf16 hidden values, as mok.reference rounds hidden first.
         store_round_trip(hidden_bf16, rounded_ptr, at)
-
-
-@cute.jit
-def store_quantized(chunk, data_ptr, scale_ptr, at: Int64, row, column, row_stride: Int64):
-    """This lane's 8 bf16 values of a 32-column block (its 4 lanes as `round_trip_chunk`'s) as
-    E4M3 bytes at byte `at` of `data_ptr` [C, I], the block's UE8M0 scale (by the lane of its
-    first column) at its SWIZZLE_32_4_4 place for (row, column) in `scale_ptr`: byte
-    ((row / 128) * (I / 128) + column / 128) * 512 + (row % 32) * 16 + (row % 128) / 32 * 4 +
-    (column % 128) / 32, the layout common/mxfp8_quantize_rowwise.py writes."""
-    widened = cute.make_rmem_tensor((CHUNK,), Float32)
-    widened.store(chunk.to(Float32))
-    packed = cute.make_rmem_tensor((CHUNK // 4,), Uint32)
-    scale_byte = quantize_chunk(widened, packed)
-    word_at = cute.assume(at // Int64(4), divby=2)
-    words = cute.make_tensor(cute.recast_ptr(data_ptr, dtype=Uint32) + word_at,
-                             cute.make_layout(CHUNK // 4))  # fmt: skip
-    words.store(packed.load())
-    if column % BLOCK == 0:
-        tile = Int64(row // SCALE_TILE) * (row_stride // Int64(SCALE_TILE)) + Int64(
-            column // SCALE_TILE
-        )
-        inner = (row % 32) * 16 + (row % SCALE_TILE) // 32 * 4 + (column % SCALE_TILE) // BLOCK
-        cute.make_tensor(scale_ptr + (tile * Int64(512) + Int64(inner)),
-                         cute.make_layout(1))[0] = Uint8(scale_byte)  # fmt: skip

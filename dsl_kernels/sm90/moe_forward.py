@@ -31,10 +31,7 @@ segments multiples of 128; grid <= SM count; tensors 16-byte aligned and contigu
 `mxfp8` (a compile-time variant, SEMANTICS §5; the weights are the bf16 values of the MXFP8
 weights, dequantised by the launcher): dispatch also writes x's MXFP8 round trip along H
 (x_rounded_ptr) and the crew hidden's along I (hidden_rounded_ptr), which tma_x and tma_h read;
-the crew stores gate and up quantised along I (gate_q_ptr, up_q_ptr: E4M3 [C, I]; gate_scales_ptr,
-up_scales_ptr: SWIZZLE_32_4_4 UE8M0 [C / 128, I / 128, 32, 16], the context's format) instead of
-in bf16 (gate_ptr, up_ptr unused); x_routed and hidden are the bf16 rows as in BF16. The BF16
-variant ignores the six.
+x_routed, gate, up and hidden are the bf16 rows as in BF16. The BF16 variant ignores the two.
 """
 
 from dataclasses import dataclass
@@ -44,7 +41,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
-from ..common.params import bf16_pointer, int64_pointer, placeholders, uint8_pointer
+from ..common.params import bf16_pointer, int64_pointer, placeholders
 from ..common.peers import peer_table
 from . import down_phase, gate_up_phase
 from . import epilogue_warps as handoff
@@ -87,10 +84,6 @@ PARAMS = (
     ("slots_ptrs", int64_pointer),
     ("x_rounded_ptr", bf16_pointer),
     ("hidden_rounded_ptr", bf16_pointer),
-    ("gate_q_ptr", uint8_pointer),
-    ("gate_scales_ptr", uint8_pointer),
-    ("up_q_ptr", uint8_pointer),
-    ("up_scales_ptr", uint8_pointer),
     *WALK_PARAMS,
     *STEP_PARAMS,
 )
@@ -140,10 +133,6 @@ class Sm90MoeForward:
         slots_ptrs: cute.Pointer,
         x_rounded_ptr: cute.Pointer,
         hidden_rounded_ptr: cute.Pointer,
-        gate_q_ptr: cute.Pointer,
-        gate_scales_ptr: cute.Pointer,
-        up_q_ptr: cute.Pointer,
-        up_scales_ptr: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -195,10 +184,6 @@ class Sm90MoeForward:
             slots_ptrs,
             x_rounded_ptr,
             hidden_rounded_ptr,
-            gate_q_ptr,
-            gate_scales_ptr,
-            up_q_ptr,
-            up_scales_ptr,
             peer_rank_ptr,
             peer_token_idx_ptr,
             num_tokens_ptr,
@@ -241,10 +226,6 @@ class Sm90MoeForward:
         slots_ptrs: cute.Pointer,
         x_rounded_ptr: cute.Pointer,
         hidden_rounded_ptr: cute.Pointer,
-        gate_q_ptr: cute.Pointer,
-        gate_scales_ptr: cute.Pointer,
-        up_q_ptr: cute.Pointer,
-        up_scales_ptr: cute.Pointer,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -341,8 +322,6 @@ class Sm90MoeForward:
                         hidden_ptr, gate_ptr, up_ptr, intermediate_size, has_limit,
                         swiglu_limit, crew.release_row_tile, (hidden_done,),
                         hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
-                        (gate_q_ptr, gate_scales_ptr, up_q_ptr, up_scales_ptr)
-                        if cutlass.const_expr(self.mxfp8) else None,
                     ),
                     slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
                                 hidden_size),

@@ -46,9 +46,7 @@ def routed_forward(
 
     x bf16 [T, H]; weights bf16 [E, I, H] (gate, up), [E, H, I] (down) of the local experts,
     or all three MXFP8 pairs (E4M3 data of those shapes, UE8M0 scales; mok.ops.mxfp8_quantize
-    along K): the MXFP8 layer (mok.reference.mxfp8_forward's rows), whose gate and up come as
-    their MXFP8 quantisation along I ((E4M3 [C, I], scales [C / 128, I / 128, 32, 16]) pairs,
-    mok.ops.mxfp8_quantize's of the bf16 rows; rows past num_tokens unwritten);
+    along K): the MXFP8 layer (mok.reference.mxfp8_forward's rows, the same bf16 outputs);
     `schedule` this rank's MoKSchedule. slots bf16 [T * k, H] (`slots`, or a new tensor): row
     t * k + j is token t's j-th expert output. `peers` = (ep_rank, x table, slots table), the
     int64 [P] tables of every rank's x and slots buffers (None: a group of one): rows of other
@@ -142,11 +140,10 @@ class _ForwardPlan:
                 **self._weight_descriptors(weights),
                 "x_rounded_ptr": a_x if self.mxfp8 else None,
                 "hidden_rounded_ptr": a_h if self.mxfp8 else None,
-                **dict(zip(QUANTIZED, _quantized(gate, up), strict=True)),
                 "x_ptr": x,
                 "x_routed_ptr": x_routed,
-                "gate_ptr": None if self.mxfp8 else gate,
-                "up_ptr": None if self.mxfp8 else up,
+                "gate_ptr": gate,
+                "up_ptr": up,
                 "hidden_ptr": hidden,
                 "slots_ptr": first_slots,
                 "x_ptrs": x_table,
@@ -165,7 +162,7 @@ class _ForwardPlan:
                     ep_rank,
                 ),  # fmt: skip
             },
-            dynamic=DYNAMIC + (QUANTIZED + WEIGHT_TMA if self.mxfp8 else ()),
+            dynamic=DYNAMIC + (WEIGHT_TMA if self.mxfp8 else ()),
         )
 
     def _weight_descriptors(self, weights) -> dict:
@@ -174,22 +171,10 @@ class _ForwardPlan:
                 for name, w in zip(WEIGHT_TMA, weights, strict=True)}  # fmt: skip
 
     def _outputs(self):
-        """(x_routed, gate, up, hidden), bf16; MXFP8: gate and up (E4M3 [C, I], UE8M0 scales
-        [C / 128, I / 128, 32, 16]) pairs, quantised along I by the crew."""
         (rows, hidden_size), (_, inter), _ = self.shapes
         bf16 = dict(dtype=torch.bfloat16, device=self.device)
-        x_routed, hidden = torch.empty(rows, hidden_size, **bf16), torch.empty(rows, inter, **bf16)
-        if not self.mxfp8:
-            return (
-                x_routed,
-                torch.empty(rows, inter, **bf16),
-                torch.empty(rows, inter, **bf16),
-                hidden,
-            )
-        pairs = [(torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=self.device),
-                  torch.empty(rows // TILE_ROWS, inter // TILE_ROWS, 32, 16, dtype=torch.uint8,
-                              device=self.device)) for _ in range(2)]  # fmt: skip
-        return x_routed, *pairs, hidden
+        return (torch.empty(rows, hidden_size, **bf16), torch.empty(rows, inter, **bf16),
+                torch.empty(rows, inter, **bf16), torch.empty(rows, inter, **bf16))  # fmt: skip
 
     def _operands(self, x_routed, hidden):
         """The GEMMs' A operands: the rows themselves (BF16), or new scratch for their MXFP8
@@ -214,17 +199,13 @@ class _ForwardPlan:
         aligned("x", x_address)
         stream = current_stream(self.device_index)
         self.counters.before_launch(stream)
-        quantized = ()
-        if self.mxfp8:
-            quantized, gate, up = tuple(t.data_ptr() for t in _quantized(gate, up)), None, None
         self.bound.launch(
             self.tma_x.get(a_x), self.tma_h.get(a_h), x_address, x_routed.data_ptr(),
-            0 if gate is None else gate.data_ptr(), 0 if up is None else up.data_ptr(),
-            hidden.data_ptr(), slots.data_ptr(),
+            gate.data_ptr(), up.data_ptr(), hidden.data_ptr(), slots.data_ptr(),
             a_x.data_ptr() if self.mxfp8 else 0, a_h.data_ptr() if self.mxfp8 else 0,
             schedule.peer_rank.data_ptr(), schedule.peer_token_idx.data_ptr(),
             schedule.num_tokens.data_ptr(), schedule.tokens_per_expert.data_ptr(),
-            *quantized, *bf16_weights, stream=stream,
+            *bf16_weights, stream=stream,
         )  # fmt: skip
         return outputs, slots
 
@@ -235,14 +216,5 @@ DYNAMIC = (
     "x_rounded_ptr", "hidden_rounded_ptr", "peer_rank_ptr", "peer_token_idx_ptr",
     "num_tokens_ptr", "tokens_per_expert_ptr",
 )  # fmt: skip
-# The MXFP8 variant's gate and up outputs (E4M3 rows, scales), after DYNAMIC on every launch.
-QUANTIZED = ("gate_q_ptr", "gate_scales_ptr", "up_q_ptr", "up_scales_ptr")
-# The weights' descriptors: bound once (BF16), or after QUANTIZED on every launch (MXFP8).
+# The weights' descriptors: bound once (BF16), or after DYNAMIC on every launch (MXFP8).
 WEIGHT_TMA = ("tma_wg", "tma_wu", "tma_wd")
-
-
-def _quantized(gate, up) -> tuple:
-    """The QUANTIZED params' tensors of MXFP8 outputs (None for bf16 ones: unused)."""
-    if not isinstance(gate, tuple):
-        return (None,) * 4
-    return (*gate, *up)

@@ -164,8 +164,8 @@ def test_mxfp8_recomputed_context_is_the_forward_context(shape):
                           context_values(again, rows), context_values(ctx, rows),
                           strict=True):  # fmt: skip
         assert torch.equal(a, b), name
-    # Their bytes: the forward crew's gate and up quantisation is the GPU quantiser's of the
-    # recomputed bf16 rows (data and SWIZZLE_32_4_4 scales of the first `rows` rows).
+    # Their bytes too: gate and up quantised from the megakernel's rows and from the recomputed
+    # ones (data and SWIZZLE_32_4_4 scales of the first `rows` rows).
     for name in ("gate_routed", "up_routed"):
         (data_a, scales_a), (data_b, scales_b) = getattr(again, name), getattr(ctx, name)
         assert torch.equal(data_a[:rows].view(torch.uint8), data_b[:rows].view(torch.uint8)), name
