@@ -1,6 +1,7 @@
 """Host (enqueue) time of one eager `MoKExperts` forward + backward, apart from its GPU time.
 
-    python -m benchmarks.host_time [--shape qwen3-30b-a3b] [--tokens 4096] [--profile FILE]
+    python -m benchmarks.host_time [--shape qwen3-30b-a3b] [--tokens 4096] [--layers 4]
+                                   [--profile FILE]
 
 Host time: from the step's first Python call until `backward()` returns. Measured twice: with
 steps back to back (the training-loop case: the host runs ahead of the GPU, no launch waits for
@@ -9,6 +10,15 @@ GPU time: CUDA events around the steps. Gradients are set to None before each st
 training loop's `zero_grad(set_to_none=True)`), so neither time includes torch's
 gradient-accumulation adds. A training loop without CUDA graphs is host-bound when the first
 exceeds the second.
+
+A model's step runs many layers and one `backward()`; autograd's engine costs a fixed time per
+`backward()` call (its start, the hand-off to the device's autograd thread) and per node. So
+two more numbers, measured back to back in the same process: a stack of `--layers` modules
+chained (each layer's output is the next one's x; each has its own weights and router
+weights), whose host time per layer is what a model with many MoE layers sees; and the floor
+of a `torch.autograd.Function` with the layer's inputs and gradients (x, router weights, three
+weights; it saves its inputs, its forward and backward only allocate their outputs), the part
+of a single-layer step that is autograd's and the allocator's, not mok's.
 """
 
 from __future__ import annotations
@@ -30,28 +40,73 @@ SHAPES = {  # H, I, E, k
 }
 
 
-def measure(shape: str, tokens: int, steps: int = 20, warmup: int = 3, profile=None) -> dict:
-    """Medians over `steps` eager forward + backward steps: 'host_ms' and 'gpu_ms' back to back
-    (the training-loop case), 'host_idle_gpu_ms' and 'gpu_idle_ms' with a sync before each step
-    (the GPU idle when the step starts, the interpreter cold)."""
+class _Empty(torch.autograd.Function):
+    """The autograd floor of a layer with `MoKExperts`' gradient inputs (x, router weights and
+    three weights): it saves its inputs as mok's Function does, and its forward and backward
+    only allocate their outputs."""
+
+    @staticmethod
+    def forward(ctx, x, router_weights, *weights):
+        ctx.save_for_backward(router_weights, *weights)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.empty_like(t) for t in ctx.saved_tensors))
+
+
+def measure(shape: str, tokens: int, steps: int = 20, warmup: int = 3, profile=None,
+            layers: int = 1) -> dict:  # fmt: skip
+    """Medians over `steps` eager forward + backward steps of `layers` chained modules:
+    'host_ms' and 'gpu_ms' back to back (the training-loop case), 'host_idle_gpu_ms' and
+    'gpu_idle_ms' with a sync before each step (the GPU idle when the step starts, the
+    interpreter cold). Whole steps: divide by `layers` for a layer's share."""
     h, i, e, k = SHAPES[shape]
     device = torch.device("cuda")
-    layer = MoKExperts(e, h, i, k, device=device)
+    modules = [MoKExperts(e, h, i, k, device=device) for _ in range(layers)]
     x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16, requires_grad=True)
     inputs = make_inputs(tokens, h, i, e, k, seed=0, device=device)
     top = inputs["top_experts"]
-    weights = inputs["router_weights"].requires_grad_(True)
+    weights = [inputs["router_weights"].clone().requires_grad_(True) for _ in range(layers)]
     grad = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
 
     def step():
-        layer(x, weights, top).backward(grad)
+        y = x
+        for module, w in zip(modules, weights, strict=True):
+            y = module(y, w, top)
+        y.backward(grad)
+
+    return _timed(step, [x, *weights], modules, steps, warmup, profile)
+
+
+def autograd_floor(shape: str, tokens: int, steps: int = 20, warmup: int = 3) -> dict:
+    """`measure`'s numbers for one `_Empty` node with the layer's inputs at `shape`."""
+    h, i, e, k = SHAPES[shape]
+    device = torch.device("cuda")
+    x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    router = torch.rand(tokens, k, device=device, requires_grad=True)
+    weights = [torch.empty(e, *dims, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for dims in ((i, h), (i, h), (h, i))]  # fmt: skip
+    grad = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
+
+    def step():
+        _Empty.apply(x, router, *weights).backward(grad)
+
+    return _timed(step, [x, router, *weights], [], steps, warmup, None)
+
+
+def _timed(step, leaves, modules, steps, warmup, profile) -> dict:
+    def zero_grad():
+        # As a training loop's zero_grad(set_to_none=True): no gradient-accumulation adds.
+        for leaf in leaves:
+            leaf.grad = None
+        for module in modules:
+            module.zero_grad(set_to_none=True)
 
     host, gpu = [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for n in range(warmup + steps):
-        # As a training loop's zero_grad(set_to_none=True): no gradient-accumulation adds.
-        x.grad = weights.grad = None
-        layer.zero_grad(set_to_none=True)
+        zero_grad()
         torch.cuda.synchronize()
         if profile is not None and n == warmup:
             profile.enable()
@@ -73,8 +128,7 @@ def measure(shape: str, tokens: int, steps: int = 20, warmup: int = 3, profile=N
     torch.cuda.synchronize()
     start.record()
     for _ in range(steps):
-        x.grad = weights.grad = None
-        layer.zero_grad(set_to_none=True)
+        zero_grad()
         t0 = time.perf_counter()
         step()
         loop.append((time.perf_counter() - t0) * 1e3)
@@ -94,8 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=4,
+                        help="modules in the stack (0: no stack)")  # fmt: skip
     parser.add_argument("--profile", default=None, help="write a cProfile text report here")
     args = parser.parse_args(argv)
+    if args.layers < 0:
+        parser.error(f"--layers must be >= 0, got {args.layers}")
     profile = cProfile.Profile() if args.profile else None
     result = measure(args.shape, args.tokens, args.steps, profile=profile)
     if profile is not None:
@@ -109,6 +167,20 @@ def main(argv: list[str] | None = None) -> None:
         f"{result['host_idle_gpu_ms']:.3f} ms host, {result['gpu_idle_ms']:.3f} ms GPU with "
         f"the GPU idle at each step's start"
     )
+    floor = autograd_floor(args.shape, args.tokens, args.steps)
+    print(
+        f"autograd floor (a Function with the layer's inputs, allocating only): "
+        f"{floor['host_ms']:.3f} ms host "
+        f"back to back; {floor['host_idle_gpu_ms']:.3f} ms with the GPU idle at each step's start"
+    )
+    if args.layers:
+        stack = measure(args.shape, args.tokens, args.steps, layers=args.layers)
+        n = args.layers
+        print(
+            f"stack of {n} layers, per layer: {stack['host_ms'] / n:.3f} ms host, "
+            f"{stack['gpu_ms'] / n:.3f} ms GPU back to back; {stack['host_idle_gpu_ms'] / n:.3f} "
+            f"ms host, {stack['gpu_idle_ms'] / n:.3f} ms GPU with the GPU idle at each step's start"
+        )
 
 
 if __name__ == "__main__":

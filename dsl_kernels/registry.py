@@ -46,6 +46,7 @@ def variants() -> list[Variant]:
     from .sm90.expert_gemm_bwd_weights_window import Sm90ExpertGemmBwdWeightsWindow
     from .sm90.moe_backward import Sm90MoeBackward
     from .sm90.moe_forward import Sm90MoeForward
+    from .sm90.wgmma_probe import ENGINES, Sm90WgmmaProbe
 
     return [
         Variant(
@@ -219,5 +220,16 @@ def variants() -> list[Variant]:
                 ("expert_gemm_bwd_weights_window_bf16", "bf16"),
                 ("expert_gemm_bwd_weights_window_accumulate", "fp32_accumulate"),
             )
+        ),
+        # The compute ceilings of the MXFP8 engines (sm90/wgmma_probe.py, tools/wgmma_probe.py).
+        *(
+            Variant(
+                f"wgmma_probe_{engine}",
+                Sm90WgmmaProbe,
+                {"engine": engine},
+                launch_grid="(num_ctas, 1, 1)",
+                archs=("sm_90a",),
+            )
+            for engine in ENGINES
         ),
     ]

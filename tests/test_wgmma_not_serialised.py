@@ -19,7 +19,9 @@ from mok.dsl_kernels.build import compile_variant, ptxas_report  # noqa: E402
 from mok.dsl_kernels.registry import variants  # noqa: E402
 
 GEMMS = [
-    v for v in variants() if "sm_90a" in v.archs and v.name.startswith(("expert_gemm", "moe_"))
+    v
+    for v in variants()
+    if "sm_90a" in v.archs and v.name.startswith(("expert_gemm", "moe_", "wgmma_probe"))
 ]
 
 
