@@ -333,7 +333,8 @@ class Sm90MoeBackward:
         num_d_hidden = row_tiles_total * d_hidden_cols
         num_d_x = row_tiles_total * d_x_cols
         batches = Minibatches(minibatch_tiles, row_tiles_total, d_hidden_cols, d_x_cols)
-        row_tile_bytes = Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        capacity_tiles = (capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
+        row_tile_bytes = Int64(4) * Int64(capacity_tiles)
         dispatched = counters_ptr.toint()
         dgu_done = dispatched + row_tile_bytes
         dispatch_total = dgu_done + row_tile_bytes
@@ -465,5 +466,4 @@ class Sm90MoeBackward:
                 states, weight_tasks, bidx, grid_size, w_mma, ring, w_operands, accs,
                 CREW, w_thr, buffers,
             )  # fmt: skip
-        row_tiles = (capacity + TILE_M - 1) // TILE_M
-        retire_cta(dispatched, 2 * row_tiles + COUNTER_TAIL, warp_idx, grid_size)
+        retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)

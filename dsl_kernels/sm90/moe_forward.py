@@ -272,7 +272,8 @@ class Sm90MoeForward:
         )
         routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
-        row_tile_bytes = Int64(4) * Int64((capacity + TILE_M - 1) // TILE_M)
+        capacity_tiles = (capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
+        row_tile_bytes = Int64(4) * Int64(capacity_tiles)
         dispatched = counters_ptr.toint()
         hidden_done = dispatched + row_tile_bytes
         record = error_record_ptr.toint()
@@ -359,5 +360,4 @@ class Sm90MoeForward:
                     (down_mma, down_thr, intermediate_size // TILE_K),
                 )  # fmt: skip
             crew.hand_off_nothing()
-        row_tiles = (capacity + TILE_M - 1) // TILE_M
-        retire_cta(dispatched, 2 * row_tiles + COUNTER_TAIL, warp_idx, grid_size)
+        retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)

@@ -9,15 +9,16 @@ import torch
 
 from .checks import check_arg, check_cuda, check_multiple
 from .comm import DEFAULT_TIMEOUT_NS
-from .device_args import TILE_ROWS, sm_count, tma_descriptor
+from .device_args import sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT
 from .megakernel_walk import (
     BACKWARD_COUNTER_TAIL,
     check_routed_operands,
+    megakernel_counters,
     minibatch_row_tiles,
     walk_arguments,
 )
-from .plans import Counters, Descriptors, aligned, current_stream, plan, tensor_key, weight_key
+from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weight_key
 from .status import status_ptr
 
 KERNEL = "moe_backward"
@@ -150,8 +151,7 @@ class _BackwardPlan:
             peers if peers is not None else (0,) + (None,) * 3
         )
         # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py).
-        self.counters = Counters(2 * (-(-capacity // TILE_ROWS)) + BACKWARD_COUNTER_TAIL,
-                                 self.device)  # fmt: skip
+        self.counters = megakernel_counters(capacity, BACKWARD_COUNTER_TAIL, self.device)
         kernel = get_kernel(KERNEL_MXFP8 if mxfp8 else KERNEL, device=self.device)
         self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size),
                      "tma_wg": (num_experts * intermediate_size, hidden_size),

@@ -11,16 +11,17 @@ import torch
 from . import mxfp8
 from .checks import check_cuda, check_multiple
 from .comm import DEFAULT_TIMEOUT_NS
-from .device_args import TILE_ROWS, sm_count
+from .device_args import sm_count
 from .expert_gemm import DOWN_N_ALIGNMENT, GATE_UP_N_ALIGNMENT, K_ALIGNMENT
 from .megakernel_walk import (
     FORWARD_COUNTER_TAIL,
     check_mxfp8_routed_operands,
     check_routed_operands,
+    megakernel_counters,
     minibatch_row_tiles,
     walk_arguments,
 )
-from .plans import Counters, Descriptors, aligned, current_stream, plan, tensor_key, weight_key
+from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weight_key
 
 KERNEL = "moe_forward"
 KERNEL_MXFP8 = "moe_forward_mxfp8"
@@ -119,7 +120,7 @@ class _ForwardPlan:
             return
         ep_rank, x_table, slots_table = peers if peers is not None else (0, None, None)
         # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit.
-        self.counters = Counters(2 * (-(-capacity // TILE_ROWS)) + FORWARD_COUNTER_TAIL, x.device)
+        self.counters = megakernel_counters(capacity, FORWARD_COUNTER_TAIL, x.device)
         kernel = get_kernel(KERNEL_MXFP8 if self.mxfp8 else KERNEL, device=x.device)
         weights = (gate_weights, up_weights, down_weights)
         self.weight_tma = {name: Descriptors(kernel, name) for name in WEIGHT_TMA}

@@ -8,12 +8,18 @@ import torch
 from .checks import check_arg, check_cuda, check_extents
 from .comm import get_error_record
 from .device_args import TILE_ROWS
+from .plans import Counters
 
 # Counters after the two per-row-tile arrays: the forward's task and dispatch tickets; the
 # backward's dispatch_total, dgu_total, task ticket and dispatch ticket; then each one's exit
 # word (dsl_kernels/sm90/retire.py). The kernels' COUNTER_TAIL (tests/test_moe_*_build.py).
 FORWARD_COUNTER_TAIL = 3
 BACKWARD_COUNTER_TAIL = 5
+
+
+def megakernel_counters(capacity: int, tail: int, device: torch.device) -> Counters:
+    """A megakernel plan's counters: two words per 128-row tile of the capacity, then `tail`."""
+    return Counters(2 * (-(-capacity // TILE_ROWS)) + tail, device)
 
 
 def check_routed_operands(
