@@ -70,19 +70,14 @@ def check(engine: str, device: torch.device, num_ctas: int, iterations: int = 3)
 
 
 def tflops(engine: str, device: torch.device, num_ctas: int, iterations: int, reps: int) -> float:
+    """Median TFLOP/s of `reps` launches (one warm-up), each timed by CUDA events."""
+    from benchmarks.timing import TimingConfig, median, time_ms  # noqa: PLC0415
+
     out = torch.empty((num_ctas, TILE, TILE), dtype=torch.float32, device=device)
-    launch(engine, out, iterations, num_ctas)  # warm
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch(engine, out, iterations, num_ctas)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = sorted(times)[len(times) // 2]
+    times = time_ms(device, TimingConfig(warmup=1, reps=reps),
+                    lambda _state: launch(engine, out, iterations, num_ctas))  # fmt: skip
     flop = 2 * TILE * TILE * tile_k(engine) * iterations * num_ctas
-    return flop / (ms * 1e-3) / 1e12
+    return flop / (median(times) * 1e-3) / 1e12
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,6 +36,18 @@ def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """`a * b + c` with one rounding to nearest even (`fma.rn.f32`), never split or reordered."""
+    return inline_ptx(
+        "fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};",
+        write_only_types=[Float32],
+        read_only_args=[Float32(a), Float32(b), Float32(c)],
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def cvt_e4m3x2_rn_satfinite(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint16:
     """Two fp32 -> packed E4M3x2 (RNE, satfinite: +-448 on overflow); `lo` in the low byte."""
     # PTX puts the first source operand in the upper byte; the low byte is the lower address.

@@ -48,11 +48,12 @@ def validate_stages(stages: int, max_stages: int) -> None:
         raise ValueError(f"stages must be in 2..{max_stages}, got {stages}")
 
 
-def make_tiled_mma(a_major, b_major):
-    """Two warpgroups along M of m64n128k16 bf16 -> fp32 wgmma; majors are OperandMajorMode."""
+def make_tiled_mma(a_major, b_major, dtype=BFloat16):
+    """Two warpgroups along M of m64n128 `dtype` (bf16: k16) -> fp32 wgmma; majors are
+    OperandMajorMode."""
     return sm90_utils.make_trivial_tiled_mma(
-        BFloat16,
-        BFloat16,
+        dtype,
+        dtype,
         a_major,
         b_major,
         Float32,
@@ -72,13 +73,13 @@ def backward_mma():
     return make_tiled_mma(cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN)
 
 
-def k_major_smem_layout(rows: int, stages: int):
-    """Staged (rows, TILE_K, stages) K-major layout with the 128-byte swizzle."""
+def k_major_smem_layout(rows: int, stages: int, dtype=BFloat16, tile_k: int = TILE_K):
+    """Staged (rows, tile_k, stages) K-major `dtype` layout with the 128-byte swizzle."""
     atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BFloat16, TILE_K),
-        BFloat16,
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, tile_k),
+        dtype,
     )
-    return cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2))
+    return cute.tile_to_shape(atom, (rows, tile_k, stages), order=(0, 1, 2))
 
 
 def mn_major_smem_layout(extent: int, stages: int):

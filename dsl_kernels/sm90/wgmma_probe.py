@@ -35,14 +35,11 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8, Uint16
-from cutlass.cute.arch import inline_ptx
-from cutlass.cutlass_dsl import dsl_user_op
-from cutlass.tensor_utils import LayoutEnum
 
 from ..common.args import global_pointer
-from ..common.ptx import fence_operand, mul_rn
+from ..common.ptx import fma_rn, mul_rn
+from .gemm_phases import fence_accumulators, k_major_smem_layout, make_tiled_mma
 
 ENGINES = ("bf16", "fp8", "fp8_promote1", "fp8_promote2")
 TILE = 128  # rows (two warpgroups x 64) and columns of the output tile
@@ -53,18 +50,6 @@ FRAGMENT = 64  # fp32 accumulator elements per thread of an m64n128 tile
 # The operands' values: ((a * index + b * k) % 5 - 2) / 2 as E4M3 and bf16 bits, by residue.
 E4M3_HALVES = (0xB8, 0xB0, 0x00, 0x30, 0x38)  # -1, -0.5, 0, 0.5, 1
 BF16_HALVES = (0xBF80, 0xBF00, 0x0000, 0x3F00, 0x3F80)
-
-
-@dsl_user_op
-def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
-    """`a * b + c` with one rounding (`fma.rn.f32`), as written: never split or reordered."""
-    return inline_ptx(
-        "fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};",
-        write_only_types=[Float32],
-        read_only_args=[Float32(a), Float32(b), Float32(c)],
-        loc=loc,
-        ip=ip,
-    )
 
 
 @dataclass(frozen=True)
@@ -97,22 +82,13 @@ class Sm90WgmmaProbe:
             grid=[1, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1
         )  # the runtime launches the cubin with its own grid
 
-    def _smem_layout(self):
-        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.tile_k),
-            self.dtype,
-        )
-        return cute.tile_to_shape(atom, (TILE, self.tile_k, 1), order=(0, 1, 2))
-
     @cute.kernel
     def kernel(self, out_ptr: cute.Pointer, iterations: Int32, scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         K = cute.nvgpu.OperandMajorMode.K
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, K, Float32, (2, 1, 1), tiler_mn=(64, TILE)
-        )
-        layout = self._smem_layout()
+        tiled_mma = make_tiled_mma(K, K, self.dtype)
+        layout = k_major_smem_layout(TILE, 1, self.dtype, self.tile_k)
 
         @cute.struct
         class SharedStorage:
@@ -173,7 +149,7 @@ class Sm90WgmmaProbe:
     def _accumulate(self, tiled_mma, tCrA, tCrB, acc, iterations: Int32):
         """acc += A B^T `iterations` times: every wgmma accumulates, one batch in flight."""
         k_blocks = cute.size(tCrA, mode=[2])
-        _fence(acc)
+        fence_accumulators((acc,))
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         cute.nvgpu.warpgroup.fence()
         for _ in cutlass.range(iterations, unroll=1):
@@ -183,7 +159,7 @@ class Sm90WgmmaProbe:
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(1)
         cute.nvgpu.warpgroup.wait_group(0)
-        _fence(acc)
+        fence_accumulators((acc,))
 
     @cute.jit
     def _promote_blocks(self, tiled_mma, tCrA, tCrB, acc, iterations: Int32, scale: Float32, sS,
@@ -195,13 +171,13 @@ class Sm90WgmmaProbe:
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         for _ in cutlass.range(iterations, unroll=1):
             for k_block in cutlass.range_constexpr(k_blocks):
-                _fence(partial)
+                fence_accumulators((partial,))
                 cute.nvgpu.warpgroup.fence()
                 coord = (None, None, k_block, 0)
                 cute.gemm(tiled_mma, partial, tCrA[coord], tCrB[coord], partial)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
-                _fence(partial)
+                fence_accumulators((partial,))
                 self._add(acc, partial, k_block, scale, sS, coords)
 
     @cute.jit
@@ -239,11 +215,3 @@ def _pick(index, values: tuple, dtype):
         if index == i:
             chosen = dtype(values[i])
     return chosen
-
-
-@cute.jit
-def _fence(values):
-    """Keep the compiler from moving register reads and writes across wgmma boundaries."""
-    for chunk in cutlass.range_constexpr(FRAGMENT // 4):
-        for v in cutlass.range_constexpr(4):
-            values[4 * chunk + v] = fence_operand(values[4 * chunk + v])
