@@ -53,6 +53,10 @@ class MoKWorkspace:
         all_gather_top_experts_buffer: int32 [P, T, k]   routing ids of every rank
         barrier_buffer: int32 [P]             one arrival counter per peer (unicast flags)
         barrier_epoch_buffer: int32 [2]       this rank's arrival epoch + reader count (own use)
+
+    A group of one uses combine_buffer and d_x_routed_buffer as its slots too, and
+    all_gather_top_experts_buffer for its routing ids: the buffers serve one op at a time, in
+    stream order, so a workspace's ops run on one stream at a time (as an EP group's must).
     """
 
     handle: int

@@ -191,6 +191,9 @@ def fake_kernels(monkeypatch):
 class _Workspace:
     ep_rank, ep_size, hidden_size, topk, num_local_tokens = 0, 1, H, K, T
     megakernel_ctas, wait_timeout_ns, handle = None, 1, -1
+    # A group of one's slots are the workspace's (launchers/forward_op.py, backward_op.py).
+    buffers = {name: torch.full((T * K, H), float("nan"), dtype=torch.bfloat16)
+               for name in ("combine_buffer", "d_x_routed_buffer")}  # fmt: skip
 
     def require_alive(self):
         return self

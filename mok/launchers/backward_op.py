@@ -174,13 +174,13 @@ class _BackwardOp:
         # tensor of the caller's (the shared weights come with each call).
         self.ws, self.limit = weakref.ref(ws), swiglu_limit
         self.tables = tables = peer_tables(ws)
-        peers = self.grad_peers = self.slots = None
+        # The d_x rows' slots: the workspace's (a group of one too: no allocation per call).
+        self.slots, peers, self.grad_peers = ws.buffers["d_x_routed_buffer"], None, None
         if tables is not None:
             peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
                      tables["d_x_routed_buffer"])  # fmt: skip
             self.grad_peers = (ws.ep_rank, tables["router_weight_buffer"],
                                tables["d_router_weight_buffer"])  # fmt: skip
-            self.slots = ws.buffers["d_x_routed_buffer"]
         # The weight gradients in the megakernel's launch unless they go into fp32 main_grads
         # (or their MXFP8 operands need round trips first).
         self.in_launch = all(g is None for g in main_grads[:3]) and not self.mxfp8

@@ -119,10 +119,10 @@ class _ForwardOp:
         # tensor of the caller's (the shared weights come with each call).
         self.ws, self.limit = weakref.ref(ws), swiglu_limit
         self.tables = tables = peer_tables(ws)
-        peers, self.slots = None, None
+        # The routed rows' slots: the workspace's (a group of one too: no allocation per call).
+        self.slots, peers = ws.buffers["combine_buffer"], None
         if tables is not None:
             peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
-            self.slots = ws.buffers["combine_buffer"]
         self.routed = forward_plan(
             x, schedule, ws.topk, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
             ws.wait_timeout_ns, peers, self.slots, ws.megakernel_ctas,

@@ -117,12 +117,9 @@ def forward(
     check_macrobatch(macrobatch_size, num_tokens, topk, "forward", minibatch_size)
     tables = peer_tables(ws)
     publish_x(ws, x, tables)
-    peers, slots = None, None
+    peers, slots = None, ws.buffers["combine_buffer"]
     if tables is not None:
         peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
-        slots = ws.buffers["combine_buffer"]
-    else:
-        slots = torch.empty(num_tokens * topk, x.shape[1], dtype=torch.bfloat16, device=x.device)
     windows = window_schedules(schedule, macrobatch_size)
     routed_ctx = None
     # Last to first: the context left is macrobatch 0's. Each macrobatch's buffers are
@@ -173,10 +170,10 @@ def backward(
         )
     full_context = x_routed.shape[0] == capacity
     tables = peer_tables(ws)
-    peers = grad_peers = slots = x_peers = None
+    peers = grad_peers = x_peers = None
+    slots = ws.buffers["d_x_routed_buffer"]
     if tables is None:
         d_router = torch.empty(num_tokens, topk, dtype=torch.float32, device=x.device)
-        slots = torch.empty(num_tokens * topk, x.shape[1], dtype=torch.bfloat16, device=x.device)
     else:
         ws.buffers["d_y_buffer"].copy_(grad_output)
         ws.buffers["router_weight_buffer"].copy_(router_weights)
@@ -186,7 +183,6 @@ def backward(
                  tables["d_x_routed_buffer"])  # fmt: skip
         grad_peers = (ws.ep_rank, tables["router_weight_buffer"], tables["d_router_weight_buffer"])
         x_peers = (ws.ep_rank, tables["x_buffer"])
-        slots = ws.buffers["d_x_routed_buffer"]
         d_router = ws.buffers["d_router_weight_buffer"]
     group_barrier(ws, "PEER_BARRIER_START")
 
