@@ -137,16 +137,18 @@ class TmaDescriptor:
 
     Attributes: `spec` (the manifest spec it was built for; launch checks it matches the
     param), `tensor` (kept alive: the descriptor holds its address), `address` (host address
-    of the 128 bytes, 64-byte aligned, valid while this object lives).
+    of the 128 bytes, 64-byte aligned, valid while this object lives), `raw` (the same bytes,
+    what a bound launch writes).
     """
 
-    __slots__ = ("spec", "tensor", "_storage", "address")
+    __slots__ = ("spec", "tensor", "_storage", "address", "raw")
 
     def __init__(self, spec: TmaSpec | None, raw: bytes, tensor: torch.Tensor | None = None):
         if len(raw) != TMA_DESCRIPTOR_BYTES:
             raise ValueError(f"a TMA descriptor is {TMA_DESCRIPTOR_BYTES} bytes, got {len(raw)}")
         self.spec = spec
         self.tensor = tensor
+        self.raw = bytes(raw)
         # CUtensorMap is declared 64-byte aligned; over-allocate and align by hand.
         self._storage = (ctypes.c_ubyte * (TMA_DESCRIPTOR_BYTES + 64))()
         base = ctypes.addressof(self._storage)

@@ -409,12 +409,16 @@ def fake_kernel(monkeypatch):
     fake = FakeDriver(real)
     monkeypatch.setattr(_driver, "_driver_module", fake)
     monkeypatch.setitem(runtime_module._primary_contexts, 0, real.CUcontext(0x1000))
+    return fake_kernel_of(EPILOGUE, real), fake
+
+
+def fake_kernel_of(variant: VariantSpec, real):
     kernel = object.__new__(runtime_module.Kernel)  # skips loading: no GPU here
-    kernel.variant, kernel.device_index, kernel.cubin_path = EPILOGUE, 0, None
+    kernel.variant, kernel.device_index, kernel.cubin_path = variant, 0, None
     kernel.function = real.CUfunction(0x2000)
     kernel._cluster_attribute = kernel._make_cluster_attribute()
     kernel._prepare_launches()
-    return kernel, fake
+    return kernel
 
 
 def test_launch_passes_grid_stream_and_param_bytes(fake_kernel):
@@ -521,6 +525,25 @@ def test_bound_launch_writes_only_its_dynamic_params(fake_kernel):
     expected = dict(EPILOGUE_ARGS, out=0x7F00_0000_B000, slots=0x7F00_0000_C000, num_tokens=64)
     assert params0 == params1  # one buffer, rewritten in place
     assert read_params(params1, EPILOGUE) == all_bytes(reference_pack(EPILOGUE, expected), count)
+
+
+def test_bound_launch_of_every_kind_writes_the_packers_bytes(fake_kernel):
+    """Dynamic descriptors, ints (negative ones modulo 2^bits) and floats beside constant raw
+    bytes and padding: every launch's buffer holds what the full packer writes."""
+    _, fake = fake_kernel
+    kernel = fake_kernel_of(EVERY_KIND, fake._real)
+    dynamic = ("a_desc", "flag", "scale", "stride", "out_ptr")
+    bound = kernel.bind(1, every_kind_args(), dynamic=dynamic)
+    count = len(EVERY_KIND.params)
+    for changes in (
+        dict(a_desc=TmaDescriptor(DESC_SPEC, b"\x11" * 128), flag=-2, scale=-0.5,
+             stride=-(1 << 63), out_ptr=0x7F00_0000_4000),
+        dict(a_desc=TmaDescriptor(DESC_SPEC, bytes(range(128, 256))), flag=(1 << 32) - 1,
+             scale=3.0e38, stride=(1 << 64) - 1, out_ptr=0),
+    ):  # fmt: skip
+        bound.launch(*(changes[name] for name in dynamic), stream=0x5)
+        want = all_bytes(reference_pack(EVERY_KIND, every_kind_args(**changes)), count)
+        assert read_params(fake.launches[-1][3], EVERY_KIND) == want
 
 
 def test_bound_launch_checks_its_args_once_when_bound(fake_kernel):
