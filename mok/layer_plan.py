@@ -134,13 +134,13 @@ class LayerStep:
 
     def schedule(self, top_experts) -> MoKSchedule:
         self.raise_value_errors()
-        return MoKSchedule(*self.schedule_op(top_experts))
+        return MoKSchedule(*self.schedule_op(top_experts, carve=True))
 
     def forward(self, schedule, x, router_weights, weights):
         """(out, the context tensors MoKFunction saves: routed 4, then shared 3 if any)."""
         self.raise_value_errors()
         out, *ctx = self.forward_op(schedule, x, router_weights, weights[:3], weights[3:],
-                                    placeholders=False)  # fmt: skip
+                                    layer_step=True)  # fmt: skip
         return out, tuple(ctx if self.has_shared else ctx[:4])
 
     def _backward_key(self):
@@ -157,7 +157,7 @@ class LayerStep:
         # Without a shared expert the op reads no shared context: None in its places.
         ctx = saved_ctx if self.has_shared else (*saved_ctx, None, None, None)
         grads = op(schedule, ctx, grad_output, x, router_weights, weights[:3], (None,) * 6,
-                   weights[3:], placeholders=False)  # fmt: skip
+                   weights[3:], layer_step=True)  # fmt: skip
         return backward_outputs(grads, (None,) * 6, self.has_shared)
 
     def resolve_backward(self, schedule, saved_ctx, grad_output, x, router_weights, weights):

@@ -134,7 +134,7 @@ def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, 
 
 
 def _fake_forward_plan(x, schedule, topk, gate_w, up_w, down_w, limit, *_):
-    return lambda x, schedule, slots, weights: fake_routed_forward(
+    return lambda x, schedule, slots, weights, carve=False: fake_routed_forward(
         x, schedule, topk, gate_w, up_w, down_w, swiglu_limit=limit
     )
 
@@ -175,7 +175,8 @@ def fake_kernels(monkeypatch):
     monkeypatch.setattr(bwd, "router_grad_push_plan",
                         lambda *_: fake_push_router_grads)  # fmt: skip
     monkeypatch.setattr(expert_gemm, "gate_up_swiglu", fake_gate_up_swiglu)
-    monkeypatch.setattr(fwd, "fwd_epilogue_plan", lambda *_: R.fwd_epilogue)
+    monkeypatch.setattr(fwd, "fwd_epilogue_plan",
+                        lambda *_: lambda y, slots, w, checked=False: R.fwd_epilogue(y, slots, w))  # fmt: skip
     monkeypatch.setattr(expert_gemm, "down", fake_down)
     monkeypatch.setattr(expert_gemm_bwd, "d_hidden_swiglu", fake_d_hidden)
     monkeypatch.setattr(expert_gemm_bwd, "d_x", fake_d_x)

@@ -225,7 +225,8 @@ class _BackwardPlan:
         num_tokens, topk, capacity, num_experts, hidden_size, inter = self.sizes
         bf16 = dict(dtype=torch.bfloat16, device=self.device)
         dy_e = torch.empty(capacity, hidden_size, **bf16)
-        d_gate, d_up = torch.empty(capacity, inter, **bf16), torch.empty(capacity, inter, **bf16)
+        # Scratch of this launch (no op returns them): one allocation, 256-byte aligned pieces.
+        d_gate, d_up = torch.empty(2, capacity, inter, **bf16).unbind()
         partials = torch.empty(capacity, inter // 128, dtype=torch.float32, device=self.device)
         if slots is None:
             slots = torch.empty(num_tokens * topk, hidden_size, **bf16)

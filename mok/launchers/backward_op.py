@@ -193,9 +193,10 @@ class _BackwardOp:
         self.push = self.epilogue = None  # bound on the first call, with their tensors
 
     def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, shared, main_grads,
-                 routed, context_exact=False, placeholders=True):  # fmt: skip
+                 routed, context_exact=False, layer_step=False):  # fmt: skip
         """The op's outputs; without a shared expert its gradients are three distinct empty
-        tensors (custom-op outputs may not alias each other), or None without `placeholders`."""
+        tensors (custom-op outputs may not alias each other), None in their places for a
+        `layer_step` call (mok/layer_plan.py: its outputs reach no custom op)."""
         ws, tables = self.ws(), self.tables
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
         weights = None
@@ -228,7 +229,7 @@ class _BackwardOp:
         if tables is not None:
             d_router = d_router.clone()  # the buffer is the next call's
         d_x_shared, shared_grads = None, [None, None, None]
-        if placeholders:
+        if not layer_step:
             shared_grads = [x.new_empty(0), x.new_empty(0), x.new_empty(0)]
         if shared[0] is not None:
             d_x_shared, shared_grads = _shared_backward(

@@ -171,11 +171,16 @@ class _ForwardPlan:
         return {name: self.weight_tma[name].get(w.view(-1, w.shape[-1]))
                 for name, w in zip(WEIGHT_TMA, weights, strict=True)}  # fmt: skip
 
-    def _outputs(self):
+    def _outputs(self, carve=False):
+        """x_routed, gate, up, hidden; with `carve` the last three are pieces of one allocation
+        (for callers whose outputs reach no custom op, whose outputs may not alias)."""
         (rows, hidden_size), (_, inter), _ = self.shapes
         bf16 = dict(dtype=torch.bfloat16, device=self.device)
-        return (torch.empty(rows, hidden_size, **bf16), torch.empty(rows, inter, **bf16),
-                torch.empty(rows, inter, **bf16), torch.empty(rows, inter, **bf16))  # fmt: skip
+        x_routed = torch.empty(rows, hidden_size, **bf16)
+        if carve:  # rows is a multiple of 128: every piece 256-byte aligned
+            return (x_routed, *torch.empty(3, rows, inter, **bf16).unbind())
+        return (x_routed, torch.empty(rows, inter, **bf16), torch.empty(rows, inter, **bf16),
+                torch.empty(rows, inter, **bf16))  # fmt: skip
 
     def _operands(self, x_routed, hidden):
         """The GEMMs' A operands: the rows themselves (BF16), or new scratch for their MXFP8
@@ -184,8 +189,8 @@ class _ForwardPlan:
             return x_routed, hidden
         return torch.empty_like(x_routed), torch.empty_like(hidden)
 
-    def __call__(self, x, schedule, slots, weights):
-        x_routed, gate, up, hidden = outputs = self._outputs()
+    def __call__(self, x, schedule, slots, weights, carve=False):
+        x_routed, gate, up, hidden = outputs = self._outputs(carve)
         if slots is None:
             slots = torch.empty(self.shapes[2], dtype=torch.bfloat16, device=self.device)
         if self.bound is None:

@@ -129,21 +129,26 @@ class _ForwardOp:
         )  # fmt: skip
         self.epilogue = None  # bound on the first call, with its slots and y_shared
 
-    def __call__(self, schedule, x, router_weights, shared, routed, placeholders=True):
+    def __call__(self, schedule, x, router_weights, shared, routed, layer_step=False):
         """The op's outputs; without a shared expert its context is three distinct empty
-        tensors (custom-op outputs may not alias each other), or None without `placeholders`."""
+        tensors (custom-op outputs may not alias each other). A `layer_step` call
+        (mok/layer_plan.py: its outputs reach no custom op) gets None in their places, and its
+        gate, up and hidden share one allocation."""
         ws = self.ws()
         publish_x(ws, x, self.tables)
-        routed_ctx, slots = self.routed(x, schedule, self.slots, routed)
+        routed_ctx, slots = self.routed(x, schedule, self.slots, routed, carve=layer_step)
         group_barrier(ws, "PEER_BARRIER_END")
         shared_ctx, y_shared = (None, None, None), None
-        if placeholders:
+        if not layer_step:
             shared_ctx = (x.new_empty(0), x.new_empty(0), x.new_empty(0))
         if shared[0] is not None:
             *shared_ctx, y_shared = _shared(x, *shared, self.limit)
-        if self.epilogue is None:
+        # This op's key holds router_weights' tensor_key: the epilogue checks them on the first
+        # call only.
+        checked = self.epilogue is not None
+        if not checked:
             self.epilogue = fwd_epilogue_plan(y_shared, slots, router_weights.shape)
-        out = self.epilogue(y_shared, slots, router_weights)
+        out = self.epilogue(y_shared, slots, router_weights, checked=checked)
         return (out, *routed_ctx, *shared_ctx)
 
 

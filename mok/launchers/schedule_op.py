@@ -62,17 +62,23 @@ class _ScheduleOp:
             num_local_experts,
         )  # fmt: skip
 
-    def _outputs(self):
+    def _outputs(self, carve=False):
+        """The four outputs; with `carve`, pieces of one allocation (for callers whose
+        outputs reach no custom op, whose outputs may not alias)."""
         capacity, num_local_experts = self.sizes
         i32, device = torch.int32, self.device
-        return (torch.empty(capacity, dtype=i32, device=device),
-                torch.empty(capacity, dtype=i32, device=device),
-                torch.empty(1, dtype=i32, device=device),
-                torch.empty(num_local_experts, dtype=i32, device=device))  # fmt: skip
+        if carve:  # capacity is a multiple of 128 rows: every piece but the last 512-B aligned
+            sizes = (capacity, capacity, num_local_experts, 1)
+            peer_rank, peer_token_idx, tokens_per_expert, num_tokens = torch.empty(
+                sum(sizes), dtype=i32, device=device
+            ).split(sizes)
+            return peer_rank, peer_token_idx, num_tokens, tokens_per_expert
+        sizes = (capacity, capacity, 1, num_local_experts)
+        return tuple(torch.empty(size, dtype=i32, device=device) for size in sizes)
 
-    def __call__(self, top_experts):
+    def __call__(self, top_experts, carve=False):
         stream = current_stream(self.device_index)
         self.gather.launch(top_experts.data_ptr(), stream=stream)
-        outputs = self._outputs()
+        outputs = self._outputs(carve)
         self.place(self.ws().buffers["all_gather_top_experts_buffer"], *outputs, self.status)
         return outputs

@@ -72,6 +72,35 @@ def test_resolved_steps_are_bitwise_the_full_path(shared, limit):
     assert all(len(step.backward_ops) == 1 for step in steps)  # autograd's thread and stream
 
 
+def test_a_resolved_step_allocates_its_outputs_context_and_scratch_only():
+    """One eager forward + backward of a resolved step, grads set to None: the schedule (one
+    allocation), x_routed, gate/up/hidden (one), out; d_router, dy_e, d_gate/d_up (one), the
+    router-grad partials, three weight gradients, d_x. 12 allocations; the slots are the
+    workspace's."""
+    torch.manual_seed(0)
+    module = MoKExperts(E, H, I, K, device=CUDA)
+    inputs = make_inputs(512, H, I, E, K, seed=5, device=CUDA)
+    x = inputs["x"].detach().clone().requires_grad_()
+    w = inputs["router_weights"].detach().clone().requires_grad_()
+    grad = torch.randn(512, H, dtype=torch.bfloat16, device=CUDA)
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        x.grad = w.grad = None
+        module(x, w, inputs["top_experts"]).backward(grad)
+
+    for _ in range(3):  # the full path, then resolved steps
+        step()
+    assert len(_resolved(module)) == 1
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    step()
+    torch.cuda.synchronize()
+    count = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    print(f"\nallocations per resolved step: {count}")
+    assert count == 12, count
+
+
 def test_bad_router_weight_on_a_resolved_step_is_raised_by_the_next_call():
     torch.manual_seed(0)
     module = MoKExperts(E, H, I, K, device=CUDA)
