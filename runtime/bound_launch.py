@@ -22,28 +22,13 @@ plans per thread).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .launch import _param_layout, normalize_grid
+from .launch import normalize_grid, params_struct
 
-_CODES = {"pointer": "Q", "int32": "I", "int64": "Q", "float32": "f"}
 _INT_MASKS = {"int32": (1 << 32) - 1, "int64": (1 << 64) - 1, "pointer": (1 << 64) - 1}
 _DESCRIPTOR, _FLOAT = None, 0  # a dynamic param's conversion; an int kind's is its mask
-
-
-def _whole_struct(params) -> struct.Struct:
-    """Every param of a variant at its host offset: scalars by kind, descriptors and raw bytes
-    as byte strings, padding as pad bytes (written zero, as a fresh buffer holds)."""
-    offsets, sizes, _, _ = _param_layout(params)
-    formats, position = ["<"], 0
-    for param, offset, size in zip(params, offsets, sizes, strict=True):
-        if offset > position:
-            formats.append(f"{offset - position}x")
-        formats.append(_CODES.get(param.kind, f"{size}s"))
-        position = offset + size
-    return struct.Struct("".join(formats))
 
 
 class BoundLaunch:
@@ -65,7 +50,7 @@ class BoundLaunch:
         self.dynamic = tuple(dynamic)
         packer = kernel._packer
         self._packed = packed = packer.pack(args, kernel.device_index)  # every param, checked
-        self._struct = _whole_struct(variant.params)
+        self._struct = params_struct(variant.params, packer._layout, opaque="s")
         # One value per param, in param order (pad bytes take none).
         self._values = list(self._struct.unpack_from(packed._storage, packed.storage_offset))
         slots = []

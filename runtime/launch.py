@@ -93,6 +93,20 @@ class PackedArgs:
         return ctypes.string_at(self.param_address(index), self.sizes[index])
 
 
+def params_struct(params: Sequence[ParamSpec], layout: tuple, opaque: str) -> struct.Struct:
+    """One struct over every param at its host offset (`layout` from `_param_layout`): scalars
+    by kind, descriptors and raw bytes as `{size}{opaque}` ('x': pad bytes, written zero; 's':
+    byte strings), padding between params as pad bytes."""
+    offsets, sizes = layout[0], layout[1]
+    formats, position = ["<"], 0
+    for param, offset, size in zip(params, offsets, sizes, strict=True):
+        if offset > position:
+            formats.append(f"{offset - position}x")
+        formats.append(_STRUCT_CODES.get(_KIND_IDS[param.kind], f"{size}{opaque}"))
+        position = offset + size
+    return struct.Struct("".join(formats))
+
+
 def _type_name(value: Any) -> str:
     return type(value).__name__
 
@@ -112,22 +126,16 @@ class ArgPacker:
         self.names = tuple(p.name for p in variant.params)
         self._layout = _param_layout(variant.params)
         offsets = self._layout[0]
-        formats = ["<"]
-        position = 0
         plan = []
         for param, offset in zip(variant.params, offsets, strict=True):
             kind = _KIND_IDS[param.kind]  # the manifest parser rejects other kinds
-            if offset > position:
-                formats.append(f"{offset - position}x")
-            # Descriptors and raw bytes are copied in after the struct write (which zeroes
-            # their span): they are not Python scalars.
-            formats.append(_STRUCT_CODES.get(kind, f"{param.size}x"))
-            position = offset + param.size
             spec = variant.tma_spec(param.name) if kind == _TMA_DESC else None
             layout_key = spec.layout_key() if spec is not None else None
             plan.append((param.name, kind, offset, param, spec, layout_key))
         self._plan = tuple(plan)
-        self._struct = struct.Struct("".join(formats))
+        # Descriptors and raw bytes are copied in after the struct write (which zeroes their
+        # span): they are not Python scalars.
+        self._struct = params_struct(variant.params, self._layout, opaque="x")
 
     def new_args(self) -> PackedArgs:
         """A buffer laid out for this variant, to pass to `pack_into`."""
