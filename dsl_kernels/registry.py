@@ -111,6 +111,19 @@ def variants() -> list[Variant]:
             SchedulePlace,
             launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
         ),
+        # A group of one's: the caller's int64 routing in place of the all-gather's copy.
+        Variant(
+            "schedule_count_ids64",
+            ScheduleCount,
+            {"ids64": True},
+            launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
+        ),
+        Variant(
+            "schedule_place_ids64",
+            SchedulePlace,
+            {"ids64": True},
+            launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
+        ),
         Variant("flag_wait_probe", FlagWaitProbe, launch_grid="(1, 1, 1)"),
         # Each macrobatch's schedule sizes (common/macrobatch_schedule.py), for ring reuse.
         Variant("macrobatch_schedule", MacrobatchSchedule, launch_grid="(1, 1, 1)"),

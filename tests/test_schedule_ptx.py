@@ -273,7 +273,8 @@ def test_emulation_exact_fit_and_other_ids():
 # ---------------------------------------------------------------------------------------------
 # Compile checks (need nvidia-cutlass-dsl; no GPU)
 # ---------------------------------------------------------------------------------------------
-SCHEDULE_VARIANTS = ("schedule_count", "schedule_place")
+SCHEDULE_VARIANTS = ("schedule_count", "schedule_place", "schedule_count_ids64",
+                     "schedule_place_ids64")  # fmt: skip
 ARCHS = ("sm_90a", "sm_100a")
 
 
@@ -323,7 +324,10 @@ def test_schedule_ptx(compiled_schedule, name, arch):
     shared = [op for op in atomics if op.startswith("atom.shared")]
     assert all(re.search(r"\.[us]32$", op) for op in shared)
     assert not [op for op in ops if re.match(r"(atom|red)\..*\.(f16|bf16|f32|f64)", op)]
-    if name == "schedule_count":
+    # ids64 (a group of one): the placement loads and checks each int64 id, the count reads
+    # its low word; the int32 variants load no int64.
+    assert ops.count("ld.global.nc.s64") == (STEPS if name == "schedule_place_ids64" else 0)
+    if name.startswith("schedule_count"):
         assert ops.count("match.any.sync.b32") == STEPS
         assert len(shared) == STEPS
         assert [op for op in atomics if op not in shared] == ["atom.acq_rel.gpu.global.add.s32"]

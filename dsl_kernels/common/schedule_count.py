@@ -50,6 +50,9 @@ class ScheduleCount:
     memory and each warp walks its rows again writing the running offset. Integer sums in a
     fixed order: exact and deterministic. It then sets `arrivals` back to zero.
 
+    `ids64` (a group of one, schedule_warp.py): `ids_ptr` is the caller's int64 [T, k] routing
+    (8-byte aligned), of which the count reads each id's low word.
+
     Constraints (the launcher checks them; the kernel does not):
     - 1 <= E <= 1024; 0 <= num_entries < 2^31; num_chunks * E < 2^31; pointers 4-byte
       aligned, contiguous.
@@ -57,10 +60,12 @@ class ScheduleCount:
       smem (about 5 KiB static), cluster (1, 1, 1).
     """
 
+    ids64: bool = False
+
     def compile_arguments(self) -> tuple:
         """Placeholders for `__call__`, in order (see common/args.py)."""
         return (
-            global_pointer(Int32, 4),
+            global_pointer(Int32, 8 if self.ids64 else 4),
             global_pointer(Int32, 4),
             global_pointer(Int32, 4),
             global_pointer(Int32, 4),
@@ -104,7 +109,9 @@ class ScheduleCount:
         lane = tidx % WARP_SIZE
         expert_base = ep_rank * num_local_experts
 
-        mIds = cute.make_tensor(ids_ptr, cute.make_layout(num_entries))
+        # ids64: the low word of each int64 id (little-endian), int32 stride 2.
+        id_stride = 2 if cutlass.const_expr(self.ids64) else 1
+        mIds = cute.make_tensor(ids_ptr, cute.make_layout(num_entries, stride=id_stride))
         mCounts = cute.make_tensor(counts_ptr, cute.make_layout(num_local_experts * num_chunks))
         sCount = cute.make_tensor(
             cute.arch.alloc_smem(Int32, MAX_LOCAL_EXPERTS, alignment=16),

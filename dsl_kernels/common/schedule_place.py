@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Int64
 
 from .args import global_pointer
 from .schedule_warp import (
@@ -16,9 +16,11 @@ from .schedule_warp import (
     WARP_CHUNK,
     WARP_SIZE,
     WARPS,
+    checked_local_expert_key,
     local_expert_key,
     warp_group_of,
 )
+from .value_checks import STATUS_BAD_EXPERT_ID
 
 EXPERTS_PER_THREAD = MAX_LOCAL_EXPERTS // THREADS  # experts of one thread in the segment scan
 PADDING = -1  # peer_rank and peer_token_idx of a padding row (and of every row past the total)
@@ -55,6 +57,11 @@ class SchedulePlace:
     row), status = [1, the true total, ...]; the host reads the status at its next sync
     (mok.launchers.schedule_kernels.check_schedule).
 
+    `ids64` (a group of one, schedule_warp.py): `ids_ptr` is the caller's int64 [T, k] routing
+    (8-byte aligned; P = 1, ep_rank = 0) and `status_ptr` the device's value-status words
+    (mok/launchers/status.py): phase 3 checks every id against [0, E) as the all-gather does
+    (words 4-5; not when the schedule overflows, whose report comes first anyway).
+
     Constraints (the launcher checks them; the kernel does not):
     - 1 <= E <= 1024; 0 <= num_entries = P * entries_per_rank < 2^31; C + E * 128 < 2^31.
     - launch: grid (max(1, ceil(num_entries / 4096)), 1, 1),
@@ -62,9 +69,13 @@ class SchedulePlace:
       grid: it has the same chunks.
     """
 
+    ids64: bool = False
+
     def compile_arguments(self) -> tuple:
         """Placeholders for `__call__`, in order (see common/args.py)."""
-        return tuple(global_pointer(Int32, 4) for _ in range(8)) + tuple(Int32(0) for _ in range(5))
+        ids = global_pointer(Int32, 8 if self.ids64 else 4)
+        pointers = tuple(global_pointer(Int32, 4) for _ in range(7))
+        return (ids, *pointers) + tuple(Int32(0) for _ in range(5))
 
     @cute.jit
     def __call__(
@@ -207,10 +218,16 @@ class SchedulePlace:
             warp_start = chunk * CHUNK + warp * WARP_CHUNK
             keys = cute.make_rmem_tensor((ENTRIES_PER_LANE,), Int32)
             for step in cutlass.range_constexpr(ENTRIES_PER_LANE):
-                keys[step] = local_expert_key(
-                    mIds, warp_start + step * WARP_SIZE + lane, num_entries,
-                    ep_rank * num_experts, num_experts,
-                )  # fmt: skip
+                entry = warp_start + step * WARP_SIZE + lane
+                if cutlass.const_expr(self.ids64):
+                    keys[step] = checked_local_expert_key(
+                        ids_ptr.toint(), entry, num_entries, num_experts,
+                        status_ptr.toint() + Int64(STATUS_BAD_EXPERT_ID * 4),
+                    )  # fmt: skip
+                else:
+                    keys[step] = local_expert_key(
+                        mIds, entry, num_entries, ep_rank * num_experts, num_experts
+                    )
             # The warp-level barriers order one step's leader writes before the next step's
             # reads (the next leader of an expert may be another lane).
             cute.arch.sync_warp()

@@ -7,11 +7,19 @@ CTA `c` owns entries [c * CHUNK, (c + 1) * CHUNK); inside it warp `w` owns the c
 sub-chunk [c * CHUNK + w * WARP_CHUNK, ...), which it reads 32 entries (one per lane, lane
 order = entry order) per step. The count pass's per-chunk offsets are only consistent with
 the placement if both kernels use these constants.
+
+A group of one has a variant of each kernel (`ids64`) that reads the caller's routing, int64
+[T, k], in place of the all-gather's int32 copy: the count pass reads each id's low word (the
+int64 array seen as int32 with stride 2), the placement loads the whole id, checks it against
+[0, E) into the value-status words (as the all-gather does) and narrows it to the same low
+word, so both passes key every entry alike.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Int32, Int64, Uint32
+
+from .value_checks import load_checked_id
 
 WARP_SIZE = 32
 THREADS = 256  # threads of a count / placement CTA
@@ -32,6 +40,21 @@ def local_expert_key(
     key = Int32(NOT_MINE)
     if index < num_entries:
         local = ids[index] - expert_base
+        if local >= 0 and local < num_experts:
+            key = local
+    return key
+
+
+@cute.jit
+def checked_local_expert_key(
+    ids_address: Int64, index: Int32, num_entries: Int32, num_experts: Int32, bad_id: Int64
+) -> Int32:
+    """`local_expert_key` of int64 ids at `ids_address` (a group of one: expert_base 0); an id
+    outside [0, num_experts) stores [1, num_experts] at `bad_id` (value_checks.py) and keys as
+    its low 32 bits, the int32 the all-gather would have written."""
+    key = Int32(NOT_MINE)
+    if index < num_entries:
+        local = load_checked_id(ids_address + Int64(index) * 8, Int64(num_experts), bad_id)
         if local >= 0 and local < num_experts:
             key = local
     return key

@@ -229,13 +229,9 @@ def all_gather_top_experts(
     return workspace.buffers["all_gather_top_experts_buffer"]
 
 
-def all_gather_plan(workspace, config, top_experts, timeout_ns, num_experts, manifest=None):
-    """The all-gather's launch for one workspace and config, after its full checks (a
-    BoundLaunch: launch(top_experts.data_ptr(), stream=...))."""
-    from mok.runtime import WaitPhase, get_kernel  # noqa: PLC0415
-
-    _check_timeout(timeout_ns)
-    state = _state(workspace)
+def check_top_experts(workspace, top_experts) -> None:
+    """This rank's routing ids as the all-gather (and a group of one's schedule) reads them:
+    int64 [num_local_tokens, topk], contiguous, on the workspace's device."""
     num_tokens, topk = workspace.num_local_tokens, workspace.topk
     if not isinstance(top_experts, torch.Tensor):
         raise TypeError(f"top_experts must be a torch.Tensor, got {type(top_experts).__name__}")
@@ -250,6 +246,17 @@ def all_gather_plan(workspace, config, top_experts, timeout_ns, num_experts, man
             f"{workspace.device}, got {top_experts.dtype} {list(top_experts.shape)} on "
             f"{top_experts.device} (contiguous={top_experts.is_contiguous()})"
         )
+
+
+def all_gather_plan(workspace, config, top_experts, timeout_ns, num_experts, manifest=None):
+    """The all-gather's launch for one workspace and config, after its full checks (a
+    BoundLaunch: launch(top_experts.data_ptr(), stream=...))."""
+    from mok.runtime import WaitPhase, get_kernel  # noqa: PLC0415
+
+    _check_timeout(timeout_ns)
+    state = _state(workspace)
+    num_tokens, topk = workspace.num_local_tokens, workspace.topk
+    check_top_experts(workspace, top_experts)
     chunk_bytes = config.all_gather_top_experts_chunk_bytes
     if chunk_bytes <= 0 or chunk_bytes % 16:
         raise ValueError(

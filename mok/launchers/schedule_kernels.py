@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ROUTED_ROW_ALIGNMENT
-from .plans import Counters, current_stream, plan, tensor_key
+from .plans import Counters, aligned, current_stream, plan, tensor_key
 
 # Launch constants; they mirror dsl_kernels/common/schedule_warp.py (tests/test_schedule_ptx.py
 # checks that they agree).
@@ -65,21 +65,24 @@ def _check_int32_vector(name: str, tensor: torch.Tensor, size: int, device: torc
         )
 
 
-def _check_routing(top_experts_all: torch.Tensor, ep_rank: int, num_local_experts: int) -> None:
+def _check_routing(top_experts_all, ep_rank: int, num_local_experts: int) -> tuple:
+    """(P, T, k, ids64) of the routing the kernels read: the all-gather's int32 [P, T, k], or
+    (ids64) a group of one's own int64 [T, k]."""
     if not isinstance(top_experts_all, torch.Tensor):
         raise TypeError(f"top_experts_all must be a torch.Tensor, got {type(top_experts_all)}")
+    ids64 = top_experts_all.dtype == torch.int64 and top_experts_all.dim() == 2
     if (
-        top_experts_all.dtype != torch.int32
-        or top_experts_all.dim() != 3
+        not (ids64 or (top_experts_all.dtype == torch.int32 and top_experts_all.dim() == 3))
         or not top_experts_all.is_cuda
         or not top_experts_all.is_contiguous()
     ):
         raise ValueError(
-            "top_experts_all must be a contiguous CUDA torch.int32 tensor [P, T, k], got "
-            f"{top_experts_all.dtype} {list(top_experts_all.shape)} on {top_experts_all.device} "
+            "top_experts_all must be a contiguous CUDA torch.int32 tensor [P, T, k] (or a group "
+            f"of one's int64 [T, k]), got {top_experts_all.dtype} "
+            f"{list(top_experts_all.shape)} on {top_experts_all.device} "
             f"(contiguous={top_experts_all.is_contiguous()})"
         )
-    num_ranks = top_experts_all.shape[0]
+    shape = (1, *top_experts_all.shape) if ids64 else tuple(top_experts_all.shape)
     if top_experts_all.numel() >= _INT32_LIMIT:
         raise ValueError(
             f"top_experts_all has {top_experts_all.numel()} entries; the schedule kernels "
@@ -89,8 +92,9 @@ def _check_routing(top_experts_all: torch.Tensor, ep_rank: int, num_local_expert
         raise ValueError(
             f"num_local_experts must be in [1, {MAX_LOCAL_EXPERTS}], got {num_local_experts}"
         )
-    if not 0 <= ep_rank < num_ranks:
-        raise ValueError(f"ep_rank must be in [0, {num_ranks}) (P = dim 0), got {ep_rank}")
+    if not 0 <= ep_rank < shape[0]:
+        raise ValueError(f"ep_rank must be in [0, {shape[0]}) (P = dim 0), got {ep_rank}")
+    return (*shape, ids64)
 
 
 def launch_schedule(
@@ -140,28 +144,35 @@ class _SchedulePlan:
                  tokens_per_expert, status, ep_rank, num_local_experts):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
 
-        _check_routing(top_experts_all, ep_rank, num_local_experts)
+        num_ranks, tokens, topk, ids64 = _check_routing(top_experts_all, ep_rank,
+                                                        num_local_experts)  # fmt: skip
         device = top_experts_all.device
         capacity = peer_rank.numel() if isinstance(peer_rank, torch.Tensor) else -1
         _check_int32_vector("peer_rank", peer_rank, capacity, device)
         _check_int32_vector("peer_token_idx", peer_token_idx, capacity, device)
         _check_int32_vector("num_tokens", num_tokens, 1, device)
         _check_int32_vector("tokens_per_expert", tokens_per_expert, num_local_experts, device)
+        if ids64 and not isinstance(status, int):
+            raise ValueError(
+                "status must be the device address of the value-status words (an int) with "
+                "int64 routing: the placement records a bad expert id there"
+            )
         if not isinstance(status, int):
             _check_int32_vector("status", status, STATUS_WORDS, device)
         if capacity + num_local_experts * ROUTED_ROW_ALIGNMENT >= _INT32_LIMIT:
             raise ValueError(f"capacity {capacity} is too large for int32 row indices")
-        num_ranks, tokens, topk = top_experts_all.shape
         num_entries = num_ranks * tokens * topk
         num_chunks = schedule_grid(num_entries)
         if num_chunks * num_local_experts >= _INT32_LIMIT:
             raise ValueError(f"{num_chunks} chunks x {num_local_experts} experts overflow int32")
         self.device_index = top_experts_all.get_device()
+        self.ids_alignment = top_experts_all.element_size()
         counts = torch.empty(num_chunks * num_local_experts, dtype=torch.int32, device=device)
         expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
         self.arrivals = Counters(1, device)
         self.scratch = (counts, expert_counts)
-        self.count = get_kernel("schedule_count", device=device).bind(
+        suffix = "_ids64" if ids64 else ""
+        self.count = get_kernel("schedule_count" + suffix, device=device).bind(
             (num_chunks, 1, 1),
             {
                 "ids_ptr": top_experts_all,
@@ -174,7 +185,7 @@ class _SchedulePlan:
             },
             dynamic=("ids_ptr",),
         )
-        self.place = get_kernel("schedule_place", device=device).bind(
+        self.place = get_kernel("schedule_place" + suffix, device=device).bind(
             (num_chunks, 1, 1),
             {
                 "ids_ptr": top_experts_all,
@@ -198,6 +209,7 @@ class _SchedulePlan:
     def __call__(self, ids, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status):
         stream = current_stream(self.device_index)
         ids_at = ids.data_ptr()
+        aligned("top_experts_all", ids_at, self.ids_alignment)
         self.arrivals.before_launch(stream)
         self.count.launch(ids_at, stream=stream)
         self.place.launch(

@@ -1,8 +1,11 @@
-"""`mok::build_schedule` on CUDA: routing all-gather, then the three schedule kernels, no host sync.
+"""`mok::build_schedule` on CUDA: the routing all-gather (EP > 1), then the two schedule kernels,
+no host sync.
 
-The all-gather checks the expert ids and the placement records a capacity overflow in the
-device's value-status words (launchers/status.py): the next mok op on the device (or
-`mok.functional.check_errors`) raises the ValueError, with no copy or event per call.
+A group of one has nothing to gather: its schedule kernels (the `ids64` variants) read the
+caller's int64 ids in place of the all-gather's int32 copy, one launch fewer. The all-gather
+(a group of one: the placement) checks the expert ids and the placement records a capacity
+overflow in the device's value-status words (launchers/status.py): the next mok op on the device
+(or `mok.functional.check_errors`) raises the ValueError, with no copy or event per call.
 """
 
 from __future__ import annotations
@@ -40,27 +43,31 @@ def schedule_op(ws, top_experts, num_local_experts: int, capacity: int, chunk_by
 
 
 class _ScheduleOp:
-    """The all-gather's bound launch, then the schedule kernels' plan into new outputs. The
+    """The all-gather's bound launch (EP > 1), then the schedule kernels' plan into new outputs. The
     workspace by weak reference (the cache evicts only workspaces nothing else holds)."""
 
     def __init__(self, ws, top_experts, num_local_experts, capacity, chunk_bytes):
-        config = _CONFIGS.get(chunk_bytes)
-        if config is None:
-            config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
-            _CONFIGS[chunk_bytes] = config
         self.ws = weakref.ref(ws)
-        self.gather = comm.all_gather_plan(
-            ws, config, top_experts, timeout_ns=ws.wait_timeout_ns,
-            num_experts=num_local_experts * ws.ep_size,
-        )  # fmt: skip
+        if ws.ep_size == 1:  # the schedule kernels read (and check) the caller's ids
+            comm.check_top_experts(ws, top_experts)
+            self.gather, ids = None, top_experts
+        else:
+            config = _CONFIGS.get(chunk_bytes)
+            if config is None:
+                config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
+                _CONFIGS[chunk_bytes] = config
+            self.gather = comm.all_gather_plan(
+                ws, config, top_experts, timeout_ns=ws.wait_timeout_ns,
+                num_experts=num_local_experts * ws.ep_size,
+            )  # fmt: skip
+            ids = ws.buffers["all_gather_top_experts_buffer"]
         self.device, self.device_index = top_experts.device, top_experts.get_device()
         self.sizes = (capacity, num_local_experts)
         outputs = self._outputs()
         self.status = status_ptr(top_experts.device)
         self.place = schedule_kernels.schedule_plan(
-            ws.buffers["all_gather_top_experts_buffer"], *outputs, self.status, ws.ep_rank,
-            num_local_experts,
-        )  # fmt: skip
+            ids, *outputs, self.status, ws.ep_rank, num_local_experts
+        )
 
     def _outputs(self, carve=False):
         """The four outputs; with `carve`, pieces of one allocation (for callers whose
@@ -71,14 +78,16 @@ class _ScheduleOp:
             sizes = (capacity, capacity, num_local_experts, 1)
             peer_rank, peer_token_idx, tokens_per_expert, num_tokens = torch.empty(
                 sum(sizes), dtype=i32, device=device
-            ).split(sizes)
+            ).split_with_sizes(sizes)
             return peer_rank, peer_token_idx, num_tokens, tokens_per_expert
         sizes = (capacity, capacity, 1, num_local_experts)
         return tuple(torch.empty(size, dtype=i32, device=device) for size in sizes)
 
     def __call__(self, top_experts, carve=False):
-        stream = current_stream(self.device_index)
-        self.gather.launch(top_experts.data_ptr(), stream=stream)
+        ids = top_experts
+        if self.gather is not None:
+            self.gather.launch(top_experts.data_ptr(), stream=current_stream(self.device_index))
+            ids = self.ws().buffers["all_gather_top_experts_buffer"]
         outputs = self._outputs(carve)
-        self.place(self.ws().buffers["all_gather_top_experts_buffer"], *outputs, self.status)
+        self.place(ids, *outputs, self.status)
         return outputs

@@ -101,6 +101,45 @@ def test_a_resolved_step_allocates_its_outputs_context_and_scratch_only():
     assert count == 12, count
 
 
+def test_a_resolved_step_launches_seven_kernels(monkeypatch):
+    """One eager forward + backward of a resolved step of a group of one: schedule count and
+    placement (they read the caller's int64 ids: no all-gather), the forward megakernel, the
+    forward epilogue; the backward megakernel, the router-gradient push, the backward
+    epilogue. Each runs once, in that order."""
+    from mok.runtime import module as runtime_module  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    module = MoKExperts(E, H, I, K, device=CUDA)
+    inputs = make_inputs(512, H, I, E, K, seed=6, device=CUDA)
+    x = inputs["x"].detach().clone().requires_grad_()
+    w = inputs["router_weights"].detach().clone().requires_grad_()
+    grad = torch.randn(512, H, dtype=torch.bfloat16, device=CUDA)
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        x.grad = w.grad = None
+        module(x, w, inputs["top_experts"]).backward(grad)
+
+    for _ in range(3):  # the full path, then resolved steps
+        step()
+    launched = []
+    launch_packed = runtime_module.Kernel.launch_packed
+
+    def counted(kernel, *args):
+        launched.append(kernel.variant.name)
+        return launch_packed(kernel, *args)
+
+    monkeypatch.setattr(runtime_module.Kernel, "launch_packed", counted)
+    step()
+    torch.cuda.synchronize()
+    print(f"\nlaunches per resolved step: {launched}")
+    assert launched == [
+        "schedule_count_ids64", "schedule_place_ids64", "moe_forward",
+        "moe_combine_forward", "moe_backward", "router_grad_push",
+        "moe_combine_backward",
+    ], launched  # fmt: skip
+
+
 def test_bad_router_weight_on_a_resolved_step_is_raised_by_the_next_call():
     torch.manual_seed(0)
     module = MoKExperts(E, H, I, K, device=CUDA)

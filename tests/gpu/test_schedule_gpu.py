@@ -141,6 +141,36 @@ def test_overflow_raises_and_writes_nothing_out_of_bounds(capacity):
     assert total > capacity and outs[4].tolist() == [1, total, 0, capacity]
 
 
+@pytest.mark.parametrize("tokens, topk, experts", [(100, 2, 8), (4500, 2, 8), (3, 5, 5),
+                                                   (0, 4, 8), (16384, 8, 128)])  # fmt: skip
+def test_group_of_one_reads_its_int64_ids_in_place(tokens, topk, experts):
+    """The ids64 variants (a group of one, no all-gather): the caller's int64 [T, k] routing
+    gives the reference's schedule of its int32 narrowing; a bad id (checked on the int64
+    value) lands in the value-status words and keys as its low 32 bits, as the all-gather's
+    copy would."""
+    from mok.launchers import status  # noqa: PLC0415
+
+    ids = make_routing("random", 1, tokens, topk, experts, seed=tokens + 1)[0].long()
+    words = status.status_ptr(torch.device("cuda"))
+    for bad in (False, True):
+        wide = ids.clone()
+        if bad and tokens >= 2:
+            wide[0, 0] = (1 << 32) + 1  # low word 1: routed to expert 1, flagged
+            wide[1, 0] = -1  # low word -1: not routed, flagged
+        narrowed = (wide & 0xFFFFFFFF).to(torch.int32)  # two's complement low words
+        capacity = _capacity(narrowed[None], experts)
+        _, outs = _poisoned_outputs(capacity, experts)
+        launcher.launch_schedule(wide.cuda(), *outs[:4], words, ep_rank=0,
+                                 num_local_experts=experts)  # fmt: skip
+        torch.cuda.synchronize()
+        outs[4].fill_(POISON)  # not written: the words are the device's
+        _assert_equal_reference(narrowed[None], 0, experts, capacity, outs)
+        if bad and tokens >= 2:
+            with pytest.raises(ValueError, match=rf"expert ids in \[0, {experts}\)"):
+                status.raise_value_errors(torch.device("cuda"))
+        status.raise_value_errors(torch.device("cuda"))  # clear after a bad call, else nothing
+
+
 def test_cuda_graph_replay_equals_eager():
     ids = make_routing("random", 4, 4096, 8, 32, seed=3)
     ids_gpu = ids.cuda()
