@@ -192,7 +192,11 @@ def test_counters_and_epoch_wrap_in_step(start):
     assert epoch.tolist() == [expected, 0]
 
 
-def test_functional_build_schedule_replays_in_a_cuda_graph():
+def test_all_gather_and_functional_build_schedule_replay_in_a_cuda_graph():
+    """One graph of the all-gather and `functional.build_schedule` (a group of one, whose
+    schedule reads the ids in place): each replay follows the new ids in the input buffer,
+    and the all-gather reads its targets from the device epoch and advances it (the
+    schedule makes no comm arrivals)."""
     from mok import functional as F  # noqa: PLC0415
     from mok import reference as R  # noqa: PLC0415
 
@@ -203,16 +207,23 @@ def test_functional_build_schedule_replays_in_a_cuda_graph():
                                 num_local_experts=num_experts)  # fmt: skip
     gen = torch.Generator().manual_seed(5)
     static_ids = make_routing(num_tokens, num_experts, topk, "random", gen).cuda()
+
+    def calls():
+        gathered = comm.all_gather_top_experts(workspace, config, static_ids,
+                                               num_experts=num_experts)  # fmt: skip
+        return gathered, F.build_schedule(workspace, config, static_ids,
+                                          num_local_experts=num_experts)  # fmt: skip
+
     # Warm-up outside capture: loads the cubins, uploads the peer tables, maps the record.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        F.build_schedule(workspace, config, static_ids, num_local_experts=num_experts)
+        calls()
     torch.cuda.current_stream().wait_stream(stream)
     F.check_errors(workspace)  # also collects the eager call's pending status copy
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graphed = F.build_schedule(workspace, config, static_ids, num_local_experts=num_experts)
+        gathered, graphed = calls()
     counter = workspace.buffers["barrier_buffer"]
     epoch = workspace.buffers["barrier_epoch_buffer"]
     per_call = _arrivals_per_all_gather(
@@ -222,10 +233,12 @@ def test_functional_build_schedule_replays_in_a_cuda_graph():
         ids = make_routing(num_tokens, num_experts, topk, routing, gen)
         static_ids.copy_(ids.cuda())
         before = int(epoch[0].item())
+        gathered.fill_(-7)
         for out in (graphed.peer_rank, graphed.peer_token_idx, graphed.num_tokens):
             out.fill_(-7)  # poison: a replay that wrote nothing fails
         graph.replay()
         comm.check_errors(workspace.device)
+        assert torch.equal(gathered[0].cpu(), ids.to(torch.int32)), f"replay {replay}"
         want = R.build_schedule(
             ids[None], ep_rank=0, num_local_experts=num_experts,
             capacity=workspace.schedule_capacity,
@@ -237,7 +250,7 @@ def test_functional_build_schedule_replays_in_a_cuda_graph():
         assert epoch.tolist() == [before + per_call, 0], f"replay {replay}"
         assert int(counter[0].item()) == before + per_call, f"replay {replay}"
     # Eager calls after the replays keep the same device state in step.
-    F.build_schedule(workspace, config, static_ids, num_local_experts=num_experts)
+    calls()
     F.check_errors(workspace)
     assert epoch.tolist() == [int(counter[0].item()), 0]
 
