@@ -72,14 +72,12 @@ def test_resolved_steps_are_bitwise_the_full_path(shared, limit):
     assert all(len(step.backward_ops) == 1 for step in steps)  # autograd's thread and stream
 
 
-def test_a_resolved_step_allocates_its_outputs_context_and_scratch_only():
-    """One eager forward + backward of a resolved step, grads set to None: the schedule (one
-    allocation), x_routed, gate/up/hidden (one), out; d_router, dy_e, d_gate/d_up (one), the
-    router-grad partials, three weight gradients, d_x. 12 allocations; the slots are the
-    workspace's."""
+def _resolved_step(seed: int):
+    """A step (eager forward + backward, grads set to None) of a new module whose key has been
+    resolved: three steps run first (the full path, then resolved steps)."""
     torch.manual_seed(0)
     module = MoKExperts(E, H, I, K, device=CUDA)
-    inputs = make_inputs(512, H, I, E, K, seed=5, device=CUDA)
+    inputs = make_inputs(512, H, I, E, K, seed=seed, device=CUDA)
     x = inputs["x"].detach().clone().requires_grad_()
     w = inputs["router_weights"].detach().clone().requires_grad_()
     grad = torch.randn(512, H, dtype=torch.bfloat16, device=CUDA)
@@ -89,9 +87,18 @@ def test_a_resolved_step_allocates_its_outputs_context_and_scratch_only():
         x.grad = w.grad = None
         module(x, w, inputs["top_experts"]).backward(grad)
 
-    for _ in range(3):  # the full path, then resolved steps
+    for _ in range(3):
         step()
     assert len(_resolved(module)) == 1
+    return step
+
+
+def test_a_resolved_step_allocates_its_outputs_context_and_scratch_only():
+    """One eager forward + backward of a resolved step, grads set to None: the schedule (one
+    allocation), x_routed, gate/up/hidden (one), out; d_router, dy_e, d_gate/d_up (one), the
+    router-grad partials, three weight gradients, d_x. 12 allocations; the slots are the
+    workspace's."""
+    step = _resolved_step(seed=5)
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
     step()
@@ -108,20 +115,7 @@ def test_a_resolved_step_launches_seven_kernels(monkeypatch):
     epilogue. Each runs once, in that order."""
     from mok.runtime import module as runtime_module  # noqa: PLC0415
 
-    torch.manual_seed(0)
-    module = MoKExperts(E, H, I, K, device=CUDA)
-    inputs = make_inputs(512, H, I, E, K, seed=6, device=CUDA)
-    x = inputs["x"].detach().clone().requires_grad_()
-    w = inputs["router_weights"].detach().clone().requires_grad_()
-    grad = torch.randn(512, H, dtype=torch.bfloat16, device=CUDA)
-
-    def step():
-        module.zero_grad(set_to_none=True)
-        x.grad = w.grad = None
-        module(x, w, inputs["top_experts"]).backward(grad)
-
-    for _ in range(3):  # the full path, then resolved steps
-        step()
+    step = _resolved_step(seed=6)
     launched = []
     launch_packed = runtime_module.Kernel.launch_packed
 
