@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from benchmarks import liger, report
+from benchmarks import ep_traffic, liger, report
 from benchmarks.baselines import DEFAULT_ALIGN, grouped_mm_works
 from benchmarks.impls import Impl, baseline_impl
 from benchmarks.inputs import MoeInputs, make_inputs
@@ -151,6 +151,15 @@ def timed_fields(
     return fields
 
 
+def ep_traffic_fields(num_bytes: int, ms: float, ceilings: dict) -> dict:
+    """A mok EP row's peer traffic: the bytes of the rank that moves the most, their rate over
+    the whole pass, and that rate's share of the measured peer-copy bandwidth (CUDA)."""
+    fields = {"peer_bytes": num_bytes, "peer_gbs": num_bytes / (ms * 1e-3) / 1e9}
+    if ceilings.get("peer_copy_gbs"):
+        fields["pct_of_peer_copy"] = 100 * fields["peer_gbs"] / ceilings["peer_copy_gbs"]
+    return fields
+
+
 def gemm_ceiling_note(device: torch.device, quick: bool) -> str | None:
     """Why the measured dense GEMM rate is no ceiling of the layer here, or ``None``."""
     if device.type != "cuda":
@@ -220,6 +229,10 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
     inputs.release_group_tensors()
     impls, missing = build_impls(inputs, args, group, probe)
     base = {"shape": shape.as_dict(), "num_tokens": args.tokens, "world_size": world_size}
+    traffic = None  # EP: the bytes mok's kernels move to and from peers, per pass (ep_traffic.py)
+    if group is not None:
+        traffic = ep_traffic.rank_pass_bytes(inputs.top_experts, shape.experts_per_rank,
+                                             shape.hidden_size, group)  # fmt: skip
     checks = {}
     for impl in impls:
         try:
@@ -263,6 +276,8 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
                     row["speedup"] = best_baseline[pass_name] / ms
                 if impl.name == MXFP8 and pass_name in mok_bf16_ms:
                     row["ratio_vs_mok_bf16"] = mok_bf16_ms[pass_name] / ms
+                if traffic is not None and impl.name in ("mok", "mok_cpu_path"):
+                    row.update(ep_traffic_fields(traffic[pass_name], ms, ceilings))
             emit(row)
             rows.append(row)
     for name, reason in missing:
@@ -376,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
             print(report.format_row(row), flush=True)
 
     ceilings = measure_ceilings(device, args.quick, args.timing)
+    if group is not None and device.type == "cuda":
+        ceilings["peer_copy_gbs"] = ep_traffic.peer_copy_gbs(
+            device, group, args.timing, (8 << 20) if args.quick else ep_traffic.PEER_COPY_BYTES
+        )
     note = gemm_ceiling_note(device, args.quick)
     ceilings.update(gemm_is_ceiling=note is None, gemm_ceiling_note=note)
     probe = grouped_mm_works(device)

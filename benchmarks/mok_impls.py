@@ -42,17 +42,20 @@ def describe_failure(error: Exception) -> str:
     return f"error: {type(error).__name__}: {error}"
 
 
-def _mok_layer(name: str, inputs: MoeInputs, group) -> tuple | None:
-    """(mok.functional, config, workspace) for these inputs, or ``None`` (why: in _REASONS)."""
+def _mok_layer(name: str, inputs: MoeInputs, group, settings: dict | None = None) -> tuple | None:
+    """(mok.functional, config, workspace) for these inputs, or ``None`` (why: in _REASONS).
+    ``settings``: MoKConfig fields other than the defaults (benchmarks/ep_sweep.py)."""
     try:
         import mok.functional as functional
 
-        config = functional.MoKConfig()
+        config = functional.MoKConfig(**(settings or {}))
         # The GPU path holds every routed row at once: a macrobatch of at least T * k rows.
         rows = inputs.num_tokens * inputs.shape.topk
         if config.macrobatch_size < rows:
             step = config.minibatch_size
-            config = functional.MoKConfig(macrobatch_size=-(-rows // step) * step)
+            config = functional.MoKConfig(
+                **{**(settings or {}), "macrobatch_size": -(-rows // step) * step}
+            )
         workspace = functional.get_workspace(
             config,
             group,
@@ -126,9 +129,10 @@ def _context_bytes(state) -> int:
                for t in (f if isinstance(f, tuple) else (f,)))  # fmt: skip
 
 
-def _build_mok_bf16(inputs: MoeInputs, group) -> Impl | None:
-    """mok's bf16 layer: schedule + forward timed together, backward from the saved context."""
-    layer = _mok_layer("mok", inputs, group)
+def _build_mok_bf16(inputs: MoeInputs, group, settings: dict | None = None) -> Impl | None:
+    """mok's bf16 layer: schedule + forward timed together, backward from the saved context
+    (``settings``: MoKConfig fields other than the defaults)."""
+    layer = _mok_layer("mok", inputs, group, settings)
     if layer is None:
         return None
     routed = (inputs.gate, inputs.up, inputs.down)

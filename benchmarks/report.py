@@ -25,7 +25,10 @@ def ceilings_line(ceilings: dict) -> str:
     note = ceilings.get("gemm_ceiling_note")
     if note:
         gemm += f" [{note}: no % of GEMM shown]"
-    return f"ceilings: {gemm}, copy {ceilings['copy_gbs']:.4g} GB/s (read + write)"
+    peer = ""
+    if ceilings.get("peer_copy_gbs"):
+        peer = f", peer copy {ceilings['peer_copy_gbs']:.4g} GB/s (written to the next rank)"
+    return f"ceilings: {gemm}, copy {ceilings['copy_gbs']:.4g} GB/s (read + write){peer}"
 
 
 def format_row(row: dict) -> str:
@@ -54,6 +57,11 @@ def format_row(row: dict) -> str:
     if "ratio_vs_mok_bf16" in row:
         speedup += f", {row['ratio_vs_mok_bf16']:.2f}x vs mok bf16"
     context = f"  ctx {row['context_bytes'] / 2**20:.1f} MiB" if "context_bytes" in row else ""
+    if "peer_bytes" in row:
+        share = (
+            f" ({row['pct_of_peer_copy']:.0f}% of peer copy)" if "pct_of_peer_copy" in row else ""
+        )
+        context += f"  peers {row['peer_bytes'] / 1e6:.1f} MB {row['peer_gbs']:.4g} GB/s{share}"
     return (
         f"{head} {row['ms']:9.3f} ms {row['tflops']:7.3g} TFLOP/s {ceiling}"
         f"{speedup}  err {row['max_rel_err']:.1e}{context}"

@@ -20,6 +20,7 @@ import json
 
 import torch
 
+from benchmarks import ep_traffic
 from benchmarks.shapes import SHAPES
 from mok import functional as F
 from mok.testing import WEIGHT_NAMES, make_inputs, rank_inputs
@@ -112,11 +113,8 @@ def paired(base, run, backward, warmup, reps):
 def _peer_bytes(inputs, num_experts, size):
     """Bytes one rank pulls (= pushes) per pass at most: rows of its experts from other ranks."""
     t, h = inputs["x"].shape
-    owner = inputs["top_experts"] // (num_experts // size)
-    token_rank = torch.arange(t, device=owner.device)[:, None] // (t // size)
-    remote = owner != token_rank
-    per_rank = [int((remote & (owner == r)).sum()) for r in range(size)]
-    return max(per_rank) * h * 2
+    owners = list((inputs["top_experts"] // (num_experts // size)).split(t // size))
+    return max(ep_traffic.remote_rows_per_rank(owners, size)) * h * 2
 
 
 def measure(shape_names, sizes, tokens=16384, warmup=2, reps=5) -> list[dict]:
