@@ -19,7 +19,8 @@ run() {  # name, timeout, command...: the log in $OUT/name.log, one summary line
   echo "== $name (N=$NPROC) rc=$rc $(( $(date +%s) - start ))s: $(grep -v '^W1' "$OUT/$name.log" | tail -1)" | tee -a "$OUT/summary.log"
 }
 case ${PART:-tests} in
-  tests)
+  tests)  # the layer test also runs a virtual group of N ranks on each GPU: N + 1 connections
+    export CUDA_DEVICE_MAX_CONNECTIONS=16
     run pytest_multigpu 540 torchrun --nproc-per-node "$NPROC" -m pytest -m multigpu -q -rfE -p no:cacheprovider tests/multigpu ;;
   moe)
     for tokens in 16384 2048; do
