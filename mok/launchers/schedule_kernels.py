@@ -1,7 +1,8 @@
 """The receive schedule on the GPU: two kernels back to back on one stream, no host sync.
 
 A stable counting sort (dsl_kernels/common/schedule_*.py) of the all-gathered routing entries
-(flat index i = rank * T * k + t * k + j) by local expert:
+(flat index i = rank * T * k + t * k + j; a group of one's own int64 [T, k] ids, read in place by
+the `ids64` variants, which check them) by local expert:
 1. `schedule_count`, grid (num_chunks,): counts[c, e] of each 4096-entry chunk c; the grid's
    last CTA turns them into chunk c's offset in expert e's segment and writes
    expert_counts[e] = expert e's total (its arrival word: the plan's `Counters`, left zero).
@@ -111,7 +112,8 @@ def launch_schedule(
     """Write the schedule into caller buffers (capacity = peer_rank.numel()); asynchronous.
 
     top_experts_all: int32 [P, T, k] contiguous (global ids; one outside this rank's experts is not
-    routed here). Outputs, int32 contiguous: peer_rank [C], peer_token_idx [C], num_tokens [1],
+    routed here), or a group of one's int64 [T, k] (checked against [0, E) into the value-status
+    words: `status` must then be their device address). Outputs, int32 contiguous: peer_rank [C], peer_token_idx [C], num_tokens [1],
     tokens_per_expert [E], status [4] (or the device address of 4 int32 words, e.g. the value-status
     words; written only on overflow). Current stream, no sync; graph-capturable.
     """
