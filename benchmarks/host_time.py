@@ -6,7 +6,8 @@
 Host time: from the step's first Python call until `backward()` returns. Measured twice: with
 steps back to back (the training-loop case: the host runs ahead of the GPU, no launch waits for
 queue space), and with a sync before each step (the GPU idle, the interpreter cold: slower).
-GPU time: CUDA events around the steps. Gradients are set to None before each step (as a
+GPU time: CUDA events around the steps. Beside the back-to-back host time, the process's CPU
+time over each step (all its threads): well below the host time, the process waited for a CPU. Gradients are set to None before each step (as a
 training loop's `zero_grad(set_to_none=True)`), so neither time includes torch's
 gradient-accumulation adds. A training loop without CUDA graphs is host-bound when the first
 exceeds the second.
@@ -58,7 +59,8 @@ class _Empty(torch.autograd.Function):
 def measure(shape: str, tokens: int, steps: int = 20, warmup: int = 3, profile=None,
             layers: int = 1) -> dict:  # fmt: skip
     """Medians over `steps` eager forward + backward steps of `layers` chained modules:
-    'host_ms' and 'gpu_ms' back to back (the training-loop case), 'host_idle_gpu_ms' and
+    'host_ms' and 'gpu_ms' back to back (the training-loop case; 'host_cpu_ms' the process's CPU
+    time over those steps), 'host_idle_gpu_ms' and
     'gpu_idle_ms' with a sync before each step (the GPU idle when the step starts, the
     interpreter cold). Whole steps: divide by `layers` for a layer's share."""
     h, i, e, k = SHAPES[shape]
@@ -124,19 +126,23 @@ def _timed(step, leaves, modules, steps, warmup, profile) -> dict:
     # Back to back, as a training loop runs: no sync between steps, so the host runs ahead of
     # the GPU (fewer launches than the queue holds) and each step's host time is its enqueue
     # time with the interpreter warm. GPU time: events around all the steps, per step.
-    loop = []
+    # The process's CPU time over the same span (every thread: autograd's engine runs the
+    # backward): below the host time when the process waited for a CPU (a loaded host).
+    loop, cpu = [], []
     torch.cuda.synchronize()
     start.record()
     for _ in range(steps):
         zero_grad()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         step()
         loop.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
     end.record()
     torch.cuda.synchronize()
-    host.sort(), gpu.sort(), loop.sort()
+    host.sort(), gpu.sort(), loop.sort(), cpu.sort()
     return {
         "host_ms": loop[len(loop) // 2],
+        "host_cpu_ms": cpu[len(cpu) // 2],
         "gpu_ms": start.elapsed_time(end) / steps,
         "host_idle_gpu_ms": host[len(host) // 2],
         "gpu_idle_ms": gpu[len(gpu) // 2],
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{result['host_idle_gpu_ms']:.3f} ms host, {result['gpu_idle_ms']:.3f} ms GPU with "
         f"the GPU idle at each step's start"
     )
+    print(f"process CPU time per step back to back: {result['host_cpu_ms']:.3f} ms")
     floor = autograd_floor(args.shape, args.tokens, args.steps)
     print(
         f"autograd floor (a Function with the layer's inputs, allocating only): "

@@ -222,3 +222,28 @@ def test_ep_timeline_maps_each_rank_stream_by_its_marker():
         0: [("barrier", 8.0, 23.0), ("moe_forward", 24.0, 44.0)],
         1: [("fill", 0.0, 1.0), ("moe_forward", 28.0, 48.0)],
     }
+
+
+def test_host_time_reports_the_process_cpu_time_beside_the_host_time(monkeypatch):
+    """benchmarks.host_time's timing loop (CUDA-only) on the CPU, its CUDA calls faked: a step
+    that sleeps takes host time but almost no CPU time."""
+    import time  # noqa: PLC0415
+
+    from benchmarks import host_time  # noqa: PLC0415
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    result = host_time._timed(lambda: time.sleep(0.005), [], [], steps=5, warmup=1, profile=None)
+    assert result["host_ms"] >= 5.0
+    assert result["host_cpu_ms"] < result["host_ms"] / 2
+    assert result["gpu_ms"] == 1.0 / 5 and result["gpu_idle_ms"] == 1.0
