@@ -141,6 +141,30 @@ def _layer_step(config, ws, inputs, num_local_experts, swiglu_limit, main_grads=
     return out, ctx, grads, schedule
 
 
+def virtual_group_step(config, inputs: dict, num_experts: int, size: int, swiglu_limit=None):
+    """One training step of a global layer (`make_inputs`) on a virtual EP group of `size`
+    ranks on the current GPU (mok.virtual_ep): (per rank (out, 8 gradients), the workspaces),
+    every rank's value-status words checked."""
+    from mok import functional as F  # noqa: PLC0415
+    from mok.virtual_ep import VirtualEPGroup  # noqa: PLC0415
+
+    group = VirtualEPGroup(size)
+    t, h = inputs["x"].shape
+    spaces = group.workspaces(config, num_local_tokens=t // size, hidden_size=h,
+                              topk=inputs["top_experts"].shape[1],
+                              num_local_experts=num_experts // size)  # fmt: skip
+    shards = [rank_inputs(inputs, rank, size) for rank in range(size)]
+    results = group.run(
+        lambda rank: run_layer_step(
+            config, spaces[rank], shards[rank], num_experts // size, swiglu_limit=swiglu_limit
+        )  # fmt: skip
+    )
+    group.join()
+    for ws in spaces:
+        F.check_errors(ws)
+    return [(out, *grads) for out, _, grads in results], spaces
+
+
 def context_values(ctx, rows: int | None = None) -> tuple:
     """A forward context's 7 fields as bf16 tensors (an MXFP8 context's pairs dequantised,
     exact), the routed ones cut to their first `rows` rows (the contract's) if given."""

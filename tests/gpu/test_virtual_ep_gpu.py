@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from mok import functional as F
-from mok.testing import make_inputs, oracle_errors, rank_inputs, rel_error, run_layer_step
+from mok.testing import (
+    make_inputs,
+    oracle_errors,
+    rank_inputs,
+    rel_error,
+    run_layer_step,
+    virtual_group_step,
+)
 from mok.virtual_ep import VirtualEPGroup
 
 pytestmark = [
@@ -32,21 +39,7 @@ NAMES = ("out", "d_x", "d_router", "d_gate", "d_up", "d_down", "d_shared_gate", 
 
 def group_step(inputs, num_experts, size, limit=None, config=WHOLE_GROUP):
     """Per-rank (out, 8 gradients) of one training step on a virtual group of `size` ranks."""
-    group = VirtualEPGroup(size)
-    t, h = inputs["x"].shape
-    spaces = group.workspaces(config, num_local_tokens=t // size, hidden_size=h,
-                              topk=inputs["top_experts"].shape[1],
-                              num_local_experts=num_experts // size)  # fmt: skip
-    shards = [rank_inputs(inputs, rank, size) for rank in range(size)]
-    results = group.run(
-        lambda rank: run_layer_step(
-            config, spaces[rank], shards[rank], num_experts // size, swiglu_limit=limit
-        )  # fmt: skip
-    )
-    group.join()
-    for ws in spaces:
-        F.check_errors(ws)
-    return [(out, *grads) for out, _, grads in results], spaces
+    return virtual_group_step(config, inputs, num_experts, size, swiglu_limit=limit)
 
 
 def assert_equal_to_group_of_one(inputs, num_experts, size, limit=None, check_oracle=False):

@@ -16,7 +16,11 @@ Run: torchrun --nproc-per-node 2 -m pytest -m multigpu tests/multigpu
 - a lost peer: rank 1 never arrives, rank 0's barrier ends in MoKWaitTimeoutError naming the
   phase, rank 0 and the late rank (counter 1). A trap kills the CUDA context, so this case runs
   in a fresh 2-GPU torchrun launched from rank 0 (this file run as a script, "lost-peer"),
-  and every rank of the outer group sees the verdict.
+  and every rank of the outer group sees the verdict;
+- a lost peer in the layer: in a fresh torchrun of all N GPUs ("lost-layer-peer") the last
+  rank never runs the layer, and every other rank's schedule + forward ends in
+  MoKWaitTimeoutError naming that rank and the phase within 10 s (wait limit 2 s). Written,
+  not run yet (no multi-GPU machine lent since).
 
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1 are set before the process group is made (here and in the subprocess).
@@ -237,29 +241,8 @@ def test_lost_peer_times_out_with_an_error_naming_phase_and_rank(group, tmp_path
     verdict = torch.zeros(1, dtype=torch.int32, device="cuda")
     detail = ""
     if dist.get_rank() == 0:
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
-        env = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")}
-        env.update(NO_MULTICAST_ENV)
         out_dir = tmp_path_factory.mktemp("lost_peer")
-        start = time.monotonic()
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                str(Path(__file__).resolve()),
-                "lost-peer",
-                str(out_dir),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=HANG_GUARD_S,
-            env=env,
-        )
-        elapsed = time.monotonic() - start
+        result, elapsed = _nested_torchrun("lost-peer", 2, out_dir)
         message_file = out_dir / "rank0.txt"
         message = message_file.read_text() if message_file.exists() else ""
         detail = (
@@ -274,6 +257,93 @@ def test_lost_peer_times_out_with_an_error_naming_phase_and_rank(group, tmp_path
         verdict.fill_(1 if ok else 0)
     dist.broadcast(verdict, src=0)
     assert verdict.item() == 1, detail or "rank 0's lost-peer subprocess failed (see rank 0)"
+
+
+def _nested_torchrun(mode: str, nproc: int, out_dir: Path):
+    """This file run as a script under a fresh torchrun of `nproc` ranks (the outer launcher's
+    env removed, multicast off): (completed process, seconds)."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")}
+    env.update(NO_MULTICAST_ENV)
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), str(Path(__file__).resolve()), mode, str(out_dir)],
+        capture_output=True, text=True, timeout=HANG_GUARD_S, env=env,
+    )  # fmt: skip
+    return result, time.monotonic() - start
+
+
+def test_a_peer_that_never_runs_the_layer_times_out_on_every_other_rank(group, tmp_path_factory):
+    """N ranks make the group's workspace; the last never runs the layer. Every other rank's
+    schedule (its all-gather waits for the lost rank) ends in MoKWaitTimeoutError naming that
+    rank and the phase, within seconds of the call (the workspace's wait limit: 2 s)."""
+    size = dist.get_world_size()
+    verdict = torch.zeros(1, dtype=torch.int32, device="cuda")
+    detail = ""
+    if dist.get_rank() == 0:
+        out_dir = tmp_path_factory.mktemp("lost_layer_peer")
+        result, elapsed = _nested_torchrun("lost-layer-peer", size, out_dir)
+        messages = {r: (out_dir / f"rank{r}.txt") for r in range(size - 1)}
+        messages = {r: f.read_text() if f.exists() else "" for r, f in messages.items()}
+        detail = (
+            f"exit {result.returncode} after {elapsed:.0f} s\nmessages: {messages}\n"
+            f"stdout: {result.stdout[-4000:]}\nstderr: {result.stderr[-4000:]}"
+        )
+        pattern = (r"^MoKWaitTimeoutError after (\d+\.\d) s: rank {} timed out waiting in "
+                   r"phase (PEER_BARRIER_START|ROUTING_ALLGATHER) ")  # fmt: skip
+        found = {r: re.search(pattern.format(r), m) for r, m in messages.items()}
+        ok = result.returncode == 0 and all(
+            match is not None and float(match.group(1)) < 10 for match in found.values()
+        )
+        verdict.fill_(1 if ok else 0)
+    dist.broadcast(verdict, src=0)
+    assert verdict.item() == 1, detail or "rank 0's lost-peer subprocess failed (see rank 0)"
+
+
+def _lost_layer_peer_worker(out_dir: Path) -> None:
+    """Nested torchrun body: the last rank makes the workspace but never runs the layer; every
+    other rank runs schedule + forward and writes its verdict. Exits with os._exit (a trapped
+    context cannot be torn down cleanly)."""
+    from mok.runtime import MoKWaitTimeoutError  # noqa: PLC0415
+
+    from mok import functional as F  # noqa: PLC0415
+    from mok.testing import WEIGHT_NAMES, make_inputs, rank_inputs  # noqa: PLC0415
+
+    _init_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts = 4 * size
+    shard = rank_inputs(make_inputs(256 * size, 512, 256, num_experts, 2, seed=5, device=device),
+                        rank, size)  # fmt: skip
+    config = F.MoKConfig(schedule_capacity_multiplier=1.0)
+    ws = F.get_workspace(config, dist.group.WORLD, device=device, num_local_tokens=256,
+                         hidden_size=512, topk=2, num_local_experts=4)  # fmt: skip
+    ws.wait_timeout_ns = 2_000_000_000
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank < size - 1:
+        start = time.monotonic()
+        try:
+            weights = [shard[n] for n in WEIGHT_NAMES]
+            schedule = F.build_schedule(ws, config, shard["top_experts"], num_local_experts=4)
+            F.forward(config, ws, schedule, shard["x"], shard["router_weights"], *weights)
+            F.check_errors(ws)
+            text, code = "no error: the layer ran without the last rank", 1
+        except MoKWaitTimeoutError as exc:
+            text, code = f"MoKWaitTimeoutError after {time.monotonic() - start:.1f} s: {exc}", 0
+        except Exception as exc:  # noqa: BLE001 - reported to the outer test
+            text, code = f"{type(exc).__name__}: {exc}", 1
+        (out_dir / f"rank{rank}.txt").write_text(text)
+        print(text, flush=True)
+        os._exit(code)
+    # The lost rank stays alive (its memory mapped) until every other rank has its verdict.
+    deadline = time.monotonic() + HANG_GUARD_S / 2
+    while time.monotonic() < deadline and not all(
+        (out_dir / f"rank{r}.txt").exists() for r in range(size - 1)
+    ):
+        time.sleep(0.05)
+    os._exit(0)
 
 
 def _lost_peer_worker(out_dir: Path) -> None:
@@ -314,5 +384,9 @@ def _lost_peer_worker(out_dir: Path) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "lost-peer":
         _lost_peer_worker(Path(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "lost-layer-peer":
+        _lost_layer_peer_worker(Path(sys.argv[2]))
     else:
-        sys.exit(f"usage: torchrun --nproc-per-node 2 {sys.argv[0]} lost-peer OUT_DIR")
+        sys.exit(
+            f"usage: torchrun --nproc-per-node N {sys.argv[0]} lost-peer|lost-layer-peer OUT_DIR"
+        )

@@ -34,25 +34,12 @@ from test_comm_multigpu import group  # noqa: E402, F401
 def _virtual_rank(config, inputs, num_experts, rank, size):
     """(out, 8 gradients) of `rank` in a virtual group of `size` ranks on this GPU, the same
     global problem."""
-    from mok import functional as F  # noqa: PLC0415
-    from mok.testing import rank_inputs, run_layer_step  # noqa: PLC0415
-    from mok.virtual_ep import VirtualEPGroup  # noqa: PLC0415
+    from mok.testing import virtual_group_step  # noqa: PLC0415
 
-    virtual = VirtualEPGroup(size)
-    t, h = inputs["x"].shape
-    spaces = virtual.workspaces(config, num_local_tokens=t // size, hidden_size=h,
-                                topk=inputs["top_experts"].shape[1],
-                                num_local_experts=num_experts // size)  # fmt: skip
-    shards = [rank_inputs(inputs, r, size) for r in range(size)]
-    results = virtual.run(
-        lambda r: run_layer_step(config, spaces[r], shards[r], num_experts // size)
-    )
-    virtual.join()
-    for ws in spaces:
-        F.check_errors(ws)
-    out, _, grads = results[rank]
+    ranks, spaces = virtual_group_step(config, inputs, num_experts, size)
     for ws in spaces:
         ws.destroy()
+    out, *grads = ranks[rank]
     return out, grads
 
 
