@@ -213,6 +213,48 @@ def build_impls(inputs: MoeInputs, args, group, probe) -> tuple[list[Impl], list
     return impls, missing
 
 
+def compute_only_rows(shape, args, device, group, ceilings, base, emit) -> tuple[list, dict]:
+    """EP: each rank's compute-only time for its share, the slowest rank's: an EP = 1 mok layer
+    of its E / P experts and T tokens routed top-k among them (the same routed rows per GPU,
+    spread evenly), checked against its fp32 reference before it is timed. (rows, {pass: ms})."""
+    local = dataclasses.replace(shape, num_experts=shape.experts_per_rank)
+    row = {**base, "impl": "mok_compute_only", "label": "mok, EP = 1 on this rank's share",
+           "baseline": False}  # fmt: skip
+    status = None
+    if local.topk > local.num_experts:
+        status = f"no share to compare: topk {local.topk} > {local.num_experts} experts per GPU"
+    else:
+        inputs = make_inputs(local, args.tokens, rank=0, world_size=1, device=device,
+                             seed=args.seed + 1, shared=args.shared)  # fmt: skip
+        reference = reference_results(inputs, any(p != "fwd" for p in args.passes))
+        inputs.release_group_tensors()
+        impl = MOK_IMPLS["mok"](inputs, None)
+        if impl is None:
+            status = unavailable_reason("mok")
+        else:
+            try:
+                checked = check(impl, inputs, reference, group)
+            except Exception as error:  # the row says why, nothing is timed
+                checked = {"error": describe_failure(error)}
+                if not checked["error"].startswith(NOT_AVAILABLE):
+                    raise  # another rank may be inside a collective: stop rather than hang
+            status = refusal(checked)
+            row.update({k: v for k, v in checked.items() if k != "error"})
+        del reference
+    rows, times = [], {}
+    for pass_name in args.passes:
+        pass_row = {**row, "pass": pass_name}
+        if status is not None:
+            pass_row["status"] = status
+        else:
+            ms = time_pass(impl, inputs, pass_name, args.timing, group)
+            times[pass_name] = ms
+            pass_row.update(timed_fields(local, args, pass_name, ms, ceilings))
+        emit(pass_row)
+        rows.append(pass_row)
+    return rows, times
+
+
 def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emit) -> list[dict]:
     shape = scale_for_run(model, world_size, args.quick)
     inputs = make_inputs(
@@ -248,7 +290,9 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    rows, best_baseline, mok_bf16_ms = [], {}, {}
+    rows, best_baseline, mok_bf16_ms, compute_only = [], {}, {}, {}
+    if group is not None:
+        rows, compute_only = compute_only_rows(shape, args, device, group, ceilings, base, emit)
     for impl in impls:
         for pass_name in args.passes:
             row = {
@@ -278,6 +322,8 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
                     row["ratio_vs_mok_bf16"] = mok_bf16_ms[pass_name] / ms
                 if traffic is not None and impl.name in ("mok", "mok_cpu_path"):
                     row.update(ep_traffic_fields(traffic[pass_name], ms, ceilings))
+                    if pass_name in compute_only:
+                        row["vs_compute_only"] = ms / compute_only[pass_name]
             emit(row)
             rows.append(row)
     for name, reason in missing:

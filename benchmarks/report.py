@@ -57,6 +57,8 @@ def format_row(row: dict) -> str:
     if "ratio_vs_mok_bf16" in row:
         speedup += f", {row['ratio_vs_mok_bf16']:.2f}x vs mok bf16"
     context = f"  ctx {row['context_bytes'] / 2**20:.1f} MiB" if "context_bytes" in row else ""
+    if "vs_compute_only" in row:
+        speedup += f", {row['vs_compute_only']:.2f}x of compute-only"
     if "peer_bytes" in row:
         share = (
             f" ({row['pct_of_peer_copy']:.0f}% of peer copy)" if "pct_of_peer_copy" in row else ""

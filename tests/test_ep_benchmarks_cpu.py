@@ -111,3 +111,34 @@ def test_sweep_runs_on_a_cpu(tmp_path):
     assert all(row["status"] == "ok" and row["ms"] > 0 for row in shape["rows"])
     for setting, value in shape["fastest"].items():
         assert value in ep_sweep.QUICK_VALUES[setting]
+
+
+def _moe_shape_worker(rank, world_size):
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from benchmarks.baselines import grouped_mm_works  # noqa: PLC0415
+    from benchmarks.shapes import select_shapes  # noqa: PLC0415
+    from benchmarks.timing import TimingConfig  # noqa: PLC0415
+
+    cpu = torch.device("cpu")
+    args = moe.parse_args(["--quick", "--device", "cpu", "--no-liger", "--reps", "1"])
+    args.timing = TimingConfig(warmup=0, reps=1)
+    ceilings = {"gemm_is_ceiling": False}
+    (model,) = select_shapes("qwen3-30b-a3b")
+    return moe.run_shape(model, args, cpu, rank, world_size, dist.group.WORLD, ceilings,
+                         grouped_mm_works(cpu), emit=lambda row: None)  # fmt: skip
+
+
+def test_an_ep_run_sets_each_mok_row_beside_its_compute_only_share():
+    """Two gloo ranks: the compute-only rows (an EP = 1 layer of each rank's share, checked)
+    come first, and each mok row carries its ratio to them and its peer traffic."""
+    results = run_on_gloo_group(_moe_shape_worker, 2)
+    for rows in results:
+        only = {r["pass"]: r for r in rows if r["impl"] == "mok_compute_only"}
+        mok = {r["pass"]: r for r in rows if r["impl"] == "mok_cpu_path"}
+        assert set(only) == set(mok) == set(moe.PASSES)
+        for name, row in mok.items():
+            assert only[name]["status"] == "ok" and row["status"] == "ok", (name, row)
+            assert row["vs_compute_only"] == row["ms"] / only[name]["ms"]
+            assert row["peer_bytes"] > 0 and "peer_gbs" in row
+    assert [r.get("ms") for r in results[0]] == [r.get("ms") for r in results[1]]  # slowest rank
