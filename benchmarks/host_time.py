@@ -7,9 +7,9 @@ Host time: from the step's first Python call until `backward()` returns. Measure
 steps back to back (the training-loop case: the host runs ahead of the GPU, no launch waits for
 queue space), and with a sync before each step (the GPU idle, the interpreter cold: slower).
 GPU time: CUDA events around the steps. Beside the back-to-back host time, the process's CPU
-time over each step (all its threads): well below the host time, the process waited for a CPU. Gradients are set to None before each step (as a
-training loop's `zero_grad(set_to_none=True)`), so neither time includes torch's
-gradient-accumulation adds. A training loop without CUDA graphs is host-bound when the first
+time over each step (all its threads): well below the host time, the process waited for a CPU.
+Gradients are set to None before each step (as a training loop's
+`zero_grad(set_to_none=True)`), so neither time includes torch's gradient-accumulation adds. A training loop without CUDA graphs is host-bound when the first
 exceeds the second.
 
 A model's step runs many layers and one `backward()`; autograd's engine costs a fixed time per
@@ -60,9 +60,8 @@ def measure(shape: str, tokens: int, steps: int = 20, warmup: int = 3, profile=N
             layers: int = 1) -> dict:  # fmt: skip
     """Medians over `steps` eager forward + backward steps of `layers` chained modules:
     'host_ms' and 'gpu_ms' back to back (the training-loop case; 'host_cpu_ms' the process's CPU
-    time over those steps), 'host_idle_gpu_ms' and
-    'gpu_idle_ms' with a sync before each step (the GPU idle when the step starts, the
-    interpreter cold). Whole steps: divide by `layers` for a layer's share."""
+    time over those steps), 'host_idle_gpu_ms' and 'gpu_idle_ms' with a sync before each step
+    (the GPU idle when the step starts, the interpreter cold). Whole steps: divide by `layers` for a layer's share."""
     h, i, e, k = SHAPES[shape]
     device = torch.device("cuda")
     modules = [MoKExperts(e, h, i, k, device=device) for _ in range(layers)]

@@ -45,16 +45,17 @@ def describe_failure(error: Exception) -> str:
 def _mok_layer(name: str, inputs: MoeInputs, group, settings: dict | None = None) -> tuple | None:
     """(mok.functional, config, workspace) for these inputs, or ``None`` (why: in _REASONS).
     ``settings``: MoKConfig fields other than the defaults (benchmarks/ep_sweep.py)."""
+    settings = settings or {}
     try:
         import mok.functional as functional
 
-        config = functional.MoKConfig(**(settings or {}))
+        config = functional.MoKConfig(**settings)
         # The GPU path holds every routed row at once: a macrobatch of at least T * k rows.
         rows = inputs.num_tokens * inputs.shape.topk
         if config.macrobatch_size < rows:
             step = config.minibatch_size
             config = functional.MoKConfig(
-                **{**(settings or {}), "macrobatch_size": -(-rows // step) * step}
+                **{**settings, "macrobatch_size": -(-rows // step) * step}
             )
         workspace = functional.get_workspace(
             config,

@@ -54,9 +54,10 @@ class MoKWorkspace:
         barrier_buffer: int32 [P]             one arrival counter per peer (unicast flags)
         barrier_epoch_buffer: int32 [2]       this rank's arrival epoch + reader count (own use)
 
-    A group of one uses combine_buffer and d_x_routed_buffer as its slots too, and
-    all_gather_top_experts_buffer for its routing ids: the buffers serve one op at a time, in
-    stream order, so a workspace's ops run on one stream at a time (as an EP group's must).
+    A group of one uses combine_buffer and d_x_routed_buffer as its slots too (its schedule
+    reads the caller's routing ids in place; only the original's raw all-gather op fills its
+    all_gather_top_experts_buffer): the buffers serve one op at a time, in stream order, so a
+    workspace's ops run on one stream at a time (as an EP group's must).
     """
 
     handle: int

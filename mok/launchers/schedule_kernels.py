@@ -113,9 +113,10 @@ def launch_schedule(
 
     top_experts_all: int32 [P, T, k] contiguous (global ids; one outside this rank's experts is not
     routed here), or a group of one's int64 [T, k] (checked against [0, E) into the value-status
-    words: `status` must then be their device address). Outputs, int32 contiguous: peer_rank [C], peer_token_idx [C], num_tokens [1],
-    tokens_per_expert [E], status [4] (or the device address of 4 int32 words, e.g. the value-status
-    words; written only on overflow). Current stream, no sync; graph-capturable.
+    words: `status` must then be their device address). Outputs, int32 contiguous: peer_rank
+    [C], peer_token_idx [C], num_tokens [1], tokens_per_expert [E], status [4] (or the device
+    address of 4 int32 words, e.g. the value-status words; written only on overflow). Current
+    stream, no sync; graph-capturable.
     """
     static_status = status if isinstance(status, int) else None
     key = ("schedule", tensor_key(top_experts_all), tensor_key(peer_rank),
