@@ -105,10 +105,15 @@ class LayerSteps:
 
 
 class LayerStep:
-    """The schedule, forward and backward plans of one step key (see the module docstring)."""
+    """The schedule, forward and backward plans of one step key (see the module docstring).
+
+    A step's schedule and routed context live in one allocation (`carve`: peer_rank,
+    peer_token_idx, num_tokens, tokens_per_expert, x_routed, gate, up, hidden), which the
+    kernels get by address; views of it are made only where the full path needs tensors."""
 
     def __init__(self, module, workspace, schedule, x, router_weights, top_experts):
         from .launchers import forward_op, schedule_op  # noqa: PLC0415 - CUDA only
+        from .launchers.plans import Carve  # noqa: PLC0415
         from .launchers.status import value_error_check  # noqa: PLC0415
 
         config = self.config = module.config
@@ -126,42 +131,59 @@ class LayerStep:
             workspace, schedule, x, router_weights, *module.weights(), self.limit,
             config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
         )  # fmt: skip
+        self.carve = Carve(self.schedule_op.layout() + self.forward_op.layout(), x.device)
         self.backward_ops: dict[tuple, object] = {}
 
     def alive(self) -> bool:
         ws = self.ws()
         return ws is not None and not ws.destroyed
 
-    def schedule(self, top_experts) -> MoKSchedule:
+    def schedule(self, top_experts) -> torch.Tensor:
+        """The step's buffer (`carve`), its schedule launched into it."""
         self.raise_value_errors()
-        return MoKSchedule(*self.schedule_op(top_experts, carve=True))
+        buffer = self.carve.new()
+        self.schedule_op(top_experts, self.carve.addresses(buffer)[:4])
+        return buffer
 
-    def forward(self, schedule, x, router_weights, weights):
-        """(out, the context tensors MoKFunction saves: routed 4, then shared 3 if any)."""
+    def _context(self, buffer) -> tuple:
+        """(the schedule's four addresses, the routed context's four, a maker of context
+        tensor i) of a step's buffer, as the ops take a layer step's context."""
+        addresses, carve = self.carve.addresses(buffer), self.carve
+        return addresses[:4], addresses[4:], lambda i: carve.view(buffer, 4 + i)
+
+    def forward(self, buffer, x, router_weights, weights):
+        """(out, the context MoKFunction saves: the step's buffer, then shared 3 if any)."""
         self.raise_value_errors()
-        out, *ctx = self.forward_op(schedule, x, router_weights, weights[:3], weights[3:],
-                                    layer_step=True)  # fmt: skip
-        return out, tuple(ctx if self.has_shared else ctx[:4])
+        out, *shared_ctx = self.forward_op(None, x, router_weights, weights[:3], weights[3:],
+                                           context=self._context(buffer))  # fmt: skip
+        return out, ((buffer, *shared_ctx) if self.has_shared else (buffer,))
+
+    def full_context(self, saved_ctx) -> tuple:
+        """(MoKSchedule, the full path's saved context: routed 4, then shared 3 if any) of a
+        step's saved context: views of its buffer."""
+        views = self.carve.views(saved_ctx[0])
+        return MoKSchedule(*views[:4]), (*views[4:], *saved_ctx[1:])
 
     def _backward_key(self):
         return threading.get_ident(), _cuda_keys()[1](self.device.index)
 
-    def backward(self, schedule, saved_ctx, grad_output, x, router_weights, weights):
+    def backward(self, saved_ctx, grad_output, x, router_weights, weights):
         """`functional.backward`'s outputs, or None when this thread and stream has no plan yet
         (or grad_output is not what the plan was checked with): the caller takes the full path
-        and then `resolve_backward`."""
+        (`full_context`) and then `resolve_backward`."""
         op = self.backward_ops.get(self._backward_key())
         if op is None or tensor_key(grad_output) != self.grad_key or not self.alive():
             return None
         self.raise_value_errors()
         # Without a shared expert the op reads no shared context: None in its places.
-        ctx = saved_ctx if self.has_shared else (*saved_ctx, None, None, None)
-        grads = op(schedule, ctx, grad_output, x, router_weights, weights[:3], (None,) * 6,
-                   weights[3:], layer_step=True)  # fmt: skip
+        shared_ctx = saved_ctx[1:] if self.has_shared else (None, None, None)
+        grads = op(None, (None,) * 4 + tuple(shared_ctx), grad_output, x, router_weights,
+                   weights[:3], (None,) * 6, weights[3:], context=self._context(saved_ctx[0]))  # fmt: skip
         return backward_outputs(grads, (None,) * 6, self.has_shared)
 
     def resolve_backward(self, schedule, saved_ctx, grad_output, x, router_weights, weights):
-        """After the full path's backward ran on this thread and stream: keep its plan."""
+        """After the full path's backward ran on this thread and stream: keep its plan
+        (`schedule` and `saved_ctx` as `full_context` gives them)."""
         from .launchers import backward_op  # noqa: PLC0415
 
         ws, config = self.ws(), self.config

@@ -46,7 +46,9 @@ class MoKFunction(torch.autograd.Function):
         *weights: torch.Tensor | None,
     ) -> torch.Tensor:
         if step is not None:  # a resolved step (mok/layer_plan.py): its plans, no re-check
+            # `schedule` is the step's buffer (schedule and routed context): saved below.
             out, saved_ctx = step.forward(schedule, x, router_weights, weights)
+            schedule = None
         else:
             out, fwd_ctx = functional.forward(
                 config, workspace, schedule, x, router_weights, *weights,
@@ -65,15 +67,16 @@ class MoKFunction(torch.autograd.Function):
         x, router_weights, *rest = ctx.saved_tensors
         weights, saved_ctx = rest[:6], rest[6:]
         grad_output = grad_output.contiguous()
-        step = ctx.step
+        step, schedule = ctx.step, ctx.schedule
         if step is not None:
-            grads = step.backward(ctx.schedule, saved_ctx, grad_output, x, router_weights, weights)
+            grads = step.backward(saved_ctx, grad_output, x, router_weights, weights)
             if grads is not None:
                 return (None,) * 7 + _module_order(grads)
+            schedule, saved_ctx = step.full_context(saved_ctx)
         shared_gate, shared_up, _, routed_gate, routed_up, _ = weights
         if ctx.recompute:
             fwd_ctx = functional.recompute_forward_context(
-                ctx.config, ctx.workspace, ctx.schedule, x, shared_gate, shared_up,
+                ctx.config, ctx.workspace, schedule, x, shared_gate, shared_up,
                 routed_gate, routed_up, swiglu_limit=ctx.swiglu_limit,
             )  # fmt: skip
         else:
@@ -85,11 +88,11 @@ class MoKFunction(torch.autograd.Function):
             order = (3, 4, 5, 0, 1, 2)
             main_grads = tuple(getattr(weights[i], "main_grad", None) for i in order)
         grads = functional.backward(
-            ctx.config, ctx.workspace, ctx.schedule, fwd_ctx, grad_output, x, router_weights,
+            ctx.config, ctx.workspace, schedule, fwd_ctx, grad_output, x, router_weights,
             *weights, swiglu_limit=ctx.swiglu_limit, main_grads=main_grads,
         )  # fmt: skip
         if step is not None:  # its plan for the next steps
-            step.resolve_backward(ctx.schedule, saved_ctx, grad_output, x, router_weights, weights)
+            step.resolve_backward(schedule, saved_ctx, grad_output, x, router_weights, weights)
         return (None,) * 7 + _module_order(grads, main_grads)
 
 

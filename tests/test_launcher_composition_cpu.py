@@ -17,6 +17,7 @@ from fake_kernels import fake_push_router_grads
 
 from mok import reference as R
 from mok.launchers import dispatch, expert_gemm, expert_gemm_bwd, mxfp8
+from mok.launchers.plans import Carve, schedule_addresses
 from mok.mxfp8_context import dequantised_context, quantised_context
 from mok.testing import make_inputs, rel_error
 
@@ -134,21 +135,56 @@ def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, 
 
 
 def _fake_forward_plan(x, schedule, topk, gate_w, up_w, down_w, limit, *_):
-    return lambda x, schedule, slots, weights, carve=False: fake_routed_forward(
+    return lambda x, schedule, slots, weights: fake_routed_forward(
         x, schedule, topk, gate_w, up_w, down_w, swiglu_limit=limit
     )
 
 
-def _fake_backward_plan(dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w, down_w,
-                        limit, weight_grads, comm, minibatch, timeout, peers, slots, grid,
-                        mxfp8=False):  # fmt: skip
-    def run(dy, w, schedule, x_routed, gate, up, hidden, slots, weights=None):
-        assert (weights is not None) == mxfp8  # MXFP8: this call's dequantised weights
-        routed = weights if mxfp8 else (gate_w, up_w, down_w)
-        return fake_routed_backward(dy, w, schedule, x_routed, gate, up, hidden, *routed,
-                                    swiglu_limit=limit, weight_grads=weight_grads, mxfp8=mxfp8)  # fmt: skip
+_BY_ADDRESS: dict[int, torch.Tensor] = {}  # partials the fake backward plan wrote, for the push
 
-    return run
+
+class _FakeBackwardPlan:
+    """The backward plan's interface on the kernels' fakes: the launch gets the schedule by
+    address (checked against the plan's), its context through the op's maker."""
+
+    def __init__(self, dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w, down_w,
+                 limit, weight_grads, comm, minibatch, timeout, peers, slots, grid,
+                 mxfp8=False):  # fmt: skip
+        self.schedule, self.weights, self.mxfp8 = schedule, (gate_w, up_w, down_w), mxfp8
+        self.limit, self.weight_grads = limit, weight_grads
+        capacity, hidden_size = x_routed.shape
+        inter = gate.shape[1]
+        self.scratch = Carve([(torch.bfloat16, (capacity, hidden_size)),
+                              (torch.bfloat16, (capacity, inter)),
+                              (torch.bfloat16, (capacity, inter)),
+                              (torch.float32, (capacity, inter // 128))], x_routed.device)  # fmt: skip
+
+    def launch(self, dy, w, schedule_at, context_at, context, slots, weights=None):
+        assert schedule_at == schedule_addresses(self.schedule)
+        assert (weights is not None) == self.mxfp8  # MXFP8: this call's dequantised weights
+        tensors = [context(i) for i in range(4)]
+        assert context_at == tuple(t.data_ptr() for t in tensors)
+        routed = weights if self.mxfp8 else self.weights
+        *scratch, slots, d_weights = fake_routed_backward(
+            dy, w, self.schedule, *tensors, *routed, swiglu_limit=self.limit,
+            weight_grads=self.weight_grads, mxfp8=self.mxfp8,
+        )  # fmt: skip
+        buffer = self.scratch.new()
+        for view, got in zip(self.scratch.views(buffer), scratch, strict=True):
+            view.copy_(got)
+        partials = self.scratch.view(buffer, 3)
+        _BY_ADDRESS[partials.data_ptr()] = partials
+        return buffer, slots, d_weights
+
+
+class _FakePush:
+    def __init__(self, partials, schedule, router_weights, d_router, peers):
+        self.schedule = schedule
+
+    def launch(self, partials_at, schedule_at, router_weights, d_router):
+        assert schedule_at == schedule_addresses(self.schedule)
+        fake_push_router_grads(_BY_ADDRESS.pop(partials_at), self.schedule, router_weights,
+                               d_router)  # fmt: skip
 
 
 def fake_dequantize(data, scales, *, transposed=False):
@@ -171,9 +207,8 @@ def fake_kernels(monkeypatch):
     plans.clear_plans()
     monkeypatch.setattr(dispatch, "gather_rows", fake_gather_rows)
     monkeypatch.setattr(fwd, "forward_plan", _fake_forward_plan)
-    monkeypatch.setattr(bwd, "backward_plan", _fake_backward_plan)
-    monkeypatch.setattr(bwd, "router_grad_push_plan",
-                        lambda *_: fake_push_router_grads)  # fmt: skip
+    monkeypatch.setattr(bwd, "backward_plan", _FakeBackwardPlan)
+    monkeypatch.setattr(bwd, "router_grad_push_plan", _FakePush)
     monkeypatch.setattr(expert_gemm, "gate_up_swiglu", fake_gate_up_swiglu)
     monkeypatch.setattr(fwd, "fwd_epilogue_plan",
                         lambda *_: lambda y, slots, w, checked=False: R.fwd_epilogue(y, slots, w))  # fmt: skip

@@ -18,7 +18,16 @@ from .megakernel_walk import (
     minibatch_row_tiles,
     walk_arguments,
 )
-from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weight_key
+from .plans import (
+    Carve,
+    Descriptors,
+    aligned,
+    current_stream,
+    plan,
+    schedule_addresses,
+    tensor_key,
+    weight_key,
+)
 from .status import status_ptr
 
 KERNEL = "moe_backward"
@@ -145,6 +154,7 @@ class _BackwardPlan:
         self.weight_grads = weight_grads
         self.mxfp8 = mxfp8
         self.bound = None
+        self.scratch = Carve(self.scratch_layout(), self.device)
         if capacity == 0 or num_experts == 0 or num_tokens == 0:
             return
         ep_rank, dy_table, weight_table, slots_table = (
@@ -157,11 +167,12 @@ class _BackwardPlan:
                      "tma_wg": (num_experts * intermediate_size, hidden_size),
                      "tma_wu": (num_experts * intermediate_size, hidden_size)}  # fmt: skip
         grid = grid or sm_count(self.device)
-        dy_e, d_gate, d_up, partials, first_slots, d_weights, rounded = self._outputs(slots)
+        buffer, first_slots, d_weights, rounded = self._outputs(slots)
+        dy_e, d_gate, d_up, partials = self.scratch.views(buffer)
         # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
         d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
         self.dynamic_tma = DYNAMIC_TMA + (WEIGHT_TMA if mxfp8 else ())
-        self.descriptors = {name: Descriptors(kernel, name) for name in self.dynamic_tma}
+        self.descriptor_list = [Descriptors(kernel, name) for name in self.dynamic_tma]
         weights = (gate_weights, up_weights, down_weights)
         tma = self._descriptors(dy_e, d_gate, d_up, hidden, x_routed, rounded, weights)
         if not mxfp8:
@@ -210,24 +221,39 @@ class _BackwardPlan:
         )  # fmt: skip
 
     def _descriptors(self, dy_e, d_gate, d_up, hidden, x_routed, rounded, weights) -> dict:
-        """The per-launch descriptors: the GEMMs' A (MXFP8: the round trips), the weight
-        phase's operands, then (MXFP8) the weights of this call."""
-        a_operands = rounded if self.mxfp8 else (dy_e, d_gate, d_up)
-        tensors = (*a_operands, dy_e, d_gate, d_up, hidden, x_routed)
-        if self.mxfp8:
-            tensors += tuple(w.view(self.flat[name]) for name, w in zip(WEIGHT_TMA, weights,
-                                                                         strict=True))  # fmt: skip
-        cache = self.descriptors
-        return {name: cache[name].get(t) for name, t in zip(self.dynamic_tma, tensors,
-                                                              strict=True)}  # fmt: skip
+        """The per-launch descriptors (by name) of these tensors: see `_descriptors_at`."""
+        tensors = (dy_e, d_gate, d_up, hidden, x_routed)
+        addresses = tuple(t.data_ptr() for t in tensors)
+        return dict(zip(self.dynamic_tma, self._descriptors_at(
+            addresses, tensors.__getitem__, rounded, weights), strict=True))  # fmt: skip
+
+    def _descriptors_at(self, addresses, tensor, rounded, weights) -> list:
+        """The per-launch descriptors, in `dynamic_tma` order: the GEMMs' A (MXFP8: the round
+        trips), the weight phase's operands, then (MXFP8) the weights of this call. `addresses`
+        of (dy_e, d_gate, d_up, hidden, x_routed); `tensor(i)` makes the i-th of them, only
+        for a descriptor not made yet."""
+        cache = self.descriptor_list
+        made = [cache[i + 3].at(address, lambda i=i: tensor(i))
+                for i, address in enumerate(addresses)]  # fmt: skip
+        if not self.mxfp8:
+            return [cache[i].at(addresses[i], lambda i=i: tensor(i)) for i in range(3)] + made
+        a_operands = [cache[i].get(t) for i, t in enumerate(rounded)]
+        flat = [cache[8 + i].get(w.view(self.flat[name]))
+                for i, (name, w) in enumerate(zip(WEIGHT_TMA, weights, strict=True))]  # fmt: skip
+        return a_operands + made + flat
+
+    def scratch_layout(self) -> list:
+        """(dtype, shape) of the launch's scratch: dy_e, d_gate, d_up, router partials."""
+        _, _, capacity, _, hidden_size, inter = self.sizes
+        bf16 = torch.bfloat16
+        return [(bf16, (capacity, hidden_size)), (bf16, (capacity, inter)),
+                (bf16, (capacity, inter)), (torch.float32, (capacity, inter // 128))]  # fmt: skip
 
     def _outputs(self, slots):
+        """A scratch buffer (`self.scratch`), slots, the weight gradients (or None) and the
+        MXFP8 round trips' scratch (or None)."""
         num_tokens, topk, capacity, num_experts, hidden_size, inter = self.sizes
         bf16 = dict(dtype=torch.bfloat16, device=self.device)
-        dy_e = torch.empty(capacity, hidden_size, **bf16)
-        # Scratch of this launch (no op returns them): one allocation, 256-byte aligned pieces.
-        d_gate, d_up = torch.empty(2, capacity, inter, **bf16).unbind()
-        partials = torch.empty(capacity, inter // 128, dtype=torch.float32, device=self.device)
         if slots is None:
             slots = torch.empty(num_tokens * topk, hidden_size, **bf16)
         d_weights = None
@@ -239,37 +265,55 @@ class _BackwardPlan:
         if self.mxfp8:  # scratch of this launch: the round trips the GEMMs read
             rounded = (torch.empty(capacity, hidden_size, **bf16),
                        torch.empty(capacity, inter, **bf16), torch.empty(capacity, inter, **bf16))  # fmt: skip
-        return dy_e, d_gate, d_up, partials, slots, d_weights, rounded
+        return self.scratch.new(), slots, d_weights, rounded
 
     def __call__(self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots,
                  weights=None):  # fmt: skip
-        dy_e, d_gate, d_up, partials, slots, d_weights, rounded = self._outputs(slots)
+        """(dy_e, d_gate, d_up, partials, slots, d_weights): the scratch as views of one
+        allocation."""
+        context = (x_routed, gate, up, hidden)
+        buffer, slots, d_weights = self.launch(
+            grad_output, router_weights, schedule_addresses(schedule),
+            tuple(t.data_ptr() for t in context), context.__getitem__, slots, weights,
+        )  # fmt: skip
+        return (*self.scratch.views(buffer), slots, d_weights)
+
+    def launch(self, grad_output, router_weights, schedule_at, context_at, context, slots,
+               weights=None):  # fmt: skip
+        """The launch on addresses: the schedule's four (`schedule_addresses`), the context's
+        four (x_routed, gate, up, hidden; `context(i)` makes tensor i, only for a descriptor
+        not made yet). -> (scratch buffer (`self.scratch`: dy_e, d_gate, d_up, partials),
+        slots, d_weights or None)."""
+        buffer, slots, d_weights, rounded = self._outputs(slots)
         if self.bound is None:
             if d_weights is not None:
                 for d_w in d_weights:
                     d_w.zero_()
-            return dy_e, d_gate, d_up, partials, slots, d_weights
-        addresses = {
-            "x_routed": x_routed.data_ptr(), "gate": gate.data_ptr(), "up": up.data_ptr(),
-            "hidden": hidden.data_ptr(), "grad_output": grad_output.data_ptr(),
-        }  # fmt: skip
-        for name, address in addresses.items():
+            return buffer, slots, d_weights
+        for name, address in zip(("x_routed", "gate", "up", "hidden"), context_at, strict=True):
             aligned(name, address)
-        aligned("router_weights", router_weights.data_ptr(), 4)
-        d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
+        grad_output_at, weights_at = grad_output.data_ptr(), router_weights.data_ptr()
+        aligned("grad_output", grad_output_at)
+        aligned("router_weights", weights_at, 4)
+        dy_e_at, d_gate_at, d_up_at, partials_at = scratch_at = self.scratch.addresses(buffer)
+        x_routed_at, gate_at, up_at, hidden_at = context_at
+        scratch = self.scratch
+
+        def operand(i):  # dy_e, d_gate, d_up, hidden, x_routed
+            return scratch.view(buffer, i) if i < 3 else context(3 if i == 3 else 0)
+
+        descriptors = self._descriptors_at((*scratch_at[:3], hidden_at, x_routed_at), operand,
+                                           rounded, weights)  # fmt: skip
+        d_w_at = (dy_e_at,) * 3 if d_weights is None else tuple(t.data_ptr() for t in d_weights)
         stream = current_stream(self.device_index)
         self.counters.before_launch(stream)
         self.bound.launch(
-            *self._descriptors(dy_e, d_gate, d_up, hidden, x_routed, rounded, weights).values(),
-            d_w_down.data_ptr(), d_w_gate.data_ptr(), d_w_up.data_ptr(), addresses["grad_output"],
-            router_weights.data_ptr(), dy_e.data_ptr(), addresses["gate"], addresses["up"],
-            d_gate.data_ptr(), d_up.data_ptr(), partials.data_ptr(), slots.data_ptr(),
-            schedule.peer_rank.data_ptr(), schedule.peer_token_idx.data_ptr(),
-            schedule.num_tokens.data_ptr(), schedule.tokens_per_expert.data_ptr(),
+            *descriptors, d_w_at[2], d_w_at[0], d_w_at[1], grad_output_at, weights_at, dy_e_at,
+            gate_at, up_at, d_gate_at, d_up_at, partials_at, slots.data_ptr(), *schedule_at,
             *(t.data_ptr() for t in rounded or ()),
             stream=stream,
         )  # fmt: skip
-        return dy_e, d_gate, d_up, partials, slots, d_weights
+        return buffer, slots, d_weights
 
 
 # Rewritten on every launch, in this order (BoundLaunch.launch): descriptors, then pointers.
@@ -318,14 +362,15 @@ class _RouterGradPushPlan:
         self.bound = _bind_router_grad_push(partials, schedule, router_weights, d_router, peers)
 
     def __call__(self, partials, schedule, router_weights, d_router):
-        if self.bound is not None:
-            self.bound.launch(
-                partials.data_ptr(), schedule.peer_rank.data_ptr(),
-                schedule.peer_token_idx.data_ptr(), schedule.num_tokens.data_ptr(),
-                router_weights.data_ptr(), d_router.data_ptr(),
-                stream=current_stream(self.device_index),
-            )  # fmt: skip
+        self.launch(partials.data_ptr(), schedule_addresses(schedule), router_weights, d_router)
         return d_router
+
+    def launch(self, partials_at, schedule_at, router_weights, d_router) -> None:
+        """The launch with partials and the schedule by address (the schedule's four:
+        `schedule_addresses`)."""
+        if self.bound is not None:
+            self.bound.launch(partials_at, *schedule_at[:3], router_weights.data_ptr(),
+                              d_router.data_ptr(), stream=current_stream(self.device_index))  # fmt: skip
 
 
 def _bind_router_grad_push(partials, schedule, router_weights, d_router, peers):

@@ -31,7 +31,7 @@ from .device_args import TILE_ROWS
 from .epilogues import bwd_epilogue_plan
 from .forward_op import group_barrier
 from .peer_tables import peer_tables
-from .plans import current_stream, plan, tensor_key, weight_key
+from .plans import current_stream, plan, schedule_addresses, tensor_key, weight_key
 from .rows import pad_rows
 
 
@@ -190,13 +190,29 @@ class _BackwardOp:
             swiglu_limit, self.in_launch, bwd_num_comm_sms, minibatch_size, ws.wait_timeout_ns,
             peers, self.slots, ws.megakernel_ctas, self.mxfp8,
         )  # fmt: skip
-        self.push = self.epilogue = None  # bound on the first call, with their tensors
+        # The push's checks look at shapes only: a partials piece of one scratch buffer and
+        # d_router as each call makes them.
+        partials = self.routed.scratch.view(self.routed.scratch.new(), 3)
+        d_router = self._d_router(ws, router_weights)
+        self.push = router_grad_push_plan(partials, schedule, router_weights, d_router,
+                                          self.grad_peers)  # fmt: skip
+        self.epilogue = None  # bound on the first call, with its tensors
+
+    def _d_router(self, ws, router_weights):
+        if self.tables is None:
+            return torch.empty(router_weights.shape, dtype=torch.float32,
+                               device=router_weights.device)  # fmt: skip
+        return ws.buffers["d_router_weight_buffer"]
 
     def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, shared, main_grads,
-                 routed, context_exact=False, layer_step=False):  # fmt: skip
+                 routed, context_exact=False, context=None):  # fmt: skip
         """The op's outputs; without a shared expert its gradients are three distinct empty
-        tensors (custom-op outputs may not alias each other), None in their places for a
-        `layer_step` call (mok/layer_plan.py: its outputs reach no custom op)."""
+        tensors (custom-op outputs may not alias each other).
+
+        `context` (a layer step, mok/layer_plan.py: its outputs reach no custom op): the routed
+        context by address, (schedule's four, context's four, a callable making context tensor
+        i); `schedule` and ctx_tensors[:4] are then unused, and absent shared gradients are
+        None."""
         ws, tables = self.ws(), self.tables
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
         weights = None
@@ -204,22 +220,25 @@ class _BackwardOp:
             weights, self.first_weights = self.first_weights or mxfp8_weights(routed), None
             if not context_exact:
                 gate, up = mxfp8_gate_up(gate, up)
-        if tables is None:
-            d_router = torch.empty(router_weights.shape, dtype=torch.float32, device=x.device)
-        else:
+        layer_step = context is not None
+        if not layer_step:
+            routed_ctx = (x_routed, gate, up, hidden)
+            context = (schedule_addresses(schedule), tuple(t.data_ptr() for t in routed_ctx),
+                       routed_ctx.__getitem__)  # fmt: skip
+        d_router = self._d_router(ws, router_weights)
+        if tables is not None:
             ws.buffers["d_y_buffer"].copy_(grad_output)
             ws.buffers["router_weight_buffer"].copy_(router_weights)
-            d_router = ws.buffers["d_router_weight_buffer"]
         group_barrier(ws, "PEER_BARRIER_START")
-        dy_e, d_gate, d_up, partials, slots, routed_grads = self.routed(
-            grad_output, router_weights, schedule, x_routed, gate, up, hidden, self.slots, weights
+        scratch = self.routed.scratch
+        buffer, slots, routed_grads = self.routed.launch(
+            grad_output, router_weights, *context, self.slots, weights
         )
-        if self.push is None:
-            self.push = router_grad_push_plan(partials, schedule, router_weights, d_router,
-                                              self.grad_peers)  # fmt: skip
-        self.push(partials, schedule, router_weights, d_router)
+        partials_at = buffer.data_ptr() + scratch.offsets[3]
+        self.push.launch(partials_at, context[0], router_weights, d_router)
         group_barrier(ws, "PEER_BARRIER_END")
         if not self.in_launch:
+            dy_e, d_gate, d_up, _ = scratch.views(buffer)
             operands = (dy_e, x_routed, d_gate, d_up, hidden, schedule.tokens_per_expert,
                         main_grads[:3])  # fmt: skip
             if self.mxfp8:

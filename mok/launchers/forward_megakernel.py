@@ -21,7 +21,15 @@ from .megakernel_walk import (
     minibatch_row_tiles,
     walk_arguments,
 )
-from .plans import Descriptors, aligned, current_stream, plan, tensor_key, weight_key
+from .plans import (
+    Descriptors,
+    aligned,
+    current_stream,
+    plan,
+    schedule_addresses,
+    tensor_key,
+    weight_key,
+)
 
 KERNEL = "moe_forward"
 KERNEL_MXFP8 = "moe_forward_mxfp8"
@@ -171,16 +179,15 @@ class _ForwardPlan:
         return {name: self.weight_tma[name].get(w.view(-1, w.shape[-1]))
                 for name, w in zip(WEIGHT_TMA, weights, strict=True)}  # fmt: skip
 
-    def _outputs(self, carve=False):
-        """x_routed, gate, up, hidden; with `carve` the last three are pieces of one allocation
-        (for callers whose outputs reach no custom op, whose outputs may not alias)."""
+    def layout(self) -> list:
+        """(dtype, shape) of the context it writes: x_routed, gate, up, hidden."""
         (rows, hidden_size), (_, inter), _ = self.shapes
-        bf16 = dict(dtype=torch.bfloat16, device=self.device)
-        x_routed = torch.empty(rows, hidden_size, **bf16)
-        if carve:  # rows is a multiple of 128: every piece 256-byte aligned
-            return (x_routed, *torch.empty(3, rows, inter, **bf16).unbind())
-        return (x_routed, torch.empty(rows, inter, **bf16), torch.empty(rows, inter, **bf16),
-                torch.empty(rows, inter, **bf16))  # fmt: skip
+        bf16 = torch.bfloat16
+        return [(bf16, (rows, hidden_size))] + [(bf16, (rows, inter))] * 3
+
+    def _outputs(self):
+        return tuple(torch.empty(shape, dtype=dtype, device=self.device)
+                     for dtype, shape in self.layout())  # fmt: skip
 
     def _operands(self, x_routed, hidden):
         """The GEMMs' A operands: the rows themselves (BF16), or new scratch for their MXFP8
@@ -189,31 +196,38 @@ class _ForwardPlan:
             return x_routed, hidden
         return torch.empty_like(x_routed), torch.empty_like(hidden)
 
-    def __call__(self, x, schedule, slots, weights, carve=False):
-        x_routed, gate, up, hidden = outputs = self._outputs(carve)
+    def __call__(self, x, schedule, slots, weights):
+        """((x_routed, gate, up, hidden), slots): the context in new tensors."""
+        outputs = self._outputs()
         if slots is None:
             slots = torch.empty(self.shapes[2], dtype=torch.bfloat16, device=self.device)
-        if self.bound is None:
-            return outputs, slots
-        a_x, a_h = self._operands(x_routed, hidden)
-        bf16_weights = ()
+        if self.bound is not None:
+            self.launch(x, schedule_addresses(schedule), tuple(t.data_ptr() for t in outputs),
+                        outputs.__getitem__, slots.data_ptr(), weights)  # fmt: skip
+        return outputs, slots
+
+    def launch(self, x, schedule_at, context_at, context, slots_at, weights) -> None:
+        """The launch on addresses: the schedule's four (`schedule_addresses`), the context's
+        four (x_routed, gate, up, hidden: contiguous, `layout()`'s shapes, 16-byte aligned);
+        `context(i)` makes context tensor i, only for a TMA descriptor not made yet."""
+        x_routed_at, gate_at, up_at, hidden_at = context_at
         if self.mxfp8:
+            a_x, a_h = self._operands(context(0), context(3))
+            tma_x, tma_h = self.tma_x.get(a_x), self.tma_h.get(a_h)
             bf16 = self.first_weights or mxfp8.dequantized_weights(weights)
             self.first_weights = None
             bf16_weights = tuple(self._weight_descriptors(bf16).values())
+            rounded_at = (a_x.data_ptr(), a_h.data_ptr())
+        else:
+            tma_x = self.tma_x.at(x_routed_at, lambda: context(0))
+            tma_h = self.tma_h.at(hidden_at, lambda: context(3))
+            bf16_weights, rounded_at = (), (0, 0)
         x_address = x.data_ptr()
         aligned("x", x_address)
         stream = current_stream(self.device_index)
         self.counters.before_launch(stream)
-        self.bound.launch(
-            self.tma_x.get(a_x), self.tma_h.get(a_h), x_address, x_routed.data_ptr(),
-            gate.data_ptr(), up.data_ptr(), hidden.data_ptr(), slots.data_ptr(),
-            a_x.data_ptr() if self.mxfp8 else 0, a_h.data_ptr() if self.mxfp8 else 0,
-            schedule.peer_rank.data_ptr(), schedule.peer_token_idx.data_ptr(),
-            schedule.num_tokens.data_ptr(), schedule.tokens_per_expert.data_ptr(),
-            *bf16_weights, stream=stream,
-        )  # fmt: skip
-        return outputs, slots
+        self.bound.launch(tma_x, tma_h, x_address, *context_at, slots_at, *rounded_at,
+                          *schedule_at, *bf16_weights, stream=stream)  # fmt: skip
 
 
 # Rewritten on every launch, in this order (BoundLaunch.launch).

@@ -121,6 +121,7 @@ class _ForwardOp:
         self.tables = tables = peer_tables(ws)
         # The routed rows' slots: the workspace's (a group of one too: no allocation per call).
         self.slots, peers = ws.buffers["combine_buffer"], None
+        self.slots_at = self.slots.data_ptr()
         if tables is not None:
             peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
         self.routed = forward_plan(
@@ -129,18 +130,25 @@ class _ForwardOp:
         )  # fmt: skip
         self.epilogue = None  # bound on the first call, with its slots and y_shared
 
-    def __call__(self, schedule, x, router_weights, shared, routed, layer_step=False):
+    def __call__(self, schedule, x, router_weights, shared, routed, context=None):
         """The op's outputs; without a shared expert its context is three distinct empty
-        tensors (custom-op outputs may not alias each other). A `layer_step` call
-        (mok/layer_plan.py: its outputs reach no custom op) gets None in their places, and its
-        gate, up and hidden share one allocation."""
+        tensors (custom-op outputs may not alias each other).
+
+        `context` (a layer step, mok/layer_plan.py: its outputs reach no custom op): the
+        addresses of the routed context to write, (schedule's four, context's four, a callable
+        making context tensor i); `schedule` is then unused, and the outputs are out and the
+        shared context (None in its places without a shared expert)."""
         ws = self.ws()
         publish_x(ws, x, self.tables)
-        routed_ctx, slots = self.routed(x, schedule, self.slots, routed, carve=layer_step)
-        group_barrier(ws, "PEER_BARRIER_END")
-        shared_ctx, y_shared = (None, None, None), None
-        if not layer_step:
+        if context is None:
+            routed_ctx, slots = self.routed(x, schedule, self.slots, routed)
             shared_ctx = (x.new_empty(0), x.new_empty(0), x.new_empty(0))
+        else:
+            routed_ctx, slots, shared_ctx = (), self.slots, (None, None, None)
+            if self.routed.bound is not None:
+                self.routed.launch(x, *context, self.slots_at, routed)
+        group_barrier(ws, "PEER_BARRIER_END")
+        y_shared = None
         if shared[0] is not None:
             *shared_ctx, y_shared = _shared(x, *shared, self.limit)
         # This op's key holds router_weights' tensor_key: the epilogue checks them on the first
@@ -150,6 +158,10 @@ class _ForwardOp:
             self.epilogue = fwd_epilogue_plan(y_shared, slots, router_weights.shape)
         out = self.epilogue(y_shared, slots, router_weights, checked=checked)
         return (out, *routed_ctx, *shared_ctx)
+
+    def layout(self) -> list:
+        """(dtype, shape) of the routed context (x_routed, gate, up, hidden), for a `Carve`."""
+        return self.routed.layout()
 
 
 def recompute_forward_context(

@@ -15,6 +15,7 @@ order) and bounded (the cache is cleared when full).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 
@@ -38,6 +39,12 @@ def weight_key(t: torch.Tensor | None) -> tuple | None:
         return tuple(weight_key(part) for part in t)
     key = tensor_key(t)
     return (t.data_ptr(), *key) if isinstance(t, torch.Tensor) else key
+
+
+def schedule_addresses(schedule) -> tuple[int, int, int, int]:
+    """A MoKSchedule's four addresses, in its order (what the plans' `launch` methods take)."""
+    return (schedule.peer_rank.data_ptr(), schedule.peer_token_idx.data_ptr(),
+            schedule.num_tokens.data_ptr(), schedule.tokens_per_expert.data_ptr())  # fmt: skip
 
 
 def current_stream(device_index: int) -> int:
@@ -83,14 +90,56 @@ class Descriptors:
         self._by_address: dict[int, object] = {}
 
     def get(self, tensor: torch.Tensor):
-        address = tensor.data_ptr()
+        return self.at(tensor.data_ptr(), lambda: tensor)
+
+    def at(self, address: int, tensor: Callable[[], torch.Tensor]):
+        """The descriptor of the tensor at `address`; `tensor()` makes it (the plan's shape,
+        contiguous) only when this address has none yet."""
         descriptor = self._by_address.get(address)
         if descriptor is None:
-            descriptor = tma_descriptor(self.kernel, self.param, tensor)
+            descriptor = tma_descriptor(self.kernel, self.param, tensor())
             if len(self._by_address) >= _DESCRIPTORS_MAX:
                 self._by_address.clear()
             self._by_address[address] = descriptor
         return descriptor
+
+
+class Carve:
+    """Pieces of one allocation: contiguous (dtype, shape) each, every one 256-byte aligned.
+
+    A launch plan's scratch, or a layer step's context, is many tensors that live and die
+    together; one allocation of their layout costs one allocator call, and their kernels need
+    only their addresses (`addresses`: the buffer's plus fixed offsets). Views are made only
+    where a tensor is needed (`view`, `views`)."""
+
+    __slots__ = ("pieces", "offsets", "nbytes", "device")
+
+    def __init__(self, pieces, device: torch.device):
+        self.pieces = tuple((dtype, tuple(shape)) for dtype, shape in pieces)
+        self.device = device
+        offsets, end = [], 0
+        for dtype, shape in self.pieces:
+            start = -(-end // 256) * 256
+            offsets.append(start)
+            end = start + math.prod(shape) * dtype.itemsize
+        self.offsets, self.nbytes = tuple(offsets), end
+
+    def new(self) -> torch.Tensor:
+        """A new buffer of this layout (uint8, uninitialised)."""
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
+    def addresses(self, buffer: torch.Tensor) -> tuple[int, ...]:
+        base = buffer.data_ptr()
+        return tuple(base + offset for offset in self.offsets)
+
+    def view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        dtype, shape = self.pieces[index]
+        start = self.offsets[index]
+        size = math.prod(shape) * dtype.itemsize
+        return buffer[start : start + size].view(dtype).view(shape)
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [self.view(buffer, i) for i in range(len(self.pieces))]
 
 
 def zero_async(tensor: torch.Tensor, stream: int) -> None:

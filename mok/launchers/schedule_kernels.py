@@ -210,16 +210,21 @@ class _SchedulePlan:
         )  # fmt: skip
 
     def __call__(self, ids, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, status):
+        self.launch(
+            ids.data_ptr(),
+            (peer_rank.data_ptr(), peer_token_idx.data_ptr(), num_tokens.data_ptr(),
+             tokens_per_expert.data_ptr()),
+            status if isinstance(status, int) else status.data_ptr(),
+        )  # fmt: skip
+
+    def launch(self, ids_at: int, outputs_at: tuple, status_at: int) -> None:
+        """The two launches on addresses: ids, then (peer_rank, peer_token_idx, num_tokens,
+        tokens_per_expert) of tensors shaped as the plan's first ones (4-byte aligned)."""
         stream = current_stream(self.device_index)
-        ids_at = ids.data_ptr()
         aligned("top_experts_all", ids_at, self.ids_alignment)
         self.arrivals.before_launch(stream)
         self.count.launch(ids_at, stream=stream)
-        self.place.launch(
-            ids_at, peer_rank.data_ptr(), peer_token_idx.data_ptr(), num_tokens.data_ptr(),
-            tokens_per_expert.data_ptr(), status if isinstance(status, int) else status.data_ptr(),
-            stream=stream,
-        )  # fmt: skip
+        self.place.launch(ids_at, *outputs_at, status_at, stream=stream)
 
 
 def build_schedule_gpu(

@@ -61,6 +61,7 @@ class _ScheduleOp:
                 num_experts=num_local_experts * ws.ep_size,
             )  # fmt: skip
             ids = ws.buffers["all_gather_top_experts_buffer"]
+            self.gathered_at = ids.data_ptr()  # the workspace's buffer: fixed for its life
         self.device, self.device_index = top_experts.device, top_experts.get_device()
         self.sizes = (capacity, num_local_experts)
         outputs = self._outputs()
@@ -69,25 +70,26 @@ class _ScheduleOp:
             ids, *outputs, self.status, ws.ep_rank, num_local_experts
         )
 
-    def _outputs(self, carve=False):
-        """The four outputs; with `carve`, pieces of one allocation (for callers whose
-        outputs reach no custom op, whose outputs may not alias)."""
-        capacity, num_local_experts = self.sizes
-        i32, device = torch.int32, self.device
-        if carve:  # capacity is a multiple of 128 rows: every piece but the last 512-B aligned
-            sizes = (capacity, capacity, num_local_experts, 1)
-            peer_rank, peer_token_idx, tokens_per_expert, num_tokens = torch.empty(
-                sum(sizes), dtype=i32, device=device
-            ).split_with_sizes(sizes)
-            return peer_rank, peer_token_idx, num_tokens, tokens_per_expert
-        sizes = (capacity, capacity, 1, num_local_experts)
-        return tuple(torch.empty(size, dtype=i32, device=device) for size in sizes)
+    def _outputs(self):
+        return tuple(torch.empty(shape, dtype=dtype, device=self.device)
+                     for dtype, shape in self.layout())  # fmt: skip
 
-    def __call__(self, top_experts, carve=False):
-        ids = top_experts
+    def __call__(self, top_experts, outputs_at=None):
+        """The schedule's four new tensors; with `outputs_at` (the addresses of the four, as
+        `Carve.addresses` gives a layer step's) it launches into those and returns None."""
+        ids_at = top_experts.data_ptr()
         if self.gather is not None:
-            self.gather.launch(top_experts.data_ptr(), stream=current_stream(self.device_index))
-            ids = self.ws().buffers["all_gather_top_experts_buffer"]
-        outputs = self._outputs(carve)
-        self.place(ids, *outputs, self.status)
+            self.gather.launch(ids_at, stream=current_stream(self.device_index))
+            ids_at = self.gathered_at
+        outputs = None
+        if outputs_at is None:
+            outputs = self._outputs()
+            outputs_at = tuple(t.data_ptr() for t in outputs)
+        self.place.launch(ids_at, outputs_at, self.status)
         return outputs
+
+    def layout(self) -> list:
+        """(dtype, shape) of the four outputs (peer_rank, peer_token_idx, num_tokens,
+        tokens_per_expert), as MoKSchedule orders them."""
+        capacity, num_local_experts = self.sizes
+        return [(torch.int32, (size,)) for size in (capacity, capacity, 1, num_local_experts)]
