@@ -26,6 +26,7 @@ class Variant:
 def variants() -> list[Variant]:
     """The registry (imports the DSL: call it only when building or testing)."""
     from .common.all_gather_top_experts import AllGatherTopExperts
+    from .common.backward_finish import BackwardFinish
     from .common.ep_barrier import EpBarrier
     from .common.flag_wait_probe import FlagWaitProbe
     from .common.gather_rows import GatherRows
@@ -135,6 +136,13 @@ def variants() -> list[Variant]:
             RouterGradPush,
             {"threads": 128},
             launch_grid="(ceil(num_rows / 128), 1, 1)",
+        ),
+        # A group of one's push and backward epilogue in one launch (common/backward_finish.py).
+        Variant(
+            "backward_finish",
+            BackwardFinish,
+            {"threads": 128, "tokens_per_cta": 4},
+            launch_grid="(ceil(hidden_size / 1024) * ceil(num_tokens / 4) + ceil(num_rows / 128), 1, 1)",
         ),
         Variant("ep_barrier", EpBarrier, launch_grid="(1, 1, 1)"),
         Variant(

@@ -187,6 +187,17 @@ class _FakePush:
                                d_router)  # fmt: skip
 
 
+class _FakeFinish:
+    """backward_finish's interface on the fakes: the push, then the unweighted epilogue."""
+
+    def __init__(self, d_x_shared, slots, topk, partials, schedule, router_weights, d_router):
+        self.topk, self.push = topk, _FakePush(partials, schedule, router_weights, d_router, None)
+
+    def __call__(self, d_x_shared, slots, partials_at, schedule_at, router_weights, d_router):
+        self.push.launch(partials_at, schedule_at, router_weights, d_router)
+        return R.bwd_epilogue(d_x_shared, slots, self.topk)
+
+
 def fake_dequantize(data, scales, *, transposed=False):
     """The dequantising kernels' math: mok.reference's, in the weight's own layout."""
     values = R.mxfp8_dequantize(data, scales, transpose=transposed)
@@ -209,6 +220,7 @@ def fake_kernels(monkeypatch):
     monkeypatch.setattr(fwd, "forward_plan", _fake_forward_plan)
     monkeypatch.setattr(bwd, "backward_plan", _FakeBackwardPlan)
     monkeypatch.setattr(bwd, "router_grad_push_plan", _FakePush)
+    monkeypatch.setattr(bwd, "finish_plan", _FakeFinish)
     monkeypatch.setattr(expert_gemm, "gate_up_swiglu", fake_gate_up_swiglu)
     monkeypatch.setattr(fwd, "fwd_epilogue_plan",
                         lambda *_: lambda y, slots, w, checked=False: R.fwd_epilogue(y, slots, w))  # fmt: skip
@@ -235,8 +247,14 @@ class _Workspace:
         return self
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("shared,limit,main", [(True, None, False), (False, 0.5, True)])
-def test_composition_equals_reference_backward(fake_kernels, shared, limit, main):
+def test_composition_equals_reference_backward(fake_kernels, monkeypatch, shared, limit, main,
+                                               fused):  # fmt: skip
+    """`fused`: a group of one's push and epilogue in one launch (backward_finish), or, where
+    the epilogue needs more than one launch (finish_plan gives None), the two kernels."""
+    if not fused:
+        monkeypatch.setattr(bwd, "finish_plan", lambda *_: None)
     inp = make_inputs(T, H, I, E, K, shared=shared, seed=3)
     schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
     weights = [inp[n] for n in WEIGHTS]

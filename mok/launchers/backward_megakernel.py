@@ -373,9 +373,8 @@ class _RouterGradPushPlan:
                               d_router.data_ptr(), stream=current_stream(self.device_index))  # fmt: skip
 
 
-def _bind_router_grad_push(partials, schedule, router_weights, d_router, peers):
-    from mok.runtime import get_kernel  # noqa: PLC0415
-
+def check_router_grad_push(partials, schedule, router_weights, d_router) -> tuple[int, int]:
+    """The push's tensors checked: (routed rows, partial blocks)."""
     capacity, blocks = partials.shape
     check_arg("router_weights", router_weights, torch.float32, tuple(router_weights.shape),
               cuda=True, align=4)  # fmt: skip
@@ -385,6 +384,13 @@ def _bind_router_grad_push(partials, schedule, router_weights, d_router, peers):
                           ("schedule.peer_token_idx", schedule.peer_token_idx, capacity),
                           ("schedule.num_tokens", schedule.num_tokens, 1)):  # fmt: skip
         check_arg(name, t, torch.int32, (size,), cuda=True, align=4)
+    return capacity, blocks
+
+
+def _bind_router_grad_push(partials, schedule, router_weights, d_router, peers):
+    from mok.runtime import get_kernel  # noqa: PLC0415
+
+    capacity, blocks = check_router_grad_push(partials, schedule, router_weights, d_router)
     ep_rank, weight_table, d_router_table = peers if peers is not None else (0, None, None)
     if capacity == 0:
         return None

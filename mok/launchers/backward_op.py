@@ -7,6 +7,7 @@ routed experts: the backward megakernel (backward_megakernel.py), bf16 weight gr
 d_router[t, j] = sum_b partials[r, b] / w[r]  (fixed-order sums)
 shared expert:  expert_gemm_bwd's kernels on one 'expert' of T rows (padded to 128)
 d_x = d_x_shared + sum_j slots[t * k + j]  (fixed j order)          moe_combine_backward
+A group of one runs the d_router push and the d_x sum in one launch (backward_finish.py).
 
 MXFP8 routed weights (gate, up: (fp8, scale, fp8_t, scale_t); down: (fp8_t, scale_t)), the
 layer of mok.reference.mxfp8_backward:
@@ -25,6 +26,7 @@ import weakref
 import torch
 
 from . import expert_gemm_bwd, mxfp8
+from .backward_finish import finish_plan
 from .backward_megakernel import backward_plan, router_grad_push_plan
 from .checks import check_gpu_layer, check_macrobatch
 from .device_args import TILE_ROWS
@@ -144,7 +146,7 @@ def backward_op(
         return _BackwardOp(
             ws, schedule, ctx_tensors, grad_output, router_weights,
             (routed_gate, routed_up, routed_down), swiglu_limit, bwd_num_comm_sms,
-            minibatch_size, macrobatch_size, main_grads,
+            minibatch_size, macrobatch_size, main_grads, shared_gate is not None,
         )  # fmt: skip
 
     # Not one made for an evicted workspace whose handle this one took over.
@@ -157,7 +159,7 @@ class _BackwardOp:
 
     def __init__(self, ws, schedule, ctx_tensors, grad_output, router_weights, routed,
                  swiglu_limit, bwd_num_comm_sms, minibatch_size, macrobatch_size,
-                 main_grads):  # fmt: skip
+                 main_grads, shared_expert):  # fmt: skip
         check_gpu_layer(ws, "backward")
         check_macrobatch(macrobatch_size, grad_output.shape[0], router_weights.shape[1],
                          "backward")  # fmt: skip
@@ -197,6 +199,15 @@ class _BackwardOp:
         self.push = router_grad_push_plan(partials, schedule, router_weights, d_router,
                                           self.grad_peers)  # fmt: skip
         self.epilogue = None  # bound on the first call, with its tensors
+        # A group of one: the push and the epilogue in one launch (backward_finish.py).
+        self.finish = None
+        if tables is None:
+            shared_d_x = None
+            if shared_expert:
+                shared_d_x = torch.empty(grad_output.shape, dtype=torch.bfloat16,
+                                         device=grad_output.device)  # fmt: skip
+            self.finish = finish_plan(shared_d_x, self.slots, ws.topk, partials, schedule,
+                                      router_weights, d_router)  # fmt: skip
 
     def _d_router(self, ws, router_weights):
         if self.tables is None:
@@ -235,7 +246,8 @@ class _BackwardOp:
             grad_output, router_weights, *context, self.slots, weights
         )
         partials_at = buffer.data_ptr() + scratch.offsets[3]
-        self.push.launch(partials_at, context[0], router_weights, d_router)
+        if self.finish is None:  # else with the epilogue, below
+            self.push.launch(partials_at, context[0], router_weights, d_router)
         group_barrier(ws, "PEER_BARRIER_END")
         if not self.in_launch:
             dy_e, d_gate, d_up, _ = scratch.views(buffer)
@@ -255,7 +267,10 @@ class _BackwardOp:
                 grad_output, x, (gate_s, up_s, hidden_s), shared, self.limit,
                 main_grads[3:],
             )  # fmt: skip
-        if self.epilogue is None:
-            self.epilogue = bwd_epilogue_plan(d_x_shared, slots, ws.topk)
-        d_x = self.epilogue(d_x_shared, slots)
+        if self.finish is not None:
+            d_x = self.finish(d_x_shared, slots, partials_at, context[0], router_weights, d_router)
+        else:
+            if self.epilogue is None:
+                self.epilogue = bwd_epilogue_plan(d_x_shared, slots, ws.topk)
+            d_x = self.epilogue(d_x_shared, slots)
         return (d_x, d_router, *routed_grads, *shared_grads)

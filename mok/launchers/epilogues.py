@@ -23,7 +23,7 @@ MAX_GRID_Y = 65535
 HIDDEN_ALIGNMENT = 64
 
 
-def _launches(kernel, num_tokens: int, hidden: int):
+def epilogue_launches(kernel, num_tokens: int, hidden: int):
     """(grid, first token, token count) of each launch: grid (ceil(hidden / (8 * threads)),
     ceil(count / tokens_per_cta), 1), the manifest's `launch.grid` formula, in chunks of at
     most 65535 token blocks (grid.y limit; 262140 tokens per launch with 4 tokens per CTA)."""
@@ -58,6 +58,26 @@ def fwd_epilogue_plan(y_shared, slots, weights_shape):
     return _EpiloguePlan(True, y_shared, slots, weights_shape)
 
 
+def check_epilogue(forward: bool, shared, slots, weights_shape_or_topk) -> tuple:
+    """(num_tokens, hidden, topk) of an epilogue's tensors, checked: the forward one's
+    router-weights shape [T, k], or the backward one's topk."""
+    num_slots, hidden = slots.shape if slots.dim() == 2 else (None, None)
+    if forward:
+        num_tokens, topk = weights_shape_or_topk
+    else:
+        topk = weights_shape_or_topk
+        if topk < 1 or num_slots is None or num_slots % topk:
+            raise ValueError(f"slots rows ({num_slots}) must be a multiple of topk ({topk})")
+        num_tokens = num_slots // topk
+    if hidden is None or hidden % HIDDEN_ALIGNMENT:
+        raise ValueError(f"hidden size must be a multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
+    check_host("slots", slots, torch.bfloat16, (num_tokens * topk, hidden))
+    if shared is not None:
+        name = "y_shared" if forward else "d_x_shared"
+        check_host(name, shared, torch.bfloat16, (num_tokens, hidden))
+    return num_tokens, hidden, topk
+
+
 def bwd_epilogue_plan(d_x_shared, slots, topk: int):
     """`bwd_epilogue`'s plan for these shapes (checked now): plan(d_x_shared, slots)."""
     return _EpiloguePlan(False, d_x_shared, slots, topk)
@@ -77,20 +97,7 @@ class _EpiloguePlan:
     def __init__(self, forward: bool, shared, slots, weights_shape_or_topk):
         from mok.runtime import get_kernel  # noqa: PLC0415
 
-        num_slots, hidden = slots.shape if slots.dim() == 2 else (None, None)
-        if forward:
-            num_tokens, topk = weights_shape_or_topk
-        else:
-            topk = weights_shape_or_topk
-            if topk < 1 or num_slots is None or num_slots % topk:
-                raise ValueError(f"slots rows ({num_slots}) must be a multiple of topk ({topk})")
-            num_tokens = num_slots // topk
-        if hidden is None or hidden % HIDDEN_ALIGNMENT:
-            raise ValueError(f"hidden size must be a multiple of {HIDDEN_ALIGNMENT}, got {hidden}")
-        check_host("slots", slots, torch.bfloat16, (num_tokens * topk, hidden))
-        name = "y_shared" if forward else "d_x_shared"
-        if shared is not None:
-            check_host(name, shared, torch.bfloat16, (num_tokens, hidden))
+        num_tokens, hidden, topk = check_epilogue(forward, shared, slots, weights_shape_or_topk)
         self.forward, self.shape, self.topk = forward, (num_tokens, hidden), topk
         self.device = slots.device
         self.device_index = slots.get_device()
@@ -98,7 +105,7 @@ class _EpiloguePlan:
                             device=slots.device)  # fmt: skip
         has_shared = int(shared is not None)
         self.launches = []
-        for grid, start, count in _launches(kernel, num_tokens, hidden):
+        for grid, start, count in epilogue_launches(kernel, num_tokens, hidden):
             args = {
                 "num_tokens": count,
                 "hidden_size": hidden,

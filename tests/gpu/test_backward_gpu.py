@@ -9,6 +9,8 @@ gradients; the clamp on and off; adversarial routing; a whole training step in a
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from graph_replay import check_replays
@@ -99,6 +101,51 @@ def test_megakernel_gives_the_separate_kernels_bits(case):
     for name, a, b in zip(("dy_e", "d_gate", "d_up", "partials", "slots", "dg", "du", "dd"),
                           got, expected, strict=True):  # fmt: skip
         assert torch.equal(a, b), f"{name} differs"
+
+
+@pytest.mark.parametrize("case", CASES[:3] + CASES[5:], ids=case_id)
+def test_backward_finish_gives_the_push_and_epilogue_bits(case):
+    """A group of one's backward_finish (push + d_x epilogue in one launch) against the two
+    kernels on the same routed backward: d_router and d_x bitwise, outputs poisoned; a bad
+    router weight is reported by both."""
+    from mok.launchers.backward_finish import finish_plan  # noqa: PLC0415
+    from mok.launchers.backward_megakernel import push_router_grads, routed_backward
+    from mok.launchers.epilogues import bwd_epilogue
+    from mok.launchers.plans import schedule_addresses
+
+    t, h, i, e, k, shared, limit, routing = case
+    inputs = make_inputs(t, h, i, e, k, shared=shared, routing=routing, seed=t + i + k,
+                         device=CUDA)  # fmt: skip
+    config, ws = setup(inputs, e)
+    weights = [inputs[n] for n in WEIGHTS]
+    x, w, dy = inputs["x"], inputs["router_weights"], inputs["grad_output"]
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
+    _, ctx = F.forward(config, ws, schedule, x, w, *weights, swiglu_limit=limit)
+    _, _, _, partials, slots, _ = routed_backward(
+        dy, w, schedule, ctx.x_routed, ctx.gate_routed, ctx.up_routed, ctx.hidden_routed,
+        *weights[3:], swiglu_limit=limit,
+    )  # fmt: skip
+    d_x_shared = torch.randn(t, h, device=CUDA).to(torch.bfloat16) if shared else None
+    for bad in (False, True):
+        weights_in = w.clone()
+        if bad:
+            weights_in[t // 2, 0] = -1.0
+        poison_cuda_allocator()
+        want_router = torch.full_like(w, float("nan"))
+        push_router_grads(partials, schedule, weights_in, want_router)
+        want_d_x = bwd_epilogue(d_x_shared, slots, k)
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError) if bad else contextlib.nullcontext():
+            F.check_errors(ws)
+        got_router = torch.full_like(w, float("nan"))
+        plan = finish_plan(d_x_shared, slots, k, partials, schedule, weights_in, got_router)
+        got_d_x = plan(d_x_shared, slots, partials.data_ptr(), schedule_addresses(schedule),
+                       weights_in, got_router)  # fmt: skip
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError) if bad else contextlib.nullcontext():
+            F.check_errors(ws)
+        assert torch.equal(got_d_x, want_d_x)
+        assert torch.equal(got_router.nan_to_num(7.0), want_router.nan_to_num(7.0))
 
 
 def test_main_grads_accumulate_the_returned_gradients():
