@@ -61,8 +61,9 @@ class LayerSteps:
     def __deepcopy__(self, memo) -> LayerSteps:
         return LayerSteps()
 
-    def key(self, module, x, router_weights, top_experts) -> tuple | None:
-        """The step key of this call, or None when it must take the full path."""
+    def key(self, module, x, router_weights, top_experts, weights) -> tuple | None:
+        """The step key of this call (`weights`: the module's `weights()`), or None when it
+        must take the full path."""
         if (
             torch.compiler.is_compiling()
             or x.__class__ is not torch.Tensor
@@ -80,7 +81,7 @@ class LayerSteps:
             return None
         return (
             tensor_key(x), tensor_key(router_weights), tensor_key(top_experts),
-            *(weight_key(w) for w in module.weights()), id(module.config),
+            *map(weight_key, weights), id(module.config),
             module.swiglu_limit, module.num_local_experts, arch(),
             current_stream(x.get_device()), threading.get_ident(),
         )  # fmt: skip

@@ -244,13 +244,14 @@ class MoKExperts(nn.Module):
         self, x: torch.Tensor, router_weights: torch.Tensor, top_experts: torch.Tensor
     ) -> torch.Tensor:
         # A step whose key the full path ran before: its plans (mok/layer_plan.py).
-        key = self._steps.key(self, x, router_weights, top_experts)
+        weights = self.weights()
+        key = self._steps.key(self, x, router_weights, top_experts, weights)
         step = self._steps.get(key, self.config)
         if step is not None:
             schedule = step.schedule(top_experts)
             return MoKFunction.apply(
                 self.config, step.ws(), schedule, self.swiglu_limit, False, False, step, x,
-                router_weights, *self.weights(),
+                router_weights, *weights,
             )  # fmt: skip
         # Checked before the workspace is made: a bad call leaves no workspace behind.
         self._check_inputs(x, router_weights, top_experts)

@@ -22,6 +22,7 @@ from .plans import (
     Carve,
     Descriptors,
     aligned,
+    all_aligned,
     current_stream,
     plan,
     schedule_addresses,
@@ -290,10 +291,8 @@ class _BackwardPlan:
                 for d_w in d_weights:
                     d_w.zero_()
             return buffer, slots, d_weights
-        for name, address in zip(("x_routed", "gate", "up", "hidden"), context_at, strict=True):
-            aligned(name, address)
         grad_output_at, weights_at = grad_output.data_ptr(), router_weights.data_ptr()
-        aligned("grad_output", grad_output_at)
+        all_aligned(CHECKED_ADDRESSES, (*context_at, grad_output_at))
         aligned("router_weights", weights_at, 4)
         dy_e_at, d_gate_at, d_up_at, partials_at = scratch_at = self.scratch.addresses(buffer)
         x_routed_at, gate_at, up_at, hidden_at = context_at
@@ -316,6 +315,8 @@ class _BackwardPlan:
         return buffer, slots, d_weights
 
 
+# The call's tensors whose addresses must keep 16-byte alignment (the router weights: 4).
+CHECKED_ADDRESSES = ("x_routed", "gate", "up", "hidden", "grad_output")
 # Rewritten on every launch, in this order (BoundLaunch.launch): descriptors, then pointers.
 DYNAMIC_TMA = ("tma_dy", "tma_dg", "tma_du", "tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
 # The MXFP8 variant's weights (dequantised per call) and round-trip scratch, after those.

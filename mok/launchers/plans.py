@@ -129,8 +129,7 @@ class Carve:
         return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
 
     def addresses(self, buffer: torch.Tensor) -> tuple[int, ...]:
-        base = buffer.data_ptr()
-        return tuple(base + offset for offset in self.offsets)
+        return tuple(map(buffer.data_ptr().__add__, self.offsets))
 
     def view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         dtype, shape = self.pieces[index]
@@ -179,3 +178,10 @@ def aligned(name: str, address: int, align: int = 16) -> None:
     """A dynamic address must keep the alignment the plan's first tensor was checked for."""
     if address % align:
         raise ValueError(f"{name} must be {align}-byte aligned, got address {address:#x}")
+
+
+def all_aligned(names: tuple[str, ...], addresses: tuple[int, ...], align: int = 16) -> None:
+    """`aligned` of each (name, address), the first misaligned one named."""
+    if any(address % align for address in addresses):
+        for name, address in zip(names, addresses, strict=True):
+            aligned(name, address, align)
