@@ -174,6 +174,7 @@ class _BackwardPlan:
         d_w_gate, d_w_up, d_w_down = d_weights if d_weights is not None else (dy_e,) * 3
         self.dynamic_tma = DYNAMIC_TMA + (WEIGHT_TMA if mxfp8 else ())
         self.descriptor_list = [Descriptors(kernel, name) for name in self.dynamic_tma]
+        self.last_descriptors = (None, None)  # (addresses, descriptors) of the last BF16 call
         weights = (gate_weights, up_weights, down_weights)
         tma = self._descriptors(dy_e, d_gate, d_up, hidden, x_routed, rounded, weights)
         if not mxfp8:
@@ -233,11 +234,15 @@ class _BackwardPlan:
         trips), the weight phase's operands, then (MXFP8) the weights of this call. `addresses`
         of (dy_e, d_gate, d_up, hidden, x_routed); `tensor(i)` makes the i-th of them, only
         for a descriptor not made yet."""
+        if not self.mxfp8 and self.last_descriptors[0] == addresses:
+            return self.last_descriptors[1]  # a step's buffers at the last call's addresses
         cache = self.descriptor_list
         made = [cache[i + 3].at(address, lambda i=i: tensor(i))
                 for i, address in enumerate(addresses)]  # fmt: skip
         if not self.mxfp8:
-            return [cache[i].at(addresses[i], lambda i=i: tensor(i)) for i in range(3)] + made
+            made = [cache[i].at(addresses[i], lambda i=i: tensor(i)) for i in range(3)] + made
+            self.last_descriptors = (addresses, made)
+            return made
         a_operands = [cache[i].get(t) for i, t in enumerate(rounded)]
         flat = [cache[8 + i].get(w.view(self.flat[name]))
                 for i, (name, w) in enumerate(zip(WEIGHT_TMA, weights, strict=True))]  # fmt: skip

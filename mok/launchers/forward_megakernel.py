@@ -140,6 +140,7 @@ class _ForwardPlan:
         a_x, a_h = self._operands(x_routed, hidden)
         self.tma_x = Descriptors(kernel, "tma_x")
         self.tma_h = Descriptors(kernel, "tma_h")
+        self.last_descriptors = (None, None)  # (addresses, descriptors) of the last BF16 call
         first_slots = slots if slots is not None else x_routed  # any address: rewritten per call
         self.bound = kernel.bind(
             (grid, 1, 1),
@@ -219,9 +220,12 @@ class _ForwardPlan:
             bf16_weights = tuple(self._weight_descriptors(bf16).values())
             rounded_at = (a_x.data_ptr(), a_h.data_ptr())
         else:
-            tma_x = self.tma_x.at(x_routed_at, lambda: context(0))
-            tma_h = self.tma_h.at(hidden_at, lambda: context(3))
-            bf16_weights, rounded_at = (), (0, 0)
+            last_at, last = self.last_descriptors
+            if last_at != (x_routed_at, hidden_at):
+                last = (self.tma_x.at(x_routed_at, lambda: context(0)),
+                        self.tma_h.at(hidden_at, lambda: context(3)))  # fmt: skip
+                self.last_descriptors = ((x_routed_at, hidden_at), last)
+            (tma_x, tma_h), bf16_weights, rounded_at = last, (), (0, 0)
         x_address = x.data_ptr()
         aligned("x", x_address)
         stream = current_stream(self.device_index)
