@@ -133,16 +133,22 @@ def test_a_resolved_step_launches_six_kernels(monkeypatch):
     ], launched  # fmt: skip
 
 
-def test_a_resolved_step_reads_its_context_where_saved_tensor_hooks_put_it():
-    """The step's buffer is saved for backward; hooks that move saved tensors (here: a copy)
-    give the backward a buffer at a new address, which it must read (bitwise the full path)."""
+def _stepped_module(seed: int):
+    """(module, inputs, grad) after three training steps of 512 tokens: its key resolved."""
     torch.manual_seed(0)
     module = MoKExperts(E, H, I, K, device=CUDA)
-    inputs = make_inputs(512, H, I, E, K, seed=7, device=CUDA)
+    inputs = make_inputs(512, H, I, E, K, seed=seed, device=CUDA)
     grad = torch.randn(512, H, dtype=torch.bfloat16, device=CUDA)
     for _ in range(3):
         _step(module, module, inputs, grad)
     assert len(_resolved(module)) == 1
+    return module, inputs, grad
+
+
+def test_a_resolved_step_reads_its_context_where_saved_tensor_hooks_put_it():
+    """The step's buffer is saved for backward; hooks that move saved tensors (here: a copy)
+    give the backward a buffer at a new address, which it must read (bitwise the full path)."""
+    module, inputs, grad = _stepped_module(seed=7)
     copies = []
 
     def pack(t):
@@ -176,12 +182,7 @@ def test_bad_router_weight_on_a_resolved_step_is_raised_by_the_next_call():
 
 
 def test_new_weights_and_a_destroyed_workspace_take_the_full_path():
-    torch.manual_seed(0)
-    module = MoKExperts(E, H, I, K, device=CUDA)
-    inputs = make_inputs(512, H, I, E, K, seed=4, device=CUDA)
-    grad = torch.randn(512, H, dtype=torch.bfloat16, device=CUDA)
-    for _ in range(3):
-        _step(module, module, inputs, grad)
+    module, inputs, grad = _stepped_module(seed=4)
     with torch.no_grad():
         module.gate_weight.data = module.gate_weight.data * 2  # a new tensor: a new key
     fast = _step(module, module, inputs, grad)
