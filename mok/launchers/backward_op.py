@@ -33,7 +33,14 @@ from .device_args import TILE_ROWS
 from .epilogues import bwd_epilogue_plan
 from .forward_op import group_barrier
 from .peer_tables import peer_tables
-from .plans import current_stream, plan, schedule_addresses, tensor_key, weight_key
+from .plans import (
+    current_stream,
+    new_tensors,
+    plan,
+    schedule_addresses,
+    tensor_key,
+    weight_key,
+)
 from .rows import pad_rows
 
 
@@ -192,9 +199,9 @@ class _BackwardOp:
             swiglu_limit, self.in_launch, bwd_num_comm_sms, minibatch_size, ws.wait_timeout_ns,
             peers, self.slots, ws.megakernel_ctas, self.mxfp8,
         )  # fmt: skip
-        # The push's checks look at shapes only: a partials piece of one scratch buffer and
-        # d_router as each call makes them.
-        partials = self.routed.scratch.view(self.routed.scratch.new(), 3)
+        # The push's checks look at shapes only: partials as the scratch's piece is shaped
+        # (allocated alone, not the whole scratch) and d_router as each call makes it.
+        partials = new_tensors(self.routed.scratch.pieces[3:], grad_output.device)[0]
         d_router = self._d_router(ws, router_weights)
         self.push = router_grad_push_plan(partials, schedule, router_weights, d_router,
                                           self.grad_peers)  # fmt: skip

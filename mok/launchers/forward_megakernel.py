@@ -25,6 +25,7 @@ from .plans import (
     Descriptors,
     aligned,
     current_stream,
+    new_tensors,
     plan,
     schedule_addresses,
     tensor_key,
@@ -187,8 +188,7 @@ class _ForwardPlan:
         return [(bf16, (rows, hidden_size))] + [(bf16, (rows, inter))] * 3
 
     def _outputs(self):
-        return tuple(torch.empty(shape, dtype=dtype, device=self.device)
-                     for dtype, shape in self.layout())  # fmt: skip
+        return new_tensors(self.layout(), self.device)
 
     def _operands(self, x_routed, hidden):
         """The GEMMs' A operands: the rows themselves (BF16), or new scratch for their MXFP8

@@ -104,6 +104,12 @@ class Descriptors:
         return descriptor
 
 
+def new_tensors(layout, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One new (uninitialised) tensor per (dtype, shape) of `layout`: a `Carve`'s pieces as
+    separate allocations (for outputs that reach a custom op, which may not alias)."""
+    return tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, shape in layout)
+
+
 class Carve:
     """Pieces of one allocation: contiguous (dtype, shape) each, every one 256-byte aligned.
 

@@ -16,7 +16,7 @@ import torch
 
 from ..config import MoKConfig
 from . import comm, schedule_kernels
-from .plans import current_stream, plan, tensor_key
+from .plans import current_stream, new_tensors, plan, tensor_key
 from .status import status_ptr
 
 _CONFIGS: dict[int, MoKConfig] = {}  # by chunk size: made (and validated) once
@@ -71,8 +71,7 @@ class _ScheduleOp:
         )
 
     def _outputs(self):
-        return tuple(torch.empty(shape, dtype=dtype, device=self.device)
-                     for dtype, shape in self.layout())  # fmt: skip
+        return new_tensors(self.layout(), self.device)
 
     def __call__(self, top_experts, outputs_at=None):
         """The schedule's four new tensors; with `outputs_at` (the addresses of the four, as
