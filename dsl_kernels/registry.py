@@ -38,8 +38,7 @@ def variants() -> list[Variant]:
     from .common.mxfp8_quantize_transposed import Mxfp8QuantizeTransposed
     from .common.mxfp8_round_trip import Mxfp8RoundTrip
     from .common.router_grad_push import RouterGradPush
-    from .common.schedule_count import ScheduleCount
-    from .common.schedule_place import SchedulePlace
+    from .common.schedule import Schedule
     from .common.sm_holder import SmHolder
     from .sm90.expert_gemm import Sm90ExpertGemm
     from .sm90.expert_gemm_bwd import Sm90ExpertGemmBwd
@@ -102,26 +101,12 @@ def variants() -> list[Variant]:
             {"threads": 128, "rows_per_cta": 4},
             launch_grid="(ceil(hidden_size / (8 * 128)), min(ceil(num_rows / 4), 65535), 1)",
         ),
-        Variant(
-            "schedule_count",
-            ScheduleCount,
-            launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
-        ),
-        Variant(
-            "schedule_place",
-            SchedulePlace,
-            launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
-        ),
+        # The receive schedule's count and placement tasks in one launch (common/schedule.py).
+        Variant("schedule", Schedule, launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)"),
         # A group of one's: the caller's int64 routing in place of the all-gather's copy.
         Variant(
-            "schedule_count_ids64",
-            ScheduleCount,
-            {"ids64": True},
-            launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
-        ),
-        Variant(
-            "schedule_place_ids64",
-            SchedulePlace,
+            "schedule_ids64",
+            Schedule,
             {"ids64": True},
             launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)",
         ),

@@ -17,7 +17,7 @@ from .errors import MoKKernelUnavailableError
 # the issue that brings it.
 KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
     "build_schedule": (
-        ("all_gather_top_experts", "schedule_count", "schedule_place"),
+        ("all_gather_top_experts", "schedule", "schedule_ids64"),
         "the routing all-gather and schedule kernels",
     ),
     # mok/launchers/forward_op.py: the routed experts run in the forward megakernel

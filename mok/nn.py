@@ -96,6 +96,22 @@ class MoKFunction(torch.autograd.Function):
         return (None,) * 7 + _module_order(grads, main_grads)
 
 
+# torch's C `apply` of a Function, bound to MoKFunction: `Function.apply` is a Python wrapper
+# around it (a functorch check, a dead-wrapper unwrap of every argument, a setup_context
+# check), about 7 us of a resolved step's host time.
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, MoKFunction)
+
+
+def _step_apply(*args):
+    """`MoKFunction.apply(*args)` of a resolved step: the wrapper's work done here for the
+    tensors a step takes (x, router weights, weights), then torch's C apply. MoKFunction
+    defines no setup_context; under functorch transforms the wrapper runs as it is."""
+    if torch._C._are_functorch_transforms_active():
+        return MoKFunction.apply(*args)
+    unwrap = torch._C._functorch.unwrap_if_dead
+    return _C_APPLY(*args[:7], *(a if a is None else unwrap(a) for a in args[7:]))
+
+
 def _module_order(grads, main_grads=None) -> tuple:
     """`functional.backward`'s (d_x, d_router, routed g/u/d, shared g/u/d) as MoKFunction's
     input gradients (d_x, d_router, shared g/u/d, routed g/u/d); None where a gradient went
@@ -249,7 +265,7 @@ class MoKExperts(nn.Module):
         step = self._steps.get(key, self.config)
         if step is not None:
             schedule = step.schedule(top_experts)
-            return MoKFunction.apply(
+            return _step_apply(
                 self.config, step.ws(), schedule, self.swiglu_limit, False, False, step, x,
                 router_weights, *weights,
             )  # fmt: skip

@@ -73,6 +73,8 @@ class WaitPhase(enum.IntEnum):
     BACKWARD_WGRAD_GEMM = 13
     # Task-list ticket counter (a compute CTA waiting for a task's dependencies in general).
     TASK_DEPENDENCY = 14
+    # The receive schedule's placement waiting for its count tasks' scan (one launch).
+    SCHEDULE = 15
 
 
 def phase_name(phase_id: int) -> str:

@@ -1,12 +1,12 @@
-"""CPU checks of the GPU schedule (dsl_kernels/common/schedule_*.py, mok/launchers/schedule_kernels.py).
+"""CPU checks of the GPU schedule (dsl_kernels/common/schedule*.py, mok/launchers/schedule_kernels.py).
 
 1. A pure-PyTorch emulation of the kernels' exact multi-pass algorithm (same 4096-entry chunks,
    same 8 warps x 16 steps x 32 lanes, same match.any groups and leaders, same scans, padding
    fill and overflow rule) equals `mok.reference.build_schedule` bit for bit, writes every
    output element and never writes outside [0, C). No GPU needed; this is the algorithm proof.
-2. The two variants compile for sm_90a and sm_100a, rely on `match.any.sync`, use only
-   integer atomics (shared-memory counts, and the count pass's one global count of its CTAs),
-   no floating-point atomics, and no dynamic shared memory.
+2. The kernel's two variants compile for sm_90a and sm_100a, rely on `match.any.sync`, use
+   only integer atomics (shared-memory counts; global tickets, arrivals and the scan's
+   release), no floating-point atomics, a bounded wait, and no dynamic shared memory.
 """
 
 import re
@@ -273,14 +273,13 @@ def test_emulation_exact_fit_and_other_ids():
 # ---------------------------------------------------------------------------------------------
 # Compile checks (need nvidia-cutlass-dsl; no GPU)
 # ---------------------------------------------------------------------------------------------
-SCHEDULE_VARIANTS = ("schedule_count", "schedule_place", "schedule_count_ids64",
-                     "schedule_place_ids64")  # fmt: skip
+SCHEDULE_VARIANTS = ("schedule", "schedule_ids64")
 ARCHS = ("sm_90a", "sm_100a")
 
 
 @pytest.fixture(scope="module")
 def compiled_schedule():
-    """{(variant, arch): (manifest entry, PTX)} for the two schedule kernels (~1 s)."""
+    """{(variant, arch): (manifest entry, PTX)} for the schedule kernel's variants (~1 s)."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
     from mok.dsl_kernels import build
     from mok.dsl_kernels.registry import variants
@@ -297,7 +296,8 @@ def compiled_schedule():
 
 def test_constants_agree():
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-    from mok.dsl_kernels.common import schedule_count, schedule_place, schedule_warp
+    from mok.dsl_kernels.common import schedule, schedule_count, schedule_place, schedule_warp
+    from mok.runtime import WaitPhase
 
     assert schedule_warp.CHUNK == CHUNK == launcher.ENTRIES_PER_CHUNK
     assert (schedule_warp.WARPS, schedule_warp.ENTRIES_PER_LANE) == (WARPS, STEPS)
@@ -307,6 +307,8 @@ def test_constants_agree():
     assert schedule_place.STATUS_WORDS == launcher.STATUS_WORDS
     assert schedule_count.CHUNK_GROUPS == SCAN_GROUPS == schedule_warp.WARPS
     assert schedule_count.EXPERTS_PER_BLOCK == WARP_SIZE
+    assert schedule.COUNTER_WORDS == launcher.COUNTER_WORDS
+    assert schedule.PHASE_SCHEDULE == WaitPhase.SCHEDULE
 
 
 def _opcodes(ptx: str) -> list[str]:
@@ -319,21 +321,23 @@ def test_schedule_ptx(compiled_schedule, name, arch):
     entry, ptx = compiled_schedule[name, arch]
     ops = _opcodes(ptx)
     atomics = [op for op in ops if op.startswith(("atom", "red"))]
-    # Determinism: integer atomics on shared memory only (counts), never float; the count
-    # pass's one global atomic counts its CTAs (the last one scans).
+    # Determinism: integer atomics on shared memory only (the count tasks' counts), never
+    # float. Global ones: the tickets (relaxed, taken at two sites), the count tasks' arrivals
+    # and the exit count (acq_rel), the scan's release of the placement tasks, and the error
+    # record's claim (CAS, on a timed-out wait only, which then traps).
     shared = [op for op in atomics if op.startswith("atom.shared")]
-    assert all(re.search(r"\.[us]32$", op) for op in shared)
+    assert shared == ["atom.shared.cta.add.u32"] * STEPS
     assert not [op for op in ops if re.match(r"(atom|red)\..*\.(f16|bf16|f32|f64)", op)]
+    assert sorted(op for op in atomics if op not in shared) == sorted(
+        ["atom.relaxed.gpu.global.add.s32"] * 2 + ["atom.acq_rel.gpu.global.add.s32"] * 2
+        + ["red.release.gpu.global.add.s32", "atom.relaxed.sys.global.cas.b32"]
+    )  # fmt: skip
+    assert "trap" in ops  # the bounded wait gives up by trapping, never hangs
+    # Count tasks group one step at a time, placement tasks twice (count, then place).
+    assert ops.count("match.any.sync.b32") == STEPS * 3
     # ids64 (a group of one): the placement loads and checks each int64 id, the count reads
-    # its low word; the int32 variants load no int64.
-    assert ops.count("ld.global.nc.s64") == (STEPS if name == "schedule_place_ids64" else 0)
-    if name.startswith("schedule_count"):
-        assert ops.count("match.any.sync.b32") == STEPS
-        assert len(shared) == STEPS
-        assert [op for op in atomics if op not in shared] == ["atom.acq_rel.gpu.global.add.s32"]
-    else:
-        assert ops.count("match.any.sync.b32") == STEPS * 2
-        assert atomics == []
+    # its low word; the int32 variant loads no int64.
+    assert ops.count("ld.global.nc.s64") == (STEPS if name == "schedule_ids64" else 0)
     # Static shared memory only, under the 48 KiB that needs no opt-in.
     assert entry["dynamic_smem_bytes"] == 0
     static = sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx))

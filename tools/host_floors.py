@@ -58,14 +58,18 @@ def main() -> None:
     stream = current_stream(device.index)
     rows["cuMemsetD32Async (cuda-python)"] = _per_call(lambda: zero_async(small, stream))
     rows["cuCtxGetCurrent (cuda-python)"] = _per_call(cu.cuCtxGetCurrent)
-    kernel = get_kernel("schedule_count", device=device)
+    kernel = get_kernel("schedule", device=device)
     counts = torch.zeros(64, dtype=torch.int32, device=device)
     expert = torch.zeros(32, dtype=torch.int32, device=device)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=device)  # one CTA: it leaves it zero
+    words = torch.zeros(8, dtype=torch.int32, device=device)  # counters (left zero), status
+    # No entries, capacity 0: one count task and one placement task, nothing placed.
     args = {"ids_ptr": counts, "counts_ptr": counts, "expert_counts_ptr": expert,
-            "arrivals_ptr": arrivals, "num_entries": 0, "ep_rank": 0,
-            "num_local_experts": 32}  # fmt: skip
-    rows["Kernel.launch (7 params, checked)"] = _per_call(lambda: kernel.launch((1, 1, 1), args))
+            "counters_ptr": words, "peer_rank_ptr": counts, "peer_token_idx_ptr": counts,
+            "num_tokens_ptr": counts, "tokens_per_expert_ptr": expert,
+            "status_ptr": words[4:], "error_record_ptr": None, "timeout_ns": 10**9,
+            "num_entries": 0, "entries_per_rank": 0, "ep_rank": 0, "num_local_experts": 32,
+            "capacity": 0}  # fmt: skip
+    rows["Kernel.launch (16 params, checked)"] = _per_call(lambda: kernel.launch((1, 1, 1), args))
     bound = kernel.bind((1, 1, 1), args, dynamic=("counts_ptr", "expert_counts_ptr"))
     c_at, e_at = counts.data_ptr(), expert.data_ptr()
     rows["BoundLaunch.launch (2 dynamic)"] = _per_call(

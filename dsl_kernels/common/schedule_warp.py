@@ -1,14 +1,14 @@
-"""Warp-level helpers shared by the two schedule kernels (`schedule_count`, `schedule_place`)
-and the constants that tie them together.
+"""Warp-level helpers shared by the schedule's count and placement tasks (schedule_count.py,
+schedule_place.py) and the constants that tie them together.
 
 The schedule is a stable counting sort of the all-gathered routing entries (flat index
-`i = rank * T * k + t * k + j`) by local expert. Every kernel walks the same chunking:
-CTA `c` owns entries [c * CHUNK, (c + 1) * CHUNK); inside it warp `w` owns the contiguous
+`i = rank * T * k + t * k + j`) by local expert. Every task walks the same chunking:
+chunk `c` is entries [c * CHUNK, (c + 1) * CHUNK); inside it warp `w` owns the contiguous
 sub-chunk [c * CHUNK + w * WARP_CHUNK, ...), which it reads 32 entries (one per lane, lane
 order = entry order) per step. The count pass's per-chunk offsets are only consistent with
-the placement if both kernels use these constants.
+the placement if both passes use these constants.
 
-A group of one has a variant of each kernel (`ids64`) that reads the caller's routing, int64
+A group of one has a variant of the kernel (`ids64`) that reads the caller's routing, int64
 [T, k], in place of the all-gather's int32 copy: the count pass reads each id's low word (the
 int64 array seen as int32 with stride 2), the placement loads the whole id, checks it against
 [0, E) into the value-status words (as the all-gather does) and narrows it to the same low
@@ -22,7 +22,7 @@ from cutlass import Int32, Int64, Uint32
 from .value_checks import load_checked_id
 
 WARP_SIZE = 32
-THREADS = 256  # threads of a count / placement CTA
+THREADS = 256  # threads of a schedule CTA
 WARPS = THREADS // WARP_SIZE
 ENTRIES_PER_LANE = 16  # steps of 32 entries a warp takes over its sub-chunk
 WARP_CHUNK = WARP_SIZE * ENTRIES_PER_LANE  # 512 entries per warp

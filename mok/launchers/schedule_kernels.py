@@ -1,17 +1,18 @@
-"""The receive schedule on the GPU: two kernels back to back on one stream, no host sync.
+"""The receive schedule on the GPU: one launch, no host sync.
 
-A stable counting sort (dsl_kernels/common/schedule_*.py) of the all-gathered routing entries
+A stable counting sort (dsl_kernels/common/schedule*.py) of the all-gathered routing entries
 (flat index i = rank * T * k + t * k + j; a group of one's own int64 [T, k] ids, read in place by
-the `ids64` variants, which check them) by local expert:
-1. `schedule_count`, grid (num_chunks,): counts[c, e] of each 4096-entry chunk c; the grid's
-   last CTA turns them into chunk c's offset in expert e's segment and writes
-   expert_counts[e] = expert e's total (its arrival word: the plan's `Counters`, left zero).
-2. `schedule_place`, grid (num_chunks,): CTA 0 writes tokens_per_expert, num_tokens and,
-   on overflow, status;
-   all CTAs fill padding rows with -1 and place their entries in flat-index order.
+the `ids64` variant, which checks them) by local expert, in chunks of 4096 entries. Kernel
+`schedule`, grid (num_chunks,), takes 2 * num_chunks tasks by ticket:
+1. count tasks: counts[c, e] of chunk c; the task that counts last turns them into chunk c's
+   offset in expert e's segment and writes expert_counts[e] = expert e's total, then releases
+   the placement tasks (a bounded wait: the launch never hangs; a timeout is reported as
+   WaitPhase.SCHEDULE);
+2. placement tasks: task 0 writes tokens_per_expert, num_tokens and, on overflow, status; all
+   fill padding rows with -1 and place their chunk's entries in flat-index order.
 Atomics only count; rows come from prefix sums: the same bits as `mok.reference.build_schedule`.
 
-Capacity overflow (padded rows > C) cannot raise without a sync: the kernels write nothing out
+Capacity overflow (padded rows > C) cannot raise without a sync: the kernel writes nothing out
 of bounds, set peer_rank / peer_token_idx to -1 and store status = [1, total, ep_rank,
 capacity] (the words are left as they were when it fits: zero them first);
 `check_schedule(status)` raises.
@@ -22,18 +23,20 @@ from __future__ import annotations
 import torch
 
 from ..config import ROUTED_ROW_ALIGNMENT
+from .comm import DEFAULT_TIMEOUT_NS, get_error_record
 from .plans import Counters, aligned, current_stream, plan, tensor_key
 
 # Launch constants; they mirror dsl_kernels/common/schedule_warp.py (tests/test_schedule_ptx.py
 # checks that they agree).
-ENTRIES_PER_CHUNK = 4096  # entries of one count / placement CTA
+ENTRIES_PER_CHUNK = 4096  # entries of one count / placement task
 MAX_LOCAL_EXPERTS = 1024  # the kernels' shared-memory tables hold this many experts
 STATUS_WORDS = 4  # [overflow 0/1, padded total, ep_rank, capacity]
+COUNTER_WORDS = 4  # tickets, count arrivals, scanned, exits (dsl_kernels/common/schedule.py)
 _INT32_LIMIT = 1 << 31
 
 
 def schedule_grid(num_entries: int) -> int:
-    """The count and placement kernels' grid (chunks of 4096) for P * T * k entries."""
+    """The schedule kernel's grid (chunks of 4096) for P * T * k entries."""
     return max(1, -(-num_entries // ENTRIES_PER_CHUNK))
 
 
@@ -139,9 +142,9 @@ def schedule_plan(top_experts_all, peer_rank, peer_token_idx, num_tokens, tokens
 
 
 class _SchedulePlan:
-    """The two schedule kernels for one set of shapes: checked and bound on the first call,
-    with their scratch (every element written by the kernel that produces it; the count
-    pass's arrival word is zero between launches)."""
+    """The schedule kernel for one set of shapes: checked and bound on the first call, with
+    its scratch (every element written by the task that produces it; the launch's counters
+    are zero between launches)."""
 
     def __init__(self, top_experts_all, peer_rank, peer_token_idx, num_tokens,
                  tokens_per_expert, status, ep_rank, num_local_experts):  # fmt: skip
@@ -172,33 +175,22 @@ class _SchedulePlan:
         self.ids_alignment = top_experts_all.element_size()
         counts = torch.empty(num_chunks * num_local_experts, dtype=torch.int32, device=device)
         expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
-        self.arrivals = Counters(1, device)
+        self.counters = Counters(COUNTER_WORDS, device)
         self.scratch = (counts, expert_counts)
-        suffix = "_ids64" if ids64 else ""
-        self.count = get_kernel("schedule_count" + suffix, device=device).bind(
+        self.kernel = get_kernel("schedule_ids64" if ids64 else "schedule", device=device).bind(
             (num_chunks, 1, 1),
             {
                 "ids_ptr": top_experts_all,
                 "counts_ptr": counts,
                 "expert_counts_ptr": expert_counts,
-                "arrivals_ptr": self.arrivals.tensor,
-                "num_entries": num_entries,
-                "ep_rank": ep_rank,
-                "num_local_experts": num_local_experts,
-            },
-            dynamic=("ids_ptr",),
-        )
-        self.place = get_kernel("schedule_place" + suffix, device=device).bind(
-            (num_chunks, 1, 1),
-            {
-                "ids_ptr": top_experts_all,
-                "offsets_ptr": counts,
-                "expert_counts_ptr": expert_counts,
+                "counters_ptr": self.counters.tensor,
                 "peer_rank_ptr": peer_rank,
                 "peer_token_idx_ptr": peer_token_idx,
                 "num_tokens_ptr": num_tokens,
                 "tokens_per_expert_ptr": tokens_per_expert,
                 "status_ptr": status,
+                "error_record_ptr": get_error_record(device).device_ptr,
+                "timeout_ns": DEFAULT_TIMEOUT_NS,
                 "num_entries": num_entries,
                 "entries_per_rank": tokens * topk,
                 "ep_rank": ep_rank,
@@ -218,13 +210,12 @@ class _SchedulePlan:
         )  # fmt: skip
 
     def launch(self, ids_at: int, outputs_at: tuple, status_at: int) -> None:
-        """The two launches on addresses: ids, then (peer_rank, peer_token_idx, num_tokens,
+        """The launch on addresses: ids, then (peer_rank, peer_token_idx, num_tokens,
         tokens_per_expert) of tensors shaped as the plan's first ones (4-byte aligned)."""
         stream = current_stream(self.device_index)
         aligned("top_experts_all", ids_at, self.ids_alignment)
-        self.arrivals.before_launch(stream)
-        self.count.launch(ids_at, stream=stream)
-        self.place.launch(ids_at, *outputs_at, status_at, stream=stream)
+        self.counters.before_launch(stream)
+        self.kernel.launch(ids_at, *outputs_at, status_at, stream=stream)
 
 
 def build_schedule_gpu(

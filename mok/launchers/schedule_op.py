@@ -1,7 +1,7 @@
-"""`mok::build_schedule` on CUDA: the routing all-gather (EP > 1), then the two schedule kernels,
-no host sync.
+"""`mok::build_schedule` on CUDA: the routing all-gather (EP > 1), then the schedule kernel (count
+and placement tasks in one launch), no host sync.
 
-A group of one has nothing to gather: its schedule kernels (the `ids64` variants) read the
+A group of one has nothing to gather: its schedule kernel (the `ids64` variant) reads the
 caller's int64 ids in place of the all-gather's int32 copy, one launch fewer. The all-gather
 (a group of one: the placement) checks the expert ids and the placement records a capacity
 overflow in the device's value-status words (launchers/status.py): the next mok op on the device

@@ -9,10 +9,10 @@ them (a rank raising mid-step would strand its peers in a barrier). A nonzero wo
 and raised once.
 
     word  written by               on
-    0-3   schedule_place           capacity overflow: [1, padded total, ep_rank, capacity]
+    0-3   schedule                 capacity overflow: [1, padded total, ep_rank, capacity]
     4-5   all_gather_top_experts   an expert id outside [0, E * P): [1, E * P]
           (a group of one's:
-          schedule_place_ids64)
+          schedule_ids64)
     6     moe_combine_forward      a router weight <= 0 or non-finite: 1
     7     router_grad_push         the same in backward: 1 + the EP rank owning the weight
 

@@ -108,11 +108,11 @@ def test_a_resolved_step_allocates_its_outputs_context_and_scratch_only():
     assert count == 8, count
 
 
-def test_a_resolved_step_launches_six_kernels(monkeypatch):
-    """One eager forward + backward of a resolved step of a group of one: schedule count and
-    placement (they read the caller's int64 ids: no all-gather), the forward megakernel, the
-    forward epilogue; the backward megakernel, then the router-gradient push and the backward
-    epilogue in one launch (backward_finish). Each runs once, in that order."""
+def test_a_resolved_step_launches_five_kernels(monkeypatch):
+    """One eager forward + backward of a resolved step of a group of one: the schedule (count
+    and placement in one launch, reading the caller's int64 ids: no all-gather), the forward
+    megakernel, the forward epilogue; the backward megakernel, then the router-gradient push and
+    the backward epilogue in one launch (backward_finish). Each runs once, in that order."""
     from mok.runtime import module as runtime_module  # noqa: PLC0415
 
     step = _resolved_step(seed=6)
@@ -128,8 +128,8 @@ def test_a_resolved_step_launches_six_kernels(monkeypatch):
     torch.cuda.synchronize()
     print(f"\nlaunches per resolved step: {launched}")
     assert launched == [
-        "schedule_count_ids64", "schedule_place_ids64", "moe_forward",
-        "moe_combine_forward", "moe_backward", "backward_finish",
+        "schedule_ids64", "moe_forward", "moe_combine_forward", "moe_backward",
+        "backward_finish",
     ], launched  # fmt: skip
 
 
