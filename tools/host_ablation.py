@@ -10,9 +10,10 @@ the autograd floor (`benchmarks.host_time.autograd_floor`). Rounds alternate the
 the process's drift touches each alike; the medians over rounds are printed. With no-op
 launches the GPU runs nothing and the outputs are garbage: only the host time means anything.
 Then the driver calls and allocations timed where they run (one `perf_counter` pair around each
-`Kernel.launch_packed` and `torch.empty` of a resolved step, over `measure`'s synced and
-back-to-back steps alike; the pair and its wrapper add about a microsecond).
-`--profile` writes a cProfile report (tottime) of the full step.
+`Kernel.launch_packed` and `torch.empty` of a resolved step; the pair and its wrapper add about
+a microsecond), over the steps `measure` profiles: those with a sync before each (the GPU idle
+at each step's start).
+`--profile` writes a cProfile report (tottime) of the full step, over those steps too.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _no_op(owner, name):
 class _CallTimers:
     """Times each `Kernel.launch_packed` (by kernel) and `torch.empty` while enabled; passed to
     `measure` as its profiler, which enables it after the warm-up steps (the step resolved) and
-    disables it after the back-to-back loop."""
+    disables it after the synced steps."""
 
     def __init__(self):
         self.on, self.totals = False, {}
@@ -88,11 +89,10 @@ class _CallTimers:
 
 def _timed_calls(shape: str, tokens: int, steps: int = 20) -> dict:
     """{name: (calls per step, seconds per step)} of a resolved step's driver calls (by
-    kernel) and allocations, over `measure`'s 2 * steps timed steps (synced, then back to
-    back)."""
+    kernel) and allocations, over `measure`'s `steps` synced steps."""
     with _CallTimers() as timers:
         measure(shape, tokens, steps=steps, layers=1, profile=timers)
-    count = 2 * steps
+    count = steps
     return {
         name: (calls / count, seconds / count) for name, (calls, seconds) in timers.totals.items()
     }
