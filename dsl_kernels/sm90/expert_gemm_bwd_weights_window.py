@@ -264,7 +264,7 @@ def load_partial(thr_mma, accumulators: tuple, ptr: cute.Pointer, from_partial, 
             block = phases.output_tile(ptr, None, first_row, first_col + j * TILE_N, n_size,
                                        2 * TILE_N)  # fmt: skip
             cute.autovec_copy(thr_mma.partition_C(block), staged)
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
             acc[i] = cutlass.select_(from_partial, staged[i], Float32(0.0))
 
 

@@ -317,7 +317,7 @@ def fence_accumulators(accumulators: tuple):
     """`ptx.fence_operand` on every accumulator register: readers stay after the wait_group and the
     zero-fill before the first wgmma (else ptxas serialises the wgmmas, warning C7514)."""
     for acc in accumulators:
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
             acc[i] = fence_operand(acc[i])
 
 
@@ -354,7 +354,7 @@ def accumulator_rows(thr_mma):
     coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
     row0 = coords[0][0]
     row1 = row0
-    for i in cutlass.range_constexpr(cute.size(coords)):
+    for i in cutlass.range(cute.size(coords), unroll_full=True):
         row1 = cutlass.select_(coords[i][0] != row0, coords[i][0], row1)
     return row0, row1
 
