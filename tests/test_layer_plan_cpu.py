@@ -1,5 +1,6 @@
 """`MoKExperts`' resolved steps (mok/layer_plan.py) on the CPU: the CPU path never resolves one
-(it is the reference path, checked on every call), and copies of a module start without any."""
+(it is the reference path, checked on every call), copies of a module start without any, and
+the C apply a resolved step calls `MoKFunction` through wires autograd as `Function.apply`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pickle
 
 import torch
 
+from mok import functional
 from mok.layer_plan import LayerSteps
-from mok.nn import MoKExperts
+from mok.nn import MoKExperts, MoKFunction, _step_apply
 from mok.testing import make_inputs
 
 
@@ -31,3 +33,28 @@ def test_copies_and_pickles_start_without_steps():
     module = MoKExperts(4, 128, 128, 2)
     module._steps._steps[("key",)] = object()
     assert copy.deepcopy(module)._steps._steps == {}
+
+
+def test_step_apply_gives_function_apply_outputs_and_gradients():
+    """`_step_apply` (torch's C apply, as a resolved step calls it) against the Python
+    `Function.apply`, here on the full path (no step): the same output and gradients, bitwise,
+    for x, the router weights and each weight."""
+    torch.manual_seed(0)
+    module = MoKExperts(4, 128, 128, 2)
+    inputs = make_inputs(64, 128, 128, 4, 2, seed=1)
+    ws = module.workspace(64, torch.device("cpu"))
+    schedule = functional.build_schedule(ws, module.config, inputs["top_experts"],
+                                         num_local_experts=4)  # fmt: skip
+    grad = torch.randn(64, 128, dtype=torch.bfloat16)
+    results = []
+    for apply in (MoKFunction.apply, _step_apply):
+        module.zero_grad(set_to_none=True)
+        x = inputs["x"].clone().requires_grad_(True)
+        w = inputs["router_weights"].clone().requires_grad_(True)
+        out = apply(module.config, ws, schedule, None, False, False, None, x, w,
+                    *module.weights())  # fmt: skip
+        assert type(out.grad_fn).__name__ == "MoKFunctionBackward"
+        out.backward(grad)
+        results.append((out, x.grad, w.grad, *(p.grad for p in module.parameters())))
+    for a, b in zip(*results, strict=True):
+        assert a is not None and torch.equal(a, b)
