@@ -18,7 +18,7 @@ from .errors import MoKKernelUnavailableError
 KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
     "build_schedule": (
         ("all_gather_top_experts", "schedule", "schedule_ids64"),
-        "the routing all-gather and schedule kernels",
+        "the routing all-gather and schedule kernels (schedule_ids64 for a group of one)",
     ),
     # mok/launchers/forward_op.py: the routed experts run in the forward megakernel
     # (moe_forward); the shared expert runs the gate/up and plain down GEMMs; an EP group's

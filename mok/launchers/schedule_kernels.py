@@ -89,7 +89,7 @@ def _check_routing(top_experts_all, ep_rank: int, num_local_experts: int) -> tup
     shape = (1, *top_experts_all.shape) if ids64 else tuple(top_experts_all.shape)
     if top_experts_all.numel() >= _INT32_LIMIT:
         raise ValueError(
-            f"top_experts_all has {top_experts_all.numel()} entries; the schedule kernels "
+            f"top_experts_all has {top_experts_all.numel()} entries; the schedule kernel "
             f"index them with int32 (at most {_INT32_LIMIT - 1})"
         )
     if not 1 <= num_local_experts <= MAX_LOCAL_EXPERTS:

@@ -43,12 +43,12 @@ def schedule_op(ws, top_experts, num_local_experts: int, capacity: int, chunk_by
 
 
 class _ScheduleOp:
-    """The all-gather's bound launch (EP > 1), then the schedule kernels' plan into new outputs. The
+    """The all-gather's bound launch (EP > 1), then the schedule kernel's plan into new outputs. The
     workspace by weak reference (the cache evicts only workspaces nothing else holds)."""
 
     def __init__(self, ws, top_experts, num_local_experts, capacity, chunk_bytes):
         self.ws = weakref.ref(ws)
-        if ws.ep_size == 1:  # the schedule kernels read (and check) the caller's ids
+        if ws.ep_size == 1:  # the schedule kernel reads (and checks) the caller's ids
             comm.check_top_experts(ws, top_experts)
             self.gather, ids = None, top_experts
         else:

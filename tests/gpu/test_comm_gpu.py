@@ -11,7 +11,7 @@
    epoch; the routing all-gather gives exactly the local ids narrowed to int32, on the vector
    and scalar store paths, with one chunk and with many; counters and epoch wrap around 2^31
    and 2^32 in step.
-4. CUDA graphs: mok.functional.build_schedule (all-gather + schedule kernels) captured once and
+4. CUDA graphs: mok.functional.build_schedule (all-gather + schedule kernel) captured once and
    replayed with new routing ids in the same input tensor equals mok.reference.build_schedule
    each time, and every replay advances the device epoch (the wait targets are not frozen into
    the graph).
