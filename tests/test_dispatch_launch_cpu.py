@@ -73,10 +73,12 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
              "ep_rank": 0, "capacity": schedule.capacity, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
     # 16 communication CTAs (tasks by a dynamic ticket). Counters: dispatched and hidden_done
-    # per row tile, then the task ticket, the dispatch ticket and the exit word, all zero.
+    # per row tile, then the task ticket, the dispatch ticket, the down tiles stored and the
+    # exit word, all zero. No in-kernel combine (routed_forward never asks for it).
     assert args["num_comm_ctas"] == 16
     assert args["minibatch_tiles"] == 2  # 256 routed rows
-    assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 3,)
+    assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 4,)
+    assert args["combine_tokens"] == 0 and args["out_ptr"] == 0
     assert args["counters_ptr"].count_nonzero() == 0
 
 

@@ -134,10 +134,25 @@ def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, 
     return dy_e, d_gate, d_up, partials, slots, d_weights
 
 
-def _fake_forward_plan(x, schedule, topk, gate_w, up_w, down_w, limit, *_):
-    return lambda x, schedule, slots, weights: fake_routed_forward(
-        x, schedule, topk, gate_w, up_w, down_w, swiglu_limit=limit
-    )
+class _FakeForwardPlan:
+    """The forward megakernel's plan on the fakes; with `combine` (a group of one without a
+    shared expert) it also writes the epilogue's sum into the caller's `out`."""
+
+    bound = True  # a launch is bound: the op takes the combine path when asked
+
+    def __init__(self, x, schedule, topk, gate_w, up_w, down_w, limit, comm, minibatch, timeout,
+                 peers, slots, grid, combine=False):  # fmt: skip
+        self.args, self.combine = (topk, gate_w, up_w, down_w, limit), combine
+
+    def __call__(self, x, schedule, slots, weights, combine=None):
+        topk, gate_w, up_w, down_w, limit = self.args
+        assert (combine is not None) == self.combine
+        ctx, slots = fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w,
+                                         swiglu_limit=limit)  # fmt: skip
+        if combine is not None:
+            out, router_weights = combine
+            out.copy_(R.fwd_epilogue(None, slots, router_weights))
+        return ctx, slots
 
 
 _BY_ADDRESS: dict[int, torch.Tensor] = {}  # partials the fake backward plan wrote, for the push
@@ -217,7 +232,7 @@ def fake_kernels(monkeypatch):
 
     plans.clear_plans()
     monkeypatch.setattr(dispatch, "gather_rows", fake_gather_rows)
-    monkeypatch.setattr(fwd, "forward_plan", _fake_forward_plan)
+    monkeypatch.setattr(fwd, "forward_plan", _FakeForwardPlan)
     monkeypatch.setattr(bwd, "backward_plan", _FakeBackwardPlan)
     monkeypatch.setattr(bwd, "router_grad_push_plan", _FakePush)
     monkeypatch.setattr(bwd, "finish_plan", _FakeFinish)

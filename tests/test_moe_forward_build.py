@@ -37,11 +37,11 @@ def assert_dispatch_batches(ptx: str) -> None:
     stores, source rows from a shared-memory table; then the async-proxy fence and the CTA
     barrier before thread 0's counter release."""
     lines = [line.strip() for line in ptx.splitlines()]
-    loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.v4")]
+    fence = lines.index("fence.proxy.async.global;")
+    loads = [i for i, line in enumerate(lines[:fence]) if line.startswith("ld.global.v4")]
     assert len(loads) == 8
     first_store = next(i for i, line in enumerate(lines) if line.startswith("st.global.v4"))
     assert max(loads) < first_store
-    fence = lines.index("fence.proxy.async.global;")
     release = next(
         i for i in range(fence, len(lines)) if lines[i].startswith("red.release.gpu.global")
     )
@@ -80,19 +80,37 @@ def test_counters_and_handshake(built):
     assert ptx.count("atom.relaxed.gpu.global.add.s32") == 3 + 2
     # The hand-off: the consumers' two phase loops and their end signal; the crew's first
     # wait and its two phase loops. The crew meets on barrier 6 before it releases a gate/up
-    # tile's counter, and on 5 around slot look-ups.
+    # tile's counter or counts a down tile, and on 5 around slot look-ups.
     for line, count in (("bar.sync \t4, 352;", 3), ("bar.arrive 3, 352;", 3),
                         ("bar.arrive 4, 352;", 3), ("bar.sync \t3, 352;", 3),
-                        ("bar.sync \t6, 96;", 1), ("bar.sync \t5, 96;", 2)):  # fmt: skip
+                        ("bar.sync \t6, 96;", 2), ("bar.sync \t5, 96;", 2)):  # fmt: skip
         assert ptx.count(line) == count, line
+
+
+def test_combine_phase(built):
+    """combine_phase.py: after the consumers' end signal, one thread's bounded GPU-scope
+    acquire of the down tiles' count, the 256 consumers' barrier 7, then combine_rows' 16-byte
+    slot loads (2 slots x 4 tokens a step, the peeled step and the loop) with separate
+    multiply and add roundings (no fma) and one 16-byte store per token."""
+    _, _, ptx = built
+    lines = [line.strip() for line in ptx.splitlines()]
+    end_signal = max(i for i, line in enumerate(lines) if line == "bar.arrive 3, 352;")
+    (meet,) = [i for i, line in enumerate(lines) if line == "bar.sync \t7, 256;"]
+    acquire = [i for i, line in enumerate(lines[end_signal:meet])
+               if line.startswith("ld.acquire.gpu.global")]  # fmt: skip
+    assert end_signal < meet and acquire
+    loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.v4") and i > meet]
+    assert len(loads) == 16
+    body = "\n".join(lines[meet:])
+    assert "mul.rn.f32" in body and "add.rn.f32" in body and "fma.rn.f32" not in body
 
 
 def test_crew_stores_and_shared_memory(built):
     entry, _, ptx = built
     assert entry["config"] == {"stages": 3}
-    # The dispatch's 8 per batch, gate, up, hidden per gate/up chunk and the two blocks per
-    # down chunk.
-    assert ptx.count("st.global.v4") == 8 + 3 + 2
+    # The dispatch's 8 per batch, gate, up, hidden per gate/up chunk, the two blocks per
+    # down chunk and the combine's one per token (combine_rows: a loop over 4 tokens).
+    assert ptx.count("st.global.v4") == 8 + 3 + 2 + 4
     assert ptx.count("st.shared.b32") >= 2 * 2 * 32  # both walks round 2 accumulators
     assert entry["dynamic_smem_bytes"] <= H200_SMEM_OPTIN
     assert entry["cluster"] == [1, 1, 1]

@@ -164,9 +164,15 @@ class EpilogueCrew:
         """Crew `after_tile`: fence the stores for the async proxy (later tasks read them by TMA),
         meet, then one thread adds 1 (release, GPU scope) to row tile m's counter at `counters` + 4m."""
         cute.arch.fence_proxy("async.global")
+        self.count_tile(lane, first_row, counters + Int64(4) * Int64(first_row // TILE_M))
+
+    @cute.jit
+    def count_tile(self, lane, first_row, counter):
+        """Crew `after_tile`: meet, then one thread adds 1 (release, GPU scope) to the int32 at
+        `counter` (plain readers: no async-proxy fence)."""
         cute.arch.barrier(barrier_id=COUNTER_SYNC, number_of_threads=self.threads)
         if lane == 0:
-            red_add_release_gpu_s32(counters + Int64(4) * Int64(first_row // TILE_M), Int32(1))
+            red_add_release_gpu_s32(counter, Int32(1))
 
     @cute.jit
     def wait_for_handoff(self):

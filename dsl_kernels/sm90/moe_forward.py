@@ -4,7 +4,9 @@ Phases, in dependency order, each in its own module:
     dispatch        x_routed[r] = x[peer_token_idx[r] // k], zeros for padding  dispatch_phase
     gate/up+SwiGLU  gate, up, hidden of every routed row                         gate_up_phase
     down to slots   slots[peer_token_idx[r]] = hidden[r] @ W_down[e]^T           down_phase
-The fixed-order weighted sum of the slots is moe_combine_forward's.
+    combine         out[t] = sum_j w[t, j] * slots[t * k + j]  (combine_tokens > 0)  combine_phase
+The combine runs here only for a group of one without a shared expert (the launcher passes
+combine_tokens = T); otherwise combine_tokens is 0 and moe_combine_forward sums the slots.
 
 Dispatching CTAs (all, or 0 .. num_comm_ctas - 1) take row tiles by the dispatch ticket and copy
 them before the roles split. Then warp 0 takes tasks by the task ticket in pipelined minibatch
@@ -21,7 +23,8 @@ starts first in practice, though CUDA does not promise an order.
 
 Counters (int32, zero at the start: the launcher zeroes them once, then every launch's last CTA
 leaves them zero, retire.py): dispatched[m] (to 1), hidden_done[m] (to I / 128) per row tile,
-then the task ticket, the dispatch ticket and the exit word. Writers fence the async proxy (TMA
+then the task ticket, the dispatch ticket, the down tiles stored (combine_phase.py) and the exit
+word. Writers fence the async proxy (TMA
 readers), then `red.release.gpu`; the producer polls `ld.acquire.gpu` (GPU scope: only this GPU
 writes and reads them).
 
@@ -41,15 +44,22 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
-from ..common.params import bf16_pointer, int64_pointer, placeholders
+from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, int64_pointer, placeholders
 from ..common.peers import peer_table
-from . import down_phase, gate_up_phase
+from . import combine_phase, down_phase, gate_up_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .dispatch_phase import PHASE_DISPATCH, dispatch_rows
 from .epilogue_warps import CREW, slot_stores
 from .expert_tiles import TileList
-from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
+from .gemm_phases import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    THREADS_PER_WARPGROUP,
+    TILE_K,
+    TILE_M,
+    TILE_N,
+)
 from .minibatches import Minibatches, step_of
 from .retire import retire_cta
 from .task_walk import (
@@ -65,9 +75,11 @@ from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_sl
 # `__call__`'s parameters, in order (the runtime encodes the tma_* descriptors, box 64 x 128,
 # from `tma_specs`). Shapes: x [T, H], x_routed [C, H], gate/up/hidden [C, I], slots [T * k, H]
 # bf16; W_gate, W_up viewed [E * I, H], W_down [E * H, I]; peer_rank, peer_token_idx [C],
-# num_tokens [1], tokens_per_expert [E], counters [2 * ceil(C / 128) + COUNTER_TAIL] int32.
-# Counters after the two per-row-tile arrays: the task ticket, the dispatch ticket, the exit word.
-COUNTER_TAIL = 3
+# num_tokens [1], tokens_per_expert [E], counters [2 * ceil(C / 128) + COUNTER_TAIL] int32;
+# out [T, H] bf16, router_weights [T, k] fp32, the value-status words (combine_tokens = T > 0).
+# Counters after the two per-row-tile arrays: the task ticket, the dispatch ticket, the down
+# tiles stored, the exit word.
+COUNTER_TAIL = 4
 PARAMS = (
     ("a_x", bf16_pointer),
     ("b_wg", bf16_pointer),
@@ -84,6 +96,10 @@ PARAMS = (
     ("slots_ptrs", int64_pointer),
     ("x_rounded_ptr", bf16_pointer),
     ("hidden_rounded_ptr", bf16_pointer),
+    ("out_ptr", bf16_pointer),
+    ("router_weights_ptr", fp32_pointer),
+    ("status_ptr", int32_pointer),
+    ("combine_tokens", Int32(0)),
     *WALK_PARAMS,
     *STEP_PARAMS,
 )
@@ -133,6 +149,10 @@ class Sm90MoeForward:
         slots_ptrs: cute.Pointer,
         x_rounded_ptr: cute.Pointer,
         hidden_rounded_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        router_weights_ptr: cute.Pointer,
+        status_ptr: cute.Pointer,
+        combine_tokens: Int32,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -184,6 +204,10 @@ class Sm90MoeForward:
             slots_ptrs,
             x_rounded_ptr,
             hidden_rounded_ptr,
+            out_ptr,
+            router_weights_ptr,
+            status_ptr,
+            combine_tokens,
             peer_rank_ptr,
             peer_token_idx_ptr,
             num_tokens_ptr,
@@ -226,6 +250,10 @@ class Sm90MoeForward:
         slots_ptrs: cute.Pointer,
         x_rounded_ptr: cute.Pointer,
         hidden_rounded_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        router_weights_ptr: cute.Pointer,
+        status_ptr: cute.Pointer,
+        combine_tokens: Int32,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -280,6 +308,7 @@ class Sm90MoeForward:
         batches = Minibatches(minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
         num_tasks = row_tiles_total * (gate_up_cols + down_cols)
         task_ticket = hidden_done + row_tile_bytes
+        down_done = task_ticket + Int64(8)  # after the task and dispatch tickets
         slots = task_slots(storage)
         tickets = Tickets(task_ticket, slots, num_tasks)
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.
@@ -324,8 +353,11 @@ class Sm90MoeForward:
                         swiglu_limit, crew.release_row_tile, (hidden_done,),
                         hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
                     ),
-                    slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
-                                hidden_size),
+                    dict(
+                        slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr,
+                                    peer_token_idx_ptr, hidden_size),
+                        after_tile=crew.count_tile, after_args=(down_done,),
+                    ),
                 )  # fmt: skip
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
@@ -360,4 +392,10 @@ class Sm90MoeForward:
                     (down_mma, down_thr, intermediate_size // TILE_K),
                 )  # fmt: skip
             crew.hand_off_nothing()
+            if combine_tokens > 0:
+                combine_phase.combine_slots(
+                    tidx - THREADS_PER_WARPGROUP, bidx, grid_size, down_done,
+                    row_tiles_total * down_cols, (record, timeout_ns, ep_rank), out_ptr,
+                    router_weights_ptr, slots_ptr, status_ptr, combine_tokens, hidden_size, topk,
+                )  # fmt: skip
         retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)

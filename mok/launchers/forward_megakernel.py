@@ -1,5 +1,7 @@
 """The forward megakernel's launcher (dsl_kernels/sm90/moe_forward.py): dispatch, gate/up +
-SwiGLU and down to slots in one launch, before `epilogues.fwd_epilogue`. Its counters (the
+SwiGLU and down to slots in one launch, before `epilogues.fwd_epilogue`; or, for a plan made
+with `combine` (a group of one without a shared expert, launchers/forward_op.py), with that
+epilogue's weighted sum into `out` as the launch's last phase. Its counters (the
 plan's `plans.Counters`) are zero when it starts: each launch leaves them zero, and they are
 zeroed on the stream only before the plan's first eager launch and before captured ones.
 """
@@ -31,6 +33,7 @@ from .plans import (
     tensor_key,
     weight_key,
 )
+from .status import status_ptr
 
 KERNEL = "moe_forward"
 KERNEL_MXFP8 = "moe_forward_mxfp8"
@@ -82,14 +85,20 @@ def routed_forward(
 
 def forward_plan(
     x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
-    minibatch_size, timeout_ns, peers, slots, grid,
+    minibatch_size, timeout_ns, peers, slots, grid, combine=False,
 ):  # fmt: skip
     """`routed_forward`'s plan for these arguments (checked now); call it as
     plan(x, schedule, slots, (gate, up, down)) with tensors that differ from these in their
-    addresses only (the weights are read on every call only as MXFP8 pairs)."""
+    addresses only (the weights are read on every call only as MXFP8 pairs). `combine` (a group
+    of one: `peers` None): the launch also writes out = sum_j w[t, j] * slots[t * k + j] (bf16
+    [T, H], `epilogues.fwd_epilogue` without y_shared, the same bits and router-weight check);
+    call it as plan(x, schedule, slots, weights, (out, router_weights)), router_weights fp32
+    [T, k] checked by the caller."""
+    if combine and peers is not None:
+        raise ValueError("combine: the in-kernel combine is a group of one's (peers must be None)")
     return _ForwardPlan(
         x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
-        minibatch_size, timeout_ns, peers, slots, grid,
+        minibatch_size, timeout_ns, peers, slots, grid, combine,
     )  # fmt: skip
 
 
@@ -98,7 +107,7 @@ class _ForwardPlan:
 
     def __init__(
         self, x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit,
-        num_comm_ctas, minibatch_size, timeout_ns, peers, slots, grid,
+        num_comm_ctas, minibatch_size, timeout_ns, peers, slots, grid, combine=False,
     ):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -119,6 +128,7 @@ class _ForwardPlan:
         check_multiple("hidden_size", hidden_size, DOWN_N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, GATE_UP_N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, K_ALIGNMENT)
+        self.combine = combine
         minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)
         self.device = x.device
         self.device_index = x.get_device()
@@ -159,6 +169,10 @@ class _ForwardPlan:
                 "slots_ptr": first_slots,
                 "x_ptrs": x_table,
                 "slots_ptrs": slots_table,
+                "out_ptr": None,
+                "router_weights_ptr": None,
+                "status_ptr": status_ptr(x.device) if combine else None,
+                "combine_tokens": num_tokens if combine else 0,
                 **walk_arguments(
                     schedule,
                     self.counters.tensor,
@@ -197,20 +211,24 @@ class _ForwardPlan:
             return x_routed, hidden
         return torch.empty_like(x_routed), torch.empty_like(hidden)
 
-    def __call__(self, x, schedule, slots, weights):
-        """((x_routed, gate, up, hidden), slots): the context in new tensors."""
+    def __call__(self, x, schedule, slots, weights, combine=None):
+        """((x_routed, gate, up, hidden), slots): the context in new tensors. `combine`: (out,
+        router_weights) of a plan made with `combine`."""
         outputs = self._outputs()
         if slots is None:
             slots = torch.empty(self.shapes[2], dtype=torch.bfloat16, device=self.device)
         if self.bound is not None:
+            combine_at = (0, 0) if combine is None else tuple(t.data_ptr() for t in combine)
             self.launch(x, schedule_addresses(schedule), tuple(t.data_ptr() for t in outputs),
-                        outputs.__getitem__, slots.data_ptr(), weights)  # fmt: skip
+                        outputs.__getitem__, slots.data_ptr(), weights, combine_at)  # fmt: skip
         return outputs, slots
 
-    def launch(self, x, schedule_at, context_at, context, slots_at, weights) -> None:
+    def launch(self, x, schedule_at, context_at, context, slots_at, weights,
+               combine_at=(0, 0)) -> None:  # fmt: skip
         """The launch on addresses: the schedule's four (`schedule_addresses`), the context's
         four (x_routed, gate, up, hidden: contiguous, `layout()`'s shapes, 16-byte aligned);
-        `context(i)` makes context tensor i, only for a TMA descriptor not made yet."""
+        `context(i)` makes context tensor i, only for a TMA descriptor not made yet;
+        `combine_at`: (out, router_weights) of a plan made with `combine`."""
         x_routed_at, gate_at, up_at, hidden_at = context_at
         if self.mxfp8:
             a_x, a_h = self._operands(context(0), context(3))
@@ -231,13 +249,13 @@ class _ForwardPlan:
         stream = current_stream(self.device_index)
         self.counters.before_launch(stream)
         self.bound.launch(tma_x, tma_h, x_address, *context_at, slots_at, *rounded_at,
-                          *schedule_at, *bf16_weights, stream=stream)  # fmt: skip
+                          *combine_at, *schedule_at, *bf16_weights, stream=stream)  # fmt: skip
 
 
 # Rewritten on every launch, in this order (BoundLaunch.launch).
 DYNAMIC = (
     "tma_x", "tma_h", "x_ptr", "x_routed_ptr", "gate_ptr", "up_ptr", "hidden_ptr", "slots_ptr",
-    "x_rounded_ptr", "hidden_rounded_ptr", "peer_rank_ptr", "peer_token_idx_ptr",
+    "x_rounded_ptr", "hidden_rounded_ptr", "out_ptr", "router_weights_ptr", "peer_rank_ptr", "peer_token_idx_ptr",
     "num_tokens_ptr", "tokens_per_expert_ptr",
 )  # fmt: skip
 # The weights' descriptors: bound once (BF16), or after DYNAMIC on every launch (MXFP8).

@@ -7,6 +7,8 @@
     EP > 1: the group's end barrier (every rank's pushes into this rank's slots are done)
     shared expert:  expert_gemm's gate/up and down on one 'expert' of T rows (padded to 128)
     out = y_shared + sum_j w[t, j] * slots[t * k + j]  (fixed j order)   moe_combine_forward
+A group of one without a shared expert sums the slots in the megakernel's last phase (the same
+bits): one launch for the whole op.
 
 The recomputed context pulls the rows with the gather kernel and runs the same gate/up tiles
 as separate kernels (MXFP8: on x's round trip along H and the dequantised weights). All launches go on the current stream with no host sync; every step is
@@ -21,7 +23,7 @@ import weakref
 import torch
 
 from . import comm, dispatch, expert_gemm, mxfp8
-from .checks import check_gpu_layer, check_macrobatch
+from .checks import check_gpu_layer, check_host, check_macrobatch
 from .device_args import TILE_ROWS
 from .epilogues import fwd_epilogue_plan
 from .forward_megakernel import forward_plan
@@ -100,7 +102,7 @@ def forward_op(
     def make():
         return _ForwardOp(
             ws, schedule, x, router_weights, (routed_gate, routed_up, routed_down), swiglu_limit,
-            fwd_num_comm_sms, minibatch_size, macrobatch_size,
+            fwd_num_comm_sms, minibatch_size, macrobatch_size, shared_gate is not None,
         )  # fmt: skip
 
     # Not one made for an evicted workspace whose handle this one took over.
@@ -109,10 +111,11 @@ def forward_op(
 
 class _ForwardOp:
     """The forward op for one (workspace, shapes, weights, config): its checks and the routed
-    megakernel's plan made on the first call, then only launches."""
+    megakernel's plan made on the first call, then only launches. `combine`: the megakernel
+    sums the slots itself (a group of one without a shared expert)."""
 
     def __init__(self, ws, schedule, x, router_weights, routed, swiglu_limit, fwd_num_comm_sms,
-                 minibatch_size, macrobatch_size):  # fmt: skip
+                 minibatch_size, macrobatch_size, has_shared):  # fmt: skip
         check_gpu_layer(ws, "forward")
         check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "forward")
         # By weak reference: the workspace cache evicts only workspaces nothing else holds; and no
@@ -124,10 +127,15 @@ class _ForwardOp:
         self.slots_at = self.slots.data_ptr()
         if tables is not None:
             peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
+        combine = tables is None and not has_shared
         self.routed = forward_plan(
             x, schedule, ws.topk, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
-            ws.wait_timeout_ns, peers, self.slots, ws.megakernel_ctas,
+            ws.wait_timeout_ns, peers, self.slots, ws.megakernel_ctas, combine,
         )  # fmt: skip
+        # No launch (no routed rows): the epilogue kernel sums the slots.
+        self.combine = combine and self.routed.bound is not None
+        if self.combine:
+            check_host("router_weights", router_weights, torch.float32, (x.shape[0], ws.topk))
         self.epilogue = None  # bound on the first call, with its slots and y_shared
 
     def __call__(self, schedule, x, router_weights, shared, routed, context=None):
@@ -139,6 +147,14 @@ class _ForwardOp:
         making context tensor i); `schedule` is then unused, and the outputs are out and the
         shared context (None in its places without a shared expert)."""
         ws = self.ws()
+        if self.combine:  # a group of one: no barriers, no shared expert
+            out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+            if context is None:
+                routed_ctx, _ = self.routed(x, schedule, self.slots, routed, (out, router_weights))
+                return (out, *routed_ctx, x.new_empty(0), x.new_empty(0), x.new_empty(0))
+            self.routed.launch(x, *context, self.slots_at, routed,
+                               (out.data_ptr(), router_weights.data_ptr()))  # fmt: skip
+            return out, None, None, None
         publish_x(ws, x, self.tables)
         if context is None:
             routed_ctx, slots = self.routed(x, schedule, self.slots, routed)

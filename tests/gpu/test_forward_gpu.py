@@ -87,6 +87,25 @@ def test_forward_matches_fp64_oracle_and_is_deterministic(case):
         assert (a is None and b is None) or torch.equal(a[:rows], b[:rows])
 
 
+@pytest.mark.parametrize("t,h,i,e,k", [(300, 256, 128, 4, 1), (260, 2304, 256, 4, 3),
+                                       (2048, 2048, 768, 32, 8)])  # fmt: skip
+def test_in_kernel_combine_is_bitwise_the_epilogue_kernel(t, h, i, e, k):
+    """A group of one without a shared expert sums the slots in the forward megakernel's last
+    phase (sm90/combine_phase.py): `out` must be the separate megakernel + epilogue kernel's,
+    bit for bit (H = 2304: a column block of 256 chunks and a partial one; T % 4 != 0: a
+    partial token block)."""
+    from mok.launchers.epilogues import fwd_epilogue
+    from mok.launchers.forward_megakernel import routed_forward
+
+    inputs = make_inputs(t, h, i, e, k, seed=t + h, device=CUDA)
+    _, _, schedule, out, _ = run_forward(inputs, e, None)
+    _, slots = routed_forward(inputs["x"], schedule, k, inputs["routed_gate"],
+                              inputs["routed_up"], inputs["routed_down"])  # fmt: skip
+    poison_cuda_allocator()
+    want = fwd_epilogue(None, slots, inputs["router_weights"])
+    assert torch.equal(out, want)
+
+
 def test_schedule_and_forward_in_a_cuda_graph():
     t, h, i, e, k = 512, 256, 256, 8, 2
     inputs = make_inputs(t, h, i, e, k, shared=True, seed=5, device=CUDA)

@@ -108,11 +108,12 @@ def test_a_resolved_step_allocates_its_outputs_context_and_scratch_only():
     assert count == 8, count
 
 
-def test_a_resolved_step_launches_five_kernels(monkeypatch):
-    """One eager forward + backward of a resolved step of a group of one: the schedule (count
-    and placement in one launch, reading the caller's int64 ids: no all-gather), the forward
-    megakernel, the forward epilogue; the backward megakernel, then the router-gradient push and
-    the backward epilogue in one launch (backward_finish). Each runs once, in that order."""
+def test_a_resolved_step_launches_four_kernels(monkeypatch):
+    """One eager forward + backward of a resolved step of a group of one without a shared
+    expert: the schedule (count and placement in one launch, reading the caller's int64 ids: no
+    all-gather), the forward megakernel (its last phase the combine into out); the backward
+    megakernel, then the router-gradient push and the backward epilogue in one launch
+    (backward_finish). Each runs once, in that order."""
     from mok.runtime import module as runtime_module  # noqa: PLC0415
 
     step = _resolved_step(seed=6)
@@ -128,8 +129,7 @@ def test_a_resolved_step_launches_five_kernels(monkeypatch):
     torch.cuda.synchronize()
     print(f"\nlaunches per resolved step: {launched}")
     assert launched == [
-        "schedule_ids64", "moe_forward", "moe_combine_forward", "moe_backward",
-        "backward_finish",
+        "schedule_ids64", "moe_forward", "moe_backward", "backward_finish",
     ], launched  # fmt: skip
 
 
@@ -174,7 +174,7 @@ def test_bad_router_weight_on_a_resolved_step_is_raised_by_the_next_call():
     assert len(_resolved(module)) == 1
     bad = w.clone()
     bad[7, 1] = float("nan")
-    module(x, bad, top)  # resolved step: the combine kernel records the bad weight
+    module(x, bad, top)  # resolved step: the megakernel's combine records the bad weight
     torch.cuda.synchronize()
     with pytest.raises(ValueError, match="router_weights must be finite and > 0"):
         module(x, w, top)
