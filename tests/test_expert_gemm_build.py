@@ -118,7 +118,9 @@ def assert_epilogue_handoff(
     ):
         assert barriers.count((op, barrier_id, handoff)) == handoffs + extra, (op, barrier_id)
     assert barriers.count(("bar.sync", "5", str(crew))) == (2 if slots else 0)
-    assert _count(ptx, "st.shared.b32") == handoffs * 2 * 32 + 2 * extra + (1 if slots else 0)
+    # A bf16 pair is one 4-byte store, written b32 or v2.b16 as the compiler packs it.
+    shared_stores = _count(ptx, "st.shared.b32") + _count(ptx, "st.shared.v2.b16")
+    assert shared_stores == handoffs * 2 * 32 + 2 * extra + (1 if slots else 0)
     assert _count(ptx, "atom.relaxed.gpu.global.add.s32") == 2 * extra
     assert _count(ptx, "ld.shared.v4") == handoffs * 2
     assert _count(ptx, "st.global.v4") == handoffs * stores_per_chunk

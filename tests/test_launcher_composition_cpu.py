@@ -9,7 +9,9 @@ padding and main_grad accumulation.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import math
 
 import pytest
 import torch
@@ -162,10 +164,13 @@ class _FakeBackwardPlan:
     """The backward plan's interface on the kernels' fakes: the launch gets the schedule by
     address (checked against the plan's), its context through the op's maker."""
 
+    bound = True  # a launch is bound: the op takes the in-kernel finish when asked
+
     def __init__(self, dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w, down_w,
                  limit, weight_grads, comm, minibatch, timeout, peers, slots, grid,
-                 mxfp8=False):  # fmt: skip
+                 mxfp8=False, finish=False):  # fmt: skip
         self.schedule, self.weights, self.mxfp8 = schedule, (gate_w, up_w, down_w), mxfp8
+        self.finish = finish
         self.limit, self.weight_grads = limit, weight_grads
         capacity, hidden_size = x_routed.shape
         inter = gate.shape[1]
@@ -174,8 +179,10 @@ class _FakeBackwardPlan:
                               (torch.bfloat16, (capacity, inter)),
                               (torch.float32, (capacity, inter // 128))], x_routed.device)  # fmt: skip
 
-    def launch(self, dy, w, schedule_at, context_at, context, slots, weights=None):
+    def launch(self, dy, w, schedule_at, context_at, context, slots, weights=None,
+               finish_at=(0, 0)):  # fmt: skip
         assert schedule_at == schedule_addresses(self.schedule)
+        assert (finish_at != (0, 0)) == self.finish
         assert (weights is not None) == self.mxfp8  # MXFP8: this call's dequantised weights
         tensors = [context(i) for i in range(4)]
         assert context_at == tuple(t.data_ptr() for t in tensors)
@@ -189,7 +196,19 @@ class _FakeBackwardPlan:
             view.copy_(got)
         partials = self.scratch.view(buffer, 3)
         _BY_ADDRESS[partials.data_ptr()] = partials
+        if self.finish:  # the megakernel's last phase: backward_finish's math, by address
+            d_x, d_router = (_cpu_tensor(at, dtype, shape) for at, dtype, shape in zip(
+                finish_at, (torch.bfloat16, torch.float32), (dy.shape, w.shape), strict=True))  # fmt: skip
+            fake_push_router_grads(partials, self.schedule, w, d_router)
+            d_x.copy_(R.bwd_epilogue(None, slots, w.shape[1]))
         return buffer, slots, d_weights
+
+
+def _cpu_tensor(address: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The CPU tensor of `shape` at `address` (memory the op allocated; writes land in it)."""
+    count = math.prod(shape)
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
+    return torch.frombuffer(raw, dtype=dtype, count=count).view(shape)
 
 
 class _FakePush:

@@ -164,9 +164,11 @@ def swiglu_backward(
         )
         gate[i] = d_gate_i.to(BFloat16)
         up[i] = d_up_i.to(BFloat16)
-    CREW.hand_off_bf16(thr_mma, (gate, up), buffers)
+    # The partials before the hand-off: the crew's tile-count release, after the hand-off's
+    # barrier, then covers them (the backward megakernel's finish reads them).
     store_partials(partials_ptr, (row0, row1), (partial0, partial1), first_row,
                          first_col, n_size)  # fmt: skip
+    CREW.hand_off_bf16(thr_mma, (gate, up), buffers)
 
 
 @cute.jit

@@ -5,8 +5,12 @@ Phases, in dependency order, each in its own module:
     d_hidden     d_gate, d_up = SwiGLU'(dY_e @ W_down[e], gate, up), router partials d_hidden_phase
     d_x to slots slots[peer_token_idx[r]] = d_gate[r] @ W_gate[e] + d_up[r] @ W_up[e] d_x_phase
     weights      dW_down = dY_e^T hidden, dW_gate = d_gate^T x, dW_up = d_up^T x     weight_phase
+    finish       d_x[t] = sum_j slots[t * k + j]; router-weight gradients  (finish_tokens > 0)
+                                                                            combine_phase
 Weight tasks run when `weight_gemms` is 3 (bf16 gradients; 0 for fp32 main_grads, which the
-accumulate kernel adds). The fixed-order d_x combine is moe_combine_backward's.
+accumulate kernel adds). The finish runs here only for a group of one without a shared expert
+(the launcher passes finish_tokens = T); otherwise finish_tokens is 0 and backward_finish (or
+moe_combine_backward and router_grad_push) runs after the launch.
 
 Dispatching CTAs (all, or 0 .. num_comm_ctas - 1) take row tiles by the dispatch ticket and copy
 them first. d_hidden and d_x tasks are ticketed in pipelined minibatch steps (task_walk.py);
@@ -24,7 +28,7 @@ resident, as in moe_forward.py.
 Counters (int32, zero at the start: the launcher zeroes them once, then every launch's last CTA
 leaves them zero, retire.py): dispatched[m] (to 1), dgu_done[m] (to I / 256) per 128-row tile
 m, then dispatch_total (row tiles copied), dgu_total (d_hidden tiles stored), the task ticket,
-the dispatch ticket and the exit word; release/acquire at GPU scope.
+the dispatch ticket, dx_done (d_x tiles stored) and the exit word; release/acquire at GPU scope.
 
 `mxfp8` (a compile-time variant, SEMANTICS §5; weights are the dequantised bf16 values of the
 transposed MXFP8 copies, gate/up the context's round trips along I, `weight_gemms` 0): dispatch
@@ -44,9 +48,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
-from ..common.params import bf16_pointer, fp32_pointer, int64_pointer, placeholders
+from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, int64_pointer, placeholders
 from ..common.peers import peer_table
-from . import d_hidden_phase, d_x_phase
+from . import combine_phase, d_hidden_phase, d_x_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .dispatch_phase import PHASE_BACKWARD_DISPATCH, dispatch_rows
@@ -75,15 +79,16 @@ from .weight_phase import (
 )
 
 # Counters after the two per-row-tile arrays: dispatch_total, dgu_total, the task ticket, the
-# dispatch ticket, the exit word.
-COUNTER_TAIL = 5
+# dispatch ticket, dx_done, the exit word.
+COUNTER_TAIL = 6
 # The weight phase's descriptors, MN-major: A = dY_e, d_gate, d_up; B = hidden, x_routed.
 WEIGHT_PHASE_TMA = ("tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
 
 # `__call__`'s parameters, in order (the runtime encodes the descriptors from `tma_specs`).
 # Shapes: dY [T, H], dY_e and x_routed [C, H], gate/up/hidden/d_gate/d_up [C, I] bf16; router
 # weights [T * k] and partials [C, I / 128] fp32; dW_down [E, H, I], dW_gate/dW_up [E, I, H]
-# and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + COUNTER_TAIL] int32.
+# and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + COUNTER_TAIL] int32; d_x [T, H]
+# bf16, d_router [T * k] fp32 and the value-status words (finish_tokens = T > 0).
 PARAMS = (
     ("a_dy", bf16_pointer),
     ("b_wd", bf16_pointer),
@@ -114,6 +119,10 @@ PARAMS = (
     ("dy_rounded_ptr", bf16_pointer),
     ("d_gate_rounded_ptr", bf16_pointer),
     ("d_up_rounded_ptr", bf16_pointer),
+    ("d_x_ptr", bf16_pointer),
+    ("d_router_ptr", fp32_pointer),
+    ("status_ptr", int32_pointer),
+    ("finish_tokens", Int32(0)),
     *WALK_PARAMS,
     ("weight_gemms", Int32(0)),
     *STEP_PARAMS,
@@ -185,6 +194,10 @@ class Sm90MoeBackward:
         dy_rounded_ptr: cute.Pointer,
         d_gate_rounded_ptr: cute.Pointer,
         d_up_rounded_ptr: cute.Pointer,
+        d_x_ptr: cute.Pointer,
+        d_router_ptr: cute.Pointer,
+        status_ptr: cute.Pointer,
+        finish_tokens: Int32,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -229,7 +242,8 @@ class Sm90MoeBackward:
             tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx,
             d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr, dy_ptr, weight_ptr, dy_routed_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
             partials_ptr, slots_ptr, dy_ptrs, weight_ptrs, slots_ptrs, dy_rounded_ptr,
-            d_gate_rounded_ptr, d_up_rounded_ptr, peer_rank_ptr,
+            d_gate_rounded_ptr, d_up_rounded_ptr, d_x_ptr, d_router_ptr, status_ptr,
+            finish_tokens, peer_rank_ptr,
             peer_token_idx_ptr, num_tokens_ptr,
             tokens_per_expert_ptr, counters_ptr, error_record_ptr, timeout_ns,
             num_experts,
@@ -280,6 +294,10 @@ class Sm90MoeBackward:
         dy_rounded_ptr: cute.Pointer,
         d_gate_rounded_ptr: cute.Pointer,
         d_up_rounded_ptr: cute.Pointer,
+        d_x_ptr: cute.Pointer,
+        d_router_ptr: cute.Pointer,
+        status_ptr: cute.Pointer,
+        finish_tokens: Int32,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -345,6 +363,7 @@ class Sm90MoeBackward:
         )
         dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
         task_ticket = dgu_total + Int64(4)
+        dx_done = task_ticket + Int64(8)  # after the task and dispatch tickets
         tickets = Tickets(task_ticket, task_slots(storage), num_d_hidden + num_d_x)
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.
         row_tickets = Tickets(task_ticket + Int64(4), task_slots(storage), row_tiles_total)
@@ -401,8 +420,11 @@ class Sm90MoeBackward:
                         (d_gate_rounded_ptr, d_up_rounded_ptr)
                         if cutlass.const_expr(self.mxfp8) else None,
                     ),  # fmt: skip
-                    slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
-                                hidden_size),
+                    dict(
+                        slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr,
+                                    peer_token_idx_ptr, hidden_size),
+                        after_tile=CREW.count_tile, after_args=(dx_done,),
+                    ),
                 )  # fmt: skip
                 lane = tidx - 32 * CREW.first_warp
                 store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)
@@ -466,4 +488,13 @@ class Sm90MoeBackward:
                 states, weight_tasks, bidx, grid_size, w_mma, ring, w_operands, accs,
                 CREW, w_thr, buffers,
             )  # fmt: skip
+            if finish_tokens > 0:
+                combine_phase.finish_backward(
+                    tidx - phases.THREADS_PER_WARPGROUP, bidx, grid_size,
+                    ((dx_done, num_d_x), (dgu_total, num_d_hidden)),
+                    (record, timeout_ns, ep_rank), d_x_ptr, slots_ptr, finish_tokens,
+                    hidden_size, topk,
+                    (partials_ptr, peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr, weight_ptr,
+                     d_router_ptr, capacity, intermediate_size // TILE_N, status_ptr),
+                )  # fmt: skip
         retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)

@@ -1,5 +1,7 @@
 """The backward megakernel's launcher (dsl_kernels/sm90/moe_backward.py): dispatch, d_hidden,
-d_x to slots and (unless fp32 main_grads take them) the weight gradients in one launch. Its
+d_x to slots and (unless fp32 main_grads take them) the weight gradients in one launch; for a
+plan made with `finish` (a group of one without a shared expert, launchers/backward_op.py), also
+backward_finish's d_x sum and router-weight gradients as the launch's last phase. Its
 counters (the plan's `plans.Counters`) are zero when it starts, as the forward megakernel's.
 """
 
@@ -101,15 +103,20 @@ def routed_backward(
 def backward_plan(
     grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights, up_weights,
     down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size, timeout_ns, peers,
-    slots, grid, mxfp8=False,
+    slots, grid, mxfp8=False, finish=False,
 ):  # fmt: skip
     """`routed_backward`'s plan for these arguments (checked now); call it as
     plan(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots, weights)
-    (`weights` = (gate, up, down) with `mxfp8`, else None)."""
+    (`weights` = (gate, up, down) with `mxfp8`, else None). `finish` (a group of one: `peers`
+    None): the launch also writes d_x = sum_j slots[t * k + j] (bf16 [T, H]) and the router
+    weights' gradient d_router (fp32 [T, k]), backward_finish's bits and router-weight check;
+    pass `finish` = (d_x, d_router) to the call (or their addresses to `launch`)."""
+    if finish and peers is not None:
+        raise ValueError("finish: the in-kernel finish is a group of one's (peers must be None)")
     return _BackwardPlan(
         grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
         up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid, mxfp8,
+        timeout_ns, peers, slots, grid, mxfp8, finish,
     )  # fmt: skip
 
 
@@ -119,7 +126,7 @@ class _BackwardPlan:
     def __init__(
         self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
         up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid, mxfp8,
+        timeout_ns, peers, slots, grid, mxfp8, finish=False,
     ):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -203,6 +210,10 @@ class _BackwardPlan:
                 "dy_ptrs": dy_table,
                 "weight_ptrs": weight_table,
                 "slots_ptrs": slots_table,
+                "d_x_ptr": None,
+                "d_router_ptr": None,
+                "status_ptr": status_ptr(self.device) if finish else None,
+                "finish_tokens": num_tokens if finish else 0,
                 **walk_arguments(
                     schedule,
                     self.counters.tensor,
@@ -274,21 +285,22 @@ class _BackwardPlan:
         return self.scratch.new(), slots, d_weights, rounded
 
     def __call__(self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots,
-                 weights=None):  # fmt: skip
+                 weights=None, finish=None):  # fmt: skip
         """(dy_e, d_gate, d_up, partials, slots, d_weights): the scratch as views of one
-        allocation."""
+        allocation. `finish`: (d_x, d_router) of a plan made with `finish`."""
         context = (x_routed, gate, up, hidden)
+        finish_at = (0, 0) if finish is None else tuple(t.data_ptr() for t in finish)
         buffer, slots, d_weights = self.launch(
             grad_output, router_weights, schedule_addresses(schedule),
-            tuple(t.data_ptr() for t in context), context.__getitem__, slots, weights,
+            tuple(t.data_ptr() for t in context), context.__getitem__, slots, weights, finish_at,
         )  # fmt: skip
         return (*self.scratch.views(buffer), slots, d_weights)
 
     def launch(self, grad_output, router_weights, schedule_at, context_at, context, slots,
-               weights=None):  # fmt: skip
+               weights=None, finish_at=(0, 0)):  # fmt: skip
         """The launch on addresses: the schedule's four (`schedule_addresses`), the context's
         four (x_routed, gate, up, hidden; `context(i)` makes tensor i, only for a descriptor
-        not made yet). -> (scratch buffer (`self.scratch`: dy_e, d_gate, d_up, partials),
+        not made yet); `finish_at`: (d_x, d_router) of a plan made with `finish`. -> (scratch buffer (`self.scratch`: dy_e, d_gate, d_up, partials),
         slots, d_weights or None)."""
         buffer, slots, d_weights, rounded = self._outputs(slots)
         if self.bound is None:
@@ -313,7 +325,8 @@ class _BackwardPlan:
         self.counters.before_launch(stream)
         self.bound.launch(
             *descriptors, d_w_at[2], d_w_at[0], d_w_at[1], grad_output_at, weights_at, dy_e_at,
-            gate_at, up_at, d_gate_at, d_up_at, partials_at, slots.data_ptr(), *schedule_at,
+            gate_at, up_at, d_gate_at, d_up_at, partials_at, slots.data_ptr(), *finish_at,
+            *schedule_at,
             *(t.data_ptr() for t in rounded or ()),
             stream=stream,
         )  # fmt: skip
@@ -329,8 +342,8 @@ WEIGHT_TMA = ("tma_wg", "tma_wu", "tma_wd")
 ROUNDED_POINTERS = ("dy_rounded_ptr", "d_gate_rounded_ptr", "d_up_rounded_ptr")
 DYNAMIC_POINTERS = (
     "d_w_down_ptr", "d_w_gate_ptr", "d_w_up_ptr", "dy_ptr", "weight_ptr", "dy_routed_ptr",
-    "gate_ptr", "up_ptr", "d_gate_ptr", "d_up_ptr", "partials_ptr", "slots_ptr",
-    "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr", "tokens_per_expert_ptr",
+    "gate_ptr", "up_ptr", "d_gate_ptr", "d_up_ptr", "partials_ptr", "slots_ptr", "d_x_ptr",
+    "d_router_ptr", "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr", "tokens_per_expert_ptr",
 )  # fmt: skip
 
 

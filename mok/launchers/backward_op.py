@@ -7,7 +7,8 @@ routed experts: the backward megakernel (backward_megakernel.py), bf16 weight gr
 d_router[t, j] = sum_b partials[r, b] / w[r]  (fixed-order sums)
 shared expert:  expert_gemm_bwd's kernels on one 'expert' of T rows (padded to 128)
 d_x = d_x_shared + sum_j slots[t * k + j]  (fixed j order)          moe_combine_backward
-A group of one runs the d_router push and the d_x sum in one launch (backward_finish.py).
+A group of one runs the d_router push and the d_x sum in one launch (backward_finish.py); without
+a shared expert, as the backward megakernel's last phase (the same bits): one launch for the op.
 
 MXFP8 routed weights (gate, up: (fp8, scale, fp8_t, scale_t); down: (fp8_t, scale_t)), the
 layer of mok.reference.mxfp8_backward:
@@ -194,11 +195,14 @@ class _BackwardOp:
         # (or their MXFP8 operands need round trips first).
         self.in_launch = all(g is None for g in main_grads[:3]) and not self.mxfp8
         x_routed, gate, up, hidden = ctx_tensors[:4]
+        # A group of one without a shared expert: d_x and d_router in the megakernel's launch.
+        finish = tables is None and not shared_expert
         self.routed = backward_plan(
             grad_output, router_weights, schedule, x_routed, gate, up, hidden, *routed,
             swiglu_limit, self.in_launch, bwd_num_comm_sms, minibatch_size, ws.wait_timeout_ns,
-            peers, self.slots, ws.megakernel_ctas, self.mxfp8,
+            peers, self.slots, ws.megakernel_ctas, self.mxfp8, finish,
         )  # fmt: skip
+        self.in_kernel_finish = finish and self.routed.bound is not None
         # The push's checks look at shapes only: partials as the scratch's piece is shaped
         # (allocated alone, not the whole scratch) and d_router as each call makes it.
         partials = new_tensors(self.routed.scratch.pieces[3:], grad_output.device)[0]
@@ -206,9 +210,10 @@ class _BackwardOp:
         self.push = router_grad_push_plan(partials, schedule, router_weights, d_router,
                                           self.grad_peers)  # fmt: skip
         self.epilogue = None  # bound on the first call, with its tensors
-        # A group of one: the push and the epilogue in one launch (backward_finish.py).
+        # A group of one with a shared expert (or no launch): the push and the epilogue in one
+        # launch (backward_finish.py).
         self.finish = None
-        if tables is None:
+        if tables is None and not self.in_kernel_finish:
             shared_d_x = None
             if shared_expert:
                 shared_d_x = torch.empty(grad_output.shape, dtype=torch.bfloat16,
@@ -244,16 +249,20 @@ class _BackwardOp:
             context = (schedule_addresses(schedule), tuple(t.data_ptr() for t in routed_ctx),
                        routed_ctx.__getitem__)  # fmt: skip
         d_router = self._d_router(ws, router_weights)
+        d_x, finish_at = None, (0, 0)
+        if self.in_kernel_finish:
+            d_x = torch.empty(grad_output.shape, dtype=torch.bfloat16, device=grad_output.device)
+            finish_at = (d_x.data_ptr(), d_router.data_ptr())
         if tables is not None:
             ws.buffers["d_y_buffer"].copy_(grad_output)
             ws.buffers["router_weight_buffer"].copy_(router_weights)
         group_barrier(ws, "PEER_BARRIER_START")
         scratch = self.routed.scratch
         buffer, slots, routed_grads = self.routed.launch(
-            grad_output, router_weights, *context, self.slots, weights
+            grad_output, router_weights, *context, self.slots, weights, finish_at
         )
         partials_at = buffer.data_ptr() + scratch.offsets[3]
-        if self.finish is None:  # else with the epilogue, below
+        if self.finish is None and d_x is None:  # else with the epilogue, below, or done
             self.push.launch(partials_at, context[0], router_weights, d_router)
         group_barrier(ws, "PEER_BARRIER_END")
         if not self.in_launch:
@@ -274,7 +283,9 @@ class _BackwardOp:
                 grad_output, x, (gate_s, up_s, hidden_s), shared, self.limit,
                 main_grads[3:],
             )  # fmt: skip
-        if self.finish is not None:
+        if d_x is not None:  # the megakernel's last phase wrote it
+            pass
+        elif self.finish is not None:
             d_x = self.finish(d_x_shared, slots, partials_at, context[0], router_weights, d_router)
         else:
             if self.epilogue is None:

@@ -11,11 +11,11 @@ from .device_args import TILE_ROWS
 from .plans import Counters
 
 # Counters after the two per-row-tile arrays: the forward's task and dispatch tickets and its
-# down tiles stored; the backward's dispatch_total, dgu_total, task ticket and dispatch ticket;
-# then each one's exit word (dsl_kernels/sm90/retire.py). The kernels' COUNTER_TAIL
-# (tests/test_moe_*_build.py).
+# down tiles stored; the backward's dispatch_total, dgu_total, task ticket, dispatch ticket and
+# its d_x tiles stored; then each one's exit word (dsl_kernels/sm90/retire.py). The kernels'
+# COUNTER_TAIL (tests/test_moe_*_build.py).
 FORWARD_COUNTER_TAIL = 4
-BACKWARD_COUNTER_TAIL = 5
+BACKWARD_COUNTER_TAIL = 6
 
 
 def megakernel_counters(capacity: int, tail: int, device: torch.device) -> Counters:

@@ -148,6 +148,43 @@ def test_backward_finish_gives_the_push_and_epilogue_bits(case):
         assert torch.equal(got_router.nan_to_num(7.0), want_router.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("t,h,i,e,k", [(300, 256, 256, 4, 1), (260, 2304, 256, 4, 3),
+                                       (2048, 2048, 768, 32, 8)])  # fmt: skip
+def test_in_kernel_finish_gives_the_push_and_epilogue_bits(t, h, i, e, k):
+    """A group of one without a shared expert runs the d_x sum and the router-weight push as
+    the backward megakernel's last phase (sm90/combine_phase.py): d_x and d_router must be the
+    separate kernels' on the same routed backward, bit for bit (H = 2304: a partial column
+    block; T % 4 != 0: a partial token block); a bad router weight is reported."""
+    from mok.launchers.backward_megakernel import push_router_grads, routed_backward
+    from mok.launchers.epilogues import bwd_epilogue
+
+    inputs = make_inputs(t, h, i, e, k, seed=t + h + 1, device=CUDA)
+    config, ws = setup(inputs, e)
+    weights = [inputs[n] for n in WEIGHTS]
+    x, w, dy = inputs["x"], inputs["router_weights"], inputs["grad_output"]
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
+    _, ctx = F.forward(config, ws, schedule, x, w, *weights)
+    poison_cuda_allocator()
+    d_x, d_router, *_ = F.backward(config, ws, schedule, ctx, dy, x, w, *weights)
+    _, _, _, partials, slots, _ = routed_backward(
+        dy, w, schedule, ctx.x_routed, ctx.gate_routed, ctx.up_routed, ctx.hidden_routed,
+        *weights[3:],
+    )  # fmt: skip
+    want_router = torch.full_like(w, float("nan"))
+    push_router_grads(partials, schedule, w, want_router)
+    want_d_x = bwd_epilogue(None, slots, k)
+    torch.cuda.synchronize()
+    F.check_errors(ws)
+    assert torch.equal(d_x, want_d_x)
+    assert torch.equal(d_router, want_router)
+    bad = w.clone()
+    bad[t // 2, 0] = float("inf")
+    with pytest.raises(ValueError, match="router_weights must be finite and > 0"):
+        F.backward(config, ws, schedule, ctx, dy, x, bad, *weights)
+        torch.cuda.synchronize()
+        F.check_errors(ws)
+
+
 def test_main_grads_accumulate_the_returned_gradients():
     t, h, i, e, k = 512, 256, 256, 8, 2
     inputs = make_inputs(t, h, i, e, k, shared=True, seed=11, device=CUDA)

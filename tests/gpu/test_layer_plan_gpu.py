@@ -108,12 +108,12 @@ def test_a_resolved_step_allocates_its_outputs_context_and_scratch_only():
     assert count == 8, count
 
 
-def test_a_resolved_step_launches_four_kernels(monkeypatch):
+def test_a_resolved_step_launches_three_kernels(monkeypatch):
     """One eager forward + backward of a resolved step of a group of one without a shared
     expert: the schedule (count and placement in one launch, reading the caller's int64 ids: no
-    all-gather), the forward megakernel (its last phase the combine into out); the backward
-    megakernel, then the router-gradient push and the backward epilogue in one launch
-    (backward_finish). Each runs once, in that order."""
+    all-gather), the forward megakernel (its last phase the combine into out), the backward
+    megakernel (its last phase the d_x sum and the router-gradient push). Each runs once, in
+    that order."""
     from mok.runtime import module as runtime_module  # noqa: PLC0415
 
     step = _resolved_step(seed=6)
@@ -129,7 +129,7 @@ def test_a_resolved_step_launches_four_kernels(monkeypatch):
     torch.cuda.synchronize()
     print(f"\nlaunches per resolved step: {launched}")
     assert launched == [
-        "schedule_ids64", "moe_forward", "moe_backward", "backward_finish",
+        "schedule_ids64", "moe_forward", "moe_backward",
     ], launched  # fmt: skip
 
 
