@@ -186,8 +186,10 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
              "ep_rank": 0, "capacity": c, "has_limit": 0}  # fmt: skip
     assert {name: args[name] for name in sizes} == sizes
     # dispatched and dgu_done per row tile, then the two whole-phase counters, the task ticket,
-    # the dispatch ticket and the exit word.
-    assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 5,)
+    # the dispatch ticket, the d_x tiles stored and the exit word. No in-kernel finish
+    # (routed_backward never asks for it).
+    assert args["counters_ptr"].shape == (2 * (-(-c // 128)) + 6,)
+    assert args["finish_tokens"] == 0 and args["d_x_ptr"] == 0
     assert args["counters_ptr"].count_nonzero() == 0
     if weight_grads:
         assert [tuple(d.shape) for d in d_weights] == [(e, i, h), (e, i, h), (e, h, i)]
