@@ -86,7 +86,7 @@ def test_finish_phase(built):
     """combine_phase.finish_backward: the d_hidden epilogue stores its router partials before
     the hand-off (the crew's d_hidden count then covers them); after the consumers' last
     hand-off, one thread's two bounded GPU-scope acquires (d_x tiles, d_hidden tiles), the 256
-    consumers' barrier 7, then the unweighted d_x sum's 16-byte slot loads (2 slots x 4
+    consumers' barrier 7, then the unweighted d_x sum's 16-byte slot loads (4 slots x 4
     tokens, the peeled step and the loop) and the push's one division per routed row."""
     _, _, ptx = built
     lines = [line.strip() for line in ptx.splitlines()]
@@ -101,6 +101,6 @@ def test_finish_phase(built):
                 if lines[i].startswith("ld.acquire.gpu.global")}  # fmt: skip
     assert len(acquires) == 2  # two counters
     loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.v4") and i > meet]
-    assert len(loads) == 16
+    assert len(loads) == 32
     (division,) = [i for i, line in enumerate(lines) if line.startswith("div.rn.f32")]
     assert division > meet

@@ -90,7 +90,7 @@ def test_counters_and_handshake(built):
 def test_combine_phase(built):
     """combine_phase.py: after the consumers' end signal, one thread's bounded GPU-scope
     acquire of the down tiles' count, the 256 consumers' barrier 7, then combine_rows' 16-byte
-    slot loads (2 slots x 4 tokens a step, the peeled step and the loop) with separate
+    slot loads (4 slots x 4 tokens a step, the peeled step and the loop) with separate
     multiply and add roundings (no fma) and one 16-byte store per token."""
     _, _, ptx = built
     lines = [line.strip() for line in ptx.splitlines()]
@@ -100,7 +100,7 @@ def test_combine_phase(built):
                if line.startswith("ld.acquire.gpu.global")]  # fmt: skip
     assert end_signal < meet and acquire
     loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.v4") and i > meet]
-    assert len(loads) == 16
+    assert len(loads) == 32
     body = "\n".join(lines[meet:])
     assert "mul.rn.f32" in body and "add.rn.f32" in body and "fma.rn.f32" not in body
 

@@ -23,22 +23,24 @@ SLOTS_PER_STEP = 2
 @cute.jit
 def combine_rows(tokens: cutlass.Constexpr, chunks: Int32, chunk: Int32, first_token: Int32,
                  num_tokens: Int32, topk: Int32, has_shared: Int32, mOut: cute.Tensor,
-                 mShared: cute.Tensor, mSlots: cute.Tensor, weights=None):  # fmt: skip
+                 mShared: cute.Tensor, mSlots: cute.Tensor, weights=None,
+                 slots_per_step: cutlass.Constexpr = SLOTS_PER_STEP):  # fmt: skip
     """mOut[:, chunk, t] = bf16(shared + sum_j [w_j *] slot_j) for this thread's tokens, j in
     order, every product and sum rounded on its own (mul.rn, add.rn). `weights`: (mWeight fp32
     [T * k], the value-status word's address a weight <= 0 or non-finite flags), or None for the
-    unweighted sum."""
+    unweighted sum. `slots_per_step`: slots of each token loaded per step (the order of the sum
+    is the same for any)."""
     rAcc = cute.make_rmem_tensor((VECTOR, tokens), Float32)
 
     # Only `chunk < chunks` can diverge, in the last column block.
     if chunk < chunks:
         # Step 0 is peeled (it alone loads the shared rows and initialises acc), so that
         # the loop carries nothing but the accumulators.
-        _accumulate_step(tokens, rAcc, mShared, mSlots, weights, chunk, first_token, num_tokens,
-                         topk, has_shared, Int32(0), True)  # fmt: skip
-        for j0 in cutlass.range(SLOTS_PER_STEP, topk, SLOTS_PER_STEP, unroll=1):
-            _accumulate_step(tokens, rAcc, mShared, mSlots, weights, chunk, first_token,
-                             num_tokens, topk, has_shared, j0, False)  # fmt: skip
+        _accumulate_step(tokens, slots_per_step, rAcc, mShared, mSlots, weights, chunk,
+                         first_token, num_tokens, topk, has_shared, Int32(0), True)  # fmt: skip
+        for j0 in cutlass.range(slots_per_step, topk, slots_per_step, unroll=1):
+            _accumulate_step(tokens, slots_per_step, rAcc, mShared, mSlots, weights, chunk,
+                             first_token, num_tokens, topk, has_shared, j0, False)  # fmt: skip
 
         # ---- out = bf16(acc), round to nearest even ----
         for t in cutlass.range_constexpr(tokens):
@@ -48,11 +50,12 @@ def combine_rows(tokens: cutlass.Constexpr, chunks: Int32, chunk: Int32, first_t
 
 
 @cute.jit
-def _accumulate_step(tokens: cutlass.Constexpr, rAcc: cute.Tensor, mShared: cute.Tensor,
+def _accumulate_step(tokens: cutlass.Constexpr, slots_per_step: cutlass.Constexpr,
+                     rAcc: cute.Tensor, mShared: cute.Tensor,
                      mSlots: cute.Tensor, weights, chunk: Int32, first_token: Int32,
                      num_tokens: Int32, topk: Int32, has_shared: Int32, j0: Int32,
                      first: cutlass.Constexpr):  # fmt: skip
-    """Slots j0 .. j0 + SLOTS_PER_STEP - 1 of the thread's tokens into rAcc (VECTOR, tokens).
+    """Slots j0 .. j0 + slots_per_step - 1 of the thread's tokens into rAcc (VECTOR, tokens).
 
     Token and slot predicates are uniform across the CTA (they depend on bidy and topk
     only), so these branches never diverge.
@@ -61,10 +64,10 @@ def _accumulate_step(tokens: cutlass.Constexpr, rAcc: cute.Tensor, mShared: cute
     # it would wait for the load). Local to the step so that nothing but the accumulators
     # is live across steps: registers bound the CTAs per SM, hence the bytes in flight.
     rShared = cute.make_rmem_tensor((VECTOR, tokens), BFloat16)
-    rSlots = cute.make_rmem_tensor((VECTOR, SLOTS_PER_STEP, tokens), BFloat16)
+    rSlots = cute.make_rmem_tensor((VECTOR, slots_per_step, tokens), BFloat16)
     rWeight = None
     if cutlass.const_expr(weights is not None):
-        rWeight = cute.make_rmem_tensor((SLOTS_PER_STEP, tokens), Float32)
+        rWeight = cute.make_rmem_tensor((slots_per_step, tokens), Float32)
     rSlot = cute.make_rmem_tensor((VECTOR,), Float32)
 
     # ---- load: every global load of the step, before any arithmetic ----
@@ -74,7 +77,7 @@ def _accumulate_step(tokens: cutlass.Constexpr, rAcc: cute.Tensor, mShared: cute
             if cutlass.const_expr(first):
                 if has_shared != 0:
                     rShared[None, t].store(mShared[None, chunk, token].load())
-            for s in cutlass.range_constexpr(SLOTS_PER_STEP):
+            for s in cutlass.range_constexpr(slots_per_step):
                 if j0 + s < topk:
                     row = token * topk + j0 + s
                     if cutlass.const_expr(weights is not None):
@@ -88,7 +91,7 @@ def _accumulate_step(tokens: cutlass.Constexpr, rAcc: cute.Tensor, mShared: cute
                 rAcc[None, t].fill(0.0)
                 if has_shared != 0:
                     rAcc[None, t].store(rShared[None, t].load().to(Float32))
-            for s in cutlass.range_constexpr(SLOTS_PER_STEP):
+            for s in cutlass.range_constexpr(slots_per_step):
                 if j0 + s < topk:
                     if cutlass.const_expr(weights is not None):
                         flag_unless_positive_finite(rWeight[s, t], weights[1], Int32(1))

@@ -40,6 +40,9 @@ PHASE_BACKWARD_DHIDDEN_GEMM = 10
 PHASE_BACKWARD_DX_GEMM = 11
 COMBINE_SYNC = 7  # named barrier of the 256 consumer threads (epilogue_warps.py has 3-6)
 COMBINE_TOKENS = 4  # tokens per item, as moe_combine_forward's tokens_per_cta
+# Slots of each token loaded per step: 4 x 4 16-byte loads in flight per thread, twice the
+# epilogue kernels' (which run 8x the threads per SM).
+SLOTS_PER_STEP = 4
 
 
 @cute.jit
@@ -65,7 +68,7 @@ def sum_slots(thread: Int32, item: Int32, col_blocks: Int32, chunks: Int32, num_
     chunk = (item % col_blocks) * CONSUMER_THREADS + thread
     first_token = (item // col_blocks) * COMBINE_TOKENS
     combine_rows(COMBINE_TOKENS, chunks, chunk, first_token, num_tokens, topk, Int32(0),
-                 views[0], views[1], views[2], weights)  # fmt: skip
+                 views[0], views[1], views[2], weights, SLOTS_PER_STEP)  # fmt: skip
 
 
 @cute.jit
