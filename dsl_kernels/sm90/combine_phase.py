@@ -41,7 +41,7 @@ PHASE_BACKWARD_DX_GEMM = 11
 COMBINE_SYNC = 7  # named barrier of the 256 consumer threads (epilogue_warps.py has 3-6)
 COMBINE_TOKENS = 4  # tokens per item, as moe_combine_forward's tokens_per_cta
 # Slots of each token loaded per step: 4 x 4 16-byte loads in flight per thread, twice the
-# epilogue kernels' (which run 8x the threads per SM).
+# epilogue kernels' (which can run up to 8x the threads per SM).
 SLOTS_PER_STEP = 4
 
 
