@@ -40,13 +40,17 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
         "the SM90 expert GEMMs",
     ),
     # mok/launchers/backward_op.py: the routed experts run in the backward megakernel
-    # (moe_backward); the shared expert runs the separate backward GEMMs. A macrobatch below
+    # (moe_backward, which for a group of one without a shared expert also sums d_x and
+    # pushes the router gradients; otherwise backward_finish, in a group of one, or
+    # router_grad_push and moe_combine_backward do); the shared expert runs the separate
+    # backward GEMMs. A macrobatch below
     # the routed rows replays macrobatches (gather_rows, gate/up) and sums the weight gradients
     # macrobatch by macrobatch (launchers/macrobatch.py).
     "backward": (
         (
             "moe_backward",
             "router_grad_push",
+            "backward_finish",
             "expert_gemm_bwd_d_hidden_swiglu",
             "expert_gemm_bwd_d_x",
             "expert_gemm_bwd_weights_bf16",
