@@ -420,11 +420,8 @@ class Sm90MoeBackward:
                         (d_gate_rounded_ptr, d_up_rounded_ptr)
                         if cutlass.const_expr(self.mxfp8) else None,
                     ),  # fmt: skip
-                    dict(
-                        slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr,
-                                    peer_token_idx_ptr, hidden_size),
-                        after_tile=CREW.count_tile, after_args=(dx_done,),
-                    ),
+                    slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
+                                hidden_size, dx_done),
                 )  # fmt: skip
                 lane = tidx - 32 * CREW.first_warp
                 store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)

@@ -353,11 +353,8 @@ class Sm90MoeForward:
                         swiglu_limit, crew.release_row_tile, (hidden_done,),
                         hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
                     ),
-                    dict(
-                        slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr,
-                                    peer_token_idx_ptr, hidden_size),
-                        after_tile=crew.count_tile, after_args=(down_done,),
-                    ),
+                    slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
+                                hidden_size, down_done),
                 )  # fmt: skip
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)

@@ -300,8 +300,8 @@ class _BackwardPlan:
                weights=None, finish_at=(0, 0)):  # fmt: skip
         """The launch on addresses: the schedule's four (`schedule_addresses`), the context's
         four (x_routed, gate, up, hidden; `context(i)` makes tensor i, only for a descriptor
-        not made yet); `finish_at`: (d_x, d_router) of a plan made with `finish`. -> (scratch buffer (`self.scratch`: dy_e, d_gate, d_up, partials),
-        slots, d_weights or None)."""
+        not made yet); `finish_at`: (d_x, d_router) of a plan made with `finish`. -> (scratch
+        buffer (`self.scratch`: dy_e, d_gate, d_up, partials), slots, d_weights or None)."""
         buffer, slots, d_weights, rounded = self._outputs(slots)
         if self.bound is None:
             if d_weights is not None:
@@ -343,7 +343,8 @@ ROUNDED_POINTERS = ("dy_rounded_ptr", "d_gate_rounded_ptr", "d_up_rounded_ptr")
 DYNAMIC_POINTERS = (
     "d_w_down_ptr", "d_w_gate_ptr", "d_w_up_ptr", "dy_ptr", "weight_ptr", "dy_routed_ptr",
     "gate_ptr", "up_ptr", "d_gate_ptr", "d_up_ptr", "partials_ptr", "slots_ptr", "d_x_ptr",
-    "d_router_ptr", "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr", "tokens_per_expert_ptr",
+    "d_router_ptr", "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr",
+    "tokens_per_expert_ptr",
 )  # fmt: skip
 
 

@@ -128,7 +128,6 @@ class _ForwardPlan:
         check_multiple("hidden_size", hidden_size, DOWN_N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, GATE_UP_N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, K_ALIGNMENT)
-        self.combine = combine
         minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)
         self.device = x.device
         self.device_index = x.get_device()
@@ -255,8 +254,8 @@ class _ForwardPlan:
 # Rewritten on every launch, in this order (BoundLaunch.launch).
 DYNAMIC = (
     "tma_x", "tma_h", "x_ptr", "x_routed_ptr", "gate_ptr", "up_ptr", "hidden_ptr", "slots_ptr",
-    "x_rounded_ptr", "hidden_rounded_ptr", "out_ptr", "router_weights_ptr", "peer_rank_ptr", "peer_token_idx_ptr",
-    "num_tokens_ptr", "tokens_per_expert_ptr",
+    "x_rounded_ptr", "hidden_rounded_ptr", "out_ptr", "router_weights_ptr", "peer_rank_ptr",
+    "peer_token_idx_ptr", "num_tokens_ptr", "tokens_per_expert_ptr",
 )  # fmt: skip
 # The weights' descriptors: bound once (BF16), or after DYNAMIC on every launch (MXFP8).
 WEIGHT_TMA = ("tma_wg", "tma_wu", "tma_wd")

@@ -14,7 +14,11 @@ and raised once.
           (a group of one's:
           schedule_ids64)
     6     moe_combine_forward      a router weight <= 0 or non-finite: 1
+          (or moe_forward's last
+          phase, combine_phase.py)
     7     router_grad_push         the same in backward: 1 + the EP rank owning the weight
+          (or backward_finish, or
+          moe_backward's last phase)
 
 Kernels only ever store these values (never 0), so a report cannot be lost to a later call.
 """
