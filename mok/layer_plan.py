@@ -139,24 +139,23 @@ class LayerStep:
         ws = self.ws()
         return ws is not None and not ws.destroyed
 
-    def schedule(self, top_experts) -> torch.Tensor:
-        """The step's buffer (`carve`), its schedule launched into it."""
-        self.raise_value_errors()
-        buffer = self.carve.new()
-        self.schedule_op(top_experts, self.carve.addresses(buffer)[:4])
-        return buffer
-
     def _context(self, buffer) -> tuple:
         """(the schedule's four addresses, the routed context's four, a maker of context
         tensor i) of a step's buffer, as the ops take a layer step's context."""
         addresses, carve = self.carve.addresses(buffer), self.carve
         return addresses[:4], addresses[4:], lambda i: carve.view(buffer, 4 + i)
 
-    def forward(self, buffer, x, router_weights, weights):
-        """(out, the context MoKFunction saves: the step's buffer, then shared 3 if any)."""
+    def forward(self, top_experts, x, router_weights, weights):
+        """(out, the context MoKFunction saves: the step's buffer, then shared 3 if any). The
+        step's buffer (`carve`) is new; the schedule is launched into it, then the forward."""
         self.raise_value_errors()
-        out, *shared_ctx = self.forward_op(None, x, router_weights, weights[:3], weights[3:],
-                                           context=self._context(buffer))  # fmt: skip
+        buffer = self.carve.new()
+        context = self._context(buffer)
+        self.schedule_op(top_experts, context[0])
+        op = self.forward_op
+        if op.combine:  # the megakernel sums the slots: out is all
+            return op.combined(x, router_weights, weights[3:], context), (buffer,)
+        out, *shared_ctx = op(None, x, router_weights, weights[:3], weights[3:], context=context)
         return out, ((buffer, *shared_ctx) if self.has_shared else (buffer,))
 
     def full_context(self, saved_ctx) -> tuple:
@@ -176,10 +175,13 @@ class LayerStep:
         if op is None or tensor_key(grad_output) != self.grad_key or not self.alive():
             return None
         self.raise_value_errors()
+        context = self._context(saved_ctx[0])
+        if op.in_kernel_finish and op.in_launch:  # the megakernel writes every gradient
+            return (*op.finished(grad_output, router_weights, context), None, None, None)
         # Without a shared expert the op reads no shared context: None in its places.
         shared_ctx = saved_ctx[1:] if self.has_shared else (None, None, None)
         grads = op(None, (None,) * 4 + tuple(shared_ctx), grad_output, x, router_weights,
-                   weights[:3], (None,) * 6, weights[3:], context=self._context(saved_ctx[0]))  # fmt: skip
+                   weights[:3], (None,) * 6, weights[3:], context=context)  # fmt: skip
         return backward_outputs(grads, (None,) * 6, self.has_shared)
 
     def resolve_backward(self, schedule, saved_ctx, grad_output, x, router_weights, weights):

@@ -36,7 +36,7 @@ class MoKFunction(torch.autograd.Function):
         ctx,
         config: MoKConfig,
         workspace: MoKWorkspace,
-        schedule: MoKSchedule,
+        schedule: MoKSchedule | torch.Tensor,  # a resolved step's: its top_experts
         swiglu_limit: float | None,
         recompute: bool,
         accumulate_main_grad: bool,
@@ -46,7 +46,7 @@ class MoKFunction(torch.autograd.Function):
         *weights: torch.Tensor | None,
     ) -> torch.Tensor:
         if step is not None:  # a resolved step (mok/layer_plan.py): its plans, no re-check
-            # `schedule` is the step's buffer (schedule and routed context): saved below.
+            # `schedule` is the call's top_experts: the step launches its schedule.
             out, saved_ctx = step.forward(schedule, x, router_weights, weights)
             schedule = None
         else:
@@ -104,12 +104,16 @@ _C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, MoKFunction)
 
 def _step_apply(*args):
     """`MoKFunction.apply(*args)` of a resolved step: the wrapper's work done here for the
-    tensors a step takes (x, router weights, weights), then torch's C apply. MoKFunction
+    tensors a step takes (top_experts in the schedule's place, x, router weights, weights),
+    then torch's C apply. MoKFunction
     defines no setup_context; under functorch transforms the wrapper runs as it is."""
     if torch._C._are_functorch_transforms_active():
         return MoKFunction.apply(*args)
-    unwrap = torch._C._functorch.unwrap_if_dead
-    return _C_APPLY(*args[:7], *(a if a is None else unwrap(a) for a in args[7:]))
+    unwrap, schedule = torch._C._functorch.unwrap_if_dead, args[2]
+    if isinstance(schedule, torch.Tensor):
+        schedule = unwrap(schedule)
+    return _C_APPLY(*args[:2], schedule, *args[3:7],
+                    *(a if a is None else unwrap(a) for a in args[7:]))  # fmt: skip
 
 
 def _module_order(grads, main_grads=None) -> tuple:
@@ -238,6 +242,14 @@ class MoKExperts(nn.Module):
 
     def weights(self) -> tuple[torch.Tensor | None, ...]:
         """(shared gate, up, down, routed gate, up, down) in functional's argument order."""
+        # Without a shared expert, the routed parameters straight from `_parameters`
+        # (Module.__getattr__ costs ~0.5 us a weight, every step); the attributes otherwise, or
+        # where one is not there (parametrized).
+        params = self._parameters
+        routed = params.get("gate_weight"), params.get("up_weight"), params.get("down_weight")
+        no_shared = self.__dict__.get("shared_gate_weight", False) is None
+        if no_shared and routed[0] is not None and routed[1] is not None and routed[2] is not None:
+            return (None, None, None, *routed)
         return (
             self.shared_gate_weight, self.shared_up_weight, self.shared_down_weight,
             self.gate_weight, self.up_weight, self.down_weight,
@@ -264,9 +276,8 @@ class MoKExperts(nn.Module):
         key = self._steps.key(self, x, router_weights, top_experts, weights)
         step = self._steps.get(key, self.config)
         if step is not None:
-            schedule = step.schedule(top_experts)
             return _step_apply(
-                self.config, step.ws(), schedule, self.swiglu_limit, False, False, step, x,
+                self.config, step.ws(), top_experts, self.swiglu_limit, False, False, step, x,
                 router_weights, *weights,
             )  # fmt: skip
         # Checked before the workspace is made: a bad call leaves no workspace behind.

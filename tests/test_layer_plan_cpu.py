@@ -58,3 +58,22 @@ def test_step_apply_gives_function_apply_outputs_and_gradients():
         results.append((out, x.grad, w.grad, *(p.grad for p in module.parameters())))
     for a, b in zip(*results, strict=True):
         assert a is not None and torch.equal(a, b)
+
+
+class _Double(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_weights_are_the_modules_attributes():
+    """`MoKExperts.weights()` (read from `_parameters` where it can, every step) gives the
+    attributes: with and without a shared expert, and for a parametrized weight."""
+    for shared in (False, True):
+        module = MoKExperts(4, 128, 128, 2, shared_expert=shared)
+        names = ("shared_gate_weight", "shared_up_weight", "shared_down_weight", "gate_weight",
+                 "up_weight", "down_weight")  # fmt: skip
+        assert all(w is getattr(module, n) for w, n in zip(module.weights(), names, strict=True))
+    module = MoKExperts(4, 128, 128, 2)
+    torch.nn.utils.parametrize.register_parametrization(module, "up_weight", _Double())
+    original = module.parametrizations.up_weight.original
+    assert torch.equal(module.weights()[4], 2 * original)

@@ -227,6 +227,24 @@ class _BackwardOp:
                                device=router_weights.device)  # fmt: skip
         return ws.buffers["d_router_weight_buffer"]
 
+    def _finish_outputs(self, grad_output, router_weights) -> tuple:
+        """(d_x, d_router): what the megakernel's last phase writes (`in_kernel_finish`)."""
+        d_x = torch.empty(grad_output.shape, dtype=torch.bfloat16, device=grad_output.device)
+        d_router = torch.empty(router_weights.shape, dtype=torch.float32,
+                               device=router_weights.device)  # fmt: skip
+        return d_x, d_router
+
+    def finished(self, grad_output, router_weights, context) -> tuple:
+        """(d_x, d_router, routed d_w gate, up, down) of an op whose megakernel writes them all
+        (`in_kernel_finish` and `in_launch`, BF16: a layer step's), the routed context at
+        `context`'s addresses (as `__call__` takes it)."""
+        d_x, d_router = self._finish_outputs(grad_output, router_weights)
+        _, _, d_weights = self.routed.launch(
+            grad_output, router_weights, *context, self.slots, None,
+            (d_x.data_ptr(), d_router.data_ptr()),
+        )  # fmt: skip
+        return (d_x, d_router, *d_weights)
+
     def __call__(self, schedule, ctx_tensors, grad_output, x, router_weights, shared, main_grads,
                  routed, context_exact=False, context=None):  # fmt: skip
         """The op's outputs; without a shared expert its gradients are three distinct empty
@@ -248,11 +266,12 @@ class _BackwardOp:
             routed_ctx = (x_routed, gate, up, hidden)
             context = (schedule_addresses(schedule), tuple(t.data_ptr() for t in routed_ctx),
                        routed_ctx.__getitem__)  # fmt: skip
-        d_router = self._d_router(ws, router_weights)
         d_x, finish_at = None, (0, 0)
         if self.in_kernel_finish:
-            d_x = torch.empty(grad_output.shape, dtype=torch.bfloat16, device=grad_output.device)
+            d_x, d_router = self._finish_outputs(grad_output, router_weights)
             finish_at = (d_x.data_ptr(), d_router.data_ptr())
+        else:
+            d_router = self._d_router(ws, router_weights)
         if tables is not None:
             ws.buffers["d_y_buffer"].copy_(grad_output)
             ws.buffers["router_weight_buffer"].copy_(router_weights)

@@ -148,13 +148,11 @@ class _ForwardOp:
         shared context (None in its places without a shared expert)."""
         ws = self.ws()
         if self.combine:  # a group of one: no barriers, no shared expert
+            if context is not None:
+                return self.combined(x, router_weights, routed, context), None, None, None
             out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-            if context is None:
-                routed_ctx, _ = self.routed(x, schedule, self.slots, routed, (out, router_weights))
-                return (out, *routed_ctx, x.new_empty(0), x.new_empty(0), x.new_empty(0))
-            self.routed.launch(x, *context, self.slots_at, routed,
-                               (out.data_ptr(), router_weights.data_ptr()))  # fmt: skip
-            return out, None, None, None
+            routed_ctx, _ = self.routed(x, schedule, self.slots, routed, (out, router_weights))
+            return (out, *routed_ctx, x.new_empty(0), x.new_empty(0), x.new_empty(0))
         publish_x(ws, x, self.tables)
         if context is None:
             routed_ctx, slots = self.routed(x, schedule, self.slots, routed)
@@ -174,6 +172,14 @@ class _ForwardOp:
             self.epilogue = fwd_epilogue_plan(y_shared, slots, router_weights.shape)
         out = self.epilogue(y_shared, slots, router_weights, checked=checked)
         return (out, *routed_ctx, *shared_ctx)
+
+    def combined(self, x, router_weights, routed, context) -> torch.Tensor:
+        """`out` of an op made with `combine` (the megakernel sums the slots), its routed
+        context written at `context`'s addresses (as `__call__` takes it)."""
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        self.routed.launch(x, *context, self.slots_at, routed,
+                           (out.data_ptr(), router_weights.data_ptr()))  # fmt: skip
+        return out
 
     def layout(self) -> list:
         """(dtype, shape) of the routed context (x_routed, gate, up, hidden), for a `Carve`."""
