@@ -176,7 +176,7 @@ class _ForwardOp:
     def combined(self, x, router_weights, routed, context) -> torch.Tensor:
         """`out` of an op made with `combine` (the megakernel sums the slots), its routed
         context written at `context`'s addresses (as `__call__` takes it)."""
-        out = torch.empty_like(x)  # x is bf16 and contiguous (checked by the op's key)
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
         self.routed.launch(x, *context, self.slots_at, routed,
                            (out.data_ptr(), router_weights.data_ptr()))  # fmt: skip
         return out
