@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Host time of an eager step, A/B: `python -m benchmarks.host_time` in alternating processes of
 # a base tree and this one (each run from its own root, so each imports its own mok), then the
-# medians, and per process the lone step less (and over) that process's floor. The host's spread between processes of one tree is up to 2x, so only many
-# alternating processes tell a change of tens of microseconds. Usage (repo root, GPU machine):
+# medians, and per process the lone step less (and over) that process's floor. The host's
+# spread between processes of one tree is up to 2x, so only many alternating processes tell a
+# change of tens of microseconds. Usage (repo root, GPU machine):
 #   bash tools/host_time_ab.sh BASE_DIR [PAIRS] [ARGS...]     # e.g. a `git archive` of main
 set -uo pipefail
 base=$(cd "$1" && pwd); pairs=${2:-4}; shift $(( $# < 2 ? $# : 2 ))

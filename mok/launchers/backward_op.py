@@ -302,11 +302,10 @@ class _BackwardOp:
                 grad_output, x, (gate_s, up_s, hidden_s), shared, self.limit,
                 main_grads[3:],
             )  # fmt: skip
-        if d_x is not None:  # the megakernel's last phase wrote it
-            pass
-        elif self.finish is not None:
+        # Else the megakernel's last phase wrote d_x.
+        if d_x is None and self.finish is not None:
             d_x = self.finish(d_x_shared, slots, partials_at, context[0], router_weights, d_router)
-        else:
+        elif d_x is None:
             if self.epilogue is None:
                 self.epilogue = bwd_epilogue_plan(d_x_shared, slots, ws.topk)
             d_x = self.epilogue(d_x_shared, slots)
