@@ -15,6 +15,8 @@ from .schedule_warp import (
     WARP_SIZE,
     WARPS,
     local_expert_key,
+    schedule_barrier,
+    smem_vectors,
     warp_group_of,
 )
 
@@ -37,6 +39,7 @@ def count_chunk(
     num_chunks: Int32,
     sCount: cute.Tensor,
     sSum: cute.Tensor,
+    named_barrier: cutlass.Constexpr = None,
 ) -> Int32:
     """Every thread of the CTA: count chunk `chunk` of `num_chunks` and, if it is the last to
     arrive, scan them all. Returns the old arrivals value (num_chunks - 1: this CTA scanned).
@@ -48,7 +51,8 @@ def count_chunk(
     `counts_ptr` int32 [num_chunks, E] (fully written); `expert_counts_ptr` int32 [E];
     `arrivals` the address of an int32 that is zero before the first chunk is counted and is
     left zero by the scan. `sCount` (MAX_LOCAL_EXPERTS int32) and `sSum` (CHUNK_GROUPS *
-    SUM_PITCH int32): shared memory.
+    SUM_PITCH int32): shared memory. `named_barrier`: `schedule_barrier`'s (None: the CTA is
+    the task's THREADS threads).
 
     Counting: entries [chunk * 4096, (chunk + 1) * 4096), warp w the 512 of them from
     chunk * 4096 + w * 512, lane order = entry order (schedule_warp.py). Each warp groups its 32
@@ -79,7 +83,7 @@ def count_chunk(
     # ---- zero this CTA's counts ----
     for e in cutlass.range(tidx, num_local_experts, THREADS):
         sCount[e] = Int32(0)
-    cute.arch.sync_threads()
+    schedule_barrier(named_barrier)
 
     # ---- load this lane's 16 entries first: independent loads, one round trip ----
     warp_start = chunk * CHUNK + warp * WARP_CHUNK
@@ -96,7 +100,7 @@ def count_chunk(
         _, below, group_size = warp_group_of(key)
         if key >= 0 and below == 0:
             cute.arch.atomic_add((sCount.iterator + key).llvm_ptr, group_size, scope="cta")
-    cute.arch.sync_threads()
+    schedule_barrier(named_barrier)
 
     # ---- write every count (zeros included: the scan reads all of them) ----
     row = chunk * num_local_experts
@@ -104,32 +108,35 @@ def count_chunk(
         mCounts[row + e] = sCount[e]
 
     # ---- count this CTA; the last one scans (its verdict through sSum[0]) ----
-    cute.arch.sync_threads()
+    schedule_barrier(named_barrier)
     if tidx == 0:
         fence_acq_rel_sys()
         sSum[0] = atom_add_acq_rel_gpu_s32(arrivals, Int32(1))
-    cute.arch.sync_threads()
+    schedule_barrier(named_barrier)
     verdict = sSum[0]
     if verdict == num_chunks - 1:
-        cute.arch.sync_threads()  # every thread has read the verdict before sSum is reused
+        schedule_barrier(named_barrier)  # every thread has read the verdict before sSum is reused
         mExpertCounts = cute.make_tensor(expert_counts_ptr, cute.make_layout(num_local_experts))
-        scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_local_experts, warp, lane)
+        scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_local_experts, warp, lane,
+                    named_barrier)  # fmt: skip
         if tidx == 0:
             st_global_b32(arrivals, Int32(0))
     return verdict
 
 
-def count_smem() -> tuple:
-    """`count_chunk`'s shared memory (static, about 5 KiB): the CTA's count of each expert, and
-    the scan's group-sum table (its word 0 carries the arrival verdict)."""
-    return tuple(
-        cute.make_tensor(cute.arch.alloc_smem(Int32, size, alignment=16), cute.make_layout(size))
-        for size in (MAX_LOCAL_EXPERTS, CHUNK_GROUPS * SUM_PITCH)
-    )
+COUNT_SMEM_SIZES = (MAX_LOCAL_EXPERTS, CHUNK_GROUPS * SUM_PITCH)
+
+
+def count_smem(base=None) -> tuple:
+    """`count_chunk`'s shared memory (about 5 KiB): the CTA's count of each expert, and the
+    scan's group-sum table (its word 0 carries the arrival verdict); static, or carved from
+    `base` (`smem_vectors`)."""
+    return smem_vectors(COUNT_SMEM_SIZES, base)
 
 
 @cute.jit
-def scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_experts, group, lane):
+def scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_experts, group, lane,
+                named_barrier: cutlass.Constexpr):  # fmt: skip
     """In place over chunks, per expert: counts[c, e] <- sum_{c' < c} counts[c', e], and
     expert_counts[e] = sum_c counts[c, e] (every thread of the CTA; the scan of the docstring)."""
     rows_per_group = (num_chunks + CHUNK_GROUPS - 1) // CHUNK_GROUPS
@@ -143,7 +150,7 @@ def scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_experts, group, la
             for row in cutlass.range(first_row, end_row, 1, unroll=8):
                 group_sum = group_sum + mCounts[row * num_experts + expert]
         sSum[group * SUM_PITCH + lane] = group_sum
-        cute.arch.sync_threads()
+        schedule_barrier(named_barrier)
 
         # ---- exclusive prefix over the groups before this one; the last group has the total --
         running = Int32(0)
@@ -158,4 +165,4 @@ def scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_experts, group, la
                 count = mCounts[index]
                 mCounts[index] = running
                 running = running + count
-        cute.arch.sync_threads()  # sSum is the next block's
+        schedule_barrier(named_barrier)  # sSum is the next block's

@@ -16,6 +16,8 @@ from .schedule_warp import (
     WARPS,
     checked_local_expert_key,
     local_expert_key,
+    schedule_barrier,
+    smem_vectors,
     warp_group_of,
 )
 from .value_checks import STATUS_BAD_EXPERT_ID
@@ -44,10 +46,12 @@ def place_chunk(
     chunk: Int32,
     num_ctas: Int32,
     smem: tuple,
+    named_barrier: cutlass.Constexpr = None,
 ):
     """Every thread of the CTA: place chunk `chunk` of the `num_ctas` placement tasks (one per
     chunk), from the count pass's offsets (schedule_count.py), into this rank's receive
-    schedule (docs/SEMANTICS.md §3). `smem`: `place_smem()`.
+    schedule (docs/SEMANTICS.md §3). `smem`: `place_smem()`. `named_barrier`:
+    `schedule_barrier`'s (None: the CTA is the task's THREADS threads).
 
     Pointers to contiguous int32 buffers: `ids_ptr` [num_entries] (all-gathered routing),
     `offsets_ptr` [num_chunks, E] (count pass: each chunk's offset inside its expert's
@@ -119,7 +123,7 @@ def place_chunk(
             inclusive = inclusive + other
     if lane == WARP_SIZE - 1:
         sWarpTotal[warp] = inclusive
-    cute.arch.sync_threads()
+    schedule_barrier(named_barrier)
     total = Int32(0)
     row = inclusive - thread_rows  # exclusive prefix inside the warp ...
     for w in cutlass.range_constexpr(WARPS):
@@ -145,7 +149,7 @@ def place_chunk(
             mStatus[1] = total
             mStatus[2] = ep_rank
             mStatus[3] = capacity
-    cute.arch.sync_threads()
+    schedule_barrier(named_barrier)
 
     stride = num_ctas * THREADS
     if overflow:
@@ -191,7 +195,7 @@ def place_chunk(
             if key >= 0 and below == 0:
                 sWarpOffset[warp_row + key] = sWarpOffset[warp_row + key] + group_size
             cute.arch.sync_warp()
-        cute.arch.sync_threads()
+        schedule_barrier(named_barrier)
 
         # ==== phase 4: per-warp counts -> first row of each (warp, expert) run ====
         for e in cutlass.range(tidx, num_experts, THREADS):
@@ -200,7 +204,7 @@ def place_chunk(
                 warp_count = sWarpOffset[w * MAX_LOCAL_EXPERTS + e]
                 sWarpOffset[w * MAX_LOCAL_EXPERTS + e] = next_row
                 next_row = next_row + warp_count
-        cute.arch.sync_threads()
+        schedule_barrier(named_barrier)
 
         # ==== phase 5: place the entries in flat-index order ====
         for step in cutlass.range_constexpr(ENTRIES_PER_LANE):
@@ -220,17 +224,14 @@ def place_chunk(
             cute.arch.sync_warp()
 
 
-def place_smem() -> tuple:
-    """`place_chunk`'s shared-memory tables (32 KiB + 8 KiB + 32 B, static): the first row of
-    each expert's segment, each expert's unpadded entries, the block scan's per-warp totals,
-    and the per-(warp, expert) counts / rows."""
+PLACE_SMEM_SIZES = (MAX_LOCAL_EXPERTS, MAX_LOCAL_EXPERTS, WARPS, WARPS * MAX_LOCAL_EXPERTS)
 
-    def smem_vector(size):
-        return cute.make_tensor(cute.arch.alloc_smem(Int32, size, alignment=16),
-                                cute.make_layout(size))  # fmt: skip
 
-    return (smem_vector(MAX_LOCAL_EXPERTS), smem_vector(MAX_LOCAL_EXPERTS), smem_vector(WARPS),
-            smem_vector(WARPS * MAX_LOCAL_EXPERTS))  # fmt: skip
+def place_smem(base=None) -> tuple:
+    """`place_chunk`'s shared-memory tables (32 KiB + 8 KiB + 32 B): the first row of each
+    expert's segment, each expert's unpadded entries, the block scan's per-warp totals, and the
+    per-(warp, expert) counts / rows; static, or carved from `base` (`smem_vectors`)."""
+    return smem_vectors(PLACE_SMEM_SIZES, base)
 
 
 @cute.jit

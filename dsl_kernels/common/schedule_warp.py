@@ -32,6 +32,31 @@ NOT_MINE = -1  # key of an entry routed to another rank's expert (or past the en
 ROUTED_ROW_ALIGNMENT = 128  # = mok.config.ROUTED_ROW_ALIGNMENT (dsl_kernels may not import mok)
 
 
+def smem_vectors(sizes: tuple, base=None) -> tuple:
+    """Int32 shared-memory vectors of `sizes`: static allocations (`base` None), or carved one
+    after another from `base` (an Int32 shared-memory pointer, 16-byte aligned; each vector
+    16-byte aligned), e.g. from a megakernel's operand ring before its mainloop."""
+    vectors, offset = [], 0
+    for size in sizes:
+        if base is None:
+            pointer = cute.arch.alloc_smem(Int32, size, alignment=16)
+        else:
+            pointer = base + offset
+            offset += -(-size // 4) * 4
+        vectors.append(cute.make_tensor(pointer, cute.make_layout(size)))
+    return tuple(vectors)
+
+
+def schedule_barrier(named_barrier) -> None:
+    """The barrier of a schedule task's THREADS threads: the whole CTA (`named_barrier` None: the
+    schedule kernel), or named barrier `named_barrier` over THREADS threads (threads 0 ..
+    THREADS - 1 of a larger CTA that runs schedule tasks). A trace-time choice."""
+    if named_barrier is None:
+        cute.arch.sync_threads()
+    else:
+        cute.arch.barrier(barrier_id=named_barrier, number_of_threads=THREADS)
+
+
 @cute.jit
 def local_expert_key(
     ids: cute.Tensor, index: Int32, num_entries: Int32, expert_base: Int32, num_experts: Int32
