@@ -128,9 +128,11 @@ class LayerStep:
             workspace, top_experts, module.num_local_experts, workspace.schedule_capacity,
             config.all_gather_top_experts_chunk_bytes,
         )  # fmt: skip
+        # Where its megakernel sums the slots, it also writes the schedule (`schedules`).
         self.forward_op = forward_op.forward_op(
             workspace, schedule, x, router_weights, *module.weights(), self.limit,
             config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
+            schedule_ids=top_experts,
         )  # fmt: skip
         self.carve = Carve(self.schedule_op.layout() + self.forward_op.layout(), x.device)
         self.backward_ops: dict[tuple, object] = {}
@@ -147,14 +149,17 @@ class LayerStep:
 
     def forward(self, top_experts, x, router_weights, weights):
         """(out, the context MoKFunction saves: the step's buffer, then shared 3 if any). The
-        step's buffer (`carve`) is new; the schedule is launched into it, then the forward."""
+        step's buffer (`carve`) is new; the forward writes the schedule into it itself, or the
+        schedule is launched into it first."""
         self.raise_value_errors()
         buffer = self.carve.new()
         context = self._context(buffer)
-        self.schedule_op(top_experts, context[0])
         op = self.forward_op
+        if not op.schedules:
+            self.schedule_op(top_experts, context[0])
         if op.combine:  # the megakernel sums the slots: out is all
-            return op.combined(x, router_weights, weights[3:], context), (buffer,)
+            return (op.combined(x, router_weights, weights[3:], context, top_experts.data_ptr()),
+                    (buffer,))  # fmt: skip
         out, *shared_ctx = op(None, x, router_weights, weights[:3], weights[3:], context=context)
         return out, ((buffer, *shared_ctx) if self.has_shared else (buffer,))
 

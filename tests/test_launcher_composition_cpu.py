@@ -143,8 +143,10 @@ class _FakeForwardPlan:
     bound = True  # a launch is bound: the op takes the combine path when asked
 
     def __init__(self, x, schedule, topk, gate_w, up_w, down_w, limit, comm, minibatch, timeout,
-                 peers, slots, grid, combine=False):  # fmt: skip
+                 peers, slots, grid, combine=False, schedule_ids=None):  # fmt: skip
         self.args, self.combine = (topk, gate_w, up_w, down_w, limit), combine
+        self.schedules = schedule_ids is not None  # the ops here pass None: the full path
+        assert not self.schedules
 
     def __call__(self, x, schedule, slots, weights, combine=None):
         topk, gate_w, up_w, down_w, limit = self.args

@@ -27,15 +27,16 @@ def built():
 
 def test_dispatch_batches_its_loads(built):
     _, _, ptx = built
-    assert_dispatch_batches(ptx)
+    assert_dispatch_batches(ptx, schedule_tickets=2)
 
 
-def assert_dispatch_batches(ptx: str) -> None:
+def assert_dispatch_batches(ptx: str, schedule_tickets: int = 0) -> None:
     """The megakernels' dispatch (dispatch_phase.py): row tiles by ticket, a relaxed atomic add
     for the first, then one per tile taken before that tile's loads (in flight during the
     copy); every thread makes DISPATCH_BATCH (8) 16-byte loads of source rows before their
     stores, source rows from a shared-memory table; then the async-proxy fence and the CTA
-    barrier before thread 0's counter release."""
+    barrier before thread 0's counter release. `schedule_tickets`: the relaxed ticket adds of
+    a schedule phase before the dispatch (the forward's, schedule_phase.py: two)."""
     lines = [line.strip() for line in ptx.splitlines()]
     fence = lines.index("fence.proxy.async.global;")
     loads = [i for i, line in enumerate(lines[:fence]) if line.startswith("ld.global.v4")]
@@ -47,7 +48,7 @@ def assert_dispatch_batches(ptx: str) -> None:
     )
     assert first_store < fence < lines.index("bar.sync \t0;", fence) < release
     tickets = [i for i, line in enumerate(lines[:fence]) if line.startswith("atom.relaxed.gpu")]
-    assert len(tickets) == 2 and tickets[1] < min(loads)
+    assert len(tickets) == 2 + schedule_tickets and tickets[-1] < min(loads)
 
 
 def test_exit_leaves_counters_zero(built):
@@ -63,11 +64,12 @@ def test_exit_leaves_counters_zero(built):
 
 def assert_retires(ptx: str) -> None:
     """The megakernels' exit (sm90/retire.py): after the kernel's last CTA barrier, one
-    GPU-scope acq_rel count on the exit word behind a fence, then the zeroing stores."""
+    GPU-scope acq_rel count on the exit word behind a fence (the last of each: the forward's
+    schedule phase has its own), then the zeroing stores."""
     lines = [line.strip() for line in ptx.splitlines()]
     barrier = max(i for i, line in enumerate(lines) if line == "bar.sync \t0;")
-    (fence,) = [i for i, line in enumerate(lines) if line == "fence.acq_rel.sys;"]
-    (count,) = [i for i, line in enumerate(lines) if line.startswith("atom.acq_rel.gpu")]
+    fence = max(i for i, line in enumerate(lines) if line == "fence.acq_rel.sys;")
+    count = max(i for i, line in enumerate(lines) if line.startswith("atom.acq_rel.gpu"))
     stores = [i for i, line in enumerate(lines) if line.startswith("st.global.b32")]
     assert barrier < fence < count < max(stores)
 
@@ -76,8 +78,11 @@ def test_counters_and_handshake(built):
     _, _, ptx = built
     assert "red.release.gpu.global.add.s32" in ptx and "ld.acquire.gpu.global.b32" in ptx
     # The dynamic tickets: a relaxed atomic add takes each task (tickets.py: the first ticket,
-    # then one site per phase loop) and each dispatched row tile (two sites, above).
-    assert ptx.count("atom.relaxed.gpu.global.add.s32") == 3 + 2
+    # then one site per phase loop), each dispatched row tile (two sites, above) and each
+    # schedule task (two sites, schedule_phase.py).
+    assert ptx.count("atom.relaxed.gpu.global.add.s32") == 3 + 2 + 2
+    # The schedule's tasks meet on named barrier 8 of threads 0 .. 255.
+    assert "bar.sync \t8, 256;" in ptx
     # The hand-off: the consumers' two phase loops and their end signal; the crew's first
     # wait and its two phase loops. The crew meets on barrier 6 before it releases a gate/up
     # tile's counter or counts a down tile, and on 5 around slot look-ups.

@@ -1,12 +1,16 @@
 """SM90 forward megakernel: the routed experts' forward in one persistent launch (DESIGN §4).
 
 Phases, in dependency order, each in its own module:
+    schedule        the routing's receive schedule (schedule_entries > 0)          schedule_phase
     dispatch        x_routed[r] = x[peer_token_idx[r] // k], zeros for padding  dispatch_phase
     gate/up+SwiGLU  gate, up, hidden of every routed row                         gate_up_phase
     down to slots   slots[peer_token_idx[r]] = hidden[r] @ W_down[e]^T           down_phase
     combine         out[t] = sum_j w[t, j] * slots[t * k + j]  (combine_tokens > 0)  combine_phase
 The combine runs here only for a group of one without a shared expert (the launcher passes
 combine_tokens = T); otherwise combine_tokens is 0 and moe_combine_forward sums the slots.
+The schedule runs here only for a layer step of such a group (schedule_entries = T * k: ids_ptr
+the caller's int64 [T, k] routing, two int32 scratch arrays); otherwise the schedule kernel
+wrote it before the launch.
 
 Dispatching CTAs (all, or 0 .. num_comm_ctas - 1) take row tiles by the dispatch ticket and copy
 them before the roles split. Then warp 0 takes tasks by the task ticket in pipelined minibatch
@@ -23,8 +27,8 @@ starts first in practice, though CUDA does not promise an order.
 
 Counters (int32, zero at the start: the launcher zeroes them once, then every launch's last CTA
 leaves them zero, retire.py): dispatched[m] (to 1), hidden_done[m] (to I / 128) per row tile,
-then the task ticket, the dispatch ticket, the down tiles stored (combine_phase.py) and the exit
-word. Writers fence the async proxy (TMA
+then the task ticket, the dispatch ticket, the down tiles stored (combine_phase.py), the
+schedule phase's four words (schedule_phase.py) and the exit word. Writers fence the async proxy (TMA
 readers), then `red.release.gpu`; the producer polls `ld.acquire.gpu` (GPU scope: only this GPU
 writes and reads them).
 
@@ -46,7 +50,7 @@ from cutlass import Float32, Int32, Int64
 
 from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, int64_pointer, placeholders
 from ..common.peers import peer_table
-from . import combine_phase, down_phase, gate_up_phase
+from . import combine_phase, down_phase, gate_up_phase, schedule_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .dispatch_phase import PHASE_DISPATCH, dispatch_rows
@@ -76,10 +80,11 @@ from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_sl
 # from `tma_specs`). Shapes: x [T, H], x_routed [C, H], gate/up/hidden [C, I], slots [T * k, H]
 # bf16; W_gate, W_up viewed [E * I, H], W_down [E * H, I]; peer_rank, peer_token_idx [C],
 # num_tokens [1], tokens_per_expert [E], counters [2 * ceil(C / 128) + COUNTER_TAIL] int32;
-# out [T, H] bf16, router_weights [T, k] fp32, the value-status words (combine_tokens = T > 0).
+# out [T, H] bf16, router_weights [T, k] fp32, the value-status words (combine_tokens = T > 0);
+# ids [T, k] int64, schedule counts [ceil(T * k / 4096), E] and [E] int32 (schedule_entries > 0).
 # Counters after the two per-row-tile arrays: the task ticket, the dispatch ticket, the down
-# tiles stored, the exit word.
-COUNTER_TAIL = 4
+# tiles stored, the schedule phase's words, the exit word.
+COUNTER_TAIL = 4 + schedule_phase.WORDS
 PARAMS = (
     ("a_x", bf16_pointer),
     ("b_wg", bf16_pointer),
@@ -100,6 +105,10 @@ PARAMS = (
     ("router_weights_ptr", fp32_pointer),
     ("status_ptr", int32_pointer),
     ("combine_tokens", Int32(0)),
+    ("ids_ptr", int32_pointer),
+    ("schedule_counts_ptr", int32_pointer),
+    ("schedule_expert_counts_ptr", int32_pointer),
+    ("schedule_entries", Int32(0)),
     *WALK_PARAMS,
     *STEP_PARAMS,
 )
@@ -153,6 +162,10 @@ class Sm90MoeForward:
         router_weights_ptr: cute.Pointer,
         status_ptr: cute.Pointer,
         combine_tokens: Int32,
+        ids_ptr: cute.Pointer,
+        schedule_counts_ptr: cute.Pointer,
+        schedule_expert_counts_ptr: cute.Pointer,
+        schedule_entries: Int32,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -208,6 +221,10 @@ class Sm90MoeForward:
             router_weights_ptr,
             status_ptr,
             combine_tokens,
+            ids_ptr,
+            schedule_counts_ptr,
+            schedule_expert_counts_ptr,
+            schedule_entries,
             peer_rank_ptr,
             peer_token_idx_ptr,
             num_tokens_ptr,
@@ -254,6 +271,10 @@ class Sm90MoeForward:
         router_weights_ptr: cute.Pointer,
         status_ptr: cute.Pointer,
         combine_tokens: Int32,
+        ids_ptr: cute.Pointer,
+        schedule_counts_ptr: cute.Pointer,
+        schedule_expert_counts_ptr: cute.Pointer,
+        schedule_entries: Int32,
         peer_rank_ptr: cute.Pointer,
         peer_token_idx_ptr: cute.Pointer,
         num_tokens_ptr: cute.Pointer,
@@ -288,6 +309,25 @@ class Sm90MoeForward:
             for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
+        # ---- the schedule's tasks (a group of one's layer step: schedule_entries = T * k) ----
+        capacity_tiles = (capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
+        row_tile_bytes = Int64(4) * Int64(capacity_tiles)
+        dispatched = counters_ptr.toint()
+        hidden_done = dispatched + row_tile_bytes
+        record = error_record_ptr.toint()
+        task_ticket = hidden_done + row_tile_bytes
+        down_done = task_ticket + Int64(8)  # after the task and dispatch tickets
+        if schedule_entries > 0:
+            schedule_phase.schedule_tasks(
+                ids_ptr, schedule_counts_ptr, schedule_expert_counts_ptr, down_done + Int64(4),
+                peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr, tokens_per_expert_ptr,
+                status_ptr, record, timeout_ns, schedule_entries, num_experts, capacity,
+                cute.recast_ptr(sA.iterator, dtype=Int32), tidx,
+            )  # fmt: skip
+            # The tables were generic-proxy writes to the ring, which TMA writes next.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+
         # ---- tile lists, counters, the ticket ----
         tokens_per_expert = cute.make_tensor(
             tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
@@ -300,15 +340,8 @@ class Sm90MoeForward:
         )
         routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
-        capacity_tiles = (capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
-        row_tile_bytes = Int64(4) * Int64(capacity_tiles)
-        dispatched = counters_ptr.toint()
-        hidden_done = dispatched + row_tile_bytes
-        record = error_record_ptr.toint()
         batches = Minibatches(minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
         num_tasks = row_tiles_total * (gate_up_cols + down_cols)
-        task_ticket = hidden_done + row_tile_bytes
-        down_done = task_ticket + Int64(8)  # after the task and dispatch tickets
         slots = task_slots(storage)
         tickets = Tickets(task_ticket, slots, num_tasks)
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.

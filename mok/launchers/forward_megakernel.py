@@ -85,7 +85,7 @@ def routed_forward(
 
 def forward_plan(
     x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
-    minibatch_size, timeout_ns, peers, slots, grid, combine=False,
+    minibatch_size, timeout_ns, peers, slots, grid, combine=False, schedule_ids=None,
 ):  # fmt: skip
     """`routed_forward`'s plan for these arguments (checked now); call it as
     plan(x, schedule, slots, (gate, up, down)) with tensors that differ from these in their
@@ -93,12 +93,17 @@ def forward_plan(
     of one: `peers` None): the launch also writes out = sum_j w[t, j] * slots[t * k + j] (bf16
     [T, H], `epilogues.fwd_epilogue` without y_shared, the same bits and router-weight check);
     call it as plan(x, schedule, slots, weights, (out, router_weights)), router_weights fp32
-    [T, k] checked by the caller."""
+    [T, k] checked by the caller. `schedule_ids` (with `combine`: a layer step's): the
+    group's int64 [T, k] routing, of which the launch first writes the schedule itself into
+    `schedule`'s addresses (the `schedule_ids64` kernel's tasks, sm90/schedule_phase.py); call
+    `launch` with its address (`ids_at`)."""
     if combine and peers is not None:
         raise ValueError("combine: the in-kernel combine is a group of one's (peers must be None)")
+    if schedule_ids is not None and not combine:
+        raise ValueError("schedule_ids: the in-kernel schedule needs the in-kernel combine")
     return _ForwardPlan(
         x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
-        minibatch_size, timeout_ns, peers, slots, grid, combine,
+        minibatch_size, timeout_ns, peers, slots, grid, combine, schedule_ids,
     )  # fmt: skip
 
 
@@ -108,6 +113,7 @@ class _ForwardPlan:
     def __init__(
         self, x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit,
         num_comm_ctas, minibatch_size, timeout_ns, peers, slots, grid, combine=False,
+        schedule_ids=None,
     ):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -134,8 +140,14 @@ class _ForwardPlan:
         self.shapes = ((capacity, hidden_size), (capacity, intermediate_size),
                        (num_tokens * topk, hidden_size))  # fmt: skip
         self.bound = None
+        self.schedules = False  # the launch writes the schedule (`schedule_ids`)
         if capacity == 0 or num_experts == 0 or num_tokens == 0:
             return
+        entries, schedule_scratch = 0, (None, None)
+        if schedule_ids is not None:
+            entries, schedule_scratch = in_kernel_schedule(schedule_ids, num_experts, capacity,
+                                                           (num_tokens, topk))  # fmt: skip
+            self.schedules = True
         ep_rank, x_table, slots_table = peers if peers is not None else (0, None, None)
         # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit.
         self.counters = megakernel_counters(capacity, FORWARD_COUNTER_TAIL, x.device)
@@ -172,6 +184,10 @@ class _ForwardPlan:
                 "router_weights_ptr": None,
                 "status_ptr": status_ptr(x.device) if combine else None,
                 "combine_tokens": num_tokens if combine else 0,
+                "ids_ptr": schedule_ids if entries else None,
+                "schedule_counts_ptr": schedule_scratch[0],
+                "schedule_expert_counts_ptr": schedule_scratch[1],
+                "schedule_entries": entries,
                 **walk_arguments(
                     schedule,
                     self.counters.tensor,
@@ -212,7 +228,10 @@ class _ForwardPlan:
 
     def __call__(self, x, schedule, slots, weights, combine=None):
         """((x_routed, gate, up, hidden), slots): the context in new tensors. `combine`: (out,
-        router_weights) of a plan made with `combine`."""
+        router_weights) of a plan made with `combine`; not for one made with `schedule_ids`
+        (`launch`)."""
+        if self.schedules:
+            raise ValueError("a plan made with schedule_ids launches by address (launch)")
         outputs = self._outputs()
         if slots is None:
             slots = torch.empty(self.shapes[2], dtype=torch.bfloat16, device=self.device)
@@ -223,11 +242,13 @@ class _ForwardPlan:
         return outputs, slots
 
     def launch(self, x, schedule_at, context_at, context, slots_at, weights,
-               combine_at=(0, 0)) -> None:  # fmt: skip
+               combine_at=(0, 0), ids_at=0) -> None:  # fmt: skip
         """The launch on addresses: the schedule's four (`schedule_addresses`), the context's
         four (x_routed, gate, up, hidden: contiguous, `layout()`'s shapes, 16-byte aligned);
         `context(i)` makes context tensor i, only for a TMA descriptor not made yet;
-        `combine_at`: (out, router_weights) of a plan made with `combine`."""
+        `combine_at`: (out, router_weights) of a plan made with `combine`; `ids_at`: the
+        int64 routing's address (8-byte aligned, its shape and device as the plan's
+        `schedule_ids`) of a plan made with `schedule_ids`, whose launch writes the schedule."""
         x_routed_at, gate_at, up_at, hidden_at = context_at
         if self.mxfp8:
             a_x, a_h = self._operands(context(0), context(3))
@@ -247,14 +268,29 @@ class _ForwardPlan:
         aligned("x", x_address)
         stream = current_stream(self.device_index)
         self.counters.before_launch(stream)
+        if self.schedules:
+            aligned("top_experts", ids_at, 8)
         self.bound.launch(tma_x, tma_h, x_address, *context_at, slots_at, *rounded_at,
-                          *combine_at, *schedule_at, *bf16_weights, stream=stream)  # fmt: skip
+                          *combine_at, ids_at, *schedule_at, *bf16_weights, stream=stream)  # fmt: skip
+
+
+def in_kernel_schedule(ids, num_experts, capacity, shape) -> tuple:
+    """(T * k, (counts, expert_counts) scratch) of a plan whose launch writes the schedule of
+    `ids` (a group of one's int64 routing, `shape` [T, k]), checked as the `schedule_ids64`
+    kernel's routing."""
+    from .schedule_kernels import check_in_kernel_schedule  # noqa: PLC0415
+
+    num_chunks = check_in_kernel_schedule(ids, num_experts, capacity, shape)
+    counts = torch.empty(num_chunks * num_experts, dtype=torch.int32, device=ids.device)
+    expert_counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    return ids.numel(), (counts, expert_counts)
 
 
 # Rewritten on every launch, in this order (BoundLaunch.launch).
 DYNAMIC = (
     "tma_x", "tma_h", "x_ptr", "x_routed_ptr", "gate_ptr", "up_ptr", "hidden_ptr", "slots_ptr",
-    "x_rounded_ptr", "hidden_rounded_ptr", "out_ptr", "router_weights_ptr", "peer_rank_ptr",
+    "x_rounded_ptr", "hidden_rounded_ptr", "out_ptr", "router_weights_ptr", "ids_ptr",
+    "peer_rank_ptr",
     "peer_token_idx_ptr", "num_tokens_ptr", "tokens_per_expert_ptr",
 )  # fmt: skip
 # The weights' descriptors: bound once (BF16), or after DYNAMIC on every launch (MXFP8).

@@ -86,9 +86,13 @@ def forward(
 def forward_op(
     ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
     routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
+    schedule_ids=None,
 ):  # fmt: skip
     """The plan of `forward` (without ring reuse) for these arguments, checked when made:
-    op(schedule, x, router_weights, shared weights, routed weights) -> forward's outputs."""
+    op(schedule, x, router_weights, shared weights, routed weights) -> forward's outputs.
+    `schedule_ids` (a layer step's int64 [T, k] routing): where the op sums in the megakernel
+    (`combine`), the megakernel also writes the schedule (`schedules`; `combined` takes the
+    routing's address)."""
     key = (
         "forward", ws.handle, tensor_key(x), tensor_key(router_weights),
         tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
@@ -96,6 +100,7 @@ def forward_op(
         weight_key(shared_gate), weight_key(shared_up), weight_key(shared_down),
         weight_key(routed_gate), weight_key(routed_up), weight_key(routed_down), swiglu_limit,
         fwd_num_comm_sms, minibatch_size, macrobatch_size, current_stream(x.get_device()),
+        None if schedule_ids is None else ("schedule_ids", tensor_key(schedule_ids)),
     )  # fmt: skip
     ws.require_alive()  # a plan holds the workspace's buffers
 
@@ -103,6 +108,7 @@ def forward_op(
         return _ForwardOp(
             ws, schedule, x, router_weights, (routed_gate, routed_up, routed_down), swiglu_limit,
             fwd_num_comm_sms, minibatch_size, macrobatch_size, shared_gate is not None,
+            schedule_ids,
         )  # fmt: skip
 
     # Not one made for an evicted workspace whose handle this one took over.
@@ -115,7 +121,7 @@ class _ForwardOp:
     sums the slots itself (a group of one without a shared expert)."""
 
     def __init__(self, ws, schedule, x, router_weights, routed, swiglu_limit, fwd_num_comm_sms,
-                 minibatch_size, macrobatch_size, has_shared):  # fmt: skip
+                 minibatch_size, macrobatch_size, has_shared, schedule_ids=None):  # fmt: skip
         check_gpu_layer(ws, "forward")
         check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "forward")
         # By weak reference: the workspace cache evicts only workspaces nothing else holds; and no
@@ -131,7 +137,10 @@ class _ForwardOp:
         self.routed = forward_plan(
             x, schedule, ws.topk, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
             ws.wait_timeout_ns, peers, self.slots, ws.megakernel_ctas, combine,
+            schedule_ids if combine else None,
         )  # fmt: skip
+        # The launch writes the schedule: `combined` takes the routing's address.
+        self.schedules = self.routed.schedules
         # No launch (no routed rows): the epilogue kernel sums the slots.
         self.combine = combine and self.routed.bound is not None
         if self.combine:
@@ -173,12 +182,14 @@ class _ForwardOp:
         out = self.epilogue(y_shared, slots, router_weights, checked=checked)
         return (out, *routed_ctx, *shared_ctx)
 
-    def combined(self, x, router_weights, routed, context) -> torch.Tensor:
+    def combined(self, x, router_weights, routed, context, ids_at=0) -> torch.Tensor:
         """`out` of an op made with `combine` (the megakernel sums the slots), its routed
-        context written at `context`'s addresses (as `__call__` takes it)."""
+        context written at `context`'s addresses (as `__call__` takes it); `ids_at`: the
+        routing's address, for an op that `schedules` (the launch writes the schedule there
+        too)."""
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
         self.routed.launch(x, *context, self.slots_at, routed,
-                           (out.data_ptr(), router_weights.data_ptr()))  # fmt: skip
+                           (out.data_ptr(), router_weights.data_ptr()), ids_at)  # fmt: skip
         return out
 
     def layout(self) -> list:

@@ -69,6 +69,25 @@ def _check_int32_vector(name: str, tensor: torch.Tensor, size: int, device: torc
         )
 
 
+def check_in_kernel_schedule(ids, num_local_experts: int, capacity: int, shape) -> int:
+    """The chunks of the schedule a forward megakernel writes itself (a group of one's int64
+    `ids`, `shape` [T, k], 8-byte aligned on the CUDA device), checked as `_SchedulePlan`
+    checks the `schedule_ids64` kernel's."""
+    _, tokens, topk, ids64 = _check_routing(ids, 0, num_local_experts)
+    if not ids64 or (tokens, topk) != tuple(shape):
+        raise ValueError(
+            f"top_experts must be a contiguous CUDA torch.int64 tensor of shape {list(shape)}, "
+            f"got {ids.dtype} {list(ids.shape)}"
+        )
+    aligned("top_experts", ids.data_ptr(), 8)
+    if capacity + num_local_experts * ROUTED_ROW_ALIGNMENT >= _INT32_LIMIT:
+        raise ValueError(f"capacity {capacity} is too large for int32 row indices")
+    num_chunks = schedule_grid(tokens * topk)
+    if num_chunks * num_local_experts >= _INT32_LIMIT:
+        raise ValueError(f"{num_chunks} chunks x {num_local_experts} experts overflow int32")
+    return num_chunks
+
+
 def _check_routing(top_experts_all, ep_rank: int, num_local_experts: int) -> tuple:
     """(P, T, k, ids64) of the routing the kernels read: the all-gather's int32 [P, T, k], or
     (ids64) a group of one's own int64 [T, k]."""

@@ -1,0 +1,126 @@
+"""The forward megakernel's first phase for a group of one: the receive schedule of the caller's
+int64 routing (the `schedule_ids64` kernel's tasks, common/schedule.py), so a layer step needs
+no schedule launch.
+
+Every thread of every CTA takes schedule tickets (one int32 of the launch's counters, thread 0's
+`atom.add` broadcast through shared memory) until none are left: tickets [0, num_chunks) count
+chunk t, [num_chunks, 2 * num_chunks) place chunk t - num_chunks, as the schedule kernel's. The
+task runs on threads 0 .. 255 (warpgroups 0-1: the schedule's 256-thread CTA) with named
+barrier SCHEDULE_SYNC in place of the CTA barrier, its shared-memory tables carved from the
+operand ring (unused until the mainloop). The count task that scans last releases `scanned`;
+a placement waits for it (bounded) and, once placed, releases `placed`. Then thread 0 waits
+(bounded) until `placed` reaches num_chunks, and the CTA meets: every CTA reads the schedule
+(tokens_per_expert, num_tokens, peer_rank, peer_token_idx) after it is whole.
+
+Forward progress: a placement waits only on count tasks, and a CTA past its last ticket only on
+placements; every one was taken, by a smaller ticket, by a CTA that runs. So the phase
+completes with any number of resident CTAs >= 1, as the kernel's later phases do.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ..common.bounded_wait import (
+    OWN_MEMORY,
+    atom_add_relaxed_gpu_s32,
+    bounded_wait_reached,
+    fence_acq_rel_sys,
+    ld_acquire_gpu_s32,
+    red_add_release_gpu_s32,
+)
+from ..common.schedule import PHASE_SCHEDULE
+from ..common.schedule_count import COUNT_SMEM_SIZES, count_chunk, count_smem
+from ..common.schedule_place import PLACE_SMEM_SIZES, place_chunk, place_smem
+from ..common.schedule_warp import CHUNK, THREADS, schedule_barrier
+
+SCHEDULE_SYNC = 8  # named barrier of threads 0 .. 255 (epilogue_warps.py has 3-6, combine 7)
+# The phase's int32 words in the launch's counters: ticket, count arrivals, scanned, placed.
+WORD_TICKET, WORD_ARRIVALS, WORD_SCANNED, WORD_PLACED = range(4)
+WORDS = 4
+# Shared memory it carves (int32 words, each table 16-byte aligned), then the ticket's slot.
+SMEM_WORDS = sum(-(-size // 4) * 4 for size in COUNT_SMEM_SIZES + PLACE_SMEM_SIZES) + 4
+
+
+@cute.jit
+def schedule_tasks(
+    ids_ptr: cute.Pointer,
+    counts_ptr: cute.Pointer,
+    expert_counts_ptr: cute.Pointer,
+    words: Int64,
+    peer_rank_ptr: cute.Pointer,
+    peer_token_idx_ptr: cute.Pointer,
+    num_tokens_ptr: cute.Pointer,
+    tokens_per_expert_ptr: cute.Pointer,
+    status_ptr: cute.Pointer,
+    record: Int64,
+    timeout_ns: Int64,
+    num_entries: Int32,
+    num_local_experts: Int32,
+    capacity: Int32,
+    smem: cute.Pointer,
+    tidx: Int32,
+):
+    """Every thread of the CTA: the schedule's tasks by ticket, then the wait for all of them
+    (module docstring). `ids_ptr`: the caller's int64 [T, k] routing, 8-byte aligned (read as
+    int32 words, as `schedule_ids64`); `counts_ptr` int32 [num_chunks, E], `expert_counts_ptr`
+    int32 [E]: scratch; `words`: the address of the phase's WORDS int32 counters (zero at the
+    start); the outputs as the schedule kernel's; `status_ptr`: the value-status words; `smem`:
+    SMEM_WORDS int32 of shared memory, 16-byte aligned."""
+    num_chunks = cutlass.max((num_entries + CHUNK - 1) // CHUNK, 1)
+    scanned = words + Int64(4 * WORD_SCANNED)
+    placed = words + Int64(4 * WORD_PLACED)
+    count_tables = count_smem(smem)
+    count_words = sum(-(-size // 4) * 4 for size in COUNT_SMEM_SIZES)
+    place_tables = place_smem(smem + count_words)
+    sTicket = cute.make_tensor(smem + (SMEM_WORDS - 4), cute.make_layout(1))
+
+    task = _take(sTicket, words, tidx)
+    while task < 2 * num_chunks:
+        if tidx < THREADS:
+            if task < num_chunks:
+                verdict = count_chunk(
+                    True, ids_ptr, counts_ptr, expert_counts_ptr,
+                    words + Int64(4 * WORD_ARRIVALS), num_entries, Int32(0), num_local_experts,
+                    task, num_chunks, *count_tables, SCHEDULE_SYNC,
+                )  # fmt: skip
+                if verdict == num_chunks - 1:  # this task scanned: publish the offsets
+                    schedule_barrier(SCHEDULE_SYNC)
+                    if tidx == 0:
+                        fence_acq_rel_sys()
+                        red_add_release_gpu_s32(scanned, Int32(1))
+            else:
+                if tidx == 0:
+                    bounded_wait_reached(
+                        scanned, Int32(1), timeout_ns, record, Int32(0), Int32(PHASE_SCHEDULE),
+                        Int32(WORD_SCANNED), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
+                    )  # fmt: skip
+                schedule_barrier(SCHEDULE_SYNC)
+                place_chunk(
+                    True, ids_ptr, counts_ptr, expert_counts_ptr, peer_rank_ptr,
+                    peer_token_idx_ptr, num_tokens_ptr, tokens_per_expert_ptr, status_ptr,
+                    num_entries, num_entries, Int32(0), num_local_experts, capacity,
+                    task - num_chunks, num_chunks, place_tables, SCHEDULE_SYNC,
+                )  # fmt: skip
+                schedule_barrier(SCHEDULE_SYNC)
+                if tidx == 0:
+                    fence_acq_rel_sys()
+                    red_add_release_gpu_s32(placed, Int32(1))
+        task = _take(sTicket, words, tidx)
+    if tidx == 0:
+        bounded_wait_reached(
+            placed, num_chunks, timeout_ns, record, Int32(0), Int32(PHASE_SCHEDULE),
+            Int32(WORD_PLACED), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
+        )  # fmt: skip
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def _take(sTicket: cute.Tensor, words: Int64, tidx: Int32) -> Int32:
+    """Every thread: the CTA's next ticket (thread 0 takes it, shared memory broadcasts it),
+    once every thread is done with the previous task."""
+    cute.arch.sync_threads()
+    if tidx == 0:
+        sTicket[0] = atom_add_relaxed_gpu_s32(words + Int64(4 * WORD_TICKET), Int32(1))
+    cute.arch.sync_threads()
+    return sTicket[0]
