@@ -77,8 +77,9 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     # exit word, all zero. No in-kernel combine (routed_forward never asks for it).
     assert args["num_comm_ctas"] == 16
     assert args["minibatch_tiles"] == 2  # 256 routed rows
-    assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 4,)
+    assert args["counters_ptr"].shape == (2 * (-(-schedule.capacity // 128)) + 8,)
     assert args["combine_tokens"] == 0 and args["out_ptr"] == 0
+    assert args["schedule_entries"] == 0 and args["ids_ptr"] == 0  # the schedule given
     assert args["counters_ptr"].count_nonzero() == 0
 
 
