@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent(
     from mok.runtime import _driver, get_kernel
     from mok.testing import make_inputs, run_layer_step
 
-    free_sms, comm_ctas = int(sys.argv[1]), int(sys.argv[2])
+    free_sms, comm_ctas, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     cuda = torch.device("cuda")
     # 8192 routed rows (64 row tiles and padding): more row tiles than resident CTAs.
     tokens, hidden, intermediate, experts, topk = 4096, 512, 512, 8, 2
@@ -53,11 +53,35 @@ SCRIPT = textwrap.dedent(
     holder_limit_ns = 60_000_000_000  # the holder lets go on its own after 60 s (a failure)
     work = torch.cuda.Stream()
 
-    def step():
+    def functional_step():
         # Schedule, forward and backward with no host sync, on `work`, the full grid.
         with torch.cuda.stream(work):
             out, _, grads = run_layer_step(config, ws, inputs, experts)
         return [out, *(g for g in grads if g is not None)]
+
+    if mode == "module":  # a resolved step: the forward megakernel writes the schedule
+        from mok.nn import MoKExperts
+
+        torch.manual_seed(0)
+        module = MoKExperts(experts, hidden, intermediate, topk, config=config, device=cuda)
+        ws = module.workspace(tokens, cuda)
+        ws.wait_timeout_ns = 5_000_000_000
+
+    def module_step():
+        with torch.cuda.stream(work):
+            module.zero_grad(set_to_none=True)
+            x = inputs["x"].detach().requires_grad_()
+            w = inputs["router_weights"].detach().requires_grad_()
+            out = module(x, w, inputs["top_experts"])
+            out.backward(inputs["grad_output"])
+        return [out, x.grad, w.grad, *(p.grad for p in module.parameters())]
+
+    step = module_step if mode == "module" else functional_step
+    if mode == "module":
+        for _ in range(2):  # the full path, then a resolved step
+            step()
+            work.synchronize()
+        assert len(module._steps._steps) == 1
 
     # A step to load every kernel and fill the caching allocator's pool of `work` (no module
     # load or cudaMalloc while the holder runs), then the step without the holder.
@@ -134,10 +158,14 @@ SCRIPT = textwrap.dedent(
 # 1 free SM: one megakernel CTA at a time; 8: several at once (the old dispatch trapped in
 # both). 2 comm CTAs: the compute CTAs wait for rows only CTAs 0 and 1 copy, which the hardware
 # starts first (the old dispatch passed this one: CTAs 0 and 1 copied every row tile).
-@pytest.mark.parametrize("free_sms,comm_ctas", [(1, 0), (8, 0), (4, 2)])
-def test_megakernels_finish_with_most_sms_held(free_sms, comm_ctas):
+# "module": a resolved MoKExperts step, whose forward megakernel writes the schedule first
+# (sm90/schedule_phase.py: its tasks taken by ticket too).
+@pytest.mark.parametrize("free_sms,comm_ctas,mode", [(1, 0, "functional"), (8, 0, "functional"),
+                                                     (4, 2, "functional"), (1, 0, "module"),
+                                                     (8, 0, "module")])  # fmt: skip
+def test_megakernels_finish_with_most_sms_held(free_sms, comm_ctas, mode):
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(free_sms), str(comm_ctas)],
+        [sys.executable, "-c", SCRIPT, str(free_sms), str(comm_ctas), mode],
         capture_output=True, text=True, timeout=300, env=dict(os.environ),
     )  # fmt: skip
     output = done.stdout + done.stderr

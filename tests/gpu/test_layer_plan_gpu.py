@@ -108,12 +108,11 @@ def test_a_resolved_step_allocates_its_outputs_context_and_scratch_only():
     assert count == 8, count
 
 
-def test_a_resolved_step_launches_three_kernels(monkeypatch):
+def test_a_resolved_step_launches_two_kernels(monkeypatch):
     """One eager forward + backward of a resolved step of a group of one without a shared
-    expert: the schedule (count and placement in one launch, reading the caller's int64 ids: no
-    all-gather), the forward megakernel (its last phase the combine into out), the backward
-    megakernel (its last phase the d_x sum and the router-gradient push). Each runs once, in
-    that order."""
+    expert: the forward megakernel (its first phase the schedule, reading the caller's int64
+    ids; its last the combine into out), the backward megakernel (its last phase the d_x sum and
+    the router-gradient push). Each runs once, in that order."""
     from mok.runtime import module as runtime_module  # noqa: PLC0415
 
     step = _resolved_step(seed=6)
@@ -128,9 +127,7 @@ def test_a_resolved_step_launches_three_kernels(monkeypatch):
     step()
     torch.cuda.synchronize()
     print(f"\nlaunches per resolved step: {launched}")
-    assert launched == [
-        "schedule_ids64", "moe_forward", "moe_backward",
-    ], launched  # fmt: skip
+    assert launched == ["moe_forward", "moe_backward"], launched
 
 
 def _stepped_module(seed: int):
@@ -195,3 +192,61 @@ def test_new_weights_and_a_destroyed_workspace_take_the_full_path():
     full = _step(module, _full_path(module), inputs, grad)
     for a, b in zip(fast, full, strict=True):
         assert torch.equal(a, b)
+
+
+def _step_schedule(module, out):
+    """The schedule a resolved step's forward wrote: views of the buffer it saved."""
+    (step,) = _resolved(module)
+    buffer = out.grad_fn.saved_tensors[-1]
+    return step.carve.views(buffer)[:4]
+
+
+@pytest.mark.parametrize("tokens,topk,skew", [(512, 2, False), (5000, 2, False),
+                                              (3000, 4, True)])  # fmt: skip
+def test_the_forward_writes_the_schedule_kernels_schedule(tokens, topk, skew):
+    """A resolved step's forward megakernel writes the schedule itself (sm90/schedule_phase.py):
+    bitwise the schedule kernel's (`build_schedule`: peer_rank, peer_token_idx with its padding
+    rows, num_tokens, tokens_per_expert), over one chunk and several (4096 entries each), and
+    with every token routed to the same experts 3 .. 3 + k - 1 (skew). Then the step's
+    outputs are the full path's, bitwise."""
+    torch.manual_seed(0)
+    module = MoKExperts(E, H, I, topk, device=CUDA)
+    inputs = make_inputs(tokens, H, I, E, topk, seed=11, device=CUDA)
+    if skew:
+        inputs["top_experts"] = torch.arange(topk, device=CUDA).repeat(tokens, 1) + 3
+    x, w, top = inputs["x"], inputs["router_weights"], inputs["top_experts"]
+    grad = torch.randn(tokens, H, dtype=torch.bfloat16, device=CUDA)
+    for _ in range(3):
+        _step(module, module, inputs, grad)
+    assert len(_resolved(module)) == 1
+    _poison_allocator()
+    out = module(x.detach().requires_grad_(), w.detach().requires_grad_(), top)
+    ws = module.workspace(tokens, x.device)
+    expected = F.build_schedule(ws, module.config, top, num_local_experts=E)
+    got = _step_schedule(module, out)
+    for name, a, b in zip(("peer_rank", "peer_token_idx", "num_tokens", "tokens_per_expert"),
+                          got, expected, strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
+    fast = _step(module, module, inputs, grad)
+    full = _step(module, _full_path(module), inputs, grad)
+    for a, b in zip(fast, full, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_expert_id_on_a_resolved_step_is_raised_by_the_next_call():
+    """The forward's schedule phase checks every id against [0, E) into the value-status words,
+    as the schedule kernel does: the next call raises."""
+    torch.manual_seed(0)
+    module = MoKExperts(E, H, I, K, device=CUDA)
+    inputs = make_inputs(512, H, I, E, K, seed=12, device=CUDA)
+    x, w, top = inputs["x"], inputs["router_weights"], inputs["top_experts"]
+    for _ in range(3):
+        module(x, w, top)
+    assert len(_resolved(module)) == 1
+    bad = top.clone()
+    bad[100, 1] = E
+    module(x, w, bad)  # the resolved step: the forward's schedule phase records the bad id
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="top_experts must hold expert ids"):
+        module(x, w, top)
+    torch.testing.assert_close(module(x, w, top), _full_path(module)(x, w, top), rtol=0, atol=0)
