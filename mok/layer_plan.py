@@ -3,8 +3,10 @@
 An eager training step calls the layer with the same weights, shapes, settings and stream
 every time. The first call of such a key takes the full path (`mok.functional`: every check,
 then `mok.ops`, then the launchers, each keying its own plan) and then resolves the plans that
-path made: the schedule op and the forward op; the first backward of a step resolves the
-backward op (on autograd's thread, for its stream). A later call with the key calls those
+path made: the schedule op, and a forward op (checked as the full path's) whose megakernel
+writes the schedule itself where it also sums the slots (a group of one without a shared
+expert: then the schedule op only lends its layout); the first backward of a step resolves
+the backward op (on autograd's thread, for its stream). A later call with the key calls those
 plans directly: one key of the module's inputs, no re-check (the key holds what every check
 looks at), the launches. What stays per call, as on the full path: the value-status words (a
 bad value a kernel found is raised by the next call), and the workspace's life (a destroyed or
