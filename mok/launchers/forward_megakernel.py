@@ -148,6 +148,7 @@ class _ForwardPlan:
             entries, schedule_scratch = in_kernel_schedule(schedule_ids, num_experts, capacity,
                                                            (num_tokens, topk))  # fmt: skip
             self.schedules = True
+        self.schedule_scratch = schedule_scratch  # held: the launch writes it by address
         ep_rank, x_table, slots_table = peers if peers is not None else (0, None, None)
         # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit.
         self.counters = megakernel_counters(capacity, FORWARD_COUNTER_TAIL, x.device)
