@@ -187,7 +187,7 @@ class _ForwardOp:
         context written at `context`'s addresses (as `__call__` takes it); `ids_at`: the
         routing's address, for an op that `schedules` (the launch writes the schedule there
         too)."""
-        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        out = torch.empty_like(x)  # x is bf16 and contiguous (checked by the op's key)
         self.routed.launch(x, *context, self.slots_at, routed,
                            (out.data_ptr(), router_weights.data_ptr()), ids_at)  # fmt: skip
         return out
