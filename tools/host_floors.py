@@ -2,9 +2,12 @@
 
     python -m tools.host_floors
 
-Each row is the median of 20 batches of 200 calls, with the GPU kept busy by nothing but the
+Each row is the median of 10 batches of 200 calls, with the GPU kept busy by nothing but the
 calls themselves (small kernels; a sync between batches). These are the floors under
-`benchmarks.host_time`: a step's launches, allocations and autograd cannot cost less.
+`benchmarks.host_time`: a step's launches, allocations and autograd cannot cost less. The rows
+marked "GPU busy" enqueue work before each batch that outlasts it (a spinning kernel, or a
+bandwidth-bound copy, as a megakernel is while the host enqueues the next step's launches): the
+same calls made while the GPU runs something else.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import time
 import torch
 
 
-def _per_call(fn, calls: int = 200, batches: int = 10) -> float:
+def _per_call(fn, calls: int = 200, batches: int = 10, busy=None) -> float:
+    """Median over batches of a call's host microseconds; `busy()` (untimed) before each batch."""
     samples = []
     for _ in range(batches):
         torch.cuda.synchronize()
+        if busy is not None:
+            busy()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -81,6 +87,25 @@ def main() -> None:
     rows["cuLaunchKernelEx alone (cuda-python)"] = _per_call(
         lambda: cu.cuLaunchKernelEx(config, function, packed.address, 0)
     )
+    # Work that outlasts a batch (200 calls at up to ~50 us): ~20 ms of spinning, or 16 copies
+    # of 2 GiB (~1 ms each at ~4 TB/s).
+    source = torch.empty(2**30, dtype=torch.int16, device=device)
+    target = torch.empty_like(source)
+
+    def spin():
+        torch.cuda._sleep(40_000_000)
+
+    def copy():
+        for _ in range(16):
+            target.copy_(source)
+
+    for label, busy in (("spinning", spin), ("copying", copy)):
+        rows[f"cuLaunchKernelEx alone, GPU busy {label}"] = _per_call(
+            lambda: cu.cuLaunchKernelEx(config, function, packed.address, 0), busy=busy
+        )
+        rows[f"torch.empty (4 MB bf16), GPU busy {label}"] = _per_call(
+            lambda: torch.empty(1024, 2048, dtype=torch.bfloat16, device=device), busy=busy
+        )
     libcuda = ctypes.CDLL("libcuda.so.1")
     launch = libcuda.cuLaunchKernel
     launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_uint, ctypes.c_void_p,
@@ -98,9 +123,59 @@ def main() -> None:
         x.grad = None
 
     rows["autograd.Function apply + backward (no kernels)"] = _per_call(autograd_step, 100)
+    rows.update(_megakernel_rows(device, cu, kernel, packed, stream))
     rows.update(_layer_rows(device))
     for name, us in rows.items():
         print(f"{name:52s} {us:8.2f} us")
+
+
+def _megakernel_rows(device, cu, small_kernel, small_packed, stream) -> dict:
+    """The driver call of a resolved Qwen3-30B-A3B step's forward megakernel (T = 4096: 384
+    threads, 219 KiB of shared memory, 40 params with 5 TMA descriptors), 16 launches a batch,
+    each the same launch again (its counters are left zero by the kernel), with and without the
+    launch config's cluster attribute ([1, 1, 1]; the small kernel's too, for comparison)."""
+    from mok.nn import MoKExperts  # noqa: PLC0415
+    from mok.testing import make_inputs  # noqa: PLC0415
+
+    t, h, i, e, k = 4096, 2048, 768, 128, 8
+    module = MoKExperts(e, h, i, k, device=device)
+    inputs = make_inputs(t, h, i, e, k, device=device)
+    x, w, top = inputs["x"], inputs["router_weights"], inputs["top_experts"]
+    for _ in range(3):  # the full path, then the resolved step
+        module(x, w, top)
+    weights = module.weights()
+    step = module._steps.get(module._steps.key(module, x, w, top, weights), module.config)
+    if step is None or not step.forward_op.combine:
+        return {}
+    op = step.forward_op
+    buffer = step.carve.new()  # held, with out, while the launch is repeated into them
+    out = op.combined(x, w, weights[3:], step._context(buffer), top.data_ptr())
+    bound = op.routed.bound  # its packed params are that launch's
+    big = bound.kernel
+    plain = big._launch_config(bound.grid, stream)
+    plain.numAttrs = 0
+    small_plain = small_kernel._launch_config((1, 1, 1), stream)
+    small_plain.numAttrs = 0
+    for config, kernel, params in ((plain, big, bound._packed), (small_plain, small_kernel,
+                                                                 small_packed)):  # fmt: skip
+        result = cu.cuLaunchKernelEx(config, kernel.function, params.address, 0)
+        if result[0] != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{kernel.variant.name} without a launch attribute: {result[0]}")
+    rows = {
+        "moe_forward cuLaunchKernelEx (cluster attribute)": _per_call(
+            lambda: cu.cuLaunchKernelEx(bound._config, big.function, bound._packed.address, 0),
+            16,
+            20,
+        ),
+        "moe_forward cuLaunchKernelEx, no attribute": _per_call(
+            lambda: cu.cuLaunchKernelEx(plain, big.function, bound._packed.address, 0), 16, 20
+        ),
+        "small kernel cuLaunchKernelEx, no attribute": _per_call(
+            lambda: cu.cuLaunchKernelEx(small_plain, small_kernel.function, small_packed.address, 0)
+        ),
+    }
+    del buffer, out
+    return rows
 
 
 def _layer_rows(device) -> dict:
