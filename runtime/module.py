@@ -259,8 +259,8 @@ class Kernel:
             self._set_attribute("CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED", 1)
 
     def _make_cluster_attribute(self) -> Any:
-        # Always set, even 1x1x1: the cluster shape is not recorded in the cubin, and the DSL
-        # launches every kernel with it.
+        # The cluster shape is not recorded in the cubin: a kernel of clusters larger than one
+        # CTA is launched with this attribute (`_launch_config`); a 1x1x1 one without it.
         cu = _driver.driver()
         attribute = cu.CUlaunchAttribute()
         attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
@@ -288,8 +288,11 @@ class Kernel:
         config.blockDimX, config.blockDimY, config.blockDimZ = self.variant.block
         config.sharedMemBytes = self.variant.dynamic_smem_bytes
         config.hStream = cu.CUstream(stream_handle)
-        config.attrs = [self._cluster_attribute]  # the setter copies the attribute
-        config.numAttrs = 1
+        # A launch with a cluster attribute costs the driver more than one without, and a
+        # kernel without one runs as clusters of one CTA (docs/NOTES.md, session 24).
+        if tuple(self.variant.cluster) != (1, 1, 1):
+            config.attrs = [self._cluster_attribute]  # the setter copies the attribute
+            config.numAttrs = 1
         return config
 
     def _new_thread_state(self) -> _LaunchState:

@@ -10,6 +10,7 @@ Timings are printed (`pytest -s`); the asserted bounds are generous, for slow CI
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import struct
 import threading
@@ -419,6 +420,19 @@ def fake_kernel_of(variant: VariantSpec, real):
     kernel._cluster_attribute = kernel._make_cluster_attribute()
     kernel._prepare_launches()
     return kernel
+
+
+def test_cluster_attribute_only_for_clusters_of_more_than_one_cta(fake_kernel):
+    """A 1x1x1 kernel launches without a launch attribute (the driver's cheaper call); a larger
+    cluster carries its shape."""
+    kernel, fake = fake_kernel
+    plain = kernel._launch_config((4, 1, 1), 0)
+    assert plain.numAttrs == 0
+    wide = fake_kernel_of(dataclasses.replace(EPILOGUE, cluster=(2, 1, 1)), fake._real)
+    config = wide._launch_config((4, 1, 1), 0)
+    assert config.numAttrs == 1
+    dims = config.attrs[0].value.clusterDim
+    assert (dims.x, dims.y, dims.z) == (2, 1, 1)
 
 
 def test_launch_passes_grid_stream_and_param_bytes(fake_kernel):

@@ -152,10 +152,9 @@ def _megakernel_rows(device, cu, small_kernel, small_packed, stream) -> dict:
     out = op.combined(x, w, weights[3:], step._context(buffer), top.data_ptr())
     bound = op.routed.bound  # its packed params are that launch's
     big = bound.kernel
-    plain = big._launch_config(bound.grid, stream)
-    plain.numAttrs = 0
-    small_plain = small_kernel._launch_config((1, 1, 1), stream)
-    small_plain.numAttrs = 0
+    with_attribute = _config_of(big, bound.grid, stream, True)
+    plain = _config_of(big, bound.grid, stream, False)
+    small_plain = _config_of(small_kernel, (1, 1, 1), stream, False)
     for config, kernel, params in ((plain, big, bound._packed), (small_plain, small_kernel,
                                                                  small_packed)):  # fmt: skip
         result = cu.cuLaunchKernelEx(config, kernel.function, params.address, 0)
@@ -163,7 +162,7 @@ def _megakernel_rows(device, cu, small_kernel, small_packed, stream) -> dict:
             raise RuntimeError(f"{kernel.variant.name} without a launch attribute: {result[0]}")
     rows = {
         "moe_forward cuLaunchKernelEx (cluster attribute)": _per_call(
-            lambda: cu.cuLaunchKernelEx(bound._config, big.function, bound._packed.address, 0),
+            lambda: cu.cuLaunchKernelEx(with_attribute, big.function, bound._packed.address, 0),
             16,
             20,
         ),
@@ -176,6 +175,14 @@ def _megakernel_rows(device, cu, small_kernel, small_packed, stream) -> dict:
     }
     del buffer, out
     return rows
+
+
+def _config_of(kernel, grid, stream, cluster_attribute: bool):
+    """A launch config of `kernel` on `stream`, with or without its cluster attribute."""
+    config = kernel._launch_config(grid, stream)
+    config.attrs = [kernel._cluster_attribute] if cluster_attribute else []
+    config.numAttrs = int(cluster_attribute)
+    return config
 
 
 def _layer_rows(device) -> dict:
