@@ -23,21 +23,18 @@ from cutlass import Int32, Int64
 
 from ..common.bounded_wait import (
     OWN_MEMORY,
-    atom_add_relaxed_gpu_s32,
     bounded_wait_reached,
-    fence_acq_rel_sys,
     ld_acquire_gpu_s32,
-    red_add_release_gpu_s32,
 )
-from ..common.schedule import PHASE_SCHEDULE
-from ..common.schedule_count import COUNT_SMEM_SIZES, count_chunk, count_smem
-from ..common.schedule_place import PLACE_SMEM_SIZES, place_chunk, place_smem
-from ..common.schedule_warp import CHUNK, THREADS, schedule_barrier
+from ..common.schedule import PHASE_SCHEDULE, schedule_task, take_task
+from ..common.schedule_count import COUNT_SMEM_SIZES, count_smem
+from ..common.schedule_place import PLACE_SMEM_SIZES, place_smem
+from ..common.schedule_warp import CHUNK, THREADS
 
 SCHEDULE_SYNC = 8  # named barrier of threads 0 .. 255 (epilogue_warps.py has 3-6, combine 7)
-# The phase's int32 words in the launch's counters: ticket, count arrivals, scanned, placed.
-WORD_TICKET, WORD_ARRIVALS, WORD_SCANNED, WORD_PLACED = range(4)
-WORDS = 4
+# The phase's int32 words in the launch's counters: the schedule kernel's ticket, count
+# arrivals and scanned words (common/schedule.py), then placed.
+WORD_PLACED, WORDS = 3, 4
 # Shared memory it carves (int32 words, each table 16-byte aligned), then the ticket's slot.
 SMEM_WORDS = sum(-(-size // 4) * 4 for size in COUNT_SMEM_SIZES + PLACE_SMEM_SIZES) + 4
 
@@ -68,59 +65,26 @@ def schedule_tasks(
     start); the outputs as the schedule kernel's; `status_ptr`: the value-status words; `smem`:
     SMEM_WORDS int32 of shared memory, 16-byte aligned."""
     num_chunks = cutlass.max((num_entries + CHUNK - 1) // CHUNK, 1)
-    scanned = words + Int64(4 * WORD_SCANNED)
     placed = words + Int64(4 * WORD_PLACED)
     count_tables = count_smem(smem)
     count_words = sum(-(-size // 4) * 4 for size in COUNT_SMEM_SIZES)
     place_tables = place_smem(smem + count_words)
     sTicket = cute.make_tensor(smem + (SMEM_WORDS - 4), cute.make_layout(1))
 
-    task = _take(sTicket, words, tidx)
+    task = take_task(sTicket, words, tidx)
     while task < 2 * num_chunks:
         if tidx < THREADS:
-            if task < num_chunks:
-                verdict = count_chunk(
-                    True, ids_ptr, counts_ptr, expert_counts_ptr,
-                    words + Int64(4 * WORD_ARRIVALS), num_entries, Int32(0), num_local_experts,
-                    task, num_chunks, *count_tables, SCHEDULE_SYNC,
-                )  # fmt: skip
-                if verdict == num_chunks - 1:  # this task scanned: publish the offsets
-                    schedule_barrier(SCHEDULE_SYNC)
-                    if tidx == 0:
-                        fence_acq_rel_sys()
-                        red_add_release_gpu_s32(scanned, Int32(1))
-            else:
-                if tidx == 0:
-                    bounded_wait_reached(
-                        scanned, Int32(1), timeout_ns, record, Int32(0), Int32(PHASE_SCHEDULE),
-                        Int32(WORD_SCANNED), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
-                    )  # fmt: skip
-                schedule_barrier(SCHEDULE_SYNC)
-                place_chunk(
-                    True, ids_ptr, counts_ptr, expert_counts_ptr, peer_rank_ptr,
-                    peer_token_idx_ptr, num_tokens_ptr, tokens_per_expert_ptr, status_ptr,
-                    num_entries, num_entries, Int32(0), num_local_experts, capacity,
-                    task - num_chunks, num_chunks, place_tables, SCHEDULE_SYNC,
-                )  # fmt: skip
-                schedule_barrier(SCHEDULE_SYNC)
-                if tidx == 0:
-                    fence_acq_rel_sys()
-                    red_add_release_gpu_s32(placed, Int32(1))
-        task = _take(sTicket, words, tidx)
+            schedule_task(
+                True, task, num_chunks, words, ids_ptr, counts_ptr, expert_counts_ptr,
+                peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr, tokens_per_expert_ptr,
+                status_ptr, record, timeout_ns, num_entries, num_entries, Int32(0),
+                num_local_experts, capacity, count_tables, place_tables, tidx, SCHEDULE_SYNC,
+                placed,
+            )  # fmt: skip
+        task = take_task(sTicket, words, tidx)
     if tidx == 0:
         bounded_wait_reached(
             placed, num_chunks, timeout_ns, record, Int32(0), Int32(PHASE_SCHEDULE),
             Int32(WORD_PLACED), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
         )  # fmt: skip
     cute.arch.sync_threads()
-
-
-@cute.jit
-def _take(sTicket: cute.Tensor, words: Int64, tidx: Int32) -> Int32:
-    """Every thread: the CTA's next ticket (thread 0 takes it, shared memory broadcasts it),
-    once every thread is done with the previous task."""
-    cute.arch.sync_threads()
-    if tidx == 0:
-        sTicket[0] = atom_add_relaxed_gpu_s32(words + Int64(4 * WORD_TICKET), Int32(1))
-    cute.arch.sync_threads()
-    return sTicket[0]
