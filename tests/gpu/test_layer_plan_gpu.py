@@ -161,23 +161,6 @@ def test_a_resolved_step_reads_its_context_where_saved_tensor_hooks_put_it():
         assert torch.equal(a, b)
 
 
-def test_bad_router_weight_on_a_resolved_step_is_raised_by_the_next_call():
-    torch.manual_seed(0)
-    module = MoKExperts(E, H, I, K, device=CUDA)
-    inputs = make_inputs(512, H, I, E, K, seed=3, device=CUDA)
-    x, w, top = inputs["x"], inputs["router_weights"], inputs["top_experts"]
-    for _ in range(3):
-        module(x, w, top)
-    assert len(_resolved(module)) == 1
-    bad = w.clone()
-    bad[7, 1] = float("nan")
-    module(x, bad, top)  # resolved step: the megakernel's combine records the bad weight
-    torch.cuda.synchronize()
-    with pytest.raises(ValueError, match="router_weights must be finite and > 0"):
-        module(x, w, top)
-    torch.testing.assert_close(module(x, w, top), _full_path(module)(x, w, top), rtol=0, atol=0)
-
-
 def test_new_weights_and_a_destroyed_workspace_take_the_full_path():
     module, inputs, grad = _stepped_module(seed=4)
     with torch.no_grad():
@@ -233,20 +216,29 @@ def test_the_forward_writes_the_schedule_kernels_schedule(tokens, topk, skew):
         assert torch.equal(a, b)
 
 
-def test_bad_expert_id_on_a_resolved_step_is_raised_by_the_next_call():
-    """The forward's schedule phase checks every id against [0, E) into the value-status words,
-    as the schedule kernel does: the next call raises."""
+@pytest.mark.parametrize(
+    "name,where,value,message,seed",
+    [("router_weights", (7, 1), float("nan"), "router_weights must be finite and > 0", 3),
+     ("top_experts", (100, 1), E, "top_experts must hold expert ids", 12)],
+)  # fmt: skip
+def test_bad_value_on_a_resolved_step_is_raised_by_the_next_call(name, where, value, message,
+                                                                  seed):  # fmt: skip
+    """A resolved step's kernels check the values they read into the value-status words (a
+    router weight: the megakernel's combine; an expert id against [0, E): the forward's
+    schedule phase, as the schedule kernel does): the next call raises, and then runs as the
+    full path."""
     torch.manual_seed(0)
     module = MoKExperts(E, H, I, K, device=CUDA)
-    inputs = make_inputs(512, H, I, E, K, seed=12, device=CUDA)
+    inputs = make_inputs(512, H, I, E, K, seed=seed, device=CUDA)
     x, w, top = inputs["x"], inputs["router_weights"], inputs["top_experts"]
     for _ in range(3):
         module(x, w, top)
     assert len(_resolved(module)) == 1
-    bad = top.clone()
-    bad[100, 1] = E
-    module(x, w, bad)  # the resolved step: the forward's schedule phase records the bad id
+    bad = dict(router_weights=w, top_experts=top)
+    bad[name] = bad[name].clone()
+    bad[name][where] = value
+    module(x, bad["router_weights"], bad["top_experts"])  # the resolved step records it
     torch.cuda.synchronize()
-    with pytest.raises(ValueError, match="top_experts must hold expert ids"):
+    with pytest.raises(ValueError, match=message):
         module(x, w, top)
     torch.testing.assert_close(module(x, w, top), _full_path(module)(x, w, top), rtol=0, atol=0)
