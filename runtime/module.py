@@ -289,7 +289,7 @@ class Kernel:
         config.sharedMemBytes = self.variant.dynamic_smem_bytes
         config.hStream = cu.CUstream(stream_handle)
         # A launch with a cluster attribute costs the driver more than one without, and a
-        # kernel without one runs as clusters of one CTA (docs/NOTES.md, session 24).
+        # kernel without one runs as clusters of one CTA (`tools/host_floors.py` times both).
         if tuple(self.variant.cluster) != (1, 1, 1):
             config.attrs = [self._cluster_attribute]  # the setter copies the attribute
             config.numAttrs = 1
