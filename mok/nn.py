@@ -46,7 +46,7 @@ class MoKFunction(torch.autograd.Function):
         *weights: torch.Tensor | None,
     ) -> torch.Tensor:
         if step is not None:  # a resolved step (mok/layer_plan.py): its plans, no re-check
-            # `schedule` is the call's top_experts: the step launches its schedule.
+            # `schedule` is the call's top_experts: the step writes its schedule from them.
             out, saved_ctx = step.forward(schedule, x, router_weights, weights)
             schedule = None
         else:

@@ -279,12 +279,9 @@ def in_kernel_schedule(ids, num_experts, capacity, shape) -> tuple:
     """(T * k, (counts, expert_counts) scratch) of a plan whose launch writes the schedule of
     `ids` (a group of one's int64 routing, `shape` [T, k]), checked as the `schedule_ids64`
     kernel's routing."""
-    from .schedule_kernels import check_in_kernel_schedule  # noqa: PLC0415
+    from .schedule_kernels import in_kernel_schedule_scratch  # noqa: PLC0415
 
-    num_chunks = check_in_kernel_schedule(ids, num_experts, capacity, shape)
-    counts = torch.empty(num_chunks * num_experts, dtype=torch.int32, device=ids.device)
-    expert_counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    return ids.numel(), (counts, expert_counts)
+    return ids.numel(), in_kernel_schedule_scratch(ids, num_experts, capacity, shape)
 
 
 # Rewritten on every launch, in this order (BoundLaunch.launch).

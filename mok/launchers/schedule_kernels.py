@@ -69,10 +69,10 @@ def _check_int32_vector(name: str, tensor: torch.Tensor, size: int, device: torc
         )
 
 
-def check_in_kernel_schedule(ids, num_local_experts: int, capacity: int, shape) -> int:
-    """The chunks of the schedule a forward megakernel writes itself (a group of one's int64
-    `ids`, `shape` [T, k], 8-byte aligned on the CUDA device), checked as `_SchedulePlan`
-    checks the `schedule_ids64` kernel's."""
+def in_kernel_schedule_scratch(ids, num_local_experts: int, capacity: int, shape) -> tuple:
+    """The scratch (counts, expert_counts) of the schedule a forward megakernel writes itself
+    (a group of one's int64 `ids`, `shape` [T, k], 8-byte aligned on the CUDA device), checked
+    as `_SchedulePlan` checks the `schedule_ids64` kernel's."""
     _, tokens, topk, ids64 = _check_routing(ids, 0, num_local_experts)
     if not ids64 or (tokens, topk) != tuple(shape):
         raise ValueError(
@@ -80,12 +80,21 @@ def check_in_kernel_schedule(ids, num_local_experts: int, capacity: int, shape) 
             f"got {ids.dtype} {list(ids.shape)}"
         )
     aligned("top_experts", ids.data_ptr(), 8)
+    return _schedule_scratch(tokens * topk, capacity, num_local_experts, ids.device)[1]
+
+
+def _schedule_scratch(num_entries: int, capacity: int, num_local_experts: int, device) -> tuple:
+    """(chunks, (counts int32 [chunks * E], expert_counts int32 [E])) of a schedule of
+    `num_entries` routing entries into `capacity` rows, its row and count indices checked to
+    fit int32."""
     if capacity + num_local_experts * ROUTED_ROW_ALIGNMENT >= _INT32_LIMIT:
         raise ValueError(f"capacity {capacity} is too large for int32 row indices")
-    num_chunks = schedule_grid(tokens * topk)
+    num_chunks = schedule_grid(num_entries)
     if num_chunks * num_local_experts >= _INT32_LIMIT:
         raise ValueError(f"{num_chunks} chunks x {num_local_experts} experts overflow int32")
-    return num_chunks
+    counts = torch.empty(num_chunks * num_local_experts, dtype=torch.int32, device=device)
+    expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+    return num_chunks, (counts, expert_counts)
 
 
 def _check_routing(top_experts_all, ep_rank: int, num_local_experts: int) -> tuple:
@@ -184,18 +193,13 @@ class _SchedulePlan:
             )
         if not isinstance(status, int):
             _check_int32_vector("status", status, STATUS_WORDS, device)
-        if capacity + num_local_experts * ROUTED_ROW_ALIGNMENT >= _INT32_LIMIT:
-            raise ValueError(f"capacity {capacity} is too large for int32 row indices")
         num_entries = num_ranks * tokens * topk
-        num_chunks = schedule_grid(num_entries)
-        if num_chunks * num_local_experts >= _INT32_LIMIT:
-            raise ValueError(f"{num_chunks} chunks x {num_local_experts} experts overflow int32")
+        num_chunks, self.scratch = _schedule_scratch(num_entries, capacity, num_local_experts,
+                                                     device)  # fmt: skip
+        counts, expert_counts = self.scratch
         self.device_index = top_experts_all.get_device()
         self.ids_alignment = top_experts_all.element_size()
-        counts = torch.empty(num_chunks * num_local_experts, dtype=torch.int32, device=device)
-        expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
         self.counters = Counters(COUNTER_WORDS, device)
-        self.scratch = (counts, expert_counts)
         self.kernel = get_kernel("schedule_ids64" if ids64 else "schedule", device=device).bind(
             (num_chunks, 1, 1),
             {
