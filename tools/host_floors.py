@@ -18,6 +18,8 @@ import time
 
 import torch
 
+QWEN = (4096, 2048, 768, 128, 8)  # T, H, I, E, k: Qwen3-30B-A3B's layer at 4096 tokens
+
 
 def _per_call(fn, calls: int = 200, batches: int = 10, busy=None) -> float:
     """Median over batches of a call's host microseconds; `busy()` (untimed) before each batch."""
@@ -123,21 +125,22 @@ def main() -> None:
         x.grad = None
 
     rows["autograd.Function apply + backward (no kernels)"] = _per_call(autograd_step, 100)
-    rows.update(_megakernel_rows(device, cu, kernel, packed, stream))
+    rows.update(_megakernel_rows(device, cu, stream))
     rows.update(_layer_rows(device))
     for name, us in rows.items():
         print(f"{name:52s} {us:8.2f} us")
 
 
-def _megakernel_rows(device, cu, small_kernel, small_packed, stream) -> dict:
+def _megakernel_rows(device, cu, stream) -> dict:
     """The driver call of a resolved Qwen3-30B-A3B step's forward megakernel (T = 4096: 384
     threads, 219 KiB of shared memory, 40 params with 5 TMA descriptors), 16 launches a batch,
     each the same launch again (its counters are left zero by the kernel), with and without the
-    launch config's cluster attribute ([1, 1, 1]; the small kernel's too, for comparison)."""
+    launch config's cluster attribute ([1, 1, 1]; the runtime launches 1x1x1 kernels without
+    it, as the small kernel's row above)."""
     from mok.nn import MoKExperts  # noqa: PLC0415
     from mok.testing import make_inputs  # noqa: PLC0415
 
-    t, h, i, e, k = 4096, 2048, 768, 128, 8
+    t, h, i, e, k = QWEN
     module = MoKExperts(e, h, i, k, device=device)
     inputs = make_inputs(t, h, i, e, k, device=device)
     x, w, top = inputs["x"], inputs["router_weights"], inputs["top_experts"]
@@ -154,12 +157,9 @@ def _megakernel_rows(device, cu, small_kernel, small_packed, stream) -> dict:
     big = bound.kernel
     with_attribute = _config_of(big, bound.grid, stream, True)
     plain = _config_of(big, bound.grid, stream, False)
-    small_plain = _config_of(small_kernel, (1, 1, 1), stream, False)
-    for config, kernel, params in ((plain, big, bound._packed), (small_plain, small_kernel,
-                                                                 small_packed)):  # fmt: skip
-        result = cu.cuLaunchKernelEx(config, kernel.function, params.address, 0)
-        if result[0] != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{kernel.variant.name} without a launch attribute: {result[0]}")
+    result = cu.cuLaunchKernelEx(plain, big.function, bound._packed.address, 0)
+    if result[0] != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{big.variant.name} without a launch attribute: {result[0]}")
     rows = {
         "moe_forward cuLaunchKernelEx (cluster attribute)": _per_call(
             lambda: cu.cuLaunchKernelEx(with_attribute, big.function, bound._packed.address, 0),
@@ -168,9 +168,6 @@ def _megakernel_rows(device, cu, small_kernel, small_packed, stream) -> dict:
         ),
         "moe_forward cuLaunchKernelEx, no attribute": _per_call(
             lambda: cu.cuLaunchKernelEx(plain, big.function, bound._packed.address, 0), 16, 20
-        ),
-        "small kernel cuLaunchKernelEx, no attribute": _per_call(
-            lambda: cu.cuLaunchKernelEx(small_plain, small_kernel.function, small_packed.address, 0)
         ),
     }
     del buffer, out
@@ -190,7 +187,7 @@ def _layer_rows(device) -> dict:
     import mok.functional as F  # noqa: PLC0415
     from mok.testing import make_inputs  # noqa: PLC0415
 
-    t, h, i, e, k = 4096, 2048, 768, 128, 8
+    t, h, i, e, k = QWEN
     inputs = make_inputs(t, h, i, e, k, device=device)
     weights = (None, None, None, inputs["routed_gate"], inputs["routed_up"], inputs["routed_down"])
     config = F.MoKConfig()
