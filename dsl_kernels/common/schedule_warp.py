@@ -32,6 +32,11 @@ NOT_MINE = -1  # key of an entry routed to another rank's expert (or past the en
 ROUTED_ROW_ALIGNMENT = 128  # = mok.config.ROUTED_ROW_ALIGNMENT (dsl_kernels may not import mok)
 
 
+def smem_words(sizes: tuple) -> int:
+    """The int32 words `smem_vectors` carves from a base for vectors of `sizes`."""
+    return sum(-(-size // 4) * 4 for size in sizes)
+
+
 def smem_vectors(sizes: tuple, base=None) -> tuple:
     """Int32 shared-memory vectors of `sizes`: static allocations (`base` None), or carved one
     after another from `base` (an Int32 shared-memory pointer, 16-byte aligned; each vector
@@ -42,7 +47,7 @@ def smem_vectors(sizes: tuple, base=None) -> tuple:
             pointer = cute.arch.alloc_smem(Int32, size, alignment=16)
         else:
             pointer = base + offset
-            offset += -(-size // 4) * 4
+            offset += smem_words((size,))
         vectors.append(cute.make_tensor(pointer, cute.make_layout(size)))
     return tuple(vectors)
 

@@ -29,14 +29,14 @@ from ..common.bounded_wait import (
 from ..common.schedule import PHASE_SCHEDULE, schedule_task, take_task
 from ..common.schedule_count import COUNT_SMEM_SIZES, count_smem
 from ..common.schedule_place import PLACE_SMEM_SIZES, place_smem
-from ..common.schedule_warp import CHUNK, THREADS
+from ..common.schedule_warp import CHUNK, THREADS, smem_words
 
 SCHEDULE_SYNC = 8  # named barrier of threads 0 .. 255 (epilogue_warps.py has 3-6, combine 7)
 # The phase's int32 words in the launch's counters: the schedule kernel's ticket, count
 # arrivals and scanned words (common/schedule.py), then placed.
 WORD_PLACED, WORDS = 3, 4
 # Shared memory it carves (int32 words, each table 16-byte aligned), then the ticket's slot.
-SMEM_WORDS = sum(-(-size // 4) * 4 for size in COUNT_SMEM_SIZES + PLACE_SMEM_SIZES) + 4
+SMEM_WORDS = smem_words(COUNT_SMEM_SIZES + PLACE_SMEM_SIZES) + 4
 
 
 @cute.jit
@@ -67,8 +67,7 @@ def schedule_tasks(
     num_chunks = cutlass.max((num_entries + CHUNK - 1) // CHUNK, 1)
     placed = words + Int64(4 * WORD_PLACED)
     count_tables = count_smem(smem)
-    count_words = sum(-(-size // 4) * 4 for size in COUNT_SMEM_SIZES)
-    place_tables = place_smem(smem + count_words)
+    place_tables = place_smem(smem + smem_words(COUNT_SMEM_SIZES))
     sTicket = cute.make_tensor(smem + (SMEM_WORDS - 4), cute.make_layout(1))
 
     task = take_task(sTicket, words, tidx)
