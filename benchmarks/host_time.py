@@ -1,7 +1,7 @@
 """Host (enqueue) time of one eager `MoKExperts` forward + backward, apart from its GPU time.
 
     python -m benchmarks.host_time [--shape qwen3-30b-a3b] [--tokens 4096] [--layers 4]
-                                   [--profile FILE]
+                                   [--profile FILE] [--backward-on-caller] [--cpus 6]
 
 Host time: from the step's first Python call until `backward()` returns. Measured twice: with
 steps back to back (the training-loop case: the host runs ahead of the GPU, no launch waits for
@@ -20,12 +20,21 @@ weights), whose host time per layer is what a model with many MoE layers sees; a
 of a `torch.autograd.Function` with the layer's inputs and gradients (x, router weights, three
 weights; it saves its inputs, its forward and backward only allocate their outputs), the part
 of a single-layer step that is autograd's and the allocator's, not mok's.
+
+`--backward-on-caller` runs every measured step under
+`torch.autograd.set_multithreading_enabled(False)`: autograd's engine runs the backward on the
+thread that calls `backward()` instead of handing it to the device's autograd thread (torch's
+own setting; mok's step does the same work either way). `--cpus LIST` (e.g. `6`, `6,7`,
+`4-7`) runs the process on those CPUs only (`os.sched_setaffinity`, set before CUDA starts, so
+every thread torch and the driver start later inherits it), as `taskset -c LIST` would.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import os
 import pstats
 import time
 
@@ -57,7 +66,7 @@ class _Empty(torch.autograd.Function):
 
 
 def measure(shape: str, tokens: int, steps: int = 20, warmup: int = 3, profile=None,
-            layers: int = 1) -> dict:  # fmt: skip
+            layers: int = 1, backward_on_caller: bool = False) -> dict:  # fmt: skip
     """Medians over `steps` eager forward + backward steps of `layers` chained modules:
     'host_ms' and 'gpu_ms' back to back (the training-loop case; 'host_cpu_ms' the process's CPU
     time over those steps), 'host_idle_gpu_ms' and 'gpu_idle_ms' with a sync before each step
@@ -77,10 +86,11 @@ def measure(shape: str, tokens: int, steps: int = 20, warmup: int = 3, profile=N
             y = module(y, w, top)
         y.backward(grad)
 
-    return _timed(step, [x, *weights], modules, steps, warmup, profile)
+    return _timed(step, [x, *weights], modules, steps, warmup, profile, backward_on_caller)
 
 
-def autograd_floor(shape: str, tokens: int, steps: int = 20, warmup: int = 3) -> dict:
+def autograd_floor(shape: str, tokens: int, steps: int = 20, warmup: int = 3,
+                   backward_on_caller: bool = False) -> dict:  # fmt: skip
     """`measure`'s numbers for one `_Empty` node with the layer's inputs at `shape`."""
     h, i, e, k = SHAPES[shape]
     device = torch.device("cuda")
@@ -93,10 +103,17 @@ def autograd_floor(shape: str, tokens: int, steps: int = 20, warmup: int = 3) ->
     def step():
         _Empty.apply(x, router, *weights).backward(grad)
 
-    return _timed(step, [x, router, *weights], [], steps, warmup, None)
+    return _timed(step, [x, router, *weights], [], steps, warmup, None, backward_on_caller)
 
 
-def _timed(step, leaves, modules, steps, warmup, profile) -> dict:
+def _timed(step, leaves, modules, steps, warmup, profile, backward_on_caller=False) -> dict:
+    engine = (torch.autograd.set_multithreading_enabled(False) if backward_on_caller
+              else contextlib.nullcontext())  # fmt: skip
+    with engine:
+        return _timed_steps(step, leaves, modules, steps, warmup, profile)
+
+
+def _timed_steps(step, leaves, modules, steps, warmup, profile) -> dict:
     def zero_grad():
         # As a training loop's zero_grad(set_to_none=True): no gradient-accumulation adds.
         for leaf in leaves:
@@ -148,6 +165,19 @@ def _timed(step, leaves, modules, steps, warmup, profile) -> dict:
     }
 
 
+def parse_cpus(text: str) -> set[int]:
+    """`--cpus`' list: CPU numbers and ranges, comma-separated ("6", "6,7", "4-7,12")."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"--cpus must be CPU numbers or ranges like 4-7, got {text!r}")
+        cpus.update(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise ValueError(f"--cpus must name at least one CPU, got {text!r}")
+    return cpus
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.host_time", description=__doc__)
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
@@ -156,11 +186,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4,
                         help="modules in the stack (0: no stack)")  # fmt: skip
     parser.add_argument("--profile", default=None, help="write a cProfile text report here")
+    parser.add_argument("--backward-on-caller", action="store_true",
+                        help="run the backward on the calling thread (autograd multithreading "
+                             "off) in every measurement")  # fmt: skip
+    parser.add_argument("--cpus", default=None,
+                        help="run on these CPUs only, e.g. 6 or 4-7 (as taskset -c)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.cpus is not None:
+        try:
+            cpus = parse_cpus(args.cpus)
+            os.sched_setaffinity(0, cpus)
+        except (ValueError, OSError) as error:
+            parser.error(f"--cpus {args.cpus}: {error}")
     if args.layers < 0:
         parser.error(f"--layers must be >= 0, got {args.layers}")
     profile = cProfile.Profile() if args.profile else None
-    result = measure(args.shape, args.tokens, args.steps, profile=profile)
+    on_caller = args.backward_on_caller
+    result = measure(args.shape, args.tokens, args.steps, profile=profile,
+                     backward_on_caller=on_caller)  # fmt: skip
     if profile is not None:
         with open(args.profile, "w") as f:
             stats = pstats.Stats(profile, stream=f).sort_stats("cumulative")
@@ -171,16 +214,19 @@ def main(argv: list[str] | None = None) -> None:
         f"{result['host_ms']:.3f} ms host, {result['gpu_ms']:.3f} ms GPU back to back; "
         f"{result['host_idle_gpu_ms']:.3f} ms host, {result['gpu_idle_ms']:.3f} ms GPU with "
         f"the GPU idle at each step's start"
+        + ("; backward on the calling thread" if on_caller else "")
+        + (f"; CPUs {sorted(os.sched_getaffinity(0))}" if args.cpus is not None else "")
     )
     print(f"process CPU time per step back to back: {result['host_cpu_ms']:.3f} ms")
-    floor = autograd_floor(args.shape, args.tokens, args.steps)
+    floor = autograd_floor(args.shape, args.tokens, args.steps, backward_on_caller=on_caller)
     print(
         f"autograd floor (a Function with the layer's inputs, allocating only): "
         f"{floor['host_ms']:.3f} ms host "
         f"back to back; {floor['host_idle_gpu_ms']:.3f} ms with the GPU idle at each step's start"
     )
     if args.layers:
-        stack = measure(args.shape, args.tokens, args.steps, layers=args.layers)
+        stack = measure(args.shape, args.tokens, args.steps, layers=args.layers,
+                        backward_on_caller=on_caller)  # fmt: skip
         n = args.layers
         print(
             f"stack of {n} layers, per layer: {stack['host_ms'] / n:.3f} ms host, "

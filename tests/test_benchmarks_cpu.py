@@ -247,3 +247,47 @@ def test_host_time_reports_the_process_cpu_time_beside_the_host_time(monkeypatch
     assert result["host_ms"] >= 5.0
     assert result["host_cpu_ms"] < result["host_ms"] / 2
     assert result["gpu_ms"] == 1.0 / 5 and result["gpu_idle_ms"] == 1.0
+
+
+def test_host_time_backward_on_caller_turns_autograd_multithreading_off_for_the_steps(
+    monkeypatch,
+):
+    """`--backward-on-caller`: each timed step runs with autograd's multithreading off, and it
+    is on again afterwards."""
+    from benchmarks import host_time  # noqa: PLC0415
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    seen = []
+
+    def step():
+        seen.append(torch._C._is_multithreading_enabled())
+
+    host_time._timed(step, [], [], steps=2, warmup=1, profile=None, backward_on_caller=True)
+    assert seen == [False] * 5
+    host_time._timed(step, [], [], steps=2, warmup=1, profile=None)
+    assert seen[5:] == [True] * 5
+    assert torch._C._is_multithreading_enabled()
+
+
+def test_host_time_cpus_list_is_parsed_and_bad_lists_are_refused(capsys):
+    from benchmarks import host_time  # noqa: PLC0415
+
+    assert host_time.parse_cpus("6") == {6}
+    assert host_time.parse_cpus("4-7,12") == {4, 5, 6, 7, 12}
+    for bad in ("", "a", "3-x", "-2"):
+        with pytest.raises(ValueError, match="--cpus must"):
+            host_time.parse_cpus(bad)
+    with pytest.raises(SystemExit):
+        host_time.main(["--cpus", "1-a"])
+    assert "--cpus 1-a" in capsys.readouterr().err
