@@ -224,25 +224,32 @@ def test_ep_timeline_maps_each_rank_stream_by_its_marker():
     }
 
 
-def test_host_time_reports_the_process_cpu_time_beside_the_host_time(monkeypatch):
+class _FakeEvent:
+    """torch.cuda.Event for benchmarks.host_time's timing loop on a CPU: 1 ms between any two."""
+
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+@pytest.fixture
+def fake_cuda_timing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+
+def test_host_time_reports_the_process_cpu_time_beside_the_host_time(fake_cuda_timing):
     """benchmarks.host_time's timing loop (CUDA-only) on the CPU, its CUDA calls faked: a step
     that sleeps takes host time but almost no CPU time."""
     import time  # noqa: PLC0415
 
     from benchmarks import host_time  # noqa: PLC0415
 
-    class Event:
-        def __init__(self, enable_timing=False):
-            pass
-
-        def record(self):
-            pass
-
-        def elapsed_time(self, other):
-            return 1.0
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     result = host_time._timed(lambda: time.sleep(0.005), [], [], steps=5, warmup=1, profile=None)
     assert result["host_ms"] >= 5.0
     assert result["host_cpu_ms"] < result["host_ms"] / 2
@@ -250,24 +257,12 @@ def test_host_time_reports_the_process_cpu_time_beside_the_host_time(monkeypatch
 
 
 def test_host_time_backward_on_caller_turns_autograd_multithreading_off_for_the_steps(
-    monkeypatch,
+    fake_cuda_timing,
 ):
     """`--backward-on-caller`: each timed step runs with autograd's multithreading off, and it
     is on again afterwards."""
     from benchmarks import host_time  # noqa: PLC0415
 
-    class Event:
-        def __init__(self, enable_timing=False):
-            pass
-
-        def record(self):
-            pass
-
-        def elapsed_time(self, other):
-            return 1.0
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     seen = []
 
     def step():
