@@ -17,6 +17,8 @@ expected and the actual value.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import errors, mxfp8_context, ops
@@ -170,7 +172,10 @@ def build_schedule(
 ) -> MoKSchedule:
     """All-gather the routing over the EP group and build this rank's receive schedule.
 
-    top_experts: int64 [T, k], global expert ids in [0, num_local_experts * EP size).
+    top_experts: int64 [T, k], global expert ids in [0, num_local_experts * EP size). A token
+    may name one expert more than once: each (t, j) is its own routed row, so that expert's
+    output is added once per occurrence, weighted by that j's router weight.
+    The schedule belongs to this routing: forward refuses it once top_experts changes in place.
     Raises ValueError on ids out of range or when routed rows exceed the schedule capacity.
     """
     key = _call_key("build_schedule", config, workspace, None, (top_experts,), num_local_experts)
@@ -191,7 +196,41 @@ def build_schedule(
         workspace.schedule_capacity,
         config.all_gather_top_experts_chunk_bytes,
     )
-    return MoKSchedule(*outs)
+    schedule = MoKSchedule(*outs)
+    if not torch.compiler.is_compiling():
+        # Where it came from (no dataclass field, no GPU work): forward refuses it with another
+        # workspace, or after its routing changed in place.
+        made = (workspace.handle, workspace.num_local_tokens, weakref.ref(top_experts),
+                top_experts._version)  # fmt: skip
+        object.__setattr__(schedule, _SCHEDULE_ROUTING, made)
+    return schedule
+
+
+_SCHEDULE_ROUTING = "_mok_routing"
+
+
+def _check_schedule_origin(schedule, workspace, *, routing: bool) -> None:
+    """Raise if `build_schedule` made `schedule` for another workspace, or (`routing`) if the
+    top_experts it was built from changed in place since. A schedule made by hand, or while
+    torch.compile traced, carries no origin and is checked by its shapes only."""
+    made = getattr(schedule, "__dict__", {}).get(_SCHEDULE_ROUTING)
+    if made is None:
+        return
+    handle, num_tokens, routing_ref, version = made
+    if handle != workspace.handle:
+        raise ValueError(
+            f"schedule was built by build_schedule for another workspace (handle {handle}, "
+            f"{num_tokens} tokens), not for this one (handle {workspace.handle}, "
+            f"{workspace.num_local_tokens} tokens): build the schedule with the workspace "
+            f"you pass here"
+        )
+    top_experts = routing_ref() if routing else None
+    if top_experts is not None and top_experts._version != version:
+        raise ValueError(
+            "schedule: the top_experts tensor it was built from has changed in place since "
+            "build_schedule, so the schedule no longer describes that routing; a schedule "
+            "belongs to one step's routing: call build_schedule again"
+        )
 
 
 def forward(
@@ -213,7 +252,15 @@ def forward(
     Shapes: x bf16 [T, H]; router_weights fp32 [T, k] (> 0); shared gate/up bf16 [I, H] and down
     [H, I], or all three None; routed gate/up bf16 [E, I, H], down [E, H, I]. H and I are
     multiples of 128. Returns (out bf16 [T, H], the context backward needs).
+
+    `schedule` belongs to one step's routing: build it from the top_experts whose weights are
+    `router_weights`, every step. A schedule from another workspace, or whose top_experts
+    changed in place since it was built, is refused (ValueError); mok cannot tell a schedule
+    of an older routing held in another tensor from the current one, and would silently use
+    it.
     """
+    if schedule.__class__ is MoKSchedule:
+        _check_schedule_origin(schedule, workspace, routing=True)
     key = _call_key(
         "forward", config, workspace, schedule,
         (x, router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
@@ -307,7 +354,10 @@ def recompute_forward_context(
     routed_up_weights: torch.Tensor,
     swiglu_limit: float | None = None,
 ) -> MoKForwardContext:
-    """Rebuild forward's context bitwise, for activation checkpointing (no down GEMM)."""
+    """Rebuild forward's context bitwise, for activation checkpointing (no down GEMM).
+    `schedule`: the one forward ran with."""
+    if schedule.__class__ is MoKSchedule:
+        _check_schedule_origin(schedule, workspace, routing=False)
     _check_common(config, workspace, schedule)
     _check_activations(workspace, x)
     weights = dict(
@@ -358,7 +408,10 @@ def backward(
     main_grads: optional 6-tuple of fp32 tensors (or None entries), in the order routed gate, up,
     down, shared gate, up, down, shaped like their weights: those gradients are accumulated in
     place into them (fp32) and the same tensors are returned in their places.
+    `schedule`: the one forward ran with.
     """
+    if schedule.__class__ is MoKSchedule:
+        _check_schedule_origin(schedule, workspace, routing=False)
     has_shared = shared_gate_weights is not None
     context_tensors = (forward_context.tensors()
                        if forward_context.__class__ is MoKForwardContext else None)  # fmt: skip

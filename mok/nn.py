@@ -87,6 +87,11 @@ class MoKFunction(torch.autograd.Function):
         if ctx.accumulate_main_grad:
             order = (3, 4, 5, 0, 1, 2)
             main_grads = tuple(getattr(weights[i], "main_grad", None) for i in order)
+            fused = getattr(ctx, "fused_gate_up", None)
+            if fused is not None:  # MoKFusedFunction: gate and up's are halves of one main_grad
+                main_grad = getattr(fused, "main_grad", None)
+                halves = (None, None) if main_grad is None else split_gate_up(main_grad)
+                main_grads = (*halves, *main_grads[2:])
         grads = functional.backward(
             ctx.config, ctx.workspace, schedule, fwd_ctx, grad_output, x, router_weights,
             *weights, swiglu_limit=ctx.swiglu_limit, main_grads=main_grads,
@@ -114,6 +119,77 @@ def _step_apply(*args):
         schedule = unwrap(schedule)
     return _C_APPLY(*args[:2], schedule, *args[3:7],
                     *(a if a is None else unwrap(a) for a in args[7:]))  # fmt: skip
+
+
+class MoKFusedFunction(torch.autograd.Function):
+    """MoKFunction over routed experts held as one gate_up [E, 2I, H] (gate rows first, the
+    layout of transformers' and other frameworks' fused experts) and down [E, H, I], with no
+    shared expert. Gate and up reach the layer as strided views of gate_up, with no copy; the
+    gradient of gate_up is one [E, 2I, H] tensor whose halves the backward writes."""
+
+    @staticmethod
+    def forward(ctx, config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad,
+                x, router_weights, gate_up_weights, down_weights):  # fmt: skip
+        gate, up = split_gate_up(gate_up_weights)
+        ctx.fused_gate_up = gate_up_weights if accumulate_main_grad else None
+        return MoKFunction.forward(
+            ctx, config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad,
+            None, x, router_weights, None, None, None, gate, up, down_weights,
+        )  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads = MoKFunction.backward(ctx, grad_output)
+        d_x, d_router, d_gate, d_up, d_down = grads[7], grads[8], *grads[12:]
+        return (None,) * 6 + (d_x, d_router, fuse_gate_up(d_gate, d_up), d_down)
+
+
+def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up): the two halves [E, I, H] of a fused gate_up [E, 2I, H] along dim 1, as views."""
+    if gate_up.dim() != 3 or gate_up.shape[1] % 2:
+        raise ValueError(
+            f"gate_up weights must be [E, 2I, H] (gate rows first), got {list(gate_up.shape)}"
+        )
+    inter = gate_up.shape[1] // 2
+    return gate_up[:, :inter], gate_up[:, inter:]
+
+
+def fuse_gate_up(d_gate: torch.Tensor | None, d_up: torch.Tensor | None) -> torch.Tensor | None:
+    """The gradient of a fused gate_up from its halves' gradients: the one tensor they are views
+    of, when the backward wrote them so (no copy); else the two concatenated."""
+    if d_gate is None or d_up is None:
+        return None  # accumulated into main_grad
+    base = d_gate._base
+    if base is not None and d_up._base is base and base.dim() == 3:
+        gate, up = split_gate_up(base)
+        if (gate.data_ptr(), up.data_ptr()) == (d_gate.data_ptr(), d_up.data_ptr()) and (
+            gate.stride() == d_gate.stride() and gate.shape == d_gate.shape
+        ):
+            return base
+    return torch.cat((d_gate, d_up), dim=1)
+
+
+def moe_fused(
+    config: MoKConfig,
+    workspace: MoKWorkspace,
+    schedule: MoKSchedule,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    gate_up_weights: torch.Tensor,
+    down_weights: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    recompute: bool = False,
+    accumulate_main_grad: bool = False,
+) -> torch.Tensor:
+    """Differentiable routed-only mok layer over fused gate_up [E, 2I, H] (gate rows first) and
+    down [E, H, I] weights: `moe` with gate = gate_up[:, :I], up = gate_up[:, I:], read in
+    place. With `accumulate_main_grad`, gate_up's gradient goes into `gate_up.main_grad`
+    ([E, 2I, H] fp32) and down's into `down.main_grad`, where they have one."""
+    return MoKFusedFunction.apply(
+        config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad, x,
+        router_weights, gate_up_weights, down_weights,
+    )  # fmt: skip
 
 
 def _module_order(grads, main_grads=None) -> tuple:
@@ -170,6 +246,8 @@ class MoKExperts(nn.Module):
             `main_grad` attribute where it has one.
 
     forward(x bf16 [T, H], router_weights fp32 [T, k] (> 0), top_experts int64 [T, k]) -> bf16.
+    A token may name an expert more than once in top_experts (each (t, j) is its own routed
+    row: that expert's output is added once per occurrence, with that j's weight).
     Parameters: gate_weight, up_weight [E, I, H]; down_weight [E, H, I]; with a shared expert
     shared_gate_weight, shared_up_weight [I, H]; shared_down_weight [H, I]. Layout [out, in].
     """
@@ -199,6 +277,11 @@ class MoKExperts(nn.Module):
         check_int("topk", topk, minimum=1)
         if topk > MAX_TOPK:
             raise ValueError(f"topk must be <= {MAX_TOPK}, got {topk}")
+        if topk > num_experts:
+            raise ValueError(
+                f"topk must be <= num_experts ({num_experts}): a router picks topk of the "
+                f"num_experts experts, got topk={topk}"
+            )
         config = MoKConfig() if config is None else config
         check_type("config", config, MoKConfig)
         config.validate()

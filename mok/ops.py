@@ -12,6 +12,7 @@ Optional tensor outputs (the shared expert's) are returned as empty [0] tensors 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -601,19 +602,30 @@ def _check_mxfp8_input(x: Tensor, return_normal, return_transposed) -> None:
 @torch.library.custom_op(
     "mok::mxfp8_quantize",
     mutates_args=(),
-    schema="(Tensor x_bf16, bool return_normal, bool return_transposed) "
+    schema="(Tensor x_bf16, bool return_normal=True, bool return_transposed=False) "
     "-> (Tensor?, Tensor?, Tensor?, Tensor?)",
 )
-def mxfp8_quantize(x_bf16, return_normal, return_transposed):
-    """MXFP8 quantisation (SEMANTICS §5), bit-exact with `mok.reference.mxfp8_quantize`; the
-    original's signature.
+def mxfp8_quantize(
+    x_bf16: Tensor, return_normal: bool = True, return_transposed: bool = False
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """Quantise a bf16 matrix (or a stack of them) to MXFP8 (SEMANTICS §5): E4M3 values with
+    one UE8M0 power-of-two scale per 32 consecutive values, bit-exact with
+    `mok.reference.mxfp8_quantize` on CPU and GPU. The original's op, with defaults added.
+
+        x_fp8, x_sc, _, _ = mok.ops.mxfp8_quantize(w)                         # along N
+        _, _, w_fp8_t, w_sc_t = mok.ops.mxfp8_quantize(w, return_normal=False,
+                                                      return_transposed=True)  # along M
 
     Inputs:
-        x_bf16: bf16 [M, N] or [E, M, N], M and N multiples of 128 (E folds into the rows)
-        return_normal, return_transposed: which layouts to return (at least one)
+        x_bf16: bf16 [M, N] or [E, M, N], contiguous; M and N multiples of 128 (E folds into
+            the rows of the scale layout)
+        return_normal: return the layout quantised along N (the last dim); default True
+        return_transposed: return a transposed copy [..., N, M] quantised along M; default
+            False. At least one of the two must be True.
     Outputs (None for a layout not asked for):
         x_fp8 float8_e4m3fn like x, x_sc uint8 [E*M/128, N/128, 32, 16] (along N);
         x_fp8_t float8_e4m3fn [..., N, M], x_sc_t uint8 [E*N/128, M/128, 32, 16] (along M)
+    Raises ValueError (bad shape, nothing asked for) or MoKInputError (dtype).
     """
     _check_mxfp8_input(x_bf16, return_normal, return_transposed)
     if x_bf16.is_cuda:
@@ -629,7 +641,7 @@ def mxfp8_quantize(x_bf16, return_normal, return_transposed):
 
 
 @mxfp8_quantize.register_fake
-def _(x_bf16, return_normal, return_transposed):
+def _(x_bf16, return_normal=True, return_transposed=False):
     def layout(transpose):
         shape = tuple(x_bf16.shape)
         if transpose:
@@ -703,3 +715,15 @@ def _(d_x_shared, d_x_routed_buffer, topk=None):
 
 
 from .original_ops import *  # noqa: E402, F403 - the original raw op set (mok/original_ops.py)
+
+
+def _document_ops(namespace: dict) -> None:
+    """Give each custom op object its function's docstring and signature: a CustomOpDef
+    otherwise shows torch's generic docstring and `(*args, **kwargs)` in help() and inspect."""
+    for value in list(namespace.values()):
+        if isinstance(value, torch._library.custom_ops.CustomOpDef):
+            value.__doc__ = value._init_fn.__doc__
+            value.__signature__ = inspect.signature(value._init_fn)
+
+
+_document_ops(globals())

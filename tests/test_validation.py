@@ -207,10 +207,15 @@ def test_swiglu_limit_errors(setup, limit, exc, match):
 def test_schedule_and_workspace_mismatch(setup):
     other = F.get_workspace(MoKConfig(), None, device="cpu", num_local_tokens=T, hidden_size=H,
                             topk=K, num_local_experts=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"schedule was built by build_schedule for another "
+                       r"workspace \(handle \d+, \d+ tokens\), not for this one"):  # fmt: skip
+        F.forward(setup["config"], other, setup["schedule"], **setup["args"])
+    # A schedule made by hand carries no origin: its shapes still say it does not fit.
+    by_hand = dataclasses.replace(setup["schedule"])
     with pytest.raises(
         ValueError, match=r"schedule.peer_rank must have shape \[\d+\], got \[\d+\]"
     ):
-        F.forward(setup["config"], other, setup["schedule"], **setup["args"])
+        F.forward(setup["config"], other, by_hand, **setup["args"])
     with pytest.raises(TypeError, match=r"schedule must be a MoKSchedule, got tuple"):
         F.forward(setup["config"], setup["ws"], tuple(), **setup["args"])
 
