@@ -58,3 +58,29 @@ def test_paths_the_docs_name_are_in_the_repository(doc):
         candidates = [(ROOT / path).resolve(), (ROOT / doc).parent.joinpath(path).resolve()]
         inside = [c for c in candidates if c.is_relative_to(ROOT) and c.exists()]
         assert inside, f"{doc} names {path}, which is not in the repository"
+
+
+def python_blocks(doc: str = "README.md") -> list[tuple[int, str]]:
+    """(line, source) of every ```python block of a doc."""
+    text = (ROOT / doc).read_text()
+    return [(text[: m.start()].count("\n") + 1, m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]  # fmt: skip
+
+
+def test_readme_has_python_blocks():
+    assert len(python_blocks()) >= 4
+
+
+@pytest.mark.parametrize("line,source", python_blocks(), ids=lambda v: str(v)[:20])
+def test_readme_python_block_runs_as_written(line, source):
+    """Every Python block of the README runs as written, each in a fresh namespace. A block
+    that starts with `# needs CUDA` runs only where CUDA is (tests/gpu run it on the GPU)."""
+    import torch
+
+    if source.startswith("# needs CUDA") and not torch.cuda.is_available():
+        pytest.skip(f"README.md:{line} needs CUDA")
+    if "transformers" in source:
+        pytest.importorskip("transformers")
+    if "torchtitan" in source:
+        pytest.importorskip("torchtitan")
+    exec(compile(source, f"README.md:{line}", "exec"), {"__name__": f"readme_{line}"})

@@ -1,0 +1,270 @@
+"""mok inside transformers and TorchTitan, on CPU (mok's reference path): each framework's own
+tiny models built from its own configs, against the framework's own experts path."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mok.testing import within_bf16_bound
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _example(name: str):
+    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _close(got: torch.Tensor, want_bf16: torch.Tensor, truth: torch.Tensor) -> None:
+    """got within 2x the error the framework's bf16 path makes against the fp32 truth."""
+    ok, err, base = within_bf16_bound(got.double(), truth.double(), want_bf16.double())
+    assert ok, (err, base)
+
+
+# --- transformers --------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from transformers.integrations import moe as hf_moe  # noqa: E402
+
+import mok.integrations.transformers as mok_hf  # noqa: E402
+
+SMALL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+             head_dim=64, max_position_embeddings=64)  # fmt: skip
+
+
+def _hf_config(family: str, hidden: int = 128, inter: int = 128):
+    """A tiny config of each family whose experts mok runs (SwiGLU, gate_up_proj [E, 2I, H])."""
+    t = transformers
+    SMALL = globals()["SMALL"] | dict(hidden_size=hidden, num_attention_heads=hidden // 64)
+    if family == "qwen3_moe":
+        return t.Qwen3MoeConfig(**SMALL, num_key_value_heads=1, intermediate_size=256,
+                                moe_intermediate_size=inter, num_experts=8, num_experts_per_tok=2,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    if family == "mixtral":
+        return t.MixtralConfig(**SMALL, num_key_value_heads=1, intermediate_size=inter,
+                               num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    if family == "deepseek_v3":
+        small = SMALL | dict(head_dim=None)
+        return t.DeepseekV3Config(**small, num_key_value_heads=2, intermediate_size=256,
+                                  moe_intermediate_size=inter, n_routed_experts=8,
+                                  num_experts_per_tok=2, n_group=2, topk_group=1,
+                                  first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=64,
+                                  q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                                  v_head_dim=32)  # fmt: skip
+    if family == "qwen3_next":
+        return t.Qwen3NextConfig(**SMALL, num_key_value_heads=1, intermediate_size=256,
+                                 moe_intermediate_size=inter, shared_expert_intermediate_size=128,
+                                 num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                                 mlp_only_layers=[], layer_types=["full_attention"] * 2)  # fmt: skip
+    raise AssertionError(family)
+
+
+def _hf_model(config, implementation: str | None, seed: int = 0, device="cpu"):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation=implementation, dtype=torch.bfloat16
+    ).to(device)
+
+
+def test_import_registers_mok():
+    assert "mok" in hf_moe.ALL_EXPERTS_FUNCTIONS
+    config = _hf_config("qwen3_moe")
+    assert _hf_model(config, "mok").config._experts_implementation == "mok"
+
+
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen3_next"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_forward_backward_matches_framework(family):
+    check_hf_model(family, "cpu")
+
+
+def check_hf_model(family: str, device, **sizes) -> None:
+    """Every MoE block of the model runs in mok; the loss and every gradient of the experts'
+    fused parameters are within 2x transformers' own bf16 error of the fp32 model's."""
+    config = _hf_config(family, **sizes)
+    calls = []
+    models = {}
+    for impl in ("eager", "mok"):
+        models[impl] = _hf_model(config, impl, device=device)
+    models["fp32"] = _hf_model(config, "eager", device=device).float()
+    for model in models.values():
+        model.load_state_dict(models["eager"].state_dict())
+    experts = [m for m in models["mok"].modules() if hasattr(m, "gate_up_proj")]
+    assert experts, family
+    for module in experts:
+        module.register_forward_hook(lambda *_: calls.append(1))
+    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(device)
+    grads = {}
+    for impl, model in models.items():
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        grads[impl] = [loss.detach()] + [m.gate_up_proj.grad for m in model.modules()
+                                         if hasattr(m, "gate_up_proj")] + [
+            m.down_proj.grad for m in model.modules() if hasattr(m, "gate_up_proj")]  # fmt: skip
+    assert len(calls) == len(experts)
+    for got, want, truth in zip(grads["mok"], grads["eager"], grads["fp32"], strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        _close(got, want, truth)
+
+
+def test_fused_gradient_is_one_tensor_without_copy_back():
+    """gate_up_proj's gradient arrives as one [E, 2I, H] tensor (the backward's gate and up
+    gradients are its halves, or are joined once)."""
+    model = _hf_model(_hf_config("qwen3_moe"), "mok")
+    tokens = torch.randint(0, 256, (1, 8))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    module = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    assert module.gate_up_proj.grad.shape == module.gate_up_proj.shape
+
+
+def test_training_is_bitwise_reproducible():
+    check_hf_training_repeats(torch.device("cpu"))
+
+
+def check_hf_training_repeats(device, hidden: int = 128, inter: int = 128) -> None:
+    example = _example("train_transformers")
+    args = example.argparse.Namespace(vocab=128, hidden=hidden, intermediate=inter, layers=2,
+                                      experts=8, topk=2, seq=16)  # fmt: skip
+    runs = []
+    for _ in range(2):
+        model = example.build(args, "mok", device, seed=0)
+        batches = example._training.markov_batches(128, 2, 15, 3)
+        runs.append(example._training.train(model, batches, example.loss_of_shifted, 1e-3,
+                                            device))  # fmt: skip
+    assert example._training.same_bits(runs[0], runs[1])
+    assert all(math.isfinite(v) for v in runs[0].losses)
+
+
+def test_example_runs(tmp_path, capsys):
+    example = _example("train_transformers")
+    code = example.main(["--steps", "4", "--hidden", "128", "--intermediate", "128",
+                         "--batch", "2", "--seq", "16", "--vocab", "128", "--no-png",
+                         "--out", str(tmp_path)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "bitwise identical" in printed
+    assert (tmp_path / "losses.json").exists()
+    assert code in (0, 1)  # 4 steps are too few for the curves' 5% check to mean anything
+
+
+def test_unsupported_experts_are_refused_by_name():
+    gpt_oss = transformers.GptOssConfig(**SMALL, num_key_value_heads=1, intermediate_size=128,
+                                        num_local_experts=4, num_experts_per_tok=2,
+                                        layer_types=["full_attention"] * 2)  # fmt: skip
+    model = _hf_model(gpt_oss, "mok")
+    tokens = torch.randint(0, 256, (1, 8))
+    with pytest.raises(ValueError, match=r"GptOssExperts has has_bias=True, which mok does not"):
+        model(input_ids=tokens)
+
+
+def test_fp32_model_is_refused():
+    model = transformers.AutoModelForCausalLM.from_config(
+        _hf_config("qwen3_moe"), experts_implementation="mok", dtype=torch.float32
+    )
+    tokens = torch.randint(0, 256, (1, 8))
+    with pytest.raises(ValueError, match=r"runs bf16 models: load the model with "
+                       r"dtype=torch.bfloat16; Qwen3MoeExperts got hidden_states torch.float32"):  # fmt: skip
+        model(input_ids=tokens)
+
+
+def test_register_under_another_name_with_a_config():
+    from mok import MoKConfig
+
+    mok_hf.register("mok_recompute", MoKConfig(macrobatch_size=256, minibatch_size=256))
+    assert "mok_recompute" in hf_moe.ALL_EXPERTS_FUNCTIONS
+    with pytest.raises(TypeError, match="config must be a MoKConfig, got dict"):
+        mok_hf.register("bad", {})
+
+
+# --- TorchTitan ----------------------------------------------------------------------------
+
+
+def _torchtitan():
+    pytest.importorskip("torchtitan")
+    try:
+        import torchtitan.models.qwen3  # noqa: F401, PLC0415
+    except ImportError as error:  # e.g. no triton
+        pytest.skip(f"torchtitan's models do not import here: {error}")
+    return _example("train_torchtitan")
+
+
+def _tt_args(**kw):
+    import argparse
+
+    base = dict(vocab=128, hidden=128, intermediate=128, layers=2, experts=8, topk=2, seq=16)
+    return argparse.Namespace(**(base | kw))
+
+
+def test_torchtitan_override_from_the_command_line():
+    """`--override.imports` as a TorchTitan job passes it: every MoE layer's RoutedExperts
+    becomes MoKRoutedExperts, with mok's knobs from the entry's JSON."""
+    _torchtitan()
+    from torchtitan.config import ConfigManager
+    from torchtitan.config.override import apply_overrides
+
+    from mok.integrations.torchtitan import MoKRoutedExperts
+
+    entry = 'mok.integrations.torchtitan.mok_routed_experts={"recompute": true}'
+    config = ConfigManager().parse_args(
+        ["--module", "qwen3", "--config", "qwen3_moe_debug", "--override.imports", entry]
+    )
+    model_cfg = config.model_spec.model
+    model_cfg.update_from_config(config=config)
+    lines = apply_overrides(config.override, config)
+    moe_layers = [layer for layer in model_cfg.layers if getattr(layer, "moe", None)]
+    assert moe_layers and len(lines) == len(moe_layers)
+    for layer in moe_layers:
+        assert type(layer.moe.routed_experts) is MoKRoutedExperts.Config
+        assert layer.moe.routed_experts.recompute is True
+
+
+def test_torchtitan_model_matches_framework():
+    check_torchtitan_model(torch.device("cpu"))
+
+
+def check_torchtitan_model(device, **sizes) -> None:
+    example = _torchtitan()
+    args = _tt_args(**sizes)
+    own = example.build(example.model_config(args), device, seed=0)
+    mine = example.build(example.with_mok(example.model_config(args)), device, seed=0)
+    mine.load_state_dict(own.state_dict())
+    truth = example.build(example.model_config(args), device, seed=0).float()
+    truth.load_state_dict(own.state_dict())
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(3))
+    tokens = tokens.to(device)
+    results = {}
+    for name, model in (("own", own), ("mok", mine), ("fp32", truth)):
+        loss = example.loss_of(model, tokens)
+        loss.backward()
+        experts = [layer.moe.routed_experts.inner_experts for layer in model.layers.values()]
+        results[name] = [loss.detach()] + [getattr(e, w).grad for e in experts
+                                           for w in ("w1_EFD", "w3_EFD", "w2_EDF")]  # fmt: skip
+    assert type(mine.layers["0"].moe.routed_experts).__name__ == "MoKRoutedExperts"
+    for got, want, fp32 in zip(results["mok"], results["own"], results["fp32"], strict=True):
+        _close(got, want, fp32)
+
+
+def test_torchtitan_training_is_bitwise_reproducible():
+    check_torchtitan_training_repeats(torch.device("cpu"))
+
+
+def check_torchtitan_training_repeats(device, **sizes) -> None:
+    example = _torchtitan()
+    args = _tt_args(**sizes)
+    batches = example._training.markov_batches(128, 2, 16, 3)
+    runs = []
+    for _ in range(2):
+        model = example.build(example.with_mok(example.model_config(args)), device, seed=0)
+        runs.append(example._training.train(model, batches, example.loss_of, 1e-3, device))
+    assert example._training.same_bits(runs[0], runs[1])
