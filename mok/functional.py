@@ -125,8 +125,13 @@ def _check_weights(workspace, schedule, weights: dict, *, need_down: bool = True
         if not need_down and name.endswith("down_weights"):
             continue
         check_tensor(name, weights[name], dtype=torch.bfloat16, shape=shape,
-                     device=workspace.device)  # fmt: skip
+                     device=workspace.device, expert_strided=name in _EXPERT_STRIDED)  # fmt: skip
     return inter
+
+
+# Routed gate and up weights (and their main_grads) may be the halves of one fused [E, 2 I, H]
+# tensor, as frameworks hold them: the kernels take their experts' row stride (SEMANTICS §1).
+_EXPERT_STRIDED = ("routed_gate_weights", "routed_up_weights")
 
 
 def _check_activations(workspace, x, router_weights=None, grad_output=None) -> None:
@@ -522,7 +527,8 @@ def _check_main_grads(main_grads, weights: dict) -> tuple[torch.Tensor | None, .
         if weight is None:
             raise ValueError(f"main_grads entry for {name} must be None: {name} is None")
         check_tensor(f"main_grads[{name}]", main_grad, dtype=torch.float32,
-                     shape=list(weight.shape), device=weight.device)  # fmt: skip
+                     shape=list(weight.shape), device=weight.device,
+                     expert_strided=name in _EXPERT_STRIDED)  # fmt: skip
     return tuple(main_grads)
 
 

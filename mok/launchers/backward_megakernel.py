@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_arg, check_cuda, check_multiple
+from .checks import check_arg, check_cuda, check_multiple, expert_rows_view
 from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT
@@ -171,9 +171,7 @@ class _BackwardPlan:
         # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py).
         self.counters = megakernel_counters(capacity, BACKWARD_COUNTER_TAIL, self.device)
         kernel = get_kernel(KERNEL_MXFP8 if mxfp8 else KERNEL, device=self.device)
-        self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size),
-                     "tma_wg": (num_experts * intermediate_size, hidden_size),
-                     "tma_wu": (num_experts * intermediate_size, hidden_size)}  # fmt: skip
+        self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size)}
         grid = grid or sm_count(self.device)
         buffer, first_slots, d_weights, rounded = self._outputs(slots)
         dy_e, d_gate, d_up, partials = self.scratch.views(buffer)
@@ -185,7 +183,7 @@ class _BackwardPlan:
         weights = (gate_weights, up_weights, down_weights)
         tma = self._descriptors(dy_e, d_gate, d_up, hidden, x_routed, rounded, weights)
         if not mxfp8:
-            tma.update({name: tma_descriptor(kernel, name, w.view(self.flat[name]))
+            tma.update({name: tma_descriptor(kernel, name, self._weight_view(name, w))
                         for name, w in zip(WEIGHT_TMA, weights, strict=True)})  # fmt: skip
         dy_q, d_gate_q, d_up_q = rounded if mxfp8 else (None,) * 3
         self.bound = kernel.bind(
@@ -228,6 +226,7 @@ class _BackwardPlan:
                     ep_rank,
                 ),  # fmt: skip
                 "weight_gemms": 3 if weight_grads else 0,
+                "d_w_gate_up_rows": intermediate_size,
             },
             dynamic=(*self.dynamic_tma, *DYNAMIC_POINTERS,
                      *(ROUNDED_POINTERS if mxfp8 else ())),
@@ -255,9 +254,16 @@ class _BackwardPlan:
             self.last_descriptors = (addresses, made)
             return made
         a_operands = [cache[i].get(t) for i, t in enumerate(rounded)]
-        flat = [cache[8 + i].get(w.view(self.flat[name]))
+        flat = [cache[8 + i].get(self._weight_view(name, w))
                 for i, (name, w) in enumerate(zip(WEIGHT_TMA, weights, strict=True))]  # fmt: skip
         return a_operands + made + flat
+
+    def _weight_view(self, name: str, weights: torch.Tensor) -> torch.Tensor:
+        """The [rows, K] view a weight's descriptor is encoded from: down's [E * H, I]; gate's
+        and up's from their first elements, fused halves with no copy (`expert_rows_view`)."""
+        if name == "tma_wd":
+            return weights.view(self.flat[name])
+        return expert_rows_view(name, weights)[0]
 
     def scratch_layout(self) -> list:
         """(dtype, shape) of the launch's scratch: dy_e, d_gate, d_up, router partials."""

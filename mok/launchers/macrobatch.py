@@ -39,7 +39,14 @@ from ..types import MoKSchedule
 from . import dispatch, epilogues, expert_gemm
 from .backward_megakernel import push_router_grads, routed_backward
 from .backward_op import _shared_backward
-from .checks import check_cuda, check_extents, check_gpu_layer, check_macrobatch, check_multiple
+from .checks import (
+    check_cuda,
+    check_expert_weights,
+    check_extents,
+    check_gpu_layer,
+    check_macrobatch,
+    check_multiple,
+)
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import M_ALIGNMENT, N_ALIGNMENT
 from .forward_megakernel import routed_forward
@@ -300,7 +307,8 @@ def weight_gradient_window(
     int32 [E] the whole schedule's. An expert's sum starts from `partial_in` (fp32 [M, N]) where
     its rows began in an earlier macrobatch and goes into `partial_out` where they go on past
     this one; else it is finished here: out bf16 [E, M, N] (output "bf16") or out fp32 += sum
-    (output "accumulate", a main_grad). An expert with no rows is finished (zeros, or out += 0)
+    (output "accumulate", a main_grad); `out` may be a half of a fused [E, 2 M, N] tensor
+    (checks.expert_rows). An expert with no rows is finished (zeros, or out += 0)
     by the macrobatch at row 0. Constraints: M % 128 == 0, N % 256 == 0, first_row % 128 == 0.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
@@ -319,8 +327,8 @@ def weight_gradient_window(
     if first_row < 0 or first_row % TILE_ROWS:
         raise ValueError(f"first_row must be a multiple of {TILE_ROWS} >= 0, got {first_row}")
     check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
-    check_extents("E * M (output rows)", rows, num_experts * m_size, m_size, n_size)
-    check_cuda("out", out, out_dtype, (num_experts, m_size, n_size))
+    out_rows = check_expert_weights("out", out, out_dtype, (num_experts, m_size, n_size))
+    check_extents("E * out rows per expert", rows, num_experts * out_rows, m_size, n_size)
     check_cuda("partial_in", partial_in, torch.float32, (m_size, n_size))
     check_cuda("partial_out", partial_out, torch.float32, (m_size, n_size))
     if partial_in.data_ptr() == partial_out.data_ptr():
@@ -341,6 +349,7 @@ def weight_gradient_window(
             "num_experts": num_experts,
             "m_size": m_size,
             "n_size": n_size,
+            "out_expert_rows": out_rows,
             "first_row": first_row,
             "window_rows": rows,
         },
