@@ -415,8 +415,14 @@ def backward(
 
 def backward_outputs(grads, main_grads, has_shared: bool) -> tuple:
     """The backward op's outputs as `backward` returns them: a gradient that went into its
-    main_grad is that main_grad, the shared ones None without a shared expert."""
+    main_grad is that main_grad, the shared ones None without a shared expert; a fused routed
+    gate/up gradient (the op's [E, 2 I, H] in the gate's place, empty in the up's) as its two
+    halves, views of it."""
     d_x, d_router, weight_grads = grads[0], grads[1], list(grads[2:])
+    gate_up = weight_grads[0]
+    if main_grads[1] is None and weight_grads[1].numel() == 0 and gate_up.dim() == 3:
+        inter = gate_up.shape[1] // 2
+        weight_grads[0], weight_grads[1] = gate_up[:, :inter], gate_up[:, inter:]
     for i, main_grad in enumerate(main_grads):
         if main_grad is not None:
             weight_grads[i] = main_grad

@@ -115,6 +115,25 @@ def tensor_key(t) -> tuple | None:
     return (t.shape, t.dtype, t.device, t.is_contiguous(), t.stride(), t.__class__)
 
 
+def fused_gate_up(gate, up) -> bool:
+    """Whether routed gate and up weights [E, I, H] are the two halves of one [E, 2 I, H]
+    tensor (gate = gate_up[:, :I], up = gate_up[:, I:], as frameworks hold them): the backward
+    then writes their gradients into the halves of one new [E, 2 I, H] tensor. Metadata only
+    (fake tensors too: the storage test is torch's alias test)."""
+    if not (isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor)) or gate.dim() != 3:
+        return False
+    num_experts, inter, hidden = gate.shape
+    return (
+        num_experts > 0
+        and inter > 0
+        and up.shape == gate.shape
+        and gate.stride() == (2 * inter * hidden, hidden, 1)
+        and up.stride() == gate.stride()
+        and up.storage_offset() == gate.storage_offset() + inter * hidden
+        and torch._C._is_alias_of(gate, up)
+    )
+
+
 class CheckedCalls:
     """Argument sets whose checks passed, by key (`tensor_key`s and plain values): a call whose
     key is here skips the checks, whose outcome its arguments' keys decide. Bounded: cleared

@@ -111,6 +111,50 @@ def test_reference_path_with_fused_views_equals_contiguous_weights(shared, limit
         assert (a is None and b is None) or torch.equal(a, b)
     for a, b in zip(grads, grads_f, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+    # The fused weights' gradients: the two halves of one new [E, 2 I, H] bf16 tensor.
+    d_gate, d_up = grads_f[2], grads_f[3]
+    assert d_gate._base is not None and d_up._base is d_gate._base
+    assert d_gate._base.shape == (E, 2 * I, H) and d_gate._base.dtype == torch.bfloat16
+    assert d_up.data_ptr() == d_gate.data_ptr() + I * H * 2
+    assert grads[2]._base is None and grads[3]._base is None  # separate: two tensors
+
+
+def test_fused_gate_up_tells_halves_of_one_tensor_from_look_alikes():
+    from mok.validation import fused_gate_up
+
+    gate_up = torch.zeros(E, 2 * I, H)
+    assert fused_gate_up(gate_up[:, :I], gate_up[:, I:])
+    assert not fused_gate_up(gate_up[:, I:], gate_up[:, :I])  # up first: not gate_up's order
+    other = torch.zeros(E, 2 * I, H)
+    assert not fused_gate_up(gate_up[:, :I], other[:, I:])  # same strides, another storage
+    separate = torch.zeros(E, I, H)
+    assert not fused_gate_up(separate, separate)
+
+
+def test_fake_backward_gives_the_fused_gradient_shape():
+    """torch.compile traces the op's fake: the fused [E, 2 I, H] gradient in gate's place."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import mok.ops  # noqa: F401 - registers mok::backward
+
+    t, k = 8, 2
+    with FakeTensorMode():
+        bf16 = dict(dtype=torch.bfloat16)
+        gate_up = torch.empty(E, 2 * I, H, **bf16)
+        i32 = torch.empty(1, dtype=torch.int32)
+        ctx = [torch.empty(0, **bf16)] * 7
+        x, w = torch.empty(t, H, **bf16), torch.empty(t, k)
+        for gate, up, fused in ((gate_up[:, :I], gate_up[:, I:], True),
+                                (torch.empty(E, I, H, **bf16), torch.empty(E, I, H, **bf16),
+                                 False)):  # fmt: skip
+            grads = torch.ops.mok.backward(
+                0, i32, i32, i32, i32, *ctx, x, x, w, None, None, None, gate, up,
+                torch.empty(E, H, I, **bf16), None, 0, 128, 1 << 20, None, None, None, None,
+                None, None,
+            )  # fmt: skip
+            gate_shape = (E, 2 * I, H) if fused else (E, I, H)
+            assert tuple(grads[2].shape) == gate_shape
+            assert tuple(grads[3].shape) == ((0,) if fused else (E, I, H))
 
 
 def test_reference_path_accumulates_into_fused_main_grads():
@@ -237,6 +281,34 @@ def test_backward_megakernel_packs_the_rows_per_expert(monkeypatch, kernels, fus
     extent = (E - 1) * rows + I
     assert views["tma_wg"] == [gate.data_ptr(), (extent, H), (H, 1)]
     assert views["tma_wu"] == [up.data_ptr(), (extent, H), (H, 1)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_backward_megakernel_writes_fused_gradient_halves(monkeypatch, kernels, fused):
+    from mok import reference as R
+    from mok.launchers import backward_megakernel
+
+    _on_cpu(monkeypatch, backward_megakernel)
+    t, k = 256, 2
+    schedule = R.make_schedule(torch.randint(0, E, (t, k)), num_local_experts=E,
+                               capacity=t * k + E * 128)  # fmt: skip
+    c = schedule.capacity
+    gate, up = _weights(fused)
+    rows_c = [torch.zeros(c, n, dtype=torch.bfloat16) for n in (H, I, I, I)]
+    *_, d_weights = backward_megakernel.routed_backward(
+        torch.zeros(t, H, dtype=torch.bfloat16), torch.ones(t, k), schedule, *rows_c, gate, up,
+        torch.zeros(E, H, I, dtype=torch.bfloat16), weight_grads=True, fused_grads=fused,
+    )  # fmt: skip
+    ((_, args),) = kernels["moe_backward"].launches
+    d_gate, d_up, d_down = d_weights
+    assert args["d_w_gate_up_rows"] == (2 * I if fused else I)
+    assert args["d_w_gate_ptr"] == d_gate.data_ptr() and args["d_w_up_ptr"] == d_up.data_ptr()
+    assert d_gate.shape == d_up.shape == (E, I, H) and d_down.shape == (E, H, I)
+    if fused:
+        assert d_gate._base is d_up._base and d_gate._base.shape == (E, 2 * I, H)
+        assert d_up.data_ptr() == d_gate.data_ptr() + I * H * 2
+    else:
+        assert d_gate.is_contiguous() and d_up.is_contiguous() and d_gate._base is None
 
 
 @pytest.mark.parametrize("fused", [False, True])

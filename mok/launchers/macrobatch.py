@@ -36,8 +36,9 @@ from __future__ import annotations
 import torch
 
 from ..types import MoKSchedule
+from ..validation import fused_gate_up
 from . import dispatch, epilogues, expert_gemm
-from .backward_megakernel import push_router_grads, routed_backward
+from .backward_megakernel import gate_up_gradients, push_router_grads, routed_backward
 from .backward_op import _shared_backward
 from .checks import (
     check_cuda,
@@ -194,7 +195,9 @@ def backward(
     group_barrier(ws, "PEER_BARRIER_START")
 
     windows = window_schedules(schedule, macrobatch_size)
-    grads = _WeightGradients(routed_gate, routed_up, routed_down, main_grads[:3])
+    fused = (main_grads[0] is None and main_grads[1] is None
+             and fused_gate_up(routed_gate, routed_up))  # fmt: skip
+    grads = _WeightGradients(routed_gate, routed_up, routed_down, main_grads[:3], fused)
     replay = None if full_context else _Replay(x, routed_gate, routed_up, swiglu_limit, first_rows)
     for m, (first, window) in enumerate(windows):
         rows = window.peer_rank.shape[0]
@@ -259,14 +262,17 @@ class _WeightGradients:
     new bf16 tensors, or added into the fp32 main_grads given. Two fp32 partial slots per GEMM:
     macrobatch m reads slot m % 2 (what crossed its first edge) and writes slot (m + 1) % 2."""
 
-    def __init__(self, gate_weights, up_weights, down_weights, main_grads):
+    def __init__(self, gate_weights, up_weights, down_weights, main_grads, fused=False):
         num_experts, inter, hidden = gate_weights.shape
         device = gate_weights.device
-        self.outputs, self.modes = [], []
-        for weight, main_grad in zip((gate_weights, up_weights, down_weights), main_grads,
-                                     strict=True):  # fmt: skip
+        self.outputs, self.modes, self.fused = [], [], fused
+        # `fused` (no gate/up main_grads): dW_gate, dW_up the halves of one [E, 2 I, H].
+        gate_up = gate_up_gradients(num_experts, inter, hidden, fused, device)
+        for g, (weight, main_grad) in enumerate(zip((gate_weights, up_weights, down_weights),
+                                                    main_grads, strict=True)):  # fmt: skip
             if main_grad is None:
-                self.outputs.append(torch.empty(weight.shape, dtype=torch.bfloat16, device=device))
+                self.outputs.append(gate_up[g] if g < 2 else
+                                    torch.empty(weight.shape, dtype=torch.bfloat16, device=device))  # fmt: skip
                 self.modes.append("bf16")
             else:
                 self.outputs.append(main_grad if main_grad.dim() == 3 else main_grad.unsqueeze(0))
@@ -285,9 +291,13 @@ class _WeightGradients:
                                    partial_in, partial_out, output=self.modes[g])  # fmt: skip
 
     def results(self, like) -> list:
-        """[dW_gate, dW_up, dW_down]: bf16, or empty where added into a main_grad."""
-        return [out if mode == "bf16" else like.new_empty(0)
-                for out, mode in zip(self.outputs, self.modes, strict=True)]  # fmt: skip
+        """[dW_gate, dW_up, dW_down]: bf16, or empty where added into a main_grad; `fused`:
+        the [E, 2 I, H] gradient in gate's place, empty in up's (the op's outputs)."""
+        results = [out if mode == "bf16" else like.new_empty(0)
+                   for out, mode in zip(self.outputs, self.modes, strict=True)]  # fmt: skip
+        if self.fused:
+            results[:2] = [self.outputs[0]._base, like.new_empty(0)]
+        return results
 
 
 def weight_gradient_window(
