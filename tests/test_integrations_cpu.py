@@ -53,7 +53,7 @@ def _hf_config(family: str, hidden: int = 128, inter: int = 128):
         return t.MixtralConfig(**SMALL, num_key_value_heads=1, intermediate_size=inter,
                                num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
     if family == "deepseek_v3":
-        small = SMALL | dict(head_dim=None)
+        small = {k: v for k, v in SMALL.items() if k != "head_dim"}  # qk_* dims set it
         return t.DeepseekV3Config(**small, num_key_value_heads=2, intermediate_size=256,
                                   moe_intermediate_size=inter, n_routed_experts=8,
                                   num_experts_per_tok=2, n_group=2, topk_group=1,
