@@ -127,13 +127,8 @@ def _check_weights(workspace, schedule, weights: dict, *, need_down: bool = True
         if not need_down and name.endswith("down_weights"):
             continue
         check_tensor(name, weights[name], dtype=torch.bfloat16, shape=shape,
-                     device=workspace.device, expert_strided=name in _EXPERT_STRIDED)  # fmt: skip
+                     device=workspace.device)  # fmt: skip
     return inter
-
-
-# Routed gate and up weights (and their main_grads) may be the halves of one fused [E, 2 I, H]
-# tensor, as frameworks hold them: the kernels take their experts' row stride (SEMANTICS §1).
-_EXPERT_STRIDED = ("routed_gate_weights", "routed_up_weights")
 
 
 def _check_activations(workspace, x, router_weights=None, grad_output=None) -> None:
@@ -468,14 +463,8 @@ def backward(
 
 def backward_outputs(grads, main_grads, has_shared: bool) -> tuple:
     """The backward op's outputs as `backward` returns them: a gradient that went into its
-    main_grad is that main_grad, the shared ones None without a shared expert; a fused routed
-    gate/up gradient (the op's [E, 2 I, H] in the gate's place, empty in the up's) as its two
-    halves, views of it."""
+    main_grad is that main_grad, the shared ones None without a shared expert."""
     d_x, d_router, weight_grads = grads[0], grads[1], list(grads[2:])
-    gate_up = weight_grads[0]
-    if main_grads[1] is None and weight_grads[1].numel() == 0 and gate_up.dim() == 3:
-        inter = gate_up.shape[1] // 2
-        weight_grads[0], weight_grads[1] = gate_up[:, :inter], gate_up[:, inter:]
     for i, main_grad in enumerate(main_grads):
         if main_grad is not None:
             weight_grads[i] = main_grad
@@ -586,8 +575,7 @@ def _check_main_grads(main_grads, weights: dict) -> tuple[torch.Tensor | None, .
         if weight is None:
             raise ValueError(f"main_grads entry for {name} must be None: {name} is None")
         check_tensor(f"main_grads[{name}]", main_grad, dtype=torch.float32,
-                     shape=list(weight.shape), device=weight.device,
-                     expert_strided=name in _EXPERT_STRIDED)  # fmt: skip
+                     shape=list(weight.shape), device=weight.device)  # fmt: skip
     return tuple(main_grads)
 
 

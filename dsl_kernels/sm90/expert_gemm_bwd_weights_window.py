@@ -22,14 +22,13 @@ not touched.
 
 Kernel parameters, in order:
 - `tma_a`  A bf16 [window_rows, M], box 64 (M) x 64 (rows); `tma_b`  B bf16 [window_rows, N]
-- `out_ptr`  bf16 [E, M, N] (fp32 for output="fp32_accumulate"), out[e] from row
-  e * out_expert_rows of its [*, N] rows (M, or 2 M for a half of one [E, 2 M, N] gradient)
+- `out_ptr`  bf16 [E, M, N] (fp32 for output="fp32_accumulate")
 - `partial_in_ptr`, `partial_out_ptr`  fp32 [M, N], different buffers
 - `tokens_per_expert_ptr`  int32 [num_experts], the schedule's padded segment sizes
-- `num_experts`, `m_size`, `n_size`, `out_expert_rows`, `first_row`, `window_rows`
+- `num_experts`, `m_size`, `n_size`, `first_row`, `window_rows`
 
 Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0; first_row and
-window_rows multiples of 128; out_expert_rows >= m_size; m_size % 128 == 0, n_size % 256 == 0, both < 2^16; window_rows,
+window_rows multiples of 128; m_size % 128 == 0, n_size % 256 == 0, both < 2^16; window_rows,
 num_experts * m_size < 2^30; 16-byte aligned; grid <= SM count, block 384, cluster 1.
 """
 
@@ -106,7 +105,6 @@ class Sm90ExpertGemmBwdWeightsWindow:
             Int32(0),  # num_experts
             Int32(0),  # m_size
             Int32(0),  # n_size
-            Int32(0),  # out_expert_rows
             Int32(0),  # first_row
             Int32(0),  # window_rows
             Int32(1),  # num_ctas
@@ -124,7 +122,6 @@ class Sm90ExpertGemmBwdWeightsWindow:
         num_experts: Int32,
         m_size: Int32,
         n_size: Int32,
-        out_expert_rows: Int32,
         first_row: Int32,
         window_rows: Int32,
         num_ctas: Int32,
@@ -137,8 +134,7 @@ class Sm90ExpertGemmBwdWeightsWindow:
         tma_b, mB = phases.make_tma_load(b_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
         self.kernel(
             tma_a, mA, tma_b, mB, out_ptr, partial_in_ptr, partial_out_ptr,
-            tokens_per_expert_ptr, num_experts, m_size, n_size, out_expert_rows, first_row,
-            window_rows,
+            tokens_per_expert_ptr, num_experts, m_size, n_size, first_row, window_rows,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
 
     @cute.kernel
@@ -155,7 +151,6 @@ class Sm90ExpertGemmBwdWeightsWindow:
         num_experts: Int32,
         m_size: Int32,
         n_size: Int32,
-        out_expert_rows: Int32,
         first_row: Int32,
         window_rows: Int32,
     ):
@@ -248,7 +243,7 @@ class Sm90ExpertGemmBwdWeightsWindow:
                         copy_tile(thr_mma, (acc0, acc1), partial_out_ptr, None, first_out_row,
                                   first_col, n_size, "store")  # fmt: skip
                     else:
-                        expert_offset = Int64(expert) * Int64(out_expert_rows) * Int64(n_size)
+                        expert_offset = Int64(expert) * Int64(m_size) * Int64(n_size)
                         copy_tile(thr_mma, (acc0, acc1), out_ptr, expert_offset, first_out_row,
                                   first_col, n_size, self.output)  # fmt: skip
                 tile = tile + grid_size

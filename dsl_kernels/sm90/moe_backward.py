@@ -87,8 +87,7 @@ WEIGHT_PHASE_TMA = ("tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
 # `__call__`'s parameters, in order (the runtime encodes the descriptors from `tma_specs`).
 # Shapes: dY [T, H], dY_e and x_routed [C, H], gate/up/hidden/d_gate/d_up [C, I] bf16; router
 # weights [T * k] and partials [C, I / 128] fp32; dW_down [E, H, I], dW_gate/dW_up [E, I, H]
-# (their experts d_w_gate_up_rows rows apart: I, or 2 I for the halves of one [E, 2 I, H])
-# and slots [T * k, H] bf16; W_gate, W_up viewed [rows, H], experts gate_up_expert_rows apart; counters [2 * ceil(C / 128) + COUNTER_TAIL] int32; d_x [T, H]
+# and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + COUNTER_TAIL] int32; d_x [T, H]
 # bf16, d_router [T * k] fp32 and the value-status words (finish_tokens = T > 0).
 PARAMS = (
     ("a_dy", bf16_pointer),
@@ -126,7 +125,6 @@ PARAMS = (
     ("finish_tokens", Int32(0)),
     *WALK_PARAMS,
     ("weight_gemms", Int32(0)),
-    ("d_w_gate_up_rows", Int32(0)),
     *STEP_PARAMS,
 )
 
@@ -210,14 +208,12 @@ class Sm90MoeBackward:
         num_experts: Int32,
         hidden_size: Int32,
         intermediate_size: Int32,
-        gate_up_expert_rows: Int32,
         topk: Int32,
         ep_rank: Int32,
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
         weight_gemms: Int32,
-        d_w_gate_up_rows: Int32,
         num_comm_ctas: Int32,
         minibatch_tiles: Int32,
         num_ctas: Int32,
@@ -251,9 +247,8 @@ class Sm90MoeBackward:
             peer_token_idx_ptr, num_tokens_ptr,
             tokens_per_expert_ptr, counters_ptr, error_record_ptr, timeout_ns,
             num_experts,
-            hidden_size, intermediate_size, gate_up_expert_rows, topk, ep_rank, capacity,
-            has_limit, swiglu_limit, weight_gemms, d_w_gate_up_rows, num_comm_ctas,
-            minibatch_tiles,
+            hidden_size, intermediate_size, topk, ep_rank, capacity, has_limit,
+            swiglu_limit, weight_gemms, num_comm_ctas, minibatch_tiles,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
 
     @cute.kernel
@@ -313,14 +308,12 @@ class Sm90MoeBackward:
         num_experts: Int32,
         hidden_size: Int32,
         intermediate_size: Int32,
-        gate_up_expert_rows: Int32,
         topk: Int32,
         ep_rank: Int32,
         capacity: Int32,
         has_limit: Int32,
         swiglu_limit: Float32,
         weight_gemms: Int32,
-        d_w_gate_up_rows: Int32,
         num_comm_ctas: Int32,
         minibatch_tiles: Int32,
     ):
@@ -366,12 +359,7 @@ class Sm90MoeBackward:
         dgu_total = dispatch_total + Int64(4)
         record = error_record_ptr.toint()
         weight_tasks = WeightTasks(
-            tokens_per_expert,
-            num_experts,
-            hidden_size,
-            intermediate_size,
-            weight_gemms,
-            d_w_gate_up_rows,
+            tokens_per_expert, num_experts, hidden_size, intermediate_size, weight_gemms
         )
         dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
         task_ticket = dgu_total + Int64(4)
@@ -401,8 +389,7 @@ class Sm90MoeBackward:
                 loads = (
                     d_hidden_phase.producer_loads(ring, smem, tma[:4], hidden_size,
                                                   intermediate_size, gate_ptr, up_ptr),
-                    d_x_phase.producer_loads(ring, smem, tma[4:], intermediate_size,
-                                             gate_up_expert_rows),
+                    d_x_phase.producer_loads(ring, smem, tma[4:], intermediate_size),
                 )  # fmt: skip
                 waits = (
                     RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record,

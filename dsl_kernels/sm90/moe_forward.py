@@ -78,8 +78,7 @@ from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_sl
 
 # `__call__`'s parameters, in order (the runtime encodes the tma_* descriptors, box 64 x 128,
 # from `tma_specs`). Shapes: x [T, H], x_routed [C, H], gate/up/hidden [C, I], slots [T * k, H]
-# bf16; W_gate, W_up viewed [rows, H] (expert e from row e * gate_up_expert_rows: I, or 2 I for
-# the halves of one [E, 2 I, H]), W_down [E * H, I]; peer_rank, peer_token_idx [C],
+# bf16; W_gate, W_up viewed [E * I, H], W_down [E * H, I]; peer_rank, peer_token_idx [C],
 # num_tokens [1], tokens_per_expert [E], counters [2 * ceil(C / 128) + COUNTER_TAIL] int32;
 # out [T, H] bf16, router_weights [T, k] fp32, the value-status words (combine_tokens = T > 0);
 # ids [T, k] int64, schedule counts [ceil(T * k / 4096), E] and [E] int32 (schedule_entries > 0).
@@ -177,7 +176,6 @@ class Sm90MoeForward:
         num_experts: Int32,
         hidden_size: Int32,
         intermediate_size: Int32,
-        gate_up_expert_rows: Int32,
         topk: Int32,
         ep_rank: Int32,
         capacity: Int32,
@@ -237,7 +235,6 @@ class Sm90MoeForward:
             num_experts,
             hidden_size,
             intermediate_size,
-            gate_up_expert_rows,
             topk,
             ep_rank,
             capacity,
@@ -288,7 +285,6 @@ class Sm90MoeForward:
         num_experts: Int32,
         hidden_size: Int32,
         intermediate_size: Int32,
-        gate_up_expert_rows: Int32,
         topk: Int32,
         ep_rank: Int32,
         capacity: Int32,
@@ -367,7 +363,7 @@ class Sm90MoeForward:
                 # ---- producer: each task's loads after its rows' counter ----
                 loads = (
                     gate_up_phase.producer_loads(ring, loaded, tma[:6], hidden_size,
-                                                 gate_up_expert_rows),
+                                                 intermediate_size),
                     down_phase.producer_loads(ring, loaded, tma[6:], hidden_size,
                                               intermediate_size),
                 )  # fmt: skip

@@ -17,8 +17,6 @@ from .tickets import Tickets, consumer_task, crew_task, take_ticket
 
 # The megakernels' parameters for the schedule, the counters, the sizes and the bounded waits
 # (in this order, after each one's own tensors), and for the CTAs and the minibatch (last).
-# `gate_up_expert_rows`: rows from one expert's W_gate (W_up) to the next's in their [rows, H]
-# descriptor views: I for separate [E, I, H] tensors, 2 I for the halves of a fused [E, 2 I, H].
 WALK_PARAMS = (
     ("peer_rank_ptr", int32_pointer),
     ("peer_token_idx_ptr", int32_pointer),
@@ -30,7 +28,6 @@ WALK_PARAMS = (
     ("num_experts", Int32(0)),
     ("hidden_size", Int32(0)),
     ("intermediate_size", Int32(0)),
-    ("gate_up_expert_rows", Int32(0)),
     ("topk", Int32(1)),
     ("ep_rank", Int32(0)),
     ("capacity", Int32(0)),

@@ -26,10 +26,9 @@ import weakref
 
 import torch
 
-from ..validation import fused_gate_up
 from . import expert_gemm_bwd, mxfp8
 from .backward_finish import finish_plan
-from .backward_megakernel import backward_plan, gate_up_gradients, router_grad_push_plan
+from .backward_megakernel import backward_plan, router_grad_push_plan
 from .checks import check_gpu_layer, check_macrobatch
 from .device_args import TILE_ROWS
 from .epilogues import bwd_epilogue_plan
@@ -46,27 +45,21 @@ from .plans import (
 from .rows import pad_rows
 
 
-def _weight_gradient(a_rows, b_rows, tokens, main_grad, out=None):
-    """bf16 [E, M, N] gradient (into `out` if given), or empty after adding it into the fp32
-    main_grad in place."""
+def _weight_gradient(a_rows, b_rows, tokens, main_grad):
+    """bf16 [E, M, N] gradient, or empty after adding it into the fp32 main_grad in place."""
     if main_grad is None:
-        return expert_gemm_bwd.weight_gradient(a_rows, b_rows, tokens, output="bf16", out=out)
+        return expert_gemm_bwd.weight_gradient(a_rows, b_rows, tokens, output="bf16")
     out = main_grad if main_grad.dim() == 3 else main_grad.unsqueeze(0)
     expert_gemm_bwd.weight_gradient(a_rows, b_rows, tokens, output="accumulate", out=out)
     return a_rows.new_empty(0)
 
 
-def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads, fused=False):
-    """[dW_gate, dW_up, dW_down], each bf16 or added into its main_grad and returned empty;
-    `fused` (no gate/up main_grads): dW_gate, dW_up the halves of one [E, 2 I, H]."""
+def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
+    """[dW_gate, dW_up, dW_down], each bf16 or added into its main_grad and returned empty."""
     main_gate, main_up, main_down = main_grads
-    gate_up = (None, None)
-    if fused:
-        gate_up = gate_up_gradients(tokens.shape[0], d_gate.shape[1], x_rows.shape[1], True,
-                                    x_rows.device)  # fmt: skip
     return [
-        _weight_gradient(d_gate, x_rows, tokens, main_gate, gate_up[0]),
-        _weight_gradient(d_up, x_rows, tokens, main_up, gate_up[1]),
+        _weight_gradient(d_gate, x_rows, tokens, main_gate),
+        _weight_gradient(d_up, x_rows, tokens, main_up),
         _weight_gradient(dy_e, hidden, tokens, main_down),
     ]
 
@@ -201,16 +194,13 @@ class _BackwardOp:
         # The weight gradients in the megakernel's launch unless they go into fp32 main_grads
         # (or their MXFP8 operands need round trips first).
         self.in_launch = all(g is None for g in main_grads[:3]) and not self.mxfp8
-        # Gate and up the halves of one [E, 2 I, H]: so are their bf16 gradients.
-        self.fused = (not self.mxfp8 and main_grads[0] is None and main_grads[1] is None
-                      and fused_gate_up(routed[0], routed[1]))  # fmt: skip
         x_routed, gate, up, hidden = ctx_tensors[:4]
         # A group of one without a shared expert: d_x and d_router in the megakernel's launch.
         finish = tables is None and not shared_expert
         self.routed = backward_plan(
             grad_output, router_weights, schedule, x_routed, gate, up, hidden, *routed,
             swiglu_limit, self.in_launch, bwd_num_comm_sms, minibatch_size, ws.wait_timeout_ns,
-            peers, self.slots, ws.megakernel_ctas, self.mxfp8, finish, self.fused,
+            peers, self.slots, ws.megakernel_ctas, self.mxfp8, finish,
         )  # fmt: skip
         self.in_kernel_finish = finish and self.routed.bound is not None
         # The push's checks look at shapes only: partials as the scratch's piece is shaped
@@ -300,9 +290,7 @@ class _BackwardOp:
             if self.mxfp8:
                 routed_grads = mxfp8_weight_gradients(*operands, context_exact)
             else:
-                routed_grads = _weight_gradients(*operands, fused=self.fused)
-        if self.fused and not layer_step:  # the op's output: the fused tensor in gate's place
-            routed_grads = [routed_grads[0]._base, x.new_empty(0), routed_grads[2]]
+                routed_grads = _weight_gradients(*operands)
         if tables is not None:
             d_router = d_router.clone()  # the buffer is the next call's
         d_x_shared, shared_grads = None, [None, None, None]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_cuda, check_expert_weights, check_extents, check_multiple
+from .checks import check_cuda, check_extents, check_multiple
 from .device_args import persistent_grid, sm_count, tma_descriptor
 from .expert_gemm import K_ALIGNMENT
 
@@ -199,7 +199,6 @@ def weight_gradient(
 
     output: "fp32", "bf16" (rounded from the fp32 sum) or "accumulate" (fp32 out += sum in place,
     bitwise torch's `out.add_`). Every element is written (zeros for an expert with no rows).
-    `out` may be a half of a fused [E, 2 M, N] tensor (checks.expert_rows), written in place.
     Constraints: M % 128 == 0, N % 256 == 0, both < 2^16; `tokens_per_expert` int32 [E].
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
@@ -212,6 +211,8 @@ def weight_gradient(
     check_multiple("M (a_routed.shape[1])", m_size, M_ALIGNMENT)
     check_multiple("N (b_routed.shape[1])", n_size, N_ALIGNMENT)
     check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    # The kernel numbers the rows of out as one [E * M, N] matrix.
+    check_extents("E * M (output rows)", capacity, num_experts * m_size, m_size, n_size)
     if output not in WEIGHTS_KERNELS:
         raise ValueError(f"output must be one of {sorted(WEIGHTS_KERNELS)}, got {output!r}")
     kernel_name, out_dtype = WEIGHTS_KERNELS[output]
@@ -220,9 +221,7 @@ def weight_gradient(
         if output == "accumulate":
             raise ValueError("output='accumulate' needs `out`, the fp32 tensor to add into")
         out = torch.empty(num_experts, m_size, n_size, dtype=out_dtype, device=device)
-    out_rows = check_expert_weights("out", out, out_dtype, (num_experts, m_size, n_size))
-    # The kernel numbers the rows of out as one [E * rows per expert, N] matrix.
-    check_extents("E * out rows per expert", capacity, num_experts * out_rows, m_size, n_size)
+    check_cuda("out", out, out_dtype, (num_experts, m_size, n_size))
     if num_experts == 0:
         return out
     if capacity == 0:
@@ -240,7 +239,6 @@ def weight_gradient(
             "num_experts": num_experts,
             "m_size": m_size,
             "n_size": n_size,
-            "out_expert_rows": out_rows,
         },
     )
     return out
