@@ -59,6 +59,10 @@ class MoKFunction(torch.autograd.Function):
         ctx.swiglu_limit, ctx.recompute = swiglu_limit, recompute
         ctx.accumulate_main_grad = accumulate_main_grad
         ctx.has_shared = weights[0] is not None
+        fused = getattr(ctx, "fused_gate_up", None)
+        if fused is not None:  # MoKFusedFunction: save gate_up itself, not the halves' copies
+            weights = (*weights[:3], fused, fused, weights[5])
+            ctx.fused_gate_up = True
         ctx.save_for_backward(x, router_weights, *weights, *saved_ctx)
         return out
 
@@ -66,6 +70,11 @@ class MoKFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x, router_weights, *rest = ctx.saved_tensors
         weights, saved_ctx = rest[:6], rest[6:]
+        fused = None
+        if getattr(ctx, "fused_gate_up", False):
+            # MoKFusedFunction saved gate_up in both halves' places
+            fused = weights[3]
+            weights = (*weights[:3], *gate_up_halves(fused), weights[5])
         grad_output = grad_output.contiguous()
         step, schedule = ctx.step, ctx.schedule
         if step is not None:
@@ -87,10 +96,12 @@ class MoKFunction(torch.autograd.Function):
         if ctx.accumulate_main_grad:
             order = (3, 4, 5, 0, 1, 2)
             main_grads = tuple(getattr(weights[i], "main_grad", None) for i in order)
-            fused = getattr(ctx, "fused_gate_up", None)
-            if fused is not None:  # MoKFusedFunction: gate and up's are halves of one main_grad
-                main_grad = getattr(fused, "main_grad", None)
-                halves = (None, None) if main_grad is None else split_gate_up(main_grad)
+            fused_main_grad = None if fused is None else getattr(fused, "main_grad", None)
+            if fused is not None:  # the layer's gate and up sums go to scratch, added below
+                halves = (None, None)
+                if fused_main_grad is not None:
+                    halves = tuple(torch.zeros_like(h, memory_format=torch.contiguous_format)
+                                   for h in split_gate_up(fused_main_grad))  # fmt: skip
                 main_grads = (*halves, *main_grads[2:])
         grads = functional.backward(
             ctx.config, ctx.workspace, schedule, fwd_ctx, grad_output, x, router_weights,
@@ -98,6 +109,9 @@ class MoKFunction(torch.autograd.Function):
         )  # fmt: skip
         if step is not None:  # its plan for the next steps
             step.resolve_backward(schedule, saved_ctx, grad_output, x, router_weights, weights)
+        if main_grads is not None and fused is not None and main_grads[0] is not None:
+            for half, scratch in zip(split_gate_up(fused.main_grad), main_grads[:2], strict=True):
+                half.add_(scratch)
         return (None,) * 7 + _module_order(grads, main_grads)
 
 
@@ -124,14 +138,15 @@ def _step_apply(*args):
 class MoKFusedFunction(torch.autograd.Function):
     """MoKFunction over routed experts held as one gate_up [E, 2I, H] (gate rows first, the
     layout of transformers' and other frameworks' fused experts) and down [E, H, I], with no
-    shared expert. Gate and up reach the layer as strided views of gate_up, with no copy; the
-    gradient of gate_up is one [E, 2I, H] tensor whose halves the backward writes."""
+    shared expert. The layer reads gate and up as two contiguous [E, I, H] tensors, so each
+    pass copies the two halves of gate_up (forward, and backward again: only gate_up itself is
+    held between them); the gradient of gate_up is the two halves' gradients joined."""
 
     @staticmethod
     def forward(ctx, config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad,
                 x, router_weights, gate_up_weights, down_weights):  # fmt: skip
-        gate, up = split_gate_up(gate_up_weights)
-        ctx.fused_gate_up = gate_up_weights if accumulate_main_grad else None
+        gate, up = gate_up_halves(gate_up_weights)
+        ctx.fused_gate_up = gate_up_weights  # MoKFunction saves it in the halves' places
         return MoKFunction.forward(
             ctx, config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad,
             None, x, router_weights, None, None, None, gate, up, down_weights,
@@ -152,6 +167,11 @@ def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         )
     inter = gate_up.shape[1] // 2
     return gate_up[:, :inter], gate_up[:, inter:]
+
+
+def gate_up_halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up's halves as the layer reads them: contiguous [E, I, H] (copies unless E = 1)."""
+    return tuple(h.contiguous() for h in split_gate_up(gate_up))
 
 
 def fuse_gate_up(d_gate: torch.Tensor | None, d_up: torch.Tensor | None) -> torch.Tensor | None:

@@ -104,7 +104,9 @@ def check_hf_model(family: str, device, **sizes) -> None:
     assert experts, family
     for module in experts:
         module.register_forward_hook(lambda *_: calls.append(1))
-    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)
+    )
     tokens = tokens.to(device)
     grads = {}
     for impl, model in models.items():
@@ -268,3 +270,46 @@ def check_torchtitan_training_repeats(device, **sizes) -> None:
         model = example.build(example.with_mok(example.model_config(args)), device, seed=0)
         runs.append(example._training.train(model, batches, example.loss_of, 1e-3, device))
     assert example._training.same_bits(runs[0], runs[1])
+
+
+# --- mok.nn.moe_fused: the fused layout both integrations' users hold -----------------------
+
+
+@pytest.mark.parametrize("accumulate_main_grad", [False, True])
+def test_moe_fused_gives_the_bits_of_separate_weights(accumulate_main_grad):
+    from mok import functional as F
+    from mok.nn import moe, moe_fused
+    from mok.testing import make_inputs
+
+    T, H, I, E, k = 64, 128, 128, 4, 2
+    inp = make_inputs(T, H, I, E, k)
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=k,
+                         num_local_experts=E)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inp["top_experts"], num_local_experts=E)
+    gate_up = torch.cat((inp["routed_gate"], inp["routed_up"]), 1).requires_grad_()
+    gate, up = (inp[n].clone().requires_grad_() for n in ("routed_gate", "routed_up"))
+    downs = [inp["routed_down"].clone().requires_grad_() for _ in range(2)]
+    if accumulate_main_grad:
+        start = torch.randn(E, 2 * I, H)
+        gate_up.main_grad = start.clone()
+        gate.main_grad, up.main_grad = (h.clone() for h in start.split(I, 1))
+        for d in downs:
+            d.main_grad = torch.zeros(E, H, I)
+    xs = [inp["x"].clone().requires_grad_() for _ in range(2)]
+    kw = dict(accumulate_main_grad=accumulate_main_grad)
+    fused = moe_fused(config, ws, schedule, xs[0], inp["router_weights"], gate_up, downs[0], **kw)
+    split = moe(config, ws, schedule, xs[1], inp["router_weights"], None, None, None, gate, up,
+                downs[1], **kw)  # fmt: skip
+    assert torch.equal(fused, split)
+    dy = torch.randn_like(fused)
+    fused.backward(dy)
+    split.backward(dy)
+    assert torch.equal(xs[0].grad, xs[1].grad)
+    if accumulate_main_grad:
+        assert gate_up.grad is None and downs[0].grad is None
+        assert torch.equal(gate_up.main_grad, torch.cat((gate.main_grad, up.main_grad), 1))
+        assert torch.equal(downs[0].main_grad, downs[1].main_grad)
+    else:
+        assert torch.equal(gate_up.grad, torch.cat((gate.grad, up.grad), 1))
+        assert torch.equal(downs[0].grad, downs[1].grad)
