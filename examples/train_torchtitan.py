@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", default="runs/torchtitan", help="folder for the PNG and JSON")
     p.add_argument("--no-png", action="store_true", help="skip the plot (no matplotlib)")
     args = p.parse_args(argv)

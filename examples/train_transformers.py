@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--baseline", default=None,
                    help="transformers' experts implementation to compare with (default: its "
                         "default, grouped_mm where it runs)")  # fmt: skip
