@@ -5,9 +5,12 @@
 
 `MoKFunction` is the autograd Function underneath: forward saves the forward context (or, with
 `recompute=True`, only its inputs and rebuilds the context in backward, bitwise identical).
-Gradients flow to x, router_weights and every weight. Parameters that carry an fp32
-`main_grad` attribute (Megatron style) get their gradient accumulated into it in place when
-`accumulate_main_grad=True`, and no `.grad`.
+Gradients flow to x, router_weights and every weight. With `accumulate_main_grad=True`,
+parameters that carry a `main_grad` attribute (fp32 or bf16) get their gradient added into it
+in place, following Megatron-Core's convention: a parameter that also carries
+`grad_added_to_main_grad` (Megatron's DDP sets it) gets it set True and a dummy gradient of its
+shape (zeros if it carries `zero_out_wgrad`) for DDP's backward hook to drop; any other gets no
+gradient (None). A bf16 main_grad receives the layer's fp32 sum rounded once.
 """
 
 from __future__ import annotations
@@ -92,27 +95,30 @@ class MoKFunction(torch.autograd.Function):
             shared = saved_ctx[4:] if ctx.has_shared else (None, None, None)
             fwd_ctx = MoKForwardContext(*saved_ctx[:4], *shared)
         # weights are (shared g/u/d, routed g/u/d); backward's main_grads are routed first.
-        main_grads = None
+        main_grads, pending = None, ()
         if ctx.accumulate_main_grad:
-            order = (3, 4, 5, 0, 1, 2)
-            main_grads = tuple(getattr(weights[i], "main_grad", None) for i in order)
-            fused_main_grad = None if fused is None else getattr(fused, "main_grad", None)
-            if fused is not None:  # the layer's gate and up sums go to scratch, added below
-                halves = (None, None)
+            targets = [getattr(weights[i], "main_grad", None) for i in MAIN_GRAD_ORDER]
+            if fused is not None:  # gate and up's sums go into the halves of gate_up's
+                fused_main_grad = getattr(fused, "main_grad", None)
                 if fused_main_grad is not None:
-                    halves = tuple(torch.zeros_like(h, memory_format=torch.contiguous_format)
-                                   for h in split_gate_up(fused_main_grad))  # fmt: skip
-                main_grads = (*halves, *main_grads[2:])
+                    targets[:2] = split_gate_up(fused_main_grad)
+            main_grads, pending = _layer_main_grads(targets)
         grads = functional.backward(
             ctx.config, ctx.workspace, schedule, fwd_ctx, grad_output, x, router_weights,
             *weights, swiglu_limit=ctx.swiglu_limit, main_grads=main_grads,
         )  # fmt: skip
         if step is not None:  # its plan for the next steps
             step.resolve_backward(schedule, saved_ctx, grad_output, x, router_weights, weights)
-        if main_grads is not None and fused is not None and main_grads[0] is not None:
-            for half, scratch in zip(split_gate_up(fused.main_grad), main_grads[:2], strict=True):
-                half.add_(scratch)
-        return (None,) * 7 + _module_order(grads, main_grads)
+        for target, scratch in pending:
+            target.add_(scratch)
+        d_x, d_router, *weight_grads = _module_order(grads, main_grads)
+        if main_grads is not None:
+            params = [fused if fused is not None and i in (3, 4) else weights[i]
+                      for i in range(6)]  # fmt: skip
+            weight_grads = _megatron_grads(weight_grads, params, main_grads)
+            if fused is not None:  # gate's dummy stands for gate_up whole (MoKFusedFunction)
+                weight_grads[4] = None
+        return (None,) * 7 + (d_x, d_router, *weight_grads)
 
 
 # torch's C `apply` of a Function, bound to MoKFunction: `Function.apply` is a Python wrapper
@@ -156,7 +162,9 @@ class MoKFusedFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         grads = MoKFunction.backward(ctx, grad_output)
         d_x, d_router, d_gate, d_up, d_down = grads[7], grads[8], *grads[12:]
-        return (None,) * 6 + (d_x, d_router, fuse_gate_up(d_gate, d_up), d_down)
+        # Megatron's dummy for gate_up comes whole, in gate's place (MoKFunction.backward).
+        d_gate_up = d_gate if d_up is None else fuse_gate_up(d_gate, d_up)
+        return (None,) * 6 + (d_x, d_router, d_gate_up, d_down)
 
 
 def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,11 +182,9 @@ def gate_up_halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(h.contiguous() for h in split_gate_up(gate_up))
 
 
-def fuse_gate_up(d_gate: torch.Tensor | None, d_up: torch.Tensor | None) -> torch.Tensor | None:
+def fuse_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor) -> torch.Tensor:
     """The gradient of a fused gate_up from its halves' gradients: the one tensor they are views
     of, when the backward wrote them so (no copy); else the two concatenated."""
-    if d_gate is None or d_up is None:
-        return None  # accumulated into main_grad
     base = d_gate._base
     if base is not None and d_up._base is base and base.dim() == 3:
         gate, up = split_gate_up(base)
@@ -210,6 +216,48 @@ def moe_fused(
         config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad, x,
         router_weights, gate_up_weights, down_weights,
     )  # fmt: skip
+
+
+# functional.backward's main_grads order (routed g/u/d, shared g/u/d) as indices of the
+# module order (shared g/u/d, routed g/u/d).
+MAIN_GRAD_ORDER = (3, 4, 5, 0, 1, 2)
+
+
+def _layer_main_grads(targets) -> tuple[tuple, tuple]:
+    """(main_grads for functional.backward, (target, scratch) pairs to add after it). An fp32
+    contiguous main_grad is accumulated in place by the layer; a bf16 one, or a view that is not
+    contiguous (a fused gate_up's half), gets the layer's fp32 sums in zeroed fp32 scratch,
+    added to it once after the layer (rounded once, for bf16)."""
+    main_grads, pending = [], []
+    for target in targets:
+        if target is None or (target.dtype == torch.float32 and target.is_contiguous()):
+            main_grads.append(target)
+            continue
+        if target.dtype not in (torch.float32, torch.bfloat16):
+            raise MoKInputError(
+                f"main_grad must be torch.float32 or torch.bfloat16, got {target.dtype}"
+            )
+        scratch = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+        main_grads.append(scratch)
+        pending.append((target, scratch))
+    return tuple(main_grads), tuple(pending)
+
+
+def _megatron_grads(weight_grads: list, params: list, main_grads: tuple) -> list:
+    """Megatron-Core's convention for a gradient accumulated into `param.main_grad`: where the
+    parameter carries `grad_added_to_main_grad` (Megatron's DDP sets it on every parameter), set
+    it True and return a dummy gradient of the parameter's shape (zeros if it asks for
+    `zero_out_wgrad`), so that DDP's backward hook, which runs when the parameter's gradient
+    arrives, fires, skips its own add and drops the dummy; elsewhere None."""
+    grads = list(weight_grads)
+    for j, i in enumerate(MAIN_GRAD_ORDER):
+        param = params[i]
+        if main_grads[j] is None or not hasattr(param, "grad_added_to_main_grad"):
+            continue
+        param.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
+        grads[i] = make(param.shape, dtype=param.dtype, device=param.device)
+    return grads
 
 
 def _module_order(grads, main_grads=None) -> tuple:
@@ -262,8 +310,8 @@ class MoKExperts(nn.Module):
         config: MoKConfig (default MoKConfig()).
         swiglu_limit: optional clamp (SEMANTICS §1).
         recompute: save only inputs and rebuild the forward context in backward.
-        accumulate_main_grad: accumulate weight gradients into each parameter's fp32
-            `main_grad` attribute where it has one.
+        accumulate_main_grad: add weight gradients into each parameter's `main_grad`
+            attribute (fp32 or bf16) where it has one, Megatron-Core's way (module docstring).
 
     forward(x bf16 [T, H], router_weights fp32 [T, k] (> 0), top_experts int64 [T, k]) -> bf16.
     A token may name an expert more than once in top_experts (each (t, j) is its own routed

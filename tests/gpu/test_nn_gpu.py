@@ -138,3 +138,45 @@ def test_torch_compile_before_any_eager_call_on_cuda(backend):
     done = subprocess.run([sys.executable, "-c", COLD_COMPILE_CUDA, backend], capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert "COLD COMPILE OK" in done.stdout, (done.stdout + done.stderr)[-3000:]
+
+
+@pytest.mark.parametrize("grad_reduce_in_fp32", [True, False])
+def test_megatron_ddp_accumulates_through_main_grad(grad_reduce_in_fp32):
+    """Megatron-Core's own DistributedDataParallel (one rank, overlap_grad_reduce) around a
+    MoKExperts with accumulate_main_grad: its hook finds every gradient, and main_grad (fp32 or
+    bf16) holds the micro-batches' sum, as the CPU mimic in test_megatron_main_grad_cpu.py."""
+    megatron = pytest.importorskip("megatron.core")
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    module = _module(accumulate_main_grad=True)
+    reference = _module()
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2,
+                               params_dtype=torch.bfloat16, bf16=True)  # fmt: skip
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True,
+                                               grad_reduce_in_fp32=grad_reduce_in_fp32)  # fmt: skip
+    ddp = DistributedDataParallel(config, ddp_config, module)
+    total = {n: torch.zeros(p.shape, device=CUDA) for n, p in reference.named_parameters()}
+    for seed in range(2):
+        inputs = make_inputs(T, H, I, E, K, seed=seed, device=CUDA)
+        args = (inputs["x"], inputs["router_weights"], inputs["top_experts"])
+        ddp(*args).float().pow(2).sum().backward()
+        reference.zero_grad(set_to_none=True)
+        reference(*args).float().pow(2).sum().backward()
+        for n, p in reference.named_parameters():
+            total[n] += p.grad.float()
+    ddp.finish_grad_sync()
+    for n, p in module.named_parameters():
+        assert p.grad is None and p.grad_added_to_main_grad, n
+        assert rel_error(p.main_grad.float(), total[n]) < 2e-2, n
+    del megatron
