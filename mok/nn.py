@@ -48,24 +48,24 @@ class MoKFunction(torch.autograd.Function):
         router_weights: torch.Tensor,
         *weights: torch.Tensor | None,
     ) -> torch.Tensor:
+        # Routed gate given with no up: the gate is one fused gate_up [E, 2I, H] (`moe_fused`).
+        fused = weights[3] is not None and weights[4] is None
+        layer_weights = _layer_weights(weights) if fused else weights
         if step is not None:  # a resolved step (mok/layer_plan.py): its plans, no re-check
             # `schedule` is the call's top_experts: the step writes its schedule from them.
             out, saved_ctx = step.forward(schedule, x, router_weights, weights)
             schedule = None
         else:
             out, fwd_ctx = functional.forward(
-                config, workspace, schedule, x, router_weights, *weights,
+                config, workspace, schedule, x, router_weights, *layer_weights,
                 swiglu_limit=swiglu_limit,
             )  # fmt: skip
             saved_ctx = () if recompute else tuple(t for t in fwd_ctx.tensors() if t is not None)
         ctx.config, ctx.workspace, ctx.schedule, ctx.step = config, workspace, schedule, step
         ctx.swiglu_limit, ctx.recompute = swiglu_limit, recompute
         ctx.accumulate_main_grad = accumulate_main_grad
-        ctx.has_shared = weights[0] is not None
-        fused = getattr(ctx, "fused_gate_up", None)
-        if fused is not None:  # MoKFusedFunction: save gate_up itself, not the halves' copies
-            weights = (*weights[:3], fused, fused, weights[5])
-            ctx.fused_gate_up = True
+        ctx.has_shared, ctx.fused = weights[0] is not None, fused
+        # The weights as given: a fused gate_up itself, not its halves' copies.
         ctx.save_for_backward(x, router_weights, *weights, *saved_ctx)
         return out
 
@@ -73,11 +73,9 @@ class MoKFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x, router_weights, *rest = ctx.saved_tensors
         weights, saved_ctx = rest[:6], rest[6:]
-        fused = None
-        if getattr(ctx, "fused_gate_up", False):
-            # MoKFusedFunction saved gate_up in both halves' places
-            fused = weights[3]
-            weights = (*weights[:3], *gate_up_halves(fused), weights[5])
+        fused = weights[3] if ctx.fused else None
+        if fused is not None:
+            weights = _layer_weights(weights)
         grad_output = grad_output.contiguous()
         step, schedule = ctx.step, ctx.schedule
         if step is not None:
@@ -116,8 +114,11 @@ class MoKFunction(torch.autograd.Function):
             params = [fused if fused is not None and i in (3, 4) else weights[i]
                       for i in range(6)]  # fmt: skip
             weight_grads = _megatron_grads(weight_grads, params, main_grads)
-            if fused is not None:  # gate's dummy stands for gate_up whole (MoKFusedFunction)
-                weight_grads[4] = None
+        if fused is not None:  # gate_up's gradient whole (or Megatron's dummy) in gate's place
+            d_gate, d_up = weight_grads[3], weight_grads[4]
+            if main_grads is None or main_grads[0] is None:
+                weight_grads[3] = fuse_gate_up(d_gate, d_up)
+            weight_grads[4] = None
         return (None,) * 7 + (d_x, d_router, *weight_grads)
 
 
@@ -141,30 +142,29 @@ def _step_apply(*args):
                     *(a if a is None else unwrap(a) for a in args[7:]))  # fmt: skip
 
 
-class MoKFusedFunction(torch.autograd.Function):
-    """MoKFunction over routed experts held as one gate_up [E, 2I, H] (gate rows first, the
-    layout of transformers' and other frameworks' fused experts) and down [E, H, I], with no
-    shared expert. The layer reads gate and up as two contiguous [E, I, H] tensors, so each
-    pass copies the two halves of gate_up (forward, and backward again: only gate_up itself is
-    held between them); the gradient of gate_up is the two halves' gradients joined."""
+def layer_workspace(
+    config: MoKConfig,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    num_tokens: int,
+    hidden_size: int,
+    topk: int,
+    num_local_experts: int,
+) -> MoKWorkspace:
+    """`functional.get_workspace` for a layer called from a model, also while torch.compile
+    traces it: the workspace is made (or found) for real then, and its handle is a constant of
+    the graph, as in `MoKExperts`."""
+    return workspace_from_handle(_workspace_handle(config, group, device, num_tokens,
+                                                   hidden_size, topk, num_local_experts))  # fmt: skip
 
-    @staticmethod
-    def forward(ctx, config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad,
-                x, router_weights, gate_up_weights, down_weights):  # fmt: skip
-        gate, up = gate_up_halves(gate_up_weights)
-        ctx.fused_gate_up = gate_up_weights  # MoKFunction saves it in the halves' places
-        return MoKFunction.forward(
-            ctx, config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad,
-            None, x, router_weights, None, None, None, gate, up, down_weights,
-        )  # fmt: skip
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        grads = MoKFunction.backward(ctx, grad_output)
-        d_x, d_router, d_gate, d_up, d_down = grads[7], grads[8], *grads[12:]
-        # Megatron's dummy for gate_up comes whole, in gate's place (MoKFunction.backward).
-        d_gate_up = d_gate if d_up is None else fuse_gate_up(d_gate, d_up)
-        return (None,) * 6 + (d_x, d_router, d_gate_up, d_down)
+@torch.compiler.assume_constant_result
+def _workspace_handle(config, group, device, num_tokens, hidden_size, topk,
+                      num_local_experts) -> int:  # fmt: skip
+    return functional.get_workspace(
+        config, group, device=device, num_local_tokens=num_tokens, hidden_size=hidden_size,
+        topk=topk, num_local_experts=num_local_experts,
+    ).handle  # fmt: skip
 
 
 def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,9 +177,12 @@ def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up[:, :inter], gate_up[:, inter:]
 
 
-def gate_up_halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up's halves as the layer reads them: contiguous [E, I, H] (copies unless E = 1)."""
-    return tuple(h.contiguous() for h in split_gate_up(gate_up))
+def _layer_weights(weights: tuple) -> tuple:
+    """The six weights as the layer reads them, from (shared g/u/d, gate_up, None, down): the
+    fused gate_up's halves as contiguous [E, I, H] tensors (copies: the layer does not read
+    strided weights yet)."""
+    halves = tuple(h.contiguous() for h in split_gate_up(weights[3]))
+    return (*weights[:3], *halves, weights[5])
 
 
 def fuse_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor) -> torch.Tensor:
@@ -209,12 +212,14 @@ def moe_fused(
     accumulate_main_grad: bool = False,
 ) -> torch.Tensor:
     """Differentiable routed-only mok layer over fused gate_up [E, 2I, H] (gate rows first) and
-    down [E, H, I] weights: `moe` with gate = gate_up[:, :I], up = gate_up[:, I:], read in
-    place. With `accumulate_main_grad`, gate_up's gradient goes into `gate_up.main_grad`
-    ([E, 2I, H] fp32) and down's into `down.main_grad`, where they have one."""
-    return MoKFusedFunction.apply(
-        config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad, x,
-        router_weights, gate_up_weights, down_weights,
+    down [E, H, I] weights (the frameworks' layout): `moe` with gate = gate_up[:, :I] and
+    up = gate_up[:, I:], copied to contiguous tensors in the forward and again in the backward
+    (only gate_up is held between them). gate_up's gradient comes back whole, [E, 2I, H]. With
+    `accumulate_main_grad`, it goes into `gate_up.main_grad` ([E, 2I, H], fp32 or bf16) and
+    down's into `down.main_grad`, where they have one (Megatron's convention, as `moe`)."""
+    return MoKFunction.apply(
+        config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad, None, x,
+        router_weights, None, None, None, gate_up_weights, None, down_weights,
     )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from torchtitan.models.common.moe import RoutedExperts
 
 from .. import functional
 from ..config import MoKConfig
-from ..nn import moe
+from ..nn import layer_workspace, moe
 
 __all__ = ["MoKRoutedExperts", "mok_routed_experts"]
 
@@ -84,10 +84,8 @@ class MoKRoutedExperts(RoutedExperts):
         gate, up, down = (_local_bf16(w) for w in (experts.w1_EFD, experts.w3_EFD,
                                                    experts.w2_EDF))  # fmt: skip
         num_local_experts = gate.shape[0]
-        workspace = functional.get_workspace(
-            self.mok_config, self.ep_group, device=x.device, num_local_tokens=x.shape[0],
-            hidden_size=dim, topk=topk, num_local_experts=num_local_experts,
-        )  # fmt: skip
+        workspace = layer_workspace(self.mok_config, self.ep_group, x.device, x.shape[0], dim,
+                                    topk, num_local_experts)  # fmt: skip
         schedule = functional.build_schedule(workspace, self.mok_config, ids,
                                              num_local_experts=num_local_experts)  # fmt: skip
         out = moe(self.mok_config, workspace, schedule, x, scores, None, None, None, gate, up,

@@ -28,7 +28,7 @@ from transformers.integrations import moe as _hf_moe
 
 from .. import functional
 from ..config import FEATURE_ALIGNMENT, MoKConfig
-from ..nn import moe_fused
+from ..nn import layer_workspace, moe_fused
 
 __all__ = ["NAME", "experts_forward", "register"]
 
@@ -74,10 +74,8 @@ def experts_forward(
     router_weights = top_k_weights.to(torch.float32).contiguous()
     x = hidden_states.contiguous()
     top_experts = top_k_index.contiguous()
-    workspace = functional.get_workspace(
-        config, None, device=x.device, num_local_tokens=num_tokens,
-        hidden_size=x.shape[1], topk=topk, num_local_experts=num_experts,
-    )  # fmt: skip
+    workspace = layer_workspace(config, None, x.device, num_tokens, x.shape[1], topk,
+                                num_experts)  # fmt: skip
     schedule = functional.build_schedule(workspace, config, top_experts,
                                          num_local_experts=num_experts)  # fmt: skip
     return moe_fused(config, workspace, schedule, x, router_weights, gate_up, down)
