@@ -16,6 +16,21 @@ from dataclasses import dataclass
 import torch
 
 
+def add_model_args(parser) -> None:
+    """The flags both examples take: device, steps, model sizes, batch and learning rate."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+
+
 def markov_batches(vocab_size: int, batch: int, seq_len: int, steps: int, seed: int = 0):
     """`steps` int64 [batch, seq_len + 1] batches of a fixed random Markov chain (CPU)."""
     gen = torch.Generator().manual_seed(seed)

@@ -89,17 +89,7 @@ def loss_of(model, tokens):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    _training.add_model_args(p)
     p.add_argument("--out", default="runs/torchtitan", help="folder for the PNG and JSON")
     p.add_argument("--no-png", action="store_true", help="skip the plot (no matplotlib)")
     args = p.parse_args(argv)

@@ -63,17 +63,7 @@ def loss_of_shifted(model, tokens):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    _training.add_model_args(p)
     p.add_argument("--baseline", default=None,
                    help="transformers' experts implementation to compare with (default: its "
                         "default, grouped_mm where it runs)")  # fmt: skip
