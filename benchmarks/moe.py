@@ -8,7 +8,9 @@ EP over N GPUs: ``torchrun --nproc-per-node N -m benchmarks.moe`` (time = slowes
 Smoke test on a CPU in seconds: ``python -m benchmarks.moe --quick --device cpu``.
 
 Order: ceilings of this device, then per shape: inputs, fp32 reference, each implementation
-checked against it (a failed check is reported and never timed), then timed per pass.
+checked against it (a failed check is reported and never timed), then timed per pass. Every
+row carries the pass's roofline floor against this run's ceilings (benchmarks/roofline.py), a
+timed one its time over that floor.
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ from benchmarks.mok_impls import (
     unavailable_reason,
 )
 from benchmarks.reference import MAX_REL_ERR, compare, reference_results
+from benchmarks.roofline import flops, pass_floor
 from benchmarks.shapes import RunShape, scale_for_run, select_shapes
 from benchmarks.timing import TimingConfig, max_over_ranks, measure_ceilings, median, time_ms
 
 PASSES = ("fwd", "fwdbwd", "bwd")
-# FLOPs of a pass in units of the forward's: backward = d_x and d_weight GEMMs = 2x forward.
-PASS_FLOP_FACTOR = {"fwd": 1, "fwdbwd": 3, "bwd": 2}
+FLOOR_MODEL = (
+    "max(FLOPs / sustained bf16 GEMM, bytes / copy bandwidth), both measured in this run; "
+    "fwdbwd = fwd + bwd (benchmarks/roofline.py)"
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -104,13 +109,6 @@ def init_device(args) -> tuple[torch.device, int, int, object]:
     return device, dist.get_rank(), world_size, dist.group.WORLD
 
 
-def flops(shape: RunShape, num_tokens: int, shared: bool, pass_name: str) -> float:
-    """2 * T * k * 3HI per forward (+ 2 * T * 3HI with a shared expert), times the pass factor."""
-    per_token = shape.topk + (1 if shared else 0)
-    forward = 2 * num_tokens * per_token * 3 * shape.hidden_size * shape.intermediate_size
-    return forward * PASS_FLOP_FACTOR[pass_name]
-
-
 def check(impl: Impl, inputs: MoeInputs, reference: dict, group) -> dict:
     """Relative error of every output the reference has; same worst value on every rank."""
     out, state = impl.forward()
@@ -143,12 +141,21 @@ def timed_fields(
     for an ``fp8`` row, % of the FP8 GEMM's, where it was measured; same FLOP count)."""
     tflops = flops(shape, args.tokens, args.shared, pass_name) / (ms * 1e-3) / 1e12
     fields = {"status": "ok", "ms": ms, "tflops": tflops}
+    floor = pass_floor(shape, args.tokens, args.shared, pass_name, ceilings)
+    if floor is not None:
+        fields["x_floor"] = ms / floor["ms"]
     if ceilings.get("gemm_is_ceiling", True):
         fields["pct_of_gemm_ceiling"] = 100 * tflops / ceilings["gemm_bf16_tflops"]
         fields["pct_of_sustained_gemm"] = 100 * tflops / ceilings["gemm_bf16_sustained_tflops"]
         if fp8 and ceilings.get("gemm_fp8_tflops"):
             fields["pct_of_fp8_ceiling"] = 100 * tflops / ceilings["gemm_fp8_tflops"]
     return fields
+
+
+def floor_fields(shape: RunShape, args, pass_name: str, ceilings: dict) -> dict:
+    """Every row's roofline floor (benchmarks/roofline.py): ``floor_ms`` and what it counts."""
+    floor = pass_floor(shape, args.tokens, args.shared, pass_name, ceilings)
+    return {} if floor is None else {"floor_ms": floor["ms"], "floor": floor}
 
 
 def ep_traffic_fields(num_bytes: int, ms: float, ceilings: dict) -> dict:
@@ -243,7 +250,7 @@ def compute_only_rows(shape, args, device, group, ceilings, base, emit) -> tuple
         del reference
     rows, times = [], {}
     for pass_name in args.passes:
-        pass_row = {**row, "pass": pass_name}
+        pass_row = {**row, "pass": pass_name, **floor_fields(local, args, pass_name, ceilings)}
         if status is not None:
             pass_row["status"] = status
         else:
@@ -298,6 +305,7 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
             row = {
                 **base,
                 "pass": pass_name,
+                **floor_fields(shape, args, pass_name, ceilings),
                 "impl": impl.name,
                 "label": impl.label,
                 "baseline": impl.is_baseline,
@@ -331,6 +339,7 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
             row = {
                 **base,
                 "pass": pass_name,
+                **floor_fields(shape, args, pass_name, ceilings),
                 "impl": name,
                 "label": name,
                 "baseline": False,
@@ -376,7 +385,8 @@ def liger_rows(shape, args, device, base, best_baseline, ceilings, emit) -> list
         outcomes = liger.pass_outcomes(result, job.passes)
     rows, log_tail = [], result.get("log_tail")
     for pass_name, outcome in outcomes.items():
-        row = {**base, "pass": pass_name, "impl": "liger", "label": label, "baseline": False}
+        row = {**base, "pass": pass_name, **floor_fields(shape, args, pass_name, ceilings),
+               "impl": "liger", "label": label, "baseline": False}  # fmt: skip
         row.update(outcome)
         if outcome["status"] == "ok":
             row.update(timed_fields(shape, args, pass_name, outcome["ms"], ceilings))
@@ -448,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     if lead:
         print(f"device {device}, world size {world_size}, torch {torch.__version__}")
         print(report.ceilings_line(ceilings))
+        print(f"floor of a pass: {FLOOR_MODEL}")
         print(f"torch._grouped_mm: {probe[1]}")
         if args.liger is not None:
             print(f"liger: {args.liger.reason or args.liger.label() + ' at ' + args.liger.site}")
@@ -468,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
             "reference": "benchmarks.reference.moe_reference: fp32 per-expert loop, autograd",
             "max_rel_err": MAX_REL_ERR,
+            "floor_model": FLOOR_MODEL,
             "grouped_mm_probe": probe[1],
             "ceilings": ceilings,
             "rows": rows,

@@ -32,10 +32,11 @@ def ceilings_line(ceilings: dict) -> str:
 
 
 def format_row(row: dict) -> str:
-    """One line per (shape, pass, impl): ms, TFLOP/s, % of the GEMM ceiling (burst, and
-    sustained under the power limit; an MXFP8 row's % of the FP8 GEMM too) where there is one,
-    speedup (an MXFP8 row's against mok bf16 too), the forward context's size where known. A
-    failed row's status, and under it the last lines of its worker's output when it has them."""
+    """One line per (shape, pass, impl): ms, the roofline floor and ms / floor where the run
+    measured its ceilings, TFLOP/s, % of the GEMM ceiling (burst, and sustained under the power
+    limit; an MXFP8 row's % of the FP8 GEMM too) where there is one, speedup (an MXFP8 row's
+    against mok bf16 too), the forward context's size where known. A failed row's status, and
+    under it the last lines of its worker's output when it has them."""
     shape = row["shape"]
     head = (
         f"{shape['name']:<18} E={shape['num_experts']:<3} H={shape['hidden_size']:<5} "
@@ -64,8 +65,11 @@ def format_row(row: dict) -> str:
             f" ({row['pct_of_peer_copy']:.0f}% of peer copy)" if "pct_of_peer_copy" in row else ""
         )
         context += f"  peers {row['peer_bytes'] / 1e6:.1f} MB {row['peer_gbs']:.4g} GB/s{share}"
+    floor = ""
+    if "x_floor" in row:
+        floor = f"floor {row['floor_ms']:8.3f} ms {row['x_floor']:6.2f} x floor "
     return (
-        f"{head} {row['ms']:9.3f} ms {row['tflops']:7.3g} TFLOP/s {ceiling}"
+        f"{head} {row['ms']:9.3f} ms {floor}{row['tflops']:7.3g} TFLOP/s {ceiling}"
         f"{speedup}  err {row['max_rel_err']:.1e}{context}"
     )
 

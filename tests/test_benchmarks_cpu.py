@@ -50,6 +50,14 @@ def test_quick_run_writes_rows_and_provenance(tmp_path):
     assert record["ceilings"]["gemm_is_ceiling"] is False
     assert "not a ceiling" in record["ceilings"]["gemm_ceiling_note"]
     assert not any("pct_of_gemm_ceiling" in row for row in rows)
+    # Every row has its floor (what it counts, the context beside it); a timed one ms / floor.
+    assert "floor_model" in record
+    for row in rows:
+        assert row["floor_ms"] > 0 and row["floor"]["ms"] == row["floor_ms"]
+        assert row["floor"]["bytes_total"] == sum(row["floor"]["bytes"].values())
+        assert row["floor"]["saved_context_bytes"] > 0
+        if row["status"] == "ok":
+            assert row["x_floor"] == pytest.approx(row["ms"] / row["floor_ms"])
     # mok has no CPU kernel: its rows are its CPU reference path, named so, or say why not;
     # a row that did not pass its check never carries a time. One mok row per shape and pass.
     mok_rows = [row for row in rows if row["impl"].startswith("mok")]
@@ -286,3 +294,56 @@ def test_host_time_cpus_list_is_parsed_and_bad_lists_are_refused(capsys):
     with pytest.raises(SystemExit):
         host_time.main(["--cpus", "1-a"])
     assert "--cpus 1-a" in capsys.readouterr().err
+
+
+def test_floor_of_a_small_shape_by_hand():
+    from benchmarks import roofline  # noqa: PLC0415
+    from benchmarks.shapes import ModelShape, RunShape  # noqa: PLC0415
+
+    model = ModelShape("toy", 4, 256, 128, 2, 4)
+    shape = RunShape("toy", 4, 4, 256, 128, 2, model)  # E 4, H 256, I 128, k 2; T 32 below
+    # Weights: 4 experts * 3 * 256 * 128 bf16 = 786432 bytes; an activation 32 * 256 * 2 =
+    # 16384; router weights 32 * 2 fp32 = 256; ids 32 * 2 int64 = 512.
+    fwd = {"weights_read": 786432, "x_read": 16384, "out_written": 16384,
+           "router_weights_read": 256, "expert_ids_read": 512}  # fmt: skip
+    bwd = {"weights_read": 786432, "weight_grads_written": 786432, "grad_output_read": 16384,
+           "x_read": 16384, "d_x_written": 16384, "router_weights_read": 256,
+           "expert_ids_read": 512, "d_router_weights_written": 256}  # fmt: skip
+    assert roofline.pass_bytes(shape, 32, False, "fwd") == fwd
+    assert roofline.pass_bytes(shape, 32, False, "bwd") == bwd
+    assert sum(fwd.values()) == 819968 and sum(bwd.values()) == 1623040
+    # A shared expert is one more expert's weights (and their gradients).
+    assert roofline.pass_bytes(shape, 32, True, "bwd")["weight_grads_written"] == 983040
+    # FLOPs: 2 * 32 tokens * 2 * 3 * 256 * 128 = 12582912 a forward, 2x that a backward.
+    assert roofline.flops(shape, 32, False, "fwd") == 12582912
+    assert roofline.flops(shape, 32, False, "bwd") == 25165824
+    # The context mok saves: 32 * 2 routed rows * (2 * 256 + 6 * 128) bytes, never in a floor.
+    assert roofline.saved_context_bytes(shape, 32) == 81920
+
+    # 0.1 TFLOP/s and 1 GB/s: both passes memory-bound, 0.819968 ms and 1.62304 ms.
+    slow_copy = {"gemm_bf16_sustained_tflops": 0.1, "copy_gbs": 1.0}
+    floor = roofline.pass_floor(shape, 32, False, "fwd", slow_copy)
+    assert floor["bound"] == "memory" and floor["ms"] == pytest.approx(0.819968)
+    assert floor["compute_ms"] == pytest.approx(0.12582912)
+    assert floor["bytes"] == fwd and floor["bytes_total"] == 819968
+    assert floor["saved_context_bytes"] == 81920
+    both = roofline.pass_floor(shape, 32, False, "fwdbwd", slow_copy)
+    assert both["ms"] == pytest.approx(0.819968 + 1.62304)
+    assert both["flops"] == 3 * 12582912 and both["bytes_total"] == 819968 + 1623040
+    assert both["bytes"]["weights_read"] == 2 * 786432 and set(both["parts"]) == {"fwd", "bwd"}
+    # 10 GB/s: compute-bound, 0.12582912 ms and 0.25165824 ms.
+    fast_copy = {"gemm_bf16_sustained_tflops": 0.1, "copy_gbs": 10.0}
+    floor = roofline.pass_floor(shape, 32, False, "bwd", fast_copy)
+    assert floor["bound"] == "compute" and floor["ms"] == pytest.approx(0.25165824)
+    assert roofline.pass_floor(shape, 32, False, "fwd", {"copy_gbs": 1.0}) is None
+    with pytest.raises(ValueError, match="pass_name"):
+        roofline.pass_bytes(shape, 32, False, "fwdbwd")
+
+    # A timed row carries its floor and ms / floor, and prints both beside its ms.
+    args = moe.parse_args(["--quick", "--device", "cpu", "--tokens", "32"])
+    fields = moe.timed_fields(shape, args, "fwd", 1.639936, {**slow_copy, "gemm_is_ceiling": False})
+    assert fields["x_floor"] == pytest.approx(2.0)
+    row = {"shape": shape.as_dict(), "num_tokens": 32, "pass": "fwd", "impl": "x", **fields,
+           **moe.floor_fields(shape, args, "fwd", slow_copy), "max_rel_err": 1e-3}  # fmt: skip
+    assert row["floor_ms"] == pytest.approx(0.819968)
+    assert "1.640 ms floor    0.820 ms   2.00 x floor" in report.format_row(row)
