@@ -51,7 +51,10 @@ FLOOR_MODEL = (
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__)
     parser.add_argument("--shapes", default="all", help="comma list of shape names, or all")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (16384)")
+    parser.add_argument(
+        "--tokens", default=None,
+        help="tokens per GPU, one count or a comma list: a row per count (16384; quick 64)",
+    )  # fmt: skip
     parser.add_argument("--passes", default=",".join(PASSES), help="comma list of fwd,fwdbwd,bwd")
     parser.add_argument("--shared", action="store_true", help="add a shared expert of width I")
     parser.add_argument("--align", type=int, default=DEFAULT_ALIGN, help="baseline group rows")
@@ -86,11 +89,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [p for p in args.passes if p not in PASSES]
     if bad:
         parser.error(f"--passes: unknown {bad}; expected a comma list of {PASSES}")
-    args.tokens = args.tokens or (64 if args.quick else 16384)
+    try:
+        args.tokens = parse_tokens(args.tokens) if args.tokens else [64 if args.quick else 16384]
+    except ValueError as error:
+        parser.error(str(error))
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.reps = args.reps or (3 if args.quick else 20)
     args.liger = None  # main: a LigerAvailability when the liger row is attempted
     return args
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``--tokens``: ``"4096"`` or ``"2048,4096,16384"`` to token counts, in the order given."""
+    counts = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item.isdigit() or int(item) < 1:
+            raise ValueError(
+                f"--tokens: expected positive integers separated by commas, got {text!r}"
+            )
+        counts.append(int(item))
+    return list(dict.fromkeys(counts))
 
 
 def init_device(args) -> tuple[torch.device, int, int, object]:
@@ -135,13 +153,19 @@ def refusal(check_result: dict, max_rel_err: float = MAX_REL_ERR) -> str | None:
 
 
 def timed_fields(
-    shape: RunShape, args, pass_name: str, ms: float, ceilings: dict, fp8: bool = False
+    shape: RunShape,
+    args,
+    num_tokens: int,
+    pass_name: str,
+    ms: float,
+    ceilings: dict,
+    fp8: bool = False,
 ) -> dict:
     """A timed row's numbers; % of the GEMM ceiling only where the measured GEMM is one (and,
     for an ``fp8`` row, % of the FP8 GEMM's, where it was measured; same FLOP count)."""
-    tflops = flops(shape, args.tokens, args.shared, pass_name) / (ms * 1e-3) / 1e12
+    tflops = flops(shape, num_tokens, args.shared, pass_name) / (ms * 1e-3) / 1e12
     fields = {"status": "ok", "ms": ms, "tflops": tflops}
-    floor = pass_floor(shape, args.tokens, args.shared, pass_name, ceilings)
+    floor = pass_floor(shape, num_tokens, args.shared, pass_name, ceilings)
     if floor is not None:
         fields["x_floor"] = ms / floor["ms"]
     if ceilings.get("gemm_is_ceiling", True):
@@ -152,9 +176,9 @@ def timed_fields(
     return fields
 
 
-def floor_fields(shape: RunShape, args, pass_name: str, ceilings: dict) -> dict:
+def floor_fields(shape: RunShape, args, num_tokens: int, pass_name: str, ceilings: dict) -> dict:
     """Every row's roofline floor (benchmarks/roofline.py): ``floor_ms`` and what it counts."""
-    floor = pass_floor(shape, args.tokens, args.shared, pass_name, ceilings)
+    floor = pass_floor(shape, num_tokens, args.shared, pass_name, ceilings)
     return {} if floor is None else {"floor_ms": floor["ms"], "floor": floor}
 
 
@@ -220,7 +244,9 @@ def build_impls(inputs: MoeInputs, args, group, probe) -> tuple[list[Impl], list
     return impls, missing
 
 
-def compute_only_rows(shape, args, device, group, ceilings, base, emit) -> tuple[list, dict]:
+def compute_only_rows(
+    shape, num_tokens, args, device, group, ceilings, base, emit
+) -> tuple[list, dict]:
     """EP: each rank's compute-only time for its share, the slowest rank's: an EP = 1 mok layer
     of its E / P experts and T tokens routed top-k among them (the same routed rows per GPU,
     spread evenly), checked against its fp32 reference before it is timed. (rows, {pass: ms})."""
@@ -231,7 +257,7 @@ def compute_only_rows(shape, args, device, group, ceilings, base, emit) -> tuple
     if local.topk > local.num_experts:
         status = f"no share to compare: topk {local.topk} > {local.num_experts} experts per GPU"
     else:
-        inputs = make_inputs(local, args.tokens, rank=0, world_size=1, device=device,
+        inputs = make_inputs(local, num_tokens, rank=0, world_size=1, device=device,
                              seed=args.seed + 1, shared=args.shared)  # fmt: skip
         reference = reference_results(inputs, any(p != "fwd" for p in args.passes))
         inputs.release_group_tensors()
@@ -250,23 +276,27 @@ def compute_only_rows(shape, args, device, group, ceilings, base, emit) -> tuple
         del reference
     rows, times = [], {}
     for pass_name in args.passes:
-        pass_row = {**row, "pass": pass_name, **floor_fields(local, args, pass_name, ceilings)}
+        pass_row = {**row, "pass": pass_name, **floor_fields(local, args, num_tokens, pass_name,
+                                                                     ceilings)}  # fmt: skip
         if status is not None:
             pass_row["status"] = status
         else:
             ms = time_pass(impl, inputs, pass_name, args.timing, group)
             times[pass_name] = ms
-            pass_row.update(timed_fields(local, args, pass_name, ms, ceilings))
+            pass_row.update(timed_fields(local, args, num_tokens, pass_name, ms, ceilings))
         emit(pass_row)
         rows.append(pass_row)
     return rows, times
 
 
-def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emit) -> list[dict]:
+def run_shape(
+    model, num_tokens, args, device, rank, world_size, group, ceilings, probe, emit
+) -> list[dict]:
+    """Every row of one shape at one token count per GPU."""
     shape = scale_for_run(model, world_size, args.quick)
     inputs = make_inputs(
         shape,
-        args.tokens,
+        num_tokens,
         rank=rank,
         world_size=world_size,
         device=device,
@@ -277,7 +307,7 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
     reference = reference_results(inputs, with_grads)
     inputs.release_group_tensors()
     impls, missing = build_impls(inputs, args, group, probe)
-    base = {"shape": shape.as_dict(), "num_tokens": args.tokens, "world_size": world_size}
+    base = {"shape": shape.as_dict(), "num_tokens": num_tokens, "world_size": world_size}
     traffic = None  # EP: the bytes mok's kernels move to and from peers, per pass (ep_traffic.py)
     if group is not None:
         traffic = ep_traffic.rank_pass_bytes(inputs.top_experts, shape.experts_per_rank,
@@ -299,13 +329,15 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
         torch.cuda.empty_cache()
     rows, best_baseline, mok_bf16_ms, compute_only = [], {}, {}, {}
     if group is not None:
-        rows, compute_only = compute_only_rows(shape, args, device, group, ceilings, base, emit)
+        rows, compute_only = compute_only_rows(
+            shape, num_tokens, args, device, group, ceilings, base, emit
+        )
     for impl in impls:
         for pass_name in args.passes:
             row = {
                 **base,
                 "pass": pass_name,
-                **floor_fields(shape, args, pass_name, ceilings),
+                **floor_fields(shape, args, num_tokens, pass_name, ceilings),
                 "impl": impl.name,
                 "label": impl.label,
                 "baseline": impl.is_baseline,
@@ -323,7 +355,8 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
                     best_baseline[pass_name] = min(ms, best_baseline.get(pass_name, ms))
                 if impl.name in ("mok", "mok_cpu_path"):  # the bf16 mok row, GPU or CPU
                     mok_bf16_ms[pass_name] = ms
-                row.update(timed_fields(shape, args, pass_name, ms, ceilings, impl.name == MXFP8))
+                fp8 = impl.name == MXFP8
+                row.update(timed_fields(shape, args, num_tokens, pass_name, ms, ceilings, fp8))
                 if pass_name in best_baseline:
                     row["speedup"] = best_baseline[pass_name] / ms
                 if impl.name == MXFP8 and pass_name in mok_bf16_ms:
@@ -339,7 +372,7 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
             row = {
                 **base,
                 "pass": pass_name,
-                **floor_fields(shape, args, pass_name, ceilings),
+                **floor_fields(shape, args, num_tokens, pass_name, ceilings),
                 "impl": name,
                 "label": name,
                 "baseline": False,
@@ -352,11 +385,11 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
         del impls, inputs
         gc.collect()
         torch.cuda.empty_cache()
-        rows += liger_rows(shape, args, device, base, best_baseline, ceilings, emit)
+        rows += liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, emit)
     return rows
 
 
-def liger_rows(shape, args, device, base, best_baseline, ceilings, emit) -> list[dict]:
+def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, emit) -> list[dict]:
     """LigerMoE's rows of one shape, measured by its own worker process (benchmarks/liger.py)."""
     availability = args.liger
     label = availability.label()
@@ -366,11 +399,11 @@ def liger_rows(shape, args, device, base, best_baseline, ceilings, emit) -> list
     else:
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         heap_gib = liger.symmetric_heap_gib(
-            args.tokens, shape.num_experts, shape.hidden_size, shape.topk, sm_count
+            num_tokens, shape.num_experts, shape.hidden_size, shape.topk, sm_count
         )
         job = liger.LigerJob(
             shape=shape.name,
-            num_tokens=args.tokens,
+            num_tokens=num_tokens,
             quick=args.quick,
             seed=args.seed,
             passes=tuple(args.passes),
@@ -385,11 +418,11 @@ def liger_rows(shape, args, device, base, best_baseline, ceilings, emit) -> list
         outcomes = liger.pass_outcomes(result, job.passes)
     rows, log_tail = [], result.get("log_tail")
     for pass_name, outcome in outcomes.items():
-        row = {**base, "pass": pass_name, **floor_fields(shape, args, pass_name, ceilings),
+        row = {**base, "pass": pass_name, **floor_fields(shape, args, num_tokens, pass_name, ceilings),
                "impl": "liger", "label": label, "baseline": False}  # fmt: skip
         row.update(outcome)
         if outcome["status"] == "ok":
-            row.update(timed_fields(shape, args, pass_name, outcome["ms"], ceilings))
+            row.update(timed_fields(shape, args, num_tokens, pass_name, outcome["ms"], ceilings))
             if pass_name in best_baseline:
                 row["speedup"] = best_baseline[pass_name] / outcome["ms"]
         elif log_tail:
@@ -416,8 +449,10 @@ def extra_sections(args, device, world_size) -> dict:
     names = [m.name for m in select_shapes(args.shapes)]
     if args.virtual_ep and device.type == "cuda" and world_size == 1:
         sizes = [int(s) for s in args.virtual_ep.split(",")]
-        print(f"\nvirtual EP on one GPU ({args.tokens} tokens in all, split over P ranks):")
-        extra["virtual_ep"] = virtual_ep.measure(names, sizes, args.tokens)
+        extra["virtual_ep"] = []
+        for num_tokens in args.tokens:
+            print(f"\nvirtual EP on one GPU ({num_tokens} tokens in all, split over P ranks):")
+            extra["virtual_ep"] += virtual_ep.measure(names, sizes, num_tokens)
     if args.host_time and device.type == "cuda":
         extra["host_time"] = []
         for name in (n for n in names if n in host_time.SHAPES):
@@ -466,8 +501,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"liger: not run: its rows are measured at EP=1 (world size {world_size})")
     rows = []
     for model in select_shapes(args.shapes):
-        rows += run_shape(model, args, device, rank, world_size, group, ceilings, probe, emit)
-        gc.collect()
+        for num_tokens in args.tokens:
+            rows += run_shape(model, num_tokens, args, device, rank, world_size, group, ceilings,
+                              probe, emit)  # fmt: skip
+            gc.collect()
     extra = extra_sections(args, device, world_size) if lead else {}
     if lead:
         print()
@@ -490,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.json}")
         if args.png:
             where = record["provenance"]["gpu"] or str(device)
-            title = f"MoE layer, {args.tokens} tokens/GPU, EP {world_size}, {where}"
+            tokens = ",".join(str(t) for t in args.tokens)
+            title = f"MoE layer, {tokens} tokens/GPU, EP {world_size}, {where}"
             print(report.write_png(args.png, rows, ceilings, title))
     if group is not None:
         dist.barrier(group)

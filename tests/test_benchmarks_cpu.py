@@ -104,7 +104,7 @@ def test_wrong_result_is_refused_not_timed(monkeypatch):
     args.timing = moe.TimingConfig(warmup=0, reps=1)
     ceilings = {"gemm_bf16_tflops": 1.0, "gemm_bf16_sustained_tflops": 1.0}
     probe = grouped_mm_works(CPU)
-    rows = moe.run_shape(SHAPES[2], args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
+    rows = moe.run_shape(SHAPES[2], 64, args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
     baseline = [row for row in rows if row["baseline"]]
     assert baseline and all(row["status"].startswith("check failed") for row in baseline)
     assert all("ms" not in row for row in baseline)
@@ -156,6 +156,11 @@ def test_summary_columns_are_never_cut():
     ]
     table = report.summary_table(rows)
     header, line = table.splitlines()
+    assert header.split()[:3] == ["shape", "T", "pass"] and line.split()[:3] == [
+        "qwen3-30b-a3b",
+        "64",
+        "fwd",
+    ]
     assert "1234.567 ms (1.00x)" in line
     assert "kernel not available (issue 4)" in line and line.endswith("liger timeout")
     # Each column is right-aligned under its name: the two lines end at the same column.
@@ -186,7 +191,7 @@ def test_mxfp8_row_times_forward_and_backward(monkeypatch):
     args.timing = moe.TimingConfig(warmup=0, reps=1)
     ceilings = {"gemm_bf16_tflops": 1.0, "gemm_bf16_sustained_tflops": 1.0, "gemm_fp8_tflops": 2.0}
     probe = grouped_mm_works(CPU)
-    rows = moe.run_shape(SHAPES[2], args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
+    rows = moe.run_shape(SHAPES[2], 64, args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
     by_key = {(row["impl"], row["pass"]): row for row in rows}
     bf16, fwd = by_key["mok_cpu_path", "fwd"], by_key["mok-mxfp8", "fwd"]
     assert fwd["status"] == "ok", fwd["status"]
@@ -340,10 +345,44 @@ def test_floor_of_a_small_shape_by_hand():
         roofline.pass_bytes(shape, 32, False, "fwdbwd")
 
     # A timed row carries its floor and ms / floor, and prints both beside its ms.
-    args = moe.parse_args(["--quick", "--device", "cpu", "--tokens", "32"])
-    fields = moe.timed_fields(shape, args, "fwd", 1.639936, {**slow_copy, "gemm_is_ceiling": False})
+    args = moe.parse_args(["--quick", "--device", "cpu"])
+    fields = moe.timed_fields(
+        shape, args, 32, "fwd", 1.639936, {**slow_copy, "gemm_is_ceiling": False}
+    )
     assert fields["x_floor"] == pytest.approx(2.0)
     row = {"shape": shape.as_dict(), "num_tokens": 32, "pass": "fwd", "impl": "x", **fields,
-           **moe.floor_fields(shape, args, "fwd", slow_copy), "max_rel_err": 1e-3}  # fmt: skip
+           **moe.floor_fields(shape, args, 32, "fwd", slow_copy), "max_rel_err": 1e-3}  # fmt: skip
     assert row["floor_ms"] == pytest.approx(0.819968)
     assert "1.640 ms floor    0.820 ms   2.00 x floor" in report.format_row(row)
+
+
+def test_tokens_take_one_count_or_a_comma_list():
+    assert moe.parse_args(["--tokens", "4096"]).tokens == [4096]
+    assert moe.parse_args(["--tokens", "2048, 4096,16384"]).tokens == [2048, 4096, 16384]
+    assert moe.parse_args([]).tokens == [16384] and moe.parse_args(["--quick"]).tokens == [64]
+    assert moe.parse_tokens("64,64,32") == [64, 32]  # each count once, in the order given
+    for bad in ("", "0", "64,", "2k", "-8", "64;128"):
+        with pytest.raises(ValueError, match="--tokens: expected positive integers"):
+            moe.parse_tokens(bad)
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--tokens", "4096,x"])
+
+
+def test_quick_run_with_two_token_counts_has_rows_for_both(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--shapes", "mixtral-8x7b", "--tokens", "32,48"]
+    assert moe.main([*argv, "--reps", "1", "--warmup", "0", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["args"]["tokens"] == [32, 48]
+    timed = [row for row in record["rows"] if row["baseline"]]
+    assert sorted((row["num_tokens"], row["pass"]) for row in timed) == sorted(
+        (t, p) for t in (32, 48) for p in moe.PASSES
+    )
+    for row in timed:
+        assert row["status"] == "ok", row["status"]
+        # The floor is the one of the row's own token count.
+        assert row["floor"]["bytes"]["x_read"] == row["num_tokens"] * 128 * 2 * (
+            2 if row["pass"] == "fwdbwd" else 1
+        )
+    printed = capsys.readouterr().out
+    assert " T=32 " in printed and " T=48 " in printed
