@@ -3,6 +3,8 @@
 One GPU: ``python -m benchmarks.moe --json out.json --png out.png``.
 With LigerMoE importable (installed, on PYTHONPATH, or ``--liger-site DIR``) a one-GPU run adds
 its ``liger`` rows, each shape in its own process (benchmarks/liger.py); ``--no-liger`` drops them.
+The ``sonicmoe`` rows are attempted whenever SonicMoE is importable (or in ``--sonic-site DIR``),
+each shape and token count in its own process (benchmarks/sonic.py); ``--no-sonic`` drops them.
 The MXFP8 row (CUDA only, forward and backward, against an FP8 GEMM ceiling): add ``--mxfp8``.
 EP over N GPUs: ``torchrun --nproc-per-node N -m benchmarks.moe`` (time = slowest rank).
 Smoke test on a CPU in seconds: ``python -m benchmarks.moe --quick --device cpu``.
@@ -24,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from benchmarks import ep_traffic, liger, report
+from benchmarks import ep_traffic, liger, report, sonic
 from benchmarks.baselines import DEFAULT_ALIGN, grouped_mm_works
 from benchmarks.impls import Impl, baseline_impl
 from benchmarks.inputs import MoeInputs, make_inputs
@@ -36,6 +38,7 @@ from benchmarks.mok_impls import (
     describe_failure,
     unavailable_reason,
 )
+from benchmarks.peer_worker import PeerJob
 from benchmarks.reference import MAX_REL_ERR, compare, reference_results
 from benchmarks.roofline import flops, pass_floor
 from benchmarks.shapes import RunShape, scale_for_run, select_shapes
@@ -80,6 +83,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="add the host (enqueue) time of one eager MoKExperts forward + backward per shape",
     )  # fmt: skip
     parser.add_argument("--liger-site", default=None, help="a site dir that holds LigerMoE")
+    parser.add_argument("--no-sonic", action="store_true", help="leave out the SonicMoE rows")
+    parser.add_argument("--sonic-site", default=None, help="a site dir that holds SonicMoE")
+    parser.add_argument(
+        "--sonic-timeout", type=float, default=sonic.DEFAULT_TIMEOUT_S,
+        help="seconds per shape and token count before its SonicMoE worker is killed "
+        "(%(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--liger-timeout", type=float, default=liger.DEFAULT_TIMEOUT_S,
         help="seconds per shape before its LigerMoE worker is killed (%(default)s)",
@@ -96,6 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.reps = args.reps or (3 if args.quick else 20)
     args.liger = None  # main: a LigerAvailability when the liger row is attempted
+    args.sonic = None  # main: a SonicAvailability unless --no-sonic
     return args
 
 
@@ -380,12 +391,20 @@ def run_shape(
             }
             emit(row)
             rows.append(row)
-    if args.liger is not None:
-        # The worker needs the GPU's memory: free what this process holds first.
+    sonic_runs = args.sonic is not None and (
+        sonic.skip_reason(args.sonic, device.type, world_size, shape.swiglu_limit, args.shared)
+        is None
+    )
+    if args.liger is not None or sonic_runs:
+        # A worker needs the GPU's memory: free what this process holds first.
         del impls, inputs
         gc.collect()
         torch.cuda.empty_cache()
+    if args.liger is not None:
         rows += liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, emit)
+    if args.sonic is not None:
+        rows += sonic_rows(shape, num_tokens, args, device, world_size, base, best_baseline,
+                           ceilings, emit)  # fmt: skip
     return rows
 
 
@@ -416,10 +435,49 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
         )
         result = liger.run_job(job, availability)
         outcomes = liger.pass_outcomes(result, job.passes)
+    return peer_rows("liger", label, outcomes, result, shape, num_tokens, args, base,
+                     best_baseline, ceilings, emit)  # fmt: skip
+
+
+def sonic_rows(
+    shape, num_tokens, args, device, world_size, base, best_baseline, ceilings, emit
+) -> list[dict]:
+    """SonicMoE's rows of one shape, measured by its own worker process (benchmarks/sonic.py),
+    or the reason it is not run here."""
+    availability = args.sonic
+    status = sonic.skip_reason(
+        availability, device.type, world_size, shape.swiglu_limit, args.shared
+    )
+    if status is not None:
+        outcomes, result = {p: {"status": status} for p in args.passes}, {}
+    else:
+        job = PeerJob(
+            shape=shape.name,
+            num_tokens=num_tokens,
+            quick=args.quick,
+            seed=args.seed,
+            passes=tuple(args.passes),
+            warmup=args.warmup,
+            reps=args.reps,
+            device_index=device.index if device.index is not None else torch.cuda.current_device(),
+            timeout_s=args.sonic_timeout,
+            result_path="",  # run_job gives it a file of its own
+        )
+        result = sonic.run_job(job, availability)
+        outcomes = sonic.pass_outcomes(result, job.passes)
+    label = availability.label() if availability.available else "SonicMoE"
+    return peer_rows("sonicmoe", label, outcomes, result, shape, num_tokens, args, base,
+                     best_baseline, ceilings, emit)  # fmt: skip
+
+
+def peer_rows(
+    name, label, outcomes, result, shape, num_tokens, args, base, best_baseline, ceilings, emit
+) -> list[dict]:
+    """A peer's rows from its worker's per-pass outcomes (benchmarks/peer_worker.py)."""
     rows, log_tail = [], result.get("log_tail")
     for pass_name, outcome in outcomes.items():
         row = {**base, "pass": pass_name, **floor_fields(shape, args, num_tokens, pass_name, ceilings),
-               "impl": "liger", "label": label, "baseline": False}  # fmt: skip
+               "impl": name, "label": label, "baseline": False}  # fmt: skip
         row.update(outcome)
         if outcome["status"] == "ok":
             row.update(timed_fields(shape, args, num_tokens, pass_name, outcome["ms"], ceilings))
@@ -490,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     ceilings.update(gemm_is_ceiling=note is None, gemm_ceiling_note=note)
     probe = grouped_mm_works(device)
     args.liger = liger_availability(args, device, world_size)
+    args.sonic = None if args.no_sonic else sonic.find_sonic(args.sonic_site)
     if lead:
         print(f"device {device}, world size {world_size}, torch {torch.__version__}")
         print(report.ceilings_line(ceilings))
@@ -499,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"liger: {args.liger.reason or args.liger.label() + ' at ' + args.liger.site}")
         elif device.type == "cuda" and world_size != 1 and not args.no_liger:
             print(f"liger: not run: its rows are measured at EP=1 (world size {world_size})")
+        if args.sonic is not None:
+            where = f" at {args.sonic.site}" if args.sonic.available else ""
+            print(f"sonicmoe: {args.sonic.reason or args.sonic.label() + where}")
     rows = []
     for model in select_shapes(args.shapes):
         for num_tokens in args.tokens:
@@ -511,8 +573,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report.summary_table(rows))
         record = {
             "provenance": report.provenance(device, world_size),
-            "args": {k: v for k, v in vars(args).items() if k not in ("timing", "liger")},
+            "args": {k: v for k, v in vars(args).items() if k not in ("timing", "liger", "sonic")},
             "liger": dataclasses.asdict(args.liger) if args.liger is not None else None,
+            "sonic": dataclasses.asdict(args.sonic) if args.sonic is not None else None,
             "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
             "reference": "benchmarks.reference.moe_reference: fp32 per-expert loop, autograd",
             "max_rel_err": MAX_REL_ERR,

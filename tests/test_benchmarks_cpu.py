@@ -4,6 +4,7 @@ Sizes are the --quick ones (H 128, I 128, <= 16 experts, 64 tokens) so the file 
 on a 2-core CI machine; the math checked is the same at every size.
 """
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -386,3 +387,104 @@ def test_quick_run_with_two_token_counts_has_rows_for_both(tmp_path, capsys):
         )
     printed = capsys.readouterr().out
     assert " T=32 " in printed and " T=48 " in printed
+
+
+def test_sonic_rows_say_why_when_sonicmoe_is_not_importable(tmp_path, capsys):
+    from benchmarks import sonic  # noqa: PLC0415
+
+    assert importlib.util.find_spec("sonicmoe") is None  # not installed here
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--shapes", "mixtral-8x7b", "--passes", "fwd,bwd"]
+    assert moe.main([*argv, "--reps", "1", "--warmup", "0", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["sonic"]["reason"].startswith("sonicmoe not importable: no package sonicmoe")
+    rows = [row for row in record["rows"] if row["impl"] == "sonicmoe"]
+    assert [row["pass"] for row in rows] == ["fwd", "bwd"]
+    for row in rows:
+        assert row["status"] == record["sonic"]["reason"] and "ms" not in row
+        assert row["floor_ms"] > 0  # the floor is the shape's, timed or not
+    printed = capsys.readouterr().out
+    assert "sonicmoe: sonicmoe not importable" in printed
+    assert "sonicmoe             sonicmoe not importable" in printed
+    # --no-sonic: no rows at all.
+    assert moe.main([*argv, "--no-sonic", "--reps", "1", "--warmup", "0", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["sonic"] is None and all(row["impl"] != "sonicmoe" for row in record["rows"])
+    # Found, the row still needs CUDA, EP = 1 and this shape's function.
+    found = sonic.SonicAvailability(None, "/site", {"sonic-moe": "0.1.2"})
+    assert sonic.skip_reason(found, "cpu", 1, None, False).startswith("skipped on cpu")
+    assert sonic.skip_reason(found, "cuda", 2, None, False).startswith("not run: ")
+    assert "no shared expert" in sonic.skip_reason(found, "cuda", 1, None, True)
+    assert "no clamp" in sonic.skip_reason(found, "cuda", 1, 10.0, False)
+    assert sonic.skip_reason(found, "cuda", 1, None, False) is None
+
+
+def fake_sonic_site(root: Path) -> Path:
+    """A site shaped like SonicMoE's kit: the package (empty: nothing in it runs), a .pth that
+    names a second folder, dist-info versions."""
+    (root / "sonicmoe").mkdir(parents=True)
+    (root / "sonicmoe" / "__init__.py").write_text("")
+    (root / "extra" / "python_packages").mkdir(parents=True)
+    (root / "extra.pth").write_text("# a comment\nextra/python_packages\nimport os\nmissing\n")
+    info = root / "sonic_moe-0.1.2.dist-info"
+    info.mkdir()
+    info.joinpath("METADATA").write_text("Name: sonic-moe\nVersion: 0.1.2\n")
+    return root
+
+
+def test_sonic_found_in_a_site_and_its_worker_reports_where_it_stopped(tmp_path):
+    from benchmarks import sonic  # noqa: PLC0415
+    from benchmarks.peer_worker import PeerJob  # noqa: PLC0415
+
+    site = fake_sonic_site(tmp_path / "site")
+    found = sonic.find_sonic(str(site))
+    assert found.available and found.site == str(site)
+    assert found.python_path == (str(site), str(site / "extra" / "python_packages"))
+    assert found.versions == {"sonic-moe": "0.1.2", "quack-kernels": None,
+                              "nvidia-cutlass-dsl": None}  # fmt: skip
+    assert "sonic-moe 0.1.2" in found.label() and "sonicmoe" not in sys.modules
+    env = sonic.worker_env(found, {"PYTHONPATH": "/elsewhere"})
+    assert env["PYTHONPATH"].split(":") == [*found.python_path, str(sonic.peer_worker.REPO_ROOT),
+                                            "/elsewhere"]  # fmt: skip
+    job = PeerJob("qwen3-30b-a3b", 64, True, 0, ("fwd", "fwdbwd"), 0, 1, 0, 120.0, "")
+    assert PeerJob.from_argv(job.argv()) == job
+    # The worker imports the site's (empty) sonicmoe: its entry point is not there.
+    result = sonic.run_job(job, found)
+    assert result["stage"] == "import_sonicmoe" and result["status"] == "error"
+    assert result["failure"].startswith("sonicmoe error in stage import_sonicmoe: ImportError")
+    outcomes = sonic.pass_outcomes(result, job.passes)
+    assert [o["status"] for o in outcomes.values()] == [result["failure"]] * 2
+
+
+def test_sonic_impl_checks_and_times_like_the_harness():
+    """The worker's Impl over a PyTorch stand-in for moe_general_routing_inputs: SonicMoE's
+    documented semantics on the layouts it is given (W1 (2I, H, E) interleaved, W2 (H, I, E))."""
+    from benchmarks import sonic  # noqa: PLC0415
+    from benchmarks.reference import moe_reference  # noqa: PLC0415
+    from benchmarks.timing import TimingConfig  # noqa: PLC0415
+
+    def stand_in(x, scores, token_indices, expert_indices, w1, b1, w2, b2, num_experts,
+                 stream, activation, *, is_inference_mode_enabled, concat_layout):  # fmt: skip
+        assert token_indices.dtype == expert_indices.dtype == torch.int32
+        assert scores.dtype == torch.float32 and scores.dim() == 1
+        assert bool((token_indices[1:] >= token_indices[:-1]).all())  # sorted ascending
+        assert (b1, b2, stream, activation) == (None, None, 7, "swiglu")
+        assert not is_inference_mode_enabled and not concat_layout
+        assert w1.shape[2] == w2.shape[2] == num_experts
+        weights_1 = w1.permute(2, 0, 1)  # [E, 2I, H]
+        topk = scores.numel() // x.shape[0]
+        out = moe_reference(x, expert_indices.long().view(-1, topk), scores.view(-1, topk),
+                            weights_1[:, 0::2], weights_1[:, 1::2], w2.permute(2, 0, 1))  # fmt: skip
+        return out.to(torch.bfloat16), None
+
+    shape = scale_for_run(select_shapes("qwen3-30b-a3b")[0], world_size=1, quick=True)
+    inputs = make_inputs(shape, 32, rank=0, world_size=1, device=CPU, seed=1, shared=False)
+    reference = reference_results(inputs, with_grads=True)
+    impl = sonic.sonic_impl(stand_in, "swiglu", inputs, 7)
+    fwd = moe.check(impl, inputs, {"out": reference["out"]}, None)
+    train = moe.check(impl, inputs, reference, None)
+    assert set(train["rel_err"]) == {"out", "x", "router_weights", "gate", "up", "down"}
+    assert max(fwd["max_rel_err"], train["max_rel_err"]) < MAX_REL_ERR
+    timing = TimingConfig(warmup=0, reps=1)
+    for pass_name in moe.PASSES:
+        assert moe.time_pass(impl, inputs, pass_name, timing, None) > 0
