@@ -34,13 +34,14 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks import peer_worker
+from benchmarks.peer_worker import PeerJob
 
 PACKAGES = ("liger_kernel", "liger_cute_kernels")
 DISTRIBUTIONS = ("liger-kernel", "liger-cute-kernels", "apache-tvm-ffi", "nvidia-nvshmem-cu12")
@@ -48,11 +49,10 @@ ENTRY_POINT = "liger_kernel.ops.cute.ops.moe.moe_fused"
 ENTRY_FILE = ("ops", "cute", "ops", "moe.py")  # under liger_kernel/: where moe_fused is defined
 NVSHMEM_HOST = "libnvshmem_host.so.3"
 CUDART_12 = "libcudart.so.12"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = peer_worker.REPO_ROOT
 DEFAULT_TIMEOUT_S = 300.0
 # How the harness' fp32 / int64 routing becomes Liger's calling convention (said in each row).
 CONVERSIONS = "router weights fp32->bf16, expert ids int64->int32"
-LOG_TAIL_LINES = 12
 # Seconds between SIGTERM (the worker dumps its Python stacks) and SIGKILL.
 KILL_GRACE_S = 10.0
 
@@ -171,49 +171,10 @@ def symmetric_heap_gib(
 
 
 @dataclass(frozen=True)
-class LigerJob:
-    """One shape for one worker: everything it needs to rebuild the harness' inputs and timing."""
+class LigerJob(PeerJob):
+    """One shape for one Liger worker; ``heap_gib`` sizes its NVSHMEM heap."""
 
-    shape: str
-    num_tokens: int
-    quick: bool
-    seed: int
-    passes: tuple[str, ...]
-    warmup: int
-    reps: int
-    device_index: int
-    heap_gib: int
-    timeout_s: float
-    result_path: str
-
-    def argv(self) -> list[str]:
-        """Arguments of ``python -m benchmarks.liger`` that ``from_argv`` reads back."""
-        args = ["--worker"]
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            flag = "--" + field.name.replace("_", "-")
-            if field.name == "quick":
-                args += [flag] if value else []
-            elif field.name == "passes":
-                args += [flag, ",".join(value)]
-            else:
-                args += [flag, str(value)]
-        return args
-
-    @classmethod
-    def from_argv(cls, argv: list[str]) -> LigerJob:
-        parser = argparse.ArgumentParser(prog="python -m benchmarks.liger --worker")
-        parser.add_argument("--worker", action="store_true", required=True)
-        parser.add_argument("--quick", action="store_true")
-        types = {"shape": str, "passes": str, "result_path": str, "timeout_s": float}
-        for field in dataclasses.fields(cls):
-            if field.name != "quick":
-                flag = "--" + field.name.replace("_", "-")
-                parser.add_argument(flag, type=types.get(field.name, int), required=True)
-        values = vars(parser.parse_args(argv))
-        values.pop("worker")
-        values["passes"] = tuple(p for p in values["passes"].split(",") if p)
-        return cls(**values)
+    heap_gib: int = 0
 
 
 def worker_command(job: LigerJob) -> list[str]:
@@ -251,121 +212,31 @@ def worker_env(job: LigerJob, availability: LigerAvailability, base: dict) -> di
 # ─── the harness side: run one worker, turn its result into per-pass outcomes ────────────────
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM the worker's process group (it dumps its stacks), SIGKILL it after a grace."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=KILL_GRACE_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _log_tail(path: str) -> list[str]:
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return []
-    return [line for line in text.splitlines() if line.strip()][-LOG_TAIL_LINES:]
-
-
-def read_result(path: str) -> dict:
-    """The worker's latest result, or an empty one if it never wrote any."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {"status": "not started", "stage": "not started", "passes": {}}
+read_result = peer_worker.read_result
 
 
 def run_job(job: LigerJob, availability: LigerAvailability) -> dict:
-    """Run one worker to its end or its timeout; its result with ``failure`` set if it failed.
+    """Run one worker to its end or its timeout; its result with ``failure`` set if it failed
+    (benchmarks/peer_worker.py says how)."""
 
-    ``failure`` says how: "liger timeout ...", "liger crashed ...", "liger error ..." with the
-    stage it was in; ``log_tail`` holds the last lines of its output then.
-    """
-    with tempfile.TemporaryDirectory(prefix="mok_liger_") as folder:
-        job = dataclasses.replace(job, result_path=os.path.join(folder, "result.json"))
-        log_path = os.path.join(folder, "worker.log")
-        timed_out, began = False, time.monotonic()
-        with open(log_path, "wb") as log:
-            try:
-                process = subprocess.Popen(
-                    worker_command(job),
-                    cwd=REPO_ROOT,
-                    env=worker_env(job, availability, dict(os.environ)),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group: a kill reaches its children
-                )
-            except OSError as error:
-                return {"passes": {}, "failure": f"liger not started: {error}"}
-            try:
-                returncode = process.wait(timeout=job.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _stop(process)
-                returncode = process.returncode
-        result = read_result(job.result_path)
-        result["returncode"] = returncode
-        result["wall_s"] = round(time.monotonic() - began, 1)
-        failure = describe_end(result, returncode, timed_out, job.timeout_s)
-        if failure is not None:
-            result["failure"] = failure
-            result["log_tail"] = _log_tail(log_path)
-    return result
+    def command_for(result_path: str) -> list[str]:
+        return worker_command(dataclasses.replace(job, result_path=result_path))
+
+    env = worker_env(job, availability, dict(os.environ))
+    return peer_worker.run_worker("liger", command_for, env, job.timeout_s, KILL_GRACE_S)
 
 
 def describe_end(result: dict, returncode: int | None, timed_out: bool, timeout_s: float):
     """How a worker that did not finish cleanly ended, or ``None`` if it did."""
-    stage = result.get("stage", "not started")
-    if timed_out:
-        return f"liger timeout: killed after {timeout_s:.0f} s in stage {stage}"
-    if result.get("status") == "error":
-        return f"liger error in stage {stage}: {result.get('error')}"
-    if returncode != 0 or result.get("status") != "done":
-        how = f"signal {-returncode}" if returncode is not None and returncode < 0 else returncode
-        return f"liger crashed (exit {how}) in stage {stage}"
-    return None
+    return peer_worker.describe_end("liger", result, returncode, timed_out, timeout_s)
 
 
 def pass_outcomes(result: dict, passes: tuple[str, ...]) -> dict[str, dict]:
-    """Per pass: what the worker measured for it (status, ms, rel_err, max_rel_err), or the
-    worker's failure for a pass it never reached."""
-    outcomes = {}
-    for pass_name in passes:
-        done = result.get("passes", {}).get(pass_name)
-        if done is not None:
-            outcomes[pass_name] = dict(done)
-        else:
-            outcomes[pass_name] = {"status": result.get("failure") or "liger: pass not run"}
-    return outcomes
+    """Per pass: what the worker measured for it, or its failure for a pass it never reached."""
+    return peer_worker.pass_outcomes("liger", result, passes)
 
 
 # ─── the worker: one shape, one process ──────────────────────────────────────────────────────
-
-
-class _Progress:
-    """The worker's result file, rewritten atomically at each stage: a crash leaves the last."""
-
-    def __init__(self, job: LigerJob):
-        self.path = job.result_path
-        self.result = {"job": dataclasses.asdict(job), "status": "running", "passes": {}}
-        self.result["info"] = {}
-
-    def stage(self, name: str) -> None:
-        self.result["stage"] = name
-        print(f"[liger worker] {name}", flush=True)
-        self.save()
-
-    def save(self) -> None:
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as handle:
-            json.dump(self.result, handle, indent=2, default=str)
-        os.replace(tmp, self.path)
 
 
 def _configure(device, shape, num_tokens: int) -> None:
@@ -450,7 +321,7 @@ def _load_nvshmem(availability: LigerAvailability) -> None:
 
 def worker_main(job: LigerJob) -> int:
     """Measure one shape; the result file says what happened. Exits without teardown."""
-    progress = _Progress(job)
+    progress = peer_worker.Progress("liger", job)
     # On the harness' SIGTERM (timeout) the log gets every thread's Python stack.
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
@@ -480,15 +351,13 @@ def worker_main(job: LigerJob) -> int:
     os._exit(code)
 
 
-def measure_shape(job: LigerJob, availability: LigerAvailability, progress: _Progress) -> None:
+def measure_shape(
+    job: LigerJob, availability: LigerAvailability, progress: peer_worker.Progress
+) -> None:
     """Inputs, reference, check and timing of one shape, exactly as benchmarks.moe does them."""
     import torch
 
-    from benchmarks import moe
-    from benchmarks.inputs import make_inputs
-    from benchmarks.reference import reference_results
     from benchmarks.shapes import scale_for_run, select_shapes
-    from benchmarks.timing import TimingConfig
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: LigerMoE runs on Hopper or Blackwell GPUs")
@@ -510,40 +379,10 @@ def measure_shape(job: LigerJob, availability: LigerAvailability, progress: _Pro
     _configure(device, shape, job.num_tokens)
     progress.result["info"]["configure_s"] = round(time.monotonic() - began, 1)
 
-    progress.stage("reference")
-    inputs = make_inputs(shape, job.num_tokens, rank=0, world_size=1, device=device,
-                         seed=job.seed, shared=False)  # fmt: skip
-    with_grads = any(p != "fwd" for p in job.passes)
-    reference = reference_results(inputs, with_grads)
-    inputs.release_group_tensors()
-
-    progress.stage("check")
+    inputs, reference = peer_worker.inputs_and_reference(job, shape, device, progress)
     inference, training = _liger_impls(moe_fused, inputs)
-    checks = {"fwd": moe.check(inference, inputs, {"out": reference["out"]}, None)}
-    if with_grads:
-        checks["train"] = moe.check(training, inputs, reference, None)
-    del reference
-    torch.cuda.empty_cache()
-
-    timing = TimingConfig(warmup=job.warmup, reps=job.reps)
-    for pass_name in job.passes:
-        progress.stage(f"time_{pass_name}")
-        training_pass = pass_name != "fwd"
-        impl = training if training_pass else inference
-        check = checks["train" if training_pass else "fwd"]
-        outcome = dict(check)
-        refused = moe.refusal(check)
-        if refused is not None:
-            outcome["status"] = refused
-        else:
-            try:
-                ms = moe.time_pass(impl, inputs, pass_name, timing, None)
-                outcome.update(status="ok", ms=ms)
-            except Exception as error:  # this pass failed; the next ones still try
-                outcome["status"] = f"liger error: {type(error).__name__}: {error}"
-                traceback.print_exc()
-        progress.result["passes"][pass_name] = outcome
-        progress.save()
+    impls = {"fwd": inference, "train": training}
+    peer_worker.measure_passes(job, impls, inputs, reference, progress)
 
 
 def main(argv: list[str] | None = None) -> int:

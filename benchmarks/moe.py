@@ -3,12 +3,16 @@
 One GPU: ``python -m benchmarks.moe --json out.json --png out.png``.
 With LigerMoE importable (installed, on PYTHONPATH, or ``--liger-site DIR``) a one-GPU run adds
 its ``liger`` rows, each shape in its own process (benchmarks/liger.py); ``--no-liger`` drops them.
+The ``sonicmoe`` rows are attempted whenever SonicMoE is importable (or in ``--sonic-site DIR``),
+each shape and token count in its own process (benchmarks/sonic.py); ``--no-sonic`` drops them.
 The MXFP8 row (CUDA only, forward and backward, against an FP8 GEMM ceiling): add ``--mxfp8``.
 EP over N GPUs: ``torchrun --nproc-per-node N -m benchmarks.moe`` (time = slowest rank).
 Smoke test on a CPU in seconds: ``python -m benchmarks.moe --quick --device cpu``.
 
 Order: ceilings of this device, then per shape: inputs, fp32 reference, each implementation
-checked against it (a failed check is reported and never timed), then timed per pass.
+checked against it (a failed check is reported and never timed), then timed per pass. Every
+row carries the pass's roofline floor against this run's ceilings (benchmarks/roofline.py), a
+timed one its time over that floor.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from benchmarks import ep_traffic, liger, report
+from benchmarks import ep_traffic, liger, report, sonic
 from benchmarks.baselines import DEFAULT_ALIGN, grouped_mm_works
 from benchmarks.impls import Impl, baseline_impl
 from benchmarks.inputs import MoeInputs, make_inputs
@@ -34,19 +38,26 @@ from benchmarks.mok_impls import (
     describe_failure,
     unavailable_reason,
 )
+from benchmarks.peer_worker import PeerJob
 from benchmarks.reference import MAX_REL_ERR, compare, reference_results
+from benchmarks.roofline import flops, pass_floor
 from benchmarks.shapes import RunShape, scale_for_run, select_shapes
 from benchmarks.timing import TimingConfig, max_over_ranks, measure_ceilings, median, time_ms
 
 PASSES = ("fwd", "fwdbwd", "bwd")
-# FLOPs of a pass in units of the forward's: backward = d_x and d_weight GEMMs = 2x forward.
-PASS_FLOP_FACTOR = {"fwd": 1, "fwdbwd": 3, "bwd": 2}
+FLOOR_MODEL = (
+    "max(FLOPs / sustained bf16 GEMM, bytes / copy bandwidth), both measured in this run; "
+    "fwdbwd = fwd + bwd (benchmarks/roofline.py)"
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__)
     parser.add_argument("--shapes", default="all", help="comma list of shape names, or all")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (16384)")
+    parser.add_argument(
+        "--tokens", default=None,
+        help="tokens per GPU, one count or a comma list: a row per count (16384; quick 64)",
+    )  # fmt: skip
     parser.add_argument("--passes", default=",".join(PASSES), help="comma list of fwd,fwdbwd,bwd")
     parser.add_argument("--shared", action="store_true", help="add a shared expert of width I")
     parser.add_argument("--align", type=int, default=DEFAULT_ALIGN, help="baseline group rows")
@@ -72,6 +83,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="add the host (enqueue) time of one eager MoKExperts forward + backward per shape",
     )  # fmt: skip
     parser.add_argument("--liger-site", default=None, help="a site dir that holds LigerMoE")
+    parser.add_argument("--no-sonic", action="store_true", help="leave out the SonicMoE rows")
+    parser.add_argument("--sonic-site", default=None, help="a site dir that holds SonicMoE")
+    parser.add_argument(
+        "--sonic-timeout", type=float, default=sonic.DEFAULT_TIMEOUT_S,
+        help="seconds per shape and token count before its SonicMoE worker is killed "
+        "(%(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--liger-timeout", type=float, default=liger.DEFAULT_TIMEOUT_S,
         help="seconds per shape before its LigerMoE worker is killed (%(default)s)",
@@ -81,11 +99,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [p for p in args.passes if p not in PASSES]
     if bad:
         parser.error(f"--passes: unknown {bad}; expected a comma list of {PASSES}")
-    args.tokens = args.tokens or (64 if args.quick else 16384)
+    try:
+        args.tokens = parse_tokens(args.tokens) if args.tokens else [64 if args.quick else 16384]
+    except ValueError as error:
+        parser.error(str(error))
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.reps = args.reps or (3 if args.quick else 20)
     args.liger = None  # main: a LigerAvailability when the liger row is attempted
+    args.sonic = None  # main: a SonicAvailability unless --no-sonic
     return args
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``--tokens``: ``"4096"`` or ``"2048,4096,16384"`` to token counts, in the order given."""
+    counts = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item.isdigit() or int(item) < 1:
+            raise ValueError(
+                f"--tokens: expected positive integers separated by commas, got {text!r}"
+            )
+        counts.append(int(item))
+    return list(dict.fromkeys(counts))
 
 
 def init_device(args) -> tuple[torch.device, int, int, object]:
@@ -102,13 +136,6 @@ def init_device(args) -> tuple[torch.device, int, int, object]:
         device = torch.device(kind)
     dist.init_process_group("nccl" if kind == "cuda" else "gloo", device_id=None)
     return device, dist.get_rank(), world_size, dist.group.WORLD
-
-
-def flops(shape: RunShape, num_tokens: int, shared: bool, pass_name: str) -> float:
-    """2 * T * k * 3HI per forward (+ 2 * T * 3HI with a shared expert), times the pass factor."""
-    per_token = shape.topk + (1 if shared else 0)
-    forward = 2 * num_tokens * per_token * 3 * shape.hidden_size * shape.intermediate_size
-    return forward * PASS_FLOP_FACTOR[pass_name]
 
 
 def check(impl: Impl, inputs: MoeInputs, reference: dict, group) -> dict:
@@ -137,18 +164,33 @@ def refusal(check_result: dict, max_rel_err: float = MAX_REL_ERR) -> str | None:
 
 
 def timed_fields(
-    shape: RunShape, args, pass_name: str, ms: float, ceilings: dict, fp8: bool = False
+    shape: RunShape,
+    args,
+    num_tokens: int,
+    pass_name: str,
+    ms: float,
+    ceilings: dict,
+    fp8: bool = False,
 ) -> dict:
     """A timed row's numbers; % of the GEMM ceiling only where the measured GEMM is one (and,
     for an ``fp8`` row, % of the FP8 GEMM's, where it was measured; same FLOP count)."""
-    tflops = flops(shape, args.tokens, args.shared, pass_name) / (ms * 1e-3) / 1e12
+    tflops = flops(shape, num_tokens, args.shared, pass_name) / (ms * 1e-3) / 1e12
     fields = {"status": "ok", "ms": ms, "tflops": tflops}
+    floor = pass_floor(shape, num_tokens, args.shared, pass_name, ceilings)
+    if floor is not None:
+        fields["x_floor"] = ms / floor["ms"]
     if ceilings.get("gemm_is_ceiling", True):
         fields["pct_of_gemm_ceiling"] = 100 * tflops / ceilings["gemm_bf16_tflops"]
         fields["pct_of_sustained_gemm"] = 100 * tflops / ceilings["gemm_bf16_sustained_tflops"]
         if fp8 and ceilings.get("gemm_fp8_tflops"):
             fields["pct_of_fp8_ceiling"] = 100 * tflops / ceilings["gemm_fp8_tflops"]
     return fields
+
+
+def floor_fields(shape: RunShape, args, num_tokens: int, pass_name: str, ceilings: dict) -> dict:
+    """Every row's roofline floor (benchmarks/roofline.py): ``floor_ms`` and what it counts."""
+    floor = pass_floor(shape, num_tokens, args.shared, pass_name, ceilings)
+    return {} if floor is None else {"floor_ms": floor["ms"], "floor": floor}
 
 
 def ep_traffic_fields(num_bytes: int, ms: float, ceilings: dict) -> dict:
@@ -213,7 +255,9 @@ def build_impls(inputs: MoeInputs, args, group, probe) -> tuple[list[Impl], list
     return impls, missing
 
 
-def compute_only_rows(shape, args, device, group, ceilings, base, emit) -> tuple[list, dict]:
+def compute_only_rows(
+    shape, num_tokens, args, device, group, ceilings, base, emit
+) -> tuple[list, dict]:
     """EP: each rank's compute-only time for its share, the slowest rank's: an EP = 1 mok layer
     of its E / P experts and T tokens routed top-k among them (the same routed rows per GPU,
     spread evenly), checked against its fp32 reference before it is timed. (rows, {pass: ms})."""
@@ -224,7 +268,7 @@ def compute_only_rows(shape, args, device, group, ceilings, base, emit) -> tuple
     if local.topk > local.num_experts:
         status = f"no share to compare: topk {local.topk} > {local.num_experts} experts per GPU"
     else:
-        inputs = make_inputs(local, args.tokens, rank=0, world_size=1, device=device,
+        inputs = make_inputs(local, num_tokens, rank=0, world_size=1, device=device,
                              seed=args.seed + 1, shared=args.shared)  # fmt: skip
         reference = reference_results(inputs, any(p != "fwd" for p in args.passes))
         inputs.release_group_tensors()
@@ -243,23 +287,27 @@ def compute_only_rows(shape, args, device, group, ceilings, base, emit) -> tuple
         del reference
     rows, times = [], {}
     for pass_name in args.passes:
-        pass_row = {**row, "pass": pass_name}
+        pass_row = {**row, "pass": pass_name, **floor_fields(local, args, num_tokens, pass_name,
+                                                                     ceilings)}  # fmt: skip
         if status is not None:
             pass_row["status"] = status
         else:
             ms = time_pass(impl, inputs, pass_name, args.timing, group)
             times[pass_name] = ms
-            pass_row.update(timed_fields(local, args, pass_name, ms, ceilings))
+            pass_row.update(timed_fields(local, args, num_tokens, pass_name, ms, ceilings))
         emit(pass_row)
         rows.append(pass_row)
     return rows, times
 
 
-def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emit) -> list[dict]:
+def run_shape(
+    model, num_tokens, args, device, rank, world_size, group, ceilings, probe, emit
+) -> list[dict]:
+    """Every row of one shape at one token count per GPU."""
     shape = scale_for_run(model, world_size, args.quick)
     inputs = make_inputs(
         shape,
-        args.tokens,
+        num_tokens,
         rank=rank,
         world_size=world_size,
         device=device,
@@ -270,7 +318,7 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
     reference = reference_results(inputs, with_grads)
     inputs.release_group_tensors()
     impls, missing = build_impls(inputs, args, group, probe)
-    base = {"shape": shape.as_dict(), "num_tokens": args.tokens, "world_size": world_size}
+    base = {"shape": shape.as_dict(), "num_tokens": num_tokens, "world_size": world_size}
     traffic = None  # EP: the bytes mok's kernels move to and from peers, per pass (ep_traffic.py)
     if group is not None:
         traffic = ep_traffic.rank_pass_bytes(inputs.top_experts, shape.experts_per_rank,
@@ -292,12 +340,15 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
         torch.cuda.empty_cache()
     rows, best_baseline, mok_bf16_ms, compute_only = [], {}, {}, {}
     if group is not None:
-        rows, compute_only = compute_only_rows(shape, args, device, group, ceilings, base, emit)
+        rows, compute_only = compute_only_rows(
+            shape, num_tokens, args, device, group, ceilings, base, emit
+        )
     for impl in impls:
         for pass_name in args.passes:
             row = {
                 **base,
                 "pass": pass_name,
+                **floor_fields(shape, args, num_tokens, pass_name, ceilings),
                 "impl": impl.name,
                 "label": impl.label,
                 "baseline": impl.is_baseline,
@@ -315,7 +366,8 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
                     best_baseline[pass_name] = min(ms, best_baseline.get(pass_name, ms))
                 if impl.name in ("mok", "mok_cpu_path"):  # the bf16 mok row, GPU or CPU
                     mok_bf16_ms[pass_name] = ms
-                row.update(timed_fields(shape, args, pass_name, ms, ceilings, impl.name == MXFP8))
+                fp8 = impl.name == MXFP8
+                row.update(timed_fields(shape, args, num_tokens, pass_name, ms, ceilings, fp8))
                 if pass_name in best_baseline:
                     row["speedup"] = best_baseline[pass_name] / ms
                 if impl.name == MXFP8 and pass_name in mok_bf16_ms:
@@ -331,6 +383,7 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
             row = {
                 **base,
                 "pass": pass_name,
+                **floor_fields(shape, args, num_tokens, pass_name, ceilings),
                 "impl": name,
                 "label": name,
                 "baseline": False,
@@ -338,16 +391,24 @@ def run_shape(model, args, device, rank, world_size, group, ceilings, probe, emi
             }
             emit(row)
             rows.append(row)
-    if args.liger is not None:
-        # The worker needs the GPU's memory: free what this process holds first.
+    sonic_runs = args.sonic is not None and (
+        sonic.skip_reason(args.sonic, device.type, world_size, shape.swiglu_limit, args.shared)
+        is None
+    )
+    if args.liger is not None or sonic_runs:
+        # A worker needs the GPU's memory: free what this process holds first.
         del impls, inputs
         gc.collect()
         torch.cuda.empty_cache()
-        rows += liger_rows(shape, args, device, base, best_baseline, ceilings, emit)
+    if args.liger is not None:
+        rows += liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, emit)
+    if args.sonic is not None:
+        rows += sonic_rows(shape, num_tokens, args, device, world_size, base, best_baseline,
+                           ceilings, emit)  # fmt: skip
     return rows
 
 
-def liger_rows(shape, args, device, base, best_baseline, ceilings, emit) -> list[dict]:
+def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, emit) -> list[dict]:
     """LigerMoE's rows of one shape, measured by its own worker process (benchmarks/liger.py)."""
     availability = args.liger
     label = availability.label()
@@ -357,11 +418,11 @@ def liger_rows(shape, args, device, base, best_baseline, ceilings, emit) -> list
     else:
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         heap_gib = liger.symmetric_heap_gib(
-            args.tokens, shape.num_experts, shape.hidden_size, shape.topk, sm_count
+            num_tokens, shape.num_experts, shape.hidden_size, shape.topk, sm_count
         )
         job = liger.LigerJob(
             shape=shape.name,
-            num_tokens=args.tokens,
+            num_tokens=num_tokens,
             quick=args.quick,
             seed=args.seed,
             passes=tuple(args.passes),
@@ -374,12 +435,52 @@ def liger_rows(shape, args, device, base, best_baseline, ceilings, emit) -> list
         )
         result = liger.run_job(job, availability)
         outcomes = liger.pass_outcomes(result, job.passes)
+    return peer_rows("liger", label, outcomes, result, shape, num_tokens, args, base,
+                     best_baseline, ceilings, emit)  # fmt: skip
+
+
+def sonic_rows(
+    shape, num_tokens, args, device, world_size, base, best_baseline, ceilings, emit
+) -> list[dict]:
+    """SonicMoE's rows of one shape, measured by its own worker process (benchmarks/sonic.py),
+    or the reason it is not run here."""
+    availability = args.sonic
+    status = sonic.skip_reason(
+        availability, device.type, world_size, shape.swiglu_limit, args.shared
+    )
+    if status is not None:
+        outcomes, result = {p: {"status": status} for p in args.passes}, {}
+    else:
+        job = PeerJob(
+            shape=shape.name,
+            num_tokens=num_tokens,
+            quick=args.quick,
+            seed=args.seed,
+            passes=tuple(args.passes),
+            warmup=args.warmup,
+            reps=args.reps,
+            device_index=device.index if device.index is not None else torch.cuda.current_device(),
+            timeout_s=args.sonic_timeout,
+            result_path="",  # run_job gives it a file of its own
+        )
+        result = sonic.run_job(job, availability)
+        outcomes = sonic.pass_outcomes(result, job.passes)
+    label = availability.label() if availability.available else "SonicMoE"
+    return peer_rows("sonicmoe", label, outcomes, result, shape, num_tokens, args, base,
+                     best_baseline, ceilings, emit)  # fmt: skip
+
+
+def peer_rows(
+    name, label, outcomes, result, shape, num_tokens, args, base, best_baseline, ceilings, emit
+) -> list[dict]:
+    """A peer's rows from its worker's per-pass outcomes (benchmarks/peer_worker.py)."""
     rows, log_tail = [], result.get("log_tail")
     for pass_name, outcome in outcomes.items():
-        row = {**base, "pass": pass_name, "impl": "liger", "label": label, "baseline": False}
+        row = {**base, "pass": pass_name, **floor_fields(shape, args, num_tokens, pass_name, ceilings),
+               "impl": name, "label": label, "baseline": False}  # fmt: skip
         row.update(outcome)
         if outcome["status"] == "ok":
-            row.update(timed_fields(shape, args, pass_name, outcome["ms"], ceilings))
+            row.update(timed_fields(shape, args, num_tokens, pass_name, outcome["ms"], ceilings))
             if pass_name in best_baseline:
                 row["speedup"] = best_baseline[pass_name] / outcome["ms"]
         elif log_tail:
@@ -406,8 +507,10 @@ def extra_sections(args, device, world_size) -> dict:
     names = [m.name for m in select_shapes(args.shapes)]
     if args.virtual_ep and device.type == "cuda" and world_size == 1:
         sizes = [int(s) for s in args.virtual_ep.split(",")]
-        print(f"\nvirtual EP on one GPU ({args.tokens} tokens in all, split over P ranks):")
-        extra["virtual_ep"] = virtual_ep.measure(names, sizes, args.tokens)
+        extra["virtual_ep"] = []
+        for num_tokens in args.tokens:
+            print(f"\nvirtual EP on one GPU ({num_tokens} tokens in all, split over P ranks):")
+            extra["virtual_ep"] += virtual_ep.measure(names, sizes, num_tokens)
     if args.host_time and device.type == "cuda":
         extra["host_time"] = []
         for name in (n for n in names if n in host_time.SHAPES):
@@ -445,29 +548,38 @@ def main(argv: list[str] | None = None) -> int:
     ceilings.update(gemm_is_ceiling=note is None, gemm_ceiling_note=note)
     probe = grouped_mm_works(device)
     args.liger = liger_availability(args, device, world_size)
+    args.sonic = None if args.no_sonic else sonic.find_sonic(args.sonic_site)
     if lead:
         print(f"device {device}, world size {world_size}, torch {torch.__version__}")
         print(report.ceilings_line(ceilings))
+        print(f"floor of a pass: {FLOOR_MODEL}")
         print(f"torch._grouped_mm: {probe[1]}")
         if args.liger is not None:
             print(f"liger: {args.liger.reason or args.liger.label() + ' at ' + args.liger.site}")
         elif device.type == "cuda" and world_size != 1 and not args.no_liger:
             print(f"liger: not run: its rows are measured at EP=1 (world size {world_size})")
+        if args.sonic is not None:
+            where = f" at {args.sonic.site}" if args.sonic.available else ""
+            print(f"sonicmoe: {args.sonic.reason or args.sonic.label() + where}")
     rows = []
     for model in select_shapes(args.shapes):
-        rows += run_shape(model, args, device, rank, world_size, group, ceilings, probe, emit)
-        gc.collect()
+        for num_tokens in args.tokens:
+            rows += run_shape(model, num_tokens, args, device, rank, world_size, group, ceilings,
+                              probe, emit)  # fmt: skip
+            gc.collect()
     extra = extra_sections(args, device, world_size) if lead else {}
     if lead:
         print()
         print(report.summary_table(rows))
         record = {
             "provenance": report.provenance(device, world_size),
-            "args": {k: v for k, v in vars(args).items() if k not in ("timing", "liger")},
+            "args": {k: v for k, v in vars(args).items() if k not in ("timing", "liger", "sonic")},
             "liger": dataclasses.asdict(args.liger) if args.liger is not None else None,
+            "sonic": dataclasses.asdict(args.sonic) if args.sonic is not None else None,
             "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
             "reference": "benchmarks.reference.moe_reference: fp32 per-expert loop, autograd",
             "max_rel_err": MAX_REL_ERR,
+            "floor_model": FLOOR_MODEL,
             "grouped_mm_probe": probe[1],
             "ceilings": ceilings,
             "rows": rows,
@@ -478,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.json}")
         if args.png:
             where = record["provenance"]["gpu"] or str(device)
-            title = f"MoE layer, {args.tokens} tokens/GPU, EP {world_size}, {where}"
+            tokens = ",".join(str(t) for t in args.tokens)
+            title = f"MoE layer, {tokens} tokens/GPU, EP {world_size}, {where}"
             print(report.write_png(args.png, rows, ceilings, title))
     if group is not None:
         dist.barrier(group)

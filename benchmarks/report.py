@@ -32,10 +32,11 @@ def ceilings_line(ceilings: dict) -> str:
 
 
 def format_row(row: dict) -> str:
-    """One line per (shape, pass, impl): ms, TFLOP/s, % of the GEMM ceiling (burst, and
-    sustained under the power limit; an MXFP8 row's % of the FP8 GEMM too) where there is one,
-    speedup (an MXFP8 row's against mok bf16 too), the forward context's size where known. A
-    failed row's status, and under it the last lines of its worker's output when it has them."""
+    """One line per (shape, pass, impl): ms, the roofline floor and ms / floor where the run
+    measured its ceilings, TFLOP/s, % of the GEMM ceiling (burst, and sustained under the power
+    limit; an MXFP8 row's % of the FP8 GEMM too) where there is one, speedup (an MXFP8 row's
+    against mok bf16 too), the forward context's size where known. A failed row's status, and
+    under it the last lines of its worker's output when it has them."""
     shape = row["shape"]
     head = (
         f"{shape['name']:<18} E={shape['num_experts']:<3} H={shape['hidden_size']:<5} "
@@ -64,8 +65,11 @@ def format_row(row: dict) -> str:
             f" ({row['pct_of_peer_copy']:.0f}% of peer copy)" if "pct_of_peer_copy" in row else ""
         )
         context += f"  peers {row['peer_bytes'] / 1e6:.1f} MB {row['peer_gbs']:.4g} GB/s{share}"
+    floor = ""
+    if "x_floor" in row:
+        floor = f"floor {row['floor_ms']:8.3f} ms {row['x_floor']:6.2f} x floor "
     return (
-        f"{head} {row['ms']:9.3f} ms {row['tflops']:7.3g} TFLOP/s {ceiling}"
+        f"{head} {row['ms']:9.3f} ms {floor}{row['tflops']:7.3g} TFLOP/s {ceiling}"
         f"{speedup}  err {row['max_rel_err']:.1e}{context}"
     )
 
@@ -79,23 +83,27 @@ def _summary_cell(row: dict | None) -> str:
     return f"{row['ms']:.3f} ms{speed}"
 
 
+def _summary_key(row: dict) -> tuple[str, int, str]:
+    return row["shape"]["name"], row["num_tokens"], row["pass"]
+
+
 def summary_table(rows: list[dict]) -> str:
-    """Shape x pass rows, one column per impl: ms (speedup) or the kind of its status.
+    """Shape x tokens x pass rows, one column per impl: ms (speedup) or the kind of its status.
 
     Every column is as wide as its widest cell: nothing is cut.
     """
     impls = list(dict.fromkeys(row["impl"] for row in rows))
-    keys = list(dict.fromkeys((row["shape"]["name"], row["pass"]) for row in rows))
-    by_key = {(row["shape"]["name"], row["pass"], row["impl"]): row for row in rows}
-    table = [["shape", "pass", *impls]]
-    for shape, pass_name in keys:
-        cells = [_summary_cell(by_key.get((shape, pass_name, impl))) for impl in impls]
-        table.append([shape, pass_name, *cells])
+    keys = list(dict.fromkeys(_summary_key(row) for row in rows))
+    by_key = {(*_summary_key(row), row["impl"]): row for row in rows}
+    table = [["shape", "T", "pass", *impls]]
+    for shape, num_tokens, pass_name in keys:
+        cells = [_summary_cell(by_key.get((shape, num_tokens, pass_name, impl))) for impl in impls]
+        table.append([shape, str(num_tokens), pass_name, *cells])
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     lines = []
     for line in table:
-        head = f"{line[0]:<{widths[0]}}  {line[1]:<{widths[1]}}"
-        cells = "".join(f"  {c:>{w}}" for c, w in zip(line[2:], widths[2:], strict=True))
+        head = f"{line[0]:<{widths[0]}}  {line[1]:>{widths[1]}}  {line[2]:<{widths[2]}}"
+        cells = "".join(f"  {c:>{w}}" for c, w in zip(line[3:], widths[3:], strict=True))
         lines.append(head + cells)
     return "\n".join(lines)
 
@@ -149,7 +157,8 @@ def write_json(path: str, record: dict) -> None:
 
 
 def write_png(path: str, rows: list[dict], ceilings: dict, title: str) -> str:
-    """Bar chart of TFLOP/s per (shape, pass), one bar per impl; returns a note of what it did."""
+    """Bar chart of TFLOP/s per (shape, tokens, pass), one bar per impl; returns a note of what
+    it did."""
     try:
         import matplotlib
 
@@ -161,8 +170,12 @@ def write_png(path: str, rows: list[dict], ceilings: dict, title: str) -> str:
     if not measured:
         return "no measured rows: no PNG written"
     impls = list(dict.fromkeys(row["impl"] for row in measured))
-    groups = list(dict.fromkeys(f"{r['shape']['name']}\n{r['pass']}" for r in measured))
-    values = {(f"{r['shape']['name']}\n{r['pass']}", r["impl"]): r["tflops"] for r in measured}
+
+    def group_of(row: dict) -> str:
+        return f"{row['shape']['name']}\nT={row['num_tokens']} {row['pass']}"
+
+    groups = list(dict.fromkeys(group_of(r) for r in measured))
+    values = {(group_of(r), r["impl"]): r["tflops"] for r in measured}
     width = 0.8 / len(impls)
     fig, axes = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 4.5))
     for i, impl in enumerate(impls):

@@ -135,7 +135,8 @@ def measure(shape_names, sizes, tokens=16384, warmup=2, reps=5) -> list[dict]:
             eager = {p: paired(one, run, p, warmup, reps) for p in (False, True)}
             replayed = {p: paired(one_graph[p], graph_of(run, p), p, warmup, reps)
                         for p in (False, True)}  # fmt: skip
-            row = {"shape": shape.name, "P": size, "bitwise_equal_to_ep1": same}
+            row = {"shape": shape.name, "num_tokens": tokens, "P": size,
+                   "bitwise_equal_to_ep1": same}  # fmt: skip
             for mode, times in (("", eager), ("_graph", replayed)):
                 for p, name in ((False, "fwd"), (True, "fwdbwd")):
                     ms, ep1_ms, ratio = times[p]

@@ -4,6 +4,7 @@ Sizes are the --quick ones (H 128, I 128, <= 16 experts, 64 tokens) so the file 
 on a 2-core CI machine; the math checked is the same at every size.
 """
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -50,6 +51,14 @@ def test_quick_run_writes_rows_and_provenance(tmp_path):
     assert record["ceilings"]["gemm_is_ceiling"] is False
     assert "not a ceiling" in record["ceilings"]["gemm_ceiling_note"]
     assert not any("pct_of_gemm_ceiling" in row for row in rows)
+    # Every row has its floor (what it counts, the context beside it); a timed one ms / floor.
+    assert "floor_model" in record
+    for row in rows:
+        assert row["floor_ms"] > 0 and row["floor"]["ms"] == row["floor_ms"]
+        assert row["floor"]["bytes_total"] == sum(row["floor"]["bytes"].values())
+        assert row["floor"]["saved_context_bytes"] > 0
+        if row["status"] == "ok":
+            assert row["x_floor"] == pytest.approx(row["ms"] / row["floor_ms"])
     # mok has no CPU kernel: its rows are its CPU reference path, named so, or say why not;
     # a row that did not pass its check never carries a time. One mok row per shape and pass.
     mok_rows = [row for row in rows if row["impl"].startswith("mok")]
@@ -96,7 +105,7 @@ def test_wrong_result_is_refused_not_timed(monkeypatch):
     args.timing = moe.TimingConfig(warmup=0, reps=1)
     ceilings = {"gemm_bf16_tflops": 1.0, "gemm_bf16_sustained_tflops": 1.0}
     probe = grouped_mm_works(CPU)
-    rows = moe.run_shape(SHAPES[2], args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
+    rows = moe.run_shape(SHAPES[2], 64, args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
     baseline = [row for row in rows if row["baseline"]]
     assert baseline and all(row["status"].startswith("check failed") for row in baseline)
     assert all("ms" not in row for row in baseline)
@@ -148,6 +157,11 @@ def test_summary_columns_are_never_cut():
     ]
     table = report.summary_table(rows)
     header, line = table.splitlines()
+    assert header.split()[:3] == ["shape", "T", "pass"] and line.split()[:3] == [
+        "qwen3-30b-a3b",
+        "64",
+        "fwd",
+    ]
     assert "1234.567 ms (1.00x)" in line
     assert "kernel not available (issue 4)" in line and line.endswith("liger timeout")
     # Each column is right-aligned under its name: the two lines end at the same column.
@@ -178,7 +192,7 @@ def test_mxfp8_row_times_forward_and_backward(monkeypatch):
     args.timing = moe.TimingConfig(warmup=0, reps=1)
     ceilings = {"gemm_bf16_tflops": 1.0, "gemm_bf16_sustained_tflops": 1.0, "gemm_fp8_tflops": 2.0}
     probe = grouped_mm_works(CPU)
-    rows = moe.run_shape(SHAPES[2], args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
+    rows = moe.run_shape(SHAPES[2], 64, args, CPU, 0, 1, None, ceilings, probe, lambda row: None)
     by_key = {(row["impl"], row["pass"]): row for row in rows}
     bf16, fwd = by_key["mok_cpu_path", "fwd"], by_key["mok-mxfp8", "fwd"]
     assert fwd["status"] == "ok", fwd["status"]
@@ -286,3 +300,191 @@ def test_host_time_cpus_list_is_parsed_and_bad_lists_are_refused(capsys):
     with pytest.raises(SystemExit):
         host_time.main(["--cpus", "1-a"])
     assert "--cpus 1-a" in capsys.readouterr().err
+
+
+def test_floor_of_a_small_shape_by_hand():
+    from benchmarks import roofline  # noqa: PLC0415
+    from benchmarks.shapes import ModelShape, RunShape  # noqa: PLC0415
+
+    model = ModelShape("toy", 4, 256, 128, 2, 4)
+    shape = RunShape("toy", 4, 4, 256, 128, 2, model)  # E 4, H 256, I 128, k 2; T 32 below
+    # Weights: 4 experts * 3 * 256 * 128 bf16 = 786432 bytes; an activation 32 * 256 * 2 =
+    # 16384; router weights 32 * 2 fp32 = 256; ids 32 * 2 int64 = 512.
+    fwd = {"weights_read": 786432, "x_read": 16384, "out_written": 16384,
+           "router_weights_read": 256, "expert_ids_read": 512}  # fmt: skip
+    bwd = {"weights_read": 786432, "weight_grads_written": 786432, "grad_output_read": 16384,
+           "x_read": 16384, "d_x_written": 16384, "router_weights_read": 256,
+           "expert_ids_read": 512, "d_router_weights_written": 256}  # fmt: skip
+    assert roofline.pass_bytes(shape, 32, False, "fwd") == fwd
+    assert roofline.pass_bytes(shape, 32, False, "bwd") == bwd
+    assert sum(fwd.values()) == 819968 and sum(bwd.values()) == 1623040
+    # A shared expert is one more expert's weights (and their gradients).
+    assert roofline.pass_bytes(shape, 32, True, "bwd")["weight_grads_written"] == 983040
+    # FLOPs: 2 * 32 tokens * 2 * 3 * 256 * 128 = 12582912 a forward, 2x that a backward.
+    assert roofline.flops(shape, 32, False, "fwd") == 12582912
+    assert roofline.flops(shape, 32, False, "bwd") == 25165824
+    # The context mok saves: 32 * 2 routed rows * (2 * 256 + 6 * 128) bytes, never in a floor.
+    assert roofline.saved_context_bytes(shape, 32) == 81920
+
+    # 0.1 TFLOP/s and 1 GB/s: both passes memory-bound, 0.819968 ms and 1.62304 ms.
+    slow_copy = {"gemm_bf16_sustained_tflops": 0.1, "copy_gbs": 1.0}
+    floor = roofline.pass_floor(shape, 32, False, "fwd", slow_copy)
+    assert floor["bound"] == "memory" and floor["ms"] == pytest.approx(0.819968)
+    assert floor["compute_ms"] == pytest.approx(0.12582912)
+    assert floor["bytes"] == fwd and floor["bytes_total"] == 819968
+    assert floor["saved_context_bytes"] == 81920
+    both = roofline.pass_floor(shape, 32, False, "fwdbwd", slow_copy)
+    assert both["ms"] == pytest.approx(0.819968 + 1.62304)
+    assert both["flops"] == 3 * 12582912 and both["bytes_total"] == 819968 + 1623040
+    assert both["bytes"]["weights_read"] == 2 * 786432 and set(both["parts"]) == {"fwd", "bwd"}
+    # 10 GB/s: compute-bound, 0.12582912 ms and 0.25165824 ms.
+    fast_copy = {"gemm_bf16_sustained_tflops": 0.1, "copy_gbs": 10.0}
+    floor = roofline.pass_floor(shape, 32, False, "bwd", fast_copy)
+    assert floor["bound"] == "compute" and floor["ms"] == pytest.approx(0.25165824)
+    assert roofline.pass_floor(shape, 32, False, "fwd", {"copy_gbs": 1.0}) is None
+    with pytest.raises(ValueError, match="pass_name"):
+        roofline.pass_bytes(shape, 32, False, "fwdbwd")
+
+    # A timed row carries its floor and ms / floor, and prints both beside its ms.
+    args = moe.parse_args(["--quick", "--device", "cpu"])
+    fields = moe.timed_fields(
+        shape, args, 32, "fwd", 1.639936, {**slow_copy, "gemm_is_ceiling": False}
+    )
+    assert fields["x_floor"] == pytest.approx(2.0)
+    row = {"shape": shape.as_dict(), "num_tokens": 32, "pass": "fwd", "impl": "x", **fields,
+           **moe.floor_fields(shape, args, 32, "fwd", slow_copy), "max_rel_err": 1e-3}  # fmt: skip
+    assert row["floor_ms"] == pytest.approx(0.819968)
+    assert "1.640 ms floor    0.820 ms   2.00 x floor" in report.format_row(row)
+
+
+def test_tokens_take_one_count_or_a_comma_list():
+    assert moe.parse_args(["--tokens", "4096"]).tokens == [4096]
+    assert moe.parse_args(["--tokens", "2048, 4096,16384"]).tokens == [2048, 4096, 16384]
+    assert moe.parse_args([]).tokens == [16384] and moe.parse_args(["--quick"]).tokens == [64]
+    assert moe.parse_tokens("64,64,32") == [64, 32]  # each count once, in the order given
+    for bad in ("", "0", "64,", "2k", "-8", "64;128"):
+        with pytest.raises(ValueError, match="--tokens: expected positive integers"):
+            moe.parse_tokens(bad)
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--tokens", "4096,x"])
+
+
+def test_quick_run_with_two_token_counts_has_rows_for_both(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--shapes", "mixtral-8x7b", "--tokens", "32,48"]
+    assert moe.main([*argv, "--reps", "1", "--warmup", "0", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["args"]["tokens"] == [32, 48]
+    timed = [row for row in record["rows"] if row["baseline"]]
+    assert sorted((row["num_tokens"], row["pass"]) for row in timed) == sorted(
+        (t, p) for t in (32, 48) for p in moe.PASSES
+    )
+    for row in timed:
+        assert row["status"] == "ok", row["status"]
+        # The floor is the one of the row's own token count.
+        assert row["floor"]["bytes"]["x_read"] == row["num_tokens"] * 128 * 2 * (
+            2 if row["pass"] == "fwdbwd" else 1
+        )
+    printed = capsys.readouterr().out
+    assert " T=32 " in printed and " T=48 " in printed
+
+
+def test_sonic_rows_say_why_when_sonicmoe_is_not_importable(tmp_path, capsys):
+    from benchmarks import sonic  # noqa: PLC0415
+
+    assert importlib.util.find_spec("sonicmoe") is None  # not installed here
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--shapes", "mixtral-8x7b", "--passes", "fwd,bwd"]
+    assert moe.main([*argv, "--reps", "1", "--warmup", "0", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["sonic"]["reason"].startswith("sonicmoe not importable: no package sonicmoe")
+    rows = [row for row in record["rows"] if row["impl"] == "sonicmoe"]
+    assert [row["pass"] for row in rows] == ["fwd", "bwd"]
+    for row in rows:
+        assert row["status"] == record["sonic"]["reason"] and "ms" not in row
+        assert row["floor_ms"] > 0  # the floor is the shape's, timed or not
+    printed = capsys.readouterr().out
+    assert "sonicmoe: sonicmoe not importable" in printed
+    assert "sonicmoe             sonicmoe not importable" in printed
+    # --no-sonic: no rows at all.
+    assert moe.main([*argv, "--no-sonic", "--reps", "1", "--warmup", "0", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["sonic"] is None and all(row["impl"] != "sonicmoe" for row in record["rows"])
+    # Found, the row still needs CUDA, EP = 1 and this shape's function.
+    found = sonic.SonicAvailability(None, "/site", {"sonic-moe": "0.1.2"})
+    assert sonic.skip_reason(found, "cpu", 1, None, False).startswith("skipped on cpu")
+    assert sonic.skip_reason(found, "cuda", 2, None, False).startswith("not run: ")
+    assert "no shared expert" in sonic.skip_reason(found, "cuda", 1, None, True)
+    assert "no clamp" in sonic.skip_reason(found, "cuda", 1, 10.0, False)
+    assert sonic.skip_reason(found, "cuda", 1, None, False) is None
+
+
+def fake_sonic_site(root: Path) -> Path:
+    """A site shaped like SonicMoE's kit: the package (empty: nothing in it runs), a .pth that
+    names a second folder, dist-info versions."""
+    (root / "sonicmoe").mkdir(parents=True)
+    (root / "sonicmoe" / "__init__.py").write_text("")
+    (root / "extra" / "python_packages").mkdir(parents=True)
+    (root / "extra.pth").write_text("# a comment\nextra/python_packages\nimport os\nmissing\n")
+    info = root / "sonic_moe-0.1.2.dist-info"
+    info.mkdir()
+    info.joinpath("METADATA").write_text("Name: sonic-moe\nVersion: 0.1.2\n")
+    return root
+
+
+def test_sonic_found_in_a_site_and_its_worker_reports_where_it_stopped(tmp_path):
+    from benchmarks import sonic  # noqa: PLC0415
+    from benchmarks.peer_worker import PeerJob  # noqa: PLC0415
+
+    site = fake_sonic_site(tmp_path / "site")
+    found = sonic.find_sonic(str(site))
+    assert found.available and found.site == str(site)
+    assert found.python_path == (str(site), str(site / "extra" / "python_packages"))
+    assert found.versions == {"sonic-moe": "0.1.2", "quack-kernels": None,
+                              "nvidia-cutlass-dsl": None}  # fmt: skip
+    assert "sonic-moe 0.1.2" in found.label() and "sonicmoe" not in sys.modules
+    env = sonic.worker_env(found, {"PYTHONPATH": "/elsewhere"})
+    assert env["PYTHONPATH"].split(":") == [*found.python_path, str(sonic.peer_worker.REPO_ROOT),
+                                            "/elsewhere"]  # fmt: skip
+    job = PeerJob("qwen3-30b-a3b", 64, True, 0, ("fwd", "fwdbwd"), 0, 1, 0, 120.0, "")
+    assert PeerJob.from_argv(job.argv()) == job
+    # The worker imports the site's (empty) sonicmoe: its entry point is not there.
+    result = sonic.run_job(job, found)
+    assert result["stage"] == "import_sonicmoe" and result["status"] == "error"
+    assert result["failure"].startswith("sonicmoe error in stage import_sonicmoe: ImportError")
+    outcomes = sonic.pass_outcomes(result, job.passes)
+    assert [o["status"] for o in outcomes.values()] == [result["failure"]] * 2
+
+
+def test_sonic_impl_checks_and_times_like_the_harness():
+    """The worker's Impl over a PyTorch stand-in for moe_general_routing_inputs: SonicMoE's
+    documented semantics on the layouts it is given (W1 (2I, H, E) interleaved, W2 (H, I, E))."""
+    from benchmarks import sonic  # noqa: PLC0415
+    from benchmarks.reference import moe_reference  # noqa: PLC0415
+    from benchmarks.timing import TimingConfig  # noqa: PLC0415
+
+    def stand_in(x, scores, token_indices, expert_indices, w1, b1, w2, b2, num_experts,
+                 stream, activation, *, is_inference_mode_enabled, concat_layout):  # fmt: skip
+        assert token_indices.dtype == expert_indices.dtype == torch.int32
+        assert scores.dtype == torch.float32 and scores.dim() == 1
+        assert bool((token_indices[1:] >= token_indices[:-1]).all())  # sorted ascending
+        assert (b1, b2, stream, activation) == (None, None, 7, "swiglu")
+        assert not is_inference_mode_enabled and not concat_layout
+        assert w1.shape[2] == w2.shape[2] == num_experts
+        weights_1 = w1.permute(2, 0, 1)  # [E, 2I, H]
+        topk = scores.numel() // x.shape[0]
+        out = moe_reference(x, expert_indices.long().view(-1, topk), scores.view(-1, topk),
+                            weights_1[:, 0::2], weights_1[:, 1::2], w2.permute(2, 0, 1))  # fmt: skip
+        return out.to(torch.bfloat16), None
+
+    shape = scale_for_run(select_shapes("qwen3-30b-a3b")[0], world_size=1, quick=True)
+    inputs = make_inputs(shape, 32, rank=0, world_size=1, device=CPU, seed=1, shared=False)
+    reference = reference_results(inputs, with_grads=True)
+    impl = sonic.sonic_impl(stand_in, "swiglu", inputs, 7)
+    fwd = moe.check(impl, inputs, {"out": reference["out"]}, None)
+    train = moe.check(impl, inputs, reference, None)
+    assert set(train["rel_err"]) == {"out", "x", "router_weights", "gate", "up", "down"}
+    assert max(fwd["max_rel_err"], train["max_rel_err"]) < MAX_REL_ERR
+    timing = TimingConfig(warmup=0, reps=1)
+    for pass_name in moe.PASSES:
+        assert moe.time_pass(impl, inputs, pass_name, timing, None) > 0

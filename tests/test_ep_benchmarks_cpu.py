@@ -125,7 +125,7 @@ def _moe_shape_worker(rank, world_size):
     args.timing = TimingConfig(warmup=0, reps=1)
     ceilings = {"gemm_is_ceiling": False}
     (model,) = select_shapes("qwen3-30b-a3b")
-    return moe.run_shape(model, args, cpu, rank, world_size, dist.group.WORLD, ceilings,
+    return moe.run_shape(model, 64, args, cpu, rank, world_size, dist.group.WORLD, ceilings,
                          grouped_mm_works(cpu), emit=lambda row: None)  # fmt: skip
 
 

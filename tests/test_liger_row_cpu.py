@@ -200,7 +200,7 @@ def test_liger_rows_from_a_worker_result(monkeypatch):
     ceilings = {"gemm_bf16_tflops": 800.0, "gemm_bf16_sustained_tflops": 600.0}
     base = {"shape": shape.as_dict(), "num_tokens": 4096, "world_size": 1}
     device = torch.device("cuda", 0)
-    rows = moe.liger_rows(shape, args, device, base, {"fwd": 3.0}, ceilings, lambda row: None)
+    rows = moe.liger_rows(shape, 4096, args, device, base, {"fwd": 3.0}, ceilings, lambda row: None)
     assert [one.heap_gib for one in jobs] == [liger.symmetric_heap_gib(4096, 128, 2048, 8, 132)]
     assert jobs[0].passes == ("fwd", "fwdbwd", "bwd") and jobs[0].num_tokens == 4096
     fwd, fwdbwd, bwd = rows
@@ -223,12 +223,12 @@ def test_liger_rows_say_why_without_a_worker(monkeypatch):
     clamped = scale_for_run(select_shapes("deepseek-v4-pro")[0], world_size=1, quick=False)
     base = {"shape": clamped.as_dict(), "num_tokens": 4096, "world_size": 1}
     device = torch.device("cuda", 0)
-    (row,) = moe.liger_rows(clamped, args, device, base, {}, {}, lambda row: None)
+    (row,) = moe.liger_rows(clamped, 4096, args, device, base, {}, {}, lambda row: None)
     assert (
         row["status"] == "unsupported: LigerMoE's SwiGLU has no clamp (this shape clamps at 10.0)"
     )
     args.liger = dataclasses.replace(args.liger, reason="liger not importable: no package x")
-    (row,) = moe.liger_rows(clamped, args, device, base, {}, {}, lambda row: None)
+    (row,) = moe.liger_rows(clamped, 4096, args, device, base, {}, {}, lambda row: None)
     assert row["status"] == "liger not importable: no package x" and "ms" not in row
 
 
