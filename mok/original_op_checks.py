@@ -37,12 +37,16 @@ def workspace_of(arg: str, buffer: str, pointers, local: Tensor | None = None) -
     """The live workspace whose `buffer` has the addresses `pointers` (its `<buffer>_ptrs`).
 
     The ranks of a virtual EP group (mok.virtual_ep) share one process and the same pointer
-    lists: `local`, the rank's own `buffer` argument, tells them apart by its address (a fake
-    tensor has none and takes the first: the ranks' workspaces are alike in every shape).
+    lists, as may workspaces made by the original's constructor over made-up addresses:
+    `local`, the rank's own `buffer` argument, tells them apart by identity or address (a fake
+    tensor that is no workspace's buffer has none and takes the newest: the ranks' workspaces
+    are alike in every shape).
     """
     _check_pointer_list(arg, pointers)
     found = [ws for ws in live_workspaces() if ws.peer_ptrs.get(buffer) == pointers]
-    if len(found) > 1 and isinstance(local, Tensor) and not is_fake(local):
+    if len(found) > 1 and any(ws.buffers.get(buffer) is local for ws in found):
+        found = [ws for ws in found if ws.buffers.get(buffer) is local]
+    elif len(found) > 1 and isinstance(local, Tensor) and not is_fake(local):
         found = [ws for ws in found if ws.buffers[buffer].data_ptr() == local.data_ptr()]
         if not found:
             raise ValueError(
@@ -56,18 +60,33 @@ def workspace_of(arg: str, buffer: str, pointers, local: Tensor | None = None) -
             f"workspace has these addresses (destroyed, evicted from get_workspace's cache, or "
             f"never made)"
         )
-    return found[0]
+    return _runnable(found[-1], local)
+
+
+def _runnable(ws: MoKWorkspace, local) -> MoKWorkspace:
+    """`ws`, unless a real call (not fake tensors) would run an EP group's workspace made by
+    the original's constructor: mok reaches peers through buffers it allocated itself."""
+    if ws.caller_buffers and ws.ep_size > 1 and isinstance(local, Tensor) and not is_fake(local):
+        raise ValueError(
+            f"a MoKWorkspace made from the original's fields runs only with ep_size 1 (it "
+            f"serves tracing with fake tensors at any ep_size), got ep_size {ws.ep_size}: get an "
+            f"EP group's workspace from mok.functional.get_workspace"
+        )
+    return ws
 
 
 def workspace_holding(arg: str, buffer: str, tensor: Tensor) -> MoKWorkspace:
     """The live workspace whose `buffer` is `tensor` (same address on this rank)."""
     if not isinstance(tensor, Tensor):
         raise MoKInputError(f"{arg} must be a torch.Tensor, got {type(tensor).__name__}")
+    for ws in reversed(live_workspaces()):
+        if ws.buffers.get(buffer) is tensor:
+            return _runnable(ws, tensor)
     address = tensor.data_ptr()
     for ws in live_workspaces():
         own = ws.buffers.get(buffer)
         if own is not None and own.data_ptr() == address:
-            return ws
+            return _runnable(ws, tensor)
     raise ValueError(
         f"{arg} must be a live MoKWorkspace's {buffer} (workspace.{buffer}), got a tensor at "
         f"{address:#x} that no workspace holds (torch.compile's aot_eager backend passes a copy "

@@ -27,8 +27,10 @@ How they differ from the original's (README, "Differences from the original"):
   empty [0] tensors of their dtype.
 - Shared weights may be None (a routed-only layer): the shared outputs are then empty [0];
   pass None to fwd_epilogue and topk to bwd_epilogue.
-- barrier_buffer is mok's int32 [P] and target its int32 [2] arrival epoch
-  (`workspace.barrier_target`); the multicast pointers are 0 (never used).
+- barrier_buffer is mok's int32 [P] (one arrival counter per peer) and target its int32 [1]
+  arrival epoch (`workspace.barrier_target`): each barrier adds 1 to every slot and to the
+  target, where the original's adds P to its one counter and target (equal for a group of
+  one); the multicast pointers are 0 (never used).
 - The MXFP8 ops run on CPU (mok.reference's MXFP8 layer, its context in the original's
   quantised layout) and on CUDA (the megakernels' MXFP8 variants, as mok.functional's MXFP8
   layer runs them; the context quantised by the GPU quantiser and dequantised exactly).
@@ -149,7 +151,7 @@ def _check_barrier(barrier_buffer, barrier_buffer_ptrs, barrier_buffer_multicast
     ws = checks.workspace_of("barrier_buffer_ptrs", "barrier_buffer", barrier_buffer_ptrs,
                              barrier_buffer)  # fmt: skip
     checks.check_buffer(ws, "barrier_buffer", "barrier_buffer", barrier_buffer)
-    checks.check_buffer(ws, "target", "barrier_epoch_buffer", target)
+    check_tensor("target", target, dtype=torch.int32, shape=[1], device=ws.device)
     check_int("barrier_buffer_multicast_ptr", barrier_buffer_multicast_ptr)
     if barrier_buffer_multicast_ptr != ws.barrier_buffer_multicast_ptr:
         raise ValueError(
@@ -173,16 +175,21 @@ def barrier_all(
         barrier_buffer:      int32 [P]  workspace.barrier_buffer (an arrival counter per peer)
         barrier_buffer_ptrs: list[int] [P]  workspace.barrier_buffer_ptrs (names the workspace)
         barrier_buffer_multicast_ptr: int  the workspace's (0: never used)
-        target:              int32 [2]  workspace.barrier_target (the device arrival epoch)
-    Outputs: none. CUDA: the device barrier on the current stream (no host sync; a wait past
-    the workspace's timeout raises MoKWaitTimeoutError from check_errors, reported as the
-    PEER_BARRIER_START phase). CPU: torch.distributed.barrier. A group of one: nothing.
+        target:              int32 [1]  workspace.barrier_target (the device arrival epoch)
+    Outputs: none; every slot of barrier_buffer and target grow by 1 (arrivals each rank made
+    here: after n barriers from a new workspace both hold n, as the original's do for a group
+    of one). CUDA, EP group: the device barrier on the current stream (no host sync; a wait
+    past the workspace's timeout raises MoKWaitTimeoutError from check_errors, reported as
+    the PEER_BARRIER_START phase), which counts them. CPU: torch.distributed.barrier, then
+    the counts. A group of one: only the counts (two small stream-ordered adds on CUDA).
     """
     ws = _check_barrier(barrier_buffer, barrier_buffer_ptrs, barrier_buffer_multicast_ptr, target)
-    if ws.ep_size == 1:
-        return
-    if not barrier_buffer.is_cuda:
-        dist.barrier(group=ws.group)
+    if ws.ep_size == 1 or not barrier_buffer.is_cuda:
+        if ws.ep_size > 1:
+            dist.barrier(group=ws.group)
+        # What the device barrier does to them: one arrival from every rank, the epoch after it.
+        barrier_buffer.add_(1)
+        target.add_(1)
         return
     from mok.runtime import WaitPhase  # noqa: PLC0415 - CUDA-only path
 
