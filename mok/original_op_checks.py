@@ -126,6 +126,32 @@ def check_rank(ws: MoKWorkspace, rank) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def check_sizes(activation_name: str, activation, routed_gate, topk, num_comm_sms,
+                minibatch_size, macrobatch_size) -> None:  # fmt: skip
+    """A dispatch op's checks that need no workspace, run before the workspace lookup in the
+    original's order, so a call over made-up pointer lists gets the original's error: the
+    hidden_size of the activation, the routed weights' intermediate_size, topk, then the
+    launch sizes. On CUDA (fake tensors included) hidden_size must also suit the sm_90a
+    GEMMs, as the kernel path requires later."""
+    from .launchers.checks import HIDDEN_ALIGNMENT  # noqa: PLC0415 - launchers load lazily
+
+    check_tensor(activation_name, activation, dtype=BF16, shape=[None, None])
+    hidden = activation.shape[1]
+    alignment = HIDDEN_ALIGNMENT if activation.is_cuda else FEATURE_ALIGNMENT
+    if hidden == 0 or hidden % alignment:
+        where = " on the GPU (the sm_90a GEMMs)" if activation.is_cuda else ""
+        raise ValueError(
+            f"hidden_size ({activation_name}.shape[1]) must be a positive multiple of "
+            f"{alignment}{where}, got {hidden}"
+        )
+    routed_sizes("w_routed_gate", routed_gate)
+    check_int("topk", topk, minimum=1)
+    check_int("num_comm_sms", num_comm_sms, minimum=0, multiple_of=2)
+    check_int("minibatch_size", minibatch_size, minimum=256, multiple_of=256)
+    check_int("macrobatch_size", macrobatch_size, minimum=minibatch_size,
+              multiple_of=minibatch_size)  # fmt: skip
+
+
 def check_launch(
     ws: MoKWorkspace, op: str, topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size
 ) -> float | None:

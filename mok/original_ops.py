@@ -17,7 +17,9 @@ API composes them, they give mok.functional's results bitwise:
 
 How they differ from the original's (README, "Differences from the original"):
 - The workspace is found from a pointer list (`x_ptrs`, `d_y_buffer_ptrs`,
-  `barrier_buffer_ptrs`) or, for the all-gather, from its buffer; every other pointer list and
+  `barrier_buffer_ptrs`) or, for the all-gather, from its buffer, after the dispatch ops'
+  checks that need none (hidden and intermediate sizes, topk, num_comm_sms, the batch sizes,
+  as the original checks them first); every other pointer list and
   buffer is checked against it (shape, dtype, device; torch.compile may pass a copy of a
   mutated buffer, so its address is not required to be the workspace's).
 - Routed context rows number the schedule capacity C (every routed row is held at once),
@@ -284,9 +286,17 @@ def _forward_workspace(x, x_ptrs, combine_buffer=None, combine_buffer_ptrs=None)
     return ws
 
 
+def _check_sizes(args: dict, activation_name: str) -> None:
+    """The checks that need no workspace (original_op_checks.check_sizes), first."""
+    checks.check_sizes(activation_name, args[activation_name], args["w_routed_gate"],
+                       *(args[n] for n in ("topk", "num_comm_sms", "minibatch_size",
+                                           "macrobatch_size")))  # fmt: skip
+
+
 def _check_fwd_bf16(op, args):
     """(workspace, E, I, has_shared, swiglu_limit) of a BF16 forward or recompute op's checked
     arguments (`args` by name; the recompute has no combine buffer)."""
+    _check_sizes(args, "x")
     ws = _forward_workspace(args["x"], args["x_ptrs"], args.get("combine_buffer"),
                             args.get("combine_buffer_ptrs"))  # fmt: skip
     num_experts, inter, has_shared = checks.check_bf16_weights(ws, _weights_of(args))
@@ -454,6 +464,7 @@ def _backward_workspace(args: dict):
 def _check_bwd_bf16(op, args):
     """(workspace, E, I, has_shared, swiglu_limit, context by name) of the BF16 backward op's
     checked arguments (`args` by name)."""
+    _check_sizes(args, "d_y_buffer")
     ws = _backward_workspace(args)
     num_experts, inter, has_shared = checks.check_bf16_weights(ws, _weights_of(args))
     ctx = {n: args[n] for n in _BF16_CONTEXT_ARGS}
@@ -593,6 +604,7 @@ def _check_mxfp8_forward_weights(ws, weights: dict, *, down: bool) -> tuple[int,
 def _check_fwd_mxfp8(op, args):
     """(workspace, I, has_shared, swiglu_limit) of an MXFP8 forward or recompute op's checked
     arguments (`args` by name; the recompute has no combine buffer and no down weights)."""
+    _check_sizes(args, "x")
     combine_buffer = args.get("combine_buffer")
     ws = _forward_workspace(args["x"], args["x_ptrs"], combine_buffer,
                             args.get("combine_buffer_ptrs"))  # fmt: skip
@@ -761,6 +773,7 @@ def _check_bwd_mxfp8(op, args):
     """(workspace, E, I, has_shared, swiglu_limit, context by name) of the MXFP8 backward op's
     checked arguments (`args` by name). Backward MXFP8 weights: gate and up (fp8, scale)
     [E, I, H] and their transposed copies [E, H, I] (`_T`), down only transposed [E, I, H]."""
+    _check_sizes(args, "d_y_buffer")
     weights = _weights_of(args)
     ws = _backward_workspace(args)
     num_experts, inter = checks.routed_sizes("w_routed_gate", weights["w_routed_gate"])

@@ -229,3 +229,61 @@ def test_barrier_counts_arrivals_in_buffer_and_target(compiled):
     finally:
         torch._dynamo.reset()
         ws.destroy()
+
+
+# ----------------------------------------------------------------------------------------------
+# the dispatch ops' size checks come before the workspace lookup
+# ----------------------------------------------------------------------------------------------
+
+
+def _forward_over_made_up_pointers(hidden: int, inter: int, num_comm_sms: int) -> None:
+    """The BF16 forward op on fake CUDA tensors and pointers no workspace has."""
+    pointers = [1, 2, 3, 4]
+    ops.dispatch_mlp_swiglu_combine_fwd_bf16(
+        _cuda_empty(T, hidden), pointers, _cuda_empty(T * K, hidden), pointers,
+        _cuda_empty(inter, hidden), _cuda_empty(1, inter, hidden), _cuda_empty(inter, hidden),
+        _cuda_empty(1, inter, hidden), _cuda_empty(hidden, inter), _cuda_empty(1, hidden, inter),
+        _cuda_empty(CAPACITY, dtype=torch.int32), _cuda_empty(CAPACITY, dtype=torch.int32),
+        _cuda_empty(1, dtype=torch.int32), _cuda_empty(1, dtype=torch.int32),
+        K, None, num_comm_sms, 512, 256,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("hidden, inter", [(7168, 2048), (2048, 768), (1280, 1280)])
+def test_an_odd_num_comm_sms_is_named_before_the_workspace_is_looked_up(hidden, inter):
+    with FakeTensorMode():
+        with pytest.raises(ValueError, match=r"num_comm_sms must be a multiple of 2, got 1"):
+            _forward_over_made_up_pointers(hidden, inter, num_comm_sms=1)
+        # Sizes fine: then the pointer lists are looked up.
+        with pytest.raises(ValueError, match=r"x_ptrs must be the x_buffer_ptrs of a live"):
+            _forward_over_made_up_pointers(hidden, inter, num_comm_sms=2)
+
+
+@pytest.mark.parametrize(
+    "hidden, inter, message",
+    [
+        (640, 640, r"hidden_size \(x.shape\[1\]\) must be a positive multiple of 256 on the GPU"),
+        (1920, 1920, r"hidden_size .* got 1920"),
+        (128, 256, r"hidden_size .* got 128"),
+        (0, 256, r"hidden_size .* got 0"),
+        (256, 0, r"intermediate_size \(w_routed_gate.shape\[1\]\) must be a positive multiple"),
+    ],
+)
+def test_unsupported_sizes_are_named_before_the_workspace_is_looked_up(hidden, inter, message):
+    with FakeTensorMode():
+        with pytest.raises(ValueError, match=message):
+            _forward_over_made_up_pointers(hidden, inter, num_comm_sms=2)
+
+
+def test_the_cpu_path_takes_hidden_sizes_of_128():
+    # The 256 alignment is the sm_90a GEMMs': CPU tensors get as far as the workspace lookup.
+    x, pointers = torch.zeros(T, 640, dtype=torch.bfloat16), [1, 2]
+    weights = (torch.zeros(640, 640, dtype=torch.bfloat16), torch.zeros(1, 640, 640,
+               dtype=torch.bfloat16))  # fmt: skip
+    with pytest.raises(ValueError, match=r"x_ptrs must be the x_buffer_ptrs of a live"):
+        ops.dispatch_mlp_swiglu_combine_fwd_bf16(
+            x, pointers, torch.zeros(T * K, 640, dtype=torch.bfloat16), pointers, *weights,
+            *weights, *weights, torch.zeros(CAPACITY, dtype=torch.int32),
+            torch.zeros(CAPACITY, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32), K, None, 2, 512, 256,
+        )  # fmt: skip
