@@ -287,3 +287,69 @@ def test_the_cpu_path_takes_hidden_sizes_of_128():
             torch.zeros(CAPACITY, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
             torch.zeros(1, dtype=torch.int32), K, None, 2, 512, 256,
         )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# the epilogues' argument checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _epilogue_inputs(topk: int):
+    gen = torch.Generator().manual_seed(topk)
+    shared = torch.randn(T, 256, generator=gen).to(torch.bfloat16)
+    slots = torch.randn(T * topk, 256, generator=gen).to(torch.bfloat16)
+    return shared, slots, torch.rand(T, topk, generator=gen) + 0.1
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda s, c, w: (s, c[:0], w[:, :0]),
+            r"topk must be in \[1, 255\] \(fwd_epilogue\), got 0",
+        ),
+        (lambda s, c, w: (s, c, w.new_empty(T, 256)), r"topk must be in \[1, 255\].* got 256"),
+        (lambda s, c, w: (s.unsqueeze(0), c, w), r"y_shared must have shape \[512, 256\]"),
+        (lambda s, c, w: (s[:256], c, w), r"y_shared must have shape \[512, 256\]"),
+        (lambda s, c, w: (s[:, :128], c, w), r"y_shared must have shape \[512, 256\]"),
+        (lambda s, c, w: (s, c[:-1], w), r"combine_buffer must have shape \[28160, 256\]"),
+    ],
+    ids=["topk-0", "topk-256", "shared-rank", "shared-tokens", "shared-hidden", "slots"],
+)
+def test_fwd_epilogue_raises_value_error_on_every_path(change, message):
+    shared, slots, weights = change(*_epilogue_inputs(55))
+    with pytest.raises(ValueError, match=message):
+        ops.fwd_epilogue(shared, slots, weights)
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match=message):
+        ops.fwd_epilogue(shared, slots, weights)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda s, c: (s, c[:0]), r"topk must be in \[1, 255\] \(bwd_epilogue\), got 0"),
+        (lambda s, c: (s.unsqueeze(0), c), r"topk must be in \[1, 255\].* got 28160"),
+        (lambda s, c: (s, c.flatten()), r"topk must be in \[1, 255\]"),
+        (lambda s, c: (s[:, :128], c), r"d_x_shared must have shape \[512, 256\]"),
+        (lambda s, c: (s, c[:-1]), r"must be a multiple of the tokens of d_x_shared \(512\)"),
+    ],
+    ids=["topk-0", "shared-rank", "slots-rank", "shared-hidden", "slots"],
+)
+def test_bwd_epilogue_raises_value_error_on_every_path(change, message):
+    shared, slots = change(*_epilogue_inputs(55)[:2])
+    with pytest.raises(ValueError, match=message):
+        ops.bwd_epilogue(shared, slots)
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match=message):
+        ops.bwd_epilogue(shared, slots)
+
+
+def test_epilogues_take_any_token_count_and_top_k_up_to_255():
+    from mok import reference
+
+    shared, slots, weights = _epilogue_inputs(255)
+    assert torch.equal(ops.fwd_epilogue(shared, slots, weights),
+                       reference.fwd_epilogue(shared, slots, weights))  # fmt: skip
+    # mok takes any T >= 1 (README: Differences from the original); the original asks for
+    # T >= 512: these 256 tokens of k = 110 are a valid call here.
+    assert torch.equal(ops.bwd_epilogue(shared[:256], slots[: 256 * 110]),
+                       reference.bwd_epilogue(shared[:256], slots[: 256 * 110], 110))  # fmt: skip
