@@ -353,3 +353,51 @@ def test_epilogues_take_any_token_count_and_top_k_up_to_255():
     # T >= 512: these 256 tokens of k = 110 are a valid call here.
     assert torch.equal(ops.bwd_epilogue(shared[:256], slots[: 256 * 110]),
                        reference.bwd_epilogue(shared[:256], slots[: 256 * 110], 110))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# the workspace cache: reuse and isolation
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """torch.distributed's default group, of this process alone (gloo), and a second group of
+    the same rank."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD, dist.new_group(ranks=[0])
+    finally:
+        functional.clear_workspace_cache()
+        dist.destroy_process_group()
+
+
+def test_cache_reuses_by_capacity_and_isolates_groups(world_of_one):
+    world, duplicate = world_of_one
+    shapes = dict(device="cpu", num_local_tokens=T, hidden_size=256, topk=1)
+    larger = functional.MoKConfig(minibatch_size=256, macrobatch_size=512,
+                                  schedule_capacity_multiplier=3.0)  # fmt: skip
+    equal = functional.MoKConfig(minibatch_size=256, macrobatch_size=512,
+                                 schedule_capacity_multiplier=1.5)  # fmt: skip
+    created = functional.create_workspace(CONFIG, world, **shapes)
+    try:
+        default = functional.get_workspace(CONFIG, world, **shapes)
+        assert created is not default  # create_workspace is never cached
+        assert functional.get_workspace(CONFIG, world, **shapes) is default
+        # The original's capacity, T * k * max(2, ceil(P * multiplier)), keys the cache: a
+        # multiplier of 3 at P = 1 is a larger schedule, one of 1.5 the same (the original's
+        # key holds that factor, 2 for both 0.5 and 1.5 at P = 1).
+        assert default.schedule_capacity == T * 2
+        larger_ws = functional.get_workspace(larger, world, **shapes)
+        assert larger_ws is not default and larger_ws.schedule_capacity == T * 3
+        assert functional.get_workspace(equal, world, **shapes) is default
+        other_group = functional.get_workspace(CONFIG, duplicate, **shapes)
+        assert other_group is not default
+        assert other_group.group_name == duplicate.group_name != default.group_name
+    finally:
+        created.destroy()
