@@ -20,7 +20,7 @@ import torch
 from . import reference
 from .errors import MoKInputError, MoKKernelUnavailableError
 from .types import MoKSchedule
-from .validation import check_expert_id_values, check_router_weight_values
+from .validation import check_expert_id_values, check_router_weight_values, check_tensor
 from .workspace import workspace_from_handle
 
 Tensor = torch.Tensor
@@ -655,14 +655,48 @@ def _(x_bf16, return_normal=True, return_transposed=False):
     return (*normal, *transposed)
 
 
+# The epilogues' top-k range: the original's (one byte of k), checked on every path.
+EPILOGUE_MAX_TOPK = 255
+
+
+def _check_epilogue(op: str, shared: Tensor | None, shared_name: str, slots: Tensor,
+                    slots_name: str, topk: int, num_tokens: int | None = None) -> None:  # fmt: skip
+    """An epilogue's tensors: topk in [1, 255], slots bf16 [T*k, H], shared bf16 [T, H] (T the
+    router weights' rows in the forward, the slots' over k in the backward)."""
+    if not 1 <= topk <= EPILOGUE_MAX_TOPK:
+        raise ValueError(f"topk must be in [1, {EPILOGUE_MAX_TOPK}] ({op}), got {topk}")
+    check_tensor(slots_name, slots, dtype=torch.bfloat16, shape=[None, None])
+    hidden = slots.shape[1]
+    if num_tokens is None:
+        if slots.shape[0] % topk:
+            raise ValueError(
+                f"{slots_name} rows ({slots.shape[0]}) must be a multiple of topk ({topk})"
+            )
+        num_tokens = slots.shape[0] // topk
+    check_tensor(slots_name, slots, dtype=torch.bfloat16, shape=[num_tokens * topk, hidden])
+    if shared is not None:
+        check_tensor(shared_name, shared, dtype=torch.bfloat16, shape=[num_tokens, hidden],
+                     device=slots.device)  # fmt: skip
+
+
+def _check_fwd_epilogue(y_shared, combine_buffer, topk_weights) -> None:
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[None, None],
+                 device=combine_buffer.device)  # fmt: skip
+    num_tokens, topk = topk_weights.shape
+    _check_epilogue("fwd_epilogue", y_shared, "y_shared", combine_buffer, "combine_buffer", topk,
+                    num_tokens)  # fmt: skip
+
+
 @torch.library.custom_op("mok::fwd_epilogue", mutates_args=())
 def fwd_epilogue(y_shared: Tensor | None, combine_buffer: Tensor, topk_weights: Tensor) -> Tensor:
     """out[t] = bf16(y_shared[t] + sum_j w[t, j] * combine_buffer[t*k + j]) in fp32, j in order.
 
     Inputs: y_shared bf16 [T, H] or None; combine_buffer bf16 [T*k, H] (the slots);
-    topk_weights fp32 [T, k] (the router weights).
-    Outputs: out bf16 [T, H].
+    topk_weights fp32 [T, k] (the router weights), k in [1, 255].
+    Outputs: out bf16 [T, H]. A shape, dtype or k out of range raises ValueError (a wrong
+    dtype MoKInputError, also a TypeError).
     """
+    _check_fwd_epilogue(y_shared, combine_buffer, topk_weights)
     if combine_buffer.is_cuda:
         return _gpu("fwd_epilogue", combine_buffer.device).fwd_epilogue(
             y_shared, combine_buffer, topk_weights
@@ -672,6 +706,7 @@ def fwd_epilogue(y_shared: Tensor | None, combine_buffer: Tensor, topk_weights: 
 
 @fwd_epilogue.register_fake
 def _(y_shared, combine_buffer, topk_weights):
+    _check_fwd_epilogue(y_shared, combine_buffer, topk_weights)
     return combine_buffer.new_empty(topk_weights.shape[0], combine_buffer.shape[1])
 
 
@@ -697,10 +732,13 @@ def bwd_epilogue(
     """d_x[t] = bf16(d_x_shared[t] + sum_j d_x_routed_buffer[t*k + j]) in fp32, j in order.
 
     Inputs: d_x_shared bf16 [T, H] or None; d_x_routed_buffer bf16 [T*k, H] (the slots); topk
-    k (None: inferred from d_x_shared, as the original's two-argument call).
-    Outputs: d_x bf16 [T, H].
+    k in [1, 255] (None: inferred from d_x_shared, as the original's two-argument call).
+    Outputs: d_x bf16 [T, H]. A shape, dtype or k out of range raises ValueError (a wrong
+    dtype MoKInputError, also a TypeError).
     """
     k = _epilogue_topk(d_x_shared, d_x_routed_buffer, topk)
+    _check_epilogue("bwd_epilogue", d_x_shared, "d_x_shared", d_x_routed_buffer,
+                    "d_x_routed_buffer", k)  # fmt: skip
     if d_x_routed_buffer.is_cuda:
         return _gpu("bwd_epilogue", d_x_routed_buffer.device).bwd_epilogue(
             d_x_shared, d_x_routed_buffer, k
@@ -711,6 +749,8 @@ def bwd_epilogue(
 @bwd_epilogue.register_fake
 def _(d_x_shared, d_x_routed_buffer, topk=None):
     k = _epilogue_topk(d_x_shared, d_x_routed_buffer, topk)
+    _check_epilogue("bwd_epilogue", d_x_shared, "d_x_shared", d_x_routed_buffer,
+                    "d_x_routed_buffer", k)  # fmt: skip
     return d_x_routed_buffer.new_empty(d_x_routed_buffer.shape[0] // k, d_x_routed_buffer.shape[1])
 
 

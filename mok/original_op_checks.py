@@ -37,12 +37,16 @@ def workspace_of(arg: str, buffer: str, pointers, local: Tensor | None = None) -
     """The live workspace whose `buffer` has the addresses `pointers` (its `<buffer>_ptrs`).
 
     The ranks of a virtual EP group (mok.virtual_ep) share one process and the same pointer
-    lists: `local`, the rank's own `buffer` argument, tells them apart by its address (a fake
-    tensor has none and takes the first: the ranks' workspaces are alike in every shape).
+    lists, as may workspaces made by the original's constructor over made-up addresses:
+    `local`, the rank's own `buffer` argument, tells them apart by identity or address (a fake
+    tensor that is no workspace's buffer has none and takes the newest: the ranks' workspaces
+    are alike in every shape).
     """
     _check_pointer_list(arg, pointers)
     found = [ws for ws in live_workspaces() if ws.peer_ptrs.get(buffer) == pointers]
-    if len(found) > 1 and isinstance(local, Tensor) and not is_fake(local):
+    if len(found) > 1 and any(ws.buffers.get(buffer) is local for ws in found):
+        found = [ws for ws in found if ws.buffers.get(buffer) is local]
+    elif len(found) > 1 and isinstance(local, Tensor) and not is_fake(local):
         found = [ws for ws in found if ws.buffers[buffer].data_ptr() == local.data_ptr()]
         if not found:
             raise ValueError(
@@ -56,18 +60,33 @@ def workspace_of(arg: str, buffer: str, pointers, local: Tensor | None = None) -
             f"workspace has these addresses (destroyed, evicted from get_workspace's cache, or "
             f"never made)"
         )
-    return found[0]
+    return _runnable(found[-1], local)
+
+
+def _runnable(ws: MoKWorkspace, local) -> MoKWorkspace:
+    """`ws`, unless a real call (not fake tensors) would run an EP group's workspace made by
+    the original's constructor: mok reaches peers through buffers it allocated itself."""
+    if ws.caller_buffers and ws.ep_size > 1 and isinstance(local, Tensor) and not is_fake(local):
+        raise ValueError(
+            f"a MoKWorkspace made from the original's fields runs only with ep_size 1 (it "
+            f"serves tracing with fake tensors at any ep_size), got ep_size {ws.ep_size}: get an "
+            f"EP group's workspace from mok.functional.get_workspace"
+        )
+    return ws
 
 
 def workspace_holding(arg: str, buffer: str, tensor: Tensor) -> MoKWorkspace:
     """The live workspace whose `buffer` is `tensor` (same address on this rank)."""
     if not isinstance(tensor, Tensor):
         raise MoKInputError(f"{arg} must be a torch.Tensor, got {type(tensor).__name__}")
+    for ws in reversed(live_workspaces()):
+        if ws.buffers.get(buffer) is tensor:
+            return _runnable(ws, tensor)
     address = tensor.data_ptr()
     for ws in live_workspaces():
         own = ws.buffers.get(buffer)
         if own is not None and own.data_ptr() == address:
-            return ws
+            return _runnable(ws, tensor)
     raise ValueError(
         f"{arg} must be a live MoKWorkspace's {buffer} (workspace.{buffer}), got a tensor at "
         f"{address:#x} that no workspace holds (torch.compile's aot_eager backend passes a copy "
@@ -105,6 +124,32 @@ def check_rank(ws: MoKWorkspace, rank) -> None:
 # ----------------------------------------------------------------------------------------------
 # launch settings and the schedule
 # ----------------------------------------------------------------------------------------------
+
+
+def check_sizes(activation_name: str, activation, routed_gate, topk, num_comm_sms,
+                minibatch_size, macrobatch_size) -> None:  # fmt: skip
+    """A dispatch op's checks that need no workspace, run before the workspace lookup in the
+    original's order, so a call over made-up pointer lists gets the original's error: the
+    hidden_size of the activation, the routed weights' intermediate_size, topk, then the
+    launch sizes. On CUDA (fake tensors included) hidden_size must also suit the sm_90a
+    GEMMs, as the kernel path requires later."""
+    from .launchers.checks import HIDDEN_ALIGNMENT  # noqa: PLC0415 - launchers load lazily
+
+    check_tensor(activation_name, activation, dtype=BF16, shape=[None, None])
+    hidden = activation.shape[1]
+    alignment = HIDDEN_ALIGNMENT if activation.is_cuda else FEATURE_ALIGNMENT
+    if hidden == 0 or hidden % alignment:
+        where = " on the GPU (the sm_90a GEMMs)" if activation.is_cuda else ""
+        raise ValueError(
+            f"hidden_size ({activation_name}.shape[1]) must be a positive multiple of "
+            f"{alignment}{where}, got {hidden}"
+        )
+    routed_sizes("w_routed_gate", routed_gate)
+    check_int("topk", topk, minimum=1)
+    check_int("num_comm_sms", num_comm_sms, minimum=0, multiple_of=2)
+    check_int("minibatch_size", minibatch_size, minimum=256, multiple_of=256)
+    check_int("macrobatch_size", macrobatch_size, minimum=minibatch_size,
+              multiple_of=minibatch_size)  # fmt: skip
 
 
 def check_launch(

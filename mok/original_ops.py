@@ -17,7 +17,9 @@ API composes them, they give mok.functional's results bitwise:
 
 How they differ from the original's (README, "Differences from the original"):
 - The workspace is found from a pointer list (`x_ptrs`, `d_y_buffer_ptrs`,
-  `barrier_buffer_ptrs`) or, for the all-gather, from its buffer; every other pointer list and
+  `barrier_buffer_ptrs`) or, for the all-gather, from its buffer, after the dispatch ops'
+  checks that need none (hidden and intermediate sizes, topk, num_comm_sms, the batch sizes,
+  as the original checks them first); every other pointer list and
   buffer is checked against it (shape, dtype, device; torch.compile may pass a copy of a
   mutated buffer, so its address is not required to be the workspace's).
 - Routed context rows number the schedule capacity C (every routed row is held at once),
@@ -27,8 +29,10 @@ How they differ from the original's (README, "Differences from the original"):
   empty [0] tensors of their dtype.
 - Shared weights may be None (a routed-only layer): the shared outputs are then empty [0];
   pass None to fwd_epilogue and topk to bwd_epilogue.
-- barrier_buffer is mok's int32 [P] and target its int32 [2] arrival epoch
-  (`workspace.barrier_target`); the multicast pointers are 0 (never used).
+- barrier_buffer is mok's int32 [P] (one arrival counter per peer) and target its int32 [1]
+  arrival epoch (`workspace.barrier_target`): each barrier adds 1 to every slot and to the
+  target, where the original's adds P to its one counter and target (equal for a group of
+  one); the multicast pointers are 0 (never used).
 - The MXFP8 ops run on CPU (mok.reference's MXFP8 layer, its context in the original's
   quantised layout) and on CUDA (the megakernels' MXFP8 variants, as mok.functional's MXFP8
   layer runs them; the context quantised by the GPU quantiser and dequantised exactly).
@@ -149,7 +153,7 @@ def _check_barrier(barrier_buffer, barrier_buffer_ptrs, barrier_buffer_multicast
     ws = checks.workspace_of("barrier_buffer_ptrs", "barrier_buffer", barrier_buffer_ptrs,
                              barrier_buffer)  # fmt: skip
     checks.check_buffer(ws, "barrier_buffer", "barrier_buffer", barrier_buffer)
-    checks.check_buffer(ws, "target", "barrier_epoch_buffer", target)
+    check_tensor("target", target, dtype=torch.int32, shape=[1], device=ws.device)
     check_int("barrier_buffer_multicast_ptr", barrier_buffer_multicast_ptr)
     if barrier_buffer_multicast_ptr != ws.barrier_buffer_multicast_ptr:
         raise ValueError(
@@ -173,16 +177,21 @@ def barrier_all(
         barrier_buffer:      int32 [P]  workspace.barrier_buffer (an arrival counter per peer)
         barrier_buffer_ptrs: list[int] [P]  workspace.barrier_buffer_ptrs (names the workspace)
         barrier_buffer_multicast_ptr: int  the workspace's (0: never used)
-        target:              int32 [2]  workspace.barrier_target (the device arrival epoch)
-    Outputs: none. CUDA: the device barrier on the current stream (no host sync; a wait past
-    the workspace's timeout raises MoKWaitTimeoutError from check_errors, reported as the
-    PEER_BARRIER_START phase). CPU: torch.distributed.barrier. A group of one: nothing.
+        target:              int32 [1]  workspace.barrier_target (the device arrival epoch)
+    Outputs: none; every slot of barrier_buffer and target grow by 1 (arrivals each rank made
+    here: after n barriers from a new workspace both hold n, as the original's do for a group
+    of one). CUDA, EP group: the device barrier on the current stream (no host sync; a wait
+    past the workspace's timeout raises MoKWaitTimeoutError from check_errors, reported as
+    the PEER_BARRIER_START phase), which counts them. CPU: torch.distributed.barrier, then
+    the counts. A group of one: only the counts (two small stream-ordered adds on CUDA).
     """
     ws = _check_barrier(barrier_buffer, barrier_buffer_ptrs, barrier_buffer_multicast_ptr, target)
-    if ws.ep_size == 1:
-        return
-    if not barrier_buffer.is_cuda:
-        dist.barrier(group=ws.group)
+    if ws.ep_size == 1 or not barrier_buffer.is_cuda:
+        if ws.ep_size > 1:
+            dist.barrier(group=ws.group)
+        # What the device barrier does to them: one arrival from every rank, the epoch after it.
+        barrier_buffer.add_(1)
+        target.add_(1)
         return
     from mok.runtime import WaitPhase  # noqa: PLC0415 - CUDA-only path
 
@@ -277,9 +286,17 @@ def _forward_workspace(x, x_ptrs, combine_buffer=None, combine_buffer_ptrs=None)
     return ws
 
 
+def _check_sizes(args: dict, activation_name: str) -> None:
+    """The checks that need no workspace (original_op_checks.check_sizes), first."""
+    checks.check_sizes(activation_name, args[activation_name], args["w_routed_gate"],
+                       *(args[n] for n in ("topk", "num_comm_sms", "minibatch_size",
+                                           "macrobatch_size")))  # fmt: skip
+
+
 def _check_fwd_bf16(op, args):
     """(workspace, E, I, has_shared, swiglu_limit) of a BF16 forward or recompute op's checked
     arguments (`args` by name; the recompute has no combine buffer)."""
+    _check_sizes(args, "x")
     ws = _forward_workspace(args["x"], args["x_ptrs"], args.get("combine_buffer"),
                             args.get("combine_buffer_ptrs"))  # fmt: skip
     num_experts, inter, has_shared = checks.check_bf16_weights(ws, _weights_of(args))
@@ -447,6 +464,7 @@ def _backward_workspace(args: dict):
 def _check_bwd_bf16(op, args):
     """(workspace, E, I, has_shared, swiglu_limit, context by name) of the BF16 backward op's
     checked arguments (`args` by name)."""
+    _check_sizes(args, "d_y_buffer")
     ws = _backward_workspace(args)
     num_experts, inter, has_shared = checks.check_bf16_weights(ws, _weights_of(args))
     ctx = {n: args[n] for n in _BF16_CONTEXT_ARGS}
@@ -586,6 +604,7 @@ def _check_mxfp8_forward_weights(ws, weights: dict, *, down: bool) -> tuple[int,
 def _check_fwd_mxfp8(op, args):
     """(workspace, I, has_shared, swiglu_limit) of an MXFP8 forward or recompute op's checked
     arguments (`args` by name; the recompute has no combine buffer and no down weights)."""
+    _check_sizes(args, "x")
     combine_buffer = args.get("combine_buffer")
     ws = _forward_workspace(args["x"], args["x_ptrs"], combine_buffer,
                             args.get("combine_buffer_ptrs"))  # fmt: skip
@@ -754,6 +773,7 @@ def _check_bwd_mxfp8(op, args):
     """(workspace, E, I, has_shared, swiglu_limit, context by name) of the MXFP8 backward op's
     checked arguments (`args` by name). Backward MXFP8 weights: gate and up (fp8, scale)
     [E, I, H] and their transposed copies [E, H, I] (`_T`), down only transposed [E, I, H]."""
+    _check_sizes(args, "d_y_buffer")
     weights = _weights_of(args)
     ws = _backward_workspace(args)
     num_experts, inter = checks.routed_sizes("w_routed_gate", weights["w_routed_gate"])

@@ -7,14 +7,19 @@ by every call; `destroy()` releases them explicitly.
 
 `get_workspace` caches workspaces, at most `WORKSPACE_CACHE_SIZE` of one layer shape (its
 docstring gives the rule); ops look workspaces up by handle (`workspace_from_handle`).
+
+`MoKWorkspace(...)` itself is the original's constructor: a workspace over the caller's tensors
+and pointer lists (the original's fields), which the ops find while the caller holds it.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import sys
+import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -37,9 +42,12 @@ _CACHE: OrderedDict[tuple, MoKWorkspace] = OrderedDict()
 # held past the eviction (a torch.compile graph bakes it in) gets its workspace made anew.
 _EVICTED: dict[tuple, MoKWorkspace] = {}
 _EVICTED_KEYS: dict[int, tuple] = {}
+# Workspaces made by the original's constructor over the caller's tensors, by handle: found by
+# the ops while the caller holds them (the original has no destroy(), so none is kept alive).
+_CALLER_BUILT: weakref.WeakValueDictionary[int, MoKWorkspace] = weakref.WeakValueDictionary()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, init=False)
 class MoKWorkspace:
     """Buffers and shapes of one mok layer configuration on one rank.
 
@@ -54,6 +62,17 @@ class MoKWorkspace:
         barrier_buffer: int32 [P]             one arrival counter per peer (unicast flags)
         barrier_epoch_buffer: int32 [2]       this rank's arrival epoch + reader count (own use)
 
+    `barrier_target` (the original's name) is word 0 of barrier_epoch_buffer, int32 [1]: the
+    arrivals each rank has made at every peer, which each barrier_all adds 1 to (the original
+    counts them over all P ranks, so the two agree for a group of one).
+
+    `MoKWorkspace(group_name=..., ep_rank=..., ..., barrier_target=...)` takes the original's
+    fields (`ORIGINAL_FIELDS`, keywords or in that order): a workspace over the caller's tensors
+    and pointer lists, not allocated or cached by mok (`caller_buffers`). The ops find it by
+    its pointer lists or handle while the caller holds it. It serves tracing (fake tensors,
+    torch.compile) at any ep_size and runs at ep_size 1; mok's own workspaces come from
+    `get_workspace` / `create_workspace`.
+
     A group of one uses combine_buffer and d_x_routed_buffer as its slots too (its schedule
     reads the caller's routing ids in place; only the original's raw all-gather op fills its
     all_gather_top_experts_buffer): the buffers serve one op at a time, in stream order, so a
@@ -62,6 +81,7 @@ class MoKWorkspace:
 
     handle: int
     group: dist.ProcessGroup | None
+    group_name: str
     ep_rank: int
     ep_size: int
     device: torch.device
@@ -84,10 +104,45 @@ class MoKWorkspace:
     # Set when a mok op ran on this workspace during CUDA graph capture: the graph holds its
     # buffers' addresses, so the cache never evicts it (destroy() or clear_workspace_cache()).
     graph_captured: bool = False
+    # Made by the original's constructor over the caller's tensors (class docstring).
+    caller_buffers: bool = False
+    # The original's multicast addresses, as given to its constructor (mok's own are 0).
+    multicast_ptrs: dict[str, int] = field(default_factory=dict)
+    # The original's `barrier_target` tensor, as given to its constructor.
+    caller_barrier_target: torch.Tensor | None = None
 
-    @property
-    def group_name(self) -> str:
-        return "" if self.group is None else self.group.group_name
+    def __init__(self, *args, **kwargs) -> None:
+        """The original's constructor (`ORIGINAL_FIELDS`): a workspace over the caller's
+        tensors; see the class docstring."""
+        given = _ORIGINAL_SIGNATURE.bind(*args, **kwargs).arguments
+        for name in ("ep_rank", "ep_size", "num_local_tokens", "hidden_size", "topk",
+                     "schedule_capacity"):  # fmt: skip
+            check_int(name, given[name], minimum=0)
+        check_type("group_name", given["group_name"], str)
+        device = given["device"]
+        check_type("device", device, torch.device)
+        _set_fields(
+            self, handle=next(_NEXT_HANDLE), group=None, group_name=given["group_name"],
+            ep_rank=given["ep_rank"], ep_size=given["ep_size"], device=device,
+            num_local_tokens=given["num_local_tokens"], hidden_size=given["hidden_size"],
+            topk=given["topk"], schedule_capacity=given["schedule_capacity"], symmetric=False,
+            caller_buffers=True, caller_barrier_target=given["barrier_target"],
+        )  # fmt: skip
+        for name in BUFFER_NAMES:
+            self.buffers[name] = given[name]
+            self._handles[name] = given[f"{name}_handle"]
+            if f"{name}_ptrs" in given:
+                self.peer_ptrs[name] = list(given[f"{name}_ptrs"])
+            if f"{name}_multicast_ptr" in given:
+                self.multicast_ptrs[name] = given[f"{name}_multicast_ptr"]
+        _CALLER_BUILT[self.handle] = self
+
+    @classmethod
+    def allocated(cls, **values) -> MoKWorkspace:
+        """A workspace of mok's own (its fields by name, the rest default), buffers to fill."""
+        ws = cls.__new__(cls)
+        _set_fields(ws, **values)
+        return ws
 
     @property
     def nbytes(self) -> int:
@@ -130,17 +185,33 @@ class MoKWorkspace:
         self.peer_ptrs.clear()
         self.peer_tables.clear()
         self._handles.clear()
+        self.caller_barrier_target = None
         # State the launchers set on the workspace (comm tables, a pending schedule status).
         for name in [n for n in vars(self) if n not in _FIELD_NAMES]:
             delattr(self, name)
         self.destroyed = True
         _LIVE.pop(self.handle, None)
+        _CALLER_BUILT.pop(self.handle, None)
         for key, ws in list(_CACHE.items()):
             if ws is self:
                 del _CACHE[key]
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(MoKWorkspace))
+
+
+def _set_fields(ws: MoKWorkspace, **values) -> None:
+    """Every dataclass field of `ws`: from `values`, else its default."""
+    for f in fields(MoKWorkspace):
+        if f.name in values:
+            value = values[f.name]
+        elif f.default is not MISSING:
+            value = f.default
+        elif f.default_factory is not MISSING:
+            value = f.default_factory()
+        else:
+            raise TypeError(f"MoKWorkspace field {f.name} must be given")
+        setattr(ws, f.name, value)
 
 
 # The original's attribute names for the buffers: `<name>`, `<name>_ptrs` (each rank's address)
@@ -155,6 +226,31 @@ DATA_BUFFER_NAMES = (
     "d_router_weight_buffer",
 )
 BUFFER_NAMES = (*DATA_BUFFER_NAMES, "all_gather_top_experts_buffer", "barrier_buffer")
+# The buffers the original addresses through NVLink multicast (mok never does: its are 0).
+MULTICAST_BUFFER_NAMES = ("all_gather_top_experts_buffer", "barrier_buffer")
+
+
+def _original_fields() -> tuple[str, ...]:
+    """The original's MoKWorkspace fields, in its order (its constructor's parameters)."""
+    names = ["group_name", "ep_rank", "ep_size", "device", "num_local_tokens", "hidden_size",
+             "topk", "schedule_capacity"]  # fmt: skip
+    for name in BUFFER_NAMES:
+        names += [name, f"{name}_handle"]
+        if name != "all_gather_top_experts_buffer":  # reached through multicast only
+            names.append(f"{name}_ptrs")
+        if name in MULTICAST_BUFFER_NAMES:
+            names.append(f"{name}_multicast_ptr")
+    return (*names, "barrier_target")
+
+
+ORIGINAL_FIELDS = _original_fields()
+_ORIGINAL_SIGNATURE = inspect.Signature(
+    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ORIGINAL_FIELDS]
+)
+MoKWorkspace.__init__.__signature__ = inspect.Signature(
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+     *_ORIGINAL_SIGNATURE.parameters.values()]
+)  # fmt: skip
 
 
 def _buffer_property(name: str, kind: str):
@@ -169,13 +265,24 @@ for _name in BUFFER_NAMES:
     setattr(MoKWorkspace, _name, _buffer_property(_name, "tensor"))
     setattr(MoKWorkspace, f"{_name}_ptrs", _buffer_property(_name, "ptrs"))
     setattr(MoKWorkspace, f"{_name}_handle", _buffer_property(_name, "handle"))
-for _name in ("all_gather_top_experts_buffer", "barrier_buffer"):
-    # NVLink multicast is never used (it can take shared GPU hosts down): never a live address.
-    setattr(MoKWorkspace, f"{_name}_multicast_ptr", property(lambda self: 0, doc="Always 0."))
+for _name in MULTICAST_BUFFER_NAMES:
+    # NVLink multicast is never used (it can take shared GPU hosts down): never a live address
+    # in mok's own workspaces; a caller-built one keeps what it was given.
+    setattr(MoKWorkspace, f"{_name}_multicast_ptr", property(
+        lambda self, name=_name: self.multicast_ptrs.get(name, 0),
+        doc="0 (mok never multicasts), or what the original's constructor was given."))  # fmt: skip
+
+
+def _barrier_target(self: MoKWorkspace) -> torch.Tensor:
+    if self.caller_barrier_target is not None:
+        return self.caller_barrier_target
+    return self.buffers["barrier_epoch_buffer"][:1]
+
+
 MoKWorkspace.barrier_target = property(
-    lambda self: self.buffers["barrier_epoch_buffer"],
-    doc="The barrier's device-side target: this rank's arrival epoch (int32 [2]); mok keeps it "
-    "on the device so graph replays need no host count.",
+    _barrier_target,
+    doc="The barrier's device-side target, int32 [1]: this rank's arrival epoch (word 0 of "
+    "barrier_epoch_buffer; mok keeps it on the device so graph replays need no host count).",
 )
 
 
@@ -186,6 +293,8 @@ def workspace_from_handle(handle: int) -> MoKWorkspace:
     anew (an EP group's on CUDA, made collectively, raises instead: call get_workspace).
     """
     ws = _LIVE.get(handle)
+    if ws is None:
+        ws = _CALLER_BUILT.get(handle)
     if ws is None:
         ws = _remake_evicted(handle)
     # Not while torch.compile traces (the capture state is not a tensor; the compiled graph's
@@ -208,8 +317,9 @@ def _capturing() -> bool:
 
 
 def live_workspaces() -> list[MoKWorkspace]:
-    """Every workspace not destroyed (the original's raw ops find theirs by buffer address)."""
-    return list(_LIVE.values())
+    """Every workspace not destroyed, mok's then caller-built ones (the original's raw ops find
+    theirs by buffer address)."""
+    return [*_LIVE.values(), *_CALLER_BUILT.values()]
 
 
 def _remake_evicted(handle: int) -> MoKWorkspace:
@@ -535,9 +645,10 @@ def allocate_workspace(
     """A new workspace's buffers, registered live: symmetric memory for an EP group on CUDA,
     plain allocations otherwise or with `plain` (a virtual group then sets the peer tables)."""
     symmetric = ep_size > 1 and device.type == "cuda" and not plain
-    ws = MoKWorkspace(
+    ws = MoKWorkspace.allocated(
         handle=next(_NEXT_HANDLE),
         group=group,
+        group_name="" if group is None else group.group_name,
         ep_rank=ep_rank,
         ep_size=ep_size,
         device=device,

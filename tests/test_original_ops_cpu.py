@@ -408,7 +408,7 @@ BAD_ARGUMENTS = [
     ("all_gather_top_experts", "chunk_bytes", lambda v: 24, ValueError, "multiple of 16"),
     ("barrier_all", "barrier_buffer_ptrs", lambda v: [8], ValueError, "no workspace"),
     ("barrier_all", "barrier_buffer_ptrs", lambda v: [0], MoKInputError, "list of positive"),
-    ("barrier_all", "target", lambda v: v[:1], ValueError, r"target must have shape \[2\]"),
+    ("barrier_all", "target", lambda v: v.new_zeros(2), ValueError, r"target must have shape \[1\]"),
     ("barrier_all", "barrier_buffer_multicast_ptr", lambda v: 8, ValueError, "never multicast"),
     ("schedule", "topk_all", lambda v: v.long(), MoKInputError, "topk_all must have dtype"),
     ("schedule", "topk_all", lambda v: v[0], ValueError, r"topk_all must have shape \[\*, \*"),
