@@ -237,8 +237,9 @@ def test_barrier_counts_arrivals_in_buffer_and_target(compiled):
 
 
 def _forward_over_made_up_pointers(hidden: int, inter: int, num_comm_sms: int) -> None:
-    """The BF16 forward op on fake CUDA tensors and pointers no workspace has."""
-    pointers = [1, 2, 3, 4]
+    """The BF16 forward op on fake CUDA tensors and pointers no workspace has (not the small
+    integers other tests build fake workspaces over, which may still be alive)."""
+    pointers = [0x7E57_0000 + 0x100 * i for i in range(4)]
     ops.dispatch_mlp_swiglu_combine_fwd_bf16(
         _cuda_empty(T, hidden), pointers, _cuda_empty(T * K, hidden), pointers,
         _cuda_empty(inter, hidden), _cuda_empty(1, inter, hidden), _cuda_empty(inter, hidden),
