@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import peer_worker
-from benchmarks.peer_worker import PeerJob
+from benchmarks.peer_worker import PeerAvailability, PeerJob
 
 PACKAGES = ("liger_kernel", "liger_cute_kernels")
 DISTRIBUTIONS = ("liger-kernel", "liger-cute-kernels", "apache-tvm-ffi", "nvidia-nvshmem-cu12")
@@ -58,7 +58,7 @@ KILL_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
-class LigerAvailability:
+class LigerAvailability(PeerAvailability):
     """Where LigerMoE is installed, or why it cannot be used.
 
     ``site`` is the directory holding ``liger_cute_kernels`` (its NVSHMEM and CUDA runtime
@@ -66,16 +66,8 @@ class LigerAvailability:
     worker's PYTHONPATH), ``reason`` is ``None`` when the row can be attempted.
     """
 
-    reason: str | None
-    site: str | None = None
-    versions: dict | None = None
     nvshmem_host: str | None = None
     cudart: str | None = None
-    python_path: tuple[str, ...] = ()
-
-    @property
-    def available(self) -> bool:
-        return self.reason is None
 
     def label(self) -> str:
         versions = self.versions or {}
@@ -137,7 +129,8 @@ def find_liger(extra_site: str | None = None) -> LigerAvailability:
         found = next(importlib.metadata.distributions(name=dist_name, path=[str(site)]), None)
         versions[dist_name] = found.version if found is not None else None
     python_path = tuple(dict.fromkeys(str(d.parent) for d in dirs.values()))
-    return LigerAvailability(None, str(site), versions, nvshmem, cudart, python_path)
+    return LigerAvailability(None, str(site), versions, python_path, nvshmem_host=nvshmem,
+                             cudart=cudart)  # fmt: skip
 
 
 def unsupported_reason(swiglu_limit: float | None, shared: bool) -> str | None:

@@ -421,22 +421,29 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
             num_tokens, shape.num_experts, shape.hidden_size, shape.topk, sm_count
         )
         job = liger.LigerJob(
-            shape=shape.name,
-            num_tokens=num_tokens,
-            quick=args.quick,
-            seed=args.seed,
-            passes=tuple(args.passes),
-            warmup=args.warmup,
-            reps=args.reps,
-            device_index=device.index if device.index is not None else torch.cuda.current_device(),
+            **peer_job_fields(shape, num_tokens, args, device, args.liger_timeout),
             heap_gib=heap_gib,
-            timeout_s=args.liger_timeout,
-            result_path="",  # run_job gives it a file of its own
         )
         result = liger.run_job(job, availability)
         outcomes = liger.pass_outcomes(result, job.passes)
     return peer_rows("liger", label, outcomes, result, shape, num_tokens, args, base,
                      best_baseline, ceilings, emit)  # fmt: skip
+
+
+def peer_job_fields(shape, num_tokens, args, device, timeout_s: float) -> dict:
+    """A peer worker's PeerJob fields for one shape and token count of this run."""
+    return dict(
+        shape=shape.name,
+        num_tokens=num_tokens,
+        quick=args.quick,
+        seed=args.seed,
+        passes=tuple(args.passes),
+        warmup=args.warmup,
+        reps=args.reps,
+        device_index=device.index if device.index is not None else torch.cuda.current_device(),
+        timeout_s=timeout_s,
+        result_path="",  # run_job gives it a file of its own
+    )
 
 
 def sonic_rows(
@@ -451,18 +458,7 @@ def sonic_rows(
     if status is not None:
         outcomes, result = {p: {"status": status} for p in args.passes}, {}
     else:
-        job = PeerJob(
-            shape=shape.name,
-            num_tokens=num_tokens,
-            quick=args.quick,
-            seed=args.seed,
-            passes=tuple(args.passes),
-            warmup=args.warmup,
-            reps=args.reps,
-            device_index=device.index if device.index is not None else torch.cuda.current_device(),
-            timeout_s=args.sonic_timeout,
-            result_path="",  # run_job gives it a file of its own
-        )
+        job = PeerJob(**peer_job_fields(shape, num_tokens, args, device, args.sonic_timeout))
         result = sonic.run_job(job, availability)
         outcomes = sonic.pass_outcomes(result, job.passes)
     label = availability.label() if availability.available else "SonicMoE"

@@ -28,6 +28,21 @@ LOG_TAIL_LINES = 12
 
 
 @dataclass(frozen=True)
+class PeerAvailability:
+    """Where a peer is installed (``site``; ``python_path``: the worker's first paths), or why
+    it cannot be used (``reason``; None when its row can be attempted)."""
+
+    reason: str | None
+    site: str | None = None
+    versions: dict | None = None
+    python_path: tuple[str, ...] = ()
+
+    @property
+    def available(self) -> bool:
+        return self.reason is None
+
+
+@dataclass(frozen=True)
 class PeerJob:
     """One shape for one worker: everything it needs to rebuild the harness' inputs and timing."""
 

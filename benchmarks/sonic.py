@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import peer_worker
-from benchmarks.peer_worker import PeerJob
+from benchmarks.peer_worker import PeerAvailability, PeerJob
 
 PACKAGE = "sonicmoe"
 DISTRIBUTIONS = ("sonic-moe", "quack-kernels", "nvidia-cutlass-dsl")
@@ -57,17 +57,8 @@ CONVERSIONS = "W1 = gate/up rows interleaved, expert ids int64->int32, built onc
 
 
 @dataclass(frozen=True)
-class SonicAvailability:
-    """Where SonicMoE is, or why it cannot be used; ``python_path``: the worker's first paths."""
-
-    reason: str | None
-    site: str | None = None
-    versions: dict | None = None
-    python_path: tuple[str, ...] = ()
-
-    @property
-    def available(self) -> bool:
-        return self.reason is None
+class SonicAvailability(PeerAvailability):
+    """Where SonicMoE is, or why it cannot be used."""
 
     def label(self) -> str:
         versions = self.versions or {}

@@ -173,7 +173,9 @@ def test_pass_outcomes_keep_what_was_measured_before_a_crash(tmp_path):
 
 def _liger_args(passes):
     args = moe.parse_args(["--passes", ",".join(passes), "--tokens", "4096"])
-    args.liger = liger.LigerAvailability(None, "/site", {"liger-kernel": "0.8.5"}, "/lib.so")
+    args.liger = liger.LigerAvailability(
+        None, "/site", {"liger-kernel": "0.8.5"}, nvshmem_host="/lib.so"
+    )
     return args
 
 
