@@ -328,3 +328,57 @@ def test_transformers_model_under_torch_compile_fullgraph():
     module = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
     assert module.gate_up_proj.grad is not None
     assert module.gate_up_proj.grad.shape == module.gate_up_proj.shape
+
+
+def _tt_moe_config(shared_width: int, dim: int = 128, width: int = 128):
+    """A TorchTitan MoE layer config with a SwiGLU shared expert (DeepSeek-V3's kind)."""
+    _torchtitan()
+    from functools import partial
+
+    from torchtitan.models.common.config_utils import (
+        make_ffn_config,
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+
+    init = {"weight": partial(torch.nn.init.normal_, std=0.05), "bias": torch.nn.init.zeros_}
+    experts_init = {n: partial(torch.nn.init.normal_, std=0.05)
+                    for n in ("w1_EFD", "w2_EDF", "w3_EFD")}  # fmt: skip
+    return make_moe_config(
+        num_experts=8,
+        router=make_router_config(dim=dim, num_experts=8, gate_param_init=init, top_k=2,
+                                  score_func="softmax", route_norm=True),  # fmt: skip
+        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=width, num_experts=8,
+                                                  top_k=2, param_init=experts_init,
+                                                  comm_backend="standard"),  # fmt: skip
+        shared_experts=make_ffn_config(dim=dim, hidden_dim=shared_width, w1_param_init=init,
+                                       w2w3_param_init=init),  # fmt: skip
+    )
+
+
+@pytest.mark.parametrize("shared_width, folded", [(128, True), (256, False)])
+def test_torchtitan_moe_override_folds_a_shared_expert_of_the_routed_width(shared_width, folded):
+    """mok_moe: a shared expert as wide as the routed ones runs inside mok's layer, another runs
+    as TorchTitan's; output and every gradient within 2x TorchTitan's own bf16 error."""
+    import mok.integrations.torchtitan as mok_tt
+
+    layers = {}
+    for name, make in (("own", lambda c: c), ("mok", mok_tt.mok_moe), ("fp32", lambda c: c)):
+        torch.manual_seed(0)
+        layer = make(_tt_moe_config(shared_width)).build()
+        layer.init_states()
+        layers[name] = layer.float() if name == "fp32" else layer.to(torch.bfloat16)
+    for layer in layers.values():
+        layer.load_state_dict(layers["own"].state_dict())
+    assert type(layers["mok"]).__name__ == "MoKMoE"
+    assert layers["mok"].folds_shared_expert() is folded
+    x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for name, layer in layers.items():
+        xin = x.clone() if name == "fp32" else x.to(torch.bfloat16)
+        out = layer(xin)
+        out.float().square().sum().backward()
+        results[name] = [out.detach().float()] + [p.grad for _, p in layer.named_parameters()]
+    for got, want, fp32 in zip(results["mok"], results["own"], results["fp32"], strict=True):
+        _close(got.float(), want.float(), fp32.float())
