@@ -347,13 +347,25 @@ def _tt_moe_config(shared_width: int, dim: int = 128, width: int = 128):
                     for n in ("w1_EFD", "w2_EDF", "w3_EFD")}  # fmt: skip
     return make_moe_config(
         num_experts=8,
-        router=make_router_config(dim=dim, num_experts=8, gate_param_init=init, top_k=2,
-                                  score_func="softmax", route_norm=True),  # fmt: skip
-        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=width, num_experts=8,
-                                                  top_k=2, param_init=experts_init,
-                                                  comm_backend="standard"),  # fmt: skip
-        shared_experts=make_ffn_config(dim=dim, hidden_dim=shared_width, w1_param_init=init,
-                                       w2w3_param_init=init),  # fmt: skip
+        router=make_router_config(
+            dim=dim,
+            num_experts=8,
+            gate_param_init=init,
+            top_k=2,
+            score_func="softmax",
+            route_norm=True,
+        ),  # fmt: skip
+        routed_experts=make_routed_experts_config(
+            dim=dim,
+            hidden_dim=width,
+            num_experts=8,
+            top_k=2,
+            param_init=experts_init,
+            comm_backend="standard",
+        ),  # fmt: skip
+        shared_experts=make_ffn_config(
+            dim=dim, hidden_dim=shared_width, w1_param_init=init, w2w3_param_init=init
+        ),  # fmt: skip
     )
 
 
