@@ -394,3 +394,14 @@ def test_torchtitan_moe_override_folds_a_shared_expert_of_the_routed_width(share
         results[name] = [out.detach().float()] + [p.grad for _, p in layer.named_parameters()]
     for got, want, fp32 in zip(results["mok"], results["own"], results["fp32"], strict=True):
         _close(got.float(), want.float(), fp32.float())
+
+
+def test_torchtitan_override_refuses_an_unknown_knob():
+    _torchtitan()
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    config = qwen3_configs["debugmodel_moe"]("flex")
+    entry = ("mok.integrations.torchtitan.mok_routed_experts", {"recomputee": True})
+    with pytest.raises(ValueError, match=r"not on MoKRoutedExperts.Config: \['recomputee'\]"):
+        apply_overrides(OverrideConfig(imports=[entry]), config)

@@ -66,8 +66,7 @@ class MoKRoutedExperts(RoutedExperts):
 
     def parallelize(self, parallel_dims) -> None:
         super().parallelize(parallel_dims)
-        ep_mesh = parallel_dims.get_optional_mesh("ep")
-        self.ep_group = None if ep_mesh is None else ep_mesh.get_group()
+        self.ep_group = _ep_group(parallel_dims)
 
     def forward(
         self,
@@ -135,8 +134,7 @@ class MoKMoE(MoE):
 
     def parallelize(self, parallel_dims) -> None:
         super().parallelize(parallel_dims)
-        ep_mesh = parallel_dims.get_optional_mesh("ep")
-        self.ep_group = None if ep_mesh is None else ep_mesh.get_group()
+        self.ep_group = _ep_group(parallel_dims)
 
     def folds_shared_expert(self) -> bool:
         """Whether the shared expert runs inside mok's layer: a SwiGLU FeedForward without
@@ -168,6 +166,12 @@ class MoKMoE(MoE):
         return out_BLD
 
 
+def _ep_group(parallel_dims):
+    """The process group of TorchTitan's EP mesh, or None (a group of one) without one."""
+    ep_mesh = parallel_dims.get_optional_mesh("ep")
+    return None if ep_mesh is None else ep_mesh.get_group()
+
+
 def _local_bf16(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a weight (a DTensor's local shard), in bf16."""
     if hasattr(weight, "to_local"):
@@ -181,24 +185,11 @@ def _local_bf16(weight: torch.Tensor) -> torch.Tensor:
     description="mok: dispatch, SwiGLU experts and combine in mok's megakernels",
     exact=True,
 )
-def mok_routed_experts(
-    cfg: RoutedExperts.Config,
-    *,
-    fwd_num_comm_sms: int = 0,
-    bwd_num_comm_sms: int = 0,
-    minibatch_size: int = 131072,
-    macrobatch_size: int = 131072,
-    schedule_capacity_multiplier: float = 0.5,
-    recompute: bool = False,
-) -> MoKRoutedExperts.Config:
+def mok_routed_experts(cfg: RoutedExperts.Config, **knobs) -> MoKRoutedExperts.Config:
     """The override: every MoE layer's RoutedExperts config becomes MoKRoutedExperts' with the
-    same fields and mok's knobs."""
-    return derive(
-        cfg, MoKRoutedExperts.Config, fwd_num_comm_sms=fwd_num_comm_sms,
-        bwd_num_comm_sms=bwd_num_comm_sms, minibatch_size=minibatch_size,
-        macrobatch_size=macrobatch_size,
-        schedule_capacity_multiplier=schedule_capacity_multiplier, recompute=recompute,
-    )  # fmt: skip
+    same fields and mok's knobs (`knobs`: MoKKnobs' fields, from the import entry's JSON; any
+    other name is refused by `derive`)."""
+    return derive(cfg, MoKRoutedExperts.Config, **knobs)
 
 
 @override(
@@ -207,21 +198,7 @@ def mok_routed_experts(
     description="mok: the MoE layer's routed experts and a foldable shared expert in mok",
     exact=True,
 )
-def mok_moe(
-    cfg: MoE.Config,
-    *,
-    fwd_num_comm_sms: int = 0,
-    bwd_num_comm_sms: int = 0,
-    minibatch_size: int = 131072,
-    macrobatch_size: int = 131072,
-    schedule_capacity_multiplier: float = 0.5,
-    recompute: bool = False,
-) -> MoKMoE.Config:
+def mok_moe(cfg: MoE.Config, **knobs) -> MoKMoE.Config:
     """The override: every MoE layer's config becomes MoKMoE's with the same fields (router,
-    routed and shared experts) and mok's knobs."""
-    return derive(
-        cfg, MoKMoE.Config, fwd_num_comm_sms=fwd_num_comm_sms,
-        bwd_num_comm_sms=bwd_num_comm_sms, minibatch_size=minibatch_size,
-        macrobatch_size=macrobatch_size,
-        schedule_capacity_multiplier=schedule_capacity_multiplier, recompute=recompute,
-    )  # fmt: skip
+    routed and shared experts) and mok's knobs (as `mok_routed_experts`')."""
+    return derive(cfg, MoKMoE.Config, **knobs)
