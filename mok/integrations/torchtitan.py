@@ -53,20 +53,25 @@ class MoKKnobs:
     recompute: bool = False
 
 
-class MoKRoutedExperts(RoutedExperts):
-    """`RoutedExperts` whose dispatch, experts and combine run in mok (same parameters)."""
+class _MoKLayer:
+    """What both overrides' modules add to TorchTitan's: mok's knobs from their config, and the
+    EP group from TorchTitan's EP mesh when it parallelizes them."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(RoutedExperts.Config, MoKKnobs):
-        """RoutedExperts' fields, and mok's knobs."""
-
-    def __init__(self, config: Config):
+    def __init__(self, config):
         super().__init__(config)
         _mok_knobs(self, config)
 
     def parallelize(self, parallel_dims) -> None:
         super().parallelize(parallel_dims)
         self.ep_group = _ep_group(parallel_dims)
+
+
+class MoKRoutedExperts(_MoKLayer, RoutedExperts):
+    """`RoutedExperts` whose dispatch, experts and combine run in mok (same parameters)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config, MoKKnobs):
+        """RoutedExperts' fields, and mok's knobs."""
 
     def forward(
         self,
@@ -120,21 +125,13 @@ def _mok_knobs(owner, config) -> None:
     owner.ep_group = None
 
 
-class MoKMoE(MoE):
+class MoKMoE(_MoKLayer, MoE):
     """TorchTitan's `MoE` (same parameters, router and load-balancing counts) with its routed
     experts, and its shared expert where it is foldable, in one mok layer."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(MoE.Config, MoKKnobs):
         """MoE's fields, and mok's knobs."""
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        _mok_knobs(self, config)
-
-    def parallelize(self, parallel_dims) -> None:
-        super().parallelize(parallel_dims)
-        self.ep_group = _ep_group(parallel_dims)
 
     def folds_shared_expert(self) -> bool:
         """Whether the shared expert runs inside mok's layer: a SwiGLU FeedForward without
