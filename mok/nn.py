@@ -117,7 +117,7 @@ class MoKFunction(torch.autograd.Function):
         if fused is not None:  # gate_up's gradient whole (or Megatron's dummy) in gate's place
             d_gate, d_up = weight_grads[3], weight_grads[4]
             if main_grads is None or main_grads[0] is None:
-                weight_grads[3] = fuse_gate_up(d_gate, d_up)
+                weight_grads[3] = torch.cat((d_gate, d_up), dim=1)
             weight_grads[4] = None
         return (None,) * 7 + (d_x, d_router, *weight_grads)
 
@@ -183,19 +183,6 @@ def _layer_weights(weights: tuple) -> tuple:
     strided weights yet)."""
     halves = tuple(h.contiguous() for h in split_gate_up(weights[3]))
     return (*weights[:3], *halves, weights[5])
-
-
-def fuse_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor) -> torch.Tensor:
-    """The gradient of a fused gate_up from its halves' gradients: the one tensor they are views
-    of, when the backward wrote them so (no copy); else the two concatenated."""
-    base = d_gate._base
-    if base is not None and d_up._base is base and base.dim() == 3:
-        gate, up = split_gate_up(base)
-        if (gate.data_ptr(), up.data_ptr()) == (d_gate.data_ptr(), d_up.data_ptr()) and (
-            gate.stride() == d_gate.stride() and gate.shape == d_gate.shape
-        ):
-            return base
-    return torch.cat((d_gate, d_up), dim=1)
 
 
 def moe_fused(
@@ -418,11 +405,8 @@ class MoKExperts(nn.Module):
     def _workspace_handle(self, num_tokens: int, device: torch.device) -> int:
         # Run for real when torch.compile traces (not traced into the graph): the workspace
         # must exist when the compiled graph's ops look its handle up.
-        return functional.get_workspace(
-            self.config, self.group, device=device, num_local_tokens=num_tokens,
-            hidden_size=self.hidden_size, topk=self.topk,
-            num_local_experts=self.num_local_experts,
-        ).handle  # fmt: skip
+        return _workspace_handle(self.config, self.group, device, num_tokens, self.hidden_size,
+                                 self.topk, self.num_local_experts)  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, router_weights: torch.Tensor, top_experts: torch.Tensor

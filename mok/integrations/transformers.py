@@ -33,6 +33,8 @@ from ..nn import layer_workspace, moe_fused
 __all__ = ["NAME", "experts_forward", "register"]
 
 NAME = "mok"
+# One object, so that calls without a config share mok's per-config caches.
+_DEFAULT_CONFIG = MoKConfig()
 _SILU = ("silu", "swish")
 
 
@@ -40,7 +42,7 @@ def register(name: str = NAME, config: MoKConfig | None = None) -> None:
     """Register mok as transformers experts implementation `name` (``"mok"`` on import), run
     with `config` (default `MoKConfig()`). Register before the model is built: transformers
     checks the name when it builds the model."""
-    config = MoKConfig() if config is None else config
+    config = _DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
     config.validate()
@@ -67,7 +69,7 @@ def experts_forward(
     [E, H, I]); `hidden_states` bf16 [T, H]; `top_k_index` int64 [T, k]; `top_k_weights`
     [T, k] (> 0), any float dtype. Returns bf16 [T, H]."""
     _check_module(module, hidden_states)
-    config = MoKConfig() if config is None else config
+    config = _DEFAULT_CONFIG if config is None else config
     gate_up, down = module.gate_up_proj, module.down_proj
     num_tokens, topk = top_k_index.shape
     num_experts = gate_up.shape[0]
