@@ -15,7 +15,6 @@ Run it from outside the checkout, so that `import mok` finds the installed copy.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import json
 import pkgutil
@@ -24,23 +23,14 @@ from importlib import resources
 from pathlib import Path
 
 
-def package_roots(source_root: Path) -> dict[str, str]:
-    """setup.py's PACKAGE_ROOTS (installed name -> source folder), read without running it."""
-    tree = ast.parse((source_root / "setup.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PACKAGE_ROOTS":
-            return ast.literal_eval(node.value)
-    raise SystemExit("setup.py: no PACKAGE_ROOTS")
-
-
 def source_modules(source_root: Path) -> set[str]:
+    """Every .py file under the checkout's mok/, as its import name."""
     names = set()
-    for import_root, folder in package_roots(source_root).items():
-        for source in (source_root / folder).rglob("*.py"):
-            parts = source.relative_to(source_root / folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            names.add(".".join((import_root, *parts)))
+    for source in (source_root / "mok").rglob("*.py"):
+        parts = source.relative_to(source_root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names.add(".".join(parts))
     return names
 
 
@@ -92,7 +82,7 @@ def main() -> int:
 
     cubins = resources.files("mok.dsl_kernels") / "cubins"
     manifest = json.loads((cubins / "manifest.json").read_text())
-    source_cubins = source_root / "dsl_kernels" / "cubins"
+    source_cubins = source_root / "mok" / "dsl_kernels" / "cubins"
     if (cubins / "manifest.json").read_bytes() != (source_cubins / "manifest.json").read_bytes():
         raise SystemExit("installed manifest.json differs from the checkout's")
     names = [entry["cubin"] for entry in manifest["variants"]]

@@ -10,20 +10,9 @@ mok's errors (`mok.MoKInputError`, `mok.MoKWaitTimeoutError`, ...: `mok.errors`)
 from __future__ import annotations
 
 import importlib
-import os
 
 __version__ = "0.1.0"
 
-# Run from a source checkout without an editable install (the checkout's root first on sys.path,
-# so this folder shadows an installed copy): mok.runtime and mok.dsl_kernels are the sibling
-# folders runtime/ and dsl_kernels/ there, so the root joins this package's search path. An
-# installed package has them inside it and is left as it is.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-if not os.path.isdir(os.path.join(_HERE, "runtime")) and os.path.isfile(
-    os.path.join(_ROOT, "runtime", "__init__.py")
-):
-    __path__.append(_ROOT)  # noqa: F821 - a package's own __path__
 _SUBMODULES = ("config", "functional", "ops", "nn", "reference", "types", "runtime")
 
 

@@ -754,7 +754,7 @@ def _(d_x_shared, d_x_routed_buffer, topk=None):
     return d_x_routed_buffer.new_empty(d_x_routed_buffer.shape[0] // k, d_x_routed_buffer.shape[1])
 
 
-from .original_ops import *  # noqa: E402, F403 - the original raw op set (mok/original_ops.py)
+from .original.ops import *  # noqa: E402, F403 - the original raw op set (mok/original/ops.py)
 
 
 def _document_ops(namespace: dict) -> None:

@@ -1,4 +1,4 @@
-"""A layer step written with the original's raw ops (mok/original_ops.py), composed as the
+"""A layer step written with the original's raw ops (mok/original/ops.py), composed as the
 original's `mok.functional` composes them: the buffers filled, a barrier before and after each
 pass, the epilogues over the workspace's slot buffers. Shared by the CPU and GPU tests."""
 

@@ -1,4 +1,4 @@
-"""CPU checks of the EP comm kernels (dsl_kernels/common/{bounded_wait, flag_wait_probe,
+"""CPU checks of the EP comm kernels (mok/dsl_kernels/common/{bounded_wait, flag_wait_probe,
 ep_barrier, all_gather_top_experts}.py): they compile for sm_90a and sm_100a, their PTX uses
 the memory orders the protocol needs (acquire polls, release arrivals at system scope, the
 error-record CAS + fence, the arrival epoch read with an acquire first and retired with an

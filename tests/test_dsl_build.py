@@ -1,4 +1,4 @@
-"""CPU checks of the ahead-of-time kernel build (dsl_kernels/build.py).
+"""CPU checks of the ahead-of-time kernel build (mok/dsl_kernels/build.py).
 
 Compiles every registered variant once per committed arch (a few seconds in total) and checks:
 the committed cubins + manifest are exactly what the sources produce (cubins are byte-for-byte

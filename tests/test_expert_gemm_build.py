@@ -1,4 +1,4 @@
-"""CPU checks of the SM90 grouped expert GEMMs (dsl_kernels/sm90/expert_gemm.py).
+"""CPU checks of the SM90 grouped expert GEMMs (mok/dsl_kernels/sm90/expert_gemm.py).
 
 Compiles both variants for sm_90a (about 1 s each, into memory, never into the committed
 cubins) and checks what a GPU run depends on: the engine's instructions are in the PTX (TMA
@@ -98,7 +98,7 @@ def assert_epilogue_handoff(
     handoffs: int = 1,
     ticketed: bool = False,
 ) -> None:
-    """The epilogue-warps hand-off (dsl_kernels/sm90/epilogue_warps.py) is what the PTX does:
+    """The epilogue-warps hand-off (mok/dsl_kernels/sm90/epilogue_warps.py) is what the PTX does:
     the consumers write their 2 x 32 bf16 pairs of the two accumulators to shared memory
     between `bar.sync BUFFERS_FREE` and `bar.arrive TILE_READY` (256 consumer threads + the
     crew's `crew` threads); the crew arrives on BUFFERS_FREE at the start of each tile, waits

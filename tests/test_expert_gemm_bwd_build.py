@@ -1,4 +1,4 @@
-"""CPU checks of the SM90 backward expert GEMMs (dsl_kernels/sm90/expert_gemm_bwd.py and
+"""CPU checks of the SM90 backward expert GEMMs (mok/dsl_kernels/sm90/expert_gemm_bwd.py and
 expert_gemm_bwd_weights.py).
 
 Compiles the three variants for sm_90a (into memory, never into the committed cubins) and checks
@@ -19,7 +19,6 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from mok.dsl_kernels import build  # noqa: E402
 from mok.dsl_kernels.registry import variants  # noqa: E402
-
 from tests.test_expert_gemm_build import (  # noqa: E402
     EIATTR_FRAME_SIZE,
     EIATTR_REGCOUNT,
@@ -198,6 +197,7 @@ def test_manifest_entry(built, name):
 def test_manifest_parses_and_packs(built):
     """The runtime reads the entries and packs a launch with descriptors built from the specs."""
     import torch
+
     from mok.runtime import TmaDescriptor
     from mok.runtime.launch import pack_args
     from mok.runtime.manifest import parse_manifest

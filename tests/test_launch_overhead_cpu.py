@@ -1,6 +1,6 @@
 """CPU tests of the launch fast path: same bytes as the per-param packer, bounded host cost.
 
-`ArgPacker` (runtime/launch.py) replaced a packer that allocated a buffer and wrote each param
+`ArgPacker` (mok/runtime/launch.py) replaced a packer that allocated a buffer and wrote each param
 through ctypes on every launch. `reference_pack` below is that packer, kept here as the
 reference: every kind must pack to the same bytes and be refused with the same error. The
 launch path itself runs against a fake driver that records each cuLaunchKernelEx call.
@@ -19,6 +19,7 @@ import types
 
 import pytest
 import torch
+
 from mok.runtime import TmaDescriptor, _driver, normalize_grid, pack_args
 from mok.runtime import module as runtime_module
 from mok.runtime.errors import MoKCudaError

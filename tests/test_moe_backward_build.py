@@ -1,4 +1,4 @@
-"""CPU checks of the SM90 backward megakernel v1's build (dsl_kernels/sm90/moe_backward.py), no
+"""CPU checks of the SM90 backward megakernel v1's build (mok/dsl_kernels/sm90/moe_backward.py), no
 GPU: the scaled dispatch phase (batched loads, one mul.rn per element, fence and barrier before
 the counters are released), the GPU-scope release/acquire counters and the exit that leaves
 them zero, the wgmmas reading B
@@ -17,7 +17,6 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from mok.dsl_kernels import build  # noqa: E402
 from mok.dsl_kernels.registry import variants  # noqa: E402
-
 from tests.test_expert_gemm_build import H200_SMEM_OPTIN, _count  # noqa: E402
 from tests.test_moe_forward_build import assert_dispatch_batches, assert_retires  # noqa: E402
 

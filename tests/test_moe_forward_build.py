@@ -1,4 +1,4 @@
-"""CPU checks of the SM90 forward megakernel's build (dsl_kernels/sm90/moe_forward.py), no GPU.
+"""CPU checks of the SM90 forward megakernel's build (mok/dsl_kernels/sm90/moe_forward.py), no GPU.
 
 What its GPU run depends on and a refactor could silently lose: the dispatch's batched loads
 and its fence and barrier before the counters are released, the GPU-scope release/acquire
@@ -55,7 +55,6 @@ def test_exit_leaves_counters_zero(built):
     _, _, ptx = built
     assert_retires(ptx)
     from mok.dsl_kernels.sm90 import moe_backward, moe_forward
-
     from mok.launchers import megakernel_walk
 
     assert moe_forward.COUNTER_TAIL == megakernel_walk.FORWARD_COUNTER_TAIL

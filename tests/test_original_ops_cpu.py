@@ -1,4 +1,4 @@
-"""The original's raw op set (mok/original_ops.py) on the CPU path: the original's schemas
+"""The original's raw op set (mok/original/ops.py) on the CPU path: the original's schemas
 and mutated arguments, fake implementations, torch.compile(fullgraph=True) over a composition,
 the composition as the original's functional API writes it bitwise equal to mok.functional
 (BF16 and MXFP8, one rank and an EP group of two on gloo), and a clear error for each bad

@@ -17,8 +17,6 @@ TOP_FOLDERS = {
     "examples",
     "tests",
     "mok",
-    "runtime",
-    "dsl_kernels",
     "benchmarks",
     "tools",
     ".ci",

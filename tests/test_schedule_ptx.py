@@ -1,4 +1,4 @@
-"""CPU checks of the GPU schedule (dsl_kernels/common/schedule*.py, mok/launchers/schedule_kernels.py).
+"""CPU checks of the GPU schedule (mok/dsl_kernels/common/schedule*.py, mok/launchers/schedule_kernels.py).
 
 1. A pure-PyTorch emulation of the kernels' exact multi-pass algorithm (same 4096-entry chunks,
    same 8 warps x 16 steps x 32 lanes, same match.any groups and leaders, same scans, padding
@@ -18,7 +18,7 @@ from mok import reference
 from mok.config import ROUTED_ROW_ALIGNMENT
 from mok.launchers import schedule_kernels as launcher
 
-# The kernels' constants (dsl_kernels/common/schedule_warp.py), restated: the emulation must
+# The kernels' constants (mok/dsl_kernels/common/schedule_warp.py), restated: the emulation must
 # not import the DSL. `test_constants_agree` checks them against the kernel sources.
 WARP_SIZE = 32
 WARPS = 8

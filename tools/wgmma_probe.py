@@ -1,5 +1,5 @@
 """How fast each candidate MXFP8 GEMM engine could be on this GPU: the wgmma probe's compute
-ceilings (dsl_kernels/sm90/wgmma_probe.py) beside torch's dense GEMM ceilings, same run.
+ceilings (mok/dsl_kernels/sm90/wgmma_probe.py) beside torch's dense GEMM ceilings, same run.
 
     python -m tools.wgmma_probe [--iterations 20000] [--reps 5]
 

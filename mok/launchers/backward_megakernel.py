@@ -1,4 +1,4 @@
-"""The backward megakernel's launcher (dsl_kernels/sm90/moe_backward.py): dispatch, d_hidden,
+"""The backward megakernel's launcher (mok/dsl_kernels/sm90/moe_backward.py): dispatch, d_hidden,
 d_x to slots and (unless fp32 main_grads take them) the weight gradients in one launch; for a
 plan made with `finish` (a group of one without a shared expert, launchers/backward_op.py), also
 backward_finish's d_x sum and router-weight gradients as the launch's last phase. Its

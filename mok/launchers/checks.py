@@ -12,7 +12,7 @@ MAX_COLS = 1 << 16
 # The sm_90a GEMMs take two 128-column blocks of H a tile.
 HIDDEN_ALIGNMENT = 256
 # The kernels pack a routed row's (source rank, row) into one int32: rank * 2^24 + row
-# (dsl_kernels/common/peers.py).
+# (mok/dsl_kernels/common/peers.py).
 MAX_EP_SIZE = 127
 MAX_PACKED_ROWS = 1 << 24
 

@@ -1,6 +1,6 @@
 """EP-group communication launches: device barrier, routing-id all-gather, bounded-wait probe.
 
-Kernels: dsl_kernels/common ep_barrier.py, all_gather_top_experts.py, flag_wait_probe.py, on
+Kernels: mok/dsl_kernels/common ep_barrier.py, all_gather_top_experts.py, flag_wait_probe.py, on
 bounded_wait.py. Unicast peer loads, stores and atomics only: NVLink multicast is never used.
 
 Launches never synchronise. A wait that gives up writes the device's error record (pinned,

@@ -1,6 +1,6 @@
 """Grouped expert GEMMs over the expert-major routed buffer (SM90, TMA + wgmma).
 
-Kernels `expert_gemm_gate_up_swiglu`, `expert_gemm_down` (dsl_kernels/sm90/expert_gemm.py), tiles
+Kernels `expert_gemm_gate_up_swiglu`, `expert_gemm_down` (mok/dsl_kernels/sm90/expert_gemm.py), tiles
 located on the device from `tokens_per_expert` (no host sync):
 
     gate_up_swiglu: gate, up = bf16(x @ W_gate[e].T), bf16(x @ W_up[e].T);

@@ -1,7 +1,7 @@
 """Backward grouped expert GEMMs over the expert-major routed buffer (SM90, TMA + wgmma).
 
 Kernels `expert_gemm_bwd_d_hidden_swiglu`, `expert_gemm_bwd_d_x`
-(dsl_kernels/sm90/expert_gemm_bwd.py) and `expert_gemm_bwd_weights` (expert_gemm_bwd_weights.py),
+(mok/dsl_kernels/sm90/expert_gemm_bwd.py) and `expert_gemm_bwd_weights` (expert_gemm_bwd_weights.py),
 tiles located on the device from `tokens_per_expert` (no host sync):
 
     d_hidden_swiglu: d_gate, d_up = mok.reference.swiglu_backward(dY_e @ W_down[e], gate, up, limit)

@@ -1,4 +1,4 @@
-"""The forward megakernel's launcher (dsl_kernels/sm90/moe_forward.py): dispatch, gate/up +
+"""The forward megakernel's launcher (mok/dsl_kernels/sm90/moe_forward.py): dispatch, gate/up +
 SwiGLU and down to slots in one launch, before `epilogues.fwd_epilogue`; or, for a plan made
 with `combine` (a group of one without a shared expert, launchers/forward_op.py), with that
 epilogue's weighted sum into `out` as the launch's last phase. Its counters (the

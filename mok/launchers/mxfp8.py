@@ -3,7 +3,7 @@
 (`mxfp8_dequantize`).
 
 Kernels `mxfp8_quantize_rowwise` / `mxfp8_quantize_transposed` / `mxfp8_round_trip_rowwise` /
-`mxfp8_round_trip_columns` / `mxfp8_dequantize_rowwise` (dsl_kernels/common): one CTA of 256
+`mxfp8_round_trip_columns` / `mxfp8_dequantize_rowwise` (mok/dsl_kernels/common): one CTA of 256
 threads per 128x128 tile, grid (cols/128, rows/128).
 """
 

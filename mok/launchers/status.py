@@ -2,7 +2,7 @@
 
 The kernels that read an input value anyway check it there and, when it is bad, store a
 nonzero word into the device's value-status words (pinned, mapped host memory after the error
-record, runtime/error_record.py) and go on without writing out of bounds. Every mok op on CUDA
+record, mok/runtime/error_record.py) and go on without writing out of bounds. Every mok op on CUDA
 of a group of one starts by reading these words with plain host loads (no CUDA call, so also
 under graph capture); `mok.functional.check_errors` syncs first, and is where EP groups get
 them (a rank raising mid-step would strand its peers in a barrier). A nonzero word is cleared

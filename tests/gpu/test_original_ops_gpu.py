@@ -1,4 +1,4 @@
-"""The original's raw op set (mok/original_ops.py) on the GPU: composed as the original's
+"""The original's raw op set (mok/original/ops.py) on the GPU: composed as the original's
 functional API composes them (tests/original_composition.py), bitwise equal to mok.functional
 on CUDA, for a group of one, under torch.compile, and for a virtual EP group of two; the
 MXFP8 forward, recompute and backward ops equal to mok.functional's MXFP8 layer bitwise (the

@@ -1,4 +1,4 @@
-"""The wgmma probe (dsl_kernels/sm90/wgmma_probe.py) computes what its engine claims: every
+"""The wgmma probe (mok/dsl_kernels/sm90/wgmma_probe.py) computes what its engine claims: every
 CTA's 128 x 128 tile equals the fp64 tile exactly (operands and scales exact in fp32 sums), for
 each engine, on 2 CTAs and on every SM, after 1 and 5 passes, the output poisoned first."""
 

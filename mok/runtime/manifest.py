@@ -1,6 +1,6 @@
 """The cubin manifest: what the ahead-of-time build produced, read and validated.
 
-`dsl_kernels/cubins/manifest.json` (format 1) lists every compiled kernel variant:
+`mok/dsl_kernels/cubins/manifest.json` (format 1) lists every compiled kernel variant:
 
     {"format": 1, "dsl_version": "4.8.1", "source_hash": "...",
      "variants": [{"name", "kernel", "arch", "cubin", "symbol", "config",

@@ -81,7 +81,7 @@ class AllGatherTopExperts:
     of 4), `ctas_per_peer` (CTAs writing to one peer; each takes chunks c, c + ctas_per_peer,
     ...), `barrier_epoch_ptr` (int32 [2]: this rank's `barrier_epoch_buffer`, the arrival epoch
     of common/ep_barrier.py; targets are derived from it, wrap-safe), `error_record_ptr`
-    (runtime/error_record.py), `entry_phase` (WaitPhase id of the entry wait), `gather_phase`
+    (mok/runtime/error_record.py), `entry_phase` (WaitPhase id of the entry wait), `gather_phase`
     (WaitPhase id of the completion wait), `timeout_ns` (int64, per wait), `num_experts`
     (E * P: ids must lie in [0, num_experts)), `status_ptr` (the value-status words).
 

@@ -1,5 +1,5 @@
 """The layer's passes up to the per-(token, j) slots: the bodies of the original's raw ops
-`dispatch_mlp_swiglu_combine_{fwd,bwd}_{bf16,mxfp8}` (mok/original_ops.py).
+`dispatch_mlp_swiglu_combine_{fwd,bwd}_{bf16,mxfp8}` (mok/original/ops.py).
 
     forward:  each routed row's unweighted expert output lands in its token's slot
               t * k + j of `slots` (the combine buffer, on the token's rank); the shared
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from .mxfp8_context import dequantised_context, quantised_context
-from .types import MoKForwardContext, MoKSchedule
-from .validation import check_router_weight_values
+from .. import reference
+from ..mxfp8_context import dequantised_context, quantised_context
+from ..types import MoKForwardContext, MoKSchedule
+from ..validation import check_router_weight_values
 
 Tensor = torch.Tensor
 
@@ -39,7 +39,7 @@ def cuda_launchers(layer_op: str, ws):
     """The CUDA launchers of `layer_op`'s kernels, after raising the bad input values a kernel
     found (for a group of one only: a rank raising between collective launches would strand
     its peers; EP groups get them from mok.functional.check_errors)."""
-    from . import kernels  # noqa: PLC0415 - CUDA-only path
+    from .. import kernels  # noqa: PLC0415 - CUDA-only path
 
     launchers = kernels.require(layer_op, ws.device)
     if ws.ep_size == 1:
@@ -65,10 +65,10 @@ def forward_to_slots(
         )  # fmt: skip
         slots.copy_(got)
         return _filled(ctx, x), y_shared
-    from .launchers.checks import check_gpu_layer  # noqa: PLC0415 - CUDA-only path
-    from .launchers.forward_megakernel import routed_forward  # noqa: PLC0415
-    from .launchers.forward_op import _shared as shared_forward  # noqa: PLC0415
-    from .launchers.peer_tables import peer_tables  # noqa: PLC0415
+    from ..launchers.checks import check_gpu_layer  # noqa: PLC0415 - CUDA-only path
+    from ..launchers.forward_megakernel import routed_forward  # noqa: PLC0415
+    from ..launchers.forward_op import _shared as shared_forward  # noqa: PLC0415
+    from ..launchers.peer_tables import peer_tables  # noqa: PLC0415
 
     cuda_launchers("forward", ws)
     check_gpu_layer(ws, op)
@@ -115,10 +115,10 @@ def _cuda_backward_to_slots(
     """`backward_to_slots` on CUDA: the backward megakernel (with `mxfp8` its MXFP8 variant,
     composed as launchers/backward_op.py composes it; `routed` the MXFP8 tuples, `ctx` a
     dequantised quantised context, MXFP8 values already)."""
-    from .launchers import backward_op  # noqa: PLC0415 - CUDA-only path
-    from .launchers.backward_megakernel import push_router_grads, routed_backward  # noqa: PLC0415
-    from .launchers.checks import check_gpu_layer  # noqa: PLC0415
-    from .launchers.peer_tables import peer_tables  # noqa: PLC0415
+    from ..launchers import backward_op  # noqa: PLC0415 - CUDA-only path
+    from ..launchers.backward_megakernel import push_router_grads, routed_backward  # noqa: PLC0415
+    from ..launchers.checks import check_gpu_layer  # noqa: PLC0415
+    from ..launchers.peer_tables import peer_tables  # noqa: PLC0415
 
     cuda_launchers("backward", ws)
     check_gpu_layer(ws, op)

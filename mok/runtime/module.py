@@ -357,7 +357,7 @@ class Kernel:
         self, grid: int | Sequence[int], args: Mapping[str, Any], dynamic: Sequence[str] = ()
     ) -> BoundLaunch:
         """This launch with `args` checked and packed once; `BoundLaunch.launch` rewrites only
-        the `dynamic` params (runtime/bound_launch.py)."""
+        the `dynamic` params (mok/runtime/bound_launch.py)."""
         return BoundLaunch(self, grid, args, dynamic)
 
     def current_stream_handle(self) -> int:

@@ -24,7 +24,7 @@ sleeps between polls with an exponential `nanosleep` back-off (32 ns doubling to
 short wait costs little latency, a long one does not flood NVLink with polls), and reads
 `%globaltimer` (nanoseconds) to give up after `timeout_ns`, a kernel argument the host sets
 (never an environment read here). On giving up it writes the host-visible error record
-(runtime/error_record.py: CAS claim at system scope, fields, `fence.sc.sys`, flag = 2) and
+(mok/runtime/error_record.py: CAS claim at system scope, fields, `fence.sc.sys`, flag = 2) and
 executes `trap`, which aborts the kernel; the host then raises MoKWaitTimeoutError naming the
 rank, phase and counter values. A timed-out wait never returns.
 
@@ -39,7 +39,7 @@ from cutlass import Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-# Error-record layout (runtime/error_record.py): int32 words at the record's address.
+# Error-record layout (mok/runtime/error_record.py): int32 words at the record's address.
 RECORD_WORDS = 16
 FLAG_CLEAR = 0
 FLAG_CLAIMED = 1
@@ -347,7 +347,7 @@ def record_timeout_and_trap(
 ):
     """Write the error record (first writer only) and trap. Never returns.
 
-    Protocol of runtime/error_record.py: claim the record with a system-scope CAS 0 -> 1 (one
+    Protocol of mok/runtime/error_record.py: claim the record with a system-scope CAS 0 -> 1 (one
     writer wins; a later timeout anywhere only traps), store the fields, `fence.sc.sys` so the
     host never sees flag 2 before the fields, store flag 2, fence again so the flag has left
     the SM before `trap` tears the context down. A null record address only traps.

@@ -59,7 +59,7 @@ class Sm90ExpertGemmBwd:
         return 2 if self.job != "d_hidden_swiglu" else 1
 
     def tma_specs(self) -> list[dict]:
-        """Runtime descriptor encoding (runtime/tma.py), rank-2 bf16, box innermost first. A: [C, K],
+        """Runtime descriptor encoding (mok/runtime/tma.py), rank-2 bf16, box innermost first. A: [C, K],
         64 x 128 box. B: [E * K, N], 64 x 64 box (the swizzle caps it: a 128-column tile is two)."""
         return [
             phases.tma_spec("tma_a0", [TILE_K, TILE_M]),

@@ -47,10 +47,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import mxfp8_context, reference, slot_passes
-from . import original_op_checks as checks
-from .types import MoKForwardContext, MoKSchedule
-from .validation import check_expert_id_values, check_int, check_tensor
+from .. import mxfp8_context, reference
+from ..types import MoKForwardContext, MoKSchedule
+from ..validation import check_expert_id_values, check_int, check_tensor
+from . import checks, slot_passes
 
 __all__ = [
     "all_gather_top_experts",
@@ -133,8 +133,8 @@ def all_gather_top_experts(
     elif not top_experts.is_cuda:
         buffer.copy_(reference.all_gather_top_experts(top_experts, ws.group))
     else:
-        from .config import MoKConfig  # noqa: PLC0415
-        from .launchers import comm  # noqa: PLC0415 - CUDA-only path
+        from ..config import MoKConfig  # noqa: PLC0415
+        from ..launchers import comm  # noqa: PLC0415 - CUDA-only path
 
         slot_passes.cuda_launchers("build_schedule", ws)
         config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
@@ -195,7 +195,7 @@ def barrier_all(
         return
     from mok.runtime import WaitPhase  # noqa: PLC0415 - CUDA-only path
 
-    from .launchers import comm  # noqa: PLC0415
+    from ..launchers import comm  # noqa: PLC0415
 
     comm.ep_barrier(ws, phase=WaitPhase.PEER_BARRIER_START, timeout_ns=ws.wait_timeout_ns)
 
@@ -228,9 +228,9 @@ def schedule(
         s = reference.build_schedule(topk_all, ep_rank=rank, num_local_experts=num_local_experts,
                                      capacity=schedule_capacity)  # fmt: skip
         return s.peer_rank, s.peer_token_idx, s.num_tokens, s.tokens_per_expert
-    from . import kernels  # noqa: PLC0415 - CUDA-only path
-    from .launchers import schedule_kernels  # noqa: PLC0415
-    from .launchers.status import status_ptr  # noqa: PLC0415
+    from .. import kernels  # noqa: PLC0415 - CUDA-only path
+    from ..launchers import schedule_kernels  # noqa: PLC0415
+    from ..launchers.status import status_ptr  # noqa: PLC0415
 
     launchers = kernels.require("build_schedule", topk_all.device)
     if topk_all.shape[0] == 1:
@@ -287,7 +287,7 @@ def _forward_workspace(x, x_ptrs, combine_buffer=None, combine_buffer_ptrs=None)
 
 
 def _check_sizes(args: dict, activation_name: str) -> None:
-    """The checks that need no workspace (original_op_checks.check_sizes), first."""
+    """The checks that need no workspace (checks.check_sizes), first."""
     checks.check_sizes(activation_name, args[activation_name], args["w_routed_gate"],
                        *(args[n] for n in ("topk", "num_comm_sms", "minibatch_size",
                                            "macrobatch_size")))  # fmt: skip
@@ -407,7 +407,7 @@ def recompute_forward_context_bf16(
         (on CUDA with an EP group, with its own start and end barriers inside).
     """
     args = locals()
-    from . import ops  # noqa: PLC0415 - mok.ops imports this module
+    from .. import ops  # noqa: PLC0415 - mok.ops imports this module
 
     ws, _, _, _, limit = _check_fwd_bf16("recompute_forward_context_bf16", args)
     recompute = ops._IMPLEMENTATIONS["recompute_forward_context"]
@@ -723,7 +723,7 @@ def _recompute_forward_context_mxfp8(
         dequantised weights), then quantises the context as the forward op does.
     """
     args = locals()
-    from . import ops  # noqa: F401, PLC0415 - registers the default overload this one runs
+    from .. import ops  # noqa: F401, PLC0415 - registers the default overload this one runs
 
     ws, _, _, limit = _check_fwd_mxfp8("recompute_forward_context_mxfp8", args)
     layer = torch.ops.mok.recompute_forward_context_mxfp8.default(

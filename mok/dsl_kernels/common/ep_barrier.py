@@ -148,7 +148,7 @@ class EpBarrier:
     Kernel parameters (in this order): `peer_barrier_ptrs` (int64 [world_size]: the address
     of `barrier_buffer` of each rank, as this rank maps it; entry `rank` is its own), `rank`,
     `world_size` (int32), `barrier_epoch_ptr` (int32 [2]: this rank's `barrier_epoch_buffer`,
-    the arrival epoch of the module doc), `error_record_ptr` (runtime/error_record.py), `phase`
+    the arrival epoch of the module doc), `error_record_ptr` (mok/runtime/error_record.py), `phase`
     (int32 WaitPhase id for the record), `timeout_ns` (int64, per wait).
 
     Reads the epoch, adds 1 to slot `rank` of every peer (red.release.sys), waits (bounded,

@@ -17,7 +17,7 @@ class FlagWaitProbe:
 
     Kernel parameters (in this order): `flag_ptr` (int32, this GPU's or a peer's memory),
     `done_ptr` (int32), `expected` (int32), `error_record_ptr` (the 16-word record of
-    runtime/error_record.py, pinned mapped host memory), `rank` (int32, written to the record),
+    mok/runtime/error_record.py, pinned mapped host memory), `rank` (int32, written to the record),
     `phase` (int32 WaitPhase id, written to the record), `timeout_ns` (int64).
 
     The wait is `bounded_wait_reached` (common/bounded_wait.py): when the flag has not

@@ -92,7 +92,7 @@ def mn_major_smem_layout(extent: int, stages: int):
 
 
 def tma_spec(param: str, box: list) -> dict:
-    """A manifest descriptor spec (runtime/tma.py): rank-2 bf16, `box` innermost first, 128B swizzle."""
+    """A manifest descriptor spec (mok/runtime/tma.py): rank-2 bf16, `box` innermost first, 128B swizzle."""
     return {
         "param": param,
         "dtype": "bf16",

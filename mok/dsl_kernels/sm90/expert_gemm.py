@@ -69,7 +69,7 @@ class Sm90ExpertGemm:
         return phases.THREADS
 
     def tma_specs(self) -> list[dict]:
-        """Runtime descriptor encoding per param (runtime/tma.py): rank-2 bf16 [rows, K], one 64 x 128
+        """Runtime descriptor encoding per param (mok/runtime/tma.py): rank-2 bf16 [rows, K], one 64 x 128
         box per stage load, 128-byte swizzle."""
         box = [TILE_K, TILE_M]  # == [TILE_K, TILE_N]: A and B tiles have the same box
         return [phases.tma_spec(param, box) for param in ("tma_a", "tma_b0", "tma_b1")]

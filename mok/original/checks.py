@@ -1,4 +1,4 @@
-"""Argument checks of the original's raw ops (`mok.original_ops`).
+"""Argument checks of the original's raw ops (`mok.original.ops`).
 
 The original passes workspace buffers and their addresses on every rank (`<buffer>_ptrs`)
 where mok's layer ops take a workspace handle: an op finds its workspace from one pointer
@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .config import FEATURE_ALIGNMENT, MAX_TOPK, ROUTED_ROW_ALIGNMENT
-from .errors import MoKInputError
-from .validation import check_int, check_swiglu_limit, check_tensor
-from .workspace import MoKWorkspace, live_workspaces
+from ..config import FEATURE_ALIGNMENT, MAX_TOPK, ROUTED_ROW_ALIGNMENT
+from ..errors import MoKInputError
+from ..validation import check_int, check_swiglu_limit, check_tensor
+from ..workspace import MoKWorkspace, live_workspaces
 
 Tensor = torch.Tensor
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -133,7 +133,7 @@ def check_sizes(activation_name: str, activation, routed_gate, topk, num_comm_sm
     hidden_size of the activation, the routed weights' intermediate_size, topk, then the
     launch sizes. On CUDA (fake tensors included) hidden_size must also suit the sm_90a
     GEMMs, as the kernel path requires later."""
-    from .launchers.checks import HIDDEN_ALIGNMENT  # noqa: PLC0415 - launchers load lazily
+    from ..launchers.checks import HIDDEN_ALIGNMENT  # noqa: PLC0415 - launchers load lazily
 
     check_tensor(activation_name, activation, dtype=BF16, shape=[None, None])
     hidden = activation.shape[1]
@@ -156,7 +156,7 @@ def check_launch(
     ws: MoKWorkspace, op: str, topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size
 ) -> float | None:
     """topk, swiglu_limit and the MoKConfig fields the op takes; returns the SwiGLU limit."""
-    from .launchers.checks import check_macrobatch  # noqa: PLC0415 - launchers load lazily
+    from ..launchers.checks import check_macrobatch  # noqa: PLC0415 - launchers load lazily
 
     check_int("topk", topk)
     if topk != ws.topk:

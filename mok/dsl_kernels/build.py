@@ -2,7 +2,7 @@
 
     python -m mok.dsl_kernels.build --arch sm_90a sm_100a [--check] [--only NAME] [--out DIR]
 
-Writes `dsl_kernels/cubins/<variant>.<arch>.cubin` and `dsl_kernels/cubins/manifest.json`.
+Writes `mok/dsl_kernels/cubins/<variant>.<arch>.cubin` and `mok/dsl_kernels/cubins/manifest.json`.
 `--check` builds into a temporary directory and exits 1 if the committed manifest or any cubin
 differs from what the sources produce (source hash, manifest entries and cubin bytes).
 
@@ -57,7 +57,7 @@ def dsl_version() -> str:
 
 
 def source_hash(version: str) -> str:
-    """sha256 over every dsl_kernels/**/*.py (sorted by relative path) and the DSL version."""
+    """sha256 over every mok/dsl_kernels/**/*.py (sorted by relative path) and the DSL version."""
     digest = hashlib.sha256()
     for path in sorted(
         PACKAGE_DIR.rglob("*.py"), key=lambda p: p.relative_to(PACKAGE_DIR).as_posix()
