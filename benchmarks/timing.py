@@ -127,7 +127,7 @@ def sustained_gemm_tflops(
     """TFLOP/s of the same bf16 matmul run back to back for `measure_s` seconds, after
     `warm_s` seconds of it: the rate under the GPU's power limit, which a layer timed over
     many reps runs under too (an H200 capped near 690 W drops from ~1.98 GHz to ~1.5 GHz
-    within a fraction of a second of dense GEMMs; docs/NOTES.md, session 6). The burst
+    within a fraction of a second of dense GEMMs; docs/NOTES.md, section 2). The burst
     median of `gemm_ceiling_tflops` is measured before the clock comes down."""
     pairs = _matmul_pairs(device, size, seed=2)
 

@@ -58,7 +58,7 @@ def _schedule(inputs):
 
 
 # Limit 3 clamps ~0.3% of gate/up elements here. At 2 (4.5% clamped) the quantised gate flips
-# enough clamp masks that dW_gate's cosine falls to ~0.987 (docs/NOTES.md, session 9).
+# enough clamp masks that dW_gate's cosine falls to ~0.987 (docs/NOTES.md, section 12).
 @pytest.mark.parametrize("shared,limit", [(False, None), (True, 3.0)])
 def test_mxfp8_layer_is_within_the_original_tolerance_of_bf16(shared, limit):
     inputs = make_inputs(T, H, I, E, K, shared=shared, seed=21)

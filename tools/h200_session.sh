@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: install mok on the GPU machine, run the GPU tests named in $TESTS, the
+# One run on a GPU machine: install mok, run the GPU tests named in $TESTS, the
 # benchmarks named in $BENCH, and write every log under $OUT. Usage (from the repo root):
 #   TESTS="tests/gpu/test_runtime_gpu.py" BENCH="memory moe main" bash tools/h200_session.sh
 set -uo pipefail

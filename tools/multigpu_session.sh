@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 on a lent multi-GPU machine (nvidia-h200-x2/x4/x8), one device call per part, every
+# Issue 16 on a machine with 2 to 8 H200s over NVLink, one run per part, every
 # log under $OUT and a short table last. From the repo root:
 #   PART=tests  bash tools/multigpu_session.sh   # torchrun -m pytest -m multigpu
 #   PART=moe    bash tools/multigpu_session.sh   # benchmarks.moe at 16384 and 2048 tokens per GPU
