@@ -309,10 +309,15 @@ class Sm90MoeBackward:
         if bidx < dispatchers:
             copied = dispatch_rows(
                 (args.dy_ptr, peer_table(args.dy_ptrs), walk.ep_rank),
-                args.dy_routed_ptr, walk.peer_rank_ptr, walk.peer_token_idx_ptr, walk.hidden_size, walk.topk, walk.capacity,
-                dispatched, buffers[2], tidx, row_tickets, (args.weight_ptr, peer_table(args.weight_ptrs)),
+                args.dy_routed_ptr,
+                walk,
+                dispatched,
+                buffers[2],
+                tidx,
+                row_tickets,
+                (args.weight_ptr, peer_table(args.weight_ptrs)),
                 args.dy_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
-            )  # fmt: skip
+            )
             # After dispatch_rows' last CTA barrier: every row tile this CTA copied is written.
             # Counted in tiles, so the weight phase waits for the tiles, not for every CTA.
             if tidx == 0:
@@ -324,46 +329,89 @@ class Sm90MoeBackward:
                 # ---- producer: d_hidden and d_x loads after their rows, then weight loads ----
                 smem = (sA, sB0, sB1)
                 loads = (
-                    d_hidden_phase.producer_loads(ring, smem, tma[:4], walk.hidden_size,
-                                                  walk.intermediate_size, args.gate_ptr, args.up_ptr),
+                    d_hidden_phase.producer_loads(
+                        ring,
+                        smem,
+                        tma[:4],
+                        walk.hidden_size,
+                        walk.intermediate_size,
+                        args.gate_ptr,
+                        args.up_ptr,
+                    ),
                     d_x_phase.producer_loads(ring, smem, tma[4:], walk.intermediate_size),
-                )  # fmt: skip
+                )
                 waits = (
-                    RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record,
-                                walk.timeout_ns),
-                    RowTileWait(dgu_done, d_hidden_cols,
-                                d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM, record, walk.timeout_ns),
-                )  # fmt: skip
+                    RowTileWait(
+                        dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record, walk.timeout_ns
+                    ),
+                    RowTileWait(
+                        dgu_done,
+                        d_hidden_cols,
+                        d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM,
+                        record,
+                        walk.timeout_ns,
+                    ),
+                )
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
                 state, _, _ = produce_steps(state, batches, tiles, tickets, waits, loads)
                 signal_no_task(ring, state)
                 state.advance()
-                wait = PhaseWait(dispatch_total, row_tiles_total, dgu_total, num_d_hidden,
-                                 PHASE_BACKWARD_DISPATCH,
-                                 d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM, record,
-                                 walk.timeout_ns)  # fmt: skip
+                wait = PhaseWait(
+                    dispatch_total,
+                    row_tiles_total,
+                    dgu_total,
+                    num_d_hidden,
+                    PHASE_BACKWARD_DISPATCH,
+                    d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM,
+                    record,
+                    walk.timeout_ns,
+                )
                 state = produce_weight_tasks(
-                    ring, state, weight_tasks, bidx, grid_size, wait,
+                    ring,
+                    state,
+                    weight_tasks,
+                    bidx,
+                    grid_size,
+                    wait,
                     weight_loads(sA_w, sB0, sB1, weight_tma),
-                )  # fmt: skip
+                )
                 ring.producer_tail(state)
             else:
                 # ---- crew: d_gate/d_up (then the counters), d_x rows to slots, weights ----
                 stores = (
                     d_hidden_phase.crew_stores(
-                        args.d_gate_ptr, args.d_up_ptr, walk.intermediate_size, dgu_done, dgu_total,
+                        args.d_gate_ptr,
+                        args.d_up_ptr,
+                        walk.intermediate_size,
+                        dgu_done,
+                        dgu_total,
                         (args.d_gate_rounded_ptr, args.d_up_rounded_ptr)
-                        if cutlass.const_expr(self.mxfp8) else None,
-                    ),  # fmt: skip
-                    slot_stores(args.slots_ptr, args.slots_ptrs, walk.ep_rank, walk.peer_rank_ptr, walk.peer_token_idx_ptr,
-                                walk.hidden_size, dx_done),
-                )  # fmt: skip
+                        if cutlass.const_expr(self.mxfp8)
+                        else None,
+                    ),
+                    slot_stores(
+                        args.slots_ptr,
+                        args.slots_ptrs,
+                        walk.ep_rank,
+                        walk.peer_rank_ptr,
+                        walk.peer_token_idx_ptr,
+                        walk.hidden_size,
+                        dx_done,
+                    ),
+                )
                 lane = tidx - 32 * CREW.first_warp
                 store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)
-                store_weight_tasks(CREW, weight_tasks, bidx, grid_size, buffers, tidx,
-                                   (args.d_w_down_ptr, args.d_w_gate_ptr, args.d_w_up_ptr))  # fmt: skip
+                store_weight_tasks(
+                    CREW,
+                    weight_tasks,
+                    bidx,
+                    grid_size,
+                    buffers,
+                    tidx,
+                    (args.d_w_down_ptr, args.d_w_gate_ptr, args.d_w_up_ptr),
+                )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
@@ -382,10 +430,18 @@ class Sm90MoeBackward:
                 )
                 for j in cutlass.range_constexpr(2):
                     d_hidden_phase.swiglu_backward(
-                        thr_mma, accs[j], args.gate_ptr, args.up_ptr, args.partials_ptr, first_row,
-                        (2 * col_tile + j) * TILE_N, walk.intermediate_size, walk.has_limit,
-                        walk.swiglu_limit, buffers,
-                    )  # fmt: skip
+                        thr_mma,
+                        accs[j],
+                        args.gate_ptr,
+                        args.up_ptr,
+                        args.partials_ptr,
+                        first_row,
+                        (2 * col_tile + j) * TILE_N,
+                        walk.intermediate_size,
+                        walk.has_limit,
+                        walk.swiglu_limit,
+                        buffers,
+                    )
                 return read_state, release_state
 
             # ---- d_x tasks: gate half then up half, rows to the crew. Own MMA object: `mma_k_tiles` sets
@@ -395,9 +451,14 @@ class Sm90MoeBackward:
 
             def run_d_x(states, first_row, col_tile):
                 read_state, release_state = phases.mma_k_tiles(
-                    d_x_mma, ring, states[0], states[1], 2 * (walk.intermediate_size // TILE_K),
-                    operands, accs,
-                )  # fmt: skip
+                    d_x_mma,
+                    ring,
+                    states[0],
+                    states[1],
+                    2 * (walk.intermediate_size // TILE_K),
+                    operands,
+                    accs,
+                )
                 CREW.hand_off(d_x_thr, accs, buffers)
                 return read_state, release_state
 
@@ -410,13 +471,33 @@ class Sm90MoeBackward:
                     step_windows(batches, tiles[0], segments, task)
                 )
                 states, seq, task = consume_phase(
-                    states, ring, tickets, seq, task, base, middle, run_d_hidden, (),
-                    tiles[0], first, end_row,
-                )  # fmt: skip
+                    states,
+                    ring,
+                    tickets,
+                    seq,
+                    task,
+                    base,
+                    middle,
+                    run_d_hidden,
+                    (),
+                    tiles[0],
+                    first,
+                    end_row,
+                )
                 states, seq, task = consume_phase(
-                    states, ring, tickets, seq, task, middle, end, run_d_x, (), tiles[1],
-                    first_2, end_row_2,
-                )  # fmt: skip
+                    states,
+                    ring,
+                    tickets,
+                    seq,
+                    task,
+                    middle,
+                    end,
+                    run_d_x,
+                    (),
+                    tiles[1],
+                    first_2,
+                    end_row_2,
+                )
             CREW.hand_off_nothing()
             states = past_last_task(ring, states)
             # ---- weight tasks: both operands MN-major, their own MMA object and A view ----
@@ -425,16 +506,40 @@ class Sm90MoeBackward:
             )
             w_thr, w_operands = phases.make_operand_fragments(w_mma, tidx, sA_w, sB0, sB1)
             consume_weight_tasks(
-                states, weight_tasks, bidx, grid_size, w_mma, ring, w_operands, accs,
-                CREW, w_thr, buffers,
-            )  # fmt: skip
+                states,
+                weight_tasks,
+                bidx,
+                grid_size,
+                w_mma,
+                ring,
+                w_operands,
+                accs,
+                CREW,
+                w_thr,
+                buffers,
+            )
             if args.finish_tokens > 0:
                 combine_phase.finish_backward(
-                    tidx - phases.THREADS_PER_WARPGROUP, bidx, grid_size,
+                    tidx - phases.THREADS_PER_WARPGROUP,
+                    bidx,
+                    grid_size,
                     ((dx_done, num_d_x), (dgu_total, num_d_hidden)),
-                    (record, walk.timeout_ns, walk.ep_rank), args.d_x_ptr, args.slots_ptr, args.finish_tokens,
-                    walk.hidden_size, walk.topk,
-                    (args.partials_ptr, walk.peer_rank_ptr, walk.peer_token_idx_ptr, walk.num_tokens_ptr, args.weight_ptr,
-                     args.d_router_ptr, walk.capacity, walk.intermediate_size // TILE_N, args.status_ptr),
-                )  # fmt: skip
+                    (record, walk.timeout_ns, walk.ep_rank),
+                    args.d_x_ptr,
+                    args.slots_ptr,
+                    args.finish_tokens,
+                    walk.hidden_size,
+                    walk.topk,
+                    (
+                        args.partials_ptr,
+                        walk.peer_rank_ptr,
+                        walk.peer_token_idx_ptr,
+                        walk.num_tokens_ptr,
+                        args.weight_ptr,
+                        args.d_router_ptr,
+                        walk.capacity,
+                        walk.intermediate_size // TILE_N,
+                        args.status_ptr,
+                    ),
+                )
         retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)

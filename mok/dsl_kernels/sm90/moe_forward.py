@@ -220,11 +220,17 @@ class Sm90MoeForward:
         down_done = task_ticket + Int64(8)  # after the task and dispatch tickets
         if args.schedule_entries > 0:
             schedule_phase.schedule_tasks(
-                args.ids_ptr, args.schedule_counts_ptr, args.schedule_expert_counts_ptr, down_done + Int64(4),
-                walk.peer_rank_ptr, walk.peer_token_idx_ptr, walk.num_tokens_ptr, walk.tokens_per_expert_ptr,
-                args.status_ptr, record, walk.timeout_ns, args.schedule_entries, walk.num_experts, walk.capacity,
-                cute.recast_ptr(sA.iterator, dtype=Int32), tidx,
-            )  # fmt: skip
+                args.ids_ptr,
+                args.schedule_counts_ptr,
+                args.schedule_expert_counts_ptr,
+                down_done + Int64(4),
+                walk,
+                record,
+                args.status_ptr,
+                args.schedule_entries,
+                cute.recast_ptr(sA.iterator, dtype=Int32),
+                tidx,
+            )
             # The tables were generic-proxy writes to the ring, which TMA writes next.
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
@@ -253,26 +259,37 @@ class Sm90MoeForward:
         if bidx < dispatchers:
             dispatch_rows(
                 (args.x_ptr, peer_table(args.x_ptrs), walk.ep_rank),
-                args.x_routed_ptr, walk.peer_rank_ptr, walk.peer_token_idx_ptr, walk.hidden_size, walk.topk, walk.capacity,
-                dispatched, buffers[2], tidx, row_tickets,
+                args.x_routed_ptr,
+                walk,
+                dispatched,
+                buffers[2],
+                tidx,
+                row_tickets,
                 rounded_ptr=args.x_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
-            )  # fmt: skip
+            )
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 # ---- producer: each task's loads after its rows' counter ----
                 loads = (
-                    gate_up_phase.producer_loads(ring, loaded, tma[:6], walk.hidden_size,
-                                                 walk.intermediate_size),
-                    down_phase.producer_loads(ring, loaded, tma[6:], walk.hidden_size,
-                                              walk.intermediate_size),
-                )  # fmt: skip
+                    gate_up_phase.producer_loads(
+                        ring, loaded, tma[:6], walk.hidden_size, walk.intermediate_size
+                    ),
+                    down_phase.producer_loads(
+                        ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size
+                    ),
+                )
                 waits = (
                     RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, walk.timeout_ns),
-                    RowTileWait(hidden_done, gate_up_cols, gate_up_phase.PHASE_GATE_UP_GEMM,
-                                record, walk.timeout_ns),
-                )  # fmt: skip
+                    RowTileWait(
+                        hidden_done,
+                        gate_up_cols,
+                        gate_up_phase.PHASE_GATE_UP_GEMM,
+                        record,
+                        walk.timeout_ns,
+                    ),
+                )
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
@@ -283,13 +300,26 @@ class Sm90MoeForward:
                 # ---- crew: gate/up tiles (then their row tile's counter), down rows to slots ----
                 stores = (
                     gate_up_phase.crew_stores(
-                        args.hidden_ptr, args.gate_ptr, args.up_ptr, walk.intermediate_size, walk.has_limit,
-                        walk.swiglu_limit, crew.release_row_tile, (hidden_done,),
+                        args.hidden_ptr,
+                        args.gate_ptr,
+                        args.up_ptr,
+                        walk.intermediate_size,
+                        walk.has_limit,
+                        walk.swiglu_limit,
+                        crew.release_row_tile,
+                        (hidden_done,),
                         args.hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
                     ),
-                    slot_stores(args.slots_ptr, args.slots_ptrs, walk.ep_rank, walk.peer_rank_ptr, walk.peer_token_idx_ptr,
-                                walk.hidden_size, down_done),
-                )  # fmt: skip
+                    slot_stores(
+                        args.slots_ptr,
+                        args.slots_ptrs,
+                        walk.ep_rank,
+                        walk.peer_rank_ptr,
+                        walk.peer_token_idx_ptr,
+                        walk.hidden_size,
+                        down_done,
+                    ),
+                )
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
         else:
@@ -315,18 +345,37 @@ class Sm90MoeForward:
             while task >= 0:
                 (base, middle, _, _), (_, end, _, _) = step_of(batches, task)
                 states, seq, task = consume_phase(
-                    states, ring, tickets, seq, task, base, middle, run_task,
+                    states,
+                    ring,
+                    tickets,
+                    seq,
+                    task,
+                    base,
+                    middle,
+                    run_task,
                     (tiled_mma, thr_mma, walk.hidden_size // TILE_K),
-                )  # fmt: skip
+                )
                 states, seq, task = consume_phase(
-                    states, ring, tickets, seq, task, middle, end, run_task,
+                    states,
+                    ring,
+                    tickets,
+                    seq,
+                    task,
+                    middle,
+                    end,
+                    run_task,
                     (down_mma, down_thr, walk.intermediate_size // TILE_K),
-                )  # fmt: skip
+                )
             crew.hand_off_nothing()
             if args.combine_tokens > 0:
                 combine_phase.combine_slots(
-                    tidx - THREADS_PER_WARPGROUP, bidx, grid_size, down_done,
-                    row_tiles_total * down_cols, (record, walk.timeout_ns, walk.ep_rank), args.out_ptr,
-                    args.router_weights_ptr, args.slots_ptr, args.status_ptr, args.combine_tokens, walk.hidden_size, walk.topk,
-                )  # fmt: skip
+                    tidx - THREADS_PER_WARPGROUP,
+                    bidx,
+                    grid_size,
+                    down_done,
+                    row_tiles_total * down_cols,
+                    (record, walk.timeout_ns, walk.ep_rank),
+                    args,
+                    walk,
+                )
         retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)
