@@ -5,7 +5,7 @@ type, a pointer's with its compile placeholder too (`Bf16Pointer` = a bf16 globa
 16-byte aligned). `__call__` and the `@cute.kernel` take the bundles; the DSL flattens each
 bundle into its fields, in order, so every field is one PTX parameter named after it. From
 the same declaration:
-- `compile_arguments(kernel_cls)`: the placeholders `cute.compile` takes (no tensors, no GPU);
+- `compile_arguments(kernel)`: the placeholders `cute.compile` takes (no tensors, no GPU);
 - `flat_params(annotation)`: the (name, annotation) of each PTX parameter, which the build
   pairs with the PTX `.entry` to write the manifest the runtime binds by name.
 Inside a kernel a field reads as `args.hidden_size`; a bundle is a tuple, so a slice of it
@@ -66,12 +66,15 @@ def _fields(bundle) -> list[tuple[str, object]]:
     return [(name, hints[name]) for name in bundle._fields]
 
 
-def _placeholder(owner: str, annotation):
+def _placeholder(owner: str, annotation, kernel):
     if is_bundle(annotation):
-        return annotation(*(_placeholder(f"{owner}.{n}", a) for n, a in _fields(annotation)))
+        return annotation(
+            *(_placeholder(f"{owner}.{n}", a, kernel) for n, a in _fields(annotation))
+        )
     if get_origin(annotation) is Annotated:
         _, make = get_args(annotation)[:2]
-        return make()
+        # A placeholder that depends on the kernel's config (an output's dtype) takes the kernel.
+        return make(kernel) if inspect.signature(make).parameters else make()
     if annotation in SCALARS:
         return annotation(0)
     raise ValueError(
@@ -80,12 +83,13 @@ def _placeholder(owner: str, annotation):
     )
 
 
-def compile_arguments(kernel_cls) -> tuple:
-    """The placeholders of `kernel_cls.__call__`'s parameters, in order (scalars are zero: every
-    one is a runtime parameter of the cubin, so its value is not compiled in)."""
-    hints = get_type_hints(kernel_cls.__call__, include_extras=True)
-    names = list(inspect.signature(kernel_cls.__call__).parameters)[1:]  # skip self
-    return tuple(_placeholder(f"{kernel_cls.__name__}.{n}", hints[n]) for n in names)
+def compile_arguments(kernel) -> tuple:
+    """The placeholders of `kernel.__call__`'s parameters, in order (scalars are zero: every one
+    is a runtime parameter of the cubin, so its value is not compiled in)."""
+    call = type(kernel).__call__
+    hints = get_type_hints(call, include_extras=True)
+    names = list(inspect.signature(call).parameters)[1:]  # skip self
+    return tuple(_placeholder(f"{type(kernel).__name__}.{n}", hints[n], kernel) for n in names)
 
 
 def flat_params(annotation, name: str = "") -> list[tuple[str, object]]:

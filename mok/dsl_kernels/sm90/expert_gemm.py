@@ -116,7 +116,7 @@ class Sm90ExpertGemm:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        return compile_arguments(type(self))
+        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, operands: ExpertGemmOperands, args: ExpertGemmArgs, num_ctas: Int32):

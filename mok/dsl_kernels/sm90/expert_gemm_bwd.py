@@ -114,7 +114,7 @@ class Sm90ExpertGemmBwd:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        return compile_arguments(type(self))
+        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, operands: ExpertGemmBwdOperands, args: ExpertGemmBwdArgs, num_ctas: Int32):

@@ -203,7 +203,7 @@ class Sm90MoeBackward:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        return compile_arguments(type(self))
+        return compile_arguments(self)
 
     @cute.jit
     def __call__(

@@ -165,7 +165,7 @@ class Sm90MoeForward:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        return compile_arguments(type(self))
+        return compile_arguments(self)
 
     @cute.jit
     def __call__(
