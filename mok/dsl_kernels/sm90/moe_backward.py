@@ -391,15 +391,7 @@ class Sm90MoeBackward:
                         if cutlass.const_expr(self.mxfp8)
                         else None,
                     ),
-                    slot_stores(
-                        args.slots_ptr,
-                        args.slots_ptrs,
-                        walk.ep_rank,
-                        walk.peer_rank_ptr,
-                        walk.peer_token_idx_ptr,
-                        walk.hidden_size,
-                        dx_done,
-                    ),
+                    slot_stores(args, walk, dx_done),
                 )
                 lane = tidx - 32 * CREW.first_warp
                 store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)

@@ -310,15 +310,7 @@ class Sm90MoeForward:
                         (hidden_done,),
                         args.hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
                     ),
-                    slot_stores(
-                        args.slots_ptr,
-                        args.slots_ptrs,
-                        walk.ep_rank,
-                        walk.peer_rank_ptr,
-                        walk.peer_token_idx_ptr,
-                        walk.hidden_size,
-                        down_done,
-                    ),
+                    slot_stores(args, walk, down_done),
                 )
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
