@@ -33,6 +33,7 @@ import re
 import sys
 import tempfile
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,19 +141,27 @@ def python_params(kernel_obj) -> list[tuple[str, str]]:
         cutlass.Int64: "int64",
         cutlass.Float32: "float32",
     }
+    from .common.params import flat_params
+
     signature = inspect.signature(type(kernel_obj).kernel)
+    hints = typing.get_type_hints(type(kernel_obj).kernel, include_extras=True)
+    leaves = [
+        leaf
+        for name in list(signature.parameters)[1:]  # skip self
+        for leaf in flat_params(hints.get(name, signature.parameters[name].annotation), name)
+    ]
     params = []
-    for name, param in list(signature.parameters.items())[1:]:  # skip self
-        if param.annotation is cute.Tensor:
+    for name, annotation in leaves:  # a bundle's fields are its PTX params, in order
+        if annotation is cute.Tensor:
             continue  # static TMA coordinate tensor: no PTX param (checked by the pairing)
-        if param.annotation is cute.CopyAtom:
+        if annotation is cute.CopyAtom:
             params.append((name, "tma_desc"))
             continue
-        kind = annotation_kinds.get(param.annotation)
+        kind = annotation_kinds.get(annotation)
         if kind is None:
             raise BuildError(
                 f"{type(kernel_obj).__name__}.kernel argument {name!r}: annotation "
-                f"{param.annotation!r} is not one of Pointer, Int32, Int64, Float32, CopyAtom "
+                f"{annotation!r} is not one of Pointer, Int32, Int64, Float32, CopyAtom "
                 "(TMA descriptor) or a static Tensor"
             )
         params.append((name, kind))

@@ -85,13 +85,24 @@ def combine_items(hidden_size: Int32, num_tokens: Int32, out_ptr: cute.Pointer,
 
 
 @cute.jit
-def combine_slots(thread: Int32, bidx: Int32, grid_size: Int32, down_done: Int64,
-                  down_tiles: Int32, wait: tuple, out_ptr: cute.Pointer,
-                  weight_ptr: cute.Pointer, slots_ptr: cute.Pointer, status_ptr: cute.Pointer,
-                  num_tokens: Int32, hidden_size: Int32, topk: Int32):  # fmt: skip
-    """Consumer thread `thread` (0 .. 255) of CTA `bidx`: out (bf16 [num_tokens, H]) = sum_j
-    weight[t, j] * slots[t * k + j] once `down_done` reaches `down_tiles`. `wait` = (error
-    record, timeout_ns, ep_rank) of the bounded wait."""
+def combine_slots(
+    thread: Int32,
+    bidx: Int32,
+    grid_size: Int32,
+    down_done: Int64,
+    down_tiles: Int32,
+    wait: tuple,
+    args,
+    walk,
+):
+    """Consumer thread `thread` (0 .. 255) of CTA `bidx`: out (bf16 [T, H]) = sum_j
+    router_weights[t, j] * slots[t * k + j] once `down_done` reaches `down_tiles`. `wait` =
+    (error record, timeout_ns, ep_rank) of the bounded wait; `args` (moe_forward.ForwardTensors):
+    out, router_weights, slots, the value-status words and T (combine_tokens); `walk`
+    (task_walk.WalkArgs): H and k."""
+    out_ptr, weight_ptr, slots_ptr = args.out_ptr, args.router_weights_ptr, args.slots_ptr
+    status_ptr, num_tokens = args.status_ptr, args.combine_tokens
+    hidden_size, topk = walk.hidden_size, walk.topk
     wait_and_meet(thread, ((down_done, down_tiles, PHASE_DOWN_GEMM),), wait)
     chunks, col_blocks, items, views = combine_items(hidden_size, num_tokens, out_ptr,
                                                      slots_ptr, topk)  # fmt: skip

@@ -43,12 +43,11 @@ DISPATCH_BATCH = 8
 
 @cute.jit
 def dispatch_rows(
-    src, out_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, topk, capacity, dispatched,
-    table, tidx, tickets: Tickets, weights=None, rounded_ptr=None,
-) -> Int32:  # fmt: skip
+    src, out_ptr, walk, dispatched, table, tidx, tickets: Tickets, weights=None, rounded_ptr=None
+) -> Int32:
     """All 384 threads: row tiles of `out` (bf16 [capacity, H]) by ticket, until the ticket
     reaches `tickets.total` (the routed row tiles); returns how many this CTA copied.
-    `src` = (local bf16 [T, H] pointer, peer table tensor of int64 addresses, ep_rank);
+    `walk` (task_walk.WalkArgs): the schedule and the sizes. `src` = (local bf16 [T, H] pointer, peer table tensor of int64 addresses, ep_rank);
     `weights` = (local fp32 [T * k] pointer, its peer table) or None: unscaled. `rounded_ptr`:
     bf16 [capacity, H] for each written row's MXFP8 round trip (after the scaling), or None. Thread 0 takes
     each ticket from `tickets.counter` and broadcasts it through `tickets.slots[0]` (free until
@@ -58,10 +57,10 @@ def dispatch_rows(
     `dispatched` + 4 m."""
     scaled = weights is not None
     src_ptr, src_table, ep_rank = src
-    chunks, (mOut,) = chunked_row_views(hidden_size, (out_ptr, capacity))
-    row_bytes = cute.assume(Int64(hidden_size) * Int64(2), divby=128)
-    rank_of = cute.make_tensor(peer_rank_ptr, cute.make_layout(capacity))
-    slot_of = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(capacity))
+    chunks, (mOut,) = chunked_row_views(walk.hidden_size, (out_ptr, walk.capacity))
+    row_bytes = cute.assume(Int64(walk.hidden_size) * Int64(2), divby=128)
+    rank_of = cute.make_tensor(walk.peer_rank_ptr, cute.make_layout(walk.capacity))
+    slot_of = cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity))
     scaled_values = None
     if cutlass.const_expr(scaled):
         scaled_values = cute.make_rmem_tensor((VECTOR,), Float32)
@@ -71,10 +70,12 @@ def dispatch_rows(
     rounded_words = None
     if cutlass.const_expr(rounded_ptr is not None):
         # The round trip's rows as 16-byte chunks of 4 bf16x2 words.
-        row_words = cute.assume(Int64(hidden_size) // Int64(2), divby=32)
+        row_words = cute.assume(Int64(walk.hidden_size) // Int64(2), divby=32)
         rounded_words = cute.make_tensor(
             cute.recast_ptr(rounded_ptr, dtype=Uint32),
-            cute.make_layout((VECTOR // 2, chunks, capacity), stride=(1, VECTOR // 2, row_words)),
+            cute.make_layout(
+                (VECTOR // 2, chunks, walk.capacity), stride=(1, VECTOR // 2, row_words)
+            ),
         )
         widened = cute.make_rmem_tensor((VECTOR,), Float32)
         packed_words = cute.make_rmem_tensor((VECTOR // 2,), Uint32)
@@ -91,7 +92,7 @@ def dispatch_rows(
             # (rank, source row) packed; scaled: the slot, whose weight is needed too.
             source = slot_of[row]
             if cutlass.const_expr(not scaled):
-                source = source // topk
+                source = source // walk.topk
             table[tidx] = cutlass.select_(
                 rank_of[row] >= 0, rank_of[row] * RANK_UNIT + source, Int32(-1)
             )
@@ -113,7 +114,7 @@ def dispatch_rows(
                     w_ptr = cute.make_ptr(Float32, w_base + Int64(source) * Int64(4),
                                           cute.AddressSpace.gmem, assumed_align=4)  # fmt: skip
                     w = cute.make_tensor(w_ptr, cute.make_layout(1))[0]
-                    source = source // topk
+                    source = source // walk.topk
             src_base = src_ptr.toint()
             if packed >= 0:
                 src_base = rank_address(src_ptr, src_table, ep_rank, rank)

@@ -227,17 +227,17 @@ class EpilogueCrew:
 CREW = EpilogueCrew(first_warp=1, num_warps=3)
 
 
-def slot_stores(slots_ptr, slots_table, ep_rank, peer_rank_ptr, peer_token_idx_ptr, row_size,
-                stored) -> dict:  # fmt: skip
+def slot_stores(args, walk, stored) -> dict:
     """Crew store keywords (task_walk.store_phase) of 128 x 256 tiles whose rows are pushed to
-    their (token, j) slots on the source rank: `slots_ptr` bf16 [T * k, row_size] on this rank,
-    the address in `slots_table` (int64 [P]) on the others; padding rows are not stored. Each
-    stored tile counts on the int32 at `stored` (`count_tile`: the in-kernel sums wait on it)."""
-    table = peer_table(slots_table)
-    row_bytes = cute.assume(Int64(row_size) * Int64(2), divby=4 * TILE_N)
+    their (token, j) slots on the source rank: `args.slots_ptr` bf16 [T * k, H] on this rank,
+    the address in `args.slots_ptrs` (int64 [P]) on the others, by `walk`'s schedule
+    (task_walk.WalkArgs); padding rows are not stored. Each stored tile counts on the int32 at
+    `stored` (`count_tile`: the in-kernel sums wait on it)."""
+    table = peer_table(args.slots_ptrs)
+    row_bytes = cute.assume(Int64(walk.hidden_size) * Int64(2), divby=4 * TILE_N)
     return dict(
-        tile_cols=2 * TILE_N, slots=(peer_rank_ptr, peer_token_idx_ptr),
-        store_chunk=store_pair_to_slot, store_args=(slots_ptr, table, ep_rank, row_bytes),
+        tile_cols=2 * TILE_N, slots=(walk.peer_rank_ptr, walk.peer_token_idx_ptr),
+        store_chunk=store_pair_to_slot, store_args=(args.slots_ptr, table, walk.ep_rank, row_bytes),
         after_tile=CREW.count_tile, after_args=(stored,),
     )  # fmt: skip
 

@@ -19,13 +19,14 @@ Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0, sum <= 
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64
 
-from ..common.args import global_pointer
+from ..common.params import Bf16Pointer, Int32Pointer, compile_arguments
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .epilogue_warps import CREW
@@ -50,6 +51,42 @@ from .tickets import (
 )
 
 EPILOGUES = ("swiglu", "store")
+
+
+class ExpertGemmOperands(NamedTuple):
+    """The GEMM operands, from which `__call__` makes the TMA atoms."""
+
+    a_ptr: Bf16Pointer
+    b0_ptr: Bf16Pointer
+    b1_ptr: Bf16Pointer
+
+
+class ExpertGemmTma(NamedTuple):
+    """Each operand's TMA atom (a descriptor parameter) and coordinate tensor (static)."""
+
+    tma_a: cute.CopyAtom
+    mA: cute.Tensor
+    tma_b0: cute.CopyAtom
+    mB0: cute.Tensor
+    tma_b1: cute.CopyAtom
+    mB1: cute.Tensor
+
+
+class ExpertGemmArgs(NamedTuple):
+    """The kernel's other parameters, in order (module docstring)."""
+
+    out_ptr: Bf16Pointer
+    gate_ptr: Bf16Pointer
+    up_ptr: Bf16Pointer
+    peer_rank_ptr: Int32Pointer
+    peer_token_idx_ptr: Int32Pointer
+    tokens_per_expert_ptr: Int32Pointer
+    ticket_ptr: Int32Pointer
+    num_experts: Int32
+    k_size: Int32
+    n_size: Int32
+    has_limit: Int32
+    swiglu_limit: Float32
 
 
 @dataclass(frozen=True)
@@ -79,96 +116,25 @@ class Sm90ExpertGemm:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(BFloat16, 16),  # a_ptr
-            global_pointer(BFloat16, 16),  # b0_ptr
-            global_pointer(BFloat16, 16),  # b1_ptr
-            global_pointer(BFloat16, 16),  # out_ptr
-            global_pointer(BFloat16, 16),  # gate_ptr
-            global_pointer(BFloat16, 16),  # up_ptr
-            global_pointer(Int32, 4),  # peer_rank_ptr
-            global_pointer(Int32, 4),  # peer_token_idx_ptr
-            global_pointer(Int32, 4),  # tokens_per_expert_ptr
-            global_pointer(Int32, 4),  # ticket_ptr (one int32, zeroed)
-            Int32(0),  # num_experts
-            Int32(0),  # k_size
-            Int32(0),  # n_size
-            Int32(0),  # has_limit
-            Float32(0.0),  # swiglu_limit
-            Int32(1),  # num_ctas
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        b0_ptr: cute.Pointer,
-        b1_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        gate_ptr: cute.Pointer,
-        up_ptr: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        ticket_ptr: cute.Pointer,
-        num_experts: Int32,
-        k_size: Int32,
-        n_size: Int32,
-        has_limit: Int32,
-        swiglu_limit: Float32,
-        num_ctas: Int32,
-    ):
+    def __call__(self, operands: ExpertGemmOperands, args: ExpertGemmArgs, num_ctas: Int32):
         # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
         operand_layout = phases.k_major_coords()
         a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
         b_smem = phases.k_major_smem_layout(TILE_N, self.stages)
-        tma_a, mA = phases.make_tma_load(a_ptr, operand_layout, a_smem, (TILE_M, TILE_K))
-        tma_b0, mB0 = phases.make_tma_load(b0_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
-        tma_b1, mB1 = phases.make_tma_load(b1_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
-        self.kernel(
-            tma_a,
-            mA,
-            tma_b0,
-            mB0,
-            tma_b1,
-            mB1,
-            out_ptr,
-            gate_ptr,
-            up_ptr,
-            peer_rank_ptr,
-            peer_token_idx_ptr,
-            tokens_per_expert_ptr,
-            ticket_ptr,
-            num_experts,
-            k_size,
-            n_size,
-            has_limit,
-            swiglu_limit,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
+        tma = ExpertGemmTma(
+            *phases.make_tma_load(operands.a_ptr, operand_layout, a_smem, (TILE_M, TILE_K)),
+            *phases.make_tma_load(operands.b0_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
+            *phases.make_tma_load(operands.b1_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
+        )
+        self.kernel(tma, args).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
+        )
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_a: cute.CopyAtom,
-        mA: cute.Tensor,
-        tma_b0: cute.CopyAtom,
-        mB0: cute.Tensor,
-        tma_b1: cute.CopyAtom,
-        mB1: cute.Tensor,
-        out_ptr: cute.Pointer,
-        gate_ptr: cute.Pointer,
-        up_ptr: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        ticket_ptr: cute.Pointer,
-        num_experts: Int32,
-        k_size: Int32,
-        n_size: Int32,
-        has_limit: Int32,
-        swiglu_limit: Float32,
-    ):
+    def kernel(self, tma: ExpertGemmTma, args: ExpertGemmArgs):
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
 
         # ---- static layouts, MMA, shared storage ----
@@ -180,43 +146,43 @@ class Sm90ExpertGemm:
         )
 
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b0)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b1)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b0)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b1)
 
         # ---- operand ring ----
         ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list inputs ----
         tokens_per_expert = cute.make_tensor(
-            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+            args.tokens_per_expert_ptr, cute.make_layout(cutlass.max(args.num_experts, 1))
         )
-        k_tiles = k_size // TILE_K
-        col_tiles = n_size // TILE_N
+        k_tiles = args.k_size // TILE_K
+        col_tiles = args.n_size // TILE_N
         if cutlass.const_expr(self.epilogue != "swiglu"):
-            col_tiles = n_size // (2 * TILE_N)
-        tiles = TileList(tokens_per_expert, num_experts, col_tiles)
+            col_tiles = args.n_size // (2 * TILE_N)
+        tiles = TileList(tokens_per_expert, args.num_experts, col_tiles)
         # Tiles by a dynamic ticket (tickets.py); consumers and crew stop at NO_TASK.
-        tickets = Tickets(ticket_ptr.toint(), task_slots(storage), Int32(0))
+        tickets = Tickets(args.ticket_ptr.toint(), task_slots(storage), Int32(0))
         no_end = Int32(2**31 - 1)
 
         if warpgroup == 0:
             # ======== producer warpgroup: warp 0 issues TMA, warps 1-3 store tiles ========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                tAsA, tAgA = phases.partition_tma_load(tma_a, sA, mA, (TILE_M, TILE_K))
-                tBsB0, tBgB0 = phases.partition_tma_load(tma_b0, sB0, mB0, (TILE_N, TILE_K))
-                tBsB1, tBgB1 = phases.partition_tma_load(tma_b1, sB1, mB1, (TILE_N, TILE_K))
+                tAsA, tAgA = phases.partition_tma_load(tma.tma_a, sA, tma.mA, (TILE_M, TILE_K))
+                tBsB0, tBgB0 = phases.partition_tma_load(tma.tma_b0, sB0, tma.mB0, (TILE_N, TILE_K))
+                tBsB1, tBgB1 = phases.partition_tma_load(tma.tma_b1, sB1, tma.mB1, (TILE_N, TILE_K))
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
 
                 def load_tile(state, expert, col_tile, row_tile):
-                    b0_row_tile, b1_row_tile = self._weight_row_tiles(expert, col_tile, n_size)
+                    b0_row_tile, b1_row_tile = self._weight_row_tiles(expert, col_tile, args.n_size)
                     loads = (
-                        (tma_a, tAgA, row_tile, None, tAsA),
-                        (tma_b0, tBgB0, b0_row_tile, None, tBsB0),
-                        (tma_b1, tBgB1, b1_row_tile, None, tBsB1),
+                        (tma.tma_a, tAgA, row_tile, None, tAsA),
+                        (tma.tma_b0, tBgB0, b0_row_tile, None, tBsB0),
+                        (tma.tma_b1, tBgB1, b1_row_tile, None, tBsB1),
                     )
                     return phases.load_k_tiles(ring, state, k_tiles, loads)
 
@@ -230,8 +196,8 @@ class Sm90ExpertGemm:
                 ring.producer_tail(state)
             if warp_idx != 0:
                 self._epilogue_warps(
-                    tiles, tickets, no_end, buffers, out_ptr, gate_ptr, up_ptr, peer_rank_ptr,
-                    peer_token_idx_ptr, n_size, has_limit, swiglu_limit, tidx,
+                    tiles, tickets, no_end, buffers, args.out_ptr, args.gate_ptr, args.up_ptr, args.peer_rank_ptr,
+                    args.peer_token_idx_ptr, args.n_size, args.has_limit, args.swiglu_limit, tidx,
                 )  # fmt: skip
         else:
             # ================= consumer warpgroups: wgmma mainloop + hand-off ================

@@ -20,13 +20,14 @@ Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0, sum <= 
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64
 
-from ..common.args import global_pointer
+from ..common.params import Bf16Pointer, Fp32Pointer, Int32Pointer, compile_arguments
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .d_hidden_phase import prefetch_gate_up, swiglu_backward
@@ -35,6 +36,46 @@ from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 JOBS = ("d_hidden_swiglu", "d_x")
+
+
+class ExpertGemmBwdOperands(NamedTuple):
+    """The GEMM operands, from which `__call__` makes the TMA atoms."""
+
+    a0_ptr: Bf16Pointer
+    a1_ptr: Bf16Pointer
+    b0_ptr: Bf16Pointer
+    b1_ptr: Bf16Pointer
+
+
+class ExpertGemmBwdTma(NamedTuple):
+    """Each operand's TMA atom (a descriptor parameter) and coordinate tensor (static)."""
+
+    tma_a0: cute.CopyAtom
+    mA0: cute.Tensor
+    tma_a1: cute.CopyAtom
+    mA1: cute.Tensor
+    tma_b0: cute.CopyAtom
+    mB0: cute.Tensor
+    tma_b1: cute.CopyAtom
+    mB1: cute.Tensor
+
+
+class ExpertGemmBwdArgs(NamedTuple):
+    """The kernel's other parameters, in order (module docstring)."""
+
+    out0_ptr: Bf16Pointer
+    out1_ptr: Bf16Pointer
+    gate_ptr: Bf16Pointer
+    up_ptr: Bf16Pointer
+    partials_ptr: Fp32Pointer
+    peer_rank_ptr: Int32Pointer
+    peer_token_idx_ptr: Int32Pointer
+    tokens_per_expert_ptr: Int32Pointer
+    num_experts: Int32
+    k_size: Int32
+    n_size: Int32
+    has_limit: Int32
+    swiglu_limit: Float32
 
 
 @dataclass(frozen=True)
@@ -73,108 +114,27 @@ class Sm90ExpertGemmBwd:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(BFloat16, 16),  # a0_ptr
-            global_pointer(BFloat16, 16),  # a1_ptr
-            global_pointer(BFloat16, 16),  # b0_ptr
-            global_pointer(BFloat16, 16),  # b1_ptr
-            global_pointer(BFloat16, 16),  # out0_ptr
-            global_pointer(BFloat16, 16),  # out1_ptr
-            global_pointer(BFloat16, 16),  # gate_ptr
-            global_pointer(BFloat16, 16),  # up_ptr
-            global_pointer(Float32, 4),  # partials_ptr
-            global_pointer(Int32, 4),  # peer_rank_ptr
-            global_pointer(Int32, 4),  # peer_token_idx_ptr
-            global_pointer(Int32, 4),  # tokens_per_expert_ptr
-            Int32(0),  # num_experts
-            Int32(0),  # k_size
-            Int32(0),  # n_size
-            Int32(0),  # has_limit
-            Float32(0.0),  # swiglu_limit
-            Int32(1),  # num_ctas
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        a0_ptr: cute.Pointer,
-        a1_ptr: cute.Pointer,
-        b0_ptr: cute.Pointer,
-        b1_ptr: cute.Pointer,
-        out0_ptr: cute.Pointer,
-        out1_ptr: cute.Pointer,
-        gate_ptr: cute.Pointer,
-        up_ptr: cute.Pointer,
-        partials_ptr: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        num_experts: Int32,
-        k_size: Int32,
-        n_size: Int32,
-        has_limit: Int32,
-        swiglu_limit: Float32,
-        num_ctas: Int32,
-    ):
+    def __call__(self, operands: ExpertGemmBwdOperands, args: ExpertGemmBwdArgs, num_ctas: Int32):
         # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
         a_layout = phases.k_major_coords()  # (rows, K)
         b_layout = phases.mn_major_coords()  # (N, K rows)
         a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
         b_smem = phases.mn_major_smem_layout(TILE_N, self.stages)
-        tma_a0, mA0 = phases.make_tma_load(a0_ptr, a_layout, a_smem, (TILE_M, TILE_K))
-        tma_a1, mA1 = phases.make_tma_load(a1_ptr, a_layout, a_smem, (TILE_M, TILE_K))
-        tma_b0, mB0 = phases.make_tma_load(b0_ptr, b_layout, b_smem, (TILE_N, TILE_K))
-        tma_b1, mB1 = phases.make_tma_load(b1_ptr, b_layout, b_smem, (TILE_N, TILE_K))
-        self.kernel(
-            tma_a0,
-            mA0,
-            tma_a1,
-            mA1,
-            tma_b0,
-            mB0,
-            tma_b1,
-            mB1,
-            out0_ptr,
-            out1_ptr,
-            gate_ptr,
-            up_ptr,
-            partials_ptr,
-            peer_rank_ptr,
-            peer_token_idx_ptr,
-            tokens_per_expert_ptr,
-            num_experts,
-            k_size,
-            n_size,
-            has_limit,
-            swiglu_limit,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
+        tma = ExpertGemmBwdTma(
+            *phases.make_tma_load(operands.a0_ptr, a_layout, a_smem, (TILE_M, TILE_K)),
+            *phases.make_tma_load(operands.a1_ptr, a_layout, a_smem, (TILE_M, TILE_K)),
+            *phases.make_tma_load(operands.b0_ptr, b_layout, b_smem, (TILE_N, TILE_K)),
+            *phases.make_tma_load(operands.b1_ptr, b_layout, b_smem, (TILE_N, TILE_K)),
+        )
+        self.kernel(tma, args).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
+        )
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_a0: cute.CopyAtom,
-        mA0: cute.Tensor,
-        tma_a1: cute.CopyAtom,
-        mA1: cute.Tensor,
-        tma_b0: cute.CopyAtom,
-        mB0: cute.Tensor,
-        tma_b1: cute.CopyAtom,
-        mB1: cute.Tensor,
-        out0_ptr: cute.Pointer,
-        out1_ptr: cute.Pointer,
-        gate_ptr: cute.Pointer,
-        up_ptr: cute.Pointer,
-        partials_ptr: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        num_experts: Int32,
-        k_size: Int32,
-        n_size: Int32,
-        has_limit: Int32,
-        swiglu_limit: Float32,
-    ):
+    def kernel(self, tma: ExpertGemmBwdTma, args: ExpertGemmBwdArgs):
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
 
         # ---- static layouts, MMA, shared storage ----
@@ -186,22 +146,22 @@ class Sm90ExpertGemmBwd:
         )
 
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a0)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b0)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_a0)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b0)
             if cutlass.const_expr(self.k_halves == 2):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_a1)
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_b1)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_a1)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b1)
 
         # ---- operand ring ----
         ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list inputs ----
         tokens_per_expert = cute.make_tensor(
-            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+            args.tokens_per_expert_ptr, cute.make_layout(cutlass.max(args.num_experts, 1))
         )
-        k_half_tiles = k_size // TILE_K
-        col_tiles = n_size // (2 * TILE_N)
-        tiles = TileList(tokens_per_expert, num_experts, col_tiles)
+        k_half_tiles = args.k_size // TILE_K
+        col_tiles = args.n_size // (2 * TILE_N)
+        tiles = TileList(tokens_per_expert, args.num_experts, col_tiles)
 
         if warpgroup == 0:
             # ====== producer warpgroup: warp 0 issues TMA, warps 1-3 exit or store tiles ======
@@ -209,19 +169,25 @@ class Sm90ExpertGemmBwd:
             if warp_idx == 0:
                 # Per K half: (atom, smem, gmem) of A; (atom, smem of B0, smem of B1, gmem) of B.
                 a_loads = (
-                    (tma_a0, *phases.partition_tma_load(tma_a0, sA, mA0, (TILE_M, TILE_K))),
-                    (tma_a1, *phases.partition_tma_load(tma_a1, sA, mA1, (TILE_M, TILE_K))),
+                    (
+                        tma.tma_a0,
+                        *phases.partition_tma_load(tma.tma_a0, sA, tma.mA0, (TILE_M, TILE_K)),
+                    ),
+                    (
+                        tma.tma_a1,
+                        *phases.partition_tma_load(tma.tma_a1, sA, tma.mA1, (TILE_M, TILE_K)),
+                    ),
                 )
                 b_loads = (
-                    (tma_b0, *phases.partition_tma_load_pair(tma_b0, sB0, sB1, mB0)),
-                    (tma_b1, *phases.partition_tma_load_pair(tma_b1, sB0, sB1, mB1)),
+                    (tma.tma_b0, *phases.partition_tma_load_pair(tma.tma_b0, sB0, sB1, tma.mB0)),
+                    (tma.tma_b1, *phases.partition_tma_load_pair(tma.tma_b1, sB0, sB1, tma.mB1)),
                 )
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
                 tile = bidx
                 expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
-                while expert < num_experts:
+                while expert < args.num_experts:
                     local = tile - tile_base
                     a_row_tile = row_base // TILE_M + local % row_tiles
                     # B column blocks (units of TILE_N) and the expert's first K row tile.
@@ -244,17 +210,17 @@ class Sm90ExpertGemmBwd:
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
             if warp_idx != 0:
-                row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
+                row_stride = cute.assume(Int64(args.n_size), divby=2 * TILE_N)
                 if cutlass.const_expr(self.job == "d_hidden_swiglu"):
                     CREW.run(
                         tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, None,
-                        handoff.store_split, (out0_ptr, out1_ptr, row_stride), handoffs=2,
+                        handoff.store_split, (args.out0_ptr, args.out1_ptr, row_stride), handoffs=2,
                         before_tile=prefetch_gate_up,
-                        before_args=(gate_ptr, up_ptr, row_stride),
+                        before_args=(args.gate_ptr, args.up_ptr, row_stride),
                     )  # fmt: skip
                 else:
                     CREW.run(tiles, bidx, grid_size, buffers, tidx, 2 * TILE_N, None,
-                             handoff.store_pair, (out0_ptr, row_stride))  # fmt: skip
+                             handoff.store_pair, (args.out0_ptr, row_stride))  # fmt: skip
         else:
             # ============ consumer warpgroups: wgmma mainloop + (epilogue +) hand-off ============
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -265,7 +231,7 @@ class Sm90ExpertGemmBwd:
             read_state, release_state = phases.make_consumer_states(self.stages)
             tile = bidx
             expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
-            while expert < num_experts:
+            while expert < args.num_experts:
                 local = tile - tile_base
                 first_row = row_base + (local % row_tiles) * TILE_M
                 first_col = (local // row_tiles) * (2 * TILE_N)
@@ -283,14 +249,14 @@ class Sm90ExpertGemmBwd:
                         swiglu_backward(
                             thr_mma,
                             acc0 if j == 0 else acc1,
-                            gate_ptr,
-                            up_ptr,
-                            partials_ptr,
+                            args.gate_ptr,
+                            args.up_ptr,
+                            args.partials_ptr,
                             first_row,
                             first_col + j * TILE_N,
-                            n_size,
-                            has_limit,
-                            swiglu_limit,
+                            args.n_size,
+                            args.has_limit,
+                            args.swiglu_limit,
                             buffers,
                         )
 

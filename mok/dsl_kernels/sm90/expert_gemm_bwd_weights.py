@@ -24,6 +24,7 @@ SM count, block 384, cluster 1.
 """
 
 from dataclasses import dataclass
+from typing import Annotated, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -31,6 +32,7 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
+from ..common.params import Bf16Pointer, Int32Pointer, compile_arguments
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
 from .epilogue_warps import EpilogueCrew
@@ -61,6 +63,40 @@ def advance_to_expert(tokens_per_expert: cute.Tensor, expert: Int32, cursor: Int
         row_base = row_base + tokens_per_expert[cursor]
         cursor = cursor + 1
     return cursor, row_base
+
+
+def gradient_pointer(kernel):
+    """The weight gradient's placeholder: bf16 or fp32 as the kernel's `output` says."""
+    return global_pointer(BFloat16 if kernel.output == "bf16" else Float32, 16)
+
+
+GradientPointer = Annotated[cute.Pointer, gradient_pointer]
+
+
+class WeightGemmOperands(NamedTuple):
+    """The GEMM operands, from which `__call__` makes the TMA atoms."""
+
+    a_ptr: Bf16Pointer
+    b_ptr: Bf16Pointer
+
+
+class WeightGemmTma(NamedTuple):
+    """Each operand's TMA atom (a descriptor parameter) and coordinate tensor (static)."""
+
+    tma_a: cute.CopyAtom
+    mA: cute.Tensor
+    tma_b: cute.CopyAtom
+    mB: cute.Tensor
+
+
+class WeightGemmArgs(NamedTuple):
+    """The kernel's other parameters, in order (module docstring)."""
+
+    out_ptr: GradientPointer
+    tokens_per_expert_ptr: Int32Pointer
+    num_experts: Int32
+    m_size: Int32
+    n_size: Int32
 
 
 @dataclass(frozen=True)
@@ -102,52 +138,24 @@ class Sm90ExpertGemmBwdWeights:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        return (
-            global_pointer(BFloat16, 16),  # a_ptr
-            global_pointer(BFloat16, 16),  # b_ptr
-            global_pointer(BFloat16 if self.output == "bf16" else Float32, 16),  # out_ptr
-            global_pointer(Int32, 4),  # tokens_per_expert_ptr
-            Int32(0),  # num_experts
-            Int32(0),  # m_size
-            Int32(0),  # n_size
-            Int32(1),  # num_ctas
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        num_experts: Int32,
-        m_size: Int32,
-        n_size: Int32,
-        num_ctas: Int32,
-    ):
+    def __call__(self, operands: WeightGemmOperands, args: WeightGemmArgs, num_ctas: Int32):
         # Descriptors built here are thrown away: the runtime encodes its own from the manifest.
         operand_layout = phases.mn_major_coords()
         a_smem = self._smem_layout(TILE_M)
         b_smem = self._smem_layout(TILE_N)
-        tma_a, mA = phases.make_tma_load(a_ptr, operand_layout, a_smem, (TILE_M, TILE_K))
-        tma_b, mB = phases.make_tma_load(b_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
-        self.kernel(
-            tma_a, mA, tma_b, mB, out_ptr, tokens_per_expert_ptr, num_experts, m_size, n_size
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
+        tma = WeightGemmTma(
+            *phases.make_tma_load(operands.a_ptr, operand_layout, a_smem, (TILE_M, TILE_K)),
+            *phases.make_tma_load(operands.b_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
+        )
+        self.kernel(tma, args).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
+        )
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_a: cute.CopyAtom,
-        mA: cute.Tensor,
-        tma_b: cute.CopyAtom,
-        mB: cute.Tensor,
-        out_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        num_experts: Int32,
-        m_size: Int32,
-        n_size: Int32,
-    ):
+    def kernel(self, tma: WeightGemmTma, args: WeightGemmArgs):
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
 
         # ---- static layouts, MMA, shared storage ----
@@ -160,26 +168,26 @@ class Sm90ExpertGemmBwdWeights:
         buffers = handoff.handoff_buffers(storage) if self._crew else None
 
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b)
 
         # ---- operand ring ----
         ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list ----
         tokens_per_expert = cute.make_tensor(
-            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+            args.tokens_per_expert_ptr, cute.make_layout(cutlass.max(args.num_experts, 1))
         )
-        m_tiles = m_size // TILE_M
-        tiles_per_expert = m_tiles * (n_size // (2 * TILE_N))
-        num_tiles = num_experts * tiles_per_expert
+        m_tiles = args.m_size // TILE_M
+        tiles_per_expert = m_tiles * (args.n_size // (2 * TILE_N))
+        num_tiles = args.num_experts * tiles_per_expert
 
         if warpgroup == 0:
             # ======== producer warpgroup: warp 0 issues TMA, warps 1-3 store bf16 tiles ========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                tAsA, tAgA = phases.partition_tma_load(tma_a, sA, mA, (TILE_M, TILE_K))
-                tBsB0, tBsB1, tBgB = phases.partition_tma_load_pair(tma_b, sB0, sB1, mB)
+                tAsA, tAgA = phases.partition_tma_load(tma.tma_a, sA, tma.mA, (TILE_M, TILE_K))
+                tBsB0, tBsB1, tBgB = phases.partition_tma_load_pair(tma.tma_b, sB0, sB1, tma.mB)
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
@@ -197,9 +205,9 @@ class Sm90ExpertGemmBwdWeights:
                     k_base = row_base // TILE_K
                     # Fixed K order: the expert's tokens in increasing order, one CTA.
                     loads = (
-                        (tma_a, tAgA, m_tile, k_base, tAsA),
-                        (tma_b, tBgB, n_tile, k_base, tBsB0),
-                        (tma_b, tBgB, n_tile + 1, k_base, tBsB1),
+                        (tma.tma_a, tAgA, m_tile, k_base, tAsA),
+                        (tma.tma_b, tBgB, n_tile, k_base, tBsB0),
+                        (tma.tma_b, tBgB, n_tile + 1, k_base, tBsB1),
                     )
                     k_tiles = tokens_per_expert[expert] // TILE_K
                     state = phases.load_k_tiles(ring, state, k_tiles, loads)
@@ -209,7 +217,7 @@ class Sm90ExpertGemmBwdWeights:
             if cutlass.const_expr(self._crew):
                 if warp_idx != 0:
                     self._crew_stores(
-                        buffers, out_ptr, num_tiles, tiles_per_expert, m_tiles, m_size, n_size,
+                        buffers, args.out_ptr, num_tiles, tiles_per_expert, m_tiles, args.m_size, args.n_size,
                         tidx, bidx, grid_size,
                     )  # fmt: skip
         else:
@@ -244,10 +252,14 @@ class Sm90ExpertGemmBwdWeights:
                 if cutlass.const_expr(self._crew):
                     CREW.hand_off(thr_mma, (acc0, acc1), buffers)
                 else:
-                    expert_offset = Int64(expert) * Int64(m_size) * Int64(n_size)
+                    expert_offset = Int64(expert) * Int64(args.m_size) * Int64(args.n_size)
                     for j in cutlass.range_constexpr(2):
                         tile_out = self._output_tile(
-                            out_ptr, expert_offset, first_row, first_col + j * TILE_N, n_size
+                            args.out_ptr,
+                            expert_offset,
+                            first_row,
+                            first_col + j * TILE_N,
+                            args.n_size,
                         )
                         self._store(acc0 if j == 0 else acc1, thr_mma.partition_C(tile_out))
                 tile = tile + grid_size

@@ -33,6 +33,7 @@ num_experts * m_size < 2^30; 16-byte aligned; grid <= SM count, block 384, clust
 """
 
 from dataclasses import dataclass
+from typing import Annotated, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -40,8 +41,9 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
+from ..common.params import Bf16Pointer, Int32Pointer, compile_arguments
 from . import gemm_phases as phases
-from .expert_gemm_bwd_weights import advance_to_expert, grouped_tile_coords
+from .expert_gemm_bwd_weights import GradientPointer, advance_to_expert, grouped_tile_coords
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 OUTPUTS = ("bf16", "fp32_accumulate")
@@ -61,6 +63,44 @@ def window_part(segment_start: Int32, segment_rows: Int32, first_row: Int32, win
     from_partial = meets & (segment_start < first_row)
     into_partial = meets & (segment_start + segment_rows > end_row)
     return (low - first_row) // TILE_K, k_tiles, from_partial, into_partial, writes
+
+
+def partial_pointer():
+    """The fp32 partial sums' placeholder (16-byte aligned: whole rows move as vectors)."""
+    return global_pointer(Float32, 16)
+
+
+PartialPointer = Annotated[cute.Pointer, partial_pointer]
+
+
+class WindowGemmOperands(NamedTuple):
+    """The GEMM operands, from which `__call__` makes the TMA atoms."""
+
+    a_ptr: Bf16Pointer
+    b_ptr: Bf16Pointer
+
+
+class WindowGemmTma(NamedTuple):
+    """Each operand's TMA atom (a descriptor parameter) and coordinate tensor (static)."""
+
+    tma_a: cute.CopyAtom
+    mA: cute.Tensor
+    tma_b: cute.CopyAtom
+    mB: cute.Tensor
+
+
+class WindowGemmArgs(NamedTuple):
+    """The kernel's other parameters, in order (module docstring)."""
+
+    out_ptr: GradientPointer
+    partial_in_ptr: PartialPointer
+    partial_out_ptr: PartialPointer
+    tokens_per_expert_ptr: Int32Pointer
+    num_experts: Int32
+    m_size: Int32
+    n_size: Int32
+    first_row: Int32
+    window_rows: Int32
 
 
 @dataclass(frozen=True)
@@ -95,65 +135,24 @@ class Sm90ExpertGemmBwdWeightsWindow:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        return (
-            global_pointer(BFloat16, 16),  # a_ptr
-            global_pointer(BFloat16, 16),  # b_ptr
-            global_pointer(BFloat16 if self.output == "bf16" else Float32, 16),  # out_ptr
-            global_pointer(Float32, 16),  # partial_in_ptr
-            global_pointer(Float32, 16),  # partial_out_ptr
-            global_pointer(Int32, 4),  # tokens_per_expert_ptr
-            Int32(0),  # num_experts
-            Int32(0),  # m_size
-            Int32(0),  # n_size
-            Int32(0),  # first_row
-            Int32(0),  # window_rows
-            Int32(1),  # num_ctas
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        partial_in_ptr: cute.Pointer,
-        partial_out_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        num_experts: Int32,
-        m_size: Int32,
-        n_size: Int32,
-        first_row: Int32,
-        window_rows: Int32,
-        num_ctas: Int32,
-    ):
+    def __call__(self, operands: WindowGemmOperands, args: WindowGemmArgs, num_ctas: Int32):
         # Descriptors built here are thrown away: the runtime encodes its own from the manifest.
         operand_layout = phases.mn_major_coords()
         a_smem = self._smem_layout(TILE_M)
         b_smem = self._smem_layout(TILE_N)
-        tma_a, mA = phases.make_tma_load(a_ptr, operand_layout, a_smem, (TILE_M, TILE_K))
-        tma_b, mB = phases.make_tma_load(b_ptr, operand_layout, b_smem, (TILE_N, TILE_K))
-        self.kernel(
-            tma_a, mA, tma_b, mB, out_ptr, partial_in_ptr, partial_out_ptr,
-            tokens_per_expert_ptr, num_experts, m_size, n_size, first_row, window_rows,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
+        tma = WindowGemmTma(
+            *phases.make_tma_load(operands.a_ptr, operand_layout, a_smem, (TILE_M, TILE_K)),
+            *phases.make_tma_load(operands.b_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
+        )
+        self.kernel(tma, args).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
+        )
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_a: cute.CopyAtom,
-        mA: cute.Tensor,
-        tma_b: cute.CopyAtom,
-        mB: cute.Tensor,
-        out_ptr: cute.Pointer,
-        partial_in_ptr: cute.Pointer,
-        partial_out_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        num_experts: Int32,
-        m_size: Int32,
-        n_size: Int32,
-        first_row: Int32,
-        window_rows: Int32,
-    ):
+    def kernel(self, tma: WindowGemmTma, args: WindowGemmArgs):
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
 
         # ---- static layouts, MMA, shared storage, operand ring ----
@@ -164,24 +163,24 @@ class Sm90ExpertGemmBwdWeightsWindow:
             a_layout, b_layout, self.stages
         )
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b)
         ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list: every expert's tiles; those of experts outside the macrobatch skip ----
         tokens_per_expert = cute.make_tensor(
-            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+            args.tokens_per_expert_ptr, cute.make_layout(cutlass.max(args.num_experts, 1))
         )
-        m_tiles = m_size // TILE_M
-        tiles_per_expert = m_tiles * (n_size // (2 * TILE_N))
-        num_tiles = num_experts * tiles_per_expert
+        m_tiles = args.m_size // TILE_M
+        tiles_per_expert = m_tiles * (args.n_size // (2 * TILE_N))
+        num_tiles = args.num_experts * tiles_per_expert
 
         if warpgroup == 0:
             # ======== producer warpgroup: warp 0 issues TMA (the rest idle) ========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                tAsA, tAgA = phases.partition_tma_load(tma_a, sA, mA, (TILE_M, TILE_K))
-                tBsB0, tBsB1, tBgB = phases.partition_tma_load_pair(tma_b, sB0, sB1, mB)
+                tAsA, tAgA = phases.partition_tma_load(tma.tma_a, sA, tma.mA, (TILE_M, TILE_K))
+                tBsB0, tBsB1, tBgB = phases.partition_tma_load_pair(tma.tma_b, sB0, sB1, tma.mB)
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
@@ -196,13 +195,13 @@ class Sm90ExpertGemmBwdWeightsWindow:
                     )
                     m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
                     k_base, k_tiles, _, _, _ = window_part(
-                        row_base, tokens_per_expert[expert], first_row, window_rows
+                        row_base, tokens_per_expert[expert], args.first_row, args.window_rows
                     )
                     # Fixed K order: the expert's rows in this macrobatch, increasing.
                     loads = (
-                        (tma_a, tAgA, m_tile, k_base, tAsA),
-                        (tma_b, tBgB, 2 * n_pair, k_base, tBsB0),
-                        (tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
+                        (tma.tma_a, tAgA, m_tile, k_base, tAsA),
+                        (tma.tma_b, tBgB, 2 * n_pair, k_base, tBsB0),
+                        (tma.tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
                     )
                     state = phases.load_k_tiles(ring, state, k_tiles, loads)
                     tile = tile + grid_size
@@ -226,13 +225,13 @@ class Sm90ExpertGemmBwdWeightsWindow:
                 first_out_row = m_tile * TILE_M
                 first_col = n_pair * (2 * TILE_N)
                 _, k_tiles, from_partial, into_partial, writes = window_part(
-                    row_base, tokens_per_expert[expert], first_row, window_rows
+                    row_base, tokens_per_expert[expert], args.first_row, args.window_rows
                 )
 
                 if writes:
                     # ---- the sums so far: the previous macrobatch's partial, or zero ----
-                    load_partial(thr_mma, (acc0, acc1), partial_in_ptr, from_partial,
-                                 first_out_row, first_col, n_size)  # fmt: skip
+                    load_partial(thr_mma, (acc0, acc1), args.partial_in_ptr, from_partial,
+                                 first_out_row, first_col, args.n_size)  # fmt: skip
                     read_state, release_state = phases.mma_k_tiles(
                         tiled_mma, ring, read_state, release_state, k_tiles, operands,
                         (acc0, acc1), may_be_empty=True, from_zero=False,
@@ -240,12 +239,12 @@ class Sm90ExpertGemmBwdWeightsWindow:
 
                     # ---- the sums on to the next macrobatch, or the result ----
                     if into_partial:
-                        copy_tile(thr_mma, (acc0, acc1), partial_out_ptr, None, first_out_row,
-                                  first_col, n_size, "store")  # fmt: skip
+                        copy_tile(thr_mma, (acc0, acc1), args.partial_out_ptr, None, first_out_row,
+                                  first_col, args.n_size, "store")  # fmt: skip
                     else:
-                        expert_offset = Int64(expert) * Int64(m_size) * Int64(n_size)
-                        copy_tile(thr_mma, (acc0, acc1), out_ptr, expert_offset, first_out_row,
-                                  first_col, n_size, self.output)  # fmt: skip
+                        expert_offset = Int64(expert) * Int64(args.m_size) * Int64(args.n_size)
+                        copy_tile(thr_mma, (acc0, acc1), args.out_ptr, expert_offset, first_out_row,
+                                  first_col, args.n_size, self.output)  # fmt: skip
                 tile = tile + grid_size
 
 

@@ -41,14 +41,21 @@ multiples of 128; E * max(H, I) < 2^30; grid <= SM count; tensors 16-byte aligne
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
-from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, int64_pointer, placeholders
+from ..common.params import (
+    Bf16Pointer,
+    Fp32Pointer,
+    Int32Pointer,
+    Int64Pointer,
+    compile_arguments,
+)
 from ..common.peers import peer_table
 from . import combine_phase, d_hidden_phase, d_x_phase
 from . import epilogue_warps as handoff
@@ -60,9 +67,9 @@ from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M,
 from .minibatches import Minibatches, step_windows
 from .retire import retire_cta
 from .task_walk import (
-    STEP_PARAMS,
-    WALK_PARAMS,
     RowTileWait,
+    StepArgs,
+    WalkArgs,
     consume_phase,
     past_last_task,
     produce_steps,
@@ -81,52 +88,93 @@ from .weight_phase import (
 # Counters after the two per-row-tile arrays: dispatch_total, dgu_total, the task ticket, the
 # dispatch ticket, dx_done, the exit word.
 COUNTER_TAIL = 6
-# The weight phase's descriptors, MN-major: A = dY_e, d_gate, d_up; B = hidden, x_routed.
-WEIGHT_PHASE_TMA = ("tma_xdy", "tma_xdg", "tma_xdu", "tma_xh", "tma_xx")
 
-# `__call__`'s parameters, in order (the runtime encodes the descriptors from `tma_specs`).
 # Shapes: dY [T, H], dY_e and x_routed [C, H], gate/up/hidden/d_gate/d_up [C, I] bf16; router
 # weights [T * k] and partials [C, I / 128] fp32; dW_down [E, H, I], dW_gate/dW_up [E, I, H]
 # and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + COUNTER_TAIL] int32; d_x [T, H]
 # bf16, d_router [T * k] fp32 and the value-status words (finish_tokens = T > 0).
-PARAMS = (
-    ("a_dy", bf16_pointer),
-    ("b_wd", bf16_pointer),
-    ("a_dg", bf16_pointer),
-    ("a_du", bf16_pointer),
-    ("b_wg", bf16_pointer),
-    ("b_wu", bf16_pointer),
-    ("a_xdy", bf16_pointer),
-    ("a_xdg", bf16_pointer),
-    ("a_xdu", bf16_pointer),
-    ("b_xh", bf16_pointer),
-    ("b_xx", bf16_pointer),
-    ("d_w_down_ptr", bf16_pointer),
-    ("d_w_gate_ptr", bf16_pointer),
-    ("d_w_up_ptr", bf16_pointer),
-    ("dy_ptr", bf16_pointer),
-    ("weight_ptr", fp32_pointer),
-    ("dy_routed_ptr", bf16_pointer),
-    ("gate_ptr", bf16_pointer),
-    ("up_ptr", bf16_pointer),
-    ("d_gate_ptr", bf16_pointer),
-    ("d_up_ptr", bf16_pointer),
-    ("partials_ptr", fp32_pointer),
-    ("slots_ptr", bf16_pointer),
-    ("dy_ptrs", int64_pointer),
-    ("weight_ptrs", int64_pointer),
-    ("slots_ptrs", int64_pointer),
-    ("dy_rounded_ptr", bf16_pointer),
-    ("d_gate_rounded_ptr", bf16_pointer),
-    ("d_up_rounded_ptr", bf16_pointer),
-    ("d_x_ptr", bf16_pointer),
-    ("d_router_ptr", fp32_pointer),
-    ("status_ptr", int32_pointer),
-    ("finish_tokens", Int32(0)),
-    *WALK_PARAMS,
-    ("weight_gemms", Int32(0)),
-    *STEP_PARAMS,
-)
+
+
+class BackwardOperands(NamedTuple):
+    """d_hidden's and d_x's GEMM operands, from which `__call__` makes the TMA atoms (the
+    runtime encodes the descriptors from `tma_specs`)."""
+
+    a_dy: Bf16Pointer
+    b_wd: Bf16Pointer
+    a_dg: Bf16Pointer
+    a_du: Bf16Pointer
+    b_wg: Bf16Pointer
+    b_wu: Bf16Pointer
+
+
+class WeightOperands(NamedTuple):
+    """The weight phase's GEMM operands (MN-major: A = dY_e, d_gate, d_up; B = hidden,
+    x_routed)."""
+
+    a_xdy: Bf16Pointer
+    a_xdg: Bf16Pointer
+    a_xdu: Bf16Pointer
+    b_xh: Bf16Pointer
+    b_xx: Bf16Pointer
+
+
+class BackwardTma(NamedTuple):
+    """Each d_hidden / d_x operand's TMA atom (a descriptor parameter) and coordinate tensor."""
+
+    tma_dy: cute.CopyAtom
+    mDy: cute.Tensor
+    tma_wd: cute.CopyAtom
+    mWd: cute.Tensor
+    tma_dg: cute.CopyAtom
+    mDg: cute.Tensor
+    tma_du: cute.CopyAtom
+    mDu: cute.Tensor
+    tma_wg: cute.CopyAtom
+    mWg: cute.Tensor
+    tma_wu: cute.CopyAtom
+    mWu: cute.Tensor
+
+
+class WeightTma(NamedTuple):
+    """Each weight-phase operand's TMA atom and coordinate tensor."""
+
+    tma_xdy: cute.CopyAtom
+    mXdy: cute.Tensor
+    tma_xdg: cute.CopyAtom
+    mXdg: cute.Tensor
+    tma_xdu: cute.CopyAtom
+    mXdu: cute.Tensor
+    tma_xh: cute.CopyAtom
+    mXh: cute.Tensor
+    tma_xx: cute.CopyAtom
+    mXx: cute.Tensor
+
+
+class BackwardTensors(NamedTuple):
+    """The backward's own tensors and the finish switch (shapes above)."""
+
+    d_w_down_ptr: Bf16Pointer
+    d_w_gate_ptr: Bf16Pointer
+    d_w_up_ptr: Bf16Pointer
+    dy_ptr: Bf16Pointer
+    weight_ptr: Fp32Pointer
+    dy_routed_ptr: Bf16Pointer
+    gate_ptr: Bf16Pointer
+    up_ptr: Bf16Pointer
+    d_gate_ptr: Bf16Pointer
+    d_up_ptr: Bf16Pointer
+    partials_ptr: Fp32Pointer
+    slots_ptr: Bf16Pointer
+    dy_ptrs: Int64Pointer
+    weight_ptrs: Int64Pointer
+    slots_ptrs: Int64Pointer
+    dy_rounded_ptr: Bf16Pointer
+    d_gate_rounded_ptr: Bf16Pointer
+    d_up_rounded_ptr: Bf16Pointer
+    d_x_ptr: Bf16Pointer
+    d_router_ptr: Fp32Pointer
+    status_ptr: Int32Pointer
+    finish_tokens: Int32
 
 
 @dataclass(frozen=True)
@@ -146,76 +194,26 @@ class Sm90MoeBackward:
     def tma_specs(self) -> list[dict]:
         a_box = [TILE_K, TILE_M]
         b_box = [64, TILE_K]  # 64 N (one 128-byte swizzle row) x 64 K rows, MN-major
-        return [
-            phases.tma_spec("tma_dy", a_box),
-            phases.tma_spec("tma_wd", b_box),
-            phases.tma_spec("tma_dg", a_box),
-            phases.tma_spec("tma_du", a_box),
-            phases.tma_spec("tma_wg", b_box),
-            phases.tma_spec("tma_wu", b_box),
-            *(phases.tma_spec(name, b_box) for name in WEIGHT_PHASE_TMA),
-        ]
+        # A operands (rows x K) of d_hidden and d_x take a_box; the MN-major rest b_box.
+        boxes = {"tma_dy": a_box, "tma_dg": a_box, "tma_du": a_box}
+        names = (*BackwardTma._fields[::2], *WeightTma._fields[::2])
+        return [phases.tma_spec(name, boxes.get(name, b_box)) for name in names]
 
     def stage_bytes(self) -> int:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        return placeholders(PARAMS)
+        return compile_arguments(self)
 
     @cute.jit
     def __call__(
         self,
-        a_dy: cute.Pointer,
-        b_wd: cute.Pointer,
-        a_dg: cute.Pointer,
-        a_du: cute.Pointer,
-        b_wg: cute.Pointer,
-        b_wu: cute.Pointer,
-        a_xdy: cute.Pointer,
-        a_xdg: cute.Pointer,
-        a_xdu: cute.Pointer,
-        b_xh: cute.Pointer,
-        b_xx: cute.Pointer,
-        d_w_down_ptr: cute.Pointer,
-        d_w_gate_ptr: cute.Pointer,
-        d_w_up_ptr: cute.Pointer,
-        dy_ptr: cute.Pointer,
-        weight_ptr: cute.Pointer,
-        dy_routed_ptr: cute.Pointer,
-        gate_ptr: cute.Pointer,
-        up_ptr: cute.Pointer,
-        d_gate_ptr: cute.Pointer,
-        d_up_ptr: cute.Pointer,
-        partials_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        dy_ptrs: cute.Pointer,
-        weight_ptrs: cute.Pointer,
-        slots_ptrs: cute.Pointer,
-        dy_rounded_ptr: cute.Pointer,
-        d_gate_rounded_ptr: cute.Pointer,
-        d_up_rounded_ptr: cute.Pointer,
-        d_x_ptr: cute.Pointer,
-        d_router_ptr: cute.Pointer,
-        status_ptr: cute.Pointer,
-        finish_tokens: Int32,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_tokens_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        timeout_ns: Int64,
-        num_experts: Int32,
-        hidden_size: Int32,
-        intermediate_size: Int32,
-        topk: Int32,
-        ep_rank: Int32,
-        capacity: Int32,
-        has_limit: Int32,
-        swiglu_limit: Float32,
+        operands: BackwardOperands,
+        weight_operands: WeightOperands,
+        args: BackwardTensors,
+        walk: WalkArgs,
         weight_gemms: Int32,
-        num_comm_ctas: Int32,
-        minibatch_tiles: Int32,
+        steps: StepArgs,
         num_ctas: Int32,
     ):
         # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
@@ -225,100 +223,36 @@ class Sm90MoeBackward:
         b_smem = phases.mn_major_smem_layout(TILE_N, self.stages)
         tile_a = (TILE_M, TILE_K)
         tile_b = (TILE_N, TILE_K)
-        tma_dy, mDy = phases.make_tma_load(a_dy, a_layout, a_smem, tile_a)
-        tma_wd, mWd = phases.make_tma_load(b_wd, b_layout, b_smem, tile_b)
-        tma_dg, mDg = phases.make_tma_load(a_dg, a_layout, a_smem, tile_a)
-        tma_du, mDu = phases.make_tma_load(a_du, a_layout, a_smem, tile_a)
-        tma_wg, mWg = phases.make_tma_load(b_wg, b_layout, b_smem, tile_b)
-        tma_wu, mWu = phases.make_tma_load(b_wu, b_layout, b_smem, tile_b)
+        tma = BackwardTma(
+            *phases.make_tma_load(operands.a_dy, a_layout, a_smem, tile_a),
+            *phases.make_tma_load(operands.b_wd, b_layout, b_smem, tile_b),
+            *phases.make_tma_load(operands.a_dg, a_layout, a_smem, tile_a),
+            *phases.make_tma_load(operands.a_du, a_layout, a_smem, tile_a),
+            *phases.make_tma_load(operands.b_wg, b_layout, b_smem, tile_b),
+            *phases.make_tma_load(operands.b_wu, b_layout, b_smem, tile_b),
+        )
         w_smem = phases.mn_major_smem_layout(TILE_M, self.stages)
-        tma_xdy, mXdy = phases.make_tma_load(a_xdy, b_layout, w_smem, tile_a)
-        tma_xdg, mXdg = phases.make_tma_load(a_xdg, b_layout, w_smem, tile_a)
-        tma_xdu, mXdu = phases.make_tma_load(a_xdu, b_layout, w_smem, tile_a)
-        tma_xh, mXh = phases.make_tma_load(b_xh, b_layout, b_smem, tile_b)
-        tma_xx, mXx = phases.make_tma_load(b_xx, b_layout, b_smem, tile_b)
-        self.kernel(
-            tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu,
-            tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx,
-            d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr, dy_ptr, weight_ptr, dy_routed_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
-            partials_ptr, slots_ptr, dy_ptrs, weight_ptrs, slots_ptrs, dy_rounded_ptr,
-            d_gate_rounded_ptr, d_up_rounded_ptr, d_x_ptr, d_router_ptr, status_ptr,
-            finish_tokens, peer_rank_ptr,
-            peer_token_idx_ptr, num_tokens_ptr,
-            tokens_per_expert_ptr, counters_ptr, error_record_ptr, timeout_ns,
-            num_experts,
-            hidden_size, intermediate_size, topk, ep_rank, capacity, has_limit,
-            swiglu_limit, weight_gemms, num_comm_ctas, minibatch_tiles,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)  # fmt: skip
+        weight_tma = WeightTma(
+            *phases.make_tma_load(weight_operands.a_xdy, b_layout, w_smem, tile_a),
+            *phases.make_tma_load(weight_operands.a_xdg, b_layout, w_smem, tile_a),
+            *phases.make_tma_load(weight_operands.a_xdu, b_layout, w_smem, tile_a),
+            *phases.make_tma_load(weight_operands.b_xh, b_layout, b_smem, tile_b),
+            *phases.make_tma_load(weight_operands.b_xx, b_layout, b_smem, tile_b),
+        )
+        self.kernel(tma, weight_tma, args, walk, weight_gemms, steps).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
+        )
 
     @cute.kernel
     def kernel(
         self,
-        tma_dy: cute.CopyAtom,
-        mDy: cute.Tensor,
-        tma_wd: cute.CopyAtom,
-        mWd: cute.Tensor,
-        tma_dg: cute.CopyAtom,
-        mDg: cute.Tensor,
-        tma_du: cute.CopyAtom,
-        mDu: cute.Tensor,
-        tma_wg: cute.CopyAtom,
-        mWg: cute.Tensor,
-        tma_wu: cute.CopyAtom,
-        mWu: cute.Tensor,
-        tma_xdy: cute.CopyAtom,
-        mXdy: cute.Tensor,
-        tma_xdg: cute.CopyAtom,
-        mXdg: cute.Tensor,
-        tma_xdu: cute.CopyAtom,
-        mXdu: cute.Tensor,
-        tma_xh: cute.CopyAtom,
-        mXh: cute.Tensor,
-        tma_xx: cute.CopyAtom,
-        mXx: cute.Tensor,
-        d_w_down_ptr: cute.Pointer,
-        d_w_gate_ptr: cute.Pointer,
-        d_w_up_ptr: cute.Pointer,
-        dy_ptr: cute.Pointer,
-        weight_ptr: cute.Pointer,
-        dy_routed_ptr: cute.Pointer,
-        gate_ptr: cute.Pointer,
-        up_ptr: cute.Pointer,
-        d_gate_ptr: cute.Pointer,
-        d_up_ptr: cute.Pointer,
-        partials_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        dy_ptrs: cute.Pointer,
-        weight_ptrs: cute.Pointer,
-        slots_ptrs: cute.Pointer,
-        dy_rounded_ptr: cute.Pointer,
-        d_gate_rounded_ptr: cute.Pointer,
-        d_up_rounded_ptr: cute.Pointer,
-        d_x_ptr: cute.Pointer,
-        d_router_ptr: cute.Pointer,
-        status_ptr: cute.Pointer,
-        finish_tokens: Int32,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_tokens_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        timeout_ns: Int64,
-        num_experts: Int32,
-        hidden_size: Int32,
-        intermediate_size: Int32,
-        topk: Int32,
-        ep_rank: Int32,
-        capacity: Int32,
-        has_limit: Int32,
-        swiglu_limit: Float32,
+        tma: BackwardTma,
+        weight_tma: WeightTma,
+        args: BackwardTensors,
+        walk: WalkArgs,
         weight_gemms: Int32,
-        num_comm_ctas: Int32,
-        minibatch_tiles: Int32,
+        steps: StepArgs,
     ):
-        tma = (tma_dy, mDy, tma_wd, mWd, tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu)
-        weight_tma = (tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
 
         tiled_mma = phases.backward_mma()
@@ -328,8 +262,7 @@ class Sm90MoeBackward:
             a_layout, b_layout, self.stages, SLOT_BYTES
         )
         if warp_idx == 0:
-            for atom in (tma_dy, tma_wd, tma_dg, tma_du, tma_wg, tma_wu, tma_xdy, tma_xdg,
-                         tma_xdu, tma_xh, tma_xx):  # fmt: skip
+            for atom in (*tma[::2], *weight_tma[::2]):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
         ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
         # The weight phase reads A MN-major: its own view of the same stage bytes.
@@ -338,30 +271,34 @@ class Sm90MoeBackward:
 
         # ---- tile lists (128 x 256 tiles), counters, the ticket ----
         tokens_per_expert = cute.make_tensor(
-            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+            walk.tokens_per_expert_ptr, cute.make_layout(cutlass.max(walk.num_experts, 1))
         )
-        d_hidden_cols = intermediate_size // (2 * TILE_N)
-        d_x_cols = hidden_size // (2 * TILE_N)
+        d_hidden_cols = walk.intermediate_size // (2 * TILE_N)
+        d_x_cols = walk.hidden_size // (2 * TILE_N)
         tiles = (
-            TileList(tokens_per_expert, num_experts, d_hidden_cols),
-            TileList(tokens_per_expert, num_experts, d_x_cols),
+            TileList(tokens_per_expert, walk.num_experts, d_hidden_cols),
+            TileList(tokens_per_expert, walk.num_experts, d_x_cols),
         )
-        routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
+        routed_rows = cute.make_tensor(walk.num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
         num_d_hidden = row_tiles_total * d_hidden_cols
         num_d_x = row_tiles_total * d_x_cols
-        batches = Minibatches(minibatch_tiles, row_tiles_total, d_hidden_cols, d_x_cols)
-        capacity_tiles = (capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
+        batches = Minibatches(steps.minibatch_tiles, row_tiles_total, d_hidden_cols, d_x_cols)
+        capacity_tiles = (walk.capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
         row_tile_bytes = Int64(4) * Int64(capacity_tiles)
-        dispatched = counters_ptr.toint()
+        dispatched = walk.counters_ptr.toint()
         dgu_done = dispatched + row_tile_bytes
         dispatch_total = dgu_done + row_tile_bytes
         dgu_total = dispatch_total + Int64(4)
-        record = error_record_ptr.toint()
+        record = walk.error_record_ptr.toint()
         weight_tasks = WeightTasks(
-            tokens_per_expert, num_experts, hidden_size, intermediate_size, weight_gemms
+            tokens_per_expert,
+            walk.num_experts,
+            walk.hidden_size,
+            walk.intermediate_size,
+            weight_gemms,
         )
-        dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
+        dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
         task_ticket = dgu_total + Int64(4)
         dx_done = task_ticket + Int64(8)  # after the task and dispatch tickets
         tickets = Tickets(task_ticket, task_slots(storage), num_d_hidden + num_d_x)
@@ -371,11 +308,16 @@ class Sm90MoeBackward:
         # ---- dispatch: dY_e = bf16(w * dY), every thread of the dispatching CTAs ----
         if bidx < dispatchers:
             copied = dispatch_rows(
-                (dy_ptr, peer_table(dy_ptrs), ep_rank),
-                dy_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, topk, capacity,
-                dispatched, buffers[2], tidx, row_tickets, (weight_ptr, peer_table(weight_ptrs)),
-                dy_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
-            )  # fmt: skip
+                (args.dy_ptr, peer_table(args.dy_ptrs), walk.ep_rank),
+                args.dy_routed_ptr,
+                walk,
+                dispatched,
+                buffers[2],
+                tidx,
+                row_tickets,
+                (args.weight_ptr, peer_table(args.weight_ptrs)),
+                args.dy_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
+            )
             # After dispatch_rows' last CTA barrier: every row tile this CTA copied is written.
             # Counted in tiles, so the weight phase waits for the tiles, not for every CTA.
             if tidx == 0:
@@ -387,46 +329,81 @@ class Sm90MoeBackward:
                 # ---- producer: d_hidden and d_x loads after their rows, then weight loads ----
                 smem = (sA, sB0, sB1)
                 loads = (
-                    d_hidden_phase.producer_loads(ring, smem, tma[:4], hidden_size,
-                                                  intermediate_size, gate_ptr, up_ptr),
-                    d_x_phase.producer_loads(ring, smem, tma[4:], intermediate_size),
-                )  # fmt: skip
+                    d_hidden_phase.producer_loads(
+                        ring,
+                        smem,
+                        tma[:4],
+                        walk.hidden_size,
+                        walk.intermediate_size,
+                        args.gate_ptr,
+                        args.up_ptr,
+                    ),
+                    d_x_phase.producer_loads(ring, smem, tma[4:], walk.intermediate_size),
+                )
                 waits = (
-                    RowTileWait(dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record,
-                                timeout_ns),
-                    RowTileWait(dgu_done, d_hidden_cols,
-                                d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM, record, timeout_ns),
-                )  # fmt: skip
+                    RowTileWait(
+                        dispatched, Int32(1), PHASE_BACKWARD_DISPATCH, record, walk.timeout_ns
+                    ),
+                    RowTileWait(
+                        dgu_done,
+                        d_hidden_cols,
+                        d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM,
+                        record,
+                        walk.timeout_ns,
+                    ),
+                )
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
                 state, _, _ = produce_steps(state, batches, tiles, tickets, waits, loads)
                 signal_no_task(ring, state)
                 state.advance()
-                wait = PhaseWait(dispatch_total, row_tiles_total, dgu_total, num_d_hidden,
-                                 PHASE_BACKWARD_DISPATCH,
-                                 d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM, record,
-                                 timeout_ns)  # fmt: skip
+                wait = PhaseWait(
+                    dispatch_total,
+                    row_tiles_total,
+                    dgu_total,
+                    num_d_hidden,
+                    PHASE_BACKWARD_DISPATCH,
+                    d_hidden_phase.PHASE_BACKWARD_DHIDDEN_GEMM,
+                    record,
+                    walk.timeout_ns,
+                )
                 state = produce_weight_tasks(
-                    ring, state, weight_tasks, bidx, grid_size, wait,
+                    ring,
+                    state,
+                    weight_tasks,
+                    bidx,
+                    grid_size,
+                    wait,
                     weight_loads(sA_w, sB0, sB1, weight_tma),
-                )  # fmt: skip
+                )
                 ring.producer_tail(state)
             else:
                 # ---- crew: d_gate/d_up (then the counters), d_x rows to slots, weights ----
                 stores = (
                     d_hidden_phase.crew_stores(
-                        d_gate_ptr, d_up_ptr, intermediate_size, dgu_done, dgu_total,
-                        (d_gate_rounded_ptr, d_up_rounded_ptr)
-                        if cutlass.const_expr(self.mxfp8) else None,
-                    ),  # fmt: skip
-                    slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
-                                hidden_size, dx_done),
-                )  # fmt: skip
+                        args.d_gate_ptr,
+                        args.d_up_ptr,
+                        walk.intermediate_size,
+                        dgu_done,
+                        dgu_total,
+                        (args.d_gate_rounded_ptr, args.d_up_rounded_ptr)
+                        if cutlass.const_expr(self.mxfp8)
+                        else None,
+                    ),
+                    slot_stores(args, walk, dx_done),
+                )
                 lane = tidx - 32 * CREW.first_warp
                 store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)
-                store_weight_tasks(CREW, weight_tasks, bidx, grid_size, buffers, tidx,
-                                   (d_w_down_ptr, d_w_gate_ptr, d_w_up_ptr))  # fmt: skip
+                store_weight_tasks(
+                    CREW,
+                    weight_tasks,
+                    bidx,
+                    grid_size,
+                    buffers,
+                    tidx,
+                    (args.d_w_down_ptr, args.d_w_gate_ptr, args.d_w_up_ptr),
+                )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
@@ -435,14 +412,28 @@ class Sm90MoeBackward:
             # ---- d_hidden tasks: the SwiGLU backward and partials here, d_gate/d_up to the crew
             def run_d_hidden(states, first_row, col_tile):
                 read_state, release_state = phases.mma_k_tiles(
-                    tiled_mma, ring, states[0], states[1], hidden_size // TILE_K, operands, accs
+                    tiled_mma,
+                    ring,
+                    states[0],
+                    states[1],
+                    walk.hidden_size // TILE_K,
+                    operands,
+                    accs,
                 )
                 for j in cutlass.range_constexpr(2):
                     d_hidden_phase.swiglu_backward(
-                        thr_mma, accs[j], gate_ptr, up_ptr, partials_ptr, first_row,
-                        (2 * col_tile + j) * TILE_N, intermediate_size, has_limit,
-                        swiglu_limit, buffers,
-                    )  # fmt: skip
+                        thr_mma,
+                        accs[j],
+                        args.gate_ptr,
+                        args.up_ptr,
+                        args.partials_ptr,
+                        first_row,
+                        (2 * col_tile + j) * TILE_N,
+                        walk.intermediate_size,
+                        walk.has_limit,
+                        walk.swiglu_limit,
+                        buffers,
+                    )
                 return read_state, release_state
 
             # ---- d_x tasks: gate half then up half, rows to the crew. Own MMA object: `mma_k_tiles` sets
@@ -452,9 +443,14 @@ class Sm90MoeBackward:
 
             def run_d_x(states, first_row, col_tile):
                 read_state, release_state = phases.mma_k_tiles(
-                    d_x_mma, ring, states[0], states[1], 2 * (intermediate_size // TILE_K),
-                    operands, accs,
-                )  # fmt: skip
+                    d_x_mma,
+                    ring,
+                    states[0],
+                    states[1],
+                    2 * (walk.intermediate_size // TILE_K),
+                    operands,
+                    accs,
+                )
                 CREW.hand_off(d_x_thr, accs, buffers)
                 return read_state, release_state
 
@@ -467,13 +463,33 @@ class Sm90MoeBackward:
                     step_windows(batches, tiles[0], segments, task)
                 )
                 states, seq, task = consume_phase(
-                    states, ring, tickets, seq, task, base, middle, run_d_hidden, (),
-                    tiles[0], first, end_row,
-                )  # fmt: skip
+                    states,
+                    ring,
+                    tickets,
+                    seq,
+                    task,
+                    base,
+                    middle,
+                    run_d_hidden,
+                    (),
+                    tiles[0],
+                    first,
+                    end_row,
+                )
                 states, seq, task = consume_phase(
-                    states, ring, tickets, seq, task, middle, end, run_d_x, (), tiles[1],
-                    first_2, end_row_2,
-                )  # fmt: skip
+                    states,
+                    ring,
+                    tickets,
+                    seq,
+                    task,
+                    middle,
+                    end,
+                    run_d_x,
+                    (),
+                    tiles[1],
+                    first_2,
+                    end_row_2,
+                )
             CREW.hand_off_nothing()
             states = past_last_task(ring, states)
             # ---- weight tasks: both operands MN-major, their own MMA object and A view ----
@@ -482,16 +498,40 @@ class Sm90MoeBackward:
             )
             w_thr, w_operands = phases.make_operand_fragments(w_mma, tidx, sA_w, sB0, sB1)
             consume_weight_tasks(
-                states, weight_tasks, bidx, grid_size, w_mma, ring, w_operands, accs,
-                CREW, w_thr, buffers,
-            )  # fmt: skip
-            if finish_tokens > 0:
+                states,
+                weight_tasks,
+                bidx,
+                grid_size,
+                w_mma,
+                ring,
+                w_operands,
+                accs,
+                CREW,
+                w_thr,
+                buffers,
+            )
+            if args.finish_tokens > 0:
                 combine_phase.finish_backward(
-                    tidx - phases.THREADS_PER_WARPGROUP, bidx, grid_size,
+                    tidx - phases.THREADS_PER_WARPGROUP,
+                    bidx,
+                    grid_size,
                     ((dx_done, num_d_x), (dgu_total, num_d_hidden)),
-                    (record, timeout_ns, ep_rank), d_x_ptr, slots_ptr, finish_tokens,
-                    hidden_size, topk,
-                    (partials_ptr, peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr, weight_ptr,
-                     d_router_ptr, capacity, intermediate_size // TILE_N, status_ptr),
-                )  # fmt: skip
+                    (record, walk.timeout_ns, walk.ep_rank),
+                    args.d_x_ptr,
+                    args.slots_ptr,
+                    args.finish_tokens,
+                    walk.hidden_size,
+                    walk.topk,
+                    (
+                        args.partials_ptr,
+                        walk.peer_rank_ptr,
+                        walk.peer_token_idx_ptr,
+                        walk.num_tokens_ptr,
+                        args.weight_ptr,
+                        args.d_router_ptr,
+                        walk.capacity,
+                        walk.intermediate_size // TILE_N,
+                        args.status_ptr,
+                    ),
+                )
         retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)

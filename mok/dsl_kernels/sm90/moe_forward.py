@@ -42,13 +42,20 @@ x_routed, gate, up and hidden are the bf16 rows as in BF16. The BF16 variant ign
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 
-from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, int64_pointer, placeholders
+from ..common.params import (
+    Bf16Pointer,
+    Fp32Pointer,
+    Int32Pointer,
+    Int64Pointer,
+    compile_arguments,
+)
 from ..common.peers import peer_table
 from . import combine_phase, down_phase, gate_up_phase, schedule_phase
 from . import epilogue_warps as handoff
@@ -67,51 +74,72 @@ from .gemm_phases import (
 from .minibatches import Minibatches, step_of
 from .retire import retire_cta
 from .task_walk import (
-    STEP_PARAMS,
-    WALK_PARAMS,
     RowTileWait,
+    StepArgs,
+    WalkArgs,
     consume_phase,
     produce_steps,
     store_steps,
 )
 from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
 
-# `__call__`'s parameters, in order (the runtime encodes the tma_* descriptors, box 64 x 128,
-# from `tma_specs`). Shapes: x [T, H], x_routed [C, H], gate/up/hidden [C, I], slots [T * k, H]
-# bf16; W_gate, W_up viewed [E * I, H], W_down [E * H, I]; peer_rank, peer_token_idx [C],
-# num_tokens [1], tokens_per_expert [E], counters [2 * ceil(C / 128) + COUNTER_TAIL] int32;
-# out [T, H] bf16, router_weights [T, k] fp32, the value-status words (combine_tokens = T > 0);
-# ids [T, k] int64, schedule counts [ceil(T * k / 4096), E] and [E] int32 (schedule_entries > 0).
+# Shapes: x [T, H], x_routed [C, H], gate/up/hidden [C, I], slots [T * k, H] bf16; W_gate,
+# W_up viewed [E * I, H], W_down [E * H, I]; peer_rank, peer_token_idx [C], num_tokens [1],
+# tokens_per_expert [E], counters [2 * ceil(C / 128) + COUNTER_TAIL] int32; out [T, H] bf16,
+# router_weights [T, k] fp32, the value-status words (combine_tokens = T > 0); ids [T, k] int64,
+# schedule counts [ceil(T * k / 4096), E] and [E] int32 (schedule_entries > 0).
 # Counters after the two per-row-tile arrays: the task ticket, the dispatch ticket, the down
 # tiles stored, the schedule phase's words, the exit word.
 COUNTER_TAIL = 4 + schedule_phase.WORDS
-PARAMS = (
-    ("a_x", bf16_pointer),
-    ("b_wg", bf16_pointer),
-    ("b_wu", bf16_pointer),
-    ("a_h", bf16_pointer),
-    ("b_wd", bf16_pointer),
-    ("x_ptr", bf16_pointer),
-    ("x_routed_ptr", bf16_pointer),
-    ("gate_ptr", bf16_pointer),
-    ("up_ptr", bf16_pointer),
-    ("hidden_ptr", bf16_pointer),
-    ("slots_ptr", bf16_pointer),
-    ("x_ptrs", int64_pointer),
-    ("slots_ptrs", int64_pointer),
-    ("x_rounded_ptr", bf16_pointer),
-    ("hidden_rounded_ptr", bf16_pointer),
-    ("out_ptr", bf16_pointer),
-    ("router_weights_ptr", fp32_pointer),
-    ("status_ptr", int32_pointer),
-    ("combine_tokens", Int32(0)),
-    ("ids_ptr", int32_pointer),
-    ("schedule_counts_ptr", int32_pointer),
-    ("schedule_expert_counts_ptr", int32_pointer),
-    ("schedule_entries", Int32(0)),
-    *WALK_PARAMS,
-    *STEP_PARAMS,
-)
+
+
+class ForwardOperands(NamedTuple):
+    """The GEMMs' operands, from which `__call__` makes the TMA atoms (the runtime encodes the
+    descriptors, box 64 x 128, from `tma_specs`)."""
+
+    a_x: Bf16Pointer
+    b_wg: Bf16Pointer
+    b_wu: Bf16Pointer
+    a_h: Bf16Pointer
+    b_wd: Bf16Pointer
+
+
+class ForwardTma(NamedTuple):
+    """Each operand's TMA atom (a descriptor parameter) and coordinate tensor (static)."""
+
+    tma_x: cute.CopyAtom
+    mX: cute.Tensor
+    tma_wg: cute.CopyAtom
+    mWg: cute.Tensor
+    tma_wu: cute.CopyAtom
+    mWu: cute.Tensor
+    tma_h: cute.CopyAtom
+    mH: cute.Tensor
+    tma_wd: cute.CopyAtom
+    mWd: cute.Tensor
+
+
+class ForwardTensors(NamedTuple):
+    """The forward's own tensors and phase switches (shapes above)."""
+
+    x_ptr: Bf16Pointer
+    x_routed_ptr: Bf16Pointer
+    gate_ptr: Bf16Pointer
+    up_ptr: Bf16Pointer
+    hidden_ptr: Bf16Pointer
+    slots_ptr: Bf16Pointer
+    x_ptrs: Int64Pointer
+    slots_ptrs: Int64Pointer
+    x_rounded_ptr: Bf16Pointer
+    hidden_rounded_ptr: Bf16Pointer
+    out_ptr: Bf16Pointer
+    router_weights_ptr: Fp32Pointer
+    status_ptr: Int32Pointer
+    combine_tokens: Int32
+    ids_ptr: Int32Pointer
+    schedule_counts_ptr: Int32Pointer
+    schedule_expert_counts_ptr: Int32Pointer
+    schedule_entries: Int32
 
 
 @dataclass(frozen=True)
@@ -131,58 +159,21 @@ class Sm90MoeForward:
 
     def tma_specs(self) -> list[dict]:
         box = [TILE_K, TILE_M]
-        return [phases.tma_spec(name, box) for name in ("tma_x", "tma_wg", "tma_wu", "tma_h",
-                                                        "tma_wd")]  # fmt: skip
+        return [phases.tma_spec(name, box) for name in ForwardTma._fields[::2]]
 
     def stage_bytes(self) -> int:
         return phases.stage_bytes()
 
     def compile_arguments(self) -> tuple:
-        return placeholders(PARAMS)
+        return compile_arguments(self)
 
     @cute.jit
     def __call__(
         self,
-        a_x: cute.Pointer,
-        b_wg: cute.Pointer,
-        b_wu: cute.Pointer,
-        a_h: cute.Pointer,
-        b_wd: cute.Pointer,
-        x_ptr: cute.Pointer,
-        x_routed_ptr: cute.Pointer,
-        gate_ptr: cute.Pointer,
-        up_ptr: cute.Pointer,
-        hidden_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        x_ptrs: cute.Pointer,
-        slots_ptrs: cute.Pointer,
-        x_rounded_ptr: cute.Pointer,
-        hidden_rounded_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        router_weights_ptr: cute.Pointer,
-        status_ptr: cute.Pointer,
-        combine_tokens: Int32,
-        ids_ptr: cute.Pointer,
-        schedule_counts_ptr: cute.Pointer,
-        schedule_expert_counts_ptr: cute.Pointer,
-        schedule_entries: Int32,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_tokens_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        timeout_ns: Int64,
-        num_experts: Int32,
-        hidden_size: Int32,
-        intermediate_size: Int32,
-        topk: Int32,
-        ep_rank: Int32,
-        capacity: Int32,
-        has_limit: Int32,
-        swiglu_limit: Float32,
-        num_comm_ctas: Int32,
-        minibatch_tiles: Int32,
+        operands: ForwardOperands,
+        args: ForwardTensors,
+        walk: WalkArgs,
+        steps: StepArgs,
         num_ctas: Int32,
     ):
         # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
@@ -191,109 +182,19 @@ class Sm90MoeForward:
         b_smem = phases.k_major_smem_layout(TILE_N, self.stages)
         tile_a = (TILE_M, TILE_K)
         tile_b = (TILE_N, TILE_K)
-        tma_x, mX = phases.make_tma_load(a_x, layout, a_smem, tile_a)
-        tma_wg, mWg = phases.make_tma_load(b_wg, layout, b_smem, tile_b)
-        tma_wu, mWu = phases.make_tma_load(b_wu, layout, b_smem, tile_b)
-        tma_h, mH = phases.make_tma_load(a_h, layout, a_smem, tile_a)
-        tma_wd, mWd = phases.make_tma_load(b_wd, layout, b_smem, tile_b)
-        self.kernel(
-            tma_x,
-            mX,
-            tma_wg,
-            mWg,
-            tma_wu,
-            mWu,
-            tma_h,
-            mH,
-            tma_wd,
-            mWd,
-            x_ptr,
-            x_routed_ptr,
-            gate_ptr,
-            up_ptr,
-            hidden_ptr,
-            slots_ptr,
-            x_ptrs,
-            slots_ptrs,
-            x_rounded_ptr,
-            hidden_rounded_ptr,
-            out_ptr,
-            router_weights_ptr,
-            status_ptr,
-            combine_tokens,
-            ids_ptr,
-            schedule_counts_ptr,
-            schedule_expert_counts_ptr,
-            schedule_entries,
-            peer_rank_ptr,
-            peer_token_idx_ptr,
-            num_tokens_ptr,
-            tokens_per_expert_ptr,
-            counters_ptr,
-            error_record_ptr,
-            timeout_ns,
-            num_experts,
-            hidden_size,
-            intermediate_size,
-            topk,
-            ep_rank,
-            capacity,
-            has_limit,
-            swiglu_limit,
-            num_comm_ctas,
-            minibatch_tiles,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
+        tma = ForwardTma(
+            *phases.make_tma_load(operands.a_x, layout, a_smem, tile_a),
+            *phases.make_tma_load(operands.b_wg, layout, b_smem, tile_b),
+            *phases.make_tma_load(operands.b_wu, layout, b_smem, tile_b),
+            *phases.make_tma_load(operands.a_h, layout, a_smem, tile_a),
+            *phases.make_tma_load(operands.b_wd, layout, b_smem, tile_b),
+        )
+        self.kernel(tma, args, walk, steps).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
+        )
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_x: cute.CopyAtom,
-        mX: cute.Tensor,
-        tma_wg: cute.CopyAtom,
-        mWg: cute.Tensor,
-        tma_wu: cute.CopyAtom,
-        mWu: cute.Tensor,
-        tma_h: cute.CopyAtom,
-        mH: cute.Tensor,
-        tma_wd: cute.CopyAtom,
-        mWd: cute.Tensor,
-        x_ptr: cute.Pointer,
-        x_routed_ptr: cute.Pointer,
-        gate_ptr: cute.Pointer,
-        up_ptr: cute.Pointer,
-        hidden_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        x_ptrs: cute.Pointer,
-        slots_ptrs: cute.Pointer,
-        x_rounded_ptr: cute.Pointer,
-        hidden_rounded_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        router_weights_ptr: cute.Pointer,
-        status_ptr: cute.Pointer,
-        combine_tokens: Int32,
-        ids_ptr: cute.Pointer,
-        schedule_counts_ptr: cute.Pointer,
-        schedule_expert_counts_ptr: cute.Pointer,
-        schedule_entries: Int32,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_tokens_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        timeout_ns: Int64,
-        num_experts: Int32,
-        hidden_size: Int32,
-        intermediate_size: Int32,
-        topk: Int32,
-        ep_rank: Int32,
-        capacity: Int32,
-        has_limit: Int32,
-        swiglu_limit: Float32,
-        num_comm_ctas: Int32,
-        minibatch_tiles: Int32,
-    ):
-        tma = (tma_x, mX, tma_wg, mWg, tma_wu, mWu, tma_h, mH, tma_wd, mWd)
+    def kernel(self, tma: ForwardTma, args: ForwardTensors, walk: WalkArgs, steps: StepArgs):
         tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
         crew = CREW
 
@@ -306,41 +207,47 @@ class Sm90MoeForward:
         ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
         loaded = (sA, sB0, sB1)
         if warp_idx == 0:
-            for atom in (tma_x, tma_wg, tma_wu, tma_h, tma_wd):
+            for atom in (tma.tma_x, tma.tma_wg, tma.tma_wu, tma.tma_h, tma.tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
         # ---- the schedule's tasks (a group of one's layer step: schedule_entries = T * k) ----
-        capacity_tiles = (capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
+        capacity_tiles = (walk.capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
         row_tile_bytes = Int64(4) * Int64(capacity_tiles)
-        dispatched = counters_ptr.toint()
+        dispatched = walk.counters_ptr.toint()
         hidden_done = dispatched + row_tile_bytes
-        record = error_record_ptr.toint()
+        record = walk.error_record_ptr.toint()
         task_ticket = hidden_done + row_tile_bytes
         down_done = task_ticket + Int64(8)  # after the task and dispatch tickets
-        if schedule_entries > 0:
+        if args.schedule_entries > 0:
             schedule_phase.schedule_tasks(
-                ids_ptr, schedule_counts_ptr, schedule_expert_counts_ptr, down_done + Int64(4),
-                peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr, tokens_per_expert_ptr,
-                status_ptr, record, timeout_ns, schedule_entries, num_experts, capacity,
-                cute.recast_ptr(sA.iterator, dtype=Int32), tidx,
-            )  # fmt: skip
+                args.ids_ptr,
+                args.schedule_counts_ptr,
+                args.schedule_expert_counts_ptr,
+                down_done + Int64(4),
+                walk,
+                record,
+                args.status_ptr,
+                args.schedule_entries,
+                cute.recast_ptr(sA.iterator, dtype=Int32),
+                tidx,
+            )
             # The tables were generic-proxy writes to the ring, which TMA writes next.
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
 
         # ---- tile lists, counters, the ticket ----
         tokens_per_expert = cute.make_tensor(
-            tokens_per_expert_ptr, cute.make_layout(cutlass.max(num_experts, 1))
+            walk.tokens_per_expert_ptr, cute.make_layout(cutlass.max(walk.num_experts, 1))
         )
-        gate_up_cols = intermediate_size // TILE_N
-        down_cols = hidden_size // (2 * TILE_N)
+        gate_up_cols = walk.intermediate_size // TILE_N
+        down_cols = walk.hidden_size // (2 * TILE_N)
         tiles = (
-            TileList(tokens_per_expert, num_experts, gate_up_cols),
-            TileList(tokens_per_expert, num_experts, down_cols),
+            TileList(tokens_per_expert, walk.num_experts, gate_up_cols),
+            TileList(tokens_per_expert, walk.num_experts, down_cols),
         )
-        routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
+        routed_rows = cute.make_tensor(walk.num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
-        batches = Minibatches(minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
+        batches = Minibatches(steps.minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
         num_tasks = row_tiles_total * (gate_up_cols + down_cols)
         slots = task_slots(storage)
         tickets = Tickets(task_ticket, slots, num_tasks)
@@ -348,30 +255,41 @@ class Sm90MoeForward:
         row_tickets = Tickets(task_ticket + Int64(4), slots, row_tiles_total)
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
-        dispatchers = cutlass.select_(num_comm_ctas > 0, num_comm_ctas, grid_size)
+        dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
         if bidx < dispatchers:
             dispatch_rows(
-                (x_ptr, peer_table(x_ptrs), ep_rank),
-                x_routed_ptr, peer_rank_ptr, peer_token_idx_ptr, hidden_size, topk, capacity,
-                dispatched, buffers[2], tidx, row_tickets,
-                rounded_ptr=x_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
-            )  # fmt: skip
+                (args.x_ptr, peer_table(args.x_ptrs), walk.ep_rank),
+                args.x_routed_ptr,
+                walk,
+                dispatched,
+                buffers[2],
+                tidx,
+                row_tickets,
+                rounded_ptr=args.x_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
+            )
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 # ---- producer: each task's loads after its rows' counter ----
                 loads = (
-                    gate_up_phase.producer_loads(ring, loaded, tma[:6], hidden_size,
-                                                 intermediate_size),
-                    down_phase.producer_loads(ring, loaded, tma[6:], hidden_size,
-                                              intermediate_size),
-                )  # fmt: skip
+                    gate_up_phase.producer_loads(
+                        ring, loaded, tma[:6], walk.hidden_size, walk.intermediate_size
+                    ),
+                    down_phase.producer_loads(
+                        ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size
+                    ),
+                )
                 waits = (
-                    RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, timeout_ns),
-                    RowTileWait(hidden_done, gate_up_cols, gate_up_phase.PHASE_GATE_UP_GEMM,
-                                record, timeout_ns),
-                )  # fmt: skip
+                    RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, walk.timeout_ns),
+                    RowTileWait(
+                        hidden_done,
+                        gate_up_cols,
+                        gate_up_phase.PHASE_GATE_UP_GEMM,
+                        record,
+                        walk.timeout_ns,
+                    ),
+                )
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
@@ -382,13 +300,18 @@ class Sm90MoeForward:
                 # ---- crew: gate/up tiles (then their row tile's counter), down rows to slots ----
                 stores = (
                     gate_up_phase.crew_stores(
-                        hidden_ptr, gate_ptr, up_ptr, intermediate_size, has_limit,
-                        swiglu_limit, crew.release_row_tile, (hidden_done,),
-                        hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
+                        args.hidden_ptr,
+                        args.gate_ptr,
+                        args.up_ptr,
+                        walk.intermediate_size,
+                        walk.has_limit,
+                        walk.swiglu_limit,
+                        crew.release_row_tile,
+                        (hidden_done,),
+                        args.hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
                     ),
-                    slot_stores(slots_ptr, slots_ptrs, ep_rank, peer_rank_ptr, peer_token_idx_ptr,
-                                hidden_size, down_done),
-                )  # fmt: skip
+                    slot_stores(args, walk, down_done),
+                )
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
         else:
@@ -414,18 +337,37 @@ class Sm90MoeForward:
             while task >= 0:
                 (base, middle, _, _), (_, end, _, _) = step_of(batches, task)
                 states, seq, task = consume_phase(
-                    states, ring, tickets, seq, task, base, middle, run_task,
-                    (tiled_mma, thr_mma, hidden_size // TILE_K),
-                )  # fmt: skip
+                    states,
+                    ring,
+                    tickets,
+                    seq,
+                    task,
+                    base,
+                    middle,
+                    run_task,
+                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K),
+                )
                 states, seq, task = consume_phase(
-                    states, ring, tickets, seq, task, middle, end, run_task,
-                    (down_mma, down_thr, intermediate_size // TILE_K),
-                )  # fmt: skip
+                    states,
+                    ring,
+                    tickets,
+                    seq,
+                    task,
+                    middle,
+                    end,
+                    run_task,
+                    (down_mma, down_thr, walk.intermediate_size // TILE_K),
+                )
             crew.hand_off_nothing()
-            if combine_tokens > 0:
+            if args.combine_tokens > 0:
                 combine_phase.combine_slots(
-                    tidx - THREADS_PER_WARPGROUP, bidx, grid_size, down_done,
-                    row_tiles_total * down_cols, (record, timeout_ns, ep_rank), out_ptr,
-                    router_weights_ptr, slots_ptr, status_ptr, combine_tokens, hidden_size, topk,
-                )  # fmt: skip
+                    tidx - THREADS_PER_WARPGROUP,
+                    bidx,
+                    grid_size,
+                    down_done,
+                    row_tiles_total * down_cols,
+                    (record, walk.timeout_ns, walk.ep_rank),
+                    args,
+                    walk,
+                )
         retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)

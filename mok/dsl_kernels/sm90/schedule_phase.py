@@ -45,16 +45,10 @@ def schedule_tasks(
     counts_ptr: cute.Pointer,
     expert_counts_ptr: cute.Pointer,
     words: Int64,
-    peer_rank_ptr: cute.Pointer,
-    peer_token_idx_ptr: cute.Pointer,
-    num_tokens_ptr: cute.Pointer,
-    tokens_per_expert_ptr: cute.Pointer,
-    status_ptr: cute.Pointer,
+    walk,
     record: Int64,
-    timeout_ns: Int64,
+    status_ptr: cute.Pointer,
     num_entries: Int32,
-    num_local_experts: Int32,
-    capacity: Int32,
     smem: cute.Pointer,
     tidx: Int32,
 ):
@@ -62,7 +56,8 @@ def schedule_tasks(
     (module docstring). `ids_ptr`: the caller's int64 [T, k] routing, 8-byte aligned (read as
     int32 words, as `schedule_ids64`); `counts_ptr` int32 [num_chunks, E], `expert_counts_ptr`
     int32 [E]: scratch; `words`: the address of the phase's WORDS int32 counters (zero at the
-    start); the outputs as the schedule kernel's; `status_ptr`: the value-status words; `smem`:
+    start); `walk` (task_walk.WalkArgs): the outputs as the schedule kernel's, the sizes and the
+    bounded waits' timeout; `record`: the error record's address; `status_ptr`: the value-status words; `smem`:
     SMEM_WORDS int32 of shared memory, 16-byte aligned."""
     num_chunks = cutlass.max((num_entries + CHUNK - 1) // CHUNK, 1)
     placed = words + Int64(4 * WORD_PLACED)
@@ -75,15 +70,15 @@ def schedule_tasks(
         if tidx < THREADS:
             schedule_task(
                 True, task, num_chunks, words, ids_ptr, counts_ptr, expert_counts_ptr,
-                peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr, tokens_per_expert_ptr,
-                status_ptr, record, timeout_ns, num_entries, num_entries, Int32(0),
-                num_local_experts, capacity, count_tables, place_tables, tidx, SCHEDULE_SYNC,
+                walk.peer_rank_ptr, walk.peer_token_idx_ptr, walk.num_tokens_ptr, walk.tokens_per_expert_ptr,
+                status_ptr, record, walk.timeout_ns, num_entries, num_entries, Int32(0),
+                walk.num_experts, walk.capacity, count_tables, place_tables, tidx, SCHEDULE_SYNC,
                 placed,
             )  # fmt: skip
         task = take_task(sTicket, words, tidx)
     if tidx == 0:
         bounded_wait_reached(
-            placed, num_chunks, timeout_ns, record, Int32(0), Int32(PHASE_SCHEDULE),
+            placed, num_chunks, walk.timeout_ns, record, Int32(0), Int32(PHASE_SCHEDULE),
             Int32(WORD_PLACED), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
         )  # fmt: skip
     cute.arch.sync_threads()

@@ -9,36 +9,40 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_gpu_s32
-from ..common.params import int32_pointer
+from ..common.params import Int32Pointer
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .gemm_phases import TILE_M, TILE_N
 from .minibatches import step_windows
 from .tickets import Tickets, consumer_task, crew_task, take_ticket
 
-# The megakernels' parameters for the schedule, the counters, the sizes and the bounded waits
-# (in this order, after each one's own tensors), and for the CTAs and the minibatch (last).
-WALK_PARAMS = (
-    ("peer_rank_ptr", int32_pointer),
-    ("peer_token_idx_ptr", int32_pointer),
-    ("num_tokens_ptr", int32_pointer),
-    ("tokens_per_expert_ptr", int32_pointer),
-    ("counters_ptr", int32_pointer),
-    ("error_record_ptr", int32_pointer),
-    ("timeout_ns", Int64(0)),
-    ("num_experts", Int32(0)),
-    ("hidden_size", Int32(0)),
-    ("intermediate_size", Int32(0)),
-    ("topk", Int32(1)),
-    ("ep_rank", Int32(0)),
-    ("capacity", Int32(0)),
-    ("has_limit", Int32(0)),
-    ("swiglu_limit", Float32(0.0)),
-)
-STEP_PARAMS = (
-    ("num_comm_ctas", Int32(0)),
-    ("minibatch_tiles", Int32(2)),
-    ("num_ctas", Int32(1)),
-)
+
+class WalkArgs(NamedTuple):
+    """Both megakernels' parameters for the schedule, the counters, the sizes and the bounded
+    waits (after each one's own tensors)."""
+
+    peer_rank_ptr: Int32Pointer
+    peer_token_idx_ptr: Int32Pointer
+    num_tokens_ptr: Int32Pointer
+    tokens_per_expert_ptr: Int32Pointer
+    counters_ptr: Int32Pointer
+    error_record_ptr: Int32Pointer
+    timeout_ns: Int64
+    num_experts: Int32
+    hidden_size: Int32
+    intermediate_size: Int32
+    topk: Int32
+    ep_rank: Int32
+    capacity: Int32
+    has_limit: Int32
+    swiglu_limit: Float32
+
+
+class StepArgs(NamedTuple):
+    """Both megakernels' last parameters: the dispatching CTAs and the minibatch, in 128-row
+    tiles (tickets.Minibatches)."""
+
+    num_comm_ctas: Int32
+    minibatch_tiles: Int32
 
 
 class RowTileWait(NamedTuple):
