@@ -1,0 +1,559 @@
+"""Run the original MoK's own tests against this mok, one process per test, at EP size 1.
+
+    python tools/original_suite.py PATH_TO_ORIGINAL_CHECKOUT [--only PATTERN ...] [--timeout S]
+                                   [--json OUT] [--list] [--strict] [--memory-budget-gib G]
+
+PATH_TO_ORIGINAL_CHECKOUT is a checkout of the original (Godofnothing/mixture-of-kittens) with
+its tests/ folder. Nothing of it is copied into this repository: the runner reads the tests
+where they are, or from a temporary copy of tests/ when the checkout has its own mok/ package,
+since pytest puts the checkout's root first on sys.path and its mok would shadow this one. In
+every run a plugin (tools/original_suite_plugin.py) refuses to start unless `import mok`
+resolves to this repository's mok.
+
+The original runs its tests under `torchrun --nproc-per-node=<ep-size> -m pytest -s`; its
+`context` fixture reads RANK, WORLD_SIZE and LOCAL_RANK. The runner sets them for one rank
+(EP size 1) with a free MASTER_PORT, plus NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+and NVSHMEM_DISABLE_NVLS=1, and runs `python -m pytest -x -q -s NODE` for each collected node
+in its own process, killing its process group after --timeout seconds (default 1800).
+
+Only the EP-size-1 adaptations in ORIGINAL_ADAPTATIONS are applied, each with its reason:
+a node that needs a larger EP group is not run (counted as "skipped (EP >= 2)"), and the
+tests that loop over the original's shapes(world_size) table drop the rows whose routed
+weights, times the copies the test keeps alive, exceed --memory-budget-gib (at EP size 1 one
+rank holds every expert). No assertion, tolerance or expected exception is changed. The
+documented differences from the original (README) are not adapted; the runner only names
+them beside a failing node (KNOWN_DIFFERENCES).
+
+--list prints the collected nodes with the adaptation each gets and runs nothing. --only keeps
+the nodes whose id contains the text or matches it as a glob. --json writes every record.
+The last line printed is the summary, e.g.
+    original suite: 15 passed, 3 failed, 5 skipped (EP >= 2), 0 timed out of 23 (mok 0.1.0, ab12cd3)
+The exit status is 0 when the suite ran, whatever its outcomes; with --strict it is 1 when any
+node failed, errored or timed out. A checkout or collection that cannot be used exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fnmatch
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOOLS_DIR = Path(__file__).resolve().parent
+PLUGIN_MODULE = "original_suite_plugin"
+PLAN_ENV = "MOK_ORIGINAL_SUITE_PLAN"
+
+# One H200 shows about 139 GiB to PyTorch; the rest of this budget is left for mok's workspace,
+# the test's activations and the caching allocator's slack.
+DEFAULT_MEMORY_BUDGET_GIB = 125.0
+DEFAULT_TIMEOUT_S = 1800.0
+TAIL_LINES = 15
+
+# Multicast off: the machines mok is tested on do not allow NVLink multicast (NVLS).
+RUN_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+class SuiteError(RuntimeError):
+    """The checkout or its collection cannot be used; the message says what was found."""
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """One EP-size-1 adaptation: which nodes (glob on the node id), what changes and why.
+
+    action "skip": the node is not run; `category` names why in the summary ("EP >= 2").
+    action "reduce_shapes": the node runs with the rows of its module's shapes(world_size) whose
+    `weight_copies` x (one rank's bf16 routed weights) exceed the memory budget dropped.
+    """
+
+    pattern: str
+    action: str
+    reason: str
+    category: str = ""
+    weight_copies: int = 0
+
+    def __post_init__(self) -> None:
+        if self.action not in ("skip", "reduce_shapes"):
+            raise ValueError(
+                f"Adaptation.action must be 'skip' or 'reduce_shapes', got {self.action!r} "
+                f"(pattern {self.pattern!r})"
+            )
+        if self.action == "skip" and not self.category:
+            raise ValueError(f"Adaptation {self.pattern!r}: a skip needs a category, got ''")
+        if self.action == "reduce_shapes" and self.weight_copies < 1:
+            raise ValueError(
+                f"Adaptation {self.pattern!r}: weight_copies must be >= 1 for reduce_shapes, "
+                f"got {self.weight_copies}"
+            )
+
+    def describe(self) -> str:
+        if self.action == "skip":
+            return f"skip ({self.category}): {self.reason}"
+        return f"shapes reduced ({self.weight_copies} x routed weights > budget): {self.reason}"
+
+
+# The copies are read off each test's loop: at EP size 1 "W" = 3 E H I bf16 bytes, all experts.
+# A loop keeps the previous shape's inputs and results alive until the next ones are assigned,
+# so the peak holds both shapes' tensors. Estimates, to be confirmed on the GPU
+# (--memory-budget-gib raises the budget to try a dropped shape).
+_PREV_AND_NEW = "the loop holds the previous shape's tensors while it makes the next shape's"
+ORIGINAL_ADAPTATIONS: tuple[Adaptation, ...] = (
+    Adaptation(
+        "tests/test_misc.py::test_ep_subgroups_do_not_use_world",
+        "skip",
+        "needs a world of >= 8 ranks divisible by 4 (two EP subgroups of 4); "
+        "it skips itself at EP size 1",
+        category="EP >= 2",
+    ),
+    Adaptation(
+        "tests/test_functional.py::test_forward_mxfp8",
+        "reduce_shapes",
+        f"inputs W, MXFP8 weights W/2, mok's bf16 dequantised copy W; {_PREV_AND_NEW}",
+        weight_copies=3,
+    ),
+    Adaptation(
+        "tests/test_ops.py::test_dispatch_mlp_swiglu_combine_fwd_mxfp8",
+        "reduce_shapes",
+        f"inputs W, MXFP8 weights W/2, mok's bf16 dequantised copy W; {_PREV_AND_NEW}",
+        weight_copies=3,
+    ),
+    Adaptation(
+        "tests/test_ops.py::test_mxfp8_quantize",
+        "reduce_shapes",
+        "quantises one [E, I, H] weight at a time but its fp32 reference makes ~4 fp32 copies "
+        "(8 bf16 matrices = ~3 W)",
+        weight_copies=3,
+    ),
+    Adaptation(
+        "tests/test_functional.py::test_backward_bf16",
+        "reduce_shapes",
+        f"inputs W, mok's weight gradients W, the reference's W; {_PREV_AND_NEW}",
+        weight_copies=4,
+    ),
+    Adaptation(
+        "tests/test_ops.py::test_dispatch_mlp_swiglu_combine_bwd_bf16",
+        "reduce_shapes",
+        f"inputs W, mok's weight gradients W, the reference's W; {_PREV_AND_NEW}",
+        weight_copies=4,
+    ),
+    Adaptation(
+        "tests/test_functional_e2e.py::test_e2e_bf16",
+        "reduce_shapes",
+        f"inputs W, mok's weight gradients W, the reference's W; {_PREV_AND_NEW}",
+        weight_copies=4,
+    ),
+    Adaptation(
+        "tests/test_functional.py::test_backward_mxfp8",
+        "reduce_shapes",
+        "inputs W, MXFP8 weights and their transposes W, mok's dequantised copy W, "
+        f"two gradient sets 2 W; {_PREV_AND_NEW}",
+        weight_copies=6,
+    ),
+    Adaptation(
+        "tests/test_ops.py::test_dispatch_mlp_swiglu_combine_bwd_mxfp8",
+        "reduce_shapes",
+        "inputs W, MXFP8 weights and their transposes W, mok's dequantised copy W, "
+        f"two gradient sets 2 W; {_PREV_AND_NEW}",
+        weight_copies=6,
+    ),
+    Adaptation(
+        "tests/test_functional_e2e.py::test_e2e_mxfp8",
+        "reduce_shapes",
+        "inputs W, MXFP8 weights and their transposes W, mok's dequantised copy W, "
+        f"two gradient sets 2 W; {_PREV_AND_NEW}",
+        weight_copies=6,
+    ),
+)
+
+# Named beside a node that does not pass; never used to skip or change a test.
+KNOWN_DIFFERENCES: dict[str, str] = {
+    "tests/test_functional.py::test_build_schedule": (
+        "documented difference: mok pads expert segments to 128 rows, the original's "
+        "reference to 256"
+    ),
+    "tests/test_ops.py::test_schedule": (
+        "documented difference: mok pads expert segments to 128 rows, the original's "
+        "reference to 256"
+    ),
+}
+
+
+@dataclass
+class NodeRecord:
+    node: str
+    outcome: str  # passed, failed, skipped, timeout, error
+    seconds: float
+    adaptation: str  # the adaptation's description, '' when none
+    detail: str  # the skip reason, or the last telling line of the output
+    tail: str  # the last TAIL_LINES lines of the node's output
+    skip_category: str = ""  # why it was skipped, for the summary: "EP >= 2", "by the test"
+
+
+def matching_adaptation(node: str, adaptations: Sequence[Adaptation]) -> Adaptation | None:
+    """The first adaptation whose pattern is the node id or a glob matching it."""
+    for adaptation in adaptations:
+        if fnmatch.fnmatchcase(node, adaptation.pattern):
+            return adaptation
+    return None
+
+
+def _selected(node: str, only: Sequence[str]) -> bool:
+    return not only or any(text in node or fnmatch.fnmatchcase(node, text) for text in only)
+
+
+@contextlib.contextmanager
+def suite_root(checkout: Path) -> Iterator[tuple[Path, str]]:
+    """The folder to run pytest in, and a note saying why when it is not the checkout itself."""
+    tests_dir = checkout / "tests"
+    if not tests_dir.is_dir():
+        raise SuiteError(f"checkout {checkout}: expected a tests/ folder in it, found none")
+    if not ((checkout / "mok").exists() or (checkout / "mok.py").exists()):
+        yield checkout, ""
+        return
+    with tempfile.TemporaryDirectory(prefix="mok-original-suite-") as tmp:
+        workdir = Path(tmp)
+        # A copy, not a symlink: pytest may resolve a symlinked tests/ back into the checkout,
+        # whose root it would then put ahead of this mok on sys.path.
+        shutil.copytree(tests_dir, workdir / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+        for name in ("conftest.py", "pytest.ini"):
+            if (checkout / name).is_file():
+                shutil.copy2(checkout / name, workdir / name)
+        if not (workdir / "pytest.ini").exists():
+            # Pins pytest's rootdir here, so node ids read tests/... as in the checkout.
+            (workdir / "pytest.ini").write_text("[pytest]\n")
+        yield (
+            workdir,
+            (
+                f"{checkout}/mok exists: running a copy of its tests/ from {workdir} "
+                f"so that import mok is {REPO_ROOT / 'mok'}"
+            ),
+        )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _base_env(plan_path: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    # This mok first, then the plugin; the checkout is never put on the path by the runner.
+    paths = [str(REPO_ROOT), str(TOOLS_DIR)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(RUN_ENV)
+    if plan_path is not None:
+        env[PLAN_ENV] = str(plan_path)
+    return env
+
+
+def _pytest_command(*args: str) -> list[str]:
+    # No cache provider: nothing is written into the user's checkout.
+    return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", PLUGIN_MODULE, *args]
+
+
+def collect(workdir: Path, env: dict[str, str], timeout_s: float) -> list[str]:
+    """The node ids pytest collects under workdir/tests."""
+    command = _pytest_command("--collect-only", "-q", "tests")
+    try:
+        done = subprocess.run(
+            command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired as error:
+        raise SuiteError(f"collection in {workdir} took more than {timeout_s} s") from error
+    nodes = [line.strip() for line in done.stdout.splitlines() if "::" in line]
+    if done.returncode != 0 or not nodes:
+        output = (done.stdout + done.stderr).strip().splitlines()
+        raise SuiteError(
+            f"collection in {workdir} failed (pytest exit {done.returncode}, expected 0 with "
+            f"nodes; got {len(nodes)} nodes):\n" + "\n".join(output[-30:])
+        )
+    return nodes
+
+
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|error|errors|xfailed|xpassed)\b")
+
+
+def outcome_from_output(output: str, returncode: int) -> str:
+    """passed / failed / skipped / error from pytest's last summary line and exit status."""
+    counts: Counter[str] = Counter()
+    for line in reversed(output.splitlines()):
+        found = _COUNT.findall(line)
+        if found:
+            for number, word in found:
+                counts[word.rstrip("s") if word.startswith("error") else word] += int(number)
+            break
+    if counts["failed"] or counts["xpassed"]:
+        return "failed"
+    if counts["error"] or returncode not in (0, 1):
+        return "error"
+    if counts["passed"] or counts["xfailed"]:
+        return "passed"
+    if counts["skipped"]:
+        return "skipped"
+    return "error"
+
+
+def _detail_line(output: str, outcome: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    if outcome == "skipped":
+        reasons = [line for line in lines if line.startswith("SKIPPED")]
+        return reasons[-1] if reasons else ""
+    if outcome in ("failed", "error"):
+        # The first "E" line is the exception pytest reports, whole; the short summary line
+        # ("FAILED node - ...") is cut to the terminal's width.
+        raised = [line.removeprefix("E").strip() for line in lines if line.startswith("E ")]
+        if raised:
+            return raised[0]
+        summary = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+        if summary:
+            return summary[-1]
+    return lines[-1] if lines else ""
+
+
+def run_node(node: str, workdir: Path, env: dict[str, str], timeout_s: float) -> NodeRecord:
+    """One node in its own process (and process group, so a timeout kills all it started)."""
+    node_env = dict(env)
+    # One rank of a world of one: what torchrun --nproc-per-node=1 would set.
+    node_env.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        # Wide enough that pytest's skip and failure summary lines are not cut.
+        COLUMNS="250",
+    )
+    command = _pytest_command("-x", "-q", "-s", "-rfEs", node)
+    start = time.monotonic()
+    process = subprocess.Popen(
+        command,
+        cwd=workdir,
+        env=node_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+        outcome = outcome_from_output(output, process.returncode)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        outcome = "timeout"
+    seconds = time.monotonic() - start
+    detail = f"killed after {timeout_s:g} s" if outcome == "timeout" else ""
+    detail = detail or _detail_line(output, outcome)
+    tail = "\n".join(output.rstrip().splitlines()[-TAIL_LINES:])
+    return NodeRecord(node, outcome, round(seconds, 2), "", detail, tail)
+
+
+def mok_identity() -> tuple[str, str]:
+    """(mok's version, short git commit with -dirty when tracked files changed, or '')."""
+    version = "unknown"
+    init = (REPO_ROOT / "mok" / "__init__.py").read_text()
+    found = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", init, re.MULTILINE)
+    if found:
+        version = found.group(1)
+    commit = ""
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        git = ["git", "-C", str(REPO_ROOT)]
+        commit = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        if status.strip():
+            commit += "-dirty"
+    return version, commit
+
+
+def summary_line(records: Sequence[NodeRecord], version: str, commit: str) -> str:
+    counts = Counter(record.outcome for record in records)
+    categories = Counter(record.skip_category for record in records if record.outcome == "skipped")
+    skipped = f"{counts['skipped']} skipped"
+    if len(categories) == 1:
+        skipped += f" ({next(iter(categories))})"
+    elif categories:
+        skipped += " (" + ", ".join(f"{n} {why}" for why, n in sorted(categories.items())) + ")"
+    parts = [f"{counts['passed']} passed", f"{counts['failed']} failed", skipped]
+    parts.append(f"{counts['timeout']} timed out")
+    if counts["error"]:
+        parts.append(f"{counts['error']} errors")
+    return f"original suite: {', '.join(parts)} of {len(records)} ({_identity(version, commit)})"
+
+
+def _identity(version: str, commit: str) -> str:
+    return f"mok {version}" + (f", {commit}" if commit else "")
+
+
+def format_table(records: Sequence[NodeRecord]) -> str:
+    width = max((len(record.node) for record in records), default=4)
+    lines = [f"{'outcome':<8} {'seconds':>8}  {'node':<{width}}  detail"]
+    for record in records:
+        note = record.detail
+        if record.adaptation and record.outcome != "skipped":
+            note = f"[{record.adaptation.split(':')[0]}] {note}"
+        lines.append(f"{record.outcome:<8} {record.seconds:>8.1f}  {record.node:<{width}}  {note}")
+    return "\n".join(lines)
+
+
+@dataclass
+class SuiteResult:
+    records: list[NodeRecord]
+    summary: str
+    workdir_note: str
+    nodes: list[str]
+
+
+def run_suite(
+    checkout: Path | str,
+    *,
+    adaptations: Sequence[Adaptation] = ORIGINAL_ADAPTATIONS,
+    known_differences: dict[str, str] | None = None,
+    only: Sequence[str] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_budget_gib: float = DEFAULT_MEMORY_BUDGET_GIB,
+    list_only: bool = False,
+    log: Callable[[str], None] = print,
+) -> SuiteResult:
+    """Collect the checkout's tests, then run each selected node in its own process."""
+    checkout = Path(checkout).resolve()
+    if not checkout.is_dir():
+        raise SuiteError(f"checkout must be a folder, got {checkout} (not a folder)")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if memory_budget_gib <= 0:
+        raise ValueError(f"memory_budget_gib must be > 0, got {memory_budget_gib}")
+    known_differences = KNOWN_DIFFERENCES if known_differences is None else known_differences
+    version, commit = mok_identity()
+    budget_bytes = int(memory_budget_gib * 2**30)
+
+    with suite_root(checkout) as (workdir, note), tempfile.TemporaryDirectory() as plan_dir:
+        if note:
+            log(f"note: {note}")
+        plan_path = Path(plan_dir) / "plan.json"
+        plan_path.write_text(json.dumps({"mok_root": str(REPO_ROOT), "reduce_shapes": {}}))
+        env = _base_env(plan_path)
+        nodes = [node for node in collect(workdir, env, timeout_s) if _selected(node, only)]
+        if only and not nodes:
+            raise SuiteError(f"--only {list(only)} matched none of the collected nodes")
+
+        plan = {"mok_root": str(REPO_ROOT), "reduce_shapes": {}}
+        records: list[NodeRecord] = []
+        for node in nodes:
+            adaptation = matching_adaptation(node, adaptations)
+            label = adaptation.describe() if adaptation else ""
+            if list_only:
+                log(f"{node}  {label}".rstrip())
+                continue
+            if adaptation is not None and adaptation.action == "skip":
+                record = NodeRecord(
+                    node, "skipped", 0.0, label, adaptation.reason, "", adaptation.category
+                )
+            else:
+                plan["reduce_shapes"] = {}
+                if adaptation is not None:
+                    plan["reduce_shapes"][node] = {
+                        "weight_copies": adaptation.weight_copies,
+                        "budget_bytes": budget_bytes,
+                    }
+                plan_path.write_text(json.dumps(plan))
+                record = run_node(node, workdir, env, timeout_s)
+                record.adaptation = label
+                if record.outcome == "skipped":
+                    record.skip_category = "by the test"
+                if record.outcome != "passed" and node in known_differences:
+                    record.detail = f"{known_differences[node]} | {record.detail}"
+            records.append(record)
+            log(f"{record.outcome:<8} {record.seconds:>7.1f}s  {node}")
+
+    summary = summary_line(records, version, commit)
+    if list_only:
+        summary = f"original suite: {len(nodes)} nodes collected ({_identity(version, commit)})"
+    return SuiteResult(records, summary, note, nodes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run the original MoK's tests against this mok at EP size 1, one process "
+        "per test.",
+    )
+    parser.add_argument("checkout", type=Path, help="a checkout of the original, with tests/")
+    parser.add_argument(
+        "--only", nargs="+", default=[], metavar="NAME", help="run nodes containing/matching NAME"
+    )
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a node")
+    parser.add_argument("--json", type=Path, help="write every record to this JSON file")
+    parser.add_argument("--list", action="store_true", help="list the nodes and adaptations")
+    parser.add_argument("--strict", action="store_true", help="exit 1 on any non-pass, non-skip")
+    parser.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=DEFAULT_MEMORY_BUDGET_GIB,
+        help="GPU memory a reduce_shapes test may plan for (default %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        result = run_suite(
+            args.checkout,
+            only=args.only,
+            timeout_s=args.timeout,
+            memory_budget_gib=args.memory_budget_gib,
+            list_only=args.list,
+        )
+    except (SuiteError, ValueError) as error:
+        print(f"original suite: not run: {error}", file=sys.stderr)
+        return 2
+    if not args.list:
+        print()
+        print(format_table(result.records))
+    if args.json is not None:
+        version, commit = mok_identity()
+        payload = {
+            "summary": result.summary,
+            "mok_version": version,
+            "mok_commit": commit,
+            "checkout": str(args.checkout.resolve()),
+            "workdir_note": result.workdir_note,
+            "memory_budget_gib": args.memory_budget_gib,
+            "timeout_s": args.timeout,
+            "adaptations": [asdict(adaptation) for adaptation in ORIGINAL_ADAPTATIONS],
+            "records": [asdict(record) for record in result.records],
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    print(result.summary)
+    bad = {"failed", "error", "timeout"}
+    if args.strict and any(record.outcome in bad for record in result.records):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
