@@ -2,7 +2,7 @@
 
 Each op takes tensors, ints, floats and strings only: the workspace enters as its integer
 handle and the EP group as its name. CPU tensors run the PyTorch reference (`mok.reference`);
-CUDA tensors run the shipped kernels (`mok.kernels`), or raise MoKKernelUnavailableError where
+CUDA tensors run the shipped kernels (`mok.launchers`, the CUDA path's door), or raise MoKKernelUnavailableError where
 the kernel has not landed. The fake implementations give output shapes from input shapes alone,
 so `torch.compile(fullgraph=True)` traces a whole MoE step with no graph break. `mok.functional`
 runs the layer ops through `call`, which skips the dispatcher in eager mode.
@@ -20,7 +20,13 @@ import torch
 from . import reference
 from .errors import MoKInputError, MoKKernelUnavailableError
 from .types import MoKSchedule
-from .validation import check_expert_id_values, check_router_weight_values, check_tensor
+from .validation import (
+    check_expert_id_values,
+    check_macrobatch,
+    check_router_weight_values,
+    check_tensor,
+    context_rows,
+)
 from .workspace import workspace_from_handle
 
 Tensor = torch.Tensor
@@ -68,9 +74,9 @@ def _gpu(op_name: str, device: torch.device, ep_size: int = 1):
     Only for a group of one: a rank of an EP group that raised here, between the collective
     launches of a step, would leave its peers waiting in a barrier until they time out. EP
     groups get the error from `mok.functional.check_errors`, which every rank calls."""
-    from . import kernels  # noqa: PLC0415 - CUDA-only path
+    from . import launchers  # noqa: PLC0415 - the CUDA path's door, loaded for CUDA tensors
 
-    launchers = kernels.require(op_name, device)
+    launchers.require(op_name, device)
     if ep_size == 1:
         launchers.raise_value_errors(device)
     return launchers
@@ -78,10 +84,8 @@ def _gpu(op_name: str, device: torch.device, ep_size: int = 1):
 
 def _check_macrobatch(macrobatch_size: int, minibatch_size: int, router_weights: Tensor,
                       op: str) -> int | None:  # fmt: skip
-    """The GPU path's macrobatch rule on the CPU path too (the rule lives in launchers.checks):
+    """The GPU path's macrobatch rule on the CPU path too (the rule lives in mok.validation):
     the reference's `macrobatch_size` (None: every routed row at once)."""
-    from .launchers.checks import check_macrobatch  # noqa: PLC0415 - launchers load lazily
-
     num_tokens, topk = router_weights.shape
     ring = check_macrobatch(macrobatch_size, num_tokens, topk, op, minibatch_size)
     return macrobatch_size if ring else None
@@ -225,8 +229,6 @@ def _(
     routed_gate_weights, routed_up_weights, routed_down_weights, swiglu_limit,
     fwd_num_comm_sms, minibatch_size, macrobatch_size,
 ):  # fmt: skip
-    from .launchers.checks import context_rows  # noqa: PLC0415 - launchers load lazily
-
     rows = context_rows(macrobatch_size, peer_rank.shape[0], *router_weights.shape)
     return (
         torch.empty_like(x),

@@ -25,7 +25,7 @@ from mok.runtime import _driver
 from mok.runtime.module import current_stream_handle
 
 from ..validation import tensor_key
-from ..workspace import _capturing
+from ..workspace import _capturing, on_cuda_destroy
 from .device_args import tma_descriptor
 
 _PLANS_MAX = 64
@@ -74,6 +74,7 @@ def plans_of_thread() -> dict:
     return plans
 
 
+@on_cuda_destroy
 def clear_plans() -> None:
     """Drop this thread's plans (tests, `MoKWorkspace.destroy`). A plan holds no tensor of the
     caller's: only its own scratch and, for an EP group, its workspace's buffers and tables."""

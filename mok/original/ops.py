@@ -134,11 +134,10 @@ def all_gather_top_experts(
         buffer.copy_(reference.all_gather_top_experts(top_experts, ws.group))
     else:
         from ..config import MoKConfig  # noqa: PLC0415
-        from ..launchers import comm  # noqa: PLC0415 - CUDA-only path
 
-        slot_passes.cuda_launchers("build_schedule", ws)
+        gpu = slot_passes.cuda_launchers("build_schedule", ws)
         config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
-        comm.all_gather_top_experts(ws, config, top_experts.long(),
+        gpu.all_gather_top_experts(ws, config, top_experts.long(),
                                     timeout_ns=ws.wait_timeout_ns)  # fmt: skip
 
 
@@ -193,11 +192,9 @@ def barrier_all(
         barrier_buffer.add_(1)
         target.add_(1)
         return
-    from mok.runtime import WaitPhase  # noqa: PLC0415 - CUDA-only path
+    from .. import launchers  # noqa: PLC0415 - the CUDA path's door, for CUDA tensors only
 
-    from ..launchers import comm  # noqa: PLC0415
-
-    comm.ep_barrier(ws, phase=WaitPhase.PEER_BARRIER_START, timeout_ns=ws.wait_timeout_ns)
+    launchers.group_barrier(ws, "PEER_BARRIER_START")
 
 
 @barrier_all.register_fake
@@ -228,16 +225,14 @@ def schedule(
         s = reference.build_schedule(topk_all, ep_rank=rank, num_local_experts=num_local_experts,
                                      capacity=schedule_capacity)  # fmt: skip
         return s.peer_rank, s.peer_token_idx, s.num_tokens, s.tokens_per_expert
-    from .. import kernels  # noqa: PLC0415 - CUDA-only path
-    from ..launchers import schedule_kernels  # noqa: PLC0415
-    from ..launchers.status import status_ptr  # noqa: PLC0415
+    from .. import launchers  # noqa: PLC0415 - the CUDA path's door, for CUDA tensors only
 
-    launchers = kernels.require("build_schedule", topk_all.device)
+    launchers.require("build_schedule", topk_all.device)
     if topk_all.shape[0] == 1:
         launchers.raise_value_errors(topk_all.device)
-    return schedule_kernels.build_schedule_gpu(
+    return launchers.build_schedule_gpu(
         topk_all, ep_rank=rank, num_local_experts=num_local_experts, capacity=schedule_capacity,
-        status=status_ptr(topk_all.device),
+        status=launchers.status_ptr(topk_all.device),
     )[:4]  # fmt: skip
 
 
