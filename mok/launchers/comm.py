@@ -1,7 +1,7 @@
 """EP-group communication launches: device barrier, routing-id all-gather, bounded-wait probe.
 
-Kernels: mok/dsl_kernels/common ep_barrier.py, all_gather_top_experts.py, flag_wait_probe.py, on
-bounded_wait.py. Unicast peer loads, stores and atomics only: NVLink multicast is never used.
+Kernels: mok/dsl_kernels/kernels ep_barrier.py, all_gather_top_experts.py, flag_wait_probe.py,
+on common/bounded_wait.py and common/barrier_arrivals.py. Unicast peer loads, stores and atomics only: NVLink multicast is never used.
 
 Launches never synchronise. A wait that gives up writes the device's error record (pinned,
 mapped `mok.runtime.ErrorRecord`) and traps; `check_errors(device)` at a sync point raises

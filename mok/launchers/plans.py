@@ -161,7 +161,7 @@ def zero_async(tensor: torch.Tensor, stream: int) -> None:
 
 class Counters:
     """A megakernel plan's int32 counters, zero whenever a launch starts. The kernel leaves them
-    zero itself (its grid's last CTA, mok/dsl_kernels/sm90/retire.py), so they are zeroed on the
+    zero itself (its grid's last CTA, mok/dsl_kernels/common/retire.py), so they are zeroed on the
     stream only before the plan's first eager launch and before every launch a CUDA graph
     captures (each replay zeroes them first: a graph made before any eager launch, or replayed
     after another stream's, starts from zero too)."""

@@ -50,6 +50,7 @@ from cutlass import Float32, Int32, Int64
 from ..common.bounded_wait import red_add_release_gpu_s32
 from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, int64_pointer, placeholders
 from ..common.peers import peer_table
+from ..common.retire import retire_cta
 from . import combine_phase, d_hidden_phase, d_x_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
@@ -58,7 +59,6 @@ from .epilogue_warps import CREW, slot_stores
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .minibatches import Minibatches, step_windows
-from .retire import retire_cta
 from .task_walk import (
     STEP_PARAMS,
     WALK_PARAMS,

@@ -50,6 +50,7 @@ from cutlass import Float32, Int32, Int64
 
 from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, int64_pointer, placeholders
 from ..common.peers import peer_table
+from ..common.retire import retire_cta
 from . import combine_phase, down_phase, gate_up_phase, schedule_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
@@ -65,7 +66,6 @@ from .gemm_phases import (
     TILE_N,
 )
 from .minibatches import Minibatches, step_of
-from .retire import retire_cta
 from .task_walk import (
     STEP_PARAMS,
     WALK_PARAMS,
