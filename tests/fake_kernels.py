@@ -8,8 +8,9 @@ router_grad_push kernel's math.
 
 from __future__ import annotations
 
-import mok.runtime as runtime
 import torch
+
+import mok.runtime as runtime
 from mok.runtime.launch import pack_args
 
 

@@ -84,10 +84,9 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
 
 
 def test_mxfp8_forward_megakernel_launch_packs(monkeypatch, kernels):
-    from mok.runtime.tma import tma_encode_args
-
     from mok import reference as R
     from mok.launchers import device_args
+    from mok.runtime.tma import tma_encode_args
 
     moe_forward = _forward_launcher_on_cpu(monkeypatch)
     t, h, i, e, k = 256, 256, 128, 4, 2

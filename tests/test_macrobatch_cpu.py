@@ -30,9 +30,8 @@ from fake_kernels import fake_kernels, fake_push_router_grads
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mok import functional as F
-from mok import ops
+from mok import ops, validation
 from mok import reference as R
-from mok import validation
 from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd
 from mok.nn import MoKExperts
 from mok.testing import WEIGHT_NAMES, make_inputs, rel_error

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-import mok.runtime as runtime
 import pytest
 import torch
 
+import mok.runtime as runtime
 from mok import reference as R
 from mok.launchers import mxfp8
 

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+
 from mok.runtime import (
     ARCH_ENV_VAR,
     MoKManifestError,

@@ -26,10 +26,10 @@ import statistics
 import time
 
 import torch
-from mok.runtime import module as runtime_module
-from mok.runtime.bound_launch import BoundLaunch
 
 from benchmarks.host_time import autograd_floor, measure
+from mok.runtime import module as runtime_module
+from mok.runtime.bound_launch import BoundLaunch
 
 
 @contextlib.contextmanager

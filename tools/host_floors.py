@@ -49,9 +49,8 @@ class _Identity(torch.autograd.Function):
 
 
 def main() -> None:
-    from mok.runtime import _driver, get_kernel
-
     from mok.launchers.plans import current_stream, zero_async
+    from mok.runtime import _driver, get_kernel
 
     device = torch.device("cuda", torch.cuda.current_device())
     cu = _driver.driver()

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from mok.runtime import WaitPhase
 
 from mok.config import MoKConfig
 from mok.launchers import comm
+from mok.runtime import WaitPhase
 from mok.testing import make_routing
 
 pytestmark = [

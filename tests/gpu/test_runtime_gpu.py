@@ -13,6 +13,7 @@ import struct
 
 import pytest
 import torch
+
 from mok.runtime import (
     ARCH_ENV_VAR,
     ErrorRecord,

@@ -139,10 +139,9 @@ def test_all_gather_equals_nccl_all_gather(group, num_tokens, topk, chunk_bytes)
 
 
 def test_barrier_and_all_gather_replay_in_a_cuda_graph(group):
-    from mok.runtime import WaitPhase  # noqa: PLC0415
-
     from mok.config import MoKConfig  # noqa: PLC0415
     from mok.launchers import comm  # noqa: PLC0415
+    from mok.runtime import WaitPhase  # noqa: PLC0415
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     num_tokens, topk = 1000, 6
@@ -193,9 +192,8 @@ def test_barrier_and_all_gather_replay_in_a_cuda_graph(group):
 
 
 def test_barrier_repeated_keeps_counters_in_step(group):
-    from mok.runtime import WaitPhase  # noqa: PLC0415
-
     from mok.launchers import comm  # noqa: PLC0415
+    from mok.runtime import WaitPhase  # noqa: PLC0415
 
     workspace = _workspace(group, 64, 2)
     for _ in range(100):
@@ -211,9 +209,8 @@ def test_barrier_repeated_keeps_counters_in_step(group):
 
 
 def test_barrier_orders_peer_writes_and_reads(group):
-    from mok.runtime import WaitPhase  # noqa: PLC0415
-
     from mok.launchers import comm  # noqa: PLC0415
+    from mok.runtime import WaitPhase  # noqa: PLC0415
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     workspace = _workspace(group, 64, 2)
@@ -305,9 +302,8 @@ def _lost_layer_peer_worker(out_dir: Path) -> None:
     """Nested torchrun body: the last rank makes the workspace but never runs the layer; every
     other rank runs schedule + forward and writes its verdict. Exits with os._exit (a trapped
     context cannot be torn down cleanly)."""
-    from mok.runtime import MoKWaitTimeoutError  # noqa: PLC0415
-
     from mok import functional as F  # noqa: PLC0415
+    from mok.runtime import MoKWaitTimeoutError  # noqa: PLC0415
     from mok.testing import WEIGHT_NAMES, make_inputs, rank_inputs  # noqa: PLC0415
 
     _init_group()
@@ -351,9 +347,8 @@ def _lost_peer_worker(out_dir: Path) -> None:
 
     Exits with os._exit: a trapped context cannot be torn down cleanly (NCCL would hang).
     """
-    from mok.runtime import MoKWaitTimeoutError, WaitPhase  # noqa: PLC0415
-
     from mok.launchers import comm  # noqa: PLC0415
+    from mok.runtime import MoKWaitTimeoutError, WaitPhase  # noqa: PLC0415
 
     _init_group()
     rank = dist.get_rank()
