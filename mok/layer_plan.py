@@ -41,9 +41,9 @@ def _cuda_keys():
     if _CUDA_KEYS is None:
         from . import launchers  # noqa: PLC0415 - the CUDA path's door, CUDA only
         from .runtime.module import arch_env_token  # noqa: PLC0415
-        from .workspace import _capturing  # noqa: PLC0415
+        from .workspace import capturing  # noqa: PLC0415
 
-        _CUDA_KEYS = (_capturing, launchers.current_stream, arch_env_token, launchers.weight_key)
+        _CUDA_KEYS = (capturing, launchers.current_stream, arch_env_token, launchers.weight_key)
     return _CUDA_KEYS
 
 

@@ -313,13 +313,13 @@ def workspace_from_handle(handle: int) -> MoKWorkspace:
         not ws.graph_captured
         and ws.device.type == "cuda"
         and not torch.compiler.is_compiling()
-        and _capturing()
+        and capturing()
     ):
         ws.graph_captured = True
     return ws
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     """Whether the current CUDA stream is capturing (torch's C check, without the Python
     wrapper's device lookups: this runs on every op call)."""
     check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)

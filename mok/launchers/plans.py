@@ -25,7 +25,7 @@ from mok.runtime import _driver
 from mok.runtime.module import current_stream_handle
 
 from ..validation import tensor_key
-from ..workspace import _capturing, on_cuda_destroy
+from ..workspace import capturing, on_cuda_destroy
 from .device_args import tma_descriptor
 
 _PLANS_MAX = 64
@@ -174,7 +174,7 @@ class Counters:
 
     def before_launch(self, stream: int) -> None:
         """Call right before each launch that uses them, on its stream."""
-        captured = self.tensor.is_cuda and _capturing()
+        captured = self.tensor.is_cuda and capturing()
         if self._zeroed and not captured:
             return
         zero_async(self.tensor, stream)
