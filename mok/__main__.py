@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from . import functional, kernels
+from . import functional
 from .config import FEATURE_ALIGNMENT, MAX_TOPK
 from .testing import make_inputs, oracle_errors
 
@@ -28,14 +28,18 @@ def pick_device(requested: str) -> tuple[torch.device, str]:
         if requested == "cuda":
             raise SystemExit("--device cuda: no CUDA device is visible")
         return torch.device("cpu"), "no CUDA device visible"
+    from . import launchers  # noqa: PLC0415 - the CUDA path's door, loaded for a GPU only
+
     device = torch.device("cuda", torch.cuda.current_device())
     missing = [
-        op for op in ("build_schedule", "forward", "backward") if not kernels.available(op, device)
+        op
+        for op in ("build_schedule", "forward", "backward")
+        if not launchers.available(op, device)
     ]
     if not missing:
         return device, "kernels shipped for this GPU"
     if requested == "cuda":
-        kernels.require(missing[0], device)  # raises with the reason
+        launchers.require(missing[0], device)  # raises with the reason
     return torch.device("cpu"), f"GPU present, but no shipped kernel yet for {', '.join(missing)}"
 
 

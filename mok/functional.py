@@ -32,6 +32,7 @@ from .validation import (
     check_swiglu_limit,
     check_tensor,
     check_type,
+    context_rows,
     tensor_key,
 )
 from .workspace import (
@@ -522,8 +523,6 @@ def _check_context(
 ) -> None:
     cap, hidden, t = workspace.schedule_capacity, workspace.hidden_size, workspace.num_local_tokens
     if macrobatch_size is not None and getattr(ctx.x_routed, "shape", (cap,))[:1] != (cap,):
-        from .launchers.checks import context_rows  # noqa: PLC0415 - launchers load lazily
-
         cap = context_rows(macrobatch_size, cap, t, workspace.topk)  # ring reuse: macrobatch 0's
     dev = workspace.device
     _check_provenance(ctx, schedule)

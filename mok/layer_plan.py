@@ -39,11 +39,11 @@ def _cuda_keys():
     first CUDA use."""
     global _CUDA_KEYS
     if _CUDA_KEYS is None:
-        from .launchers.plans import current_stream, weight_key  # noqa: PLC0415 - CUDA only
+        from . import launchers  # noqa: PLC0415 - the CUDA path's door, CUDA only
         from .runtime.module import arch_env_token  # noqa: PLC0415
-        from .workspace import _capturing  # noqa: PLC0415
+        from .workspace import capturing  # noqa: PLC0415
 
-        _CUDA_KEYS = (_capturing, current_stream, arch_env_token, weight_key)
+        _CUDA_KEYS = (capturing, launchers.current_stream, arch_env_token, launchers.weight_key)
     return _CUDA_KEYS
 
 
@@ -115,28 +115,26 @@ class LayerStep:
     kernels get by address; views of it are made only where the full path needs tensors."""
 
     def __init__(self, module, workspace, schedule, x, router_weights, top_experts):
-        from .launchers import forward_op, schedule_op  # noqa: PLC0415 - CUDA only
-        from .launchers.plans import Carve  # noqa: PLC0415
-        from .launchers.status import value_error_check  # noqa: PLC0415
+        from . import launchers  # noqa: PLC0415 - the CUDA path's door, CUDA only
 
         config = self.config = module.config
         self.ws = weakref.ref(workspace)
         self.device = x.device
-        self.raise_value_errors = value_error_check(x.device)
+        self.raise_value_errors = launchers.value_error_check(x.device)
         self.has_shared = module.shared_gate_weight is not None
         self.limit = module.swiglu_limit
         self.grad_key = tensor_key(x)  # grad_output's, as the full path checks it
-        self.schedule_op = schedule_op.schedule_op(
+        self.schedule_op = launchers.schedule_op_plan(
             workspace, top_experts, module.num_local_experts, workspace.schedule_capacity,
             config.all_gather_top_experts_chunk_bytes,
         )  # fmt: skip
         # Where its megakernel sums the slots, it also writes the schedule (`schedules`).
-        self.forward_op = forward_op.forward_op(
+        self.forward_op = launchers.forward_op_plan(
             workspace, schedule, x, router_weights, *module.weights(), self.limit,
             config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
             schedule_ids=top_experts,
         )  # fmt: skip
-        self.carve = Carve(self.schedule_op.layout() + self.forward_op.layout(), x.device)
+        self.carve = launchers.Carve(self.schedule_op.layout() + self.forward_op.layout(), x.device)
         self.backward_ops: dict[tuple, object] = {}
 
     def alive(self) -> bool:
@@ -194,14 +192,14 @@ class LayerStep:
     def resolve_backward(self, schedule, saved_ctx, grad_output, x, router_weights, weights):
         """After the full path's backward ran on this thread and stream: keep its plan
         (`schedule` and `saved_ctx` as `full_context` gives them)."""
-        from .launchers import backward_op  # noqa: PLC0415
+        from . import launchers  # noqa: PLC0415 - the CUDA path's door, CUDA only
 
         ws, config = self.ws(), self.config
         if ws is None or tensor_key(grad_output) != self.grad_key:
             return
         # The full path's context: empty shared tensors without a shared expert (its plan's key).
         ctx = saved_ctx if self.has_shared else (*saved_ctx, *(x.new_empty(0),) * 3)
-        self.backward_ops[self._backward_key()] = backward_op.backward_op(
+        self.backward_ops[self._backward_key()] = launchers.backward_op_plan(
             ws, schedule, ctx, grad_output, x, router_weights, *weights, self.limit,
             config.bwd_num_comm_sms, config.minibatch_size, config.macrobatch_size, (None,) * 6,
         )  # fmt: skip

@@ -29,18 +29,18 @@ def _on_gpu(t: Tensor) -> bool:
 
 def _quantised(t: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
     if _on_gpu(t):
-        from .launchers.mxfp8 import mxfp8_quantize  # noqa: PLC0415 - CUDA-only path
+        from . import launchers  # noqa: PLC0415 - the CUDA path's door, for CUDA tensors only
 
-        return mxfp8_quantize(t.contiguous(), transpose)  # bit-exact with the reference
+        return launchers.mxfp8_quantize(t.contiguous(), transpose)  # bit-exact with the reference
     # contiguous: the reference quantiser returns a 2-D transposed layout as a strided view
     return tuple(q.contiguous() for q in reference.mxfp8_quantize(t, transpose=transpose))
 
 
 def _values(data: Tensor, scales: Tensor, transpose: bool = False) -> Tensor:
     if _on_gpu(data):
-        from .launchers.mxfp8 import mxfp8_dequantize  # noqa: PLC0415 - CUDA-only path
+        from . import launchers  # noqa: PLC0415 - the CUDA path's door, for CUDA tensors only
 
-        return mxfp8_dequantize(data, scales, transposed=transpose)  # bit-exact
+        return launchers.mxfp8_dequantize(data, scales, transposed=transpose)  # bit-exact
     return reference.mxfp8_dequantize(data, scales, transpose=transpose).to(torch.bfloat16)
 
 

@@ -143,11 +143,10 @@ LAYER_OPS = ("build_schedule", "forward", "recompute_forward_context", "backward
 def _prepare(spaces) -> None:
     """The one-time setup each rank's first ops would otherwise do mid-step: the comm state
     (error record, barrier tables) and the kernels' modules."""
-    from .kernels import KERNELS_BY_OP  # noqa: PLC0415
-    from .launchers import comm  # noqa: PLC0415
+    from . import launchers  # noqa: PLC0415 - the CUDA path's door
     from .runtime import get_kernel  # noqa: PLC0415
 
     for ws in spaces:
-        comm.prepare(ws)
-    for name in sorted({v for op in LAYER_OPS for v in KERNELS_BY_OP[op][0]}):
+        launchers.prepare_comm(ws)
+    for name in sorted({v for op in LAYER_OPS for v in launchers.KERNELS_BY_OP[op][0]}):
         get_kernel(name, device=spaces[0].device)

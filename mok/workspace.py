@@ -19,6 +19,7 @@ import itertools
 import sys
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 
 import torch
@@ -110,6 +111,9 @@ class MoKWorkspace:
     multicast_ptrs: dict[str, int] = field(default_factory=dict)
     # The original's `barrier_target` tensor, as given to its constructor.
     caller_barrier_target: torch.Tensor | None = None
+    # The comm launchers' device tables of this workspace (`mok.launchers.comm.CommState`),
+    # made by its first comm call on CUDA; destroy() drops them.
+    comm_state: object | None = field(default=None, repr=False)
 
     def __init__(self, *args, **kwargs) -> None:
         """The original's constructor (`ORIGINAL_FIELDS`): a workspace over the caller's
@@ -176,9 +180,8 @@ class MoKWorkspace:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            from .launchers.plans import clear_plans  # noqa: PLC0415 - CUDA only
-
-            clear_plans()  # this thread's launch plans hold buffers and tables of workspaces
+            for callback in _ON_CUDA_DESTROY:
+                callback()
         if self.symmetric and self.group is not None:
             dist.barrier(group=self.group)
         self.buffers.clear()
@@ -186,9 +189,7 @@ class MoKWorkspace:
         self.peer_tables.clear()
         self._handles.clear()
         self.caller_barrier_target = None
-        # State the launchers set on the workspace (comm tables, a pending schedule status).
-        for name in [n for n in vars(self) if n not in _FIELD_NAMES]:
-            delattr(self, name)
+        self.comm_state = None
         self.destroyed = True
         _LIVE.pop(self.handle, None)
         _CALLER_BUILT.pop(self.handle, None)
@@ -197,7 +198,16 @@ class MoKWorkspace:
                 del _CACHE[key]
 
 
-_FIELD_NAMES = frozenset(f.name for f in fields(MoKWorkspace))
+# What a CUDA workspace's destroy() runs first: the layers above register what they keep that
+# holds workspaces' buffers (mok.launchers.plans: this thread's launch plans), so this module
+# imports none of them.
+_ON_CUDA_DESTROY: list[Callable[[], None]] = []
+
+
+def on_cuda_destroy(callback: Callable[[], None]) -> Callable[[], None]:
+    """Register `callback` to run when a CUDA workspace is destroyed (before its buffers go)."""
+    _ON_CUDA_DESTROY.append(callback)
+    return callback
 
 
 def _set_fields(ws: MoKWorkspace, **values) -> None:
@@ -303,13 +313,13 @@ def workspace_from_handle(handle: int) -> MoKWorkspace:
         not ws.graph_captured
         and ws.device.type == "cuda"
         and not torch.compiler.is_compiling()
-        and _capturing()
+        and capturing()
     ):
         ws.graph_captured = True
     return ws
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     """Whether the current CUDA stream is capturing (torch's C check, without the Python
     wrapper's device lookups: this runs on every op call)."""
     check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
@@ -355,12 +365,12 @@ def _check_device(device) -> torch.device:
             f"PyTorch reference path on CPU)"
         )
     if device.type == "cuda":
-        from . import kernels  # noqa: PLC0415 - GPU-only import, keeps CPU imports light
+        from .runtime import select_arch  # noqa: PLC0415 - GPU-only import, keeps CPU imports light
 
         check_cuda_available("device", device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
-        kernels.check_device_supported(device)
+        select_arch(device)  # MoKUnsupportedDeviceError for a GPU no shipped cubin serves
     return device
 
 

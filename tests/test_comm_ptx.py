@@ -1,6 +1,6 @@
-"""CPU checks of the EP comm kernels (mok/dsl_kernels/common/{bounded_wait, flag_wait_probe,
-ep_barrier, all_gather_top_experts}.py): they compile for sm_90a and sm_100a, their PTX uses
-the memory orders the protocol needs (acquire polls, release arrivals at system scope, the
+"""CPU checks of the EP comm kernels (mok/dsl_kernels/kernels/{flag_wait_probe, ep_barrier,
+all_gather_top_experts}.py over mok/dsl_kernels/common/{bounded_wait, barrier_arrivals}.py):
+they compile for sm_90a and sm_100a, their PTX uses the memory orders the protocol needs (acquire polls, release arrivals at system scope, the
 error-record CAS + fence, the arrival epoch read with an acquire first and retired with an
 acq_rel count last), backs off with nanosleep, bounds waits with %globaltimer and traps, and
 never uses NVLink multicast. Their parameters are the names mok/launchers/comm.py passes: no

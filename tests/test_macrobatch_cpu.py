@@ -30,9 +30,9 @@ from fake_kernels import fake_kernels, fake_push_router_grads
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mok import functional as F
-from mok import ops
+from mok import ops, validation
 from mok import reference as R
-from mok.launchers import checks, dispatch, epilogues, expert_gemm, expert_gemm_bwd
+from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd
 from mok.nn import MoKExperts
 from mok.testing import WEIGHT_NAMES, make_inputs, rel_error
 
@@ -282,16 +282,16 @@ def test_ep_group_of_two_with_ring_reuse_gives_the_default_bits():
 def test_macrobatch_errors_are_clear_on_both_paths():
     with pytest.raises(ValueError, match=r"macrobatch_size must be a positive multiple of 128 "
                                          r"routed rows \(forward: .*got 200"):  # fmt: skip
-        checks.check_macrobatch(200, T, K, "forward")
+        validation.check_macrobatch(200, T, K, "forward")
     with pytest.raises(ValueError, match=r"macrobatch_size must be a multiple of minibatch_size "
                                          r"\(512\) \(backward\), got 768"):  # fmt: skip
-        checks.check_macrobatch(768, T, K, "backward", 512)
+        validation.check_macrobatch(768, T, K, "backward", 512)
     with pytest.raises(TypeError, match="macrobatch_size must be an int"):
-        checks.check_macrobatch(256.0, T, K, "forward")
-    assert checks.check_macrobatch(256, T, K, "forward", 256) is True  # ring reuse
-    assert checks.check_macrobatch(T * K, T, K, "forward", 256) is False  # every row at once
-    assert checks.context_rows(256, 4096, T, K) == 256
-    assert checks.context_rows(T * K, 4096, T, K) == 4096
+        validation.check_macrobatch(256.0, T, K, "forward")
+    assert validation.check_macrobatch(256, T, K, "forward", 256) is True  # ring reuse
+    assert validation.check_macrobatch(T * K, T, K, "forward", 256) is False  # every row at once
+    assert validation.context_rows(256, 4096, T, K) == 256
+    assert validation.context_rows(T * K, 4096, T, K) == 4096
     # The CPU path of the op (the ints of the config, unvalidated) applies the same rule.
     inputs = make_inputs(T, H, I, E, K, seed=17)
     ws = F.get_workspace(F.MoKConfig(), None, device="cpu", num_local_tokens=T, hidden_size=H,

@@ -62,7 +62,7 @@ def test_exit_leaves_counters_zero(built):
 
 
 def assert_retires(ptx: str) -> None:
-    """The megakernels' exit (sm90/retire.py): after the kernel's last CTA barrier, one
+    """The megakernels' exit (common/retire.py): after the kernel's last CTA barrier, one
     GPU-scope acq_rel count on the exit word behind a fence (the last of each: the forward's
     schedule phase has its own), then the zeroing stores."""
     lines = [line.strip() for line in ptx.splitlines()]

@@ -172,9 +172,9 @@ def test_cleared_handles_are_dead_with_a_clear_error():
 
 def test_destroy_forgets_the_launchers_state():
     ws = get(5)
-    ws.pending_schedule_status = object()  # what a launcher sets on a workspace
+    ws.comm_state = object()  # what the comm launchers keep on a workspace
     ws.destroy()
-    assert not hasattr(ws, "pending_schedule_status") and not ws.buffers
+    assert ws.comm_state is None and not ws.buffers
 
 
 @pytest.mark.parametrize(
@@ -298,7 +298,8 @@ def test_experts_can_be_made_on_the_meta_device():
 
 def test_gpu_only_rules_are_named_when_they_apply():
     # hidden_size 128 runs on CPU; the sm_90a kernels need 256 and say so at the first GPU call.
-    from mok.launchers.checks import HIDDEN_ALIGNMENT, check_gpu_layer  # noqa: PLC0415
+    from mok.launchers.checks import check_gpu_layer  # noqa: PLC0415
+    from mok.validation import HIDDEN_ALIGNMENT  # noqa: PLC0415
 
     ws = get(8, hidden_size=384)
     with pytest.raises(ValueError, match=rf"hidden_size must be a multiple of {HIDDEN_ALIGNMENT} "
@@ -435,7 +436,7 @@ def test_importing_functional_does_not_import_the_runtime():
 
 
 def test_cpu_path_applies_the_gpu_macrobatch_rule():
-    from mok.launchers.checks import check_macrobatch  # noqa: PLC0415
+    from mok.validation import check_macrobatch  # noqa: PLC0415
 
     # T * k = 384 routed rows: a 256-row macrobatch runs ring reuse on both paths (the context
     # holds macrobatch 0), with the bits of every row at once.

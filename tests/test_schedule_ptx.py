@@ -1,4 +1,5 @@
-"""CPU checks of the GPU schedule (mok/dsl_kernels/common/schedule*.py, mok/launchers/schedule_kernels.py).
+"""CPU checks of the GPU schedule (mok/dsl_kernels/kernels/schedule.py over
+mok/dsl_kernels/common/schedule_*.py, mok/launchers/schedule_kernels.py).
 
 1. A pure-PyTorch emulation of the kernels' exact multi-pass algorithm (same 4096-entry chunks,
    same 8 warps x 16 steps x 32 lanes, same match.any groups and leaders, same scans, padding
@@ -296,7 +297,7 @@ def compiled_schedule():
 
 def test_constants_agree():
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-    from mok.dsl_kernels.common import schedule, schedule_count, schedule_place, schedule_warp
+    from mok.dsl_kernels.common import schedule_count, schedule_place, schedule_tasks, schedule_warp
     from mok.runtime import WaitPhase
 
     assert schedule_warp.CHUNK == CHUNK == launcher.ENTRIES_PER_CHUNK
@@ -307,8 +308,8 @@ def test_constants_agree():
     assert schedule_place.STATUS_WORDS == launcher.STATUS_WORDS
     assert schedule_count.CHUNK_GROUPS == SCAN_GROUPS == schedule_warp.WARPS
     assert schedule_count.EXPERTS_PER_BLOCK == WARP_SIZE
-    assert schedule.COUNTER_WORDS == launcher.COUNTER_WORDS
-    assert schedule.PHASE_SCHEDULE == WaitPhase.SCHEDULE
+    assert schedule_tasks.COUNTER_WORDS == launcher.COUNTER_WORDS
+    assert schedule_tasks.PHASE_SCHEDULE == WaitPhase.SCHEDULE
 
 
 def _opcodes(ptx: str) -> list[str]:

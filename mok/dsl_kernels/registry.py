@@ -25,21 +25,21 @@ class Variant:
 
 def variants() -> list[Variant]:
     """The registry (imports the DSL: call it only when building or testing)."""
-    from .common.all_gather_top_experts import AllGatherTopExperts
-    from .common.backward_finish import BackwardFinish
-    from .common.ep_barrier import EpBarrier
-    from .common.flag_wait_probe import FlagWaitProbe
-    from .common.gather_rows import GatherRows
-    from .common.macrobatch_schedule import MacrobatchSchedule
-    from .common.moe_combine_backward import MoeCombineBackward
-    from .common.moe_combine_forward import MoeCombineForward
-    from .common.mxfp8_dequantize import Mxfp8Dequantize
-    from .common.mxfp8_quantize_rowwise import Mxfp8QuantizeRowwise
-    from .common.mxfp8_quantize_transposed import Mxfp8QuantizeTransposed
-    from .common.mxfp8_round_trip import Mxfp8RoundTrip
-    from .common.router_grad_push import RouterGradPush
-    from .common.schedule import Schedule
-    from .common.sm_holder import SmHolder
+    from .kernels.all_gather_top_experts import AllGatherTopExperts
+    from .kernels.backward_finish import BackwardFinish
+    from .kernels.ep_barrier import EpBarrier
+    from .kernels.flag_wait_probe import FlagWaitProbe
+    from .kernels.gather_rows import GatherRows
+    from .kernels.macrobatch_schedule import MacrobatchSchedule
+    from .kernels.moe_combine_backward import MoeCombineBackward
+    from .kernels.moe_combine_forward import MoeCombineForward
+    from .kernels.mxfp8_dequantize import Mxfp8Dequantize
+    from .kernels.mxfp8_quantize_rowwise import Mxfp8QuantizeRowwise
+    from .kernels.mxfp8_quantize_transposed import Mxfp8QuantizeTransposed
+    from .kernels.mxfp8_round_trip import Mxfp8RoundTrip
+    from .kernels.router_grad_push import RouterGradPush
+    from .kernels.schedule import Schedule
+    from .kernels.sm_holder import SmHolder
     from .sm90.expert_gemm import Sm90ExpertGemm
     from .sm90.expert_gemm_bwd import Sm90ExpertGemmBwd
     from .sm90.expert_gemm_bwd_weights import Sm90ExpertGemmBwdWeights
@@ -110,7 +110,8 @@ def variants() -> list[Variant]:
         Variant("flag_wait_probe", FlagWaitProbe, launch_grid="(1, 1, 1)"),
         # Each macrobatch's schedule sizes (common/macrobatch_schedule.py), for ring reuse.
         Variant("macrobatch_schedule", MacrobatchSchedule, launch_grid="(1, 1, 1)"),
-        # Holds num_ctas (<= SM count) whole SMs for the forward-progress test (sm_holder.py).
+        # Holds num_ctas (<= SM count) whole SMs for the forward-progress test
+        # (kernels/sm_holder.py).
         Variant("sm_holder", SmHolder, launch_grid="(num_ctas, 1, 1)"),
         # The router-weight gradient pushed to each token's rank (common/router_grad_push.py).
         Variant(

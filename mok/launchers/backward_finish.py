@@ -1,5 +1,5 @@
 """A group of one's router-gradient push and backward epilogue in one launch (kernel
-`backward_finish`, mok/dsl_kernels/common/backward_finish.py): the push's CTAs after the
+`backward_finish`, mok/dsl_kernels/kernels/backward_finish.py): the push's CTAs after the
 epilogue's. They read disjoint inputs and write disjoint outputs, and with no peers there is no
 barrier between them, so one launch gives both kernels' bits. Used by the backward op of a group
 of one when the epilogue fits one launch (num_tokens <= 262140); otherwise the two kernels run.

@@ -26,13 +26,14 @@ import weakref
 
 import torch
 
-from . import expert_gemm_bwd, mxfp8
+from ..validation import check_macrobatch
+from . import macrobatch, mxfp8
 from .backward_finish import finish_plan
 from .backward_megakernel import backward_plan, router_grad_push_plan
-from .checks import check_gpu_layer, check_macrobatch
-from .device_args import TILE_ROWS
+from .checks import check_gpu_layer
+from .comm import group_barrier
 from .epilogues import bwd_epilogue_plan
-from .forward_op import group_barrier
+from .expert_gemm_bwd import N_ALIGNMENT, weight_gradients
 from .peer_tables import peer_tables
 from .plans import (
     current_stream,
@@ -42,26 +43,7 @@ from .plans import (
     tensor_key,
     weight_key,
 )
-from .rows import pad_rows
-
-
-def _weight_gradient(a_rows, b_rows, tokens, main_grad):
-    """bf16 [E, M, N] gradient, or empty after adding it into the fp32 main_grad in place."""
-    if main_grad is None:
-        return expert_gemm_bwd.weight_gradient(a_rows, b_rows, tokens, output="bf16")
-    out = main_grad if main_grad.dim() == 3 else main_grad.unsqueeze(0)
-    expert_gemm_bwd.weight_gradient(a_rows, b_rows, tokens, output="accumulate", out=out)
-    return a_rows.new_empty(0)
-
-
-def _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
-    """[dW_gate, dW_up, dW_down], each bf16 or added into its main_grad and returned empty."""
-    main_gate, main_up, main_down = main_grads
-    return [
-        _weight_gradient(d_gate, x_rows, tokens, main_gate),
-        _weight_gradient(d_up, x_rows, tokens, main_up),
-        _weight_gradient(dy_e, hidden, tokens, main_down),
-    ]
+from .shared_expert import shared_backward
 
 
 def mxfp8_weights(routed) -> tuple[torch.Tensor, ...]:
@@ -79,7 +61,7 @@ def mxfp8_gate_up(gate, up) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mxfp8_weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads,
                            context_exact: bool = False) -> list:  # fmt: skip
-    """`_weight_gradients` of the MXFP8 layer: every operand's MXFP8 round trip along the
+    """`weight_gradients` of the MXFP8 layer: every operand's MXFP8 round trip along the
     tokens first (this call's own dy_e, d_gate, d_up in place; the context's x and hidden into
     new tensors, unless `context_exact`: they are MXFP8 values along the tokens already, a
     dequantised quantised context, whose round trip is the identity)."""
@@ -88,21 +70,7 @@ def mxfp8_weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grad
     if not context_exact:
         x_rows = mxfp8.mxfp8_round_trip(x_rows, along_rows=True)
         hidden = mxfp8.mxfp8_round_trip(hidden, along_rows=True)
-    return _weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads)
-
-
-def _shared_backward(grad_output, x, ctx_shared, weights, limit, main_grads):
-    """The shared expert (weight 1) as one expert of T rows: (d_x rows, [dW_gate, dW_up, dW_down])."""
-    num_tokens = x.shape[0]
-    padded = -(-num_tokens // TILE_ROWS) * TILE_ROWS
-    tokens = torch.full((1,), padded, dtype=torch.int32, device=x.device)
-    gate, up, hidden = (pad_rows(t, padded) for t in ctx_shared)
-    dy, x_rows = pad_rows(grad_output, padded), pad_rows(x, padded)
-    gate_w, up_w, down_w = (w.unsqueeze(0) for w in weights)
-    d_gate, d_up = expert_gemm_bwd.d_hidden_swiglu(dy, down_w, gate, up, tokens, swiglu_limit=limit)
-    d_x_rows = expert_gemm_bwd.d_x(d_gate, d_up, gate_w, up_w, tokens)
-    grads = _weight_gradients(dy, x_rows, d_gate, d_up, hidden, tokens, main_grads)
-    return d_x_rows[:num_tokens], [g[0] if g.numel() else g for g in grads]
+    return weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads)
 
 
 def backward(
@@ -114,8 +82,6 @@ def backward(
     MXFP8 values already (x, hidden along the tokens, gate, up along I: a dequantised quantised
     context), so their round trips, identities, are skipped."""
     if macrobatch_size < x.shape[0] * router_weights.shape[1]:  # ring reuse (macrobatch.py)
-        from . import macrobatch  # noqa: PLC0415 - it imports this module
-
         return macrobatch.backward(
             ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
             shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
@@ -175,9 +141,9 @@ class _BackwardOp:
         if self.mxfp8:
             # Checked: the tuples (mok.mxfp8_weights); no main_grads (mok.functional).
             routed = self.first_weights = mxfp8_weights(routed)
-        if routed[2].shape[2] % expert_gemm_bwd.N_ALIGNMENT:
+        if routed[2].shape[2] % N_ALIGNMENT:
             raise ValueError(
-                f"intermediate_size must be a multiple of {expert_gemm_bwd.N_ALIGNMENT} on the "
+                f"intermediate_size must be a multiple of {N_ALIGNMENT} on the "
                 f"sm_90a backward kernel path, got {routed[2].shape[2]}"
             )
         # By weak reference: the workspace cache evicts only workspaces nothing else holds; and no
@@ -290,14 +256,14 @@ class _BackwardOp:
             if self.mxfp8:
                 routed_grads = mxfp8_weight_gradients(*operands, context_exact)
             else:
-                routed_grads = _weight_gradients(*operands)
+                routed_grads = weight_gradients(*operands)
         if tables is not None:
             d_router = d_router.clone()  # the buffer is the next call's
         d_x_shared, shared_grads = None, [None, None, None]
         if not layer_step:
             shared_grads = [x.new_empty(0), x.new_empty(0), x.new_empty(0)]
         if shared[0] is not None:
-            d_x_shared, shared_grads = _shared_backward(
+            d_x_shared, shared_grads = shared_backward(
                 grad_output, x, (gate_s, up_s, hidden_s), shared, self.limit,
                 main_grads[3:],
             )  # fmt: skip

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import MoKInputError, MoKKernelUnavailableError
+from ..validation import HIDDEN_ALIGNMENT
 
 # TMA coordinates are int32 and the kernels' coordinate tensors assume these extents.
 MAX_ROWS = 1 << 30
 MAX_COLS = 1 << 16
-# The sm_90a GEMMs take two 128-column blocks of H a tile.
-HIDDEN_ALIGNMENT = 256
 # The kernels pack a routed row's (source rank, row) into one int32: rank * 2^24 + row
 # (mok/dsl_kernels/common/peers.py).
 MAX_EP_SIZE = 127
@@ -94,41 +93,3 @@ def check_gpu_layer(ws, op: str) -> None:
             f"num_local_tokens * topk must be below {MAX_PACKED_ROWS} on the GPU path "
             f"(mok.ops.{op}), got {ws.num_local_tokens} * {ws.topk}"
         )
-
-
-# Macrobatch edges fall on the GEMMs' 128-row tiles (mok.config.ROUTED_ROW_ALIGNMENT).
-MACROBATCH_ALIGNMENT = 128
-
-
-def check_macrobatch(
-    macrobatch_size: int, num_tokens: int, topk: int, op: str, minibatch_size: int | None = None
-) -> bool:
-    """Check `MoKConfig.macrobatch_size` for an op (on the GPU path and, mok.ops' CPU branch
-    calls this too, on the CPU path alike): a positive multiple of 128 (macrobatch edges are row
-    tile edges) and of `minibatch_size` when given. Returns True when ring reuse applies: a
-    macrobatch below the routed rows T * k, whose routed buffers hold `macrobatch_size` rows
-    and whose backward replays every macrobatch but the first (mok/launchers/macrobatch.py)."""
-    if isinstance(macrobatch_size, bool) or not isinstance(macrobatch_size, int):
-        raise MoKInputError(
-            f"MoKConfig.macrobatch_size must be an int ({op}), got {type(macrobatch_size).__name__}"
-        )
-    if macrobatch_size <= 0 or macrobatch_size % MACROBATCH_ALIGNMENT:
-        raise ValueError(
-            f"MoKConfig.macrobatch_size must be a positive multiple of {MACROBATCH_ALIGNMENT} "
-            f"routed rows ({op}: macrobatch edges fall on the GEMMs' row tiles), got "
-            f"{macrobatch_size}"
-        )
-    if minibatch_size is not None and macrobatch_size % minibatch_size:
-        raise ValueError(
-            f"MoKConfig.macrobatch_size must be a multiple of minibatch_size ({minibatch_size}) "
-            f"({op}), got {macrobatch_size}"
-        )
-    return macrobatch_size < num_tokens * topk
-
-
-def context_rows(macrobatch_size: int, capacity: int, num_tokens: int, topk: int) -> int:
-    """Routed rows of the forward context: the schedule capacity, or with ring reuse (a
-    macrobatch below T * k, which is at most the capacity) the macrobatch's."""
-    if macrobatch_size < num_tokens * topk:
-        return min(macrobatch_size, capacity)
-    return capacity

@@ -1,7 +1,7 @@
 """EP-group communication launches: device barrier, routing-id all-gather, bounded-wait probe.
 
-Kernels: mok/dsl_kernels/common ep_barrier.py, all_gather_top_experts.py, flag_wait_probe.py, on
-bounded_wait.py. Unicast peer loads, stores and atomics only: NVLink multicast is never used.
+Kernels: mok/dsl_kernels/kernels ep_barrier.py, all_gather_top_experts.py, flag_wait_probe.py,
+on common/bounded_wait.py and common/barrier_arrivals.py. Unicast peer loads, stores and atomics only: NVLink multicast is never used.
 
 Launches never synchronise. A wait that gives up writes the device's error record (pinned,
 mapped `mok.runtime.ErrorRecord`) and traps; `check_errors(device)` at a sync point raises
@@ -37,15 +37,15 @@ MAX_GATHER_CTAS = 64
 MAX_WORLD_SIZE = 65535
 _INT32_RANGE = 1 << 32
 _INT32_MAX = (1 << 31) - 1
-_STATE_ATTRIBUTE = "_mok_comm_state"
 
 _records_lock = threading.Lock()
 _error_records: dict[int, object] = {}
 
 
 @dataclass
-class _CommState:
-    """What the comm launchers cache on a workspace (set lazily with setattr)."""
+class CommState:
+    """What the comm launchers keep per workspace (its declared field `comm_state`, made by the
+    first comm call on it)."""
 
     barrier_ptrs: torch.Tensor  # int64 [P] device table: each rank's barrier_buffer address
     gather_ptrs: torch.Tensor  # int64 [P] device table: each rank's all-gather buffer address
@@ -89,11 +89,11 @@ def check_errors(device: int | str | torch.device | None = None) -> None:
 
 
 # ---- workspace state ----
-def _state(workspace) -> _CommState:
+def _state(workspace) -> CommState:
     workspace.require_alive()
     if workspace.device.type != "cuda":
         raise ValueError(f"workspace must be on a CUDA device, got {workspace.device}")
-    state = getattr(workspace, _STATE_ATTRIBUTE, None)
+    state = workspace.comm_state
     if state is None:
 
         def table(name: str) -> torch.Tensor:
@@ -122,13 +122,13 @@ def _state(workspace) -> _CommState:
                 "workspace.buffers['barrier_epoch_buffer'] must be an int32 tensor of 2 "
                 f"elements, got {None if epoch is None else (epoch.dtype, list(epoch.shape))}"
             )
-        state = _CommState(
+        state = CommState(
             barrier_ptrs=table("barrier_buffer"),
             gather_ptrs=table("all_gather_top_experts_buffer"),
             epoch=epoch,
         )
         get_error_record(workspace.device)  # made here, outside capture
-        setattr(workspace, _STATE_ATTRIBUTE, state)
+        workspace.comm_state = state
     return state
 
 
@@ -343,3 +343,20 @@ def flag_wait_probe(
             "timeout_ns": timeout_ns,
         },
     )
+
+
+# ---- the group's barriers around a pass ----
+def group_barrier(ws, phase_name: str) -> None:
+    """The EP group's device barrier (nothing for a group of one)."""
+    if ws.ep_size > 1:
+        from mok.runtime import WaitPhase  # noqa: PLC0415
+
+        ep_barrier(ws, phase=WaitPhase[phase_name], timeout_ns=ws.wait_timeout_ns)
+
+
+def publish_x(ws, x, tables) -> None:
+    """EP > 1: x into this rank's symmetric x buffer, then the start barrier: peers pull from
+    it once every rank has arrived."""
+    if tables is not None:
+        ws.buffers["x_buffer"].copy_(x)
+    group_barrier(ws, "PEER_BARRIER_START")

@@ -1,4 +1,4 @@
-"""The recomputed forward context's gather (mok/dsl_kernels/common/gather_rows.py): out[r] =
+"""The recomputed forward context's gather (mok/dsl_kernels/kernels/gather_rows.py): out[r] =
 src[peer_token_idx[r] // k] for routed rows r < schedule.num_tokens, zeros for padding.
 """
 

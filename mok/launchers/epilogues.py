@@ -1,6 +1,6 @@
 """Forward and backward epilogues: the fixed-order sums over each token's k slots.
 
-Kernels `moe_combine_forward` / `moe_combine_backward` (mok/dsl_kernels/common): one CTA of
+Kernels `moe_combine_forward` / `moe_combine_backward` (mok/dsl_kernels/kernels): one CTA of
 `threads` threads per (block of `tokens_per_cta` tokens, 8 * threads columns), 16-byte loads,
 fp32 sums in j order with separate multiply and add roundings (bit-exact with
 `mok.reference.fwd_epilogue` / `bwd_epilogue`). The forward one also checks every router

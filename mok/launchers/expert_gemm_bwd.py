@@ -242,3 +242,22 @@ def weight_gradient(
         },
     )
     return out
+
+
+def _weight_gradient_into(a_rows, b_rows, tokens, main_grad):
+    """bf16 [E, M, N] gradient, or empty after adding it into the fp32 main_grad in place."""
+    if main_grad is None:
+        return weight_gradient(a_rows, b_rows, tokens, output="bf16")
+    out = main_grad if main_grad.dim() == 3 else main_grad.unsqueeze(0)
+    weight_gradient(a_rows, b_rows, tokens, output="accumulate", out=out)
+    return a_rows.new_empty(0)
+
+
+def weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
+    """[dW_gate, dW_up, dW_down], each bf16 or added into its main_grad and returned empty."""
+    main_gate, main_up, main_down = main_grads
+    return [
+        _weight_gradient_into(d_gate, x_rows, tokens, main_gate),
+        _weight_gradient_into(d_up, x_rows, tokens, main_up),
+        _weight_gradient_into(dy_e, hidden, tokens, main_down),
+    ]

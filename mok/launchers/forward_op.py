@@ -22,45 +22,15 @@ import weakref
 
 import torch
 
-from . import comm, dispatch, expert_gemm, mxfp8
-from .checks import check_gpu_layer, check_host, check_macrobatch
-from .device_args import TILE_ROWS
+from ..validation import check_macrobatch
+from . import dispatch, expert_gemm, macrobatch, mxfp8
+from .checks import check_gpu_layer, check_host
+from .comm import group_barrier, publish_x
 from .epilogues import fwd_epilogue_plan
 from .forward_megakernel import forward_plan
 from .peer_tables import peer_tables
 from .plans import current_stream, plan, tensor_key, weight_key
-from .rows import pad_rows
-
-
-def _shared(x, gate_w, up_w, down_w, limit):
-    """The shared expert as one expert over all T rows (padded to the 128-row tile)."""
-    num_tokens = x.shape[0]
-    padded = -(-num_tokens // TILE_ROWS) * TILE_ROWS
-    rows = pad_rows(x, padded)
-    tokens = torch.full((1,), padded, dtype=torch.int32, device=x.device)
-    gate, up, hidden = expert_gemm.gate_up_swiglu(
-        rows, gate_w.unsqueeze(0), up_w.unsqueeze(0), tokens, swiglu_limit=limit
-    )
-    y = None
-    if down_w is not None:
-        y = expert_gemm.down(hidden, down_w.unsqueeze(0), tokens)[:num_tokens]
-    return gate[:num_tokens], up[:num_tokens], hidden[:num_tokens], y
-
-
-def group_barrier(ws, phase_name: str) -> None:
-    """The EP group's device barrier (nothing for a group of one)."""
-    if ws.ep_size > 1:
-        from mok.runtime import WaitPhase  # noqa: PLC0415
-
-        comm.ep_barrier(ws, phase=WaitPhase[phase_name], timeout_ns=ws.wait_timeout_ns)
-
-
-def publish_x(ws, x, tables) -> None:
-    """EP > 1: x into this rank's symmetric x buffer, then the start barrier: peers pull from
-    it once every rank has arrived."""
-    if tables is not None:
-        ws.buffers["x_buffer"].copy_(x)
-    group_barrier(ws, "PEER_BARRIER_START")
+from .shared_expert import shared_forward
 
 
 def forward(
@@ -68,8 +38,6 @@ def forward(
     routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
 ):  # fmt: skip
     if macrobatch_size < x.shape[0] * router_weights.shape[1]:  # ring reuse (macrobatch.py)
-        from . import macrobatch  # noqa: PLC0415 - it imports this module
-
         return macrobatch.forward(
             ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
             routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size,
@@ -173,7 +141,7 @@ class _ForwardOp:
         group_barrier(ws, "PEER_BARRIER_END")
         y_shared = None
         if shared[0] is not None:
-            *shared_ctx, y_shared = _shared(x, *shared, self.limit)
+            *shared_ctx, y_shared = shared_forward(x, *shared, self.limit)
         # This op's key holds router_weights' tensor_key: the epilogue checks them on the first
         # call only.
         checked = self.epilogue is not None
@@ -216,5 +184,5 @@ def recompute_forward_context(
     )
     shared_ctx = tuple(x.new_empty(0) for _ in range(3))
     if shared_gate is not None:
-        shared_ctx = _shared(x, shared_gate, shared_up, None, swiglu_limit)[:3]
+        shared_ctx = shared_forward(x, shared_gate, shared_up, None, swiglu_limit)[:3]
     return (x_routed, gate, up, hidden, *shared_ctx)

@@ -36,15 +36,16 @@ from __future__ import annotations
 import torch
 
 from ..types import MoKSchedule
+from ..validation import check_macrobatch
 from . import dispatch, epilogues, expert_gemm
 from .backward_megakernel import push_router_grads, routed_backward
-from .backward_op import _shared_backward
-from .checks import check_cuda, check_extents, check_gpu_layer, check_macrobatch, check_multiple
+from .checks import check_cuda, check_extents, check_gpu_layer, check_multiple
+from .comm import group_barrier, publish_x
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import M_ALIGNMENT, N_ALIGNMENT
 from .forward_megakernel import routed_forward
-from .forward_op import _shared, group_barrier, publish_x
 from .peer_tables import peer_tables
+from .shared_expert import shared_backward, shared_forward
 
 SCHEDULE_KERNEL = "macrobatch_schedule"
 # The macrobatch_schedule kernel's one CTA has a thread per local expert.
@@ -135,7 +136,7 @@ def forward(
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
     if shared_gate is not None:
-        *shared_ctx, y_shared = _shared(x, shared_gate, shared_up, shared_down, swiglu_limit)
+        *shared_ctx, y_shared = shared_forward(x, shared_gate, shared_up, shared_down, swiglu_limit)
     out = epilogues.fwd_epilogue(y_shared, slots, router_weights)
     return (out, *routed_ctx, *shared_ctx)
 
@@ -215,7 +216,7 @@ def backward(
     # Distinct empty tensors: custom-op outputs may not alias each other.
     d_x_shared, shared_grads = None, [x.new_empty(0) for _ in range(3)]
     if shared_gate is not None:
-        d_x_shared, shared_grads = _shared_backward(
+        d_x_shared, shared_grads = shared_backward(
             grad_output, x, (gate_s, up_s, hidden_s), (shared_gate, shared_up, shared_down),
             swiglu_limit, main_grads[3:],
         )  # fmt: skip

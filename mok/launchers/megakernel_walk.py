@@ -12,7 +12,7 @@ from .plans import Counters
 
 # Counters after the two per-row-tile arrays: the forward's task and dispatch tickets, its
 # down tiles stored and its schedule phase's four words; the backward's dispatch_total, dgu_total, task ticket, dispatch ticket and
-# its d_x tiles stored; then each one's exit word (mok/dsl_kernels/sm90/retire.py). The kernels'
+# its d_x tiles stored; then each one's exit word (mok/dsl_kernels/common/retire.py). The kernels'
 # COUNTER_TAIL (tests/test_moe_*_build.py).
 FORWARD_COUNTER_TAIL = 8
 BACKWARD_COUNTER_TAIL = 6

@@ -3,7 +3,7 @@
 (`mxfp8_dequantize`).
 
 Kernels `mxfp8_quantize_rowwise` / `mxfp8_quantize_transposed` / `mxfp8_round_trip_rowwise` /
-`mxfp8_round_trip_columns` / `mxfp8_dequantize_rowwise` (mok/dsl_kernels/common): one CTA of 256
+`mxfp8_round_trip_columns` / `mxfp8_dequantize_rowwise` (mok/dsl_kernels/kernels): one CTA of 256
 threads per 128x128 tile, grid (cols/128, rows/128).
 """
 
@@ -19,7 +19,7 @@ from .checks import check_arg
 TILE = 128
 # grid.y carries the 128-row tile index.
 MAX_ROW_TILES_PER_LAUNCH = 65535
-# The dequantiser's scale offsets are int32 (common/mxfp8_dequantize.py): it takes
+# The dequantiser's scale offsets are int32 (kernels/mxfp8_dequantize.py): it takes
 # fewer than 2^36 elements a launch.
 MAX_DEQUANTIZE_ELEMENTS_PER_LAUNCH = 1 << 36
 # The kernels' 16-byte loads and stores (and the dequantiser's 16-byte scale loads).

@@ -25,7 +25,7 @@ from mok.runtime import _driver
 from mok.runtime.module import current_stream_handle
 
 from ..validation import tensor_key
-from ..workspace import _capturing
+from ..workspace import capturing, on_cuda_destroy
 from .device_args import tma_descriptor
 
 _PLANS_MAX = 64
@@ -74,6 +74,7 @@ def plans_of_thread() -> dict:
     return plans
 
 
+@on_cuda_destroy
 def clear_plans() -> None:
     """Drop this thread's plans (tests, `MoKWorkspace.destroy`). A plan holds no tensor of the
     caller's: only its own scratch and, for an EP group, its workspace's buffers and tables."""
@@ -160,7 +161,7 @@ def zero_async(tensor: torch.Tensor, stream: int) -> None:
 
 class Counters:
     """A megakernel plan's int32 counters, zero whenever a launch starts. The kernel leaves them
-    zero itself (its grid's last CTA, mok/dsl_kernels/sm90/retire.py), so they are zeroed on the
+    zero itself (its grid's last CTA, mok/dsl_kernels/common/retire.py), so they are zeroed on the
     stream only before the plan's first eager launch and before every launch a CUDA graph
     captures (each replay zeroes them first: a graph made before any eager launch, or replayed
     after another stream's, starts from zero too)."""
@@ -173,7 +174,7 @@ class Counters:
 
     def before_launch(self, stream: int) -> None:
         """Call right before each launch that uses them, on its stream."""
-        captured = self.tensor.is_cuda and _capturing()
+        captured = self.tensor.is_cuda and capturing()
         if self._zeroed and not captured:
             return
         zero_async(self.tensor, stream)

@@ -1,6 +1,6 @@
 """The receive schedule on the GPU: one launch, no host sync.
 
-A stable counting sort (mok/dsl_kernels/common/schedule*.py) of the all-gathered routing entries
+A stable counting sort (mok/dsl_kernels/kernels/schedule.py) of the all-gathered routing entries
 (flat index i = rank * T * k + t * k + j; a group of one's own int64 [T, k] ids, read in place by
 the `ids64` variant, which checks them) by local expert, in chunks of 4096 entries. Kernel
 `schedule`, grid (num_chunks,), takes 2 * num_chunks tasks by ticket:
@@ -31,7 +31,9 @@ from .plans import Counters, aligned, current_stream, plan, tensor_key
 ENTRIES_PER_CHUNK = 4096  # entries of one count / placement task
 MAX_LOCAL_EXPERTS = 1024  # the kernels' shared-memory tables hold this many experts
 STATUS_WORDS = 4  # [overflow 0/1, padded total, ep_rank, capacity]
-COUNTER_WORDS = 4  # tickets, count arrivals, scanned, exits (mok/dsl_kernels/common/schedule.py)
+COUNTER_WORDS = (
+    4  # tickets, count arrivals, scanned, exits (mok/dsl_kernels/common/schedule_tasks.py)
+)
 _INT32_LIMIT = 1 << 31
 
 

@@ -14,7 +14,13 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..config import FEATURE_ALIGNMENT, MAX_TOPK, ROUTED_ROW_ALIGNMENT
 from ..errors import MoKInputError
-from ..validation import check_int, check_swiglu_limit, check_tensor
+from ..validation import (
+    HIDDEN_ALIGNMENT,
+    check_int,
+    check_macrobatch,
+    check_swiglu_limit,
+    check_tensor,
+)
 from ..workspace import MoKWorkspace, live_workspaces
 
 Tensor = torch.Tensor
@@ -133,8 +139,6 @@ def check_sizes(activation_name: str, activation, routed_gate, topk, num_comm_sm
     hidden_size of the activation, the routed weights' intermediate_size, topk, then the
     launch sizes. On CUDA (fake tensors included) hidden_size must also suit the sm_90a
     GEMMs, as the kernel path requires later."""
-    from ..launchers.checks import HIDDEN_ALIGNMENT  # noqa: PLC0415 - launchers load lazily
-
     check_tensor(activation_name, activation, dtype=BF16, shape=[None, None])
     hidden = activation.shape[1]
     alignment = HIDDEN_ALIGNMENT if activation.is_cuda else FEATURE_ALIGNMENT
@@ -156,8 +160,6 @@ def check_launch(
     ws: MoKWorkspace, op: str, topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size
 ) -> float | None:
     """topk, swiglu_limit and the MoKConfig fields the op takes; returns the SwiGLU limit."""
-    from ..launchers.checks import check_macrobatch  # noqa: PLC0415 - launchers load lazily
-
     check_int("topk", topk)
     if topk != ws.topk:
         raise ValueError(f"topk must be the workspace's topk {ws.topk}, got {topk}")

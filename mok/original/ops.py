@@ -1,6 +1,6 @@
 """The original Mixture-of-Kittens' raw ops, as torch.library custom ops `mok::<name>` with the
 original's argument lists, outputs and mutated arguments, and fake implementations (exposed as
-`mok.ops.<name>`). mok's own `mok.functional` runs the layer ops of mok/ops.py; these let code
+`mok.ops.<name>`). mok's own `mok.functional` runs the layer ops of mok/layer_ops.py; these let code
 written against the original's raw ops run unchanged. Composed as the original's functional
 API composes them, they give mok.functional's results bitwise:
 
@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import mxfp8_context, reference
+from .. import layer_ops, mxfp8_context, reference
 from ..types import MoKForwardContext, MoKSchedule
 from ..validation import check_expert_id_values, check_int, check_tensor
 from . import checks, slot_passes
@@ -134,11 +134,10 @@ def all_gather_top_experts(
         buffer.copy_(reference.all_gather_top_experts(top_experts, ws.group))
     else:
         from ..config import MoKConfig  # noqa: PLC0415
-        from ..launchers import comm  # noqa: PLC0415 - CUDA-only path
 
-        slot_passes.cuda_launchers("build_schedule", ws)
+        gpu = slot_passes.cuda_launchers("build_schedule", ws)
         config = MoKConfig(all_gather_top_experts_chunk_bytes=chunk_bytes)
-        comm.all_gather_top_experts(ws, config, top_experts.long(),
+        gpu.all_gather_top_experts(ws, config, top_experts.long(),
                                     timeout_ns=ws.wait_timeout_ns)  # fmt: skip
 
 
@@ -193,11 +192,9 @@ def barrier_all(
         barrier_buffer.add_(1)
         target.add_(1)
         return
-    from mok.runtime import WaitPhase  # noqa: PLC0415 - CUDA-only path
+    from .. import launchers  # noqa: PLC0415 - the CUDA path's door, for CUDA tensors only
 
-    from ..launchers import comm  # noqa: PLC0415
-
-    comm.ep_barrier(ws, phase=WaitPhase.PEER_BARRIER_START, timeout_ns=ws.wait_timeout_ns)
+    launchers.group_barrier(ws, "PEER_BARRIER_START")
 
 
 @barrier_all.register_fake
@@ -228,16 +225,14 @@ def schedule(
         s = reference.build_schedule(topk_all, ep_rank=rank, num_local_experts=num_local_experts,
                                      capacity=schedule_capacity)  # fmt: skip
         return s.peer_rank, s.peer_token_idx, s.num_tokens, s.tokens_per_expert
-    from .. import kernels  # noqa: PLC0415 - CUDA-only path
-    from ..launchers import schedule_kernels  # noqa: PLC0415
-    from ..launchers.status import status_ptr  # noqa: PLC0415
+    from .. import launchers  # noqa: PLC0415 - the CUDA path's door, for CUDA tensors only
 
-    launchers = kernels.require("build_schedule", topk_all.device)
+    launchers.require("build_schedule", topk_all.device)
     if topk_all.shape[0] == 1:
         launchers.raise_value_errors(topk_all.device)
-    return schedule_kernels.build_schedule_gpu(
+    return launchers.build_schedule_gpu(
         topk_all, ep_rank=rank, num_local_experts=num_local_experts, capacity=schedule_capacity,
-        status=status_ptr(topk_all.device),
+        status=launchers.status_ptr(topk_all.device),
     )[:4]  # fmt: skip
 
 
@@ -407,10 +402,8 @@ def recompute_forward_context_bf16(
         (on CUDA with an EP group, with its own start and end barriers inside).
     """
     args = locals()
-    from .. import ops  # noqa: PLC0415 - mok.ops imports this module
-
     ws, _, _, _, limit = _check_fwd_bf16("recompute_forward_context_bf16", args)
-    recompute = ops._IMPLEMENTATIONS["recompute_forward_context"]
+    recompute = layer_ops.implementation("recompute_forward_context")
     x_routed, gate, up, hidden, gate_s, up_s, hidden_s = recompute(
         ws.handle, *_schedule_of(args), x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up,
         limit,
@@ -723,8 +716,6 @@ def _recompute_forward_context_mxfp8(
         dequantised weights), then quantises the context as the forward op does.
     """
     args = locals()
-    from .. import ops  # noqa: F401, PLC0415 - registers the default overload this one runs
-
     ws, _, _, limit = _check_fwd_mxfp8("recompute_forward_context_mxfp8", args)
     layer = torch.ops.mok.recompute_forward_context_mxfp8.default(
         ws.handle, *_schedule_of(args), x, w_shared_gate, w_shared_up, w_routed_gate,
@@ -743,7 +734,7 @@ def _recompute_forward_context_mxfp8_fake(
     return _fake_mxfp8_context(x, ws, inter, has_shared)
 
 
-# The name is mok's MXFP8 layer recompute too (mok/ops.py, the default overload, which
+# The name is mok's MXFP8 layer recompute too (mok/layer_ops.py, the default overload, which
 # mok.functional calls with a workspace handle first): the original's signature is the overload
 # `original`, and the packet resolves a call to either by its argument types.
 _LIBRARY = torch.library.Library("mok", "FRAGMENT")
@@ -904,3 +895,6 @@ def _(d_y_buffer, d_y_buffer_ptrs, d_x_routed_buffer, d_x_routed_buffer_ptrs,
     args = locals()
     has_shared = _check_bwd_mxfp8("dispatch_mlp_swiglu_combine_bwd_mxfp8", args)[3]
     return _mxfp8_gradient_outputs(x, None, None, _weights_of(args), has_shared)
+
+
+layer_ops.document_ops(globals())

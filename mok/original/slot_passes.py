@@ -39,9 +39,9 @@ def cuda_launchers(layer_op: str, ws):
     """The CUDA launchers of `layer_op`'s kernels, after raising the bad input values a kernel
     found (for a group of one only: a rank raising between collective launches would strand
     its peers; EP groups get them from mok.functional.check_errors)."""
-    from .. import kernels  # noqa: PLC0415 - CUDA-only path
+    from .. import launchers  # noqa: PLC0415 - the CUDA path's door, for CUDA tensors only
 
-    launchers = kernels.require(layer_op, ws.device)
+    launchers.require(layer_op, ws.device)
     if ws.ep_size == 1:
         launchers.raise_value_errors(ws.device)
     return launchers
@@ -65,16 +65,11 @@ def forward_to_slots(
         )  # fmt: skip
         slots.copy_(got)
         return _filled(ctx, x), y_shared
-    from ..launchers.checks import check_gpu_layer  # noqa: PLC0415 - CUDA-only path
-    from ..launchers.forward_megakernel import routed_forward  # noqa: PLC0415
-    from ..launchers.forward_op import _shared as shared_forward  # noqa: PLC0415
-    from ..launchers.peer_tables import peer_tables  # noqa: PLC0415
-
-    cuda_launchers("forward", ws)
-    check_gpu_layer(ws, op)
-    tables = peer_tables(ws)
+    gpu = cuda_launchers("forward", ws)
+    gpu.check_gpu_layer(ws, op)
+    tables = gpu.megakernel_peer_tables(ws)
     peers = None if tables is None else (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
-    routed_ctx, _ = routed_forward(
+    routed_ctx, _ = gpu.routed_forward(
         x, schedule, ws.topk, *routed, swiglu_limit=swiglu_limit, num_comm_ctas=num_comm_sms,
         minibatch_size=minibatch_size, timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots,
         grid=ws.megakernel_ctas,
@@ -82,7 +77,7 @@ def forward_to_slots(
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
     if shared[0] is not None:
-        *shared_ctx, y_shared = shared_forward(x, *shared, swiglu_limit)
+        *shared_ctx, y_shared = gpu.shared_forward(x, *shared, swiglu_limit)
     return (*routed_ctx, *shared_ctx), y_shared
 
 
@@ -115,14 +110,9 @@ def _cuda_backward_to_slots(
     """`backward_to_slots` on CUDA: the backward megakernel (with `mxfp8` its MXFP8 variant,
     composed as launchers/backward_op.py composes it; `routed` the MXFP8 tuples, `ctx` a
     dequantised quantised context, MXFP8 values already)."""
-    from ..launchers import backward_op  # noqa: PLC0415 - CUDA-only path
-    from ..launchers.backward_megakernel import push_router_grads, routed_backward  # noqa: PLC0415
-    from ..launchers.checks import check_gpu_layer  # noqa: PLC0415
-    from ..launchers.peer_tables import peer_tables  # noqa: PLC0415
-
-    cuda_launchers("backward", ws)
-    check_gpu_layer(ws, op)
-    tables = peer_tables(ws)
+    gpu = cuda_launchers("backward", ws)
+    gpu.check_gpu_layer(ws, op)
+    tables = gpu.megakernel_peer_tables(ws)
     peers = grad_peers = None
     if tables is not None:
         peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
@@ -131,16 +121,16 @@ def _cuda_backward_to_slots(
     x_routed, gate, up, hidden, *shared_ctx = ctx
     weights = routed
     if mxfp8:
-        weights = backward_op.mxfp8_weights(routed)
-    dy_e, d_gate, d_up, partials, _, routed_grads = routed_backward(
+        weights = gpu.mxfp8_weights(routed)
+    dy_e, d_gate, d_up, partials, _, routed_grads = gpu.routed_backward(
         d_y, router_weights, schedule, x_routed, gate, up, hidden, *weights,
         swiglu_limit=swiglu_limit, weight_grads=not mxfp8, num_comm_ctas=num_comm_sms,
         minibatch_size=minibatch_size, timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots,
         grid=ws.megakernel_ctas, mxfp8=mxfp8,
     )  # fmt: skip
-    push_router_grads(partials, schedule, router_weights, d_router, peers=grad_peers)
+    gpu.push_router_grads(partials, schedule, router_weights, d_router, peers=grad_peers)
     if mxfp8:
-        routed_grads = backward_op.mxfp8_weight_gradients(
+        routed_grads = gpu.mxfp8_weight_gradients(
             dy_e,
             x_routed,
             d_gate,
@@ -152,7 +142,7 @@ def _cuda_backward_to_slots(
         )
     d_x_shared, shared_grads = None, (None, None, None)
     if shared[0] is not None:
-        d_x_shared, shared_grads = backward_op._shared_backward(
+        d_x_shared, shared_grads = gpu.shared_backward(
             d_y, x, tuple(shared_ctx), shared, swiglu_limit, (None, None, None)
         )
     return d_x_shared, (*routed_grads, *shared_grads)

@@ -1,4 +1,4 @@
-"""The launch counters zero themselves (mok/dsl_kernels/sm90/retire.py, the schedule count pass):
+"""The launch counters zero themselves (mok/dsl_kernels/common/retire.py, the schedule count pass):
 after every launch of a forward + backward step each plan's counters read zero, with no memset
 between launches; and a plan first launched inside a CUDA graph capture (its zeroing captured,
 never run) gives the same bits eagerly before any replay, and then replayed."""

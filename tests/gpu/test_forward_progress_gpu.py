@@ -1,5 +1,5 @@
 """Forward progress of both megakernels with fewer resident CTAs than their grid (DESIGN §4;
-mok/dsl_kernels/sm90/dispatch_phase.py): a concurrent kernel (mok/dsl_kernels/common/sm_holder.py) holds
+mok/dsl_kernels/sm90/dispatch_phase.py): a concurrent kernel (mok/dsl_kernels/kernels/sm_holder.py) holds
 every SM but a few, as a data-parallel NCCL kernel on a side stream does in training, while a
 training step runs its forward and backward megakernels with the full grid. The step must
 finish and give the bits of the same step without the holder.

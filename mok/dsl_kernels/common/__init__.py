@@ -1,1 +1,2 @@
-"""Kernels and device helpers shared by every architecture (plain CUDA-core code)."""
+"""Device helpers (`@cute.jit` functions and constants) shared by every kernel and phase of
+every architecture: no kernel class lives here (whole kernels: kernels/, sm90/)."""

@@ -13,7 +13,7 @@ target (`arrivals before this call + arrivals of this call`). A reset would race
 may already have arrived for the next use when the slow owner resets, and its arrival would be
 erased. With monotone counters the only state is the running total, which every rank knows
 without talking to the others because every rank makes the same sequence of calls. The kernels
-read that total from a word in device memory when they start (common/ep_barrier.py, "Arrival
+read that total from a word in device memory when they start (kernels/ep_barrier.py, "Arrival
 epoch"), never from a launch argument, so a CUDA-graph replay waits for fresh targets.
 Comparisons are wrap-safe: "reached" means `int32(value - target) >= 0` (two's complement),
 which equals `value >= target` as long as the counter and the target are less than 2^31 apart,

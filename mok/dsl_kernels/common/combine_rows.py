@@ -1,5 +1,6 @@
-"""The two epilogues' fixed-order top-k sum over a thread's rows (moe_combine_forward.py, the
-weighted sum of expert outputs; moe_combine_backward.py, the plain sum of d_x slots).
+"""The two epilogues' fixed-order top-k sum over a thread's rows (kernels/moe_combine_forward.py,
+the weighted sum of expert outputs; kernels/moe_combine_backward.py, the plain sum of d_x
+slots), and the backward epilogue's block of it (`combine_block`, also backward_finish's).
 
 A thread holds 8 consecutive columns (16-byte loads and stores) of `tokens` consecutive tokens.
 Per step of 2 slots (j, j+1) it first issues every load of the step (2 x tokens slot vectors,
@@ -12,7 +13,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from .ptx import add_rn, mul_rn
-from .row_chunks import VECTOR
+from .row_chunks import VECTOR, chunked_row_views
 from .value_checks import flag_unless_positive_finite
 
 # Slots of each token loaded per step: with 4 tokens, 8 independent 16-byte loads per thread
@@ -101,3 +102,21 @@ def _accumulate_step(tokens: cutlass.Constexpr, slots_per_step: cutlass.Constexp
                             rAcc[i, t] = add_rn(rAcc[i, t], mul_rn(rWeight[s, t], rSlot[i]))
                         else:
                             rAcc[i, t] = add_rn(rAcc[i, t], rSlot[i])
+
+
+@cute.jit
+def combine_block(threads: cutlass.Constexpr, tokens: cutlass.Constexpr, tidx: Int32,
+                  bidx: Int32, bidy: Int32, d_x_ptr: cute.Pointer, d_x_shared_ptr: cute.Pointer,
+                  slots_ptr: cute.Pointer, num_tokens: Int32, hidden_size: Int32, topk: Int32,
+                  has_shared: Int32):  # fmt: skip
+    """`MoeCombineBackward`'s work for thread `tidx` of CTA (bidx, bidy) of its grid."""
+    chunks, (mDx, mShared, mSlots) = chunked_row_views(
+        hidden_size,
+        (d_x_ptr, num_tokens),
+        (d_x_shared_ptr, num_tokens),
+        (slots_ptr, num_tokens * topk),
+    )
+    chunk = bidx * threads + tidx
+    first_token = bidy * tokens
+    combine_rows(tokens, chunks, chunk, first_token, num_tokens, topk, has_shared, mDx,
+                 mShared, mSlots)  # fmt: skip

@@ -4,7 +4,7 @@ the bf16 round trip of a 32-element block, both exact.
 An E4M3 value times a power-of-two UE8M0 scale has at most 4 significant bits and an exponent in
 fp32's range, so it is a bf16: `e4m3x2_to_bf16x2` gives the exact values `mok.reference`'s
 `mxfp8_dequantize` gives, and `round_trip_chunk` the values of `mxfp8_round_trip` (quantised as
-common/mxfp8_quantize_rowwise.py quantises, then dequantised).
+kernels/mxfp8_quantize_rowwise.py quantises, then dequantised).
 """
 
 import cutlass
@@ -75,7 +75,7 @@ def quantize_chunk(values: cute.Tensor, packed: cute.Tensor,
                    lane_stride: cutlass.Constexpr[int] = 1):  # fmt: skip
     """`packed` (Uint32 [2]) = this lane's 8 fp32 `values` as E4M3 bytes (element 0 lowest)
     under its block's scale (the lanes as `block_amax`'s); returns the UE8M0 scale byte. The
-    quantisers' math (common/mxfp8_quantize_rowwise.py)."""
+    quantisers' math (kernels/mxfp8_quantize_rowwise.py)."""
     scale_byte, inv_scale = mxfp8_scale_from_amax(block_amax(values, lane_stride))
     for w in cutlass.range_constexpr(CHUNK // 4):
         lo = cvt_e4m3x2_rn_satfinite(

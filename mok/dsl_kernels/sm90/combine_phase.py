@@ -16,7 +16,7 @@ The backward's crew counts every stored d_x tile the same way (`dx_done`); its r
 partials are covered by the d_hidden tile count (`dgu_total`: d_hidden_phase.swiglu_backward
 stores them before its hand-off, which the crew's release follows). Once past its weight tasks
 a CTA waits for both, then its 256 consumer threads take items of the d_x sum (as above,
-unweighted) and of the push (256 routed rows each, `router_grad_push.push_row`).
+unweighted) and of the push (256 routed rows each, `common/router_grad_rows.push_row`).
 
 Forward progress: a CTA waits here only once the task ticket is spent, so every tile it waits
 for is held by a running CTA, whose tasks wait on nothing this phase does.
@@ -28,7 +28,7 @@ from cutlass import Int32, Int64
 
 from ..common.bounded_wait import bounded_wait_reached, ld_acquire_gpu_s32
 from ..common.combine_rows import combine_rows
-from ..common.router_grad_push import push_row
+from ..common.router_grad_rows import push_row
 from ..common.row_chunks import chunked_row_views
 from ..common.value_checks import STATUS_BAD_WEIGHT_FORWARD
 from .epilogue_warps import CONSUMER_THREADS

@@ -15,7 +15,7 @@ CTA leaves dispatch only once every row tile has been taken by a running CTA, an
 on nothing, so every tile gets copied whichever CTAs are resident. Which CTA copies a tile
 changes from run to run; the bytes written do not.
 
-Scaled: one fp32 `mul.rn` (no fma contraction), one rounding: bit for bit common/gather_rows.py.
+Scaled: one fp32 `mul.rn` (no fma contraction), one rounding: bit for bit kernels/gather_rows.py.
 With `rounded_ptr` (the MXFP8 megakernels) each written row is also written there as its MXFP8
 round trip along H (common/mxfp8_values.py), the first GEMM's operand (x, or dY_e); the lanes of a 32-element block
 are adjacent and every lane of a warp takes the same chunk branch, as the shuffles need.

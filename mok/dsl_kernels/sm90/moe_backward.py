@@ -57,6 +57,7 @@ from ..common.params import (
     compile_arguments,
 )
 from ..common.peers import peer_table
+from ..common.retire import retire_cta
 from . import combine_phase, d_hidden_phase, d_x_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
@@ -65,7 +66,6 @@ from .epilogue_warps import CREW, slot_stores
 from .expert_tiles import TileList
 from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .minibatches import Minibatches, step_windows
-from .retire import retire_cta
 from .task_walk import (
     RowTileWait,
     StepArgs,

@@ -57,6 +57,7 @@ from ..common.params import (
     compile_arguments,
 )
 from ..common.peers import peer_table
+from ..common.retire import retire_cta
 from . import combine_phase, down_phase, gate_up_phase, schedule_phase
 from . import epilogue_warps as handoff
 from . import gemm_phases as phases
@@ -72,7 +73,6 @@ from .gemm_phases import (
     TILE_N,
 )
 from .minibatches import Minibatches, step_of
-from .retire import retire_cta
 from .task_walk import (
     RowTileWait,
     StepArgs,

@@ -1,6 +1,6 @@
 """The forward megakernel's first phase for a group of one: the receive schedule of the caller's
-int64 routing (the `schedule_ids64` kernel's tasks, common/schedule.py), so a layer step needs
-no schedule launch.
+int64 routing (the `schedule_ids64` kernel's tasks, common/schedule_tasks.py; the kernel:
+kernels/schedule.py), so a layer step needs no schedule launch.
 
 Every thread of every CTA takes schedule tickets (one int32 of the launch's counters, thread 0's
 `atom.add` broadcast through shared memory) until none are left: tickets [0, num_chunks) count
@@ -26,14 +26,14 @@ from ..common.bounded_wait import (
     bounded_wait_reached,
     ld_acquire_gpu_s32,
 )
-from ..common.schedule import PHASE_SCHEDULE, schedule_task, take_task
 from ..common.schedule_count import COUNT_SMEM_SIZES, count_smem
 from ..common.schedule_place import PLACE_SMEM_SIZES, place_smem
+from ..common.schedule_tasks import PHASE_SCHEDULE, schedule_task, take_task
 from ..common.schedule_warp import CHUNK, THREADS, smem_words
 
 SCHEDULE_SYNC = 8  # named barrier of threads 0 .. 255 (epilogue_warps.py has 3-6, combine 7)
 # The phase's int32 words in the launch's counters: the schedule kernel's ticket, count
-# arrivals and scanned words (common/schedule.py), then placed.
+# arrivals and scanned words (common/schedule_tasks.py), then placed.
 WORD_PLACED, WORDS = 3, 4
 # Shared memory it carves (int32 words, each table 16-byte aligned), then the ticket's slot.
 SMEM_WORDS = smem_words(COUNT_SMEM_SIZES + PLACE_SMEM_SIZES) + 4

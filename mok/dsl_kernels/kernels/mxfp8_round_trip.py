@@ -13,9 +13,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 
-from .args import global_pointer
-from .mxfp8_values import round_trip_chunk, transpose_halves
-from .tile_views import matrix, tile_chunks, tile_entry, word_matrix
+from ..common.args import global_pointer
+from ..common.mxfp8_values import round_trip_chunk, transpose_halves
+from ..common.tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile
 VECTOR = 8  # bf16 elements per 16-byte load or store

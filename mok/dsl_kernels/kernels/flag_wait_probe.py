@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from .args import global_pointer
-from .bounded_wait import NO_TASK, OWN_MEMORY, bounded_wait_reached, st_relaxed_sys_b32
+from ..common.args import global_pointer
+from ..common.bounded_wait import NO_TASK, OWN_MEMORY, bounded_wait_reached, st_relaxed_sys_b32
 
 THREADS = 32  # one warp; only thread 0 works
 

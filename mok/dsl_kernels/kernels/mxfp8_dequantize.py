@@ -13,9 +13,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64, Uint8, Uint32
 
-from .args import global_pointer
-from .mxfp8_values import dequantize_word, scale_bits_of, transpose_halves
-from .tile_views import tile_chunks, tile_entry, word_matrix
+from ..common.args import global_pointer
+from ..common.mxfp8_values import dequantize_word, scale_bits_of, transpose_halves
+from ..common.tile_views import tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile (= one 512-byte scale tile)
 VECTOR = 8  # elements per thread per pass: an 8-byte load, a 16-byte store

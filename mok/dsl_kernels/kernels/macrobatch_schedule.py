@@ -7,8 +7,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .params import int32_pointer, placeholders
-from .schedule_warp import MAX_LOCAL_EXPERTS
+from ..common.params import int32_pointer, placeholders
+from ..common.schedule_warp import MAX_LOCAL_EXPERTS
 
 THREADS = MAX_LOCAL_EXPERTS  # one thread per local expert
 SCAN_STEPS = 10  # log2(THREADS): the Hillis-Steele scan's steps

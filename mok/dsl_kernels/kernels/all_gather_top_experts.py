@@ -7,13 +7,13 @@ all P slots of r's buffer are complete. NVLink multicast is never used.
 
 Why the kernel reads int64 and narrows itself: no extra torch op (and no temporary) per call.
 It checks each id against [0, num_experts) on the int64 value, before narrowing to the low 32
-bits: an id outside sets the value-status words (value_checks.py) and is gathered narrowed; the
-schedule treats an id outside this rank's experts as not routed here, so nothing is written out
-of bounds.
+bits: an id outside sets the value-status words (common/value_checks.py) and is gathered
+narrowed; the schedule treats an id outside this rank's experts as not routed here, so
+nothing is written out of bounds.
 
-Barrier counters: the same per-source slots as common/ep_barrier.py (`barrier_buffer` [P]
+Barrier counters: the same per-source slots as kernels/ep_barrier.py (`barrier_buffer` [P]
 of each rank; slot s counts arrivals from rank s; monotone). The targets come from the arrival
-epoch of common/ep_barrier.py (`epoch`: arrivals every slot received before this call, a word
+epoch of kernels/ep_barrier.py (`epoch`: arrivals every slot received before this call, a word
 in this rank's own memory that every CTA reads when it starts; the launch's last CTA advances it
 by 2 * ctas_per_peer when it ends), never from a launch argument, so a CUDA-graph replay waits
 for fresh targets. Per call, each rank makes 2 * ctas_per_peer arrivals at each peer:
@@ -50,20 +50,20 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from .args import global_pointer
-from .bounded_wait import (
-    fence_acq_rel_sys,
-    st_global_b32,
-    st_global_v4_b32,
-)
-from .ep_barrier import (
+from ..common.args import global_pointer
+from ..common.barrier_arrivals import (
     arrive_at_peer,
     peer_address,
     read_arrival_epoch,
     retire_arrival_epoch,
     wait_for_source,
 )
-from .value_checks import STATUS_BAD_EXPERT_ID, load_checked_id
+from ..common.bounded_wait import (
+    fence_acq_rel_sys,
+    st_global_b32,
+    st_global_v4_b32,
+)
+from ..common.value_checks import STATUS_BAD_EXPERT_ID, load_checked_id
 
 THREADS = 128
 VECTOR = 4  # int32 ids per 16-byte store
@@ -80,7 +80,7 @@ class AllGatherTopExperts:
     `rank`, `world_size`, `num_ids`, `chunk_ids` (ids per chunk: chunk_bytes / 4, a multiple
     of 4), `ctas_per_peer` (CTAs writing to one peer; each takes chunks c, c + ctas_per_peer,
     ...), `barrier_epoch_ptr` (int32 [2]: this rank's `barrier_epoch_buffer`, the arrival epoch
-    of common/ep_barrier.py; targets are derived from it, wrap-safe), `error_record_ptr`
+    of kernels/ep_barrier.py; targets are derived from it, wrap-safe), `error_record_ptr`
     (mok/runtime/error_record.py), `entry_phase` (WaitPhase id of the entry wait), `gather_phase`
     (WaitPhase id of the completion wait), `timeout_ns` (int64, per wait), `num_experts`
     (E * P: ids must lie in [0, num_experts)), `status_ptr` (the value-status words).

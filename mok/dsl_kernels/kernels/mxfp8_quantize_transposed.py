@@ -11,9 +11,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
-from .args import global_pointer
-from .mxfp8_values import quantize_chunk
-from .tile_views import matrix, tile_chunks, tile_entry, word_matrix
+from ..common.args import global_pointer
+from ..common.mxfp8_values import quantize_chunk
+from ..common.tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # input rows and columns of one CTA tile (= one 512-byte scale tile)
 VECTOR = 8  # a thread owns VECTOR input rows x VECTOR input columns

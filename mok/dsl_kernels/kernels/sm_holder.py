@@ -8,8 +8,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from .args import global_pointer
-from .bounded_wait import (
+from ..common.args import global_pointer
+from ..common.bounded_wait import (
     BACKOFF_MIN_NS,
     global_timer_ns,
     ld_acquire_sys_s32,

@@ -8,10 +8,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .moe_combine_backward import combine_block
-from .params import bf16_pointer, fp32_pointer, int32_pointer, placeholders
-from .router_grad_push import push_row
-from .row_chunks import VECTOR
+from ..common.combine_rows import combine_block
+from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, placeholders
+from ..common.router_grad_rows import push_row
+from ..common.row_chunks import VECTOR
 
 # `__call__`'s parameters, in order.
 PARAMS = (

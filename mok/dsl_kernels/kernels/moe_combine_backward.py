@@ -2,13 +2,12 @@
 
 from dataclasses import dataclass
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32
 
-from .args import global_pointer
-from .combine_rows import combine_rows
-from .row_chunks import VECTOR, chunked_row_views
+from ..common.args import global_pointer
+from ..common.combine_rows import combine_block
+from ..common.row_chunks import VECTOR
 
 
 @dataclass(frozen=True)
@@ -101,21 +100,3 @@ class MoeCombineBackward:
         bidx, bidy, _ = cute.arch.block_idx()
         combine_block(self.threads, self.tokens_per_cta, tidx, bidx, bidy, d_x_ptr,
                       d_x_shared_ptr, slots_ptr, num_tokens, hidden_size, topk, has_shared)  # fmt: skip
-
-
-@cute.jit
-def combine_block(threads: cutlass.Constexpr, tokens: cutlass.Constexpr, tidx: Int32,
-                  bidx: Int32, bidy: Int32, d_x_ptr: cute.Pointer, d_x_shared_ptr: cute.Pointer,
-                  slots_ptr: cute.Pointer, num_tokens: Int32, hidden_size: Int32, topk: Int32,
-                  has_shared: Int32):  # fmt: skip
-    """`MoeCombineBackward`'s work for thread `tidx` of CTA (bidx, bidy) of its grid."""
-    chunks, (mDx, mShared, mSlots) = chunked_row_views(
-        hidden_size,
-        (d_x_ptr, num_tokens),
-        (d_x_shared_ptr, num_tokens),
-        (slots_ptr, num_tokens * topk),
-    )
-    chunk = bidx * threads + tidx
-    first_token = bidy * tokens
-    combine_rows(tokens, chunks, chunk, first_token, num_tokens, topk, has_shared, mDx,
-                 mShared, mSlots)  # fmt: skip

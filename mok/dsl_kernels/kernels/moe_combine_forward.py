@@ -5,10 +5,10 @@ from dataclasses import dataclass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from .args import global_pointer
-from .combine_rows import combine_rows
-from .row_chunks import VECTOR, chunked_row_views
-from .value_checks import STATUS_BAD_WEIGHT_FORWARD
+from ..common.args import global_pointer
+from ..common.combine_rows import combine_rows
+from ..common.row_chunks import VECTOR, chunked_row_views
+from ..common.value_checks import STATUS_BAD_WEIGHT_FORWARD
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
-from .args import global_pointer
-from .peers import peer_table, rank_address
-from .row_chunks import VECTOR, chunked_row_views
+from ..common.args import global_pointer
+from ..common.peers import peer_table, rank_address
+from ..common.row_chunks import VECTOR, chunked_row_views
 
 
 @dataclass(frozen=True)
