@@ -157,7 +157,7 @@ def virtual_group_step(config, inputs: dict, num_experts: int, size: int, swiglu
     results = group.run(
         lambda rank: run_layer_step(
             config, spaces[rank], shards[rank], num_experts // size, swiglu_limit=swiglu_limit
-        )  # fmt: skip
+        )
     )
     group.join()
     for ws in spaces:

@@ -99,7 +99,7 @@ class VirtualEPGroup:
                 topk,
                 capacity,
                 plain=True,
-            )  # fmt: skip
+            )
             for rank in range(self.size)
         ]
         for ws in spaces:

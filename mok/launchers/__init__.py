@@ -108,7 +108,7 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
             "macrobatch_schedule",
         ),
         "the SM90 expert GEMMs",
-    ),  # fmt: skip
+    ),
     "recompute_forward_context": (
         ("gather_rows", "expert_gemm_gate_up_swiglu", "ep_barrier"),
         "the SM90 expert GEMMs",
@@ -138,7 +138,7 @@ KERNELS_BY_OP: dict[str, tuple[tuple[str, ...], str]] = {
             "expert_gemm_bwd_weights_window_accumulate",
         ),
         "the SM90 backward expert GEMMs",
-    ),  # fmt: skip
+    ),
     "mxfp8_quantize": (
         ("mxfp8_quantize_rowwise", "mxfp8_quantize_transposed"),
         "the MXFP8 quantiser kernels",

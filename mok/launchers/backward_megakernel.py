@@ -226,7 +226,7 @@ class _BackwardPlan:
                     grid,
                     minibatch_tiles,
                     ep_rank,
-                ),  # fmt: skip
+                ),
                 "weight_gemms": 3 if weight_grads else 0,
             },
             dynamic=(*self.dynamic_tma, *DYNAMIC_POINTERS,

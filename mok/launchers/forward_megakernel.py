@@ -201,7 +201,7 @@ class _ForwardPlan:
                     grid,
                     minibatch_tiles,
                     ep_rank,
-                ),  # fmt: skip
+                ),
             },
             dynamic=DYNAMIC + (WEIGHT_TMA if self.mxfp8 else ()),
         )

@@ -25,7 +25,7 @@ def megakernel_counters(capacity: int, tail: int, device: torch.device) -> Count
 
 def check_routed_operands(
     gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk, hidden_size, device
-):  # fmt: skip
+):
     """Both megakernels' weights (bf16 [E, I, H], [E, I, H], [E, H, I]), slots (bf16 [T * k, H]
     or None) and schedule, as the kernels read them; returns (E, I, capacity)."""
     num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
@@ -42,7 +42,7 @@ def check_routed_operands(
 
 def check_mxfp8_routed_operands(
     gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk, hidden_size, device
-):  # fmt: skip
+):
     """`check_routed_operands` for MXFP8 weights: (E4M3 data, UE8M0 scales) pairs along K, data
     float8_e4m3fn [E, I, H], [E, I, H], [E, H, I], scales uint8 [E * N / 128, K / 128, 32, 16]
     (mok.ops.mxfp8_quantize's); returns (E, I, capacity)."""
