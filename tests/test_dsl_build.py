@@ -153,6 +153,26 @@ def test_sm90a_ptx_uses_intended_instructions(fresh_build, name, required, forbi
     assert ".ftz" not in ptx, f"{name}: flush-to-zero would break bit-exactness on subnormals"
 
 
+# ---- each kernel's parameters declared once (no compile) ----
+def test_every_kernel_declares_its_params_once():
+    """Every registered kernel's `__call__` takes bundles or scalars that have compile
+    placeholders, and its `kernel`'s flattened bundles name the committed manifest's sm_90a
+    params, in order (DSL-inserted `_dsl_*` params aside)."""
+    from mok.dsl_kernels.common.params import compile_arguments
+
+    committed = {e["name"]: e for e in _committed_manifest()["variants"] if e["arch"] == "sm_90a"}
+    for variant in variants():
+        kernel = variant.kernel(**variant.config)
+        assert compile_arguments(kernel), variant.name  # raises on a parameter it cannot place
+        names = [name for name, _ in build.python_params(kernel)]
+        expected = [
+            p["name"]
+            for p in committed[variant.name]["params"]
+            if not p["name"].startswith("_dsl_")
+        ]
+        assert names == expected, variant.name
+
+
 # ---- the PTX/Python pairing rules, on synthetic input (no compile) ----
 _PTX = """
 .visible .entry mok_x_0(

@@ -249,14 +249,6 @@ def compile_variant(variant, arch: str) -> tuple[dict, bytes, str]:
     kernel_obj = variant.kernel(**variant.config)
     if hasattr(kernel_obj, "validate"):
         kernel_obj.validate()
-    spec = getattr(sys.modules[type(kernel_obj).__module__], "PARAMS", None)
-    if spec is not None:  # a kernel written with an ordered parameter spec (common/params.py)
-        from .common.params import check_call_signature
-
-        try:
-            check_call_signature(type(kernel_obj), spec)
-        except ValueError as error:
-            raise BuildError(f"{variant.name}: {error}") from None
     # The name options live on the shared @cute.kernel function: set them right before compiling.
     type(kernel_obj).kernel.set_name_prefix(
         variant.symbol_prefix, remove_cutlass_symbol=True, keep_mangled_name=False

@@ -17,11 +17,14 @@ from .bounded_wait import (
     red_add_release_sys_s32,
     st_relaxed_sys_b32,
 )
+from .params import aligned_pointer
 
 # Words of `barrier_epoch_buffer` (int32 [2], this rank's own memory; kernels/ep_barrier.py).
 EPOCH_WORD = 0  # arrivals every barrier slot has received before the running comm call
 READERS_WORD = 1  # CTAs of the running comm launch that are done with the epoch
 ARRIVALS_PER_BARRIER = 1  # per slot and call
+# The field annotation of `barrier_epoch_buffer`'s address (8-byte aligned).
+EpochPointer = aligned_pointer(Int32, 8)
 
 
 @cute.jit

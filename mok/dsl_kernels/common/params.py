@@ -23,32 +23,24 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 from .args import global_pointer
 
 
-def bf16_pointer():
-    return global_pointer(BFloat16, 16)
+def aligned_pointer(dtype, assumed_align: int):
+    """The field annotation of a global pointer to `dtype` that the kernel may assume
+    `assumed_align`-byte aligned (its compile placeholder: both are compiled in)."""
 
+    def make():
+        return global_pointer(dtype, assumed_align)
 
-def int32_pointer():
-    return global_pointer(Int32, 4)
-
-
-def int64_pointer():
-    return global_pointer(Int64, 8)
-
-
-def fp32_pointer():
-    return global_pointer(Float32, 4)
-
-
-def uint8_pointer():
-    return global_pointer(Uint8, 16)
+    return Annotated[cute.Pointer, make]
 
 
 # Field annotations: the DSL type, and for a pointer the placeholder it is compiled with.
-Bf16Pointer = Annotated[cute.Pointer, bf16_pointer]
-Int32Pointer = Annotated[cute.Pointer, int32_pointer]
-Int64Pointer = Annotated[cute.Pointer, int64_pointer]
-Fp32Pointer = Annotated[cute.Pointer, fp32_pointer]
-Uint8Pointer = Annotated[cute.Pointer, uint8_pointer]
+Bf16Pointer = aligned_pointer(BFloat16, 16)
+Int32Pointer = aligned_pointer(Int32, 4)
+Int64Pointer = aligned_pointer(Int64, 8)
+Fp32Pointer = aligned_pointer(Float32, 4)
+Uint8Pointer = aligned_pointer(Uint8, 16)
+# The error record (mok/runtime/error_record.py: 16 int32 words, 64-byte aligned).
+ErrorRecordPointer = aligned_pointer(Int32, 64)
 SCALARS = (Int32, Int64, Float32)
 
 
@@ -100,19 +92,3 @@ def flat_params(annotation, name: str = "") -> list[tuple[str, object]]:
     if get_origin(annotation) is Annotated:
         return [(name, get_args(annotation)[0])]
     return [(name, annotation)]
-
-
-def placeholders(spec: tuple) -> tuple:
-    """The compile placeholders of `spec` ((name, make) pairs; `make()` gives the placeholder
-    of a pointer, or a typed scalar is given as is)."""
-    return tuple(make() if callable(make) else make for _, make in spec)
-
-
-def check_call_signature(kernel_cls, spec: tuple) -> None:
-    """Raise ValueError unless `kernel_cls.__call__` takes exactly the spec's names, in order."""
-    names = [n for n in inspect.signature(kernel_cls.__call__).parameters][1:]
-    expected = [name for name, _ in spec]
-    if names != expected:
-        raise ValueError(
-            f"{kernel_cls.__name__}.__call__ takes {names}, but its parameter spec says {expected}"
-        )

@@ -45,13 +45,14 @@ waiting ones.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..common.args import global_pointer
 from ..common.barrier_arrivals import (
+    EpochPointer,
     arrive_at_peer,
     peer_address,
     read_arrival_epoch,
@@ -63,27 +64,49 @@ from ..common.bounded_wait import (
     st_global_b32,
     st_global_v4_b32,
 )
+from ..common.params import (
+    ErrorRecordPointer,
+    Int64Pointer,
+    aligned_pointer,
+    compile_arguments,
+)
 from ..common.value_checks import STATUS_BAD_EXPERT_ID, load_checked_id
 
 THREADS = 128
 VECTOR = 4  # int32 ids per 16-byte store
+StatusPointer = aligned_pointer(Int32, 16)
+
+
+class AllGatherArgs(NamedTuple):
+    """`AllGatherTopExperts`'s parameters, in order (P = world_size)."""
+
+    ids_ptr: Int64Pointer  # int64 [num_ids], contiguous: this rank's routing ids (T * k)
+    # int64 [P]: the address of each rank's `all_gather_top_experts_buffer`, int32 [P, num_ids]
+    peer_gather_ptrs: Int64Pointer
+    # int64 [P]: the address of each rank's `barrier_buffer`, int32 [P]
+    peer_barrier_ptrs: Int64Pointer
+    rank: Int32
+    world_size: Int32
+    num_ids: Int32
+    chunk_ids: Int32  # ids per chunk: chunk_bytes / 4, a multiple of 4
+    # CTAs writing to one peer; each takes chunks c, c + ctas_per_peer, ...
+    ctas_per_peer: Int32
+    # int32 [2]: this rank's `barrier_epoch_buffer`, the arrival epoch of kernels/ep_barrier.py;
+    # targets are derived from it, wrap-safe
+    barrier_epoch_ptr: EpochPointer
+    error_record_ptr: ErrorRecordPointer  # mok/runtime/error_record.py
+    entry_phase: Int32  # WaitPhase id of the entry wait
+    gather_phase: Int32  # WaitPhase id of the completion wait
+    timeout_ns: Int64  # per wait
+    num_experts: Int32  # E * P: ids must lie in [0, num_experts)
+    status_ptr: StatusPointer  # the value-status words
 
 
 @dataclass(frozen=True)
 class AllGatherTopExperts:
     """gathered[p][rank, i] = int32(ids[i]) for every peer p, i < num_ids; then a barrier.
 
-    Kernel parameters (in this order): `ids_ptr` (int64 [num_ids], contiguous, this rank's
-    routing ids, num_ids = T * k), `peer_gather_ptrs` (int64 [world_size]: address of each
-    rank's `all_gather_top_experts_buffer`, int32 [world_size, num_ids]), `peer_barrier_ptrs`
-    (int64 [world_size]: address of each rank's `barrier_buffer`, int32 [world_size]),
-    `rank`, `world_size`, `num_ids`, `chunk_ids` (ids per chunk: chunk_bytes / 4, a multiple
-    of 4), `ctas_per_peer` (CTAs writing to one peer; each takes chunks c, c + ctas_per_peer,
-    ...), `barrier_epoch_ptr` (int32 [2]: this rank's `barrier_epoch_buffer`, the arrival epoch
-    of kernels/ep_barrier.py; targets are derived from it, wrap-safe), `error_record_ptr`
-    (mok/runtime/error_record.py), `entry_phase` (WaitPhase id of the entry wait), `gather_phase`
-    (WaitPhase id of the completion wait), `timeout_ns` (int64, per wait), `num_experts`
-    (E * P: ids must lie in [0, num_experts)), `status_ptr` (the value-status words).
+    Kernel parameters: `AllGatherArgs`.
 
     Stores: 16-byte `st.global.v4.b32` when num_ids % 4 == 0 (every slot then starts 16-byte
     aligned), else 4-byte stores. On timeout the record names this rank, the phase, the
@@ -97,113 +120,53 @@ class AllGatherTopExperts:
     """
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(Int64, 8),
-            global_pointer(Int64, 8),
-            global_pointer(Int64, 8),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            global_pointer(Int32, 8),
-            global_pointer(Int32, 64),
-            Int32(0),
-            Int32(0),
-            Int64(0),
-            Int32(0),
-            global_pointer(Int32, 16),
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        ids_ptr: cute.Pointer,
-        peer_gather_ptrs: cute.Pointer,
-        peer_barrier_ptrs: cute.Pointer,
-        rank: Int32,
-        world_size: Int32,
-        num_ids: Int32,
-        chunk_ids: Int32,
-        ctas_per_peer: Int32,
-        barrier_epoch_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        entry_phase: Int32,
-        gather_phase: Int32,
-        timeout_ns: Int64,
-        num_experts: Int32,
-        status_ptr: cute.Pointer,
-    ):
-        self.kernel(
-            ids_ptr,
-            peer_gather_ptrs,
-            peer_barrier_ptrs,
-            rank,
-            world_size,
-            num_ids,
-            chunk_ids,
-            ctas_per_peer,
-            barrier_epoch_ptr,
-            error_record_ptr,
-            entry_phase,
-            gather_phase,
-            timeout_ns,
-            num_experts,
-            status_ptr,
-        ).launch(grid=[ctas_per_peer, world_size, 1], block=[THREADS, 1, 1])
+    def __call__(self, args: AllGatherArgs):
+        self.kernel(args).launch(
+            grid=[args.ctas_per_peer, args.world_size, 1], block=[THREADS, 1, 1]
+        )
 
     @cute.kernel
-    def kernel(
-        self,
-        ids_ptr: cute.Pointer,
-        peer_gather_ptrs: cute.Pointer,
-        peer_barrier_ptrs: cute.Pointer,
-        rank: Int32,
-        world_size: Int32,
-        num_ids: Int32,
-        chunk_ids: Int32,
-        ctas_per_peer: Int32,
-        barrier_epoch_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        entry_phase: Int32,
-        gather_phase: Int32,
-        timeout_ns: Int64,
-        num_experts: Int32,
-        status_ptr: cute.Pointer,
-    ):
+    def kernel(self, args: AllGatherArgs):
         tidx, _, _ = cute.arch.thread_idx()
         cta_in_peer, peer, _ = cute.arch.block_idx()
-        barrier_table = peer_barrier_ptrs.toint()
-        record = error_record_ptr.toint()
-        own_barrier = peer_address(barrier_table, rank)
+        barrier_table = args.peer_barrier_ptrs.toint()
+        record = args.error_record_ptr.toint()
+        own_barrier = peer_address(barrier_table, args.rank)
 
         # ---- targets: from the device epoch, never a launch argument (graph replays) ----
         # Every thread reads it (one cached word); the publish bar.sync orders all these reads
         # before thread 0 retires the CTA.
-        epoch_buffer = barrier_epoch_ptr.toint()
+        epoch_buffer = args.barrier_epoch_ptr.toint()
         epoch = read_arrival_epoch(epoch_buffer)
         # Per call each CTA arrives twice at its peer: once on entry, once after its stores.
-        arrivals_per_slot = 2 * ctas_per_peer
+        arrivals_per_slot = 2 * args.ctas_per_peer
 
         # ---- entry: announce this call to `peer`, wait until `peer` has started it too ----
         if tidx == 0:
-            arrive_at_peer(barrier_table, peer, rank)
-            wait_for_source(own_barrier, peer, epoch + 1, timeout_ns, record, rank, entry_phase)
+            arrive_at_peer(barrier_table, peer, args.rank)
+            wait_for_source(
+                own_barrier, peer, epoch + 1, args.timeout_ns, record, args.rank, args.entry_phase
+            )
         cute.arch.barrier()
 
         # ---- copy: chunks cta_in_peer, cta_in_peer + ctas_per_peer, ... into slot [rank] ----
-        source = ids_ptr.toint()
-        limit = Int64(num_experts)
-        bad_id = status_ptr.toint() + Int64(STATUS_BAD_EXPERT_ID * 4)
+        source = args.ids_ptr.toint()
+        limit = Int64(args.num_experts)
+        bad_id = args.status_ptr.toint() + Int64(STATUS_BAD_EXPERT_ID * 4)
         destination = (
-            peer_address(peer_gather_ptrs.toint(), peer) + Int64(rank) * Int64(num_ids) * 4
+            peer_address(args.peer_gather_ptrs.toint(), peer)
+            + Int64(args.rank) * Int64(args.num_ids) * 4
         )
-        num_chunks = (num_ids + chunk_ids - 1) // chunk_ids
-        if num_ids % VECTOR == 0:
-            for chunk in cutlass.range(cta_in_peer, num_chunks, ctas_per_peer, unroll=1):
-                end = cutlass.min((chunk + 1) * chunk_ids, num_ids)
-                for i in cutlass.range(chunk * chunk_ids + tidx * VECTOR, end, THREADS * VECTOR):
+        num_chunks = (args.num_ids + args.chunk_ids - 1) // args.chunk_ids
+        if args.num_ids % VECTOR == 0:
+            for chunk in cutlass.range(cta_in_peer, num_chunks, args.ctas_per_peer, unroll=1):
+                end = cutlass.min((chunk + 1) * args.chunk_ids, args.num_ids)
+                for i in cutlass.range(
+                    chunk * args.chunk_ids + tidx * VECTOR, end, THREADS * VECTOR
+                ):
                     load = source + Int64(i) * 8
                     st_global_v4_b32(
                         destination + Int64(i) * 4,
@@ -213,9 +176,9 @@ class AllGatherTopExperts:
                         load_checked_id(load + 24, limit, bad_id),
                     )
         else:
-            for chunk in cutlass.range(cta_in_peer, num_chunks, ctas_per_peer, unroll=1):
-                end = cutlass.min((chunk + 1) * chunk_ids, num_ids)
-                for i in cutlass.range(chunk * chunk_ids + tidx, end, THREADS):
+            for chunk in cutlass.range(cta_in_peer, num_chunks, args.ctas_per_peer, unroll=1):
+                end = cutlass.min((chunk + 1) * args.chunk_ids, args.num_ids)
+                for i in cutlass.range(chunk * args.chunk_ids + tidx, end, THREADS):
                     st_global_b32(
                         destination + Int64(i) * 4,
                         load_checked_id(source + Int64(i) * 8, limit, bad_id),
@@ -227,17 +190,19 @@ class AllGatherTopExperts:
             # bar.sync ordered the CTA's stores before this thread; the system-scope fence
             # makes the release below cover them for a reader on another GPU.
             fence_acq_rel_sys()
-            arrive_at_peer(barrier_table, peer, rank)
+            arrive_at_peer(barrier_table, peer, args.rank)
             # ---- completion: one CTA per source rank waits for all of its CTAs' data ----
             if cta_in_peer == 0:
                 wait_for_source(
                     own_barrier,
                     peer,
                     epoch + arrivals_per_slot,
-                    timeout_ns,
+                    args.timeout_ns,
                     record,
-                    rank,
-                    gather_phase,
+                    args.rank,
+                    args.gather_phase,
                 )
             # ---- retire: the last CTA of the grid advances the epoch for the next call ----
-            retire_arrival_epoch(epoch_buffer, epoch, arrivals_per_slot, ctas_per_peer * world_size)
+            retire_arrival_epoch(
+                epoch_buffer, epoch, arrivals_per_slot, args.ctas_per_peer * args.world_size
+            )

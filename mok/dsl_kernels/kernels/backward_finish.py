@@ -3,35 +3,32 @@
 inputs and write disjoint outputs."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
 from ..common.combine_rows import combine_block
-from ..common.params import bf16_pointer, fp32_pointer, int32_pointer, placeholders
+from ..common.params import Fp32Pointer, Int32Pointer, compile_arguments
 from ..common.router_grad_rows import push_row
 from ..common.row_chunks import VECTOR
+from .moe_combine_backward import CombineBackwardArgs
 
-# `__call__`'s parameters, in order.
-PARAMS = (
-    ("d_x_ptr", bf16_pointer),
-    ("d_x_shared_ptr", bf16_pointer),
-    ("slots_ptr", bf16_pointer),
-    ("num_tokens", Int32(0)),
-    ("hidden_size", Int32(0)),
-    ("topk", Int32(0)),
-    ("has_shared", Int32(0)),
-    ("partials_ptr", fp32_pointer),
-    ("peer_rank_ptr", int32_pointer),
-    ("peer_token_idx_ptr", int32_pointer),
-    ("num_rows_ptr", int32_pointer),
-    ("weight_ptr", fp32_pointer),
-    ("d_router_ptr", fp32_pointer),
-    ("num_rows", Int32(0)),
-    ("blocks", Int32(1)),
-    ("status_ptr", int32_pointer),
-)
+
+class FinishPushArgs(NamedTuple):
+    """The push's parameters, in order: `RouterGradPushArgs` of a group of one (no peer tables,
+    rank 0)."""
+
+    partials_ptr: Fp32Pointer
+    peer_rank_ptr: Int32Pointer
+    peer_token_idx_ptr: Int32Pointer
+    num_rows_ptr: Int32Pointer  # the schedule's routed-row count
+    weight_ptr: Fp32Pointer
+    d_router_ptr: Fp32Pointer
+    num_rows: Int32
+    blocks: Int32
+    status_ptr: Int32Pointer
 
 
 @dataclass(frozen=True)
@@ -42,11 +39,8 @@ class BackwardFinish:
     tables, rank 0). Each does exactly what its kernel does, so the outputs are those kernels'
     bits.
 
-    Kernel parameters, in order: the epilogue's (`d_x_ptr`, `d_x_shared_ptr` (null when
-    has_shared == 0), `slots_ptr`, `num_tokens`, `hidden_size`, `topk`, `has_shared`), then the
-    push's (`partials_ptr`, `peer_rank_ptr`, `peer_token_idx_ptr`, `num_rows_ptr` (the
-    schedule's routed-row count), `weight_ptr`, `d_router_ptr`, `num_rows`, `blocks`,
-    `status_ptr`). Constraints: both kernels'; gy <= 65535 (as the epilogue's grid.y).
+    Kernel parameters: the epilogue's (`CombineBackwardArgs`), then the push's
+    (`FinishPushArgs`). Constraints: both kernels'; gy <= 65535 (as the epilogue's grid.y).
     Launch: grid (C + ceil(num_rows / threads), 1, 1), block (threads, 1, 1).
     """
 
@@ -60,74 +54,36 @@ class BackwardFinish:
             raise ValueError(f"tokens_per_cta must be one of 1, 2, 4, 8, got {self.tokens_per_cta}")
 
     def compile_arguments(self) -> tuple:
-        return placeholders(PARAMS)
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        d_x_ptr: cute.Pointer,
-        d_x_shared_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        num_tokens: Int32,
-        hidden_size: Int32,
-        topk: Int32,
-        has_shared: Int32,
-        partials_ptr: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_rows_ptr: cute.Pointer,
-        weight_ptr: cute.Pointer,
-        d_router_ptr: cute.Pointer,
-        num_rows: Int32,
-        blocks: Int32,
-        status_ptr: cute.Pointer,
-    ):
+    def __call__(self, combine: CombineBackwardArgs, push: FinishPushArgs):
         columns = VECTOR * self.threads
-        combine_ctas = ((hidden_size + columns - 1) // columns) * (
-            (num_tokens + self.tokens_per_cta - 1) // self.tokens_per_cta
+        combine_ctas = ((combine.hidden_size + columns - 1) // columns) * (
+            (combine.num_tokens + self.tokens_per_cta - 1) // self.tokens_per_cta
         )
-        self.kernel(
-            d_x_ptr, d_x_shared_ptr, slots_ptr, num_tokens, hidden_size, topk, has_shared,
-            partials_ptr, peer_rank_ptr, peer_token_idx_ptr, num_rows_ptr, weight_ptr,
-            d_router_ptr, num_rows, blocks, status_ptr,
-        ).launch(grid=[combine_ctas + (num_rows + self.threads - 1) // self.threads, 1, 1],
-                 block=[self.threads, 1, 1])  # fmt: skip
+        self.kernel(combine, push).launch(
+            grid=[combine_ctas + (push.num_rows + self.threads - 1) // self.threads, 1, 1],
+            block=[self.threads, 1, 1],
+        )
 
     @cute.kernel
-    def kernel(
-        self,
-        d_x_ptr: cute.Pointer,
-        d_x_shared_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        num_tokens: Int32,
-        hidden_size: Int32,
-        topk: Int32,
-        has_shared: Int32,
-        partials_ptr: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_rows_ptr: cute.Pointer,
-        weight_ptr: cute.Pointer,
-        d_router_ptr: cute.Pointer,
-        num_rows: Int32,
-        blocks: Int32,
-        status_ptr: cute.Pointer,
-    ):
+    def kernel(self, combine: CombineBackwardArgs, push: FinishPushArgs):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         columns = VECTOR * self.threads
-        grid_x = (hidden_size + columns - 1) // columns
-        combine_ctas = grid_x * ((num_tokens + self.tokens_per_cta - 1) // self.tokens_per_cta)
+        grid_x = (combine.hidden_size + columns - 1) // columns
+        combine_ctas = grid_x * (
+            (combine.num_tokens + self.tokens_per_cta - 1) // self.tokens_per_cta
+        )
         if bidx < combine_ctas:
-            combine_block(self.threads, self.tokens_per_cta, tidx, bidx % grid_x, bidx // grid_x,
-                          d_x_ptr, d_x_shared_ptr, slots_ptr, num_tokens, hidden_size, topk,
-                          has_shared)  # fmt: skip
+            combine_block(
+                self.threads, self.tokens_per_cta, tidx, bidx % grid_x, bidx // grid_x, *combine
+            )
         else:
             # A group of one: its own router weights and d_router (null tables, rank 0).
-            no_table = cute.make_ptr(cutlass.Int64, cutlass.Int64(0), cute.AddressSpace.gmem,
-                                    assumed_align=8)  # fmt: skip
-            push_row(
-                (bidx - combine_ctas) * self.threads + tidx, partials_ptr, peer_rank_ptr,
-                peer_token_idx_ptr, num_rows_ptr, weight_ptr, d_router_ptr, no_table, no_table,
-                Int32(0), num_rows, blocks, status_ptr,
-            )  # fmt: skip
+            no_table = cute.make_ptr(
+                cutlass.Int64, cutlass.Int64(0), cute.AddressSpace.gmem, assumed_align=8
+            )
+            row = (bidx - combine_ctas) * self.threads + tidx
+            push_row(row, *push[:6], no_table, no_table, Int32(0), *push[6:])

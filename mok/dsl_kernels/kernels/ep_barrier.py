@@ -50,33 +50,46 @@ NVLink multicast is never used: arrivals are unicast atomics to each peer.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..common.args import global_pointer
 from ..common.barrier_arrivals import (
     ARRIVALS_PER_BARRIER,
+    EpochPointer,
     arrive_at_peer,
     peer_address,
     read_arrival_epoch,
     retire_arrival_epoch,
     wait_for_source,
 )
+from ..common.params import ErrorRecordPointer, Int64Pointer, compile_arguments
 
 THREADS = 128  # thread t arrives at peers t, t+128, ... and waits on slots t, t+128, ...
+
+
+class EpBarrierArgs(NamedTuple):
+    """`EpBarrier`'s parameters, in order."""
+
+    # int64 [world_size]: the address of `barrier_buffer` of each rank, as this rank maps it;
+    # entry `rank` is its own
+    peer_barrier_ptrs: Int64Pointer
+    rank: Int32
+    world_size: Int32
+    # int32 [2]: this rank's `barrier_epoch_buffer`, the arrival epoch of the module doc
+    barrier_epoch_ptr: EpochPointer
+    error_record_ptr: ErrorRecordPointer  # mok/runtime/error_record.py
+    phase: Int32  # WaitPhase id for the record
+    timeout_ns: Int64  # per wait
 
 
 @dataclass(frozen=True)
 class EpBarrier:
     """Every rank of the EP group arrives, then waits until every rank has arrived.
 
-    Kernel parameters (in this order): `peer_barrier_ptrs` (int64 [world_size]: the address
-    of `barrier_buffer` of each rank, as this rank maps it; entry `rank` is its own), `rank`,
-    `world_size` (int32), `barrier_epoch_ptr` (int32 [2]: this rank's `barrier_epoch_buffer`,
-    the arrival epoch of the module doc), `error_record_ptr` (mok/runtime/error_record.py), `phase`
-    (int32 WaitPhase id for the record), `timeout_ns` (int64, per wait).
+    Kernel parameters: `EpBarrierArgs`.
 
     Reads the epoch, adds 1 to slot `rank` of every peer (red.release.sys), waits (bounded,
     ld.acquire.sys) until each of its own slots has reached `epoch + 1` (wrap-safe), then
@@ -89,66 +102,33 @@ class EpBarrier:
     """
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(Int64, 8),
-            Int32(0),
-            Int32(0),
-            global_pointer(Int32, 8),
-            global_pointer(Int32, 64),
-            Int32(0),
-            Int64(0),
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        peer_barrier_ptrs: cute.Pointer,
-        rank: Int32,
-        world_size: Int32,
-        barrier_epoch_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        phase: Int32,
-        timeout_ns: Int64,
-    ):
-        self.kernel(
-            peer_barrier_ptrs,
-            rank,
-            world_size,
-            barrier_epoch_ptr,
-            error_record_ptr,
-            phase,
-            timeout_ns,
-        ).launch(grid=[1, 1, 1], block=[THREADS, 1, 1])
+    def __call__(self, args: EpBarrierArgs):
+        self.kernel(args).launch(grid=[1, 1, 1], block=[THREADS, 1, 1])
 
     @cute.kernel
-    def kernel(
-        self,
-        peer_barrier_ptrs: cute.Pointer,
-        rank: Int32,
-        world_size: Int32,
-        barrier_epoch_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        phase: Int32,
-        timeout_ns: Int64,
-    ):
+    def kernel(self, args: EpBarrierArgs):
         tidx, _, _ = cute.arch.thread_idx()
-        peer_table = peer_barrier_ptrs.toint()
-        epoch_buffer = barrier_epoch_ptr.toint()
-        record = error_record_ptr.toint()
+        peer_table = args.peer_barrier_ptrs.toint()
+        epoch_buffer = args.barrier_epoch_ptr.toint()
+        record = args.error_record_ptr.toint()
 
         # ---- target: from the device epoch, never a launch argument (graph replays) ----
         epoch = read_arrival_epoch(epoch_buffer)
         target = epoch + ARRIVALS_PER_BARRIER
 
         # ---- arrive: +1 on slot `rank` of every peer (release: our earlier work is visible) ----
-        for peer in cutlass.range(tidx, world_size, THREADS, unroll=1):
-            arrive_at_peer(peer_table, peer, rank)
+        for peer in cutlass.range(tidx, args.world_size, THREADS, unroll=1):
+            arrive_at_peer(peer_table, peer, args.rank)
 
         # ---- wait: each own slot has reached the target (acquire: theirs is visible to us) ----
-        own_barrier = peer_address(peer_table, rank)
-        for source in cutlass.range(tidx, world_size, THREADS, unroll=1):
-            wait_for_source(own_barrier, source, target, timeout_ns, record, rank, phase)
+        own_barrier = peer_address(peer_table, args.rank)
+        for source in cutlass.range(tidx, args.world_size, THREADS, unroll=1):
+            wait_for_source(
+                own_barrier, source, target, args.timeout_ns, record, args.rank, args.phase
+            )
         # The waiters' acquires extend to the whole CTA (and, at kernel end, to later kernels);
         # every thread has read the epoch before thread 0 advances it.
         cute.arch.barrier()

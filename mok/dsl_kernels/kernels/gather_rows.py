@@ -2,14 +2,33 @@
 rank (this rank's `src`, or a peer's symmetric buffer through the peer table)."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
-from ..common.args import global_pointer
+from ..common.params import Bf16Pointer, Int32Pointer, Int64Pointer, compile_arguments
 from ..common.peers import peer_table, rank_address
 from ..common.row_chunks import VECTOR, chunked_row_views
+
+
+class GatherRowsArgs(NamedTuple):
+    """`GatherRows`'s parameters, in order."""
+
+    out_ptr: Bf16Pointer  # bf16 [num_rows, hidden_size]
+    src_ptr: Bf16Pointer  # bf16 [num_src_rows, hidden_size]: this rank's rows
+    src_ptrs: Int64Pointer  # int64 [P]: the peers' `src` addresses (common/peers.py)
+    peer_rank_ptr: Int32Pointer  # int32 [num_rows], the schedule's
+    peer_token_idx_ptr: Int32Pointer  # int32 [num_rows], the schedule's
+    # int32 [1], the schedule's routed-row count, read on the device: rows at or past it are
+    # not written
+    num_tokens_ptr: Int32Pointer
+    num_rows: Int32
+    num_src_rows: Int32
+    hidden_size: Int32
+    topk: Int32
+    ep_rank: Int32
 
 
 @dataclass(frozen=True)
@@ -17,11 +36,7 @@ class GatherRows:
     """out[r, :] = src[peer_token_idx[r] // topk, :] for every routed row r < num_tokens with
     peer_rank[r] >= 0, and zeros for padding rows (peer_rank[r] < 0).
 
-    Kernel parameters (in this order): `out_ptr` (bf16 [num_rows, hidden_size]), `src_ptr`
-    (bf16 [num_src_rows, hidden_size]), `peer_rank_ptr`, `peer_token_idx_ptr` (int32 [num_rows], the
-    schedule's), `num_tokens_ptr` (int32 [1], the schedule's routed-row count, read on the
-    device: rows at or past it are not written), `num_rows`, `num_src_rows`, `hidden_size`,
-    `topk`.
+    Kernel parameters: `GatherRowsArgs`; `__call__` takes the grid's y extent (`grid_y`) too.
 
     Work split (as the combine kernels): a thread owns 8 consecutive columns (16-byte loads
     and stores) of `rows_per_cta` consecutive rows, issues every load of its rows before any
@@ -44,81 +59,30 @@ class GatherRows:
             raise ValueError(f"rows_per_cta must be one of 1, 2, 4, 8, got {self.rows_per_cta}")
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(BFloat16, 16),  # out_ptr
-            global_pointer(BFloat16, 16),  # src_ptr
-            global_pointer(Int64, 8),  # src_ptrs
-            global_pointer(Int32, 4),  # peer_rank_ptr
-            global_pointer(Int32, 4),  # peer_token_idx_ptr
-            global_pointer(Int32, 4),  # num_tokens_ptr
-            Int32(0),  # num_rows
-            Int32(0),  # num_src_rows
-            Int32(0),  # hidden_size
-            Int32(1),  # topk
-            Int32(0),  # ep_rank
-            Int32(1),  # grid_y
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        out_ptr: cute.Pointer,
-        src_ptr: cute.Pointer,
-        src_ptrs: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_tokens_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_src_rows: Int32,
-        hidden_size: Int32,
-        topk: Int32,
-        ep_rank: Int32,
-        grid_y: Int32,
-    ):
+    def __call__(self, args: GatherRowsArgs, grid_y: Int32):
         columns_per_cta = VECTOR * self.threads
-        self.kernel(
-            out_ptr,
-            src_ptr,
-            src_ptrs,
-            peer_rank_ptr,
-            peer_token_idx_ptr,
-            num_tokens_ptr,
-            num_rows,
-            num_src_rows,
-            hidden_size,
-            topk,
-            ep_rank,
-        ).launch(
-            grid=[(hidden_size + columns_per_cta - 1) // columns_per_cta, grid_y, 1],
+        self.kernel(args).launch(
+            grid=[(args.hidden_size + columns_per_cta - 1) // columns_per_cta, grid_y, 1],
             block=[self.threads, 1, 1],
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        out_ptr: cute.Pointer,
-        src_ptr: cute.Pointer,
-        src_ptrs: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_tokens_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_src_rows: Int32,
-        hidden_size: Int32,
-        topk: Int32,
-        ep_rank: Int32,
-    ):
+    def kernel(self, args: GatherRowsArgs):
         rows_per_cta = self.rows_per_cta
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         _, grid_y, _ = cute.arch.grid_dim()
-        chunks, (mOut,) = chunked_row_views(hidden_size, (out_ptr, num_rows))
-        row_bytes = cute.assume(Int64(hidden_size) * Int64(2), divby=128)
-        table = peer_table(src_ptrs)
-        rank = cute.make_tensor(peer_rank_ptr, cute.make_layout(num_rows))
-        slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(num_rows))
-        rows = cutlass.min(num_rows, cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0])
+        chunks, (mOut,) = chunked_row_views(args.hidden_size, (args.out_ptr, args.num_rows))
+        row_bytes = cute.assume(Int64(args.hidden_size) * Int64(2), divby=128)
+        table = peer_table(args.src_ptrs)
+        rank = cute.make_tensor(args.peer_rank_ptr, cute.make_layout(args.num_rows))
+        slot = cute.make_tensor(args.peer_token_idx_ptr, cute.make_layout(args.num_rows))
+        rows = cutlass.min(
+            args.num_rows, cute.make_tensor(args.num_tokens_ptr, cute.make_layout(1))[0]
+        )
 
         chunk = bidx * self.threads + tidx
         blocks = (rows + rows_per_cta - 1) // rows_per_cta
@@ -133,10 +97,11 @@ class GatherRows:
                     rIn[None, t].fill(0.0)
                     if row < rows:
                         if rank[row] >= 0:
-                            base = rank_address(src_ptr, table, ep_rank, rank[row])
+                            base = rank_address(args.src_ptr, table, args.ep_rank, rank[row])
+                            offset = Int64(slot[row] // args.topk) * row_bytes
                             src = cute.make_tensor(
-                                cute.make_ptr(BFloat16, base + Int64(slot[row] // topk) * row_bytes,
-                                              cute.AddressSpace.gmem, assumed_align=16),
+                                cute.make_ptr(BFloat16, base + offset, cute.AddressSpace.gmem,
+                                              assumed_align=16),
                                 cute.make_layout((VECTOR, chunks), stride=(1, VECTOR)),
                             )  # fmt: skip
                             rIn[None, t].store(src[None, chunk].load())

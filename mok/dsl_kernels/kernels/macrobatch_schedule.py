@@ -2,28 +2,30 @@
 macrobatch walks (MoKConfig.macrobatch_size below the routed rows, mok/launchers/macrobatch.py)."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from ..common.params import int32_pointer, placeholders
+from ..common.params import Int32Pointer, compile_arguments
 from ..common.schedule_warp import MAX_LOCAL_EXPERTS
 
 THREADS = MAX_LOCAL_EXPERTS  # one thread per local expert
 SCAN_STEPS = 10  # log2(THREADS): the Hillis-Steele scan's steps
 
-# `__call__`'s parameters, in order.
-PARAMS = (
-    ("num_tokens_ptr", int32_pointer),
-    ("tokens_per_expert_ptr", int32_pointer),
-    ("window_tokens_ptr", int32_pointer),
-    ("window_tokens_per_expert_ptr", int32_pointer),
-    ("num_experts", Int32(1)),
-    ("num_windows", Int32(1)),
-    ("window_rows", Int32(128)),
-    ("capacity", Int32(128)),
-)
+
+class MacrobatchScheduleArgs(NamedTuple):
+    """`MacrobatchSchedule`'s parameters, in order (M macrobatches, E experts)."""
+
+    num_tokens_ptr: Int32Pointer  # int32 [1]
+    tokens_per_expert_ptr: Int32Pointer  # int32 [E]
+    window_tokens_ptr: Int32Pointer  # int32 [M]
+    window_tokens_per_expert_ptr: Int32Pointer  # int32 [M, E]
+    num_experts: Int32  # 1..1024
+    num_windows: Int32  # M = ceil(C / W)
+    window_rows: Int32  # W
+    capacity: Int32  # C
 
 
 @dataclass(frozen=True)
@@ -43,51 +45,26 @@ class MacrobatchSchedule:
     thread writes its expert's clipped size for each macrobatch (coalesced rows of [M, E]) and
     thread 0 the macrobatch's rows.
 
-    Kernel parameters, in order: `num_tokens_ptr` int32 [1], `tokens_per_expert_ptr` int32 [E],
-    `window_tokens_ptr` int32 [M], `window_tokens_per_expert_ptr` int32 [M, E], `num_experts`
-    (1..1024), `num_windows` (M = ceil(C / W)), `window_rows`, `capacity`.
+    Kernel parameters: `MacrobatchScheduleArgs`.
     Constraints (the launcher checks them): C < 2^30; pointers 4-byte aligned, contiguous.
     Launch: grid (1, 1, 1), block (1024, 1, 1), 4 KiB static shared memory, cluster (1, 1, 1).
     """
 
     def compile_arguments(self) -> tuple:
-        return placeholders(PARAMS)
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        num_tokens_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        window_tokens_ptr: cute.Pointer,
-        window_tokens_per_expert_ptr: cute.Pointer,
-        num_experts: Int32,
-        num_windows: Int32,
-        window_rows: Int32,
-        capacity: Int32,
-    ):
-        self.kernel(
-            num_tokens_ptr, tokens_per_expert_ptr, window_tokens_ptr,
-            window_tokens_per_expert_ptr, num_experts, num_windows, window_rows, capacity,
-        ).launch(grid=[1, 1, 1], block=[THREADS, 1, 1])  # fmt: skip
+    def __call__(self, args: MacrobatchScheduleArgs):
+        self.kernel(args).launch(grid=[1, 1, 1], block=[THREADS, 1, 1])
 
     @cute.kernel
-    def kernel(
-        self,
-        num_tokens_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        window_tokens_ptr: cute.Pointer,
-        window_tokens_per_expert_ptr: cute.Pointer,
-        num_experts: Int32,
-        num_windows: Int32,
-        window_rows: Int32,
-        capacity: Int32,
-    ):
+    def kernel(self, args: MacrobatchScheduleArgs):
         tidx, _, _ = cute.arch.thread_idx()
-        counts = cute.make_tensor(tokens_per_expert_ptr, cute.make_layout(num_experts))
-        window_tokens = cute.make_tensor(window_tokens_ptr, cute.make_layout(num_windows))
+        counts = cute.make_tensor(args.tokens_per_expert_ptr, cute.make_layout(args.num_experts))
+        window_tokens = cute.make_tensor(args.window_tokens_ptr, cute.make_layout(args.num_windows))
         clipped = cute.make_tensor(
-            window_tokens_per_expert_ptr,
-            cute.make_layout((num_windows, num_experts), stride=(num_experts, 1)),
+            args.window_tokens_per_expert_ptr,
+            cute.make_layout((args.num_windows, args.num_experts), stride=(args.num_experts, 1)),
         )
         sums = cute.make_tensor(
             cute.arch.alloc_smem(Int32, THREADS, alignment=16), cute.make_layout(THREADS)
@@ -95,7 +72,7 @@ class MacrobatchSchedule:
 
         # ---- inclusive prefix of the counts (threads past the last expert add 0) ----
         count = Int32(0)
-        if tidx < num_experts:
+        if tidx < args.num_experts:
             count = counts[tidx]
         sums[tidx] = count
         cute.arch.sync_threads()
@@ -111,11 +88,11 @@ class MacrobatchSchedule:
         segment_start = segment_end - count
 
         # ---- each macrobatch's share of this expert, and its rows ----
-        routed_rows = cute.make_tensor(num_tokens_ptr, cute.make_layout(1))[0]
-        for m in cutlass.range(num_windows, unroll=1):
-            first = m * window_rows
-            end = cutlass.min(first + window_rows, capacity)
-            if tidx < num_experts:
+        routed_rows = cute.make_tensor(args.num_tokens_ptr, cute.make_layout(1))[0]
+        for m in cutlass.range(args.num_windows, unroll=1):
+            first = m * args.window_rows
+            end = cutlass.min(first + args.window_rows, args.capacity)
+            if tidx < args.num_experts:
                 inside = cutlass.min(segment_end, end) - cutlass.max(segment_start, first)
                 clipped[m, tidx] = cutlass.max(inside, Int32(0))
             if tidx == 0:

@@ -1,23 +1,33 @@
 """Backward epilogue of the MoE layer: the fixed-order top-k sum of d_x rows."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Int32
+from cutlass import Int32
 
-from ..common.args import global_pointer
 from ..common.combine_rows import combine_block
+from ..common.params import Bf16Pointer, compile_arguments
 from ..common.row_chunks import VECTOR
+
+
+class CombineBackwardArgs(NamedTuple):
+    """`MoeCombineBackward`'s parameters, in order: `combine_block`'s."""
+
+    d_x_ptr: Bf16Pointer  # bf16 [num_tokens, hidden_size]
+    d_x_shared_ptr: Bf16Pointer  # bf16 [num_tokens, hidden_size], may be null if not has_shared
+    slots_ptr: Bf16Pointer  # bf16 [num_tokens * topk, hidden_size]
+    num_tokens: Int32
+    hidden_size: Int32
+    topk: Int32
+    has_shared: Int32  # 0 = no shared expert
 
 
 @dataclass(frozen=True)
 class MoeCombineBackward:
     """d_x[t, :] = bf16(d_x_shared[t, :] + sum_{j=0..k-1} slots[t*k + j, :]).
 
-    Kernel parameters (in this order): `d_x_ptr` (bf16 [num_tokens, hidden_size]),
-    `d_x_shared_ptr` (bf16 [num_tokens, hidden_size], may be null when has_shared == 0),
-    `slots_ptr` (bf16 [num_tokens * topk, hidden_size]), `num_tokens`, `hidden_size`, `topk`,
-    `has_shared` (int32; 0 = no shared expert).
+    Kernel parameters: `CombineBackwardArgs`.
 
     Exact arithmetic (a PyTorch reference reproduces it bit for bit), per element, in fp32:
         acc = float(d_x_shared[t, h]) if has_shared else +0.0
@@ -51,52 +61,22 @@ class MoeCombineBackward:
             raise ValueError(f"tokens_per_cta must be one of 1, 2, 4, 8, got {self.tokens_per_cta}")
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(BFloat16, 16),
-            global_pointer(BFloat16, 16),
-            global_pointer(BFloat16, 16),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        d_x_ptr: cute.Pointer,
-        d_x_shared_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        num_tokens: Int32,
-        hidden_size: Int32,
-        topk: Int32,
-        has_shared: Int32,
-    ):
+    def __call__(self, args: CombineBackwardArgs):
         columns_per_cta = VECTOR * self.threads
-        self.kernel(
-            d_x_ptr, d_x_shared_ptr, slots_ptr, num_tokens, hidden_size, topk, has_shared
-        ).launch(
+        self.kernel(args).launch(
             grid=[
-                (hidden_size + columns_per_cta - 1) // columns_per_cta,
-                (num_tokens + self.tokens_per_cta - 1) // self.tokens_per_cta,
+                (args.hidden_size + columns_per_cta - 1) // columns_per_cta,
+                (args.num_tokens + self.tokens_per_cta - 1) // self.tokens_per_cta,
                 1,
             ],
             block=[self.threads, 1, 1],
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        d_x_ptr: cute.Pointer,
-        d_x_shared_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        num_tokens: Int32,
-        hidden_size: Int32,
-        topk: Int32,
-        has_shared: Int32,
-    ):
+    def kernel(self, args: CombineBackwardArgs):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
-        combine_block(self.threads, self.tokens_per_cta, tidx, bidx, bidy, d_x_ptr,
-                      d_x_shared_ptr, slots_ptr, num_tokens, hidden_size, topk, has_shared)  # fmt: skip
+        combine_block(self.threads, self.tokens_per_cta, tidx, bidx, bidy, *args)

@@ -1,25 +1,39 @@
 """Forward epilogue of the MoE layer: the fixed-order weighted top-k sum of expert outputs."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import Int32, Int64
 
-from ..common.args import global_pointer
 from ..common.combine_rows import combine_rows
+from ..common.params import Bf16Pointer, Fp32Pointer, aligned_pointer, compile_arguments
 from ..common.row_chunks import VECTOR, chunked_row_views
 from ..common.value_checks import STATUS_BAD_WEIGHT_FORWARD
+
+StatusPointer = aligned_pointer(Int32, 16)
+
+
+class CombineForwardArgs(NamedTuple):
+    """`MoeCombineForward`'s parameters, in order."""
+
+    out_ptr: Bf16Pointer  # bf16 [num_tokens, hidden_size]
+    shared_ptr: Bf16Pointer  # bf16 [num_tokens, hidden_size], may be null if not has_shared
+    weight_ptr: Fp32Pointer  # fp32 [num_tokens, topk]
+    slots_ptr: Bf16Pointer  # bf16 [num_tokens * topk, hidden_size]
+    num_tokens: Int32
+    hidden_size: Int32
+    topk: Int32
+    has_shared: Int32  # 0 = no shared expert
+    # the value-status words: a weight <= 0 or non-finite sets its word
+    status_ptr: StatusPointer
 
 
 @dataclass(frozen=True)
 class MoeCombineForward:
     """out[t, :] = bf16(shared[t, :] + sum_{j=0..k-1} weight[t, j] * slots[t*k + j, :]).
 
-    Kernel parameters (in this order): `out_ptr` (bf16 [num_tokens, hidden_size]),
-    `shared_ptr` (bf16 [num_tokens, hidden_size], may be null when has_shared == 0),
-    `weight_ptr` (fp32 [num_tokens, topk]), `slots_ptr` (bf16 [num_tokens * topk, hidden_size]),
-    `num_tokens`, `hidden_size`, `topk`, `has_shared` (int32; 0 = no shared expert),
-    `status_ptr` (the value-status words: a weight <= 0 or non-finite sets its word).
+    Kernel parameters: `CombineForwardArgs`.
 
     Exact arithmetic (a PyTorch reference reproduces it bit for bit), per element, in fp32:
         acc = float(shared[t, h]) if has_shared else +0.0
@@ -54,78 +68,37 @@ class MoeCombineForward:
             raise ValueError(f"tokens_per_cta must be one of 1, 2, 4, 8, got {self.tokens_per_cta}")
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(BFloat16, 16),
-            global_pointer(BFloat16, 16),
-            global_pointer(Float32, 4),
-            global_pointer(BFloat16, 16),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            global_pointer(Int32, 16),
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        out_ptr: cute.Pointer,
-        shared_ptr: cute.Pointer,
-        weight_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        num_tokens: Int32,
-        hidden_size: Int32,
-        topk: Int32,
-        has_shared: Int32,
-        status_ptr: cute.Pointer,
-    ):
+    def __call__(self, args: CombineForwardArgs):
         columns_per_cta = VECTOR * self.threads
-        self.kernel(
-            out_ptr,
-            shared_ptr,
-            weight_ptr,
-            slots_ptr,
-            num_tokens,
-            hidden_size,
-            topk,
-            has_shared,
-            status_ptr,
-        ).launch(
+        self.kernel(args).launch(
             grid=[
-                (hidden_size + columns_per_cta - 1) // columns_per_cta,
-                (num_tokens + self.tokens_per_cta - 1) // self.tokens_per_cta,
+                (args.hidden_size + columns_per_cta - 1) // columns_per_cta,
+                (args.num_tokens + self.tokens_per_cta - 1) // self.tokens_per_cta,
                 1,
             ],
             block=[self.threads, 1, 1],
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        out_ptr: cute.Pointer,
-        shared_ptr: cute.Pointer,
-        weight_ptr: cute.Pointer,
-        slots_ptr: cute.Pointer,
-        num_tokens: Int32,
-        hidden_size: Int32,
-        topk: Int32,
-        has_shared: Int32,
-        status_ptr: cute.Pointer,
-    ):
+    def kernel(self, args: CombineForwardArgs):
         tokens = self.tokens_per_cta
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         chunks, (mOut, mShared, mSlots) = chunked_row_views(
-            hidden_size,
-            (out_ptr, num_tokens),
-            (shared_ptr, num_tokens),
-            (slots_ptr, num_tokens * topk),
+            args.hidden_size,
+            (args.out_ptr, args.num_tokens),
+            (args.shared_ptr, args.num_tokens),
+            (args.slots_ptr, args.num_tokens * args.topk),
         )
-        mWeight = cute.make_tensor(weight_ptr, cute.make_layout(num_tokens * topk))
-        bad_weight = status_ptr.toint() + Int64(STATUS_BAD_WEIGHT_FORWARD * 4)
+        mWeight = cute.make_tensor(args.weight_ptr, cute.make_layout(args.num_tokens * args.topk))
+        bad_weight = args.status_ptr.toint() + Int64(STATUS_BAD_WEIGHT_FORWARD * 4)
 
         chunk = bidx * self.threads + tidx
         first_token = bidy * tokens
-        combine_rows(tokens, chunks, chunk, first_token, num_tokens, topk, has_shared, mOut,
-                     mShared, mSlots, (mWeight, bad_weight))  # fmt: skip
+        combine_rows(
+            tokens, chunks, chunk, first_token, args.num_tokens, args.topk, args.has_shared,
+            mOut, mShared, mSlots, (mWeight, bad_weight),
+        )  # fmt: skip

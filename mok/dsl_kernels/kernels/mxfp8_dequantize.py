@@ -8,19 +8,31 @@ registers (one pass over memory instead of a dequantisation and a transposing co
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Int32, Int64, Uint8, Uint32
+from cutlass import Int32, Int64, Uint32
 
-from ..common.args import global_pointer
 from ..common.mxfp8_values import dequantize_word, scale_bits_of, transpose_halves
+from ..common.params import Bf16Pointer, Uint8Pointer, compile_arguments
 from ..common.tile_views import tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile (= one 512-byte scale tile)
 VECTOR = 8  # elements per thread per pass: an 8-byte load, a 16-byte store
 BLOCK = 32  # elements that share one scale
 THREADS = 256
+
+
+class DequantizeArgs(NamedTuple):
+    """`Mxfp8Dequantize`'s parameters, in order."""
+
+    input_ptr: Uint8Pointer  # E4M3 bytes [batch, num_rows, num_cols] row-major
+    scale_ptr: Uint8Pointer  # uint8 [batch * num_rows / 128, num_cols / 128, 32, 16]
+    # bf16 [batch, num_rows, num_cols], or transposed [batch, num_cols, num_rows], row-major
+    output_ptr: Bf16Pointer
+    num_rows: Int32  # one input matrix's
+    num_cols: Int32
 
 
 @dataclass(frozen=True)
@@ -32,11 +44,8 @@ class Mxfp8Dequantize:
     bit for bit, for the (data, scales) `Mxfp8QuantizeRowwise` (`Mxfp8QuantizeTransposed`)
     writes.
 
-    Kernel parameters (in this order): `input_ptr` (E4M3 bytes [batch, num_rows, num_cols]
-    row-major), `scale_ptr` (uint8 [batch * num_rows/128, num_cols/128, 32, 16]), `output_ptr`
-    (bf16 [batch, num_rows, num_cols], or transposed [batch, num_cols, num_rows], row-major),
-    `num_rows`, `num_cols` (int32; one input matrix's). Transposed: matrix b of the batch is
-    grid.z = b; in the data's layout the batch folds into the rows (grid.z = 1).
+    Kernel parameters: `DequantizeArgs`. Transposed: matrix b of the batch is grid.z = b; in
+    the data's layout the batch folds into the rows (grid.z = 1).
 
     Constraints (the caller checks them; the kernel does not):
     - num_rows % 128 == 0 and num_cols % 128 == 0, both > 0; batch * num_rows * num_cols <
@@ -70,54 +79,37 @@ class Mxfp8Dequantize:
         return THREADS
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(Uint8, 16),
-            global_pointer(Uint8, 16),
-            global_pointer(BFloat16, 16),
-            Int32(0),
-            Int32(0),
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        input_ptr: cute.Pointer,
-        scale_ptr: cute.Pointer,
-        output_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_cols: Int32,
-    ):
-        self.kernel(input_ptr, scale_ptr, output_ptr, num_rows, num_cols).launch(
-            grid=[num_cols // TILE, num_rows // TILE, 1], block=[THREADS, 1, 1]
+    def __call__(self, args: DequantizeArgs):
+        self.kernel(args).launch(
+            grid=[args.num_cols // TILE, args.num_rows // TILE, 1], block=[THREADS, 1, 1]
         )  # the runtime launches the cubin with its own grid (z = batch)
 
     @cute.kernel
-    def kernel(
-        self,
-        input_ptr: cute.Pointer,
-        scale_ptr: cute.Pointer,
-        output_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_cols: Int32,
-    ):
-        tidx, tile_col, tile_row, matrix, num_rows, num_cols = tile_entry(num_rows, num_cols)
+    def kernel(self, args: DequantizeArgs):
+        tidx, tile_col, tile_row, matrix, num_rows, num_cols = tile_entry(
+            args.num_rows, args.num_cols
+        )
         scale_tile_base = (tile_row * (num_cols // TILE) + tile_col) * TILE  # in words
         if cutlass.const_expr(self.transposed):
             # Matrix `matrix` of the batch: its elements (64-bit), its scale words (int32).
-            elements = cute.assume(Int64(matrix) * Int64(num_rows) * Int64(num_cols),
-                                   divby=TILE * TILE)  # fmt: skip
-            input_ptr = input_ptr + elements
-            output_ptr = output_ptr + elements
+            elements = cute.assume(
+                Int64(matrix) * Int64(num_rows) * Int64(num_cols), divby=TILE * TILE
+            )
+            args = args._replace(
+                input_ptr=args.input_ptr + elements, output_ptr=args.output_ptr + elements
+            )
             scale_tile_base = (
                 scale_tile_base + matrix * (num_rows // TILE) * (num_cols // TILE) * TILE
             )
 
         # ---- views: E4M3 input [rows, cols] as 32-bit words, scales as words ----
-        mQ = word_matrix(input_ptr, num_rows, num_cols, 4)
+        mQ = word_matrix(args.input_ptr, num_rows, num_cols, 4)
         # One word per (input row, 128-column tile): its 4 blocks' scale bytes.
         mS = cute.make_tensor(
-            cute.recast_ptr(scale_ptr, dtype=Uint32),
+            cute.recast_ptr(args.scale_ptr, dtype=Uint32),
             cute.make_layout(num_rows * (num_cols // TILE)),
         )
         gQ = tile_chunks(
@@ -129,7 +121,7 @@ class Mxfp8Dequantize:
         if cutlass.const_expr(self.transposed):
             out_rows, out_cols = num_cols, num_rows
             out_tile = (tile_col, tile_row)
-        mY = word_matrix(output_ptr, out_rows, out_cols, 2)
+        mY = word_matrix(args.output_ptr, out_rows, out_cols, 2)
         gY = tile_chunks(mY, out_tile, TILE // 2, VECTOR // 2)  # (1, 4, 128 output rows, 16 chunks)
         if cutlass.const_expr(self.transposed):
             self.back_transposed(gQ, mS, gY, scale_tile_base, tidx)

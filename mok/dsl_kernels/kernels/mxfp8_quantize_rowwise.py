@@ -5,13 +5,14 @@ code for sm_90a and sm_100a.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
+from cutlass import Float32, Int32, Uint8, Uint32
 
-from ..common.args import global_pointer
 from ..common.mxfp8_values import quantize_chunk
+from ..common.params import Bf16Pointer, Uint8Pointer, compile_arguments
 from ..common.tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile (= one 512-byte scale tile)
@@ -20,13 +21,21 @@ BLOCK = 32  # elements that share one scale
 THREADS = 256
 
 
+class QuantizeRowwiseArgs(NamedTuple):
+    """`Mxfp8QuantizeRowwise`'s parameters, in order."""
+
+    input_ptr: Bf16Pointer  # bf16 [num_rows, num_cols] row-major
+    output_ptr: Uint8Pointer  # E4M3 bytes [num_rows, num_cols] row-major
+    scale_ptr: Uint8Pointer  # uint8 [num_rows / 128, num_cols / 128, 32, 16]
+    num_rows: Int32
+    num_cols: Int32
+
+
 @dataclass(frozen=True)
 class Mxfp8QuantizeRowwise:
     """Quantise each row of a bf16 matrix to MXFP8 (scale per 32 consecutive elements of a row).
 
-    Kernel parameters (in this order): `input_ptr` (bf16 [num_rows, num_cols] row-major),
-    `output_ptr` (E4M3 bytes [num_rows, num_cols] row-major), `scale_ptr` (uint8
-    [num_rows/128, num_cols/128, 32, 16]), `num_rows`, `num_cols` (int32).
+    Kernel parameters: `QuantizeRowwiseArgs`.
 
     Constraints (the caller checks them; the kernel does not):
     - num_rows % 128 == 0 and num_cols % 128 == 0, both > 0; num_rows * num_cols < 2^36
@@ -53,44 +62,23 @@ class Mxfp8QuantizeRowwise:
         return THREADS
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(BFloat16, 16),
-            global_pointer(Uint8, 16),
-            global_pointer(Uint8, 16),
-            Int32(0),
-            Int32(0),
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        input_ptr: cute.Pointer,
-        output_ptr: cute.Pointer,
-        scale_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_cols: Int32,
-    ):
-        self.kernel(input_ptr, output_ptr, scale_ptr, num_rows, num_cols).launch(
-            grid=[num_cols // TILE, num_rows // TILE, 1], block=[THREADS, 1, 1]
+    def __call__(self, args: QuantizeRowwiseArgs):
+        self.kernel(args).launch(
+            grid=[args.num_cols // TILE, args.num_rows // TILE, 1], block=[THREADS, 1, 1]
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        input_ptr: cute.Pointer,
-        output_ptr: cute.Pointer,
-        scale_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_cols: Int32,
-    ):
-        tidx, tile_col, tile_row, _, num_rows, num_cols = tile_entry(num_rows, num_cols)
+    def kernel(self, args: QuantizeRowwiseArgs):
+        tidx, tile_col, tile_row, _, num_rows, num_cols = tile_entry(args.num_rows, args.num_cols)
 
         # ---- views: global tensors -> this CTA's tile -> 8-element chunks ----
-        mX = matrix(input_ptr, num_rows, num_cols)
+        mX = matrix(args.input_ptr, num_rows, num_cols)
         # E4M3 output viewed as 32-bit words: 8 bytes = 2 words per thread and pass.
-        mQ = word_matrix(output_ptr, num_rows, num_cols, 4)
-        mS = cute.make_tensor(scale_ptr, cute.make_layout(num_rows * (num_cols // TILE) * 4))
+        mQ = word_matrix(args.output_ptr, num_rows, num_cols, 4)
+        mS = cute.make_tensor(args.scale_ptr, cute.make_layout(num_rows * (num_cols // TILE) * 4))
         gX = tile_chunks(mX, (tile_row, tile_col), TILE, VECTOR)  # (1, 8, 128, 16)
         gQ = tile_chunks(mQ, (tile_row, tile_col), TILE // 4, VECTOR // 4)  # (1, 2, 128, 16)
         scale_tile_base = (tile_row * (num_cols // TILE) + tile_col) * (TILE * 4)

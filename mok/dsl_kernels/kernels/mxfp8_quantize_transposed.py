@@ -6,19 +6,30 @@ block (8 rows x 16 bytes) and writes it back as 8 output rows of 8 bytes.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
+from cutlass import Float32, Int32, Uint8, Uint32
 
-from ..common.args import global_pointer
 from ..common.mxfp8_values import quantize_chunk
+from ..common.params import Bf16Pointer, Uint8Pointer, compile_arguments
 from ..common.tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # input rows and columns of one CTA tile (= one 512-byte scale tile)
 VECTOR = 8  # a thread owns VECTOR input rows x VECTOR input columns
 BLOCK = 32  # elements that share one scale (32 input rows of one column)
 THREADS = 256
+
+
+class QuantizeTransposedArgs(NamedTuple):
+    """`Mxfp8QuantizeTransposed`'s parameters, in order."""
+
+    input_ptr: Bf16Pointer  # bf16 [num_rows, num_cols] row-major
+    output_ptr: Uint8Pointer  # E4M3 bytes [num_cols, num_rows] row-major
+    scale_ptr: Uint8Pointer  # uint8 [num_cols / 128, num_rows / 128, 32, 16]
+    num_rows: Int32
+    num_cols: Int32
 
 
 @dataclass(frozen=True)
@@ -28,9 +39,7 @@ class Mxfp8QuantizeTransposed:
     The result equals `Mxfp8QuantizeRowwise` applied to `input.T.contiguous()`: output
     E4M3 [num_cols, num_rows] row-major and scales [num_cols/128, num_rows/128, 32, 16].
 
-    Kernel parameters (in this order): `input_ptr` (bf16 [num_rows, num_cols] row-major),
-    `output_ptr` (E4M3 bytes [num_cols, num_rows] row-major), `scale_ptr` (uint8
-    [num_cols/128, num_rows/128, 32, 16]), `num_rows`, `num_cols` (int32).
+    Kernel parameters: `QuantizeTransposedArgs`.
 
     Constraints (the caller checks them; the kernel does not):
     - num_rows % 128 == 0 and num_cols % 128 == 0, both > 0; num_rows * num_cols < 2^36
@@ -54,43 +63,22 @@ class Mxfp8QuantizeTransposed:
         return THREADS
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(BFloat16, 16),
-            global_pointer(Uint8, 16),
-            global_pointer(Uint8, 16),
-            Int32(0),
-            Int32(0),
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        input_ptr: cute.Pointer,
-        output_ptr: cute.Pointer,
-        scale_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_cols: Int32,
-    ):
-        self.kernel(input_ptr, output_ptr, scale_ptr, num_rows, num_cols).launch(
-            grid=[num_cols // TILE, num_rows // TILE, 1], block=[THREADS, 1, 1]
+    def __call__(self, args: QuantizeTransposedArgs):
+        self.kernel(args).launch(
+            grid=[args.num_cols // TILE, args.num_rows // TILE, 1], block=[THREADS, 1, 1]
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        input_ptr: cute.Pointer,
-        output_ptr: cute.Pointer,
-        scale_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_cols: Int32,
-    ):
-        tidx, tile_col, tile_row, _, num_rows, num_cols = tile_entry(num_rows, num_cols)
+    def kernel(self, args: QuantizeTransposedArgs):
+        tidx, tile_col, tile_row, _, num_rows, num_cols = tile_entry(args.num_rows, args.num_cols)
 
         # ---- views: input [rows, cols] bf16; output [cols, rows] as 32-bit words ----
-        mX = matrix(input_ptr, num_rows, num_cols)
-        mQ = word_matrix(output_ptr, num_cols, num_rows, 4)
-        mS = cute.make_tensor(scale_ptr, cute.make_layout(num_cols * (num_rows // TILE) * 4))
+        mX = matrix(args.input_ptr, num_rows, num_cols)
+        mQ = word_matrix(args.output_ptr, num_cols, num_rows, 4)
+        mS = cute.make_tensor(args.scale_ptr, cute.make_layout(num_cols * (num_rows // TILE) * 4))
         gX = tile_chunks(
             mX, (tile_row, tile_col), TILE, VECTOR
         )  # (1, 8, 128 rows, 16 column chunks)

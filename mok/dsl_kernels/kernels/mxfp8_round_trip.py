@@ -8,18 +8,28 @@ turned straight back into bf16 in the input's own layout instead of being stored
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 
-from ..common.args import global_pointer
 from ..common.mxfp8_values import round_trip_chunk, transpose_halves
+from ..common.params import Bf16Pointer, compile_arguments
 from ..common.tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile
 VECTOR = 8  # bf16 elements per 16-byte load or store
 THREADS = 256
+
+
+class RoundTripArgs(NamedTuple):
+    """`Mxfp8RoundTrip`'s parameters, in order."""
+
+    input_ptr: Bf16Pointer  # bf16 [num_rows, num_cols] row-major
+    output_ptr: Bf16Pointer  # bf16 [num_rows, num_cols] row-major
+    num_rows: Int32
+    num_cols: Int32
 
 
 @dataclass(frozen=True)
@@ -31,8 +41,7 @@ class Mxfp8RoundTrip:
     the values `Mxfp8QuantizeRowwise` (`Mxfp8QuantizeTransposed`) would quantise to,
     dequantised (an E4M3 value times its power-of-two scale is exact in bf16).
 
-    Kernel parameters (in this order): `input_ptr` (bf16 [num_rows, num_cols] row-major),
-    `output_ptr` (bf16 [num_rows, num_cols] row-major), `num_rows`, `num_cols` (int32).
+    Kernel parameters: `RoundTripArgs`.
 
     Constraints (the caller checks them; the kernel does not):
     - num_rows % 128 == 0 and num_cols % 128 == 0, both > 0 (element offsets are 64-bit).
@@ -65,40 +74,22 @@ class Mxfp8RoundTrip:
         return THREADS
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (
-            global_pointer(BFloat16, 16),
-            global_pointer(BFloat16, 16),
-            Int32(0),
-            Int32(0),
-        )
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        input_ptr: cute.Pointer,
-        output_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_cols: Int32,
-    ):
-        self.kernel(input_ptr, output_ptr, num_rows, num_cols).launch(
-            grid=[num_cols // TILE, num_rows // TILE, 1], block=[THREADS, 1, 1]
+    def __call__(self, args: RoundTripArgs):
+        self.kernel(args).launch(
+            grid=[args.num_cols // TILE, args.num_rows // TILE, 1], block=[THREADS, 1, 1]
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        input_ptr: cute.Pointer,
-        output_ptr: cute.Pointer,
-        num_rows: Int32,
-        num_cols: Int32,
-    ):
-        tidx, tile_col, tile_row, _, num_rows, num_cols = tile_entry(num_rows, num_cols)
+    def kernel(self, args: RoundTripArgs):
+        tidx, tile_col, tile_row, _, num_rows, num_cols = tile_entry(args.num_rows, args.num_cols)
 
         # ---- views: input bf16 [rows, cols]; output the same matrix as 32-bit words ----
-        mX = matrix(input_ptr, num_rows, num_cols)
+        mX = matrix(args.input_ptr, num_rows, num_cols)
         # The bf16 output viewed as 32-bit words (bf16x2), the form the round trips return.
-        mY = word_matrix(output_ptr, num_rows, num_cols, 2)
+        mY = word_matrix(args.output_ptr, num_rows, num_cols, 2)
         gX = tile_chunks(
             mX, (tile_row, tile_col), TILE, VECTOR
         )  # (1, 8, 128 rows, 16 column chunks)

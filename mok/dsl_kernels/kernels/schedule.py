@@ -3,38 +3,48 @@ expert, its count tasks (common/schedule_count.py) and then its placement tasks
 (common/schedule_place.py), taken by dynamic tickets (common/schedule_tasks.py)."""
 
 from dataclasses import dataclass
+from typing import Annotated, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..common.args import global_pointer
-from ..common.params import int32_pointer, placeholders
+from ..common.params import Int32Pointer, compile_arguments
 from ..common.retire import retire_cta
 from ..common.schedule_count import count_smem
 from ..common.schedule_place import place_smem
 from ..common.schedule_tasks import COUNTER_WORDS, schedule_task, take_task
 from ..common.schedule_warp import CHUNK, THREADS, WARP_SIZE
 
-# `__call__`'s parameters, in order.
-PARAMS = (
-    ("ids_ptr", int32_pointer),  # int32 elements either way: see `compile_arguments`
-    ("counts_ptr", int32_pointer),
-    ("expert_counts_ptr", int32_pointer),
-    ("counters_ptr", int32_pointer),
-    ("peer_rank_ptr", int32_pointer),
-    ("peer_token_idx_ptr", int32_pointer),
-    ("num_tokens_ptr", int32_pointer),
-    ("tokens_per_expert_ptr", int32_pointer),
-    ("status_ptr", int32_pointer),
-    ("error_record_ptr", int32_pointer),
-    ("timeout_ns", Int64(0)),
-    ("num_entries", Int32(0)),
-    ("entries_per_rank", Int32(0)),
-    ("ep_rank", Int32(0)),
-    ("num_local_experts", Int32(0)),
-    ("capacity", Int32(0)),
-)
+
+def ids_pointer(kernel):
+    """int32 elements either way: a group of one's int64 ids are read as int32 words from an
+    8-byte aligned array."""
+    return global_pointer(Int32, 8 if kernel.ids64 else 4)
+
+
+class ScheduleArgs(NamedTuple):
+    """`Schedule`'s parameters, in order (C = capacity, E = num_local_experts)."""
+
+    # int32 [P * T * k], the all-gathered routing; with `ids64` a group of one's int64 [T, k]
+    ids_ptr: Annotated[cute.Pointer, ids_pointer]
+    counts_ptr: Int32Pointer  # int32 [num_chunks, E], scratch
+    expert_counts_ptr: Int32Pointer  # int32 [E], scratch
+    counters_ptr: Int32Pointer  # 4 int32, zero
+    peer_rank_ptr: Int32Pointer  # outputs: [C]
+    peer_token_idx_ptr: Int32Pointer  # [C]
+    num_tokens_ptr: Int32Pointer  # [1]
+    tokens_per_expert_ptr: Int32Pointer  # [E]
+    # 4 int32: overflow words; with `ids64` the value-status words, where a bad id is recorded
+    status_ptr: Int32Pointer
+    error_record_ptr: Int32Pointer
+    timeout_ns: Int64
+    num_entries: Int32
+    entries_per_rank: Int32  # T * k
+    ep_rank: Int32
+    num_local_experts: Int32  # E
+    capacity: Int32  # C
 
 
 @dataclass(frozen=True)
@@ -50,14 +60,7 @@ class Schedule:
     (phase SCHEDULE, task = the ticket) and traps. The grid's last CTA to exit zeroes the four
     counters (common/retire.py).
 
-    Kernel parameters, in order: `ids_ptr` (int32 [P * T * k], the all-gathered routing; with
-    `ids64` a group of one's int64 [T, k], 8-byte aligned), `counts_ptr` (int32 [num_chunks,
-    E], scratch), `expert_counts_ptr` (int32 [E], scratch), `counters_ptr` (4 int32, zero),
-    the outputs `peer_rank_ptr` [C], `peer_token_idx_ptr` [C], `num_tokens_ptr` [1],
-    `tokens_per_expert_ptr` [E], `status_ptr` (4 int32: overflow words; with `ids64` the
-    value-status words, where a bad id is recorded), `error_record_ptr`, int64 `timeout_ns`,
-    int32 `num_entries`, `entries_per_rank` (T * k), `ep_rank`, `num_local_experts` (E),
-    `capacity` (C). Constraints: `count_chunk`'s and `place_chunk`'s.
+    Kernel parameters: `ScheduleArgs`. Constraints: `count_chunk`'s and `place_chunk`'s.
 
     Launch: grid (max(1, ceil(num_entries / 4096)), 1, 1), block (256, 1, 1), no dynamic smem
     (about 46 KiB static), cluster (1, 1, 1).
@@ -66,62 +69,19 @@ class Schedule:
     ids64: bool = False
 
     def compile_arguments(self) -> tuple:
-        """A group of one's int64 ids are read as int32 words from an 8-byte aligned array."""
-        ids = global_pointer(Int32, 8 if self.ids64 else 4)
-        return (ids, *placeholders(PARAMS)[1:])
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self,
-        ids_ptr: cute.Pointer,
-        counts_ptr: cute.Pointer,
-        expert_counts_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_tokens_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        status_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        timeout_ns: Int64,
-        num_entries: Int32,
-        entries_per_rank: Int32,
-        ep_rank: Int32,
-        num_local_experts: Int32,
-        capacity: Int32,
-    ):
-        num_chunks = cutlass.max((num_entries + CHUNK - 1) // CHUNK, 1)
-        self.kernel(
-            ids_ptr, counts_ptr, expert_counts_ptr, counters_ptr, peer_rank_ptr,
-            peer_token_idx_ptr, num_tokens_ptr, tokens_per_expert_ptr, status_ptr,
-            error_record_ptr, timeout_ns, num_entries, entries_per_rank, ep_rank,
-            num_local_experts, capacity,
-        ).launch(grid=[num_chunks, 1, 1], block=[THREADS, 1, 1])  # fmt: skip
+    def __call__(self, args: ScheduleArgs):
+        num_chunks = cutlass.max((args.num_entries + CHUNK - 1) // CHUNK, 1)
+        self.kernel(args).launch(grid=[num_chunks, 1, 1], block=[THREADS, 1, 1])
 
     @cute.kernel
-    def kernel(
-        self,
-        ids_ptr: cute.Pointer,
-        counts_ptr: cute.Pointer,
-        expert_counts_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
-        peer_rank_ptr: cute.Pointer,
-        peer_token_idx_ptr: cute.Pointer,
-        num_tokens_ptr: cute.Pointer,
-        tokens_per_expert_ptr: cute.Pointer,
-        status_ptr: cute.Pointer,
-        error_record_ptr: cute.Pointer,
-        timeout_ns: Int64,
-        num_entries: Int32,
-        entries_per_rank: Int32,
-        ep_rank: Int32,
-        num_local_experts: Int32,
-        capacity: Int32,
-    ):
+    def kernel(self, args: ScheduleArgs):
         tidx, _, _ = cute.arch.thread_idx()
         grid_size, _, _ = cute.arch.grid_dim()
-        num_chunks = cutlass.max((num_entries + CHUNK - 1) // CHUNK, 1)
-        counters = counters_ptr.toint()
+        num_chunks = cutlass.max((args.num_entries + CHUNK - 1) // CHUNK, 1)
+        counters = args.counters_ptr.toint()
         count_tables = count_smem()
         place_tables = place_smem()
         sTask = cute.make_tensor(cute.arch.alloc_smem(Int32, 4, alignment=16),
@@ -130,10 +90,28 @@ class Schedule:
         task = take_task(sTask, counters, tidx)
         while task < 2 * num_chunks:
             schedule_task(
-                self.ids64, task, num_chunks, counters, ids_ptr, counts_ptr, expert_counts_ptr,
-                peer_rank_ptr, peer_token_idx_ptr, num_tokens_ptr, tokens_per_expert_ptr,
-                status_ptr, error_record_ptr.toint(), timeout_ns, num_entries, entries_per_rank,
-                ep_rank, num_local_experts, capacity, count_tables, place_tables, tidx,
-            )  # fmt: skip
+                self.ids64,
+                task,
+                num_chunks,
+                counters,
+                args.ids_ptr,
+                args.counts_ptr,
+                args.expert_counts_ptr,
+                args.peer_rank_ptr,
+                args.peer_token_idx_ptr,
+                args.num_tokens_ptr,
+                args.tokens_per_expert_ptr,
+                args.status_ptr,
+                args.error_record_ptr.toint(),
+                args.timeout_ns,
+                args.num_entries,
+                args.entries_per_rank,
+                args.ep_rank,
+                args.num_local_experts,
+                args.capacity,
+                count_tables,
+                place_tables,
+                tidx,
+            )
             task = take_task(sTask, counters, tidx)
         retire_cta(counters, Int32(COUNTER_WORDS), tidx // WARP_SIZE, grid_size)

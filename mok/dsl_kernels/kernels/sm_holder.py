@@ -3,12 +3,12 @@ progress with fewer resident CTAs than their grid (a data-parallel NCCL kernel o
 holds SMs the same way in training)."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..common.args import global_pointer
 from ..common.bounded_wait import (
     BACKOFF_MIN_NS,
     global_timer_ns,
@@ -17,6 +17,7 @@ from ..common.bounded_wait import (
     red_add_release_sys_s32,
     wrapping_difference,
 )
+from ..common.params import Int32Pointer, compile_arguments
 
 THREADS = 32  # one warp; only thread 0 works
 # More than half of an SM's shared memory (228 KiB on H100/H200/B200, 1 KiB more reserved per
@@ -34,14 +35,21 @@ _HOLDING = 0
 POLL_MAX_NS = 1 << 16
 
 
+class SmHolderArgs(NamedTuple):
+    """`SmHolder`'s parameters, in order."""
+
+    flag_ptr: Int32Pointer  # int32, mapped host memory the host sets
+    counts_ptr: Int32Pointer  # int32 [3], mapped host memory, zeroed
+    expected: Int32
+    timeout_ns: Int64
+
+
 @dataclass(frozen=True)
 class SmHolder:
     """Each CTA takes one whole SM (HOLD_SMEM_BYTES of dynamic shared memory) and keeps it until
     int32 `*flag_ptr` has reached `expected`, or `timeout_ns` has passed.
 
-    Kernel parameters (in this order): `flag_ptr` (int32, mapped host memory the host sets),
-    `counts_ptr` (int32 [3], mapped host memory, zeroed), `expected` (int32), `timeout_ns`
-    (int64). Thread 0 of every CTA adds 1 to counts[COUNT_STARTED] when it starts (the host
+    Kernel parameters: `SmHolderArgs`. Thread 0 of every CTA adds 1 to counts[COUNT_STARTED] when it starts (the host
     waits for all of them before launching what must run beside them), then polls the flag
     (`ld.acquire.sys`, `nanosleep` back-off up to POLL_MAX_NS) and adds 1 to
     counts[COUNT_RELEASED], or to counts[COUNT_TIMED_OUT] when it gave up, and returns. Giving
@@ -52,34 +60,27 @@ class SmHolder:
     """
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (global_pointer(Int32, 4), global_pointer(Int32, 4), Int32(0), Int64(0))
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(
-        self, flag_ptr: cute.Pointer, counts_ptr: cute.Pointer, expected: Int32, timeout_ns: Int64
-    ):
+    def __call__(self, args: SmHolderArgs):
         # The grid is the launcher's; the shared memory, a constant, goes into the manifest.
-        self.kernel(flag_ptr, counts_ptr, expected, timeout_ns).launch(
-            grid=[1, 1, 1], block=[THREADS, 1, 1], smem=HOLD_SMEM_BYTES
-        )
+        self.kernel(args).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], smem=HOLD_SMEM_BYTES)
 
     @cute.kernel
-    def kernel(
-        self, flag_ptr: cute.Pointer, counts_ptr: cute.Pointer, expected: Int32, timeout_ns: Int64
-    ):
+    def kernel(self, args: SmHolderArgs):
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
-            counts = counts_ptr.toint()
-            flag = flag_ptr.toint()
+            counts = args.counts_ptr.toint()
+            flag = args.flag_ptr.toint()
             red_add_release_sys_s32(counts + 4 * COUNT_STARTED, Int32(1))
             start = global_timer_ns()
             backoff = Int32(BACKOFF_MIN_NS)
             outcome = Int32(_HOLDING)
             while outcome == Int32(_HOLDING):
-                if wrapping_difference(ld_acquire_sys_s32(flag), expected) >= Int32(0):
+                if wrapping_difference(ld_acquire_sys_s32(flag), args.expected) >= Int32(0):
                     outcome = Int32(COUNT_RELEASED)
-                elif global_timer_ns() - start > timeout_ns:
+                elif global_timer_ns() - start > args.timeout_ns:
                     outcome = Int32(COUNT_TIMED_OUT)
                 else:
                     nanosleep(backoff)

@@ -20,24 +20,23 @@ The promoting engines wait for each K-block's partial before adding it (one warp
 overlap the other's wgmma); a second partial in flight while the first is added made ptxas
 serialise the wgmma (its warning C7514), so that is not built.
 
-Kernel parameters (in this order): `out_ptr` (fp32 [grid, 128, 128], row-major: each CTA's
-accumulator), `iterations` (int32 > 0), `scale` (fp32, `fp8_promote1`'s). Operands, written
-by the kernel (exact in E4M3 and bf16): A[r, k] = ((7 r + 3 k) % 5 - 2) / 2, B[c, k] =
-((5 c + k) % 5 - 2) / 2; `fp8_promote2`'s scales of K-block j: rows 2^((r + j) % 3 - 1),
-columns 2^((5 c + j) % 3 - 1). Every CTA computes the same tile; with these values every sum
-is exact in fp32 for iterations <= 1000 (`mok.reference`-free: tests/gpu/test_wgmma_probe_gpu.py
-builds the expected tile in fp64).
+Kernel parameters: `WgmmaProbeArgs`. Operands, written by the kernel (exact in E4M3 and
+bf16): A[r, k] = ((7 r + 3 k) % 5 - 2) / 2, B[c, k] = ((5 c + k) % 5 - 2) / 2; `fp8_promote2`'s
+scales of K-block j: rows 2^((r + j) % 3 - 1), columns 2^((5 c + j) % 3 - 1). Every CTA
+computes the same tile; with these values every sum is exact in fp32 for iterations <= 1000
+(`mok.reference`-free: tests/gpu/test_wgmma_probe_gpu.py builds the expected tile in fp64).
 
 Launch: grid (n, 1, 1), block (256, 1, 1), cluster (1, 1, 1); one CTA an SM at n = SM count.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8, Uint16
 
-from ..common.args import global_pointer
+from ..common.params import aligned_pointer, compile_arguments
 from ..common.ptx import fma_rn, mul_rn
 from .gemm_phases import fence_accumulators, k_major_smem_layout, make_tiled_mma
 
@@ -50,6 +49,17 @@ FRAGMENT = 64  # fp32 accumulator elements per thread of an m64n128 tile
 # The operands' values: ((a * index + b * k) % 5 - 2) / 2 as E4M3 and bf16 bits, by residue.
 E4M3_HALVES = (0xB8, 0xB0, 0x00, 0x30, 0x38)  # -1, -0.5, 0, 0.5, 1
 BF16_HALVES = (0xBF80, 0xBF00, 0x0000, 0x3F00, 0x3F80)
+
+OutPointer = aligned_pointer(Float32, 16)
+
+
+class WgmmaProbeArgs(NamedTuple):
+    """`Sm90WgmmaProbe`'s parameters, in order."""
+
+    # fp32 [grid, 128, 128], row-major: each CTA's accumulator (16-byte aligned)
+    out_ptr: OutPointer
+    iterations: Int32  # > 0
+    scale: Float32  # `fp8_promote1`'s
 
 
 @dataclass(frozen=True)
@@ -73,17 +83,16 @@ class Sm90WgmmaProbe:
         return ROW_BYTES // (2 if self.engine == "bf16" else 1)
 
     def compile_arguments(self) -> tuple:
-        """Placeholders for `__call__`, in order (see common/args.py)."""
-        return (global_pointer(Float32, 16), Int32(0), Float32(0))
+        return compile_arguments(self)
 
     @cute.jit
-    def __call__(self, out_ptr: cute.Pointer, iterations: Int32, scale: Float32):
-        self.kernel(out_ptr, iterations, scale).launch(
+    def __call__(self, args: WgmmaProbeArgs):
+        self.kernel(args).launch(
             grid=[1, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1
         )  # the runtime launches the cubin with its own grid
 
     @cute.kernel
-    def kernel(self, out_ptr: cute.Pointer, iterations: Int32, scale: Float32):
+    def kernel(self, args: WgmmaProbeArgs):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         K = cute.nvgpu.OperandMajorMode.K
@@ -113,12 +122,15 @@ class Sm90WgmmaProbe:
         acc.fill(0.0)
         coords = thr_mma.partition_C(cute.make_identity_tensor((TILE, TILE)))
         if cutlass.const_expr(self.engine in ("bf16", "fp8")):
-            self._accumulate(tiled_mma, tCrA, tCrB, acc, iterations)
+            self._accumulate(tiled_mma, tCrA, tCrB, acc, args.iterations)
         else:
-            self._promote_blocks(tiled_mma, tCrA, tCrB, acc, iterations, scale, sS, coords)
+            self._promote_blocks(
+                tiled_mma, tCrA, tCrB, acc, args.iterations, args.scale, sS, coords
+            )
 
-        gC = cute.make_tensor(out_ptr + bidx * TILE * TILE, cute.make_layout((TILE, TILE),
-                                                                              stride=(TILE, 1)))  # fmt: skip
+        gC = cute.make_tensor(
+            args.out_ptr + bidx * TILE * TILE, cute.make_layout((TILE, TILE), stride=(TILE, 1))
+        )
         tCgC = thr_mma.partition_C(gC)
         for chunk in cutlass.range_constexpr(FRAGMENT // 4):
             for v in cutlass.range_constexpr(4):
