@@ -3,20 +3,21 @@ fixed-order weighted top-k sum of the slots into `out` (moe_combine_forward's, i
 `combine_slots`), the backward's d_x sum and router-weight gradients (backward_finish's,
 `finish_backward`).
 
-The crew counts every stored down tile on one int32 (`down_done`, `EpilogueCrew.count_tile`:
-a crew barrier, then `red.release.gpu`; sm90/epilogue_warps.py). Once a CTA's consumer warpgroups are past their last
-ticket (`hand_off_nothing`), one of their threads waits (bounded, `ld.acquire.gpu`) for that
-counter to reach every down tile of the launch, the 256 consumer threads meet on COMBINE_SYNC,
-and they sum the combine items b, b + grid, ... of CTA b. An item is COMBINE_TOKENS tokens by
-256 16-byte column chunks; each thread runs `combine_rows` over its chunk, as the epilogue
-kernel's threads do, so `out` has that kernel's bits and the router weights are checked into
-the same value-status word.
+The crew counts every stored down tile on one int32 (`down_done`, `EpilogueCrew.count_tile`
+of sm90/epilogue_warps.py: a crew barrier, then `red.release.gpu`). Once a CTA's consumer
+warpgroups are past their last ticket (`hand_off_nothing`), one of their threads waits
+(bounded, `ld.acquire.gpu`) for that counter to reach every down tile of the launch, the 256
+consumer threads meet on COMBINE_SYNC, and they sum the combine items b, b + grid, ... of CTA
+b. An item is COMBINE_TOKENS tokens by 256 16-byte column chunks; each thread runs
+`combine_rows` over its chunk, as the epilogue kernel's threads do, so `out` has that kernel's
+bits and the router weights are checked into the same value-status word.
 
 The backward's crew counts every stored d_x tile the same way (`dx_done`); its router-weight
-partials are covered by the d_hidden tile count (`dgu_total`: sm90/d_hidden_phase.swiglu_backward
-stores them before its hand-off, which the crew's release follows). Once past its weight tasks
-a CTA waits for both, then its 256 consumer threads take items of the d_x sum (as above,
-unweighted) and of the push (256 routed rows each, `common/router_grad_rows.push_row`).
+partials are covered by the d_hidden tile count (`dgu_total`: sm90/d_hidden_phase's
+swiglu_backward stores them before its hand-off, which the crew's release follows). Once past
+its weight tasks a CTA waits for both, then its 256 consumer threads take items of the d_x sum
+(as above, unweighted) and of the push (256 routed rows each,
+`common/router_grad_rows.push_row`).
 
 Forward progress: a CTA waits here only once the task ticket is spent, so every tile it waits
 for is held by a running CTA, whose tasks wait on nothing this phase does.
@@ -99,9 +100,9 @@ def combine_slots(
 ):
     """Consumer thread `thread` (0 .. 255) of CTA `bidx`: out (bf16 [T, H]) = sum_j
     router_weights[t, j] * slots[t * k + j] once `down_done` reaches `down_tiles`. `wait` =
-    (error record, timeout_ns, ep_rank) of the bounded wait; `args` (sm90/moe_forward.ForwardTensors):
-    out, router_weights, slots, the value-status words and T (combine_tokens); `walk`
-    (task_walk.WalkArgs): H and k."""
+    (error record, timeout_ns, ep_rank) of the bounded wait; `args`
+    (sm90/moe_forward.ForwardTensors): out, router_weights, slots, the value-status words and T
+    (combine_tokens); `walk` (task_walk.WalkArgs): H and k."""
     out_ptr, weight_ptr, slots_ptr = args.out_ptr, args.router_weights_ptr, args.slots_ptr
     status_ptr, num_tokens = args.status_ptr, args.combine_tokens
     hidden_size, topk = walk.hidden_size, walk.topk

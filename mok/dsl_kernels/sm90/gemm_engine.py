@@ -2,6 +2,10 @@
 warpgroup (warp 0 issues TMA) and two consumer warpgroups (64 rows each) into two fp32 128 x 128
 accumulators sharing A, over a `stages`-deep mbarrier ring. The order of operations is pinned by
 the byte-identical cubin check.
+
+This module and the crew hand-off (epilogue_warps.py) implement the GEMM-engine interface that
+the megakernels and the MMA phases call (docs/DESIGN.md §4, "The arch boundary"); the tile
+geometry is phases/tiles.py's.
 """
 
 import cutlass
