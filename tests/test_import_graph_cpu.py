@@ -130,6 +130,8 @@ def test_the_graph_sees_the_modules():
     assert {"mok.functional", DOOR, "mok.runtime.module", "mok.dsl_kernels.registry"} <= set(edges)
     assert DOOR in edges["mok.ops"] | edges["mok.layer_ops"]  # function-local imports count
     assert "mok.dsl_kernels.common.retire" in edges["mok.dsl_kernels.kernels.schedule"]
+    assert "mok.dsl_kernels.phases.tickets" in edges["mok.dsl_kernels.sm90.moe_forward"]
+    assert "mok.dsl_kernels.phases.tiles" in edges["mok.dsl_kernels.sm90.gemm_engine"]
 
 
 def test_no_import_circles():
@@ -167,10 +169,14 @@ def test_runtime_and_kernel_sources_import_nothing_above_them():
 
 
 def test_kernel_helpers_sit_below_kernels_and_arch_folders():
+    """common/ at the bottom; the arch-independent phases/ over it; kernels/ and the arch
+    folders (sm90/, its GEMM engine and megakernels) on top, never importing each other."""
+    common, phases = "mok.dsl_kernels.common", "mok.dsl_kernels.phases"
     layers = {
-        "mok.dsl_kernels.common": ("mok.dsl_kernels.common",),
-        "mok.dsl_kernels.kernels": ("mok.dsl_kernels.common", "mok.dsl_kernels.kernels"),
-        "mok.dsl_kernels.sm90": ("mok.dsl_kernels.common", "mok.dsl_kernels.sm90"),
+        common: (common,),
+        phases: (common, phases),
+        "mok.dsl_kernels.kernels": (common, "mok.dsl_kernels.kernels"),
+        **{arch: (common, phases, arch) for arch in ARCH_FOLDERS},
     }
     offenders = sorted(
         f"{module} -> {target}"

@@ -3,7 +3,7 @@
     python -m tools.fusion_ab [--shape qwen3-30b-a3b] [--tokens 4096] [--iters 20] [--rounds 5]
 
 Forward: `mok.functional.forward` without a shared expert (the forward megakernel writes out,
-sm90/combine_phase.py) against the megakernel without its combine (`routed_forward`) then the
+phases/combine_phase.py) against the megakernel without its combine (`routed_forward`) then the
 epilogue kernel (`fwd_epilogue`). Backward: `mok.functional.backward` (d_x and d_router in the
 backward megakernel's last phase) against `routed_backward`, then the router-gradient push and
 the d_x epilogue kernels. Both sides get the same inputs and schedule; each side's outputs are

@@ -95,7 +95,7 @@ def forward_plan(
     call it as plan(x, schedule, slots, weights, (out, router_weights)), router_weights fp32
     [T, k] checked by the caller. `schedule_ids` (with `combine`: a layer step's): the
     group's int64 [T, k] routing, of which the launch first writes the schedule itself into
-    `schedule`'s addresses (the `schedule_ids64` kernel's tasks, sm90/schedule_phase.py); call
+    `schedule`'s addresses (the `schedule_ids64` kernel's tasks, phases/schedule_phase.py); call
     `launch` with its address (`ids_at`)."""
     if combine and peers is not None:
         raise ValueError("combine: the in-kernel combine is a group of one's (peers must be None)")

@@ -152,7 +152,7 @@ def test_backward_finish_gives_the_push_and_epilogue_bits(case):
                                        (2048, 2048, 768, 32, 8)])  # fmt: skip
 def test_in_kernel_finish_gives_the_push_and_epilogue_bits(t, h, i, e, k):
     """A group of one without a shared expert runs the d_x sum and the router-weight push as
-    the backward megakernel's last phase (sm90/combine_phase.py): d_x and d_router must be the
+    the backward megakernel's last phase (phases/combine_phase.py): d_x and d_router must be the
     separate kernels' on the same routed backward, bit for bit (H = 2304: a partial column
     block; T % 4 != 0: a partial token block); a bad router weight is reported."""
     from mok.launchers.backward_megakernel import push_router_grads, routed_backward

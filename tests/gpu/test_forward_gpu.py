@@ -91,7 +91,7 @@ def test_forward_matches_fp64_oracle_and_is_deterministic(case):
                                        (2048, 2048, 768, 32, 8)])  # fmt: skip
 def test_in_kernel_combine_is_bitwise_the_epilogue_kernel(t, h, i, e, k):
     """A group of one without a shared expert sums the slots in the forward megakernel's last
-    phase (sm90/combine_phase.py): `out` must be the separate megakernel + epilogue kernel's,
+    phase (phases/combine_phase.py): `out` must be the separate megakernel + epilogue kernel's,
     bit for bit (H = 2304: a column block of 256 chunks and a partial one; T % 4 != 0: a
     partial token block)."""
     from mok.launchers.epilogues import fwd_epilogue

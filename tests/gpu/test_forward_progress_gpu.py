@@ -1,5 +1,5 @@
 """Forward progress of both megakernels with fewer resident CTAs than their grid (DESIGN §4;
-mok/dsl_kernels/sm90/dispatch_phase.py): a concurrent kernel (mok/dsl_kernels/kernels/sm_holder.py) holds
+mok/dsl_kernels/phases/dispatch_phase.py): a concurrent kernel (mok/dsl_kernels/kernels/sm_holder.py) holds
 every SM but a few, as a data-parallel NCCL kernel on a side stream does in training, while a
 training step runs its forward and backward megakernels with the full grid. The step must
 finish and give the bits of the same step without the holder.
@@ -159,7 +159,7 @@ SCRIPT = textwrap.dedent(
 # both). 2 comm CTAs: the compute CTAs wait for rows only CTAs 0 and 1 copy, which the hardware
 # starts first (the old dispatch passed this one: CTAs 0 and 1 copied every row tile).
 # "module": a resolved MoKExperts step, whose forward megakernel writes the schedule first
-# (sm90/schedule_phase.py: its tasks taken by ticket too).
+# (phases/schedule_phase.py: its tasks taken by ticket too).
 @pytest.mark.parametrize("free_sms,comm_ctas,mode", [(1, 0, "functional"), (8, 0, "functional"),
                                                      (4, 2, "functional"), (1, 0, "module"),
                                                      (8, 0, "module")])  # fmt: skip

@@ -187,7 +187,7 @@ def _step_schedule(module, out):
 @pytest.mark.parametrize("tokens,topk,skew", [(512, 2, False), (5000, 2, False),
                                               (3000, 4, True)])  # fmt: skip
 def test_the_forward_writes_the_schedule_kernels_schedule(tokens, topk, skew):
-    """A resolved step's forward megakernel writes the schedule itself (sm90/schedule_phase.py):
+    """A resolved step's forward megakernel writes the schedule itself (phases/schedule_phase.py):
     bitwise the schedule kernel's (`build_schedule`: peer_rank, peer_token_idx with its padding
     rows, num_tokens, tokens_per_expert), over one chunk and several (4096 entries each), and
     with every token routed to the same experts 3 .. 3 + k - 1 (skew). Then the step's

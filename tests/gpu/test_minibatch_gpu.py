@@ -1,5 +1,5 @@
 """`MoKConfig.minibatch_size` on the GPU: the megakernels run their tasks minibatch by minibatch,
-pipelined (mok/dsl_kernels/sm90/minibatches.py), and any minibatch size gives the bits of one
+pipelined (mok/dsl_kernels/phases/minibatches.py), and any minibatch size gives the bits of one
 minibatch, run after run, forward and backward. Minibatch edges cut expert segments (256 rows against 512-row experts), leave
 experts empty, or hold one expert only."""
 

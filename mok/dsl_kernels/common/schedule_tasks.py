@@ -1,6 +1,6 @@
 """The schedule's tasks, taken by ticket: count chunk `task`, or place a chunk once the counts
 are scanned (the schedule kernel, and the forward megakernel's schedule phase,
-sm90/schedule_phase.py), and the CTA's next ticket.
+phases/schedule_phase.py), and the CTA's next ticket.
 """
 
 import cutlass

@@ -18,9 +18,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from ..common.bounded_wait import red_add_release_gpu_s32
 from ..common.mxfp8_values import store_round_trip
 from ..common.ptx import prefetch_l2
-from . import gemm_phases as phases
+from . import gemm_engine as engine
 from .epilogue_warps import CREW, store_split
-from .gemm_phases import TILE_K, TILE_M, TILE_N
+from .gemm_engine import TILE_K, TILE_M, TILE_N
 
 # WaitPhase id (mok.runtime.WaitPhase, a wire format) of a d_x task waiting for d_gate/d_up rows.
 PHASE_BACKWARD_DHIDDEN_GEMM = 10
@@ -30,8 +30,8 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up
     """Producer: `load(...)` of a d_hidden task (gate/up prefetched to L2, then A = dY_e, B = W_down)."""
     sA, sB0, sB1 = smem
     tma_dy, mDy, tma_wd, mWd = tma
-    tDYsA, tDYgA = phases.partition_tma_load(tma_dy, sA, mDy, (TILE_M, TILE_K))
-    tWDsB0, tWDsB1, tWDgB = phases.partition_tma_load_pair(tma_wd, sB0, sB1, mWd)
+    tDYsA, tDYgA = engine.partition_tma_load(tma_dy, sA, mDy, (TILE_M, TILE_K))
+    tWDsB0, tWDsB1, tWDgB = engine.partition_tma_load_pair(tma_wd, sB0, sB1, mWd)
     lane = cute.arch.lane_idx()
     i_stride = cute.assume(Int64(intermediate_size), divby=2 * TILE_N)
 
@@ -44,7 +44,7 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up
             (tma_wd, tWDgB, 2 * col_tile, b_k_base, tWDsB0),
             (tma_wd, tWDgB, 2 * col_tile + 1, b_k_base, tWDsB1),
         )
-        return phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
 
     return load
 
@@ -104,7 +104,7 @@ def prefetch_gate_up(
 @cute.jit
 def output_tile(ptr: cute.Pointer, first_row: Int32, first_col: Int32, n_size: Int32):
     """The 128 x 128 block at (first_row, first_col) of a row-major [*, n_size] tensor."""
-    return phases.output_tile(ptr, None, first_row, first_col, n_size, 2 * TILE_N)
+    return engine.output_tile(ptr, None, first_row, first_col, n_size, 2 * TILE_N)
 
 
 @cute.jit
@@ -135,7 +135,7 @@ def swiglu_backward(
     if has_limit == 0:
         limit = Float32(float("inf"))
     # Rows r0 and r0 + 8: element i lies on row r0 + 8 * ((i // 2) % 2), a static choice.
-    row0, row1 = phases.accumulator_rows(thr_mma)
+    row0, row1 = engine.accumulator_rows(thr_mma)
     partial0 = Float32(0.0)
     partial1 = Float32(0.0)
     for i in cutlass.range_constexpr(cute.size(acc)):

@@ -7,8 +7,8 @@ read as stored ([I, H]: K rows, N contiguous), so B is MN-major. The crew stores
 (token, j) slot (epilogue_warps.slot_stores), where the backward combine reads it.
 """
 
-from . import gemm_phases as phases
-from .gemm_phases import TILE_K, TILE_M
+from . import gemm_engine as engine
+from .gemm_engine import TILE_K, TILE_M
 
 
 def producer_loads(ring, smem, tma, intermediate_size):
@@ -16,10 +16,10 @@ def producer_loads(ring, smem, tma, intermediate_size):
     (tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1)."""
     sA, sB0, sB1 = smem
     tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu = tma
-    tDGsA, tDGgA = phases.partition_tma_load(tma_dg, sA, mDg, (TILE_M, TILE_K))
-    tDUsA, tDUgA = phases.partition_tma_load(tma_du, sA, mDu, (TILE_M, TILE_K))
-    tWGsB0, tWGsB1, tWGgB = phases.partition_tma_load_pair(tma_wg, sB0, sB1, mWg)
-    tWUsB0, tWUsB1, tWUgB = phases.partition_tma_load_pair(tma_wu, sB0, sB1, mWu)
+    tDGsA, tDGgA = engine.partition_tma_load(tma_dg, sA, mDg, (TILE_M, TILE_K))
+    tDUsA, tDUgA = engine.partition_tma_load(tma_du, sA, mDu, (TILE_M, TILE_K))
+    tWGsB0, tWGsB1, tWGgB = engine.partition_tma_load_pair(tma_wg, sB0, sB1, mWg)
+    tWUsB0, tWUsB1, tWUgB = engine.partition_tma_load_pair(tma_wu, sB0, sB1, mWu)
     halves = (
         (tma_dg, tDGgA, tDGsA, tma_wg, tWGgB, tWGsB0, tWGsB1),
         (tma_du, tDUgA, tDUsA, tma_wu, tWUgB, tWUsB0, tWUsB1),
@@ -34,7 +34,7 @@ def producer_loads(ring, smem, tma, intermediate_size):
                 (tma_b, tBgB, 2 * col_tile, b_k_base, tBsB0),
                 (tma_b, tBgB, 2 * col_tile + 1, b_k_base, tBsB1),
             )
-            state = phases.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
+            state = engine.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
         return state
 
     return load

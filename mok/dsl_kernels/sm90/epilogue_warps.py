@@ -17,8 +17,8 @@ from cutlass import BFloat16, Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
 from ..common.peers import RANK_UNIT, peer_table, rank_address
-from .expert_tiles import locate_first_tile, locate_tile
-from .gemm_phases import (
+from ..phases.expert_tiles import locate_first_tile, locate_tile
+from .gemm_engine import (
     STAGED_BYTES,
     STAGED_CHUNKS,
     STAGED_ROW,

@@ -1,4 +1,4 @@
-"""SM90 grouped expert GEMM: persistent, warp-specialised, TMA + wgmma (gemm_phases.py).
+"""SM90 grouped expert GEMM: persistent, warp-specialised, TMA + wgmma (gemm_engine.py).
 
 `epilogue="swiglu"`: gate/up with SwiGLU fused (gate_up_phase.py); `epilogue="store"`: down,
 out[r] = bf16(hidden[r] @ W_down[e].T). Used by the shared expert and the recomputed forward.
@@ -27,20 +27,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from ..common.params import Bf16Pointer, Int32Pointer, compile_arguments
-from . import epilogue_warps as handoff
-from . import gemm_phases as phases
-from .epilogue_warps import CREW
-from .expert_tiles import TileList
-from .gate_up_phase import store_swiglu_chunk
-from .gemm_phases import (
-    CONSUMER_REGISTERS,
-    PRODUCER_REGISTERS,
-    TILE_K,
-    TILE_M,
-    TILE_N,
-)
-from .task_walk import consume_phase, count_tiles, produce_phase, store_phase
-from .tickets import (
+from ..phases.expert_tiles import TileList
+from ..phases.task_walk import consume_phase, count_tiles, produce_phase, store_phase
+from ..phases.tickets import (
     SLOT_BYTES,
     Tickets,
     consumer_task,
@@ -48,6 +37,17 @@ from .tickets import (
     signal_no_task,
     take_ticket,
     task_slots,
+)
+from . import epilogue_warps as handoff
+from . import gemm_engine as engine
+from .epilogue_warps import CREW
+from .gate_up_phase import store_swiglu_chunk
+from .gemm_engine import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    TILE_K,
+    TILE_M,
+    TILE_N,
 )
 
 EPILOGUES = ("swiglu", "store")
@@ -99,21 +99,21 @@ class Sm90ExpertGemm:
     def validate(self) -> None:
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
-        phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
+        engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
 
     @property
     def threads(self) -> int:
-        return phases.THREADS
+        return engine.THREADS
 
     def tma_specs(self) -> list[dict]:
         """Runtime descriptor encoding per param (mok/runtime/tma.py): rank-2 bf16 [rows, K], one 64 x 128
         box per stage load, 128-byte swizzle."""
         box = [TILE_K, TILE_M]  # == [TILE_K, TILE_N]: A and B tiles have the same box
-        return [phases.tma_spec(param, box) for param in ("tma_a", "tma_b0", "tma_b1")]
+        return [engine.tma_spec(param, box) for param in ("tma_a", "tma_b0", "tma_b1")]
 
     def stage_bytes(self) -> int:
         """Bytes one ring stage receives (the mbarrier expect_tx count): A + B0 + B1 tiles."""
-        return phases.stage_bytes()
+        return engine.stage_bytes()
 
     def compile_arguments(self) -> tuple:
         return compile_arguments(self)
@@ -121,13 +121,13 @@ class Sm90ExpertGemm:
     @cute.jit
     def __call__(self, operands: ExpertGemmOperands, args: ExpertGemmArgs, num_ctas: Int32):
         # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
-        operand_layout = phases.k_major_coords()
-        a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
-        b_smem = phases.k_major_smem_layout(TILE_N, self.stages)
+        operand_layout = engine.k_major_coords()
+        a_smem = engine.k_major_smem_layout(TILE_M, self.stages)
+        b_smem = engine.k_major_smem_layout(TILE_N, self.stages)
         tma = ExpertGemmTma(
-            *phases.make_tma_load(operands.a_ptr, operand_layout, a_smem, (TILE_M, TILE_K)),
-            *phases.make_tma_load(operands.b0_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
-            *phases.make_tma_load(operands.b1_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
+            *engine.make_tma_load(operands.a_ptr, operand_layout, a_smem, (TILE_M, TILE_K)),
+            *engine.make_tma_load(operands.b0_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
+            *engine.make_tma_load(operands.b1_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
         )
         self.kernel(tma, args).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
@@ -135,12 +135,12 @@ class Sm90ExpertGemm:
 
     @cute.kernel
     def kernel(self, tma: ExpertGemmTma, args: ExpertGemmArgs):
-        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+        tidx, bidx, grid_size, warp_idx, warpgroup = engine.thread_roles()
 
         # ---- static layouts, MMA, shared storage ----
-        tiled_mma = phases.forward_mma()
-        a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
-        b_layout = phases.k_major_smem_layout(TILE_N, self.stages)
+        tiled_mma = engine.forward_mma()
+        a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
+        b_layout = engine.k_major_smem_layout(TILE_N, self.stages)
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
             a_layout, b_layout, self.stages, SLOT_BYTES
         )
@@ -151,7 +151,7 @@ class Sm90ExpertGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b1)
 
         # ---- operand ring ----
-        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+        ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list inputs ----
         tokens_per_expert = cute.make_tensor(
@@ -163,16 +163,18 @@ class Sm90ExpertGemm:
             col_tiles = args.n_size // (2 * TILE_N)
         tiles = TileList(tokens_per_expert, args.num_experts, col_tiles)
         # Tiles by a dynamic ticket (tickets.py); consumers and crew stop at NO_TASK.
-        tickets = Tickets(args.ticket_ptr.toint(), task_slots(storage), Int32(0))
+        tickets = Tickets(
+            args.ticket_ptr.toint(), task_slots(storage, handoff.BUFFER_BYTES), Int32(0)
+        )
         no_end = Int32(2**31 - 1)
 
         if warpgroup == 0:
             # ======== producer warpgroup: warp 0 issues TMA, warps 1-3 store tiles ========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                tAsA, tAgA = phases.partition_tma_load(tma.tma_a, sA, tma.mA, (TILE_M, TILE_K))
-                tBsB0, tBgB0 = phases.partition_tma_load(tma.tma_b0, sB0, tma.mB0, (TILE_N, TILE_K))
-                tBsB1, tBgB1 = phases.partition_tma_load(tma.tma_b1, sB1, tma.mB1, (TILE_N, TILE_K))
+                tAsA, tAgA = engine.partition_tma_load(tma.tma_a, sA, tma.mA, (TILE_M, TILE_K))
+                tBsB0, tBgB0 = engine.partition_tma_load(tma.tma_b0, sB0, tma.mB0, (TILE_N, TILE_K))
+                tBsB1, tBgB1 = engine.partition_tma_load(tma.tma_b1, sB1, tma.mB1, (TILE_N, TILE_K))
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
@@ -184,7 +186,7 @@ class Sm90ExpertGemm:
                         (tma.tma_b0, tBgB0, b0_row_tile, None, tBsB0),
                         (tma.tma_b1, tBgB1, b1_row_tile, None, tBsB1),
                     )
-                    return phases.load_k_tiles(ring, state, k_tiles, loads)
+                    return engine.load_k_tiles(ring, state, k_tiles, loads)
 
                 tickets = tickets._replace(total=count_tiles(tiles))
                 seq = Int32(0)
@@ -202,14 +204,14 @@ class Sm90ExpertGemm:
         else:
             # ================= consumer warpgroups: wgmma mainloop + hand-off ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            thr_mma, operands, (acc0, acc1) = phases.make_consumer_fragments(
+            thr_mma, operands, (acc0, acc1) = engine.make_consumer_fragments(
                 tiled_mma, tidx, sA, sB0, sB1
             )
-            read_state, release_state = phases.make_consumer_states(self.stages)
+            read_state, release_state = engine.make_consumer_states(self.stages)
 
             def run_tile(states):
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
-                states = phases.mma_k_tiles(
+                states = engine.mma_k_tiles(
                     tiled_mma, ring, states[0], states[1], k_tiles, operands, (acc0, acc1)
                 )
                 # ---- the rounded tile to the crew, which stores it during the next mainloop ----

@@ -28,12 +28,12 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from ..common.params import Bf16Pointer, Fp32Pointer, Int32Pointer, compile_arguments
+from ..phases.expert_tiles import TileList, locate_first_tile, locate_tile
 from . import epilogue_warps as handoff
-from . import gemm_phases as phases
+from . import gemm_engine as engine
 from .d_hidden_phase import prefetch_gate_up, swiglu_backward
 from .epilogue_warps import CREW
-from .expert_tiles import TileList, locate_first_tile, locate_tile
-from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
+from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 JOBS = ("d_hidden_swiglu", "d_x")
 
@@ -88,11 +88,11 @@ class Sm90ExpertGemmBwd:
     def validate(self) -> None:
         if self.job not in JOBS:
             raise ValueError(f"job must be one of {JOBS}, got {self.job!r}")
-        phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
+        engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
 
     @property
     def threads(self) -> int:
-        return phases.THREADS
+        return engine.THREADS
 
     @property
     def k_halves(self) -> int:
@@ -103,15 +103,15 @@ class Sm90ExpertGemmBwd:
         """Runtime descriptor encoding (mok/runtime/tma.py), rank-2 bf16, box innermost first. A: [C, K],
         64 x 128 box. B: [E * K, N], 64 x 64 box (the swizzle caps it: a 128-column tile is two)."""
         return [
-            phases.tma_spec("tma_a0", [TILE_K, TILE_M]),
-            phases.tma_spec("tma_a1", [TILE_K, TILE_M]),
-            phases.tma_spec("tma_b0", [64, TILE_K]),
-            phases.tma_spec("tma_b1", [64, TILE_K]),
+            engine.tma_spec("tma_a0", [TILE_K, TILE_M]),
+            engine.tma_spec("tma_a1", [TILE_K, TILE_M]),
+            engine.tma_spec("tma_b0", [64, TILE_K]),
+            engine.tma_spec("tma_b1", [64, TILE_K]),
         ]
 
     def stage_bytes(self) -> int:
         """Bytes one ring stage receives (the mbarrier expect_tx count): A + B0 + B1 tiles."""
-        return phases.stage_bytes()
+        return engine.stage_bytes()
 
     def compile_arguments(self) -> tuple:
         return compile_arguments(self)
@@ -119,15 +119,15 @@ class Sm90ExpertGemmBwd:
     @cute.jit
     def __call__(self, operands: ExpertGemmBwdOperands, args: ExpertGemmBwdArgs, num_ctas: Int32):
         # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
-        a_layout = phases.k_major_coords()  # (rows, K)
-        b_layout = phases.mn_major_coords()  # (N, K rows)
-        a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
-        b_smem = phases.mn_major_smem_layout(TILE_N, self.stages)
+        a_layout = engine.k_major_coords()  # (rows, K)
+        b_layout = engine.mn_major_coords()  # (N, K rows)
+        a_smem = engine.k_major_smem_layout(TILE_M, self.stages)
+        b_smem = engine.mn_major_smem_layout(TILE_N, self.stages)
         tma = ExpertGemmBwdTma(
-            *phases.make_tma_load(operands.a0_ptr, a_layout, a_smem, (TILE_M, TILE_K)),
-            *phases.make_tma_load(operands.a1_ptr, a_layout, a_smem, (TILE_M, TILE_K)),
-            *phases.make_tma_load(operands.b0_ptr, b_layout, b_smem, (TILE_N, TILE_K)),
-            *phases.make_tma_load(operands.b1_ptr, b_layout, b_smem, (TILE_N, TILE_K)),
+            *engine.make_tma_load(operands.a0_ptr, a_layout, a_smem, (TILE_M, TILE_K)),
+            *engine.make_tma_load(operands.a1_ptr, a_layout, a_smem, (TILE_M, TILE_K)),
+            *engine.make_tma_load(operands.b0_ptr, b_layout, b_smem, (TILE_N, TILE_K)),
+            *engine.make_tma_load(operands.b1_ptr, b_layout, b_smem, (TILE_N, TILE_K)),
         )
         self.kernel(tma, args).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
@@ -135,12 +135,12 @@ class Sm90ExpertGemmBwd:
 
     @cute.kernel
     def kernel(self, tma: ExpertGemmBwdTma, args: ExpertGemmBwdArgs):
-        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+        tidx, bidx, grid_size, warp_idx, warpgroup = engine.thread_roles()
 
         # ---- static layouts, MMA, shared storage ----
-        tiled_mma = phases.backward_mma()
-        a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
-        b_layout = phases.mn_major_smem_layout(TILE_N, self.stages)
+        tiled_mma = engine.backward_mma()
+        a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
+        b_layout = engine.mn_major_smem_layout(TILE_N, self.stages)
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
             a_layout, b_layout, self.stages
         )
@@ -153,7 +153,7 @@ class Sm90ExpertGemmBwd:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b1)
 
         # ---- operand ring ----
-        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+        ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list inputs ----
         tokens_per_expert = cute.make_tensor(
@@ -171,16 +171,16 @@ class Sm90ExpertGemmBwd:
                 a_loads = (
                     (
                         tma.tma_a0,
-                        *phases.partition_tma_load(tma.tma_a0, sA, tma.mA0, (TILE_M, TILE_K)),
+                        *engine.partition_tma_load(tma.tma_a0, sA, tma.mA0, (TILE_M, TILE_K)),
                     ),
                     (
                         tma.tma_a1,
-                        *phases.partition_tma_load(tma.tma_a1, sA, tma.mA1, (TILE_M, TILE_K)),
+                        *engine.partition_tma_load(tma.tma_a1, sA, tma.mA1, (TILE_M, TILE_K)),
                     ),
                 )
                 b_loads = (
-                    (tma.tma_b0, *phases.partition_tma_load_pair(tma.tma_b0, sB0, sB1, tma.mB0)),
-                    (tma.tma_b1, *phases.partition_tma_load_pair(tma.tma_b1, sB0, sB1, tma.mB1)),
+                    (tma.tma_b0, *engine.partition_tma_load_pair(tma.tma_b0, sB0, sB1, tma.mB0)),
+                    (tma.tma_b1, *engine.partition_tma_load_pair(tma.tma_b1, sB0, sB1, tma.mB1)),
                 )
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
@@ -202,7 +202,7 @@ class Sm90ExpertGemmBwd:
                             (tma_b, tBgB, b_col_tile, b_k_base, tBsB0),
                             (tma_b, tBgB, b_col_tile + 1, b_k_base, tBsB1),
                         )
-                        state = phases.load_k_tiles(ring, state, k_half_tiles, loads)
+                        state = engine.load_k_tiles(ring, state, k_half_tiles, loads)
                     tile = tile + grid_size
                     expert, tile_base, row_base, row_tiles = locate_tile(
                         tiles, tile, (expert, tile_base, row_base, row_tiles)
@@ -224,11 +224,11 @@ class Sm90ExpertGemmBwd:
         else:
             # ============ consumer warpgroups: wgmma mainloop + (epilogue +) hand-off ============
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            thr_mma, operands, (acc0, acc1) = phases.make_consumer_fragments(
+            thr_mma, operands, (acc0, acc1) = engine.make_consumer_fragments(
                 tiled_mma, tidx, sA, sB0, sB1
             )
             k_tiles = self.k_halves * k_half_tiles
-            read_state, release_state = phases.make_consumer_states(self.stages)
+            read_state, release_state = engine.make_consumer_states(self.stages)
             tile = bidx
             expert, tile_base, row_base, row_tiles = locate_first_tile(tiles, tile)
             while expert < args.num_experts:
@@ -237,7 +237,7 @@ class Sm90ExpertGemmBwd:
                 first_col = (local // row_tiles) * (2 * TILE_N)
 
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
-                read_state, release_state = phases.mma_k_tiles(
+                read_state, release_state = engine.mma_k_tiles(
                     tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
                 )
 

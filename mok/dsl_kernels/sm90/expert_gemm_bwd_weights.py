@@ -34,9 +34,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from ..common.args import global_pointer
 from ..common.params import Bf16Pointer, Int32Pointer, compile_arguments
 from . import epilogue_warps as handoff
-from . import gemm_phases as phases
+from . import gemm_engine as engine
 from .epilogue_warps import EpilogueCrew
-from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
+from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 OUTPUTS = ("fp32", "bf16", "fp32_accumulate")
 CREW = EpilogueCrew(first_warp=1, num_warps=3)  # stores the "bf16" output's tiles
@@ -109,8 +109,8 @@ class Sm90ExpertGemmBwdWeights:
     def validate(self) -> None:
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
-        phases.validate_stages(
-            self.stages, phases.MAX_STAGES_WITH_CREW if self._crew else phases.MAX_STAGES
+        engine.validate_stages(
+            self.stages, engine.MAX_STAGES_WITH_CREW if self._crew else engine.MAX_STAGES
         )
 
     @property
@@ -120,22 +120,22 @@ class Sm90ExpertGemmBwdWeights:
 
     @property
     def threads(self) -> int:
-        return phases.THREADS
+        return engine.THREADS
 
     def _tiled_mma(self):
         # Both operands MN-major (activations stored [tokens, M] and [tokens, N]).
         MN = cute.nvgpu.OperandMajorMode.MN
-        return phases.make_tiled_mma(MN, MN)
+        return engine.make_tiled_mma(MN, MN)
 
     def _smem_layout(self, extent: int):
-        return phases.mn_major_smem_layout(extent, self.stages)
+        return engine.mn_major_smem_layout(extent, self.stages)
 
     def tma_specs(self) -> list[dict]:
         """Rank-2 bf16 [C, M or N], box 64 (one 128-byte swizzle row) x 64 tokens, innermost first."""
-        return [phases.tma_spec(param, [64, TILE_K]) for param in ("tma_a", "tma_b")]
+        return [engine.tma_spec(param, [64, TILE_K]) for param in ("tma_a", "tma_b")]
 
     def stage_bytes(self) -> int:
-        return phases.stage_bytes()
+        return engine.stage_bytes()
 
     def compile_arguments(self) -> tuple:
         return compile_arguments(self)
@@ -143,12 +143,12 @@ class Sm90ExpertGemmBwdWeights:
     @cute.jit
     def __call__(self, operands: WeightGemmOperands, args: WeightGemmArgs, num_ctas: Int32):
         # Descriptors built here are thrown away: the runtime encodes its own from the manifest.
-        operand_layout = phases.mn_major_coords()
+        operand_layout = engine.mn_major_coords()
         a_smem = self._smem_layout(TILE_M)
         b_smem = self._smem_layout(TILE_N)
         tma = WeightGemmTma(
-            *phases.make_tma_load(operands.a_ptr, operand_layout, a_smem, (TILE_M, TILE_K)),
-            *phases.make_tma_load(operands.b_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
+            *engine.make_tma_load(operands.a_ptr, operand_layout, a_smem, (TILE_M, TILE_K)),
+            *engine.make_tma_load(operands.b_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
         )
         self.kernel(tma, args).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
@@ -156,13 +156,13 @@ class Sm90ExpertGemmBwdWeights:
 
     @cute.kernel
     def kernel(self, tma: WeightGemmTma, args: WeightGemmArgs):
-        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+        tidx, bidx, grid_size, warp_idx, warpgroup = engine.thread_roles()
 
         # ---- static layouts, MMA, shared storage ----
         tiled_mma = self._tiled_mma()
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
-        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
+        storage, sA, sB0, sB1 = engine.allocate_operand_ring_storage(
             a_layout, b_layout, self.stages, handoff.BUFFER_BYTES if self._crew else 0
         )
         buffers = handoff.handoff_buffers(storage) if self._crew else None
@@ -172,7 +172,7 @@ class Sm90ExpertGemmBwdWeights:
             cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b)
 
         # ---- operand ring ----
-        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+        ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list ----
         tokens_per_expert = cute.make_tensor(
@@ -186,8 +186,8 @@ class Sm90ExpertGemmBwdWeights:
             # ======== producer warpgroup: warp 0 issues TMA, warps 1-3 store bf16 tiles ========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                tAsA, tAgA = phases.partition_tma_load(tma.tma_a, sA, tma.mA, (TILE_M, TILE_K))
-                tBsB0, tBsB1, tBgB = phases.partition_tma_load_pair(tma.tma_b, sB0, sB1, tma.mB)
+                tAsA, tAgA = engine.partition_tma_load(tma.tma_a, sA, tma.mA, (TILE_M, TILE_K))
+                tBsB0, tBsB1, tBgB = engine.partition_tma_load_pair(tma.tma_b, sB0, sB1, tma.mB)
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
@@ -210,7 +210,7 @@ class Sm90ExpertGemmBwdWeights:
                         (tma.tma_b, tBgB, n_tile + 1, k_base, tBsB1),
                     )
                     k_tiles = tokens_per_expert[expert] // TILE_K
-                    state = phases.load_k_tiles(ring, state, k_tiles, loads)
+                    state = engine.load_k_tiles(ring, state, k_tiles, loads)
                     tile = tile + grid_size
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
@@ -223,10 +223,10 @@ class Sm90ExpertGemmBwdWeights:
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            thr_mma, operands, (acc0, acc1) = phases.make_consumer_fragments(
+            thr_mma, operands, (acc0, acc1) = engine.make_consumer_fragments(
                 tiled_mma, tidx, sA, sB0, sB1
             )
-            read_state, release_state = phases.make_consumer_states(self.stages)
+            read_state, release_state = engine.make_consumer_states(self.stages)
             tile = bidx
             while tile < num_tiles:
                 expert = tile // tiles_per_expert
@@ -237,7 +237,7 @@ class Sm90ExpertGemmBwdWeights:
                 first_col = n_pair * (2 * TILE_N)
 
                 # ---- mainloop (none for an expert without tokens: the tile stays zero) ----
-                read_state, release_state = phases.mma_k_tiles(
+                read_state, release_state = engine.mma_k_tiles(
                     tiled_mma,
                     ring,
                     read_state,
@@ -311,4 +311,4 @@ class Sm90ExpertGemmBwdWeights:
         n_size: Int32,
     ):
         """The 128 x 128 fp32 block at (first_row, first_col) of out[e] ([m_size, n_size])."""
-        return phases.output_tile(ptr, expert_offset, first_row, first_col, n_size, 2 * TILE_N)
+        return engine.output_tile(ptr, expert_offset, first_row, first_col, n_size, 2 * TILE_N)

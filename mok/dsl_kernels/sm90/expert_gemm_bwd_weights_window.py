@@ -14,7 +14,7 @@ for each 128 x 256 output tile of e, one CTA:
     - stores the fp32 sums into `partial_out` where the segment goes on past the macrobatch,
       else the result: bf16 (output "bf16") or out += sum in fp32 (output "fp32_accumulate",
       a caller's main_grad, as torch's `add_`).
-Every wgmma accumulates (gemm_phases.mma_k_tiles), so the sum continued from its stored fp32
+Every wgmma accumulates (gemm_engine.mma_k_tiles), so the sum continued from its stored fp32
 partial is bitwise the one-pass sum of expert_gemm_bwd_weights.py and of the backward
 megakernel's weight phase, for any macrobatch edges on 128-row tiles. An expert without rows is
 written (zeros, or out += 0) by the first macrobatch only; experts outside the macrobatch are
@@ -42,9 +42,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
 from ..common.params import Bf16Pointer, Int32Pointer, compile_arguments
-from . import gemm_phases as phases
+from . import gemm_engine as engine
 from .expert_gemm_bwd_weights import GradientPointer, advance_to_expert, grouped_tile_coords
-from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
+from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 OUTPUTS = ("bf16", "fp32_accumulate")
 
@@ -113,26 +113,26 @@ class Sm90ExpertGemmBwdWeightsWindow:
     def validate(self) -> None:
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
-        phases.validate_stages(self.stages, phases.MAX_STAGES)
+        engine.validate_stages(self.stages, engine.MAX_STAGES)
 
     @property
     def threads(self) -> int:
-        return phases.THREADS
+        return engine.THREADS
 
     def _tiled_mma(self):
         # Both operands MN-major (activations stored [tokens, M] and [tokens, N]).
         MN = cute.nvgpu.OperandMajorMode.MN
-        return phases.make_tiled_mma(MN, MN)
+        return engine.make_tiled_mma(MN, MN)
 
     def _smem_layout(self, extent: int):
-        return phases.mn_major_smem_layout(extent, self.stages)
+        return engine.mn_major_smem_layout(extent, self.stages)
 
     def tma_specs(self) -> list[dict]:
         """Rank-2 bf16 [rows, M or N], box 64 (one 128-byte swizzle row) x 64 rows."""
-        return [phases.tma_spec(param, [64, TILE_K]) for param in ("tma_a", "tma_b")]
+        return [engine.tma_spec(param, [64, TILE_K]) for param in ("tma_a", "tma_b")]
 
     def stage_bytes(self) -> int:
-        return phases.stage_bytes()
+        return engine.stage_bytes()
 
     def compile_arguments(self) -> tuple:
         return compile_arguments(self)
@@ -140,12 +140,12 @@ class Sm90ExpertGemmBwdWeightsWindow:
     @cute.jit
     def __call__(self, operands: WindowGemmOperands, args: WindowGemmArgs, num_ctas: Int32):
         # Descriptors built here are thrown away: the runtime encodes its own from the manifest.
-        operand_layout = phases.mn_major_coords()
+        operand_layout = engine.mn_major_coords()
         a_smem = self._smem_layout(TILE_M)
         b_smem = self._smem_layout(TILE_N)
         tma = WindowGemmTma(
-            *phases.make_tma_load(operands.a_ptr, operand_layout, a_smem, (TILE_M, TILE_K)),
-            *phases.make_tma_load(operands.b_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
+            *engine.make_tma_load(operands.a_ptr, operand_layout, a_smem, (TILE_M, TILE_K)),
+            *engine.make_tma_load(operands.b_ptr, operand_layout, b_smem, (TILE_N, TILE_K)),
         )
         self.kernel(tma, args).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
@@ -153,19 +153,19 @@ class Sm90ExpertGemmBwdWeightsWindow:
 
     @cute.kernel
     def kernel(self, tma: WindowGemmTma, args: WindowGemmArgs):
-        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+        tidx, bidx, grid_size, warp_idx, warpgroup = engine.thread_roles()
 
         # ---- static layouts, MMA, shared storage, operand ring ----
         tiled_mma = self._tiled_mma()
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
-        storage, sA, sB0, sB1 = phases.allocate_operand_ring_storage(
+        storage, sA, sB0, sB1 = engine.allocate_operand_ring_storage(
             a_layout, b_layout, self.stages
         )
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b)
-        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+        ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
 
         # ---- tile list: every expert's tiles; those of experts outside the macrobatch skip ----
         tokens_per_expert = cute.make_tensor(
@@ -179,8 +179,8 @@ class Sm90ExpertGemmBwdWeightsWindow:
             # ======== producer warpgroup: warp 0 issues TMA (the rest idle) ========
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                tAsA, tAgA = phases.partition_tma_load(tma.tma_a, sA, tma.mA, (TILE_M, TILE_K))
-                tBsB0, tBsB1, tBgB = phases.partition_tma_load_pair(tma.tma_b, sB0, sB1, tma.mB)
+                tAsA, tAgA = engine.partition_tma_load(tma.tma_a, sA, tma.mA, (TILE_M, TILE_K))
+                tBsB0, tBsB1, tBgB = engine.partition_tma_load_pair(tma.tma_b, sB0, sB1, tma.mB)
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
@@ -203,17 +203,17 @@ class Sm90ExpertGemmBwdWeightsWindow:
                         (tma.tma_b, tBgB, 2 * n_pair, k_base, tBsB0),
                         (tma.tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
                     )
-                    state = phases.load_k_tiles(ring, state, k_tiles, loads)
+                    state = engine.load_k_tiles(ring, state, k_tiles, loads)
                     tile = tile + grid_size
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
         else:
             # ========= consumer warpgroups: partial in, wgmma mainloop, partial or result out ==
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            thr_mma, operands, (acc0, acc1) = phases.make_consumer_fragments(
+            thr_mma, operands, (acc0, acc1) = engine.make_consumer_fragments(
                 tiled_mma, tidx, sA, sB0, sB1
             )
-            read_state, release_state = phases.make_consumer_states(self.stages)
+            read_state, release_state = engine.make_consumer_states(self.stages)
             cursor = Int32(0)
             row_base = Int32(0)
             tile = bidx
@@ -232,7 +232,7 @@ class Sm90ExpertGemmBwdWeightsWindow:
                     # ---- the sums so far: the previous macrobatch's partial, or zero ----
                     load_partial(thr_mma, (acc0, acc1), args.partial_in_ptr, from_partial,
                                  first_out_row, first_col, args.n_size)  # fmt: skip
-                    read_state, release_state = phases.mma_k_tiles(
+                    read_state, release_state = engine.mma_k_tiles(
                         tiled_mma, ring, read_state, release_state, k_tiles, operands,
                         (acc0, acc1), may_be_empty=True, from_zero=False,
                     )  # fmt: skip
@@ -260,7 +260,7 @@ def load_partial(thr_mma, accumulators: tuple, ptr: cute.Pointer, from_partial, 
         staged = cute.make_rmem_tensor(acc.shape, Float32)
         staged.fill(0.0)
         if from_partial:
-            block = phases.output_tile(ptr, None, first_row, first_col + j * TILE_N, n_size,
+            block = engine.output_tile(ptr, None, first_row, first_col + j * TILE_N, n_size,
                                        2 * TILE_N)  # fmt: skip
             cute.autovec_copy(thr_mma.partition_C(block), staged)
         for i in cutlass.range(cute.size(acc), unroll_full=True):
@@ -274,7 +274,7 @@ def copy_tile(thr_mma, accumulators: tuple, ptr: cute.Pointer, base_offset, firs
     [*, n_size] tensor at `ptr` + base_offset: "load" fp32 into them, "store" fp32 from them,
     "bf16" their rounding, or "fp32_accumulate" out += them in fp32 (old + sum, torch's `add_`)."""
     for j in cutlass.range_constexpr(2):
-        block = phases.output_tile(ptr, base_offset, first_row, first_col + j * TILE_N, n_size,
+        block = engine.output_tile(ptr, base_offset, first_row, first_col + j * TILE_N, n_size,
                                    2 * TILE_N)  # fmt: skip
         tCgOut = thr_mma.partition_C(block)
         acc = accumulators[j]

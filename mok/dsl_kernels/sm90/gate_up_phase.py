@@ -14,8 +14,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int64
 
 from ..common.mxfp8_values import store_round_trip
-from . import gemm_phases as phases
-from .gemm_phases import TILE_K, TILE_M, TILE_N
+from . import gemm_engine as engine
+from .gemm_engine import TILE_K, TILE_M, TILE_N
 
 # WaitPhase id (mok.runtime.WaitPhase, a wire format) of a down task waiting for hidden rows.
 PHASE_GATE_UP_GEMM = 6
@@ -26,9 +26,9 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
     mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1)."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
-    tXsX, tXgX = phases.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
-    tGsG, tGgG = phases.partition_tma_load(tma_wg, sB0, mWg, (TILE_N, TILE_K))
-    tUsU, tUgU = phases.partition_tma_load(tma_wu, sB1, mWu, (TILE_N, TILE_K))
+    tXsX, tXgX = engine.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
+    tGsG, tGgG = engine.partition_tma_load(tma_wg, sB0, mWg, (TILE_N, TILE_K))
+    tUsU, tUgU = engine.partition_tma_load(tma_wu, sB1, mWu, (TILE_N, TILE_K))
     gate_up_cols = intermediate_size // TILE_N
 
     def load(state, expert, col_tile, row_tile):
@@ -38,7 +38,7 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
             (tma_wg, tGgG, weight_tile, None, tGsG),
             (tma_wu, tUgU, weight_tile, None, tUsU),
         )
-        return phases.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
 
     return load
 

@@ -58,15 +58,11 @@ from ..common.params import (
 )
 from ..common.peers import peer_table
 from ..common.retire import retire_cta
-from . import combine_phase, d_hidden_phase, d_x_phase
-from . import epilogue_warps as handoff
-from . import gemm_phases as phases
-from .dispatch_phase import PHASE_BACKWARD_DISPATCH, dispatch_rows
-from .epilogue_warps import CREW, slot_stores
-from .expert_tiles import TileList
-from .gemm_phases import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
-from .minibatches import Minibatches, step_windows
-from .task_walk import (
+from ..phases import combine_phase
+from ..phases.dispatch_phase import PHASE_BACKWARD_DISPATCH, dispatch_rows
+from ..phases.expert_tiles import TileList
+from ..phases.minibatches import Minibatches, step_windows
+from ..phases.task_walk import (
     RowTileWait,
     StepArgs,
     WalkArgs,
@@ -75,7 +71,12 @@ from .task_walk import (
     produce_steps,
     store_steps,
 )
-from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
+from ..phases.tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
+from . import d_hidden_phase, d_x_phase
+from . import epilogue_warps as handoff
+from . import gemm_engine as engine
+from .epilogue_warps import CREW, slot_stores
+from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .weight_phase import (
     PhaseWait,
     WeightTasks,
@@ -185,11 +186,17 @@ class Sm90MoeBackward:
     mxfp8: bool = False
 
     def validate(self) -> None:
-        phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
+        engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
+        # The in-kernel sums (combine_phase) run on the consumer warpgroups.
+        if handoff.CONSUMER_THREADS != combine_phase.COMBINE_THREADS:
+            raise ValueError(
+                f"combine_phase.COMBINE_THREADS ({combine_phase.COMBINE_THREADS}) must equal the "
+                f"engine's consumer threads ({handoff.CONSUMER_THREADS})"
+            )
 
     @property
     def threads(self) -> int:
-        return phases.THREADS
+        return engine.THREADS
 
     def tma_specs(self) -> list[dict]:
         a_box = [TILE_K, TILE_M]
@@ -197,10 +204,10 @@ class Sm90MoeBackward:
         # A operands (rows x K) of d_hidden and d_x take a_box; the MN-major rest b_box.
         boxes = {"tma_dy": a_box, "tma_dg": a_box, "tma_du": a_box}
         names = (*BackwardTma._fields[::2], *WeightTma._fields[::2])
-        return [phases.tma_spec(name, boxes.get(name, b_box)) for name in names]
+        return [engine.tma_spec(name, boxes.get(name, b_box)) for name in names]
 
     def stage_bytes(self) -> int:
-        return phases.stage_bytes()
+        return engine.stage_bytes()
 
     def compile_arguments(self) -> tuple:
         return compile_arguments(self)
@@ -217,27 +224,27 @@ class Sm90MoeBackward:
         num_ctas: Int32,
     ):
         # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
-        a_layout = phases.k_major_coords()  # (rows, K)
-        b_layout = phases.mn_major_coords()  # (N, K rows)
-        a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
-        b_smem = phases.mn_major_smem_layout(TILE_N, self.stages)
+        a_layout = engine.k_major_coords()  # (rows, K)
+        b_layout = engine.mn_major_coords()  # (N, K rows)
+        a_smem = engine.k_major_smem_layout(TILE_M, self.stages)
+        b_smem = engine.mn_major_smem_layout(TILE_N, self.stages)
         tile_a = (TILE_M, TILE_K)
         tile_b = (TILE_N, TILE_K)
         tma = BackwardTma(
-            *phases.make_tma_load(operands.a_dy, a_layout, a_smem, tile_a),
-            *phases.make_tma_load(operands.b_wd, b_layout, b_smem, tile_b),
-            *phases.make_tma_load(operands.a_dg, a_layout, a_smem, tile_a),
-            *phases.make_tma_load(operands.a_du, a_layout, a_smem, tile_a),
-            *phases.make_tma_load(operands.b_wg, b_layout, b_smem, tile_b),
-            *phases.make_tma_load(operands.b_wu, b_layout, b_smem, tile_b),
+            *engine.make_tma_load(operands.a_dy, a_layout, a_smem, tile_a),
+            *engine.make_tma_load(operands.b_wd, b_layout, b_smem, tile_b),
+            *engine.make_tma_load(operands.a_dg, a_layout, a_smem, tile_a),
+            *engine.make_tma_load(operands.a_du, a_layout, a_smem, tile_a),
+            *engine.make_tma_load(operands.b_wg, b_layout, b_smem, tile_b),
+            *engine.make_tma_load(operands.b_wu, b_layout, b_smem, tile_b),
         )
-        w_smem = phases.mn_major_smem_layout(TILE_M, self.stages)
+        w_smem = engine.mn_major_smem_layout(TILE_M, self.stages)
         weight_tma = WeightTma(
-            *phases.make_tma_load(weight_operands.a_xdy, b_layout, w_smem, tile_a),
-            *phases.make_tma_load(weight_operands.a_xdg, b_layout, w_smem, tile_a),
-            *phases.make_tma_load(weight_operands.a_xdu, b_layout, w_smem, tile_a),
-            *phases.make_tma_load(weight_operands.b_xh, b_layout, b_smem, tile_b),
-            *phases.make_tma_load(weight_operands.b_xx, b_layout, b_smem, tile_b),
+            *engine.make_tma_load(weight_operands.a_xdy, b_layout, w_smem, tile_a),
+            *engine.make_tma_load(weight_operands.a_xdg, b_layout, w_smem, tile_a),
+            *engine.make_tma_load(weight_operands.a_xdu, b_layout, w_smem, tile_a),
+            *engine.make_tma_load(weight_operands.b_xh, b_layout, b_smem, tile_b),
+            *engine.make_tma_load(weight_operands.b_xx, b_layout, b_smem, tile_b),
         )
         self.kernel(tma, weight_tma, args, walk, weight_gemms, steps).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
@@ -253,20 +260,20 @@ class Sm90MoeBackward:
         weight_gemms: Int32,
         steps: StepArgs,
     ):
-        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+        tidx, bidx, grid_size, warp_idx, warpgroup = engine.thread_roles()
 
-        tiled_mma = phases.backward_mma()
-        a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
-        b_layout = phases.mn_major_smem_layout(TILE_N, self.stages)
+        tiled_mma = engine.backward_mma()
+        a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
+        b_layout = engine.mn_major_smem_layout(TILE_N, self.stages)
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
             a_layout, b_layout, self.stages, SLOT_BYTES
         )
         if warp_idx == 0:
             for atom in (*tma[::2], *weight_tma[::2]):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
-        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+        ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
         # The weight phase reads A MN-major: its own view of the same stage bytes.
-        w_layout = phases.mn_major_smem_layout(TILE_M, self.stages)
+        w_layout = engine.mn_major_smem_layout(TILE_M, self.stages)
         sA_w = storage.sA.get_tensor(w_layout.outer, swizzle=w_layout.inner)
 
         # ---- tile lists (128 x 256 tiles), counters, the ticket ----
@@ -301,9 +308,13 @@ class Sm90MoeBackward:
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
         task_ticket = dgu_total + Int64(4)
         dx_done = task_ticket + Int64(8)  # after the task and dispatch tickets
-        tickets = Tickets(task_ticket, task_slots(storage), num_d_hidden + num_d_x)
+        tickets = Tickets(
+            task_ticket, task_slots(storage, handoff.BUFFER_BYTES), num_d_hidden + num_d_x
+        )
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.
-        row_tickets = Tickets(task_ticket + Int64(4), task_slots(storage), row_tiles_total)
+        row_tickets = Tickets(
+            task_ticket + Int64(4), task_slots(storage, handoff.BUFFER_BYTES), row_tiles_total
+        )
 
         # ---- dispatch: dY_e = bf16(w * dY), every thread of the dispatching CTAs ----
         if bidx < dispatchers:
@@ -314,6 +325,7 @@ class Sm90MoeBackward:
                 dispatched,
                 buffers[2],
                 tidx,
+                engine.THREADS,
                 row_tickets,
                 (args.weight_ptr, peer_table(args.weight_ptrs)),
                 args.dy_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
@@ -406,12 +418,12 @@ class Sm90MoeBackward:
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
-            read_state, release_state = phases.make_consumer_states(self.stages)
+            thr_mma, operands, accs = engine.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
+            read_state, release_state = engine.make_consumer_states(self.stages)
 
             # ---- d_hidden tasks: the SwiGLU backward and partials here, d_gate/d_up to the crew
             def run_d_hidden(states, first_row, col_tile):
-                read_state, release_state = phases.mma_k_tiles(
+                read_state, release_state = engine.mma_k_tiles(
                     tiled_mma,
                     ring,
                     states[0],
@@ -438,11 +450,11 @@ class Sm90MoeBackward:
 
             # ---- d_x tasks: gate half then up half, rows to the crew. Own MMA object: `mma_k_tiles` sets
             # its accumulate field inside one loop, and a loop's values may not be used by another.
-            d_x_mma = phases.backward_mma()
-            d_x_thr = d_x_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
+            d_x_mma = engine.backward_mma()
+            d_x_thr = d_x_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
             def run_d_x(states, first_row, col_tile):
-                read_state, release_state = phases.mma_k_tiles(
+                read_state, release_state = engine.mma_k_tiles(
                     d_x_mma,
                     ring,
                     states[0],
@@ -493,10 +505,10 @@ class Sm90MoeBackward:
             CREW.hand_off_nothing()
             states = past_last_task(ring, states)
             # ---- weight tasks: both operands MN-major, their own MMA object and A view ----
-            w_mma = phases.make_tiled_mma(
+            w_mma = engine.make_tiled_mma(
                 cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.MN
             )
-            w_thr, w_operands = phases.make_operand_fragments(w_mma, tidx, sA_w, sB0, sB1)
+            w_thr, w_operands = engine.make_operand_fragments(w_mma, tidx, sA_w, sB0, sB1)
             consume_weight_tasks(
                 states,
                 weight_tasks,
@@ -512,7 +524,7 @@ class Sm90MoeBackward:
             )
             if args.finish_tokens > 0:
                 combine_phase.finish_backward(
-                    tidx - phases.THREADS_PER_WARPGROUP,
+                    tidx - engine.THREADS_PER_WARPGROUP,
                     bidx,
                     grid_size,
                     ((dx_done, num_d_x), (dgu_total, num_d_hidden)),

@@ -58,22 +58,11 @@ from ..common.params import (
 )
 from ..common.peers import peer_table
 from ..common.retire import retire_cta
-from . import combine_phase, down_phase, gate_up_phase, schedule_phase
-from . import epilogue_warps as handoff
-from . import gemm_phases as phases
-from .dispatch_phase import PHASE_DISPATCH, dispatch_rows
-from .epilogue_warps import CREW, slot_stores
-from .expert_tiles import TileList
-from .gemm_phases import (
-    CONSUMER_REGISTERS,
-    PRODUCER_REGISTERS,
-    THREADS_PER_WARPGROUP,
-    TILE_K,
-    TILE_M,
-    TILE_N,
-)
-from .minibatches import Minibatches, step_of
-from .task_walk import (
+from ..phases import combine_phase, schedule_phase
+from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
+from ..phases.expert_tiles import TileList
+from ..phases.minibatches import Minibatches, step_of
+from ..phases.task_walk import (
     RowTileWait,
     StepArgs,
     WalkArgs,
@@ -81,7 +70,19 @@ from .task_walk import (
     produce_steps,
     store_steps,
 )
-from .tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
+from ..phases.tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
+from . import down_phase, gate_up_phase
+from . import epilogue_warps as handoff
+from . import gemm_engine as engine
+from .epilogue_warps import CREW, slot_stores
+from .gemm_engine import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    THREADS_PER_WARPGROUP,
+    TILE_K,
+    TILE_M,
+    TILE_N,
+)
 
 # Shapes: x [T, H], x_routed [C, H], gate/up/hidden [C, I], slots [T * k, H] bf16; W_gate,
 # W_up viewed [E * I, H], W_down [E * H, I]; peer_rank, peer_token_idx [C], num_tokens [1],
@@ -151,18 +152,24 @@ class Sm90MoeForward:
     mxfp8: bool = False
 
     def validate(self) -> None:
-        phases.validate_stages(self.stages, phases.MAX_STAGES_WITH_CREW)
+        engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
+        # The in-kernel sums (combine_phase) run on the consumer warpgroups.
+        if handoff.CONSUMER_THREADS != combine_phase.COMBINE_THREADS:
+            raise ValueError(
+                f"combine_phase.COMBINE_THREADS ({combine_phase.COMBINE_THREADS}) must equal the "
+                f"engine's consumer threads ({handoff.CONSUMER_THREADS})"
+            )
 
     @property
     def threads(self) -> int:
-        return phases.THREADS
+        return engine.THREADS
 
     def tma_specs(self) -> list[dict]:
         box = [TILE_K, TILE_M]
-        return [phases.tma_spec(name, box) for name in ForwardTma._fields[::2]]
+        return [engine.tma_spec(name, box) for name in ForwardTma._fields[::2]]
 
     def stage_bytes(self) -> int:
-        return phases.stage_bytes()
+        return engine.stage_bytes()
 
     def compile_arguments(self) -> tuple:
         return compile_arguments(self)
@@ -177,17 +184,17 @@ class Sm90MoeForward:
         num_ctas: Int32,
     ):
         # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
-        layout = phases.k_major_coords()
-        a_smem = phases.k_major_smem_layout(TILE_M, self.stages)
-        b_smem = phases.k_major_smem_layout(TILE_N, self.stages)
+        layout = engine.k_major_coords()
+        a_smem = engine.k_major_smem_layout(TILE_M, self.stages)
+        b_smem = engine.k_major_smem_layout(TILE_N, self.stages)
         tile_a = (TILE_M, TILE_K)
         tile_b = (TILE_N, TILE_K)
         tma = ForwardTma(
-            *phases.make_tma_load(operands.a_x, layout, a_smem, tile_a),
-            *phases.make_tma_load(operands.b_wg, layout, b_smem, tile_b),
-            *phases.make_tma_load(operands.b_wu, layout, b_smem, tile_b),
-            *phases.make_tma_load(operands.a_h, layout, a_smem, tile_a),
-            *phases.make_tma_load(operands.b_wd, layout, b_smem, tile_b),
+            *engine.make_tma_load(operands.a_x, layout, a_smem, tile_a),
+            *engine.make_tma_load(operands.b_wg, layout, b_smem, tile_b),
+            *engine.make_tma_load(operands.b_wu, layout, b_smem, tile_b),
+            *engine.make_tma_load(operands.a_h, layout, a_smem, tile_a),
+            *engine.make_tma_load(operands.b_wd, layout, b_smem, tile_b),
         )
         self.kernel(tma, args, walk, steps).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
@@ -195,16 +202,16 @@ class Sm90MoeForward:
 
     @cute.kernel
     def kernel(self, tma: ForwardTma, args: ForwardTensors, walk: WalkArgs, steps: StepArgs):
-        tidx, bidx, grid_size, warp_idx, warpgroup = phases.thread_roles()
+        tidx, bidx, grid_size, warp_idx, warpgroup = engine.thread_roles()
         crew = CREW
 
-        tiled_mma = phases.forward_mma()
-        a_layout = phases.k_major_smem_layout(TILE_M, self.stages)
-        b_layout = phases.k_major_smem_layout(TILE_N, self.stages)
+        tiled_mma = engine.forward_mma()
+        a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
+        b_layout = engine.k_major_smem_layout(TILE_N, self.stages)
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
             a_layout, b_layout, self.stages, SLOT_BYTES
         )
-        ring = phases.make_operand_ring(storage, a_layout, b_layout, self.stages)
+        ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
         loaded = (sA, sB0, sB1)
         if warp_idx == 0:
             for atom in (tma.tma_x, tma.tma_wg, tma.tma_wu, tma.tma_h, tma.tma_wd):
@@ -249,7 +256,7 @@ class Sm90MoeForward:
         row_tiles_total = routed_rows // TILE_M
         batches = Minibatches(steps.minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
         num_tasks = row_tiles_total * (gate_up_cols + down_cols)
-        slots = task_slots(storage)
+        slots = task_slots(storage, handoff.BUFFER_BYTES)
         tickets = Tickets(task_ticket, slots, num_tasks)
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.
         row_tickets = Tickets(task_ticket + Int64(4), slots, row_tiles_total)
@@ -264,6 +271,7 @@ class Sm90MoeForward:
                 dispatched,
                 buffers[2],
                 tidx,
+                engine.THREADS,
                 row_tickets,
                 rounded_ptr=args.x_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
             )
@@ -317,15 +325,15 @@ class Sm90MoeForward:
         else:
             # ---- consumers: each task's mainloop, then its accumulators to the crew ----
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            thr_mma, operands, accs = phases.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
-            read_state, release_state = phases.make_consumer_states(self.stages)
+            thr_mma, operands, accs = engine.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
+            read_state, release_state = engine.make_consumer_states(self.stages)
             # Each phase has its own MMA object: `mma_k_tiles` sets its accumulate field inside
             # one loop, and a value made inside one loop may not be used by another.
-            down_mma = phases.forward_mma()
-            down_thr = down_mma.get_slice(tidx - phases.THREADS_PER_WARPGROUP)
+            down_mma = engine.forward_mma()
+            down_thr = down_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
             def run_task(states, mma, thr, k_tiles):
-                read_state, release_state = phases.mma_k_tiles(
+                read_state, release_state = engine.mma_k_tiles(
                     mma, ring, states[0], states[1], k_tiles, operands, accs
                 )
                 crew.hand_off(thr, accs, buffers)

@@ -19,9 +19,9 @@ from cutlass import Int32, Int64
 
 from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_gpu_s32
 from . import epilogue_warps as handoff
-from . import gemm_phases as phases
+from . import gemm_engine as engine
 from .expert_gemm_bwd_weights import grouped_tile_coords
-from .gemm_phases import TILE_K, TILE_M, TILE_N
+from .gemm_engine import TILE_K, TILE_M, TILE_N
 
 NUM_GEMMS = 3
 
@@ -116,7 +116,7 @@ def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size
                     (tma_b, tBgB, 2 * n_pair, k_base, tBsB0),
                     (tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
                 )
-                state = phases.load_k_tiles(ring, state, k_tiles, stage_loads)
+                state = engine.load_k_tiles(ring, state, k_tiles, stage_loads)
         task = task + grid_size
     return state
 
@@ -130,7 +130,7 @@ def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int
     total = num_weight_tasks(tasks)
     while task < total:
         _, expert, _, _, _ = locate_weight_task(tasks, task)
-        read_state, release_state = phases.mma_k_tiles(
+        read_state, release_state = engine.mma_k_tiles(
             tiled_mma, ring, read_state, release_state,
             tasks.tokens_per_expert[expert] // TILE_K, operands, accs, may_be_empty=True,
         )  # fmt: skip
@@ -166,11 +166,11 @@ def weight_loads(sA_w, sB0, sB1, weight_tma):
     tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx)."""
     tma_xdy, mXdy, tma_xdg, mXdg, tma_xdu, mXdu, tma_xh, mXh, tma_xx, mXx = weight_tma
     tile_a = (TILE_M, TILE_K)
-    xdy_s, xdy_g = phases.partition_tma_load(tma_xdy, sA_w, mXdy, tile_a)
-    xdg_s, xdg_g = phases.partition_tma_load(tma_xdg, sA_w, mXdg, tile_a)
-    xdu_s, xdu_g = phases.partition_tma_load(tma_xdu, sA_w, mXdu, tile_a)
-    xh_s0, xh_s1, xh_g = phases.partition_tma_load_pair(tma_xh, sB0, sB1, mXh)
-    xx_s0, xx_s1, xx_g = phases.partition_tma_load_pair(tma_xx, sB0, sB1, mXx)
+    xdy_s, xdy_g = engine.partition_tma_load(tma_xdy, sA_w, mXdy, tile_a)
+    xdg_s, xdg_g = engine.partition_tma_load(tma_xdg, sA_w, mXdg, tile_a)
+    xdu_s, xdu_g = engine.partition_tma_load(tma_xdu, sA_w, mXdu, tile_a)
+    xh_s0, xh_s1, xh_g = engine.partition_tma_load_pair(tma_xh, sB0, sB1, mXh)
+    xx_s0, xx_s1, xx_g = engine.partition_tma_load_pair(tma_xx, sB0, sB1, mXx)
     return (
         (tma_xdy, xdy_g, xdy_s, tma_xh, xh_g, xh_s0, xh_s1),
         (tma_xdg, xdg_g, xdg_s, tma_xx, xx_g, xx_s0, xx_s1),

@@ -38,7 +38,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8, Uint16
 
 from ..common.params import aligned_pointer, compile_arguments
 from ..common.ptx import fma_rn, mul_rn
-from .gemm_phases import fence_accumulators, k_major_smem_layout, make_tiled_mma
+from .gemm_engine import fence_accumulators, k_major_smem_layout, make_tiled_mma
 
 ENGINES = ("bf16", "fp8", "fp8_promote1", "fp8_promote2")
 TILE = 128  # rows (two warpgroups x 64) and columns of the output tile

@@ -13,17 +13,17 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..common.bounded_wait import atom_add_relaxed_gpu_s32
-from .epilogue_warps import BUFFER_BYTES
 
 TASK_SLOTS = 8
 SLOT_BYTES = 4 * TASK_SLOTS
 NO_TASK = -1
 
 
-def task_slots(storage) -> cute.Tensor:
-    """TASK_SLOTS int32 slots after the crew's hand-off blocks in `storage.staging`."""
+def task_slots(storage, offset_bytes: int) -> cute.Tensor:
+    """TASK_SLOTS int32 slots at `offset_bytes` of `storage.staging`: the engine's shared
+    memory, past what its crew hand-off uses (sm90: epilogue_warps.BUFFER_BYTES)."""
     return cute.make_tensor(
-        cute.recast_ptr(storage.staging.data_ptr() + BUFFER_BYTES, dtype=Int32),
+        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=Int32),
         cute.make_layout(TASK_SLOTS),
     )
 

@@ -30,22 +30,32 @@ from ..common.mxfp8_values import round_trip_chunk
 from ..common.peers import RANK_UNIT, rank_address
 from ..common.ptx import mul_rn
 from ..common.row_chunks import VECTOR, chunked_row_views
-from .gemm_phases import THREADS, TILE_M
 from .tickets import Tickets
+from .tiles import TILE_M
 
 # WaitPhase ids (mok.runtime.WaitPhase, a wire format) of tasks waiting for dispatched rows.
 PHASE_DISPATCH = 5
 PHASE_BACKWARD_DISPATCH = 9
-# Each thread keeps DISPATCH_BATCH 16-byte loads in flight (384 threads: 48 KiB per SM), every
-# load of a batch issued before its stores.
+# Each thread keeps DISPATCH_BATCH 16-byte loads in flight (sm90's 384 threads: 48 KiB per SM),
+# every load of a batch issued before its stores.
 DISPATCH_BATCH = 8
 
 
 @cute.jit
 def dispatch_rows(
-    src, out_ptr, walk, dispatched, table, tidx, tickets: Tickets, weights=None, rounded_ptr=None
+    src,
+    out_ptr,
+    walk,
+    dispatched,
+    table,
+    tidx,
+    threads: int,
+    tickets: Tickets,
+    weights=None,
+    rounded_ptr=None,
 ) -> Int32:
-    """All 384 threads: row tiles of `out` (bf16 [capacity, H]) by ticket, until the ticket
+    """All `threads` threads of the CTA (the megakernel's block size, a multiple of 32 and >=
+    TILE_M; sm90: 384): row tiles of `out` (bf16 [capacity, H]) by ticket, until the ticket
     reaches `tickets.total` (the routed row tiles); returns how many this CTA copied.
     `walk` (task_walk.WalkArgs): the schedule and the sizes. `src` = (local bf16 [T, H] pointer, peer table tensor of int64 addresses, ep_rank);
     `weights` = (local fp32 [T * k] pointer, its peer table) or None: unscaled. `rounded_ptr`:
@@ -102,7 +112,7 @@ def dispatch_rows(
         next_tile = Int32(0)
         if tidx == 0:
             next_tile = atom_add_relaxed_gpu_s32(tickets.counter, Int32(1))
-        for r in cutlass.range(warp, TILE_M, THREADS // 32, unroll=1):
+        for r in cutlass.range(warp, TILE_M, threads // 32, unroll=1):
             packed = table[r]
             rank = packed // RANK_UNIT
             source = packed % RANK_UNIT

@@ -5,7 +5,7 @@ kernels/schedule.py), so a layer step needs no schedule launch.
 Every thread of every CTA takes schedule tickets (one int32 of the launch's counters, thread 0's
 `atom.add` broadcast through shared memory) until none are left: tickets [0, num_chunks) count
 chunk t, [num_chunks, 2 * num_chunks) place chunk t - num_chunks, as the schedule kernel's. The
-task runs on threads 0 .. 255 (warpgroups 0-1: the schedule's 256-thread CTA) with named
+task runs on threads 0 .. 255 (sm90: warpgroups 0-1; the schedule's 256-thread CTA) with named
 barrier SCHEDULE_SYNC in place of the CTA barrier, its shared-memory tables carved from the
 operand ring (unused until the mainloop). The count task that scans last releases `scanned`;
 a placement waits for it (bounded) and, once placed, releases `placed`. Then thread 0 waits
@@ -31,7 +31,7 @@ from ..common.schedule_place import PLACE_SMEM_SIZES, place_smem
 from ..common.schedule_tasks import PHASE_SCHEDULE, schedule_task, take_task
 from ..common.schedule_warp import CHUNK, THREADS, smem_words
 
-SCHEDULE_SYNC = 8  # named barrier of threads 0 .. 255 (epilogue_warps.py has 3-6, combine 7)
+SCHEDULE_SYNC = 8  # named barrier of threads 0 .. 255 (sm90/epilogue_warps.py has 3-6, combine 7)
 # The phase's int32 words in the launch's counters: the schedule kernel's ticket, count
 # arrivals and scanned words (common/schedule_tasks.py), then placed.
 WORD_PLACED, WORDS = 3, 4

@@ -11,9 +11,9 @@ from cutlass import Float32, Int32, Int64
 from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_gpu_s32
 from ..common.params import Int32Pointer
 from .expert_tiles import TileList, locate_first_tile, locate_tile
-from .gemm_phases import TILE_M, TILE_N
 from .minibatches import step_windows
 from .tickets import Tickets, consumer_task, crew_task, take_ticket
+from .tiles import TILE_M, TILE_N
 
 
 class WalkArgs(NamedTuple):
@@ -149,9 +149,9 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
                 end: Int32, buffers, lane, tile_cols: int, slots, store_chunk, store_args,
                 after_tile=None, after_args=(), handoffs: int = 1, first=None,
                 end_row=None):  # fmt: skip
-    """Crew: store each hand-off of this phase's tasks, as EpilogueCrew.run does for a static
-    walk (`slots`, `handoffs`, `after_tile` alike; `first`, `end_row` as in produce_phase).
-    Returns (seq, task)."""
+    """Crew: store each hand-off of this phase's tasks, as EpilogueCrew.run (sm90) does for a
+    static walk (`slots`, `handoffs`, `after_tile` alike; `first`, `end_row` as in
+    produce_phase). Returns (seq, task)."""
     cursor = first
     if cutlass.const_expr(first is None):
         cursor = locate_first_tile(tiles, Int32(0))

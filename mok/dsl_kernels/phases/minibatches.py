@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .expert_tiles import TileList, window_cursor
-from .gemm_phases import TILE_M
+from .tiles import TILE_M
 
 
 class Minibatches(NamedTuple):

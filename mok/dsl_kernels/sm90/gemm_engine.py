@@ -2,6 +2,10 @@
 warpgroup (warp 0 issues TMA) and two consumer warpgroups (64 rows each) into two fp32 128 x 128
 accumulators sharing A, over a `stages`-deep mbarrier ring. The order of operations is pinned by
 the byte-identical cubin check.
+
+This module and the crew hand-off (epilogue_warps.py) implement the GEMM-engine interface that
+the megakernels and the MMA phases call (docs/DESIGN.md §4, "The arch boundary"); the tile
+geometry is phases/tiles.py's.
 """
 
 import cutlass
@@ -12,10 +16,10 @@ from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.ptx import fence_operand
-from .expert_tiles import TILE_ROWS
+from ..phases.tiles import TILE_M, TILE_N
 
-TILE_M = TILE_ROWS  # rows per CTA tile (two consumer warpgroups x 64 rows)
-TILE_N = 128  # columns of each of the two accumulators
+# TILE_M x TILE_N (phases/tiles.py): the CTA tile's rows (two consumer warpgroups x 64 rows) and
+# the columns of each of the two accumulators.
 TILE_K = 64  # bf16 K elements per ring stage: one 128-byte swizzle atom row
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
