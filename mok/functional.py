@@ -75,7 +75,10 @@ _MXFP8_NOT_YET = "{name} was given as an MXFP8 tuple where bf16 weights are expe
 
 
 def _check_common(config, workspace, schedule=None) -> None:
-    check_type("config", config, MoKConfig)  # validated when it was made (frozen)
+    check_type("config", config, MoKConfig)
+    # Checked here, not when made (the original's MoKConfig takes any values): once per config
+    # object and call shape, as the memo of checked calls skips this on a hit.
+    config.validate()
     check_type("workspace", workspace, MoKWorkspace)
     workspace.require_alive()
     if schedule is not None:

@@ -402,3 +402,36 @@ def test_cache_reuses_by_capacity_and_isolates_groups(world_of_one):
         assert other_group.group_name == duplicate.group_name != default.group_name
     finally:
         created.destroy()
+
+
+# ----------------------------------------------------------------------------------------------
+# MoKConfig: made with any values, checked where it is used
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        (dict(fwd_num_comm_sms=1), "fwd_num_comm_sms"),
+        (dict(bwd_num_comm_sms=1), "bwd_num_comm_sms"),
+        (dict(minibatch_size=128, macrobatch_size=256), "minibatch_size"),
+        (dict(minibatch_size=256, macrobatch_size=384), "macrobatch_size"),
+        (dict(all_gather_top_experts_chunk_bytes=15), "all_gather_top_experts_chunk_bytes"),
+    ],
+    ids=["fwd-sms", "bwd-sms", "minibatch", "macrobatch", "chunk"],
+)
+def test_a_bad_config_is_made_freely_and_refused_by_build_schedule(bad, field):
+    # A list of bad configs built up front, then each passed to build_schedule inside its own
+    # try: the original raises at that call, never where the config is made.
+    config = functional.MoKConfig(**(dict(minibatch_size=256, macrobatch_size=256) | bad))
+    ws = functional.create_workspace(CONFIG, None, device="cpu", num_local_tokens=T,
+                                     hidden_size=256, topk=1)  # fmt: skip
+    try:
+        top_experts = torch.zeros(T, 1, dtype=torch.int64)
+        with pytest.raises(ValueError, match=field):
+            functional.build_schedule(ws, config, top_experts, num_local_experts=1)
+        # The workspace is untouched: the good config still builds a schedule on it.
+        schedule = functional.build_schedule(ws, CONFIG, top_experts, num_local_experts=1)
+        assert int(schedule.num_tokens.item()) >= T
+    finally:
+        ws.destroy()
