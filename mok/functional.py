@@ -28,6 +28,7 @@ from .mxfp8_weights import check_mxfp8_weights, is_mxfp8
 from .types import MoKForwardContext, MoKSchedule
 from .validation import (
     CheckedCalls,
+    check_chunk_divides_routes,
     check_int,
     check_swiglu_limit,
     check_tensor,
@@ -75,7 +76,10 @@ _MXFP8_NOT_YET = "{name} was given as an MXFP8 tuple where bf16 weights are expe
 
 
 def _check_common(config, workspace, schedule=None) -> None:
-    check_type("config", config, MoKConfig)  # validated when it was made (frozen)
+    check_type("config", config, MoKConfig)
+    # Checked here, not when made (the original's MoKConfig takes any values): once per config
+    # object and call shape, as the memo of checked calls skips this on a hit.
+    config.validate()
     check_type("workspace", workspace, MoKWorkspace)
     workspace.require_alive()
     if schedule is not None:
@@ -188,6 +192,8 @@ def build_schedule(
         check_tensor("top_experts", top_experts, dtype=torch.int64,
                      shape=[workspace.num_local_tokens, workspace.topk],
                      device=workspace.device)  # fmt: skip
+        check_chunk_divides_routes(config.all_gather_top_experts_chunk_bytes,
+                                   workspace.num_local_tokens, workspace.topk)  # fmt: skip
         _CHECKED.add(key, config)
     outs = ops.call(
         "build_schedule",

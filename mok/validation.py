@@ -112,6 +112,18 @@ class CheckedCalls:
         self._keys[key] = pinned
 
 
+def check_chunk_divides_routes(chunk_bytes: int, num_local_tokens: int, topk: int) -> None:
+    """The original's rule: all_gather_top_experts_chunk_bytes divides one rank's int32 route
+    bytes (T * k * 4). Applied at the token counts the original takes (T >= 512, a multiple of
+    256); at the others (mok's any T) a chunk need not divide them."""
+    route_bytes = num_local_tokens * topk * 4
+    if num_local_tokens >= 512 and num_local_tokens % 256 == 0 and route_bytes % chunk_bytes:
+        raise ValueError(
+            f"all_gather_top_experts_chunk_bytes must divide one rank's route bytes "
+            f"(num_local_tokens * topk * 4 = {route_bytes}), got {chunk_bytes}"
+        )
+
+
 def check_swiglu_limit(value) -> float | None:
     if value is None:
         return None

@@ -305,9 +305,9 @@ def test_macrobatch_errors_are_clear_on_both_paths():
         with pytest.raises(ValueError, match=message):
             ops.forward(ws.handle, *sched, inputs["x"], inputs["router_weights"], *weights, None,
                         0, minibatch, size)  # fmt: skip
-    # MoKConfig refuses them where it is made.
+    # MoKConfig refuses them where it is used (made with any values, as the original's).
     with pytest.raises(ValueError, match="multiple of minibatch_size"):
-        F.MoKConfig(minibatch_size=256, macrobatch_size=384)
+        F.MoKConfig(minibatch_size=256, macrobatch_size=384).validate()
 
 
 def test_backward_refuses_a_context_of_other_rows():

@@ -276,11 +276,16 @@ def test_experts_check_their_arguments_at_construction(kwargs, exc, match):
         (dict(schedule_capacity_multiplier=0), r"schedule_capacity_multiplier must be a finite number > 0, got 0"),
     ],
 )  # fmt: skip
-def test_config_checks_its_fields_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        MoKConfig(**kwargs)
-    with pytest.raises(ValueError, match=match):
-        dataclasses.replace(MoKConfig(), **kwargs)
+def test_config_checks_its_fields_where_it_is_used(kwargs, match):
+    # Made with any values, as the original's MoKConfig; the first use names the bad field.
+    for config in (MoKConfig(**kwargs), dataclasses.replace(MoKConfig(), **kwargs)):
+        with pytest.raises(ValueError, match=match):
+            config.validate()
+        with pytest.raises(ValueError, match=match):
+            F.get_workspace(config, None, device="cpu", num_local_tokens=8, hidden_size=128,
+                            topk=2)  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            MoKExperts(4, 128, 128, 2, config=config)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")

@@ -402,3 +402,88 @@ def test_cache_reuses_by_capacity_and_isolates_groups(world_of_one):
         assert other_group.group_name == duplicate.group_name != default.group_name
     finally:
         created.destroy()
+
+
+# ----------------------------------------------------------------------------------------------
+# MoKConfig: made with any values, checked where it is used
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        (dict(fwd_num_comm_sms=1), "fwd_num_comm_sms"),
+        (dict(bwd_num_comm_sms=1), "bwd_num_comm_sms"),
+        (dict(minibatch_size=128, macrobatch_size=256), "minibatch_size"),
+        (dict(minibatch_size=256, macrobatch_size=384), "macrobatch_size"),
+        (dict(all_gather_top_experts_chunk_bytes=15), "all_gather_top_experts_chunk_bytes"),
+    ],
+    ids=["fwd-sms", "bwd-sms", "minibatch", "macrobatch", "chunk"],
+)
+def test_a_bad_config_is_made_freely_and_refused_by_build_schedule(bad, field):
+    # A list of bad configs built up front, then each passed to build_schedule inside its own
+    # try: the original raises at that call, never where the config is made.
+    config = functional.MoKConfig(**(dict(minibatch_size=256, macrobatch_size=256) | bad))
+    ws = functional.create_workspace(CONFIG, None, device="cpu", num_local_tokens=T,
+                                     hidden_size=256, topk=1)  # fmt: skip
+    try:
+        top_experts = torch.zeros(T, 1, dtype=torch.int64)
+        with pytest.raises(ValueError, match=field):
+            functional.build_schedule(ws, config, top_experts, num_local_experts=1)
+        # The workspace is untouched: the good config still builds a schedule on it.
+        schedule = functional.build_schedule(ws, CONFIG, top_experts, num_local_experts=1)
+        assert int(schedule.num_tokens.item()) >= T
+    finally:
+        ws.destroy()
+
+
+# ----------------------------------------------------------------------------------------------
+# the all-gather's checks that need no workspace come first
+# ----------------------------------------------------------------------------------------------
+
+
+def _routing_workspace(topk: int = 1):
+    return functional.create_workspace(CONFIG, None, device="cpu", num_local_tokens=T,
+                                       hidden_size=256, topk=topk)  # fmt: skip
+
+
+def test_all_gather_names_a_buffer_of_the_wrong_dtype_as_a_type_error():
+    ws = _routing_workspace()
+    try:
+        # A converted copy is held by no workspace: its dtype is the error, not the lookup.
+        with pytest.raises(TypeError, match="all_gather_top_experts_buffer must have dtype"):
+            ops.all_gather_top_experts(torch.zeros(T, 1, dtype=torch.int32),
+                                       ws.all_gather_top_experts_buffer.to(torch.int64),
+                                       ws.all_gather_top_experts_buffer_multicast_ptr, 0, 16)  # fmt: skip
+    finally:
+        ws.destroy()
+
+
+@pytest.mark.parametrize("chunk", [48, 1024 + 16])
+def test_a_chunk_that_does_not_divide_the_routes_is_refused(chunk):
+    # 512 tokens * top-1 * 4 bytes = 2048 route bytes: 48 and 1040 leave a ragged last chunk.
+    ws = _routing_workspace()
+    top_experts = torch.zeros(T, 1, dtype=torch.int64)
+    try:
+        with pytest.raises(ValueError, match="must divide one rank's route bytes"):
+            ops.all_gather_top_experts(top_experts.to(torch.int32),
+                                       ws.all_gather_top_experts_buffer,
+                                       ws.all_gather_top_experts_buffer_multicast_ptr, 0, chunk)  # fmt: skip
+        config = functional.MoKConfig(minibatch_size=256, macrobatch_size=512,
+                                      all_gather_top_experts_chunk_bytes=chunk)  # fmt: skip
+        with pytest.raises(ValueError, match="must divide one rank's route bytes"):
+            functional.build_schedule(ws, config, top_experts, num_local_experts=1)
+        # A dividing chunk runs, and a token count the original refuses takes any chunk.
+        ops.all_gather_top_experts(top_experts.to(torch.int32), ws.all_gather_top_experts_buffer,
+                                   ws.all_gather_top_experts_buffer_multicast_ptr, 0, 512)  # fmt: skip
+    finally:
+        ws.destroy()
+    small = functional.create_workspace(CONFIG, None, device="cpu", num_local_tokens=100,
+                                        hidden_size=256, topk=1)  # fmt: skip
+    try:
+        config = functional.MoKConfig(minibatch_size=256, macrobatch_size=512,
+                                      all_gather_top_experts_chunk_bytes=chunk)  # fmt: skip
+        functional.build_schedule(small, config, torch.zeros(100, 1, dtype=torch.int64),
+                                  num_local_experts=1)  # fmt: skip
+    finally:
+        small.destroy()

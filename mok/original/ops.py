@@ -49,7 +49,12 @@ import torch.distributed as dist
 
 from .. import layer_ops, mxfp8_context, reference
 from ..types import MoKForwardContext, MoKSchedule
-from ..validation import check_expert_id_values, check_int, check_tensor
+from ..validation import (
+    check_chunk_divides_routes,
+    check_expert_id_values,
+    check_int,
+    check_tensor,
+)
 from . import checks, slot_passes
 
 __all__ = [
@@ -88,6 +93,7 @@ def _check_all_gather(top_experts, buffer, multicast_ptr, rank, chunk_bytes, ws=
     check_tensor("all_gather_top_experts_buffer", buffer, dtype=torch.int32,
                  shape=[None, *top_experts.shape], device=top_experts.device)  # fmt: skip
     check_int("chunk_bytes", chunk_bytes, minimum=16, multiple_of=16)
+    check_chunk_divides_routes(chunk_bytes, *top_experts.shape)
     check_int("all_gather_top_experts_buffer_multicast_ptr", multicast_ptr)
     if ws is None:
         return
@@ -124,6 +130,10 @@ def all_gather_top_experts(
     Outputs: none; row p of the buffer becomes rank p's ids (collective over the EP group).
     """
     buffer = all_gather_top_experts_buffer
+    # The checks that need no workspace first, as the original's order: a wrong dtype of the
+    # buffer is its TypeError, not a failed lookup of a copy no workspace holds.
+    _check_all_gather(top_experts, buffer, all_gather_top_experts_buffer_multicast_ptr, rank,
+                      chunk_bytes)  # fmt: skip
     ws = checks.workspace_holding("all_gather_top_experts_buffer", "all_gather_top_experts_buffer",
                                   buffer)  # fmt: skip
     _check_all_gather(top_experts, buffer, all_gather_top_experts_buffer_multicast_ptr, rank,
