@@ -101,7 +101,7 @@ def variants() -> list[Variant]:
             {"threads": 128, "rows_per_cta": 4},
             launch_grid="(ceil(hidden_size / (8 * 128)), min(ceil(num_rows / 4), 65535), 1)",
         ),
-        # The receive schedule's count and placement tasks in one launch (common/schedule.py);
+        # The receive schedule's count and placement tasks in one launch (kernels/schedule.py);
         # ids64, a group of one's: the caller's int64 routing in place of the all-gather's copy.
         *(
             Variant(name, Schedule, config, launch_grid="(max(1, ceil(num_entries / 4096)), 1, 1)")
