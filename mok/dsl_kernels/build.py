@@ -246,6 +246,8 @@ def compile_variant(variant, arch: str) -> tuple[dict, bytes, str]:
     """(manifest entry, cubin bytes, PTX text) of one registry variant for one arch."""
     import cutlass.cute as cute
 
+    from .common.params import compile_arguments
+
     kernel_obj = variant.kernel(**variant.config)
     if hasattr(kernel_obj, "validate"):
         kernel_obj.validate()
@@ -256,7 +258,7 @@ def compile_variant(variant, arch: str) -> tuple[dict, bytes, str]:
     with tempfile.TemporaryDirectory(prefix="mok_dsl_") as dump_dir:
         compiled = cute.compile(
             kernel_obj,
-            *kernel_obj.compile_arguments(),
+            *compile_arguments(kernel_obj),
             options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump_dir}",
         )
         ptx, cubin = compiled.__ptx__, compiled.__cubin__

@@ -1,6 +1,6 @@
 """Placeholder arguments for compiling a kernel with no GPU and no tensors.
 
-A kernel's `compile_arguments()` (common/params.py) gives each pointer field of its parameter
+`compile_arguments(kernel)` (common/params.py) gives each pointer field of its parameter
 bundles a null pointer that carries only the element type and the alignment the kernel may
 assume, and each scalar a typed zero (its value is a runtime parameter of the cubin).
 """

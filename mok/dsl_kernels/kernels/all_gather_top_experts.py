@@ -68,7 +68,6 @@ from ..common.params import (
     ErrorRecordPointer,
     Int64Pointer,
     aligned_pointer,
-    compile_arguments,
 )
 from ..common.value_checks import STATUS_BAD_EXPERT_ID, load_checked_id
 
@@ -118,9 +117,6 @@ class AllGatherTopExperts:
     (ep_barrier.py). Launch grid (ctas_per_peer, world_size, 1),
     block (128, 1, 1), no dynamic smem, cluster (1, 1, 1).
     """
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: AllGatherArgs):

@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from ..common.combine_rows import combine_block
-from ..common.params import Fp32Pointer, Int32Pointer, compile_arguments
+from ..common.params import Fp32Pointer, Int32Pointer
 from ..common.router_grad_rows import push_row
 from ..common.row_chunks import VECTOR
 from .moe_combine_backward import CombineBackwardArgs
@@ -52,9 +52,6 @@ class BackwardFinish:
             raise ValueError(f"threads must be one of 64, 128, 256, got {self.threads}")
         if self.tokens_per_cta not in (1, 2, 4, 8):
             raise ValueError(f"tokens_per_cta must be one of 1, 2, 4, 8, got {self.tokens_per_cta}")
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, combine: CombineBackwardArgs, push: FinishPushArgs):

@@ -65,7 +65,7 @@ from ..common.barrier_arrivals import (
     retire_arrival_epoch,
     wait_for_source,
 )
-from ..common.params import ErrorRecordPointer, Int64Pointer, compile_arguments
+from ..common.params import ErrorRecordPointer, Int64Pointer
 
 THREADS = 128  # thread t arrives at peers t, t+128, ... and waits on slots t, t+128, ...
 
@@ -100,9 +100,6 @@ class EpBarrier:
     8- and 4-byte aligned; comm launches of one workspace stream-ordered (module doc); launch
     grid (1, 1, 1), block (128, 1, 1), no dynamic smem, cluster (1, 1, 1).
     """
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: EpBarrierArgs):

@@ -7,7 +7,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..common.bounded_wait import NO_TASK, OWN_MEMORY, bounded_wait_reached, st_relaxed_sys_b32
-from ..common.params import ErrorRecordPointer, Int32Pointer, compile_arguments
+from ..common.params import ErrorRecordPointer, Int32Pointer
 
 THREADS = 32  # one warp; only thread 0 works
 
@@ -38,9 +38,6 @@ class FlagWaitProbe:
     Constraints: both pointers 4-byte aligned; launch grid (1, 1, 1), block (32, 1, 1), no
     dynamic smem, cluster (1, 1, 1).
     """
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: FlagWaitArgs):

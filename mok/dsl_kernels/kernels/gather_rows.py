@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
-from ..common.params import Bf16Pointer, Int32Pointer, Int64Pointer, compile_arguments
+from ..common.params import Bf16Pointer, Int32Pointer, Int64Pointer
 from ..common.peers import peer_table, rank_address
 from ..common.row_chunks import VECTOR, chunked_row_views
 
@@ -57,9 +57,6 @@ class GatherRows:
             raise ValueError(f"threads must be one of 64, 128, 256, 512, got {self.threads}")
         if self.rows_per_cta not in (1, 2, 4, 8):
             raise ValueError(f"rows_per_cta must be one of 1, 2, 4, 8, got {self.rows_per_cta}")
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: GatherRowsArgs, grid_y: Int32):

@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from ..common.params import Int32Pointer, compile_arguments
+from ..common.params import Int32Pointer
 from ..common.schedule_warp import MAX_LOCAL_EXPERTS
 
 THREADS = MAX_LOCAL_EXPERTS  # one thread per local expert
@@ -49,9 +49,6 @@ class MacrobatchSchedule:
     Constraints (the launcher checks them): C < 2^30; pointers 4-byte aligned, contiguous.
     Launch: grid (1, 1, 1), block (1024, 1, 1), 4 KiB static shared memory, cluster (1, 1, 1).
     """
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: MacrobatchScheduleArgs):

@@ -7,7 +7,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from ..common.combine_rows import combine_block
-from ..common.params import Bf16Pointer, compile_arguments
+from ..common.params import Bf16Pointer
 from ..common.row_chunks import VECTOR
 
 
@@ -59,9 +59,6 @@ class MoeCombineBackward:
             raise ValueError(f"threads must be one of 64, 128, 256, 512, got {self.threads}")
         if self.tokens_per_cta not in (1, 2, 4, 8):
             raise ValueError(f"tokens_per_cta must be one of 1, 2, 4, 8, got {self.tokens_per_cta}")
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: CombineBackwardArgs):

@@ -15,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from ..common.mxfp8_values import dequantize_word, scale_bits_of, transpose_halves
-from ..common.params import Bf16Pointer, Uint8Pointer, compile_arguments
+from ..common.params import Bf16Pointer, Uint8Pointer
 from ..common.tile_views import tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile (= one 512-byte scale tile)
@@ -77,9 +77,6 @@ class Mxfp8Dequantize:
     @property
     def threads(self) -> int:
         return THREADS
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: DequantizeArgs):

@@ -13,7 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8, Uint32
 
 from ..common.mxfp8_values import quantize_chunk
-from ..common.params import Bf16Pointer, Uint8Pointer, compile_arguments
+from ..common.params import Bf16Pointer, Uint8Pointer
 from ..common.tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # input rows and columns of one CTA tile (= one 512-byte scale tile)
@@ -61,9 +61,6 @@ class Mxfp8QuantizeTransposed:
     @property
     def threads(self) -> int:
         return THREADS
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: QuantizeTransposedArgs):

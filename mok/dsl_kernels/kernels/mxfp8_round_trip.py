@@ -15,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 
 from ..common.mxfp8_values import round_trip_chunk, transpose_halves
-from ..common.params import Bf16Pointer, compile_arguments
+from ..common.params import Bf16Pointer
 from ..common.tile_views import matrix, tile_chunks, tile_entry, word_matrix
 
 TILE = 128  # rows and columns of one CTA tile
@@ -72,9 +72,6 @@ class Mxfp8RoundTrip:
     @property
     def threads(self) -> int:
         return THREADS
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: RoundTripArgs):

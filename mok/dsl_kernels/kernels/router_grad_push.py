@@ -6,7 +6,7 @@ from typing import NamedTuple
 import cutlass.cute as cute
 from cutlass import Int32
 
-from ..common.params import Fp32Pointer, Int32Pointer, Int64Pointer, compile_arguments
+from ..common.params import Fp32Pointer, Int32Pointer, Int64Pointer
 from ..common.router_grad_rows import push_row
 
 
@@ -49,9 +49,6 @@ class RouterGradPush:
     def validate(self) -> None:
         if self.threads not in (64, 128, 256):
             raise ValueError(f"threads must be one of 64, 128, 256, got {self.threads}")
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: RouterGradPushArgs):

@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..common.args import global_pointer
-from ..common.params import Int32Pointer, compile_arguments
+from ..common.params import Int32Pointer
 from ..common.retire import retire_cta
 from ..common.schedule_count import count_smem
 from ..common.schedule_place import place_smem
@@ -67,9 +67,6 @@ class Schedule:
     """
 
     ids64: bool = False
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: ScheduleArgs):

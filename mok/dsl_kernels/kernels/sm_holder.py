@@ -17,7 +17,7 @@ from ..common.bounded_wait import (
     red_add_release_sys_s32,
     wrapping_difference,
 )
-from ..common.params import Int32Pointer, compile_arguments
+from ..common.params import Int32Pointer
 
 THREADS = 32  # one warp; only thread 0 works
 # More than half of an SM's shared memory (228 KiB on H100/H200/B200, 1 KiB more reserved per
@@ -58,9 +58,6 @@ class SmHolder:
     Constraints: both pointers 4-byte aligned; launch grid (n, 1, 1) with n <= SM count so that
     every CTA is resident at once, block (32, 1, 1), cluster (1, 1, 1).
     """
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: SmHolderArgs):

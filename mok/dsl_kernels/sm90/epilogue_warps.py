@@ -17,6 +17,7 @@ from cutlass import BFloat16, Int32, Int64
 
 from ..common.bounded_wait import red_add_release_gpu_s32
 from ..common.peers import RANK_UNIT, peer_table, rank_address
+from ..phases.combine_phase import COMBINE_THREADS
 from ..phases.expert_tiles import locate_first_tile, locate_tile
 from .gemm_engine import (
     STAGED_BYTES,
@@ -34,6 +35,12 @@ BUFFERS_FREE = 4
 TARGETS = 5
 COUNTER_SYNC = 6  # the crew's barrier before it releases a row tile's counter
 CONSUMER_THREADS = 2 * THREADS_PER_WARPGROUP
+# The megakernels run the in-kernel sums (phases/combine_phase.py) on the consumer warpgroups.
+if CONSUMER_THREADS != COMBINE_THREADS:
+    raise ImportError(
+        f"phases.combine_phase.COMBINE_THREADS ({COMBINE_THREADS}) must equal the engine's "
+        f"consumer threads ({CONSUMER_THREADS})"
+    )
 # Two staged blocks and the 128 destination rows of a slots tile.
 TARGETS_OFFSET = 2 * STAGED_BYTES
 BUFFER_BYTES = TARGETS_OFFSET + 4 * TILE_M

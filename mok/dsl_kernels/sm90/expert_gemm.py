@@ -26,7 +26,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
-from ..common.params import Bf16Pointer, Int32Pointer, compile_arguments
+from ..common.params import Bf16Pointer, Int32Pointer
 from ..phases.expert_tiles import TileList
 from ..phases.task_walk import consume_phase, count_tiles, produce_phase, store_phase
 from ..phases.tickets import (
@@ -114,9 +114,6 @@ class Sm90ExpertGemm:
     def stage_bytes(self) -> int:
         """Bytes one ring stage receives (the mbarrier expect_tx count): A + B0 + B1 tiles."""
         return engine.stage_bytes()
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, operands: ExpertGemmOperands, args: ExpertGemmArgs, num_ctas: Int32):

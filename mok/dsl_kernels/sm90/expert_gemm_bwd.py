@@ -27,7 +27,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
-from ..common.params import Bf16Pointer, Fp32Pointer, Int32Pointer, compile_arguments
+from ..common.params import Bf16Pointer, Fp32Pointer, Int32Pointer
 from ..phases.expert_tiles import TileList, locate_first_tile, locate_tile
 from . import epilogue_warps as handoff
 from . import gemm_engine as engine
@@ -112,9 +112,6 @@ class Sm90ExpertGemmBwd:
     def stage_bytes(self) -> int:
         """Bytes one ring stage receives (the mbarrier expect_tx count): A + B0 + B1 tiles."""
         return engine.stage_bytes()
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, operands: ExpertGemmBwdOperands, args: ExpertGemmBwdArgs, num_ctas: Int32):

@@ -32,7 +32,7 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
-from ..common.params import Bf16Pointer, Int32Pointer, compile_arguments
+from ..common.params import Bf16Pointer, Int32Pointer
 from . import epilogue_warps as handoff
 from . import gemm_engine as engine
 from .epilogue_warps import EpilogueCrew
@@ -136,9 +136,6 @@ class Sm90ExpertGemmBwdWeights:
 
     def stage_bytes(self) -> int:
         return engine.stage_bytes()
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, operands: WeightGemmOperands, args: WeightGemmArgs, num_ctas: Int32):

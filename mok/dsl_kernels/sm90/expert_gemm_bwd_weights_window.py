@@ -41,7 +41,7 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.args import global_pointer
-from ..common.params import Bf16Pointer, Int32Pointer, compile_arguments
+from ..common.params import Bf16Pointer, Int32Pointer
 from . import gemm_engine as engine
 from .expert_gemm_bwd_weights import GradientPointer, advance_to_expert, grouped_tile_coords
 from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
@@ -133,9 +133,6 @@ class Sm90ExpertGemmBwdWeightsWindow:
 
     def stage_bytes(self) -> int:
         return engine.stage_bytes()
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, operands: WindowGemmOperands, args: WindowGemmArgs, num_ctas: Int32):

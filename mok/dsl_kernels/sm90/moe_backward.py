@@ -54,7 +54,6 @@ from ..common.params import (
     Fp32Pointer,
     Int32Pointer,
     Int64Pointer,
-    compile_arguments,
 )
 from ..common.peers import peer_table
 from ..common.retire import retire_cta
@@ -187,12 +186,6 @@ class Sm90MoeBackward:
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
-        # The in-kernel sums (combine_phase) run on the consumer warpgroups.
-        if handoff.CONSUMER_THREADS != combine_phase.COMBINE_THREADS:
-            raise ValueError(
-                f"combine_phase.COMBINE_THREADS ({combine_phase.COMBINE_THREADS}) must equal the "
-                f"engine's consumer threads ({handoff.CONSUMER_THREADS})"
-            )
 
     @property
     def threads(self) -> int:
@@ -208,9 +201,6 @@ class Sm90MoeBackward:
 
     def stage_bytes(self) -> int:
         return engine.stage_bytes()
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(

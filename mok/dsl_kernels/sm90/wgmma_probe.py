@@ -36,7 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8, Uint16
 
-from ..common.params import aligned_pointer, compile_arguments
+from ..common.params import aligned_pointer
 from ..common.ptx import fma_rn, mul_rn
 from .gemm_engine import fence_accumulators, k_major_smem_layout, make_tiled_mma
 
@@ -81,9 +81,6 @@ class Sm90WgmmaProbe:
     @property
     def tile_k(self) -> int:
         return ROW_BYTES // (2 if self.engine == "bf16" else 1)
-
-    def compile_arguments(self) -> tuple:
-        return compile_arguments(self)
 
     @cute.jit
     def __call__(self, args: WgmmaProbeArgs):
