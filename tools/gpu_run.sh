@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: install mok, run the GPU tests named in $TESTS, the
 # benchmarks named in $BENCH, and write every log under $OUT. Usage (from the repo root):
-#   TESTS="tests/gpu/test_runtime_gpu.py" BENCH="memory moe main" bash tools/h200_session.sh
+#   TESTS="tests/gpu/test_runtime_gpu.py" BENCH="memory moe main" bash tools/gpu_run.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 16 on a machine with 2 to 8 H200s over NVLink, one run per part, every
 # log under $OUT and a short table last. From the repo root:
-#   PART=tests  bash tools/multigpu_session.sh   # torchrun -m pytest -m multigpu
-#   PART=moe    bash tools/multigpu_session.sh   # benchmarks.moe at 16384 and 2048 tokens per GPU
-#   PART=sweep  bash tools/multigpu_session.sh   # benchmarks.ep_sweep (comm CTAs, minibatch)
+#   PART=tests  bash tools/multigpu_run.sh   # torchrun -m pytest -m multigpu
+#   PART=moe    bash tools/multigpu_run.sh   # benchmarks.moe at 16384 and 2048 tokens per GPU
+#   PART=sweep  bash tools/multigpu_run.sh   # benchmarks.ep_sweep (comm CTAs, minibatch)
 # NPROC (default: every visible GPU) sets the ranks. NVLink multicast stays off.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

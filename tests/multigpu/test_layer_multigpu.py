@@ -9,7 +9,7 @@ and the routed weight gradients bitwise. The same kernels as the virtual group's
 (tests/gpu/test_virtual_ep_gpu.py); here the peers are other GPUs, so system-scope ordering
 and NVLink are what is tested. Each rank also runs the same global problem as a virtual group
 of the same P on its own GPU (mok.virtual_ep; it needs CUDA_DEVICE_MAX_CONNECTIONS > P, which
-tools/multigpu_session.sh sets) and compares its shard's outputs with that group's rank. A
+tools/multigpu_run.sh sets) and compares its shard's outputs with that group's rank. A
 captured training step (schedule, forward, backward with the group's workspace) replays with
 the eager step's bits. Not run yet: no multi-GPU machine was lent when it was written.
 """
