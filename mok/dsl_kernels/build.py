@@ -8,8 +8,9 @@ differs from what the sources produce (source hash, manifest entries and cubin b
 
 Where each manifest field comes from (nothing is typed in by hand twice):
 - symbol, params (order, size, alignment, kind): the `.entry` of the PTX the DSL produced;
-  parameter names come from the Python signature of the kernel's `@cute.kernel` method, and the
-  build fails if the two disagree in count or kind. A PTX `.b8` aggregate with no Python
+  parameter names come from the kernel's `@cute.kernel` signature, each parameter bundle
+  flattened into its fields (common/params.py), and the build fails if the two disagree in
+  count or kind. A PTX `.b8` aggregate with no Python
   counterpart (a parameter the DSL inserted) is kept as kind "bytes", named `_dsl_<index>`.
 - block: the PTX `.reqntid` directive, cross-checked against the launch config in the lowered
   host code (`compiled.ir_module`, the struct passed to `_cudaLaunchKernelEx`).

@@ -49,7 +49,7 @@ def is_bundle(annotation) -> bool:
     return (
         inspect.isclass(annotation)
         and issubclass(annotation, tuple)
-        and (hasattr(annotation, "_fields"))
+        and hasattr(annotation, "_fields")
     )
 
 

@@ -33,15 +33,14 @@ num_experts * m_size < 2^30; 16-byte aligned; grid <= SM count, block 384, clust
 """
 
 from dataclasses import dataclass
-from typing import Annotated, NamedTuple
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ..common.args import global_pointer
-from ..common.params import Bf16Pointer, Int32Pointer
+from ..common.params import Bf16Pointer, Int32Pointer, aligned_pointer
 from . import gemm_engine as engine
 from .expert_gemm_bwd_weights import GradientPointer, advance_to_expert, grouped_tile_coords
 from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
@@ -65,12 +64,8 @@ def window_part(segment_start: Int32, segment_rows: Int32, first_row: Int32, win
     return (low - first_row) // TILE_K, k_tiles, from_partial, into_partial, writes
 
 
-def partial_pointer():
-    """The fp32 partial sums' placeholder (16-byte aligned: whole rows move as vectors)."""
-    return global_pointer(Float32, 16)
-
-
-PartialPointer = Annotated[cute.Pointer, partial_pointer]
+# The fp32 partial sums, 16-byte aligned: whole rows move as vectors.
+PartialPointer = aligned_pointer(Float32, 16)
 
 
 class WindowGemmOperands(NamedTuple):
