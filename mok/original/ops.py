@@ -88,15 +88,18 @@ def _shared_rows(like: Tensor, rows: int, cols: int, present: bool) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_all_gather(top_experts, buffer, multicast_ptr, rank, chunk_bytes, ws=None) -> None:
+def _check_all_gather(top_experts, buffer, multicast_ptr, chunk_bytes) -> None:
+    """The all-gather's checks that need no workspace (the original runs them first)."""
     check_tensor("top_experts", top_experts, dtype=torch.int32, shape=[None, None])
     check_tensor("all_gather_top_experts_buffer", buffer, dtype=torch.int32,
                  shape=[None, *top_experts.shape], device=top_experts.device)  # fmt: skip
     check_int("chunk_bytes", chunk_bytes, minimum=16, multiple_of=16)
     check_chunk_divides_routes(chunk_bytes, *top_experts.shape)
     check_int("all_gather_top_experts_buffer_multicast_ptr", multicast_ptr)
-    if ws is None:
-        return
+
+
+def _check_all_gather_workspace(ws, top_experts, multicast_ptr, rank) -> None:
+    """The all-gather's checks against the workspace that holds its buffer."""
     check_tensor("top_experts", top_experts, dtype=torch.int32,
                  shape=[ws.num_local_tokens, ws.topk], device=ws.device)  # fmt: skip
     checks.check_rank(ws, rank)
@@ -132,12 +135,11 @@ def all_gather_top_experts(
     buffer = all_gather_top_experts_buffer
     # The checks that need no workspace first, as the original's order: a wrong dtype of the
     # buffer is its TypeError, not a failed lookup of a copy no workspace holds.
-    _check_all_gather(top_experts, buffer, all_gather_top_experts_buffer_multicast_ptr, rank,
-                      chunk_bytes)  # fmt: skip
+    multicast_ptr = all_gather_top_experts_buffer_multicast_ptr
+    _check_all_gather(top_experts, buffer, multicast_ptr, chunk_bytes)
     ws = checks.workspace_holding("all_gather_top_experts_buffer", "all_gather_top_experts_buffer",
                                   buffer)  # fmt: skip
-    _check_all_gather(top_experts, buffer, all_gather_top_experts_buffer_multicast_ptr, rank,
-                      chunk_bytes, ws)  # fmt: skip
+    _check_all_gather_workspace(ws, top_experts, multicast_ptr, rank)
     if ws.ep_size == 1:
         buffer[0].copy_(top_experts)
     elif not top_experts.is_cuda:
@@ -155,7 +157,7 @@ def all_gather_top_experts(
 def _(top_experts, all_gather_top_experts_buffer, all_gather_top_experts_buffer_multicast_ptr,
       rank, chunk_bytes):  # fmt: skip
     _check_all_gather(top_experts, all_gather_top_experts_buffer,
-                      all_gather_top_experts_buffer_multicast_ptr, rank, chunk_bytes)  # fmt: skip
+                      all_gather_top_experts_buffer_multicast_ptr, chunk_bytes)  # fmt: skip
 
 
 def _check_barrier(barrier_buffer, barrier_buffer_ptrs, barrier_buffer_multicast_ptr, target):
