@@ -30,6 +30,9 @@ class WalkArgs(NamedTuple):
     num_experts: Int32
     hidden_size: Int32
     intermediate_size: Int32
+    # Rows from one expert's W_gate (W_up) to the next's in their [rows, H] descriptor views:
+    # I for separate [E, I, H] tensors, 2 I for the halves of a fused [E, 2 I, H].
+    gate_up_expert_rows: Int32
     topk: Int32
     ep_rank: Int32
     capacity: Int32

@@ -11,9 +11,10 @@ from . import gemm_engine as engine
 from .gemm_engine import TILE_K, TILE_M
 
 
-def producer_loads(ring, smem, tma, intermediate_size):
+def producer_loads(ring, smem, tma, intermediate_size, gate_up_expert_rows):
     """Producer warp: `load(state, expert, col_tile, row_tile)` of one d_x task, over `tma` =
-    (tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1)."""
+    (tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1); the
+    weights' [rows, H] views hold expert e's rows from e * gate_up_expert_rows."""
     sA, sB0, sB1 = smem
     tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu = tma
     tDGsA, tDGgA = engine.partition_tma_load(tma_dg, sA, mDg, (TILE_M, TILE_K))
@@ -26,7 +27,7 @@ def producer_loads(ring, smem, tma, intermediate_size):
     )
 
     def load(state, expert, col_tile, row_tile):
-        b_k_base = expert * (intermediate_size // TILE_K)
+        b_k_base = expert * (gate_up_expert_rows // TILE_K)
         for half in range(2):  # unrolled at trace time
             tma_a, tAgA, tAsA, tma_b, tBgB, tBsB0, tBsB1 = halves[half]
             loads = (

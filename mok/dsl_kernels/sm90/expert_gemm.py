@@ -7,15 +7,18 @@ crew (epilogue_warps.py) stores each during the next mainloop.
 
 Kernel parameters, in order (the runtime encodes the descriptors, box 64 x 128):
 - `tma_a`  x_routed bf16 [C, H] (swiglu) or hidden bf16 [C, I] (store)
-- `tma_b0`, `tma_b1`  swiglu: W_gate, W_up viewed [E * I, H]; store: W_down [E * H, I] twice
+- `tma_b0`, `tma_b1`  swiglu: W_gate, W_up viewed [rows, H]; store: W_down [E * H, I] twice
 - `out_ptr` bf16 [C, n_size]; `gate_ptr`, `up_ptr` bf16 [C, I] (swiglu, else null);
   `peer_rank_ptr`, `peer_token_idx_ptr` (null)
 - `tokens_per_expert_ptr` int32 [E]; `ticket_ptr` int32 [1], zeroed
-- `num_experts`, `k_size` (H or I), `n_size` (I or H), `has_limit`, `swiglu_limit`
+- `num_experts`, `k_size` (H or I), `n_size` (I or H), `b_expert_rows` (expert e's B rows start
+  at e * b_expert_rows: I, or 2 I for the halves of one [E, 2 I, H]; H for W_down),
+  `has_limit`, `swiglu_limit`
 
 Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0, sum <= C; k_size % 64
-== 0; n_size % 128 (swiglu) or 256 (store) == 0; 16-byte aligned, contiguous; C, E * n_size <
-2^30; k_size < 2^16; grid <= SM count, block 384, cluster 1.
+== 0; n_size % 128 (swiglu) or 256 (store) == 0, b_expert_rows a multiple of it and >=
+n_size; 16-byte aligned, rows contiguous; C, E * b_expert_rows < 2^30; k_size < 2^16; grid <=
+SM count, block 384, cluster 1.
 """
 
 from dataclasses import dataclass
@@ -85,6 +88,7 @@ class ExpertGemmArgs(NamedTuple):
     num_experts: Int32
     k_size: Int32
     n_size: Int32
+    b_expert_rows: Int32
     has_limit: Int32
     swiglu_limit: Float32
 
@@ -177,7 +181,9 @@ class Sm90ExpertGemm:
                 )
 
                 def load_tile(state, expert, col_tile, row_tile):
-                    b0_row_tile, b1_row_tile = self._weight_row_tiles(expert, col_tile, args.n_size)
+                    b0_row_tile, b1_row_tile = self._weight_row_tiles(
+                        expert, col_tile, args.b_expert_rows
+                    )
                     loads = (
                         (tma.tma_a, tAgA, row_tile, None, tAsA),
                         (tma.tma_b0, tBgB0, b0_row_tile, None, tBsB0),
@@ -222,9 +228,10 @@ class Sm90ExpertGemm:
             CREW.hand_off_nothing()
 
     @cute.jit
-    def _weight_row_tiles(self, expert: Int32, col_tile: Int32, n_size: Int32):
-        """128-row tile indices of B0 and B1 in the [E * n_size, K] weight views."""
-        expert_tiles = expert * (n_size // TILE_N)
+    def _weight_row_tiles(self, expert: Int32, col_tile: Int32, b_expert_rows: Int32):
+        """128-row tile indices of B0 and B1 in the [rows, K] weight views, whose expert e
+        starts at row e * b_expert_rows."""
+        expert_tiles = expert * (b_expert_rows // TILE_N)
         b0 = expert_tiles + col_tile
         b1 = b0
         if cutlass.const_expr(self.epilogue != "swiglu"):

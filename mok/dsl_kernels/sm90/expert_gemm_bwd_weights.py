@@ -14,13 +14,14 @@ without tokens). "bf16" tiles go to the crew (<= 3 stages); fp32 ones are stored
 
 Kernel parameters, in order:
 - `tma_a`  A bf16 [C, M], box 64 (M) x 64 (rows); `tma_b`  B bf16 [C, N], box 64 (N) x 64
-- `out_ptr`  fp32 [E, M, N] (bf16 for output="bf16")
+- `out_ptr`  fp32 [E, M, N] (bf16 for output="bf16"), out[e] from row e * out_expert_rows of
+  its [*, N] rows (M, or 2 M for a half of one [E, 2 M, N] gradient: dW_gate, dW_up)
 - `tokens_per_expert_ptr`  int32 [num_experts], padded segment sizes
-- `num_experts`, `m_size`, `n_size`
+- `num_experts`, `m_size`, `n_size`, `out_expert_rows`
 
 Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0, sum <= C; m_size % 128
-== 0, n_size % 256 == 0, both < 2^16; C, num_experts * m_size < 2^30; 16-byte aligned; grid <=
-SM count, block 384, cluster 1.
+== 0, n_size % 256 == 0, both < 2^16; out_expert_rows >= m_size, a multiple of 128; C,
+num_experts * out_expert_rows < 2^30; 16-byte aligned; grid <= SM count, block 384, cluster 1.
 """
 
 from dataclasses import dataclass
@@ -97,6 +98,7 @@ class WeightGemmArgs(NamedTuple):
     num_experts: Int32
     m_size: Int32
     n_size: Int32
+    out_expert_rows: Int32
 
 
 @dataclass(frozen=True)
@@ -214,8 +216,8 @@ class Sm90ExpertGemmBwdWeights:
             if cutlass.const_expr(self._crew):
                 if warp_idx != 0:
                     self._crew_stores(
-                        buffers, args.out_ptr, num_tiles, tiles_per_expert, m_tiles, args.m_size, args.n_size,
-                        tidx, bidx, grid_size,
+                        buffers, args.out_ptr, num_tiles, tiles_per_expert, m_tiles,
+                        args.out_expert_rows, args.n_size, tidx, bidx, grid_size,
                     )  # fmt: skip
         else:
             # ================= consumer warpgroups: wgmma mainloop + epilogue ================
@@ -249,7 +251,7 @@ class Sm90ExpertGemmBwdWeights:
                 if cutlass.const_expr(self._crew):
                     CREW.hand_off(thr_mma, (acc0, acc1), buffers)
                 else:
-                    expert_offset = Int64(expert) * Int64(args.m_size) * Int64(args.n_size)
+                    expert_offset = Int64(expert) * Int64(args.out_expert_rows) * Int64(args.n_size)
                     for j in cutlass.range_constexpr(2):
                         tile_out = self._output_tile(
                             args.out_ptr,
@@ -263,10 +265,11 @@ class Sm90ExpertGemmBwdWeights:
 
     @cute.jit
     def _crew_stores(
-        self, buffers, out_ptr, num_tiles, tiles_per_expert, m_tiles, m_size, n_size, tidx,
-        bidx, grid_size,
+        self, buffers, out_ptr, num_tiles, tiles_per_expert, m_tiles, out_expert_rows, n_size,
+        tidx, bidx, grid_size,
     ):  # fmt: skip
-        """Warps 1-3: store this CTA's bf16 tiles; out is one [E * m_size, n_size] matrix (< 2^30 rows)."""
+        """Warps 1-3: store this CTA's bf16 tiles; out is one [*, n_size] matrix (< 2^30 rows),
+        out[e] from row e * out_expert_rows."""
         lane = tidx - 32 * CREW.first_warp
         row_stride = cute.assume(Int64(n_size), divby=2 * TILE_N)
         tile = bidx
@@ -274,7 +277,7 @@ class Sm90ExpertGemmBwdWeights:
             expert = tile // tiles_per_expert
             local = tile - expert * tiles_per_expert
             m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
-            first_row = expert * m_size + m_tile * TILE_M
+            first_row = expert * out_expert_rows + m_tile * TILE_M
             first_col = n_pair * (2 * TILE_N)
             CREW.store_handoff(
                 buffers, lane, first_row, first_col, None, handoff.store_pair,

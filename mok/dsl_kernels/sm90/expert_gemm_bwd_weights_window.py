@@ -22,14 +22,16 @@ not touched.
 
 Kernel parameters, in order:
 - `tma_a`  A bf16 [window_rows, M], box 64 (M) x 64 (rows); `tma_b`  B bf16 [window_rows, N]
-- `out_ptr`  bf16 [E, M, N] (fp32 for output="fp32_accumulate")
+- `out_ptr`  bf16 [E, M, N] (fp32 for output="fp32_accumulate"), out[e] from row
+  e * out_expert_rows of its [*, N] rows (M, or 2 M for a half of one [E, 2 M, N] gradient)
 - `partial_in_ptr`, `partial_out_ptr`  fp32 [M, N], different buffers
 - `tokens_per_expert_ptr`  int32 [num_experts], the schedule's padded segment sizes
-- `num_experts`, `m_size`, `n_size`, `first_row`, `window_rows`
+- `num_experts`, `m_size`, `n_size`, `out_expert_rows`, `first_row`, `window_rows`
 
 Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0; first_row and
-window_rows multiples of 128; m_size % 128 == 0, n_size % 256 == 0, both < 2^16; window_rows,
-num_experts * m_size < 2^30; 16-byte aligned; grid <= SM count, block 384, cluster 1.
+window_rows multiples of 128; out_expert_rows >= m_size, a multiple of 128; m_size % 128 == 0,
+n_size % 256 == 0, both < 2^16; window_rows, num_experts * out_expert_rows < 2^30; 16-byte
+aligned; grid <= SM count, block 384, cluster 1.
 """
 
 from dataclasses import dataclass
@@ -94,6 +96,7 @@ class WindowGemmArgs(NamedTuple):
     num_experts: Int32
     m_size: Int32
     n_size: Int32
+    out_expert_rows: Int32
     first_row: Int32
     window_rows: Int32
 
@@ -234,7 +237,9 @@ class Sm90ExpertGemmBwdWeightsWindow:
                         copy_tile(thr_mma, (acc0, acc1), args.partial_out_ptr, None, first_out_row,
                                   first_col, args.n_size, "store")  # fmt: skip
                     else:
-                        expert_offset = Int64(expert) * Int64(args.m_size) * Int64(args.n_size)
+                        expert_offset = (
+                            Int64(expert) * Int64(args.out_expert_rows) * Int64(args.n_size)
+                        )
                         copy_tile(thr_mma, (acc0, acc1), args.out_ptr, expert_offset, first_out_row,
                                   first_col, args.n_size, self.output)  # fmt: skip
                 tile = tile + grid_size

@@ -21,18 +21,19 @@ from .gemm_engine import TILE_K, TILE_M, TILE_N
 PHASE_GATE_UP_GEMM = 6
 
 
-def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
+def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows):
     """Producer: `load(state, expert, col_tile, row_tile)` of a gate/up task over `tma` = (tma_x,
-    mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1)."""
+    mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1). The weights' [rows, H] views
+    hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H])."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
     tXsX, tXgX = engine.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
     tGsG, tGgG = engine.partition_tma_load(tma_wg, sB0, mWg, (TILE_N, TILE_K))
     tUsU, tUgU = engine.partition_tma_load(tma_wu, sB1, mWu, (TILE_N, TILE_K))
-    gate_up_cols = intermediate_size // TILE_N
+    expert_tiles = gate_up_expert_rows // TILE_N
 
     def load(state, expert, col_tile, row_tile):
-        weight_tile = expert * gate_up_cols + col_tile
+        weight_tile = expert * expert_tiles + col_tile
         loads = (
             (tma_x, tXgX, row_tile, None, tXsX),
             (tma_wg, tGgG, weight_tile, None, tGsG),

@@ -91,8 +91,10 @@ COUNTER_TAIL = 6
 
 # Shapes: dY [T, H], dY_e and x_routed [C, H], gate/up/hidden/d_gate/d_up [C, I] bf16; router
 # weights [T * k] and partials [C, I / 128] fp32; dW_down [E, H, I], dW_gate/dW_up [E, I, H]
-# and slots [T * k, H] bf16; counters [2 * ceil(C / 128) + COUNTER_TAIL] int32; d_x [T, H]
-# bf16, d_router [T * k] fp32 and the value-status words (finish_tokens = T > 0).
+# (their experts d_w_gate_up_rows rows apart: I, or 2 I for the halves of one [E, 2 I, H]) and
+# slots [T * k, H] bf16; W_gate, W_up viewed [rows, H], experts walk.gate_up_expert_rows
+# apart; counters [2 * ceil(C / 128) + COUNTER_TAIL] int32; d_x [T, H] bf16, d_router [T * k]
+# fp32 and the value-status words (finish_tokens = T > 0).
 
 
 class BackwardOperands(NamedTuple):
@@ -210,6 +212,7 @@ class Sm90MoeBackward:
         args: BackwardTensors,
         walk: WalkArgs,
         weight_gemms: Int32,
+        d_w_gate_up_rows: Int32,
         steps: StepArgs,
         num_ctas: Int32,
     ):
@@ -236,7 +239,7 @@ class Sm90MoeBackward:
             *engine.make_tma_load(weight_operands.b_xh, b_layout, b_smem, tile_b),
             *engine.make_tma_load(weight_operands.b_xx, b_layout, b_smem, tile_b),
         )
-        self.kernel(tma, weight_tma, args, walk, weight_gemms, steps).launch(
+        self.kernel(tma, weight_tma, args, walk, weight_gemms, d_w_gate_up_rows, steps).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
         )
 
@@ -248,6 +251,7 @@ class Sm90MoeBackward:
         args: BackwardTensors,
         walk: WalkArgs,
         weight_gemms: Int32,
+        d_w_gate_up_rows: Int32,
         steps: StepArgs,
     ):
         tidx, bidx, grid_size, warp_idx, warpgroup = engine.thread_roles()
@@ -294,6 +298,7 @@ class Sm90MoeBackward:
             walk.hidden_size,
             walk.intermediate_size,
             weight_gemms,
+            d_w_gate_up_rows,
         )
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
         task_ticket = dgu_total + Int64(4)
@@ -340,7 +345,9 @@ class Sm90MoeBackward:
                         args.gate_ptr,
                         args.up_ptr,
                     ),
-                    d_x_phase.producer_loads(ring, smem, tma[4:], walk.intermediate_size),
+                    d_x_phase.producer_loads(
+                        ring, smem, tma[4:], walk.intermediate_size, walk.gate_up_expert_rows
+                    ),
                 )
                 waits = (
                     RowTileWait(

@@ -84,7 +84,8 @@ from .gemm_engine import (
 )
 
 # Shapes: x [T, H], x_routed [C, H], gate/up/hidden [C, I], slots [T * k, H] bf16; W_gate,
-# W_up viewed [E * I, H], W_down [E * H, I]; peer_rank, peer_token_idx [C], num_tokens [1],
+# W_up viewed [rows, H] (expert e from row e * walk.gate_up_expert_rows: I, or 2 I for the
+# halves of one [E, 2 I, H]), W_down [E * H, I]; peer_rank, peer_token_idx [C], num_tokens [1],
 # tokens_per_expert [E], counters [2 * ceil(C / 128) + COUNTER_TAIL] int32; out [T, H] bf16,
 # router_weights [T, k] fp32, the value-status words (combine_tokens = T > 0); ids [T, k] int64,
 # schedule counts [ceil(T * k / 4096), E] and [E] int32 (schedule_entries > 0).
@@ -272,7 +273,7 @@ class Sm90MoeForward:
                 # ---- producer: each task's loads after its rows' counter ----
                 loads = (
                     gate_up_phase.producer_loads(
-                        ring, loaded, tma[:6], walk.hidden_size, walk.intermediate_size
+                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows
                     ),
                     down_phase.producer_loads(
                         ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size

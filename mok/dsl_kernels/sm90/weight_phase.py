@@ -27,14 +27,16 @@ NUM_GEMMS = 3
 
 
 class WeightTasks(NamedTuple):
-    """What numbers the weight tasks: padded segment sizes (device), experts, H, I, and the GEMMs
-    to run (3, or 0 when the separate kernels do them)."""
+    """What numbers the weight tasks: padded segment sizes (device), experts, H, I, the GEMMs
+    to run (3, or 0 when the separate kernels do them), and the rows from one expert's dW_gate
+    (dW_up) to the next's (I, or 2 I when both are halves of one [E, 2 I, H] gradient)."""
 
     tokens_per_expert: cute.Tensor
     num_experts: Int32
     hidden_size: Int32
     intermediate_size: Int32
     num_gemms: Int32
+    gate_up_rows: Int32
 
 
 @cute.jit
@@ -143,17 +145,20 @@ def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int
 def store_weight_tasks(crew, tasks: WeightTasks, task: Int32, grid_size: Int32, buffers, tidx,
                        outputs: tuple):  # fmt: skip
     """The crew: store each weight task's bf16 tile into out[gemm] ([E * M, N] rows, the
-    tile's rows from expert * M). `outputs`: the three bf16 output pointers, GEMM order."""
+    tile's rows from expert * M, or expert * gate_up_rows for dW_gate, dW_up). `outputs`: the
+    three bf16 output pointers, GEMM order."""
     lane = tidx - 32 * crew.first_warp
     total = num_weight_tasks(tasks)
     while task < total:
         gemm, expert, m_tile, n_pair, m_size = locate_weight_task(tasks, task)
-        first_row = expert * m_size + m_tile * TILE_M
         for g in cutlass.range_constexpr(NUM_GEMMS):
             if gemm == g:
                 n_size = tasks.hidden_size
+                expert_rows = tasks.gate_up_rows
                 if cutlass.const_expr(g == 0):
                     n_size = tasks.intermediate_size
+                    expert_rows = m_size
+                first_row = expert * expert_rows + m_tile * TILE_M
                 crew.store_handoff(
                     buffers, lane, first_row, n_pair * (2 * TILE_N), None, handoff.store_pair,
                     (outputs[g], cute.assume(Int64(n_size), divby=2 * TILE_N)),
