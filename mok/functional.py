@@ -132,8 +132,13 @@ def _check_weights(workspace, schedule, weights: dict, *, need_down: bool = True
         if not need_down and name.endswith("down_weights"):
             continue
         check_tensor(name, weights[name], dtype=torch.bfloat16, shape=shape,
-                     device=workspace.device)  # fmt: skip
+                     device=workspace.device, expert_strided=name in _EXPERT_STRIDED)  # fmt: skip
     return inter
+
+
+# Routed gate and up weights (and their main_grads) may be the halves of one fused [E, 2 I, H]
+# tensor, as frameworks hold them: the kernels take their experts' row stride (SEMANTICS §1).
+_EXPERT_STRIDED = ("routed_gate_weights", "routed_up_weights")
 
 
 def _check_activations(workspace, x, router_weights=None, grad_output=None) -> None:
@@ -405,6 +410,7 @@ def backward(
     swiglu_limit: float | None = None,
     *,
     main_grads: tuple[torch.Tensor | None, ...] | None = None,
+    whole_gate_up_grad: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of `forward` (SEMANTICS §2).
 
@@ -416,6 +422,12 @@ def backward(
     down, shared gate, up, down, shaped like their weights: those gradients are accumulated in
     place into them (fp32) and the same tensors are returned in their places.
     `schedule`: the one forward ran with.
+
+    Routed gate and up weights that are the halves of one [E, 2 I, H] tensor
+    (validation.fused_gate_up) with no main_grads of theirs get gradients that are the halves of
+    one new [E, 2 I, H] tensor; `whole_gate_up_grad` returns that tensor whole in
+    d_routed_gate's place and None in d_routed_up's (mok.nn.moe_fused: gate_up's gradient with
+    no copy, and no alias test that torch.compile cannot trace).
     """
     if schedule.__class__ is MoKSchedule:
         _check_schedule_origin(schedule, workspace, routing=False)
@@ -465,13 +477,22 @@ def backward(
         routed_gate_weights, routed_up_weights, routed_down_weights, limit,
         config.bwd_num_comm_sms, config.minibatch_size, config.macrobatch_size, *main,
     )  # fmt: skip
-    return backward_outputs(grads, main, has_shared)
+    return backward_outputs(grads, main, has_shared, whole_gate_up_grad)
 
 
-def backward_outputs(grads, main_grads, has_shared: bool) -> tuple:
+def backward_outputs(grads, main_grads, has_shared: bool, whole_gate_up: bool = False) -> tuple:
     """The backward op's outputs as `backward` returns them: a gradient that went into its
-    main_grad is that main_grad, the shared ones None without a shared expert."""
+    main_grad is that main_grad, the shared ones None without a shared expert; a fused routed
+    gate/up gradient (the op's [E, 2 I, H] in the gate's place, empty in the up's) as its two
+    halves, views of it (`whole_gate_up`: whole in the gate's place, None in the up's)."""
     d_x, d_router, weight_grads = grads[0], grads[1], list(grads[2:])
+    gate_up = weight_grads[0]
+    if main_grads[1] is None and weight_grads[1].numel() == 0 and gate_up.dim() == 3:
+        inter = gate_up.shape[1] // 2
+        if whole_gate_up:
+            weight_grads[1] = None
+        else:
+            weight_grads[0], weight_grads[1] = gate_up[:, :inter], gate_up[:, inter:]
     for i, main_grad in enumerate(main_grads):
         if main_grad is not None:
             weight_grads[i] = main_grad
@@ -580,7 +601,8 @@ def _check_main_grads(main_grads, weights: dict) -> tuple[torch.Tensor | None, .
         if weight is None:
             raise ValueError(f"main_grads entry for {name} must be None: {name} is None")
         check_tensor(f"main_grads[{name}]", main_grad, dtype=torch.float32,
-                     shape=list(weight.shape), device=weight.device)  # fmt: skip
+                     shape=list(weight.shape), device=weight.device,
+                     expert_strided=name in _EXPERT_STRIDED)  # fmt: skip
     return tuple(main_grads)
 
 

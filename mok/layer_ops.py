@@ -28,6 +28,7 @@ from .validation import (
     check_router_weight_values,
     check_tensor,
     context_rows,
+    fused_gate_up,
 )
 from .workspace import workspace_from_handle
 
@@ -338,7 +339,10 @@ def backward(
     Outputs: d_x bf16 [T, H]; d_router_weights fp32 [T, k]; d_routed_gate, d_routed_up bf16
         [E, I, H]; d_routed_down bf16 [E, H, I]; d_shared_gate, d_shared_up bf16 [I, H];
         d_shared_down bf16 [H, I]. A weight gradient that went into a main_grad, or a shared one
-        without a shared expert, is empty [0].
+        without a shared expert, is empty [0]. With routed gate and up weights the halves of
+        one [E, 2 I, H] tensor (validation.fused_gate_up) and neither's gradient into a
+        main_grad, d_routed_gate is the fused bf16 [E, 2 I, H] gradient (gate rows first) and
+        d_routed_up empty [0] (custom-op outputs may not alias each other).
     """
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
@@ -365,7 +369,9 @@ def backward(
         shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
         group=ws.group, swiglu_limit=swiglu_limit, macrobatch_size=macrobatch,
     )  # fmt: skip
-    d_x, d_router, weight_grads = grads[0], grads[1], grads[2:]
+    d_x, d_router, weight_grads = grads[0], grads[1], list(grads[2:])
+    if _fused_grads(routed_gate_weights, routed_up_weights, main_grads):
+        weight_grads[:2] = [torch.cat(weight_grads[:2], dim=1), None]
     outs = []
     for grad, main_grad in zip(weight_grads, main_grads, strict=True):
         if grad is None:
@@ -390,7 +396,15 @@ def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert
         _empty(x) if w is None or mg is not None else torch.empty_like(w)
         for w, mg in zip(weights, main_grads, strict=True)
     ]
+    if _fused_grads(routed_gate_weights, routed_up_weights, main_grads):
+        e, i, h = routed_gate_weights.shape
+        outs[:2] = [x.new_empty(e, 2 * i, h), _empty(x)]
     return (torch.empty_like(x), torch.empty_like(router_weights), *outs)
+
+
+def _fused_grads(gate, up, main_grads) -> bool:
+    """The backward returns one fused [E, 2 I, H] gate/up gradient (see `backward`)."""
+    return main_grads[0] is None and main_grads[1] is None and fused_gate_up(gate, up)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class MoKFunction(torch.autograd.Function):
         ctx.swiglu_limit, ctx.recompute = swiglu_limit, recompute
         ctx.accumulate_main_grad = accumulate_main_grad
         ctx.has_shared, ctx.fused = weights[0] is not None, fused
-        # The weights as given: a fused gate_up itself, not its halves' copies.
+        # The weights as given: a fused gate_up itself, not its halves.
         ctx.save_for_backward(x, router_weights, *weights, *saved_ctx)
         return out
 
@@ -96,14 +96,19 @@ class MoKFunction(torch.autograd.Function):
         main_grads, pending = None, ()
         if ctx.accumulate_main_grad:
             targets = [getattr(weights[i], "main_grad", None) for i in MAIN_GRAD_ORDER]
+            halves = False
             if fused is not None:  # gate and up's sums go into the halves of gate_up's
                 fused_main_grad = getattr(fused, "main_grad", None)
                 if fused_main_grad is not None:
                     targets[:2] = split_gate_up(fused_main_grad)
-            main_grads, pending = _layer_main_grads(targets)
+                    # An fp32 contiguous one: the layer adds into its halves in place.
+                    halves = (fused_main_grad.dtype == torch.float32
+                              and fused_main_grad.is_contiguous())  # fmt: skip
+            main_grads, pending = _layer_main_grads(targets, halves)
         grads = functional.backward(
             ctx.config, ctx.workspace, schedule, fwd_ctx, grad_output, x, router_weights,
             *weights, swiglu_limit=ctx.swiglu_limit, main_grads=main_grads,
+            whole_gate_up_grad=fused is not None,
         )  # fmt: skip
         if step is not None:  # its plan for the next steps
             step.resolve_backward(schedule, saved_ctx, grad_output, x, router_weights, weights)
@@ -116,7 +121,9 @@ class MoKFunction(torch.autograd.Function):
             weight_grads = _megatron_grads(weight_grads, params, main_grads)
         if fused is not None:  # gate_up's gradient whole (or Megatron's dummy) in gate's place
             d_gate, d_up = weight_grads[3], weight_grads[4]
-            if main_grads is None or main_grads[0] is None:
+            # The layer wrote d_gate and d_up into the halves of one [E, 2I, H] (whole in gate's
+            # place, None in up's), else (MXFP8) they are two tensors.
+            if (main_grads is None or main_grads[0] is None) and d_up is not None:
                 weight_grads[3] = torch.cat((d_gate, d_up), dim=1)
             weight_grads[4] = None
         return (None,) * 7 + (d_x, d_router, *weight_grads)
@@ -179,10 +186,13 @@ def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _layer_weights(weights: tuple) -> tuple:
     """The six weights as the layer reads them, from (shared g/u/d, gate_up, None, down): the
-    fused gate_up's halves as contiguous [E, I, H] tensors (copies: the layer does not read
-    strided weights yet)."""
-    halves = tuple(h.contiguous() for h in split_gate_up(weights[3]))
-    return (*weights[:3], *halves, weights[5])
+    fused gate_up's halves as [E, I, H] views, no copy (the kernels take the experts' row
+    stride, and the reference path computes with the views; SEMANTICS §1). A gate_up that is
+    not contiguous is copied to one that is first."""
+    gate_up = weights[3]
+    if not gate_up.is_contiguous():
+        gate_up = gate_up.contiguous()
+    return (*weights[:3], *split_gate_up(gate_up), weights[5])
 
 
 def moe_fused(
@@ -200,10 +210,11 @@ def moe_fused(
 ) -> torch.Tensor:
     """Differentiable routed-only mok layer over fused gate_up [E, 2I, H] (gate rows first) and
     down [E, H, I] weights (the frameworks' layout): `moe` with gate = gate_up[:, :I] and
-    up = gate_up[:, I:], copied to contiguous tensors in the forward and again in the backward
-    (only gate_up is held between them). gate_up's gradient comes back whole, [E, 2I, H]. With
+    up = gate_up[:, I:], read in place as views (no copy). gate_up's gradient comes back whole,
+    [E, 2I, H], the layer writing dW_gate and dW_up into its halves. With
     `accumulate_main_grad`, it goes into `gate_up.main_grad` ([E, 2I, H], fp32 or bf16) and
-    down's into `down.main_grad`, where they have one (Megatron's convention, as `moe`)."""
+    down's into `down.main_grad`, where they have one (Megatron's convention, as `moe`); an
+    fp32 contiguous gate_up.main_grad is accumulated in place, half by half."""
     return MoKFunction.apply(
         config, workspace, schedule, swiglu_limit, recompute, accumulate_main_grad, None, x,
         router_weights, None, None, None, gate_up_weights, None, down_weights,
@@ -215,14 +226,17 @@ def moe_fused(
 MAIN_GRAD_ORDER = (3, 4, 5, 0, 1, 2)
 
 
-def _layer_main_grads(targets) -> tuple[tuple, tuple]:
+def _layer_main_grads(targets, halves: bool = False) -> tuple[tuple, tuple]:
     """(main_grads for functional.backward, (target, scratch) pairs to add after it). An fp32
-    contiguous main_grad is accumulated in place by the layer; a bf16 one, or a view that is not
-    contiguous (a fused gate_up's half), gets the layer's fp32 sums in zeroed fp32 scratch,
-    added to it once after the layer (rounded once, for bf16)."""
+    main_grad is accumulated in place by the layer where it is contiguous, or (`halves`) where
+    the routed gate's and up's (targets 0 and 1) are the halves of one contiguous fp32
+    [E, 2I, H] (a fused gate_up's main_grad: the kernels take its experts' row stride); a bf16
+    one, or any other view, gets the layer's fp32 sums in zeroed fp32 scratch, added to it once
+    after the layer (rounded once, for bf16)."""
     main_grads, pending = [], []
-    for target in targets:
-        if target is None or (target.dtype == torch.float32 and target.is_contiguous()):
+    for i, target in enumerate(targets):
+        fp32 = target is not None and target.dtype == torch.float32
+        if target is None or (fp32 and (target.is_contiguous() or (halves and i < 2))):
             main_grads.append(target)
             continue
         if target.dtype not in (torch.float32, torch.bfloat16):

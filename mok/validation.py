@@ -43,8 +43,13 @@ def check_tensor(
     dtype: torch.dtype,
     shape: Sequence[int | None],
     device: torch.device | None = None,
+    expert_strided: bool = False,
 ) -> torch.Tensor:
-    """dtype, then rank/shape (None matches any size), then device, then contiguity."""
+    """dtype, then rank/shape (None matches any size), then device, then contiguity.
+
+    `expert_strided` (a [E, N, K] routed expert weight, or its main_grad): contiguous, or with
+    contiguous [N, K] blocks whose experts lie further apart (`check_expert_strides`), as either
+    half of one fused [E, 2 N, K] tensor (gate_up[:, :N], gate_up[:, N:])."""
     # The common case first, in a few attribute reads (this runs on every layer call).
     if (
         isinstance(tensor, torch.Tensor)
@@ -66,9 +71,26 @@ def check_tensor(
         raise ValueError(f"{name} must have shape {expected}, got {list(actual)}")
     if device is not None and not same_device(tensor.device, device):
         raise ValueError(f"{name} must be on device {device}, got {tensor.device}")
-    if not tensor.is_contiguous():
+    if expert_strided:
+        check_expert_strides(name, tensor)
+    elif not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tuple(tensor.stride())}")
     return tensor
+
+
+def check_expert_strides(name: str, tensor: torch.Tensor) -> None:
+    """A [E, N, K] tensor whose experts' [N, K] blocks are contiguous, stride(0) a multiple of K
+    and at least N * K: contiguous, or a half of one fused [E, 2 N, K] tensor."""
+    if tensor.is_contiguous():
+        return
+    _, rows, cols = tensor.shape
+    strides = tuple(tensor.stride())
+    if strides[2] != 1 or strides[1] != cols or strides[0] < rows * cols or strides[0] % cols:
+        raise ValueError(
+            f"{name} must be contiguous or have strides (R * {cols}, {cols}, 1) with R >= {rows} "
+            f"rows per expert (e.g. a half of a fused [E, 2 * {rows}, {cols}] tensor), got "
+            f"strides {strides}"
+        )
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -84,12 +106,34 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 def tensor_key(t) -> tuple | None:
     """What the metadata checks look at in a tensor (shape, dtype, device, layout, class): two
-    tensors with equal keys pass or fail every check alike (None: absent)."""
+    tensors with equal keys pass or fail every check alike (None: absent). The strides are in
+    it: a plan bound to contiguous weights is never reused for fused halves, or the reverse."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
         return (t.__class__,)
-    return (t.shape, t.dtype, t.device, t.is_contiguous(), t.__class__)
+    return (t.shape, t.dtype, t.device, t.is_contiguous(), t.stride(), t.__class__)
+
+
+def fused_gate_up(gate, up) -> bool:
+    """Whether routed gate and up weights [E, I, H] are laid out as the two halves of one
+    [E, 2 I, H] tensor (each with strides (2 I H, H, 1), as gate_up[:, :I] and gate_up[:, I:]
+    are, as frameworks hold them): the backward then writes their gradients into the halves of
+    one new [E, 2 I, H] tensor. Strides only, no storage or offset test: under torch.compile
+    the backward op's fake may see a traced view as a tensor of its own (its strides kept, its
+    storage and offset not), and the fake must decide as the op does (the output is new either
+    way, so look-alikes from two tensors lose nothing)."""
+    if not (isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor)) or gate.dim() != 3:
+        return False
+    num_experts, inter, hidden = gate.shape
+    return (
+        num_experts > 0
+        and inter > 0
+        and hidden > 0
+        and up.shape == gate.shape
+        and gate.stride() == (2 * inter * hidden, hidden, 1)
+        and up.stride() == gate.stride()
+    )
 
 
 class CheckedCalls:

@@ -34,6 +34,14 @@ def test_gather_rows_launch_packs(kernels):
     assert grid == (1, capacity // 4, 1) and args["num_rows"] == capacity
 
 
+def _expert_weights_on_cpu(name, tensor, dtype, shape):
+    """checks.check_expert_weights minus "on CUDA": the rows per expert of a checked layout."""
+    from mok.launchers import checks
+
+    assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
+    return checks.expert_rows(name, tensor)
+
+
 def _forward_launcher_on_cpu(monkeypatch):
     """mok.launchers.forward_megakernel with its CUDA-only checks and lookups made CPU-safe."""
     from mok.launchers import device_args, megakernel_walk
@@ -47,6 +55,7 @@ def _forward_launcher_on_cpu(monkeypatch):
 
     monkeypatch.setattr(moe_forward, "check_cuda", check_on_cpu)
     monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(megakernel_walk, "check_expert_weights", _expert_weights_on_cpu)
     device_args.clear_descriptor_cache()
     return moe_forward
 
@@ -140,6 +149,7 @@ def _backward_launcher_on_cpu(monkeypatch):
     monkeypatch.setattr(moe_backward, "sm_count", lambda device: 132)
     monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
     monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(megakernel_walk, "check_expert_weights", _expert_weights_on_cpu)
     monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
     device_args.clear_descriptor_cache()
     return moe_backward
@@ -300,6 +310,7 @@ def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):
     monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
     monkeypatch.setattr(moe_forward, "check_cuda", lambda *a, **k: None)
     monkeypatch.setattr(megakernel_walk, "check_cuda", lambda *a, **k: None)
+    monkeypatch.setattr(megakernel_walk, "check_expert_weights", _expert_weights_on_cpu)
     device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 128, 4, 2
     schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
@@ -328,6 +339,7 @@ def test_backward_megakernel_packs_peer_tables(monkeypatch, kernels):
     monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
     monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
     monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
+    monkeypatch.setattr(megakernel_walk, "check_expert_weights", _expert_weights_on_cpu)
     monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
     device_args.clear_descriptor_cache()
     t, h, i, e, k = BACKWARD_SIZES
@@ -382,6 +394,8 @@ def test_forward_plan_is_reused_and_rechecked(monkeypatch, kernels):
     monkeypatch.setattr(moe_forward, "sm_count", lambda device: 132)
     monkeypatch.setattr(moe_forward, "check_cuda", lambda name, t, dtype, shape: None)
     monkeypatch.setattr(megakernel_walk, "check_cuda", lambda name, t, dtype, shape: None)
+    monkeypatch.setattr(megakernel_walk, "check_expert_weights",
+                        lambda name, t, dtype, shape: t.stride(0) // t.shape[2])  # fmt: skip
     plans.clear_plans()
     device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 128, 4, 2

@@ -154,6 +154,7 @@ def test_manifest_entry(built, name):
         ("num_experts", "int32"),
         ("k_size", "int32"),
         ("n_size", "int32"),
+        ("b_expert_rows", "int32"),
         ("has_limit", "int32"),
         ("swiglu_limit", "float32"),
     ]
@@ -200,6 +201,7 @@ def test_manifest_parses_and_packs(built):
                 "num_experts": 128,
                 "k_size": 2048,
                 "n_size": 768,
+                "b_expert_rows": 2 * 768,
                 "has_limit": 0,
                 "swiglu_limit": 0.0,
             },

@@ -128,6 +128,7 @@ def test_weights_manifest_entry(built):
         ("num_experts", "int32"),
         ("m_size", "int32"),
         ("n_size", "int32"),
+        ("out_expert_rows", "int32"),
     ]
     assert entry["block"] == [384, 1, 1] and entry["cluster"] == [1, 1, 1]
     assert 4 * 48 * 1024 <= entry["dynamic_smem_bytes"] <= H200_SMEM_OPTIN - 1024

@@ -17,6 +17,7 @@ import pytest
 import torch
 from fake_kernels import fake_push_router_grads
 
+from mok import functional as F
 from mok import reference as R
 from mok.launchers import dispatch, expert_gemm, expert_gemm_bwd, mxfp8
 from mok.launchers.plans import Carve, schedule_addresses
@@ -77,6 +78,8 @@ def fake_weight_gradient(a, b, tokens, *, output="fp32", out=None):
         grad[e] = a[s:t].float().t() @ b[s:t].float()
     if output == "accumulate":
         return out.add_(grad)
+    if out is not None:  # into `out` (a fused gradient's half)
+        return out.copy_(grad.to(out.dtype))
     return grad.to(torch.bfloat16) if output == "bf16" else grad
 
 
@@ -170,9 +173,9 @@ class _FakeBackwardPlan:
 
     def __init__(self, dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w, down_w,
                  limit, weight_grads, comm, minibatch, timeout, peers, slots, grid,
-                 mxfp8=False, finish=False):  # fmt: skip
+                 mxfp8=False, finish=False, fused_grads=False):  # fmt: skip
         self.schedule, self.weights, self.mxfp8 = schedule, (gate_w, up_w, down_w), mxfp8
-        self.finish = finish
+        self.finish, self.fused_grads = finish, fused_grads
         self.limit, self.weight_grads = limit, weight_grads
         capacity, hidden_size = x_routed.shape
         inter = gate.shape[1]
@@ -203,6 +206,8 @@ class _FakeBackwardPlan:
                 finish_at, (torch.bfloat16, torch.float32), (dy.shape, w.shape), strict=True))  # fmt: skip
             fake_push_router_grads(partials, self.schedule, w, d_router)
             d_x.copy_(R.bwd_epilogue(None, slots, w.shape[1]))
+        if self.fused_grads and d_weights is not None:  # the kernel's halves of one tensor
+            d_weights[:2] = list(torch.cat(d_weights[:2], dim=1).split(d_weights[0].shape[1], 1))
         return buffer, slots, d_weights
 
 
@@ -395,3 +400,31 @@ def test_an_op_plan_is_not_reused_for_another_workspace_with_its_handle(fake_ker
     (op,) = [p for k, p in plans.plans_of_thread().items() if k[0] == "forward"]
     assert op.ws() is second
     assert torch.equal(outs[0][0], outs[1][0])
+
+
+@pytest.mark.parametrize("main_down", [False, True])
+def test_fused_gate_up_weights_give_one_fused_gradient(fake_kernels, main_down):
+    """Routed gate/up as the halves of one [E, 2 I, H]: the op returns their gradient as that
+    one fused bf16 tensor in gate's place (empty in up's), equal to the separate weights'; from
+    the megakernel's launch, or (a main_grad for down) from the weight-gradient kernels."""
+    inp = make_inputs(T, H, I, E, K, seed=7)
+    schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
+    weights = [inp[n] for n in WEIGHTS]
+    gate_up = torch.cat([inp["routed_gate"], inp["routed_up"]], dim=1)
+    fused = weights[:3] + [gate_up[:, :I], gate_up[:, I:]] + weights[5:]
+    _, ctx = R.forward(schedule, inp["x"], inp["router_weights"], *weights)
+    empty = inp["x"].new_empty(0)
+    ctx_tensors = [t if t is not None else empty for t in ctx.tensors()]
+    results = []
+    for ws in (weights, fused):
+        mains = (None, None, torch.zeros(E, H, I) if main_down else None, None, None, None)
+        results.append(bwd.backward(_Workspace(), schedule, ctx_tensors, inp["grad_output"],
+                                    inp["x"], inp["router_weights"], *ws, None, 16, 4096,
+                                    131072, mains))  # fmt: skip
+    separate, got = results
+    assert got[2].shape == (E, 2 * I, H) and got[3].numel() == 0
+    assert torch.equal(got[2], torch.cat([separate[2], separate[3]], dim=1))
+    assert torch.equal(got[0], separate[0]) and torch.equal(got[4], separate[4])
+    split = F.backward_outputs(got, (None,) * 6, False)
+    assert split[2]._base is got[2] and split[3]._base is got[2]
+    assert split[3].data_ptr() == got[2].data_ptr() + I * H * 2

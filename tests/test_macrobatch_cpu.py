@@ -549,6 +549,8 @@ def test_new_kernels_launch_packs(monkeypatch):
     made = fake_kernels(monkeypatch)
     monkeypatch.setattr(macrobatch, "sm_count", lambda device: 132)
     monkeypatch.setattr(macrobatch, "check_cuda", lambda name, t, dtype, shape: None)
+    monkeypatch.setattr(macrobatch, "check_expert_weights",
+                        lambda name, t, dtype, shape: t.stride(0) // t.shape[2])  # fmt: skip
     device_args.clear_descriptor_cache()
     inputs = make_inputs(T, H, I, E, K, seed=21)
     schedule = R.make_schedule(inputs["top_experts"], num_local_experts=E, capacity=4096)
@@ -571,6 +573,7 @@ def test_new_kernels_launch_packs(monkeypatch):
         tiles = E * (I // 128) * (H // 256)  # fewer than the SMs here
         assert grid == (tiles, 1, 1) and args["first_row"] == 1024 and args["window_rows"] == 1024
         assert (args["m_size"], args["n_size"], args["num_experts"]) == (I, H, E)
+        assert args["out_expert_rows"] == I
     with pytest.raises(ValueError, match="partial_in and partial_out must be different"):
         macrobatch.weight_gradient_window(a, b, schedule.tokens_per_expert, 0, out, partials[0],
                                           partials[0], output="accumulate")  # fmt: skip

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_arg, check_cuda, check_multiple
+from .checks import check_arg, check_cuda, check_multiple, expert_rows_view
 from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import sm_count, tma_descriptor
-from .expert_gemm_bwd import N_ALIGNMENT
+from .expert_gemm_bwd import N_ALIGNMENT, gate_up_gradients
 from .megakernel_walk import (
     BACKWARD_COUNTER_TAIL,
     check_routed_operands,
@@ -58,6 +58,7 @@ def routed_backward(
     slots: torch.Tensor | None = None,
     grid: int | None = None,
     mxfp8: bool = False,
+    fused_grads: bool = False,
 ) -> tuple:
     """(dy_e, d_gate, d_up, router_partials, slots, [dW_gate, dW_up, dW_down] or None) in one launch.
 
@@ -78,6 +79,9 @@ def routed_backward(
     and up the context's round trips along I; the GEMMs read dY_e's round trip along H and
     d_gate's and d_up's along I (scratch per call). No weight gradients in the launch (`weight_grads` must be False): their operands
     are round-tripped along the tokens first (backward_op.py).
+
+    `fused_grads`: dW_gate and dW_up are the two halves of one new [E, 2 I, H] bf16 tensor
+    (for weights that are the halves of one: validation.fused_gate_up).
     """
     key = (
         KERNEL, tensor_key(grad_output), tensor_key(router_weights),
@@ -88,12 +92,12 @@ def routed_backward(
                                                                down_weights)),
         tensor_key(slots), swiglu_limit, weight_grads, num_comm_ctas, minibatch_size, timeout_ns,
         None if peers is None else tuple(p if isinstance(p, int) else p.data_ptr() for p in peers),
-        grid, mxfp8, current_stream(grad_output.get_device()),
+        grid, mxfp8, fused_grads, current_stream(grad_output.get_device()),
     )  # fmt: skip
     launch = plan(key, lambda: backward_plan(
         grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
         up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid, mxfp8,
+        timeout_ns, peers, slots, grid, mxfp8, fused_grads=fused_grads,
     ))  # fmt: skip
     weights = (gate_weights, up_weights, down_weights) if mxfp8 else None
     return launch(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots,
@@ -103,7 +107,7 @@ def routed_backward(
 def backward_plan(
     grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights, up_weights,
     down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size, timeout_ns, peers,
-    slots, grid, mxfp8=False, finish=False,
+    slots, grid, mxfp8=False, finish=False, fused_grads=False,
 ):  # fmt: skip
     """`routed_backward`'s plan for these arguments (checked now); call it as
     plan(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots, weights)
@@ -116,7 +120,7 @@ def backward_plan(
     return _BackwardPlan(
         grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
         up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid, mxfp8, finish,
+        timeout_ns, peers, slots, grid, mxfp8, finish, fused_grads,
     )  # fmt: skip
 
 
@@ -126,7 +130,7 @@ class _BackwardPlan:
     def __init__(
         self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
         up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid, mxfp8, finish=False,
+        timeout_ns, peers, slots, grid, mxfp8, finish=False, fused_grads=False,
     ):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -160,6 +164,7 @@ class _BackwardPlan:
         self.device_index = grad_output.get_device()
         self.sizes = (num_tokens, topk, capacity, num_experts, hidden_size, intermediate_size)
         self.weight_grads = weight_grads
+        self.fused_grads = fused_grads
         self.mxfp8 = mxfp8
         self.bound = None
         self.scratch = Carve(self.scratch_layout(), self.device)
@@ -171,9 +176,7 @@ class _BackwardPlan:
         # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py).
         self.counters = megakernel_counters(capacity, BACKWARD_COUNTER_TAIL, self.device)
         kernel = get_kernel(KERNEL_MXFP8 if mxfp8 else KERNEL, device=self.device)
-        self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size),
-                     "tma_wg": (num_experts * intermediate_size, hidden_size),
-                     "tma_wu": (num_experts * intermediate_size, hidden_size)}  # fmt: skip
+        self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size)}
         grid = grid or sm_count(self.device)
         buffer, first_slots, d_weights, rounded = self._outputs(slots)
         dy_e, d_gate, d_up, partials = self.scratch.views(buffer)
@@ -185,7 +188,7 @@ class _BackwardPlan:
         weights = (gate_weights, up_weights, down_weights)
         tma = self._descriptors(dy_e, d_gate, d_up, hidden, x_routed, rounded, weights)
         if not mxfp8:
-            tma.update({name: tma_descriptor(kernel, name, w.view(self.flat[name]))
+            tma.update({name: tma_descriptor(kernel, name, self._weight_view(name, w))
                         for name, w in zip(WEIGHT_TMA, weights, strict=True)})  # fmt: skip
         dy_q, d_gate_q, d_up_q = rounded if mxfp8 else (None,) * 3
         self.bound = kernel.bind(
@@ -228,6 +231,7 @@ class _BackwardPlan:
                     ep_rank,
                 ),
                 "weight_gemms": 3 if weight_grads else 0,
+                "d_w_gate_up_rows": (2 if fused_grads else 1) * intermediate_size,
             },
             dynamic=(*self.dynamic_tma, *DYNAMIC_POINTERS,
                      *(ROUNDED_POINTERS if mxfp8 else ())),
@@ -255,9 +259,16 @@ class _BackwardPlan:
             self.last_descriptors = (addresses, made)
             return made
         a_operands = [cache[i].get(t) for i, t in enumerate(rounded)]
-        flat = [cache[8 + i].get(w.view(self.flat[name]))
+        flat = [cache[8 + i].get(self._weight_view(name, w))
                 for i, (name, w) in enumerate(zip(WEIGHT_TMA, weights, strict=True))]  # fmt: skip
         return a_operands + made + flat
+
+    def _weight_view(self, name: str, weights: torch.Tensor) -> torch.Tensor:
+        """The [rows, K] view a weight's descriptor is encoded from: down's [E * H, I]; gate's
+        and up's from their first elements, fused halves with no copy (`expert_rows_view`)."""
+        if name == "tma_wd":
+            return weights.view(self.flat[name])
+        return expert_rows_view(name, weights)[0]
 
     def scratch_layout(self) -> list:
         """(dtype, shape) of the launch's scratch: dy_e, d_gate, d_up, router partials."""
@@ -275,9 +286,9 @@ class _BackwardPlan:
             slots = torch.empty(num_tokens * topk, hidden_size, **bf16)
         d_weights = None
         if self.weight_grads:
-            d_weights = [torch.empty(num_experts, inter, hidden_size, **bf16),
-                         torch.empty(num_experts, inter, hidden_size, **bf16),
-                         torch.empty(num_experts, hidden_size, inter, **bf16)]  # fmt: skip
+            d_weights = gate_up_gradients(num_experts, inter, hidden_size, self.fused_grads,
+                                          self.device)  # fmt: skip
+            d_weights.append(torch.empty(num_experts, hidden_size, inter, **bf16))
         rounded = None
         if self.mxfp8:  # scratch of this launch: the round trips the GEMMs read
             rounded = (torch.empty(capacity, hidden_size, **bf16),

@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from ..validation import check_macrobatch
+from ..validation import check_macrobatch, fused_gate_up
 from . import macrobatch, mxfp8
 from .backward_finish import finish_plan
 from .backward_megakernel import backward_plan, router_grad_push_plan
@@ -160,13 +160,16 @@ class _BackwardOp:
         # The weight gradients in the megakernel's launch unless they go into fp32 main_grads
         # (or their MXFP8 operands need round trips first).
         self.in_launch = all(g is None for g in main_grads[:3]) and not self.mxfp8
+        # Gate and up the halves of one [E, 2 I, H]: so are their bf16 gradients.
+        self.fused = (not self.mxfp8 and main_grads[0] is None and main_grads[1] is None
+                      and fused_gate_up(routed[0], routed[1]))  # fmt: skip
         x_routed, gate, up, hidden = ctx_tensors[:4]
         # A group of one without a shared expert: d_x and d_router in the megakernel's launch.
         finish = tables is None and not shared_expert
         self.routed = backward_plan(
             grad_output, router_weights, schedule, x_routed, gate, up, hidden, *routed,
             swiglu_limit, self.in_launch, bwd_num_comm_sms, minibatch_size, ws.wait_timeout_ns,
-            peers, self.slots, ws.megakernel_ctas, self.mxfp8, finish,
+            peers, self.slots, ws.megakernel_ctas, self.mxfp8, finish, self.fused,
         )  # fmt: skip
         self.in_kernel_finish = finish and self.routed.bound is not None
         # The push's checks look at shapes only: partials as the scratch's piece is shaped
@@ -256,7 +259,9 @@ class _BackwardOp:
             if self.mxfp8:
                 routed_grads = mxfp8_weight_gradients(*operands, context_exact)
             else:
-                routed_grads = weight_gradients(*operands)
+                routed_grads = weight_gradients(*operands, fused=self.fused)
+        if self.fused and not layer_step:  # the op's output: the fused tensor in gate's place
+            routed_grads = [routed_grads[0]._base, x.new_empty(0), routed_grads[2]]
         if tables is not None:
             d_router = d_router.clone()  # the buffer is the next call's
         d_x_shared, shared_grads = None, [None, None, None]

@@ -10,6 +10,8 @@ from ..validation import HIDDEN_ALIGNMENT
 # TMA coordinates are int32 and the kernels' coordinate tensors assume these extents.
 MAX_ROWS = 1 << 30
 MAX_COLS = 1 << 16
+# Experts' weight rows start on the GEMMs' 128-row weight tiles.
+EXPERT_ROW_ALIGNMENT = 128
 # The kernels pack a routed row's (source rank, row) into one int32: rank * 2^24 + row
 # (mok/dsl_kernels/common/peers.py).
 MAX_EP_SIZE = 127
@@ -24,24 +26,27 @@ def check_arg(
     *,
     cuda: bool,
     align: int = 16,
+    contiguous: bool = True,
 ) -> None:
     """Raise TypeError / ValueError naming `name`, the expectation and what was given.
 
     `cuda`: also on a CUDA device and 16-byte aligned (TMA descriptors are encoded from it); the
     CPU-tested epilogue and dispatch launchers pass False. `align`: the byte alignment a CUDA tensor
-    needs (4 for scalar reads, e.g. router-weight views).
+    needs (4 for scalar reads, e.g. router-weight views). `contiguous` False: any strides (the
+    caller checks the layout, e.g. `expert_rows_view`).
     """
     if not isinstance(tensor, torch.Tensor):
         raise MoKInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     where = "CUDA " if cuda else ""
+    layout = "contiguous " if contiguous else ""
     if (
         tensor.dtype != dtype
         or tuple(tensor.shape) != tuple(shape)
-        or not tensor.is_contiguous()
+        or (contiguous and not tensor.is_contiguous())
         or (cuda and not tensor.is_cuda)
     ):
         raise ValueError(
-            f"{name} must be a contiguous {where}{dtype} tensor of shape {list(shape)}, got "
+            f"{name} must be a {layout}{where}{dtype} tensor of shape {list(shape)}, got "
             f"{tensor.dtype} {list(tensor.shape)} on {tensor.device} "
             f"(contiguous={tensor.is_contiguous()})"
         )
@@ -57,6 +62,54 @@ def check_multiple(name: str, value: int, multiple: int) -> None:
 def check_cuda(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """A contiguous, 16-byte aligned CUDA tensor (what a TMA descriptor is encoded from)."""
     check_arg(name, tensor, dtype, shape, cuda=True)
+
+
+def check_expert_weights(
+    name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
+) -> int:
+    """A 16-byte aligned CUDA [E, N, K] tensor of contiguous rows whose experts may lie further
+    apart than N rows (`expert_rows_view`: a half of a fused [E, 2 N, K]); returns its rows per
+    expert."""
+    check_arg(name, tensor, dtype, shape, cuda=True, contiguous=False)
+    return expert_rows(name, tensor)
+
+
+def expert_rows(name: str, weights: torch.Tensor) -> int:
+    """Rows from one expert's [N, K] block of `weights` [E, N, K] to the next's: N for a
+    contiguous tensor, 2 N for either half of a fused [E, 2 N, K] (gate_up[:, :N], gate_up[:, N:],
+    as Hugging Face and TorchTitan hold gate and up). Raises ValueError naming `name`, the
+    strides expected and those given, unless stride(-1) == 1, stride(-2) == K and stride(0) is
+    a multiple of K, at least N * K and, unless it is N * K, in rows a multiple of 128 (the
+    GEMMs' weight tiles)."""
+    num_experts, rows, cols = weights.shape
+    strides = tuple(weights.stride())
+    expert_stride = strides[0] if num_experts > 1 else max(strides[0], rows * cols)
+    if (
+        strides[2] != 1
+        or strides[1] != cols
+        or cols == 0
+        or expert_stride < rows * cols
+        or expert_stride % cols
+        # Apart from a contiguous tensor's (N rows: N's own checks), on the weight tiles.
+        or (expert_stride != rows * cols and expert_stride % (cols * EXPERT_ROW_ALIGNMENT))
+    ):
+        raise ValueError(
+            f"{name} must have strides (R * {cols}, {cols}, 1) with R >= {rows} rows per expert, "
+            f"a multiple of {EXPERT_ROW_ALIGNMENT} (contiguous, or a half of a fused "
+            f"[E, 2 * {rows}, {cols}] tensor), got strides {strides}"
+        )
+    return expert_stride // cols
+
+
+def expert_rows_view(name: str, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(rank-2 [rows, K] view of `weights` [E, N, K] from its first element, rows per expert):
+    what the GEMMs' TMA descriptors are encoded from, expert e's rows at e * rows per expert
+    (`expert_rows` checks the layout). A contiguous tensor gives its [E * N, K] view; a half of
+    a fused [E, 2 N, K] one the (E - 1) * 2 N + N rows from its first, with no copy."""
+    per_expert = expert_rows(name, weights)
+    num_experts, rows, cols = weights.shape
+    total = (num_experts - 1) * per_expert + rows if num_experts else 0
+    return weights.as_strided((total, cols), (cols, 1)), per_expert
 
 
 def check_extents(what: str, capacity: int, weight_rows: int, k_size: int, n_size: int) -> None:

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from .checks import MAX_COLS, MAX_ROWS, check_cuda, check_multiple
+from .checks import (
+    MAX_COLS,
+    MAX_ROWS,
+    check_cuda,
+    check_expert_weights,
+    check_multiple,
+    expert_rows_view,
+)
 from .device_args import new_ticket, persistent_grid, tma_descriptor
 
 GATE_UP_KERNEL = "expert_gemm_gate_up_swiglu"
@@ -36,7 +43,8 @@ def gate_up_swiglu(
     hidden: torch.Tensor | None = None,
     manifest=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate, up, hidden), each bf16 [C, I], for x_routed bf16 [C, H] and weights [E, I, H].
+    """(gate, up, hidden), each bf16 [C, I], for x_routed bf16 [C, H] and weights [E, I, H]
+    (contiguous, or both halves of one fused [E, 2 I, H]: checks.expert_rows).
 
     `tokens_per_expert` int32 [E]: padded segment sizes, multiples of 128, sum <= C (not checked: a
     host sync). Constraints: H % 64 == 0, I % 128 == 0. Current stream, no host sync.
@@ -51,13 +59,18 @@ def gate_up_swiglu(
         "intermediate_size (gate_weights.shape[1])", intermediate_size, GATE_UP_N_ALIGNMENT
     )
     weight_shape = (num_experts, intermediate_size, hidden_size)
-    check_cuda("gate_weights", gate_weights, torch.bfloat16, weight_shape)
-    check_cuda("up_weights", up_weights, torch.bfloat16, weight_shape)
-    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
-    if capacity >= MAX_ROWS or num_experts * intermediate_size >= MAX_ROWS:
+    expert_rows = check_expert_weights("gate_weights", gate_weights, torch.bfloat16, weight_shape)
+    up_rows = check_expert_weights("up_weights", up_weights, torch.bfloat16, weight_shape)
+    if up_rows != expert_rows:
         raise ValueError(
-            f"routed rows ({capacity}) and num_experts * intermediate_size "
-            f"({num_experts * intermediate_size}) must be below {MAX_ROWS}"
+            f"gate_weights and up_weights must have the same strides, got "
+            f"{tuple(gate_weights.stride())} and {tuple(up_weights.stride())}"
+        )
+    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    if capacity >= MAX_ROWS or num_experts * expert_rows >= MAX_ROWS:
+        raise ValueError(
+            f"routed rows ({capacity}) and num_experts * rows per expert "
+            f"({num_experts * expert_rows}) must be below {MAX_ROWS}"
         )
     if hidden_size >= MAX_COLS:
         raise ValueError(f"hidden_size must be below {MAX_COLS}, got {hidden_size}")
@@ -74,13 +87,16 @@ def gate_up_swiglu(
 
     kernel = get_kernel(GATE_UP_KERNEL, device=device, manifest=manifest)
     col_tiles = intermediate_size // GATE_UP_N_ALIGNMENT
-    flat = (num_experts * intermediate_size, hidden_size)
     kernel.launch(
         (persistent_grid(device, capacity, col_tiles), 1, 1),
         {
             "tma_a": tma_descriptor(kernel, "tma_a", x_routed),
-            "tma_b0": tma_descriptor(kernel, "tma_b0", gate_weights.view(flat)),
-            "tma_b1": tma_descriptor(kernel, "tma_b1", up_weights.view(flat)),
+            "tma_b0": tma_descriptor(
+                kernel, "tma_b0", expert_rows_view("gate_weights", gate_weights)[0]
+            ),
+            "tma_b1": tma_descriptor(
+                kernel, "tma_b1", expert_rows_view("up_weights", up_weights)[0]
+            ),
             "out_ptr": hidden,
             "gate_ptr": gate,
             "up_ptr": up,
@@ -91,6 +107,7 @@ def gate_up_swiglu(
             "num_experts": num_experts,
             "k_size": hidden_size,
             "n_size": intermediate_size,
+            "b_expert_rows": expert_rows,
             "has_limit": int(swiglu_limit is not None),
             "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
         },
@@ -154,6 +171,7 @@ def down(
             "num_experts": num_experts,
             "k_size": intermediate_size,
             "n_size": hidden_size,
+            "b_expert_rows": hidden_size,
             "has_limit": 0,
             "swiglu_limit": 0.0,
         },

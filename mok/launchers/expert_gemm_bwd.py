@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_cuda, check_extents, check_multiple
+from .checks import check_cuda, check_expert_weights, check_extents, check_multiple
 from .device_args import persistent_grid, sm_count, tma_descriptor
 from .expert_gemm import K_ALIGNMENT
 
@@ -199,6 +199,7 @@ def weight_gradient(
 
     output: "fp32", "bf16" (rounded from the fp32 sum) or "accumulate" (fp32 out += sum in place,
     bitwise torch's `out.add_`). Every element is written (zeros for an expert with no rows).
+    `out` may be a half of a fused [E, 2 M, N] tensor (checks.expert_rows), written in place.
     Constraints: M % 128 == 0, N % 256 == 0, both < 2^16; `tokens_per_expert` int32 [E].
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
@@ -211,8 +212,6 @@ def weight_gradient(
     check_multiple("M (a_routed.shape[1])", m_size, M_ALIGNMENT)
     check_multiple("N (b_routed.shape[1])", n_size, N_ALIGNMENT)
     check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
-    # The kernel numbers the rows of out as one [E * M, N] matrix.
-    check_extents("E * M (output rows)", capacity, num_experts * m_size, m_size, n_size)
     if output not in WEIGHTS_KERNELS:
         raise ValueError(f"output must be one of {sorted(WEIGHTS_KERNELS)}, got {output!r}")
     kernel_name, out_dtype = WEIGHTS_KERNELS[output]
@@ -221,7 +220,9 @@ def weight_gradient(
         if output == "accumulate":
             raise ValueError("output='accumulate' needs `out`, the fp32 tensor to add into")
         out = torch.empty(num_experts, m_size, n_size, dtype=out_dtype, device=device)
-    check_cuda("out", out, out_dtype, (num_experts, m_size, n_size))
+    out_rows = check_expert_weights("out", out, out_dtype, (num_experts, m_size, n_size))
+    # The kernel numbers the rows of out as one [E * rows per expert, N] matrix.
+    check_extents("E * out rows per expert", capacity, num_experts * out_rows, m_size, n_size)
     if num_experts == 0:
         return out
     if capacity == 0:
@@ -239,25 +240,42 @@ def weight_gradient(
             "num_experts": num_experts,
             "m_size": m_size,
             "n_size": n_size,
+            "out_expert_rows": out_rows,
         },
     )
     return out
 
 
-def _weight_gradient_into(a_rows, b_rows, tokens, main_grad):
-    """bf16 [E, M, N] gradient, or empty after adding it into the fp32 main_grad in place."""
+def gate_up_gradients(num_experts, inter, hidden_size, fused, device) -> list:
+    """[dW_gate, dW_up] bf16 [E, I, H], new: two tensors, or (`fused`) the two halves of one
+    [E, 2 I, H] (gate rows first), which the kernels write in place."""
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    if not fused:
+        return [torch.empty(num_experts, inter, hidden_size, **bf16) for _ in range(2)]
+    gate_up = torch.empty(num_experts, 2 * inter, hidden_size, **bf16)
+    return [gate_up[:, :inter], gate_up[:, inter:]]
+
+
+def _weight_gradient_into(a_rows, b_rows, tokens, main_grad, out=None):
+    """bf16 [E, M, N] gradient (into `out` if given), or empty after adding it into the fp32
+    main_grad in place."""
     if main_grad is None:
-        return weight_gradient(a_rows, b_rows, tokens, output="bf16")
+        return weight_gradient(a_rows, b_rows, tokens, output="bf16", out=out)
     out = main_grad if main_grad.dim() == 3 else main_grad.unsqueeze(0)
     weight_gradient(a_rows, b_rows, tokens, output="accumulate", out=out)
     return a_rows.new_empty(0)
 
 
-def weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads):
-    """[dW_gate, dW_up, dW_down], each bf16 or added into its main_grad and returned empty."""
+def weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads, fused=False):
+    """[dW_gate, dW_up, dW_down], each bf16 or added into its main_grad and returned empty;
+    `fused` (no gate/up main_grads): dW_gate, dW_up the halves of one [E, 2 I, H]."""
     main_gate, main_up, main_down = main_grads
+    gate_up = (None, None)
+    if fused:
+        gate_up = gate_up_gradients(tokens.shape[0], d_gate.shape[1], x_rows.shape[1], True,
+                                    x_rows.device)  # fmt: skip
     return [
-        _weight_gradient_into(d_gate, x_rows, tokens, main_gate),
-        _weight_gradient_into(d_up, x_rows, tokens, main_up),
+        _weight_gradient_into(d_gate, x_rows, tokens, main_gate, gate_up[0]),
+        _weight_gradient_into(d_up, x_rows, tokens, main_up, gate_up[1]),
         _weight_gradient_into(dy_e, hidden, tokens, main_down),
     ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import mxfp8
-from .checks import check_cuda, check_multiple
+from .checks import check_cuda, check_multiple, expert_rows_view
 from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import sm_count
 from .expert_gemm import DOWN_N_ALIGNMENT, GATE_UP_N_ALIGNMENT, K_ALIGNMENT
@@ -207,9 +207,13 @@ class _ForwardPlan:
         )
 
     def _weight_descriptors(self, weights) -> dict:
-        """The bf16 weights' TMA descriptors over their [E * N, K] views."""
-        return {name: self.weight_tma[name].get(w.view(-1, w.shape[-1]))
-                for name, w in zip(WEIGHT_TMA, weights, strict=True)}  # fmt: skip
+        """The bf16 weights' TMA descriptors: over gate's and up's [rows, H] views from their
+        first elements (`expert_rows_view`: fused halves with no copy), down's [E * H, I]."""
+        gate, up, down = weights
+        views = (expert_rows_view("gate_weights", gate)[0],
+                 expert_rows_view("up_weights", up)[0], down.view(-1, down.shape[-1]))  # fmt: skip
+        return {name: self.weight_tma[name].get(view)
+                for name, view in zip(WEIGHT_TMA, views, strict=True)}  # fmt: skip
 
     def layout(self) -> list:
         """(dtype, shape) of the context it writes: x_routed, gate, up, hidden."""

@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 
 from ..types import MoKSchedule
-from ..validation import check_macrobatch
+from ..validation import check_macrobatch, fused_gate_up
 from . import dispatch, epilogues, expert_gemm
 from .backward_megakernel import push_router_grads, routed_backward
-from .checks import check_cuda, check_extents, check_gpu_layer, check_multiple
+from .checks import check_cuda, check_expert_weights, check_extents, check_gpu_layer, check_multiple
 from .comm import group_barrier, publish_x
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
-from .expert_gemm_bwd import M_ALIGNMENT, N_ALIGNMENT
+from .expert_gemm_bwd import M_ALIGNMENT, N_ALIGNMENT, gate_up_gradients
 from .forward_megakernel import routed_forward
 from .peer_tables import peer_tables
 from .shared_expert import shared_backward, shared_forward
@@ -188,7 +188,9 @@ def backward(
     group_barrier(ws, "PEER_BARRIER_START")
 
     windows = window_schedules(schedule, macrobatch_size)
-    grads = _WeightGradients(routed_gate, routed_up, routed_down, main_grads[:3])
+    fused = (main_grads[0] is None and main_grads[1] is None
+             and fused_gate_up(routed_gate, routed_up))  # fmt: skip
+    grads = _WeightGradients(routed_gate, routed_up, routed_down, main_grads[:3], fused)
     replay = None if full_context else _Replay(x, routed_gate, routed_up, swiglu_limit, first_rows)
     for m, (first, window) in enumerate(windows):
         rows = window.peer_rank.shape[0]
@@ -253,14 +255,17 @@ class _WeightGradients:
     new bf16 tensors, or added into the fp32 main_grads given. Two fp32 partial slots per GEMM:
     macrobatch m reads slot m % 2 (what crossed its first edge) and writes slot (m + 1) % 2."""
 
-    def __init__(self, gate_weights, up_weights, down_weights, main_grads):
+    def __init__(self, gate_weights, up_weights, down_weights, main_grads, fused=False):
         num_experts, inter, hidden = gate_weights.shape
         device = gate_weights.device
-        self.outputs, self.modes = [], []
-        for weight, main_grad in zip((gate_weights, up_weights, down_weights), main_grads,
-                                     strict=True):  # fmt: skip
+        self.outputs, self.modes, self.fused = [], [], fused
+        # `fused` (no gate/up main_grads): dW_gate, dW_up the halves of one [E, 2 I, H].
+        gate_up = gate_up_gradients(num_experts, inter, hidden, fused, device)
+        for g, (weight, main_grad) in enumerate(zip((gate_weights, up_weights, down_weights),
+                                                    main_grads, strict=True)):  # fmt: skip
             if main_grad is None:
-                self.outputs.append(torch.empty(weight.shape, dtype=torch.bfloat16, device=device))
+                self.outputs.append(gate_up[g] if g < 2 else
+                                    torch.empty(weight.shape, dtype=torch.bfloat16, device=device))  # fmt: skip
                 self.modes.append("bf16")
             else:
                 self.outputs.append(main_grad if main_grad.dim() == 3 else main_grad.unsqueeze(0))
@@ -279,9 +284,13 @@ class _WeightGradients:
                                    partial_in, partial_out, output=self.modes[g])  # fmt: skip
 
     def results(self, like) -> list:
-        """[dW_gate, dW_up, dW_down]: bf16, or empty where added into a main_grad."""
-        return [out if mode == "bf16" else like.new_empty(0)
-                for out, mode in zip(self.outputs, self.modes, strict=True)]  # fmt: skip
+        """[dW_gate, dW_up, dW_down]: bf16, or empty where added into a main_grad; `fused`:
+        the [E, 2 I, H] gradient in gate's place, empty in up's (the op's outputs)."""
+        results = [out if mode == "bf16" else like.new_empty(0)
+                   for out, mode in zip(self.outputs, self.modes, strict=True)]  # fmt: skip
+        if self.fused:
+            results[:2] = [self.outputs[0]._base, like.new_empty(0)]
+        return results
 
 
 def weight_gradient_window(
@@ -301,7 +310,8 @@ def weight_gradient_window(
     int32 [E] the whole schedule's. An expert's sum starts from `partial_in` (fp32 [M, N]) where
     its rows began in an earlier macrobatch and goes into `partial_out` where they go on past
     this one; else it is finished here: out bf16 [E, M, N] (output "bf16") or out fp32 += sum
-    (output "accumulate", a main_grad). An expert with no rows is finished (zeros, or out += 0)
+    (output "accumulate", a main_grad); `out` may be a half of a fused [E, 2 M, N] tensor
+    (checks.expert_rows). An expert with no rows is finished (zeros, or out += 0)
     by the macrobatch at row 0. Constraints: M % 128 == 0, N % 256 == 0, first_row % 128 == 0.
     """
     from mok.runtime import get_kernel  # noqa: PLC0415
@@ -320,8 +330,8 @@ def weight_gradient_window(
     if first_row < 0 or first_row % TILE_ROWS:
         raise ValueError(f"first_row must be a multiple of {TILE_ROWS} >= 0, got {first_row}")
     check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
-    check_extents("E * M (output rows)", rows, num_experts * m_size, m_size, n_size)
-    check_cuda("out", out, out_dtype, (num_experts, m_size, n_size))
+    out_rows = check_expert_weights("out", out, out_dtype, (num_experts, m_size, n_size))
+    check_extents("E * out rows per expert", rows, num_experts * out_rows, m_size, n_size)
     check_cuda("partial_in", partial_in, torch.float32, (m_size, n_size))
     check_cuda("partial_out", partial_out, torch.float32, (m_size, n_size))
     if partial_in.data_ptr() == partial_out.data_ptr():
@@ -342,6 +352,7 @@ def weight_gradient_window(
             "num_experts": num_experts,
             "m_size": m_size,
             "n_size": n_size,
+            "out_expert_rows": out_rows,
             "first_row": first_row,
             "window_rows": rows,
         },

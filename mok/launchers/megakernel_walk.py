@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_arg, check_cuda, check_extents
+from .checks import check_arg, check_cuda, check_expert_weights, check_extents, expert_rows
 from .comm import get_error_record
 from .device_args import TILE_ROWS
 from .plans import Counters
@@ -27,15 +27,21 @@ def check_routed_operands(
     gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk, hidden_size, device
 ):
     """Both megakernels' weights (bf16 [E, I, H], [E, I, H], [E, H, I]), slots (bf16 [T * k, H]
-    or None) and schedule, as the kernels read them; returns (E, I, capacity)."""
+    or None) and schedule, as the kernels read them; returns (E, I, capacity). Gate and up may
+    be the halves of one fused [E, 2 I, H] (checks.expert_rows), with equal strides: the
+    kernels take one rows-per-expert for both."""
     num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
     capacity = schedule.peer_rank.shape[0]
-    for name, w, shape in (
-        ("gate_weights", gate_weights, (num_experts, intermediate_size, hidden_size)),
-        ("up_weights", up_weights, (num_experts, intermediate_size, hidden_size)),
-        ("down_weights", down_weights, (num_experts, hidden_size, intermediate_size)),
-    ):
-        check_cuda(name, w, torch.bfloat16, shape)
+    shape = (num_experts, intermediate_size, hidden_size)
+    gate_rows = check_expert_weights("gate_weights", gate_weights, torch.bfloat16, shape)
+    up_rows = check_expert_weights("up_weights", up_weights, torch.bfloat16, shape)
+    if gate_rows != up_rows:
+        raise ValueError(
+            f"gate_weights and up_weights must have the same strides, got "
+            f"{tuple(gate_weights.stride())} and {tuple(up_weights.stride())}"
+        )
+    check_cuda("down_weights", down_weights, torch.bfloat16,
+               (num_experts, hidden_size, intermediate_size))  # fmt: skip
     return _check_rest(schedule, slots, num_tokens, topk, hidden_size, intermediate_size,
                        num_experts, capacity, device)  # fmt: skip
 
@@ -104,7 +110,8 @@ def walk_arguments(
     schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit, num_comm_ctas, grid,
     minibatch_tiles, ep_rank=0,
 ) -> dict:  # fmt: skip
-    """`rows`: the dispatch source [T, H]; `gate_weights` [E, I, H]; at most grid - 1 comm CTAs."""
+    """`rows`: the dispatch source [T, H]; `gate_weights` [E, I, H] (checked: its experts'
+    rows are `gate_up_expert_rows` apart, as up's); at most grid - 1 comm CTAs."""
     return {
         "peer_rank_ptr": schedule.peer_rank,
         "peer_token_idx_ptr": schedule.peer_token_idx,
@@ -116,6 +123,7 @@ def walk_arguments(
         "num_experts": gate_weights.shape[0],
         "hidden_size": rows.shape[1],
         "intermediate_size": gate_weights.shape[1],
+        "gate_up_expert_rows": expert_rows("gate_weights", gate_weights),
         "topk": topk,
         "ep_rank": ep_rank,
         "capacity": schedule.peer_rank.shape[0],
