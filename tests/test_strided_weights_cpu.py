@@ -387,3 +387,73 @@ def test_window_weight_gradient_writes_a_fused_half_in_place(monkeypatch, kernel
 def test_weight_names_order_is_what_the_tests_assume():
     assert WEIGHT_NAMES[3:5] == ("routed_gate", "routed_up")
     assert F.backward.__doc__ is not None
+
+
+# ---- mok.nn.moe_fused: the halves as views, the layer's fused gradient, main_grad in place ----
+
+
+def _fused_layer(accumulate_main_grad: bool, seed: int):
+    """(config, workspace, schedule, inputs, gate_up, down) of a CPU layer, gate_up fused."""
+    t, k = 128, 2
+    inp = make_inputs(t, H, I, E, k, seed=seed)
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device="cpu", num_local_tokens=t, hidden_size=H, topk=k,
+                         num_local_experts=E)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inp["top_experts"], num_local_experts=E)
+    gate_up = torch.cat((inp["routed_gate"], inp["routed_up"]), 1).requires_grad_()
+    down = inp["routed_down"].clone().requires_grad_()
+    return config, ws, schedule, inp, gate_up, down
+
+
+def test_moe_fused_passes_views_and_returns_the_layers_fused_gradient(monkeypatch):
+    from mok import nn as mok_nn
+
+    config, ws, schedule, inp, gate_up, down = _fused_layer(False, seed=21)
+    seen = {}
+    forward, backward = F.forward, F.backward
+
+    def spy_forward(*args, **kw):
+        seen["forward"] = args[8:10]  # routed gate, up
+        return forward(*args, **kw)
+
+    def spy_backward(*args, **kw):
+        seen["backward"] = args[10:12]
+        seen["whole"] = kw.get("whole_gate_up_grad")
+        grads = backward(*args, **kw)
+        seen["grads"] = grads
+        return grads
+
+    monkeypatch.setattr(F, "forward", spy_forward)
+    monkeypatch.setattr(F, "backward", spy_backward)
+    out = mok_nn.moe_fused(config, ws, schedule, inp["x"], inp["router_weights"], gate_up, down)
+    out.backward(torch.randn_like(out))
+    for step in ("forward", "backward"):
+        gate, up = seen[step]
+        assert gate.data_ptr() == gate_up.data_ptr(), f"{step}: gate must be a view, no copy"
+        assert up.data_ptr() == gate_up[:, I:].data_ptr(), f"{step}: up must be a view, no copy"
+    assert seen["whole"] is True
+    d_gate_up, d_up = seen["grads"][2], seen["grads"][3]
+    assert d_up is None and d_gate_up.shape == (E, 2 * I, H)  # the layer's one tensor, whole
+    assert torch.equal(gate_up.grad, d_gate_up)
+
+
+def test_moe_fused_adds_into_fp32_main_grad_halves_in_place(monkeypatch):
+    from mok import nn as mok_nn
+
+    config, ws, schedule, inp, gate_up, down = _fused_layer(True, seed=22)
+    gate_up.main_grad = torch.randn(E, 2 * I, H)
+    down.main_grad = torch.zeros(E, H, I)
+    seen = {}
+    backward = F.backward
+
+    def spy_backward(*args, **kw):
+        seen["main_grads"] = kw["main_grads"]
+        return backward(*args, **kw)
+
+    monkeypatch.setattr(F, "backward", spy_backward)
+    out = mok_nn.moe_fused(config, ws, schedule, inp["x"], inp["router_weights"], gate_up, down,
+                           accumulate_main_grad=True)  # fmt: skip
+    out.backward(torch.randn_like(out))
+    main_gate, main_up = seen["main_grads"][:2]
+    assert main_gate.data_ptr() == gate_up.main_grad.data_ptr()  # in place: no scratch
+    assert main_up.data_ptr() == gate_up.main_grad[:, I:].data_ptr()

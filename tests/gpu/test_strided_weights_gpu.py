@@ -156,3 +156,47 @@ def test_fused_weights_in_a_later_step_do_not_reuse_the_contiguous_plan():
         assert_same(run[0], first[0], "out")
         for a, b in zip(run[3], first[3], strict=True):
             assert_same(a, b, "gradient")
+
+
+@pytest.mark.parametrize("macro", [None, 512], ids=["default", "ring-reuse"])
+@pytest.mark.parametrize("accumulate_main_grad", [False, True], ids=["grad", "main_grad"])
+def test_moe_fused_is_bitwise_moe_of_separate_weights(macro, accumulate_main_grad):
+    """mok.nn.moe_fused reads gate_up's halves in place and its gradient (or fp32 main_grad)
+    is written in place: bitwise moe over separate contiguous copies."""
+    from mok.nn import moe, moe_fused
+
+    t, h, i, e, k = 512, 512, 256, 8, 4
+    inp = make_inputs(t, h, i, e, k, seed=31, device=CUDA)
+    config = config_of(macro)
+    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=t, hidden_size=h, topk=k,
+                         num_local_experts=e)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inp["top_experts"], num_local_experts=e)
+    gate_up = torch.cat((inp["routed_gate"], inp["routed_up"]), 1).requires_grad_()
+    gate, up = (inp[n].clone().requires_grad_() for n in ("routed_gate", "routed_up"))
+    downs = [inp["routed_down"].clone().requires_grad_() for _ in range(2)]
+    if accumulate_main_grad:
+        start = torch.randn(e, 2 * i, h, device=CUDA)
+        gate_up.main_grad = start.clone()
+        main_ptr = gate_up.main_grad.data_ptr()
+        gate.main_grad, up.main_grad = (s.clone() for s in start.split(i, 1))
+        for d in downs:
+            d.main_grad = torch.zeros(e, h, i, device=CUDA)
+    xs = [inp["x"].clone().requires_grad_() for _ in range(2)]
+    kw = dict(accumulate_main_grad=accumulate_main_grad)
+    poison_cuda_allocator()
+    got = moe_fused(config, ws, schedule, xs[0], inp["router_weights"], gate_up, downs[0], **kw)
+    want = moe(config, ws, schedule, xs[1], inp["router_weights"], None, None, None, gate, up,
+               downs[1], **kw)  # fmt: skip
+    assert_same(got, want, "out")
+    got.backward(inp["grad_output"])
+    want.backward(inp["grad_output"])
+    torch.cuda.synchronize()
+    F.check_errors(ws)
+    assert_same(xs[0].grad, xs[1].grad, "d_x")
+    if accumulate_main_grad:
+        assert gate_up.main_grad.data_ptr() == main_ptr
+        assert_same(gate_up.main_grad, torch.cat((gate.main_grad, up.main_grad), 1), "main_grad")
+        assert_same(downs[0].main_grad, downs[1].main_grad, "down main_grad")
+    else:
+        assert_same(gate_up.grad, torch.cat((gate.grad, up.grad), 1), "d_gate_up")
+        assert_same(downs[0].grad, downs[1].grad, "d_down")
