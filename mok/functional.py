@@ -507,12 +507,20 @@ def _backward_mxfp8(config, workspace, schedule, forward_context, grad_output, x
     values, exact = forward_context, mxfp8_context.is_quantised(forward_context)
     if exact:  # the original's: (data, scales) pairs, MXFP8 values once dequantised
         _check_provenance(forward_context, schedule)
-        mxfp8_context.check_quantised(forward_context, workspace.schedule_capacity,
-                                      workspace.hidden_size, inter, workspace.device)  # fmt: skip
+        cap = workspace.schedule_capacity
+        x_data = (
+            forward_context.x_routed[0] if isinstance(forward_context.x_routed, tuple) else None
+        )
+        if getattr(x_data, "shape", (None, cap))[1:2] != (cap,):  # ring reuse: macrobatch 0's
+            cap = context_rows(config.macrobatch_size, cap, workspace.num_local_tokens,
+                               workspace.topk)  # fmt: skip
+        mxfp8_context.check_quantised(forward_context, cap, workspace.hidden_size, inter,
+                                      workspace.device)  # fmt: skip
         _check_shared_context(forward_context, workspace, inter, has_shared)
         values = mxfp8_context.dequantised_context(mxfp8_context.flat(forward_context, x))
     else:  # a bf16 context (mok's BF16 layout) gives the same gradients
-        _check_context(forward_context, workspace, schedule, inter, has_shared)
+        _check_context(forward_context, workspace, schedule, inter, has_shared,
+                       config.macrobatch_size)  # fmt: skip
     if main_grads is not None and any(g is not None for g in main_grads):
         raise ValueError("main_grads with MXFP8 routed weights are not supported yet")
     empty = x.new_empty(0)

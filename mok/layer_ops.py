@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from . import reference
-from .errors import MoKInputError, MoKKernelUnavailableError
+from .errors import MoKInputError
 from .types import MoKSchedule
 from .validation import (
     check_expert_id_values,
@@ -412,15 +412,6 @@ def _fused_grads(gate, up, main_grads) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def _refuse_mxfp8_ring_reuse(op: str, macrobatch_size: int, router_weights: Tensor) -> None:
-    rows = router_weights.shape[0] * router_weights.shape[1]
-    if macrobatch_size < rows:
-        raise MoKKernelUnavailableError(
-            f"mok.ops.{op} on CUDA: macrobatch_size ({macrobatch_size}) below the routed rows "
-            f"({rows}) needs ring reuse, which is not built for the MXFP8 layer yet"
-        )
-
-
 @torch.library.custom_op("mok::forward_mxfp8", mutates_args=())
 def forward_mxfp8(
     workspace_handle: int,
@@ -445,24 +436,24 @@ def forward_mxfp8(
     macrobatch_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`forward` with MXFP8 routed weights ((fp8, scale) along K each, mxfp8_quantize's):
-    `mok.reference.mxfp8_forward`. Same outputs as `forward` (the context in bf16). On CUDA the
-    forward megakernel's MXFP8 variant; macrobatch ring reuse is not built for it yet."""
+    `mok.reference.mxfp8_forward`. Same outputs as `forward` (the context in bf16; with ring
+    reuse, macrobatch 0's rows). On CUDA the forward megakernel's MXFP8 variant."""
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     routed = ((routed_gate, routed_gate_scales), (routed_up, routed_up_scales),
               (routed_down, routed_down_scales))  # fmt: skip
     if x.is_cuda:
-        _refuse_mxfp8_ring_reuse("forward_mxfp8", macrobatch_size, router_weights)
         return _gpu("forward", x.device, ws.ep_size).forward(
             ws, schedule, x, router_weights, shared_gate_weights, shared_up_weights,
             shared_down_weights, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
             macrobatch_size,
         )  # fmt: skip
     check_router_weight_values(router_weights)
+    macrobatch = _check_macrobatch(macrobatch_size, minibatch_size, router_weights, "forward")
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.mxfp8_forward(
         schedule, x, router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
-        *routed, group=ws.group, swiglu_limit=swiglu_limit,
+        *routed, group=ws.group, swiglu_limit=swiglu_limit, macrobatch_size=macrobatch,
     )  # fmt: skip
     return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 
@@ -470,10 +461,12 @@ def forward_mxfp8(
 @forward_mxfp8.register_fake
 def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x,
       router_weights, shared_gate_weights, shared_up_weights, shared_down_weights, routed_gate,
-      *_):  # fmt: skip
+      routed_gate_scales, routed_up, routed_up_scales, routed_down, routed_down_scales,
+      swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size):  # fmt: skip
+    rows = context_rows(macrobatch_size, peer_rank.shape[0], *router_weights.shape)
     return (
         torch.empty_like(x),
-        *_fake_context(peer_rank, x, routed_gate, shared_gate_weights is not None),
+        *_fake_context(peer_rank, x, routed_gate, shared_gate_weights is not None, rows),
     )
 
 
@@ -556,8 +549,8 @@ def backward_mxfp8(
     """`backward` with MXFP8 routed weights (gate and up with their transposed copies, down
     transposed): `mok.reference.mxfp8_backward`. Same outputs as `backward` (bf16 weight
     gradients, empty [0] shared ones without a shared expert). On CUDA the backward
-    megakernel's MXFP8 variant (launchers/backward_op.py); macrobatch ring reuse is not built
-    for it yet. `context_exact`: the routed context holds MXFP8 values already (a dequantised
+    megakernel's MXFP8 variant (launchers/backward_op.py; with ring reuse, launchers/
+    macrobatch.py). `context_exact`: the routed context holds MXFP8 values already (a dequantised
     quantised context, mok/mxfp8_context.py), so the round trips that are identities on it
     are skipped; the results are the same either way."""
     from .types import MoKForwardContext  # noqa: PLC0415
@@ -570,17 +563,18 @@ def backward_mxfp8(
               (routed_up, routed_up_scales, routed_up_t, routed_up_t_scales),
               (routed_down_t, routed_down_t_scales))  # fmt: skip
     if x.is_cuda:
-        _refuse_mxfp8_ring_reuse("backward_mxfp8", macrobatch_size, router_weights)
         return _gpu("backward", x.device, ws.ep_size).backward(
             ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate_weights,
             shared_up_weights, shared_down_weights, *routed, swiglu_limit, bwd_num_comm_sms,
             minibatch_size, macrobatch_size, (None,) * 6, context_exact,
         )  # fmt: skip
     check_router_weight_values(router_weights)
+    macrobatch = _check_macrobatch(macrobatch_size, minibatch_size, router_weights, "backward")
     ctx = MoKForwardContext(*(_none_if_empty(t) for t in ctx_tensors))
     grads = reference.mxfp8_backward(
         schedule, ctx, grad_output, x, router_weights, shared_gate_weights, shared_up_weights,
         shared_down_weights, *routed, group=ws.group, swiglu_limit=swiglu_limit,
+        macrobatch_size=macrobatch,
     )  # fmt: skip
     d_x, d_router, weight_grads = grads[0], grads[1], grads[2:]
     return (d_x, d_router,

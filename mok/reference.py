@@ -806,15 +806,17 @@ def mxfp8_forward(
     *,
     group: dist.ProcessGroup | None = None,
     swiglu_limit: float | None = None,
+    macrobatch_size: int | None = None,
 ) -> tuple[torch.Tensor, MoKForwardContext]:
     """`forward` with MXFP8 routed weights, each (fp8, scale) along its K: (out, context). The
-    context holds the bf16 rows; `mxfp8_backward` quantises them as each GEMM reads them."""
+    context holds the bf16 rows; `mxfp8_backward` quantises them as each GEMM reads them.
+    `macrobatch_size` as `forward`'s: the context holds macrobatch 0's rows only."""
     routed = tuple(
         _mxfp8_weight(w) for w in (routed_gate_weights, routed_up_weights, routed_down_weights)
     )
     return _layer_forward(
         schedule, x, router_weights, (shared_gate_weights, shared_up_weights, shared_down_weights),
-        routed, group, swiglu_limit, _mlp_mxfp8,
+        routed, group, swiglu_limit, _mlp_mxfp8, macrobatch_size,
     )  # fmt: skip
 
 
@@ -893,14 +895,18 @@ def mxfp8_backward(
     *,
     group: dist.ProcessGroup | None = None,
     swiglu_limit: float | None = None,
+    macrobatch_size: int | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """`backward` with MXFP8 routed weights: gate and up (fp8, scale, fp8_t, scale_t), down its
     transposed copy (fp8_t, scale_t). The SwiGLU backward reads the dequantised saved gate and
-    up; d_router[t, j] = <bf16(SwiGLU(gate, up)), d_hidden> / w. Same returns as `backward`."""
+    up; d_router[t, j] = <bf16(SwiGLU(gate, up)), d_hidden> / w. Same returns as `backward`.
+    `macrobatch_size` as `backward`'s: a later macrobatch's context is replayed as
+    `mxfp8_recompute_forward_context` rebuilds it (bitwise `mxfp8_forward`'s rows)."""
     return _epilogue_of_backward(mxfp8_backward_to_slots(
         schedule, forward_context, grad_output, x, router_weights, shared_gate_weights,
         shared_up_weights, shared_down_weights, routed_gate_weights, routed_up_weights,
         routed_down_weights, group=group, swiglu_limit=swiglu_limit,
+        macrobatch_size=macrobatch_size,
     ))  # fmt: skip
 
 
@@ -919,10 +925,12 @@ def mxfp8_backward_to_slots(
     *,
     group: dist.ProcessGroup | None = None,
     swiglu_limit: float | None = None,
+    macrobatch_size: int | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """`mxfp8_backward` up to its epilogue, as `backward_to_slots` returns it. The routed
     context is read only through its MXFP8 quantisation (x and hidden along the tokens, gate and
-    up along I), so a context of values already MXFP8-exact gives the same results."""
+    up along I), so a context of values already MXFP8-exact gives the same results.
+    `macrobatch_size` as `mxfp8_backward`'s."""
     # The activation gradients read each weight along its own dim of the reduction.
     gate_t = _mxfp8_weight(routed_gate_weights[2:], transposed=True)  # [E, I, H] along I
     up_t = _mxfp8_weight(routed_up_weights[2:], transposed=True)
@@ -946,10 +954,17 @@ def mxfp8_backward_to_slots(
         )
         return d_x, d_gate_w, d_up_w, d_down_w, d_router
 
+    def replay(window):
+        """A macrobatch's context, rebuilt: bf16 x rows, gate/up/SwiGLU from x's round trip."""
+        return mxfp8_recompute_forward_context(
+            window, x, None, None, routed_gate_weights[:2], routed_up_weights[:2],
+            topk=router_weights.shape[1], group=group, swiglu_limit=swiglu_limit,
+        )  # fmt: skip
+
     return _layer_backward(
         schedule, forward_context, grad_output, x, router_weights,
         (shared_gate_weights, shared_up_weights, shared_down_weights),
-        gate_t.shape, group, swiglu_limit, expert,
+        gate_t.shape, group, swiglu_limit, expert, macrobatch_size, replay,
     )  # fmt: skip
 
 

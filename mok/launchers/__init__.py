@@ -30,7 +30,7 @@ from mok.runtime.module import arch_env_token
 
 from ..errors import MoKKernelUnavailableError
 from .backward_megakernel import push_router_grads, routed_backward
-from .backward_op import backward, mxfp8_weight_gradients, mxfp8_weights
+from .backward_op import backward, mxfp8_weight_gradients
 from .backward_op import backward_op as backward_op_plan
 from .checks import check_gpu_layer
 from .comm import all_gather_top_experts, check_errors, group_barrier
@@ -39,6 +39,7 @@ from .epilogues import bwd_epilogue, fwd_epilogue
 from .forward_megakernel import routed_forward
 from .forward_op import forward, recompute_forward_context
 from .forward_op import forward_op as forward_op_plan
+from .mxfp8 import backward_weights as mxfp8_weights
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .peer_tables import peer_tables as megakernel_peer_tables
 from .plans import Carve, current_stream, weight_key

@@ -46,31 +46,12 @@ from .plans import (
 from .shared_expert import shared_backward
 
 
-def mxfp8_weights(routed) -> tuple[torch.Tensor, ...]:
-    """bf16 (gate [E, I, H], up [E, I, H], down [E, H, I]) from the backward's MXFP8 copies:
-    gate's and up's transposed copies (along I), down's (along H), each exact in bf16."""
-    gate, up, down = routed
-    return mxfp8.dequantized_weights((gate[2:], up[2:], down), transposed=True)
-
-
-def mxfp8_gate_up(gate, up) -> tuple[torch.Tensor, torch.Tensor]:
-    """The context's gate and up as the MXFP8 backward reads them: round trips along I."""
-    return (mxfp8.mxfp8_round_trip(gate, along_rows=False),
-            mxfp8.mxfp8_round_trip(up, along_rows=False))  # fmt: skip
-
-
 def mxfp8_weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads,
                            context_exact: bool = False) -> list:  # fmt: skip
     """`weight_gradients` of the MXFP8 layer: every operand's MXFP8 round trip along the
-    tokens first (this call's own dy_e, d_gate, d_up in place; the context's x and hidden into
-    new tensors, unless `context_exact`: they are MXFP8 values along the tokens already, a
-    dequantised quantised context, whose round trip is the identity)."""
-    for t in (dy_e, d_gate, d_up):
-        mxfp8.mxfp8_round_trip(t, along_rows=True, out=t)
-    if not context_exact:
-        x_rows = mxfp8.mxfp8_round_trip(x_rows, along_rows=True)
-        hidden = mxfp8.mxfp8_round_trip(hidden, along_rows=True)
-    return weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grads)
+    tokens first (mxfp8.weight_gradient_operands)."""
+    operands = mxfp8.weight_gradient_operands(dy_e, d_gate, d_up, x_rows, hidden, context_exact)
+    return weight_gradients(*operands, tokens, main_grads)
 
 
 def backward(
@@ -140,7 +121,7 @@ class _BackwardOp:
         self.mxfp8 = isinstance(routed[0], tuple)
         if self.mxfp8:
             # Checked: the tuples (mok.mxfp8_weights); no main_grads (mok.functional).
-            routed = self.first_weights = mxfp8_weights(routed)
+            routed = self.first_weights = mxfp8.backward_weights(routed)
         if routed[2].shape[2] % N_ALIGNMENT:
             raise ValueError(
                 f"intermediate_size must be a multiple of {N_ALIGNMENT} on the "
@@ -226,9 +207,9 @@ class _BackwardOp:
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
         weights = None
         if self.mxfp8:
-            weights, self.first_weights = self.first_weights or mxfp8_weights(routed), None
+            weights, self.first_weights = self.first_weights or mxfp8.backward_weights(routed), None
             if not context_exact:
-                gate, up = mxfp8_gate_up(gate, up)
+                gate, up = mxfp8.gate_up_operands(gate, up)
         layer_step = context is not None
         if not layer_step:
             routed_ctx = (x_routed, gate, up, hidden)

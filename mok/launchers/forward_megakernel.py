@@ -54,6 +54,7 @@ def routed_forward(
     peers: tuple | None = None,
     slots: torch.Tensor | None = None,
     grid: int | None = None,
+    dequantized: tuple | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((x_routed, gate, up, hidden), slots) of this rank's routed experts, in one launch.
 
@@ -66,7 +67,8 @@ def routed_forward(
     ranks' tokens are pulled from their x buffers and pushed into their slots buffers.
     `num_comm_ctas`: CTAs that dispatch while the rest compute (0: all dispatch first).
     `minibatch_size` (routed rows; None: all) never changes the bits. `grid`: CTAs (None: the
-    SM count).
+    SM count). `dequantized` (MXFP8): the pairs' bf16 values (mxfp8.dequantized_weights) where
+    the caller has them already (a macrobatch ring launches once per macrobatch).
     """
     key = (
         KERNEL, tensor_key(x), tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
@@ -78,14 +80,16 @@ def routed_forward(
     )  # fmt: skip
     launch = plan(key, lambda: forward_plan(
         x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
-        minibatch_size, timeout_ns, peers, slots, grid,
+        minibatch_size, timeout_ns, peers, slots, grid, dequantized=dequantized,
     ))  # fmt: skip
-    return launch(x, schedule, slots, (gate_weights, up_weights, down_weights))
+    return launch(x, schedule, slots, (gate_weights, up_weights, down_weights),
+                  dequantized=dequantized)  # fmt: skip
 
 
 def forward_plan(
     x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
     minibatch_size, timeout_ns, peers, slots, grid, combine=False, schedule_ids=None,
+    dequantized=None,
 ):  # fmt: skip
     """`routed_forward`'s plan for these arguments (checked now); call it as
     plan(x, schedule, slots, (gate, up, down)) with tensors that differ from these in their
@@ -103,7 +107,7 @@ def forward_plan(
         raise ValueError("schedule_ids: the in-kernel schedule needs the in-kernel combine")
     return _ForwardPlan(
         x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
-        minibatch_size, timeout_ns, peers, slots, grid, combine, schedule_ids,
+        minibatch_size, timeout_ns, peers, slots, grid, combine, schedule_ids, dequantized,
     )  # fmt: skip
 
 
@@ -113,7 +117,7 @@ class _ForwardPlan:
     def __init__(
         self, x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit,
         num_comm_ctas, minibatch_size, timeout_ns, peers, slots, grid, combine=False,
-        schedule_ids=None,
+        schedule_ids=None, dequantized=None,
     ):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -156,7 +160,7 @@ class _ForwardPlan:
         weights = (gate_weights, up_weights, down_weights)
         self.weight_tma = {name: Descriptors(kernel, name) for name in WEIGHT_TMA}
         if self.mxfp8:  # bf16 values of the pairs, new on every call: bound per launch
-            weights = self.first_weights = mxfp8.dequantized_weights(weights)
+            weights = self.first_weights = dequantized or mxfp8.dequantized_weights(weights)
         grid = grid or sm_count(x.device)
         x_routed, gate, up, hidden = self._outputs()
         # MXFP8: the GEMMs' A operands are the rows' round trips (scratch of this call).
@@ -231,10 +235,10 @@ class _ForwardPlan:
             return x_routed, hidden
         return torch.empty_like(x_routed), torch.empty_like(hidden)
 
-    def __call__(self, x, schedule, slots, weights, combine=None):
+    def __call__(self, x, schedule, slots, weights, combine=None, dequantized=None):
         """((x_routed, gate, up, hidden), slots): the context in new tensors. `combine`: (out,
         router_weights) of a plan made with `combine`; not for one made with `schedule_ids`
-        (`launch`)."""
+        (`launch`). `dequantized`: as `routed_forward`'s."""
         if self.schedules:
             raise ValueError("a plan made with schedule_ids launches by address (launch)")
         outputs = self._outputs()
@@ -243,22 +247,24 @@ class _ForwardPlan:
         if self.bound is not None:
             combine_at = (0, 0) if combine is None else tuple(t.data_ptr() for t in combine)
             self.launch(x, schedule_addresses(schedule), tuple(t.data_ptr() for t in outputs),
-                        outputs.__getitem__, slots.data_ptr(), weights, combine_at)  # fmt: skip
+                        outputs.__getitem__, slots.data_ptr(), weights, combine_at,
+                        dequantized=dequantized)  # fmt: skip
         return outputs, slots
 
     def launch(self, x, schedule_at, context_at, context, slots_at, weights,
-               combine_at=(0, 0), ids_at=0) -> None:  # fmt: skip
+               combine_at=(0, 0), ids_at=0, dequantized=None) -> None:  # fmt: skip
         """The launch on addresses: the schedule's four (`schedule_addresses`), the context's
         four (x_routed, gate, up, hidden: contiguous, `layout()`'s shapes, 16-byte aligned);
         `context(i)` makes context tensor i, only for a TMA descriptor not made yet;
         `combine_at`: (out, router_weights) of a plan made with `combine`; `ids_at`: the
         int64 routing's address (8-byte aligned, its shape and device as the plan's
-        `schedule_ids`) of a plan made with `schedule_ids`, whose launch writes the schedule."""
+        `schedule_ids`) of a plan made with `schedule_ids`, whose launch writes the schedule;
+        `dequantized`: as `routed_forward`'s."""
         x_routed_at, gate_at, up_at, hidden_at = context_at
         if self.mxfp8:
             a_x, a_h = self._operands(context(0), context(3))
             tma_x, tma_h = self.tma_x.get(a_x), self.tma_h.get(a_h)
-            bf16 = self.first_weights or mxfp8.dequantized_weights(weights)
+            bf16 = self.first_weights or dequantized or mxfp8.dequantized_weights(weights)
             self.first_weights = None
             bf16_weights = tuple(self._weight_descriptors(bf16).values())
             rounded_at = (a_x.data_ptr(), a_h.data_ptr())

@@ -37,7 +37,7 @@ import torch
 
 from ..types import MoKSchedule
 from ..validation import check_macrobatch, fused_gate_up
-from . import dispatch, epilogues, expert_gemm
+from . import dispatch, epilogues, expert_gemm, mxfp8
 from .backward_megakernel import push_router_grads, routed_backward
 from .checks import check_cuda, check_expert_weights, check_extents, check_gpu_layer, check_multiple
 from .comm import group_barrier, publish_x
@@ -122,6 +122,10 @@ def forward(
     if tables is not None:
         peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
     windows = window_schedules(schedule, macrobatch_size)
+    # MXFP8 pairs: their bf16 values once for every macrobatch's launch.
+    dequantized = None
+    if isinstance(routed_gate, tuple):
+        dequantized = mxfp8.dequantized_weights((routed_gate, routed_up, routed_down))
     routed_ctx = None
     # Last to first: the context left is macrobatch 0's. Each macrobatch's buffers are
     # dropped before the next macrobatch's are made: the allocator hands the memory back.
@@ -131,6 +135,7 @@ def forward(
             x, window, ws.topk, routed_gate, routed_up, routed_down, swiglu_limit=swiglu_limit,
             num_comm_ctas=fwd_num_comm_sms, minibatch_size=minibatch_size,
             timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots, grid=ws.megakernel_ctas,
+            dequantized=dequantized,
         )  # fmt: skip
     group_barrier(ws, "PEER_BARRIER_END")
     # Distinct empty tensors: custom-op outputs may not alias each other.
@@ -156,6 +161,14 @@ def backward(
     check_gpu_layer(ws, "backward")
     num_tokens, topk = router_weights.shape
     check_macrobatch(macrobatch_size, num_tokens, topk, "backward", minibatch_size)
+    # MXFP8 (backward_op.py's layer): the GEMMs read the transposed copies' bf16 values, the
+    # replay the forward pairs' (along H); every GEMM operand is a round trip.
+    is_mxfp8, forward_weights = isinstance(routed_gate, tuple), (routed_gate, routed_up)
+    if is_mxfp8:
+        forward_weights = mxfp8.dequantized_weights((routed_gate[:2], routed_up[:2]))
+        routed_gate, routed_up, routed_down = mxfp8.backward_weights(
+            (routed_gate, routed_up, routed_down)
+        )
     if routed_down.shape[2] % N_ALIGNMENT:
         raise ValueError(
             f"intermediate_size must be a multiple of {N_ALIGNMENT} on the sm_90a backward "
@@ -191,7 +204,9 @@ def backward(
     fused = (main_grads[0] is None and main_grads[1] is None
              and fused_gate_up(routed_gate, routed_up))  # fmt: skip
     grads = _WeightGradients(routed_gate, routed_up, routed_down, main_grads[:3], fused)
-    replay = None if full_context else _Replay(x, routed_gate, routed_up, swiglu_limit, first_rows)
+    replay = None
+    if not full_context:
+        replay = _Replay(x, *forward_weights, swiglu_limit, first_rows, is_mxfp8)
     for m, (first, window) in enumerate(windows):
         rows = window.peer_rank.shape[0]
         if full_context:
@@ -200,17 +215,27 @@ def backward(
             ctx = (x_routed, gate, up, hidden)
         else:
             ctx = replay(window, topk, x_peers)
+        x_rows, gate_rows, up_rows, hidden_rows = ctx
+        if is_mxfp8:  # the SwiGLU backward's inputs (a context exact already: identities)
+            gate_rows, up_rows = mxfp8.gate_up_operands(gate_rows, up_rows)
         dy_e, d_gate, d_up, partials, slots, _ = routed_backward(
-            grad_output, router_weights, window, *ctx, routed_gate, routed_up, routed_down,
-            swiglu_limit=swiglu_limit, weight_grads=False, num_comm_ctas=bwd_num_comm_sms,
-            minibatch_size=minibatch_size, timeout_ns=ws.wait_timeout_ns, peers=peers,
-            slots=slots, grid=ws.megakernel_ctas,
+            grad_output, router_weights, window, x_rows, gate_rows, up_rows, hidden_rows,
+            routed_gate, routed_up, routed_down, swiglu_limit=swiglu_limit, weight_grads=False,
+            num_comm_ctas=bwd_num_comm_sms, minibatch_size=minibatch_size,
+            timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots, grid=ws.megakernel_ctas,
+            mxfp8=is_mxfp8,
         )  # fmt: skip
         push_router_grads(partials, window, router_weights, d_router, peers=grad_peers)
-        grads.add(m, first, schedule.tokens_per_expert, (d_gate, d_up, dy_e), (ctx[0], ctx[3]))
+        if is_mxfp8:  # every operand's round trip along the tokens (32-row blocks: a
+            # macrobatch edge is a block edge)
+            dy_e, x_rows, d_gate, d_up, hidden_rows = mxfp8.weight_gradient_operands(
+                dy_e, d_gate, d_up, x_rows, hidden_rows
+            )
+        grads.add(m, first, schedule.tokens_per_expert, (d_gate, d_up, dy_e),
+                  (x_rows, hidden_rows))  # fmt: skip
         # Released before the next macrobatch's are made (stream-ordered: the allocator
         # hands the memory back to the next launch only).
-        del dy_e, d_gate, d_up, partials, ctx
+        del dy_e, d_gate, d_up, partials, ctx, x_rows, gate_rows, up_rows, hidden_rows
     group_barrier(ws, "PEER_BARRIER_END")
     if tables is not None:
         d_router = d_router.clone()  # the buffer is the next call's
@@ -229,22 +254,27 @@ def backward(
 class _Replay:
     """A later macrobatch's context, rebuilt into one ring of [macrobatch_size] rows: its x rows
     pulled (gather_rows), gate/up + SwiGLU (recompute_forward_context's kernels, bitwise the
-    forward megakernel's rows)."""
+    forward megakernel's rows). `mxfp8`: the GEMMs read the x rows' round trip along H (one
+    more ring) and the weights are the forward pairs' bf16 values, as the MXFP8 forward's."""
 
-    def __init__(self, x, gate_weights, up_weights, swiglu_limit, rows: int):
+    def __init__(self, x, gate_weights, up_weights, swiglu_limit, rows: int, mxfp8=False):
         inter = gate_weights.shape[1]
         bf16 = dict(dtype=torch.bfloat16, device=x.device)
         self.x, self.weights, self.limit = x, (gate_weights, up_weights), swiglu_limit
         self.ring = (torch.empty(rows, x.shape[1], **bf16),
                      *(torch.empty(rows, inter, **bf16) for _ in range(3)))  # fmt: skip
+        self.rounded = torch.empty(rows, x.shape[1], **bf16) if mxfp8 else None
 
     def __call__(self, window, topk: int, peers) -> tuple:
         rows = window.peer_rank.shape[0]
         x_routed, gate, up, hidden = (t[:rows] for t in self.ring)
         dispatch.gather_rows(self.x, window.peer_rank, window.peer_token_idx, window.num_tokens,
                              topk, out=x_routed, peers=peers)  # fmt: skip
+        a_rows = x_routed
+        if self.rounded is not None:
+            a_rows = mxfp8.mxfp8_round_trip(x_routed, along_rows=False, out=self.rounded[:rows])
         expert_gemm.gate_up_swiglu(
-            x_routed, *self.weights, window.tokens_per_expert, swiglu_limit=self.limit,
+            a_rows, *self.weights, window.tokens_per_expert, swiglu_limit=self.limit,
             gate=gate, up=up, hidden=hidden,
         )  # fmt: skip
         return x_routed, gate, up, hidden

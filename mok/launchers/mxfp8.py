@@ -157,6 +157,34 @@ def dequantized_weights(pairs, *, transposed: bool = False) -> tuple[torch.Tenso
     return tuple(mxfp8_dequantize(data, scales, transposed=transposed) for data, scales in pairs)
 
 
+def backward_weights(routed) -> tuple[torch.Tensor, ...]:
+    """bf16 (gate [E, I, H], up [E, I, H], down [E, H, I]) from the backward's MXFP8 copies
+    (gate, up: (fp8, scale, fp8_t, scale_t); down: (fp8_t, scale_t)): gate's and up's
+    transposed copies (along I), down's (along H), each exact in bf16."""
+    gate, up, down = routed
+    return dequantized_weights((gate[2:], up[2:], down), transposed=True)
+
+
+def gate_up_operands(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context's gate and up as the MXFP8 backward reads them: round trips along I (new
+    tensors)."""
+    return (mxfp8_round_trip(gate, along_rows=False),
+            mxfp8_round_trip(up, along_rows=False))  # fmt: skip
+
+
+def weight_gradient_operands(dy_e, d_gate, d_up, x_rows, hidden, context_exact: bool = False):
+    """The MXFP8 weight gradients' operands: every one's round trip along the tokens (32-row
+    blocks). dy_e, d_gate, d_up (a launch's own scratch) in place; the context's x and hidden
+    into new tensors, unless `context_exact` (MXFP8 values along the tokens already: the round
+    trip is the identity). Returns (dy_e, x_rows, d_gate, d_up, hidden)."""
+    for t in (dy_e, d_gate, d_up):
+        mxfp8_round_trip(t, along_rows=True, out=t)
+    if not context_exact:
+        x_rows = mxfp8_round_trip(x_rows, along_rows=True)
+        hidden = mxfp8_round_trip(hidden, along_rows=True)
+    return dy_e, x_rows, d_gate, d_up, hidden
+
+
 def _dequantize_transposed(data, scales, batch: int, rows: int, cols: int) -> torch.Tensor:
     """`mxfp8_dequantize(transposed=True)`'s launch: every matrix in one grid (z = matrix)."""
     from mok.runtime import get_kernel  # noqa: PLC0415
