@@ -54,7 +54,10 @@ def _hf_config(family: str, hidden: int = 128, inter: int = 128):
                                num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
     if family == "deepseek_v3":
         small = {k: v for k, v in SMALL.items() if k != "head_dim"}  # qk_* dims set it
-        return t.DeepseekV3Config(**small, num_key_value_heads=2, intermediate_size=256,
+        # MLA keeps a key and value head per query head (DeepSeek-V3: 128 and 128); fewer
+        # broke transformers 5.17's SDPA attention on CUDA (a shape error before the experts).
+        heads = small["num_attention_heads"]
+        return t.DeepseekV3Config(**small, num_key_value_heads=heads, intermediate_size=256,
                                   moe_intermediate_size=inter, n_routed_experts=8,
                                   num_experts_per_tok=2, n_group=2, topk_group=1,
                                   first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=64,

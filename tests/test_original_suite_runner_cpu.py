@@ -238,3 +238,19 @@ def test_bad_arguments_are_named(tmp_path, capsys):
         runner.Adaptation("x", "patch", "no")
     with pytest.raises(ValueError, match="weight_copies must be >= 1"):
         runner.Adaptation("x", "reduce_shapes", "no")
+
+
+def test_a_checkout_of_tests_only_under_a_configured_folder_runs(tmp_path, monkeypatch):
+    """A checkout holding only tests/, given by a relative path, inside a folder whose
+    pyproject.toml has pytest settings (as a checkout kept inside this repository): its nodes
+    are collected and run as tests/..., not as paths from that folder."""
+    outer = tmp_path / "project"
+    (outer / "copy" / "tests").mkdir(parents=True)
+    (outer / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-q"\n')
+    (outer / "copy" / "tests" / "test_one.py").write_text("def test_ok():\n    assert True\n")
+    monkeypatch.chdir(outer)
+    result = runner.run_suite(Path("copy"), adaptations=(), known_differences={}, timeout_s=30.0,
+                              memory_budget_gib=1.0, log=lambda line: None)  # fmt: skip
+    assert [(r.node, r.outcome) for r in result.records] == [("tests/test_one.py::test_ok",
+                                                              "passed")]  # fmt: skip
+    assert result.workdir_note == ""

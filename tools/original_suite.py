@@ -221,13 +221,14 @@ def _selected(node: str, only: Sequence[str]) -> bool:
 
 @contextlib.contextmanager
 def suite_root(checkout: Path) -> Iterator[tuple[Path, str]]:
-    """The folder to run pytest in, and a note saying why when it is not the checkout itself."""
+    """The folder to run pytest in (a copy of the checkout's tests/, always: its node ids then
+    read tests/... wherever the checkout lies, also under a folder whose own pytest settings
+    would make pytest's rootdir), and a note when the copy also keeps the checkout's mok off
+    the path."""
     tests_dir = checkout / "tests"
     if not tests_dir.is_dir():
         raise SuiteError(f"checkout {checkout}: expected a tests/ folder in it, found none")
-    if not ((checkout / "mok").exists() or (checkout / "mok.py").exists()):
-        yield checkout, ""
-        return
+    shadows = (checkout / "mok").exists() or (checkout / "mok.py").exists()
     with tempfile.TemporaryDirectory(prefix="mok-original-suite-") as tmp:
         workdir = Path(tmp)
         # A copy, not a symlink: pytest may resolve a symlinked tests/ back into the checkout,
@@ -239,13 +240,11 @@ def suite_root(checkout: Path) -> Iterator[tuple[Path, str]]:
         if not (workdir / "pytest.ini").exists():
             # Pins pytest's rootdir here, so node ids read tests/... as in the checkout.
             (workdir / "pytest.ini").write_text("[pytest]\n")
-        yield (
-            workdir,
-            (
-                f"{checkout}/mok exists: running a copy of its tests/ from {workdir} "
-                f"so that import mok is {REPO_ROOT / 'mok'}"
-            ),
-        )
+        note = ""
+        if shadows:
+            note = (f"{checkout}/mok exists: running a copy of its tests/ from {workdir} "
+                    f"so that import mok is {REPO_ROOT / 'mok'}")  # fmt: skip
+        yield workdir, note
 
 
 def _free_port() -> int:
