@@ -3,7 +3,8 @@
 `FakeKernel` stands for a shipped kernel: it records each launch and packs its arguments with
 the runtime's `pack_args` for the real sm_90a manifest entry, so a name the kernel does not
 take, or one it lacks, fails on CPU instead of on the GPU. `fake_push_router_grads` is the
-router_grad_push kernel's math.
+router_grad_push kernel's math; `FakeErrorRecord` stands for the device error record and status
+word whose addresses the megakernels take.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ class FakeKernel:
         pack_args(self.variant, {k: (v.data_ptr() if isinstance(v, torch.Tensor) else v)
                                  for k, v in args.items()})  # fmt: skip
         return _Bound()
+
+
+class FakeErrorRecord:
+    """Addresses of the device error record and status word, as a launcher packs them."""
+
+    device_ptr = 0x1000
+    status_ptr = 0x1040
 
 
 def fake_kernels(monkeypatch) -> dict:

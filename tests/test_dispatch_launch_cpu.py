@@ -6,14 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_kernels import FakeKernel, fake_kernels
+from fake_kernels import FakeErrorRecord, FakeKernel, fake_kernels
 
-from mok.launchers import dispatch
-
-
-class _Record:
-    device_ptr = 0x1000
-    status_ptr = 0x1040
+from mok.launchers import checks, dispatch
 
 
 @pytest.fixture()
@@ -36,8 +31,6 @@ def test_gather_rows_launch_packs(kernels):
 
 def _expert_weights_on_cpu(name, tensor, dtype, shape):
     """checks.check_expert_weights minus "on CUDA": the rows per expert of a checked layout."""
-    from mok.launchers import checks
-
     assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
     return checks.expert_rows(name, tensor)
 
@@ -47,7 +40,7 @@ def _forward_launcher_on_cpu(monkeypatch):
     from mok.launchers import device_args, megakernel_walk
     from mok.launchers import forward_megakernel as moe_forward
 
-    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: FakeErrorRecord())
     monkeypatch.setattr(moe_forward, "sm_count", lambda device: 132)
 
     def check_on_cpu(name, tensor, dtype, shape):  # the launcher's check, minus "on CUDA"
@@ -55,7 +48,7 @@ def _forward_launcher_on_cpu(monkeypatch):
 
     monkeypatch.setattr(moe_forward, "check_cuda", check_on_cpu)
     monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
-    monkeypatch.setattr(megakernel_walk, "check_expert_weights", _expert_weights_on_cpu)
+    monkeypatch.setattr(checks, "check_expert_weights", _expert_weights_on_cpu)
     device_args.clear_descriptor_cache()
     return moe_forward
 
@@ -145,11 +138,11 @@ def _backward_launcher_on_cpu(monkeypatch):
     def check_on_cpu(name, tensor, dtype, shape, **_):  # the launcher's checks, minus "on CUDA"
         assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
 
-    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: FakeErrorRecord())
     monkeypatch.setattr(moe_backward, "sm_count", lambda device: 132)
     monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
     monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
-    monkeypatch.setattr(megakernel_walk, "check_expert_weights", _expert_weights_on_cpu)
+    monkeypatch.setattr(checks, "check_expert_weights", _expert_weights_on_cpu)
     monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
     device_args.clear_descriptor_cache()
     return moe_backward
@@ -264,7 +257,7 @@ def test_comm_count_is_clamped_below_the_grid():
     import mok.launchers.megakernel_walk as walk
 
     original = walk.get_error_record
-    walk.get_error_record = lambda device: _Record()
+    walk.get_error_record = lambda device: FakeErrorRecord()
     try:
         for comm, want in ((16, 16), (0, 0), (500, 131)):  # never all CTAs: at most grid - 1
             args = walk_arguments(_Schedule(), counters, 1, rows, gate_w, 2, None, comm, 132, 1)
@@ -286,7 +279,9 @@ def test_router_grad_push_launch_packs(monkeypatch, kernels):
     from mok.launchers import backward_megakernel
 
     monkeypatch.setattr(backward_megakernel, "check_arg", lambda *a, **k: None)
-    monkeypatch.setattr(backward_megakernel, "status_ptr", lambda device: _Record.status_ptr)
+    monkeypatch.setattr(
+        backward_megakernel, "status_ptr", lambda device: FakeErrorRecord.status_ptr
+    )
     t, k, e = 256, 2, 4
     schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
                                capacity=t * k + e * 128)  # fmt: skip
@@ -299,7 +294,7 @@ def test_router_grad_push_launch_packs(monkeypatch, kernels):
     ((grid, args),) = kernels["router_grad_push"].launches
     assert grid == (-(-schedule.capacity // 128), 1, 1)
     assert args["ep_rank"] == 1 and args["blocks"] == 4 and args["num_rows"] == schedule.capacity
-    assert args["status_ptr"] == _Record.status_ptr
+    assert args["status_ptr"] == FakeErrorRecord.status_ptr
 
 
 def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):
@@ -307,10 +302,10 @@ def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):
     from mok.launchers import device_args, megakernel_walk
     from mok.launchers import forward_megakernel as moe_forward
 
-    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: FakeErrorRecord())
     monkeypatch.setattr(moe_forward, "check_cuda", lambda *a, **k: None)
     monkeypatch.setattr(megakernel_walk, "check_cuda", lambda *a, **k: None)
-    monkeypatch.setattr(megakernel_walk, "check_expert_weights", _expert_weights_on_cpu)
+    monkeypatch.setattr(checks, "check_expert_weights", _expert_weights_on_cpu)
     device_args.clear_descriptor_cache()
     t, h, i, e, k = 256, 256, 128, 4, 2
     schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
@@ -336,10 +331,10 @@ def test_backward_megakernel_packs_peer_tables(monkeypatch, kernels):
     def check_on_cpu(*_, **__):
         return None
 
-    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: FakeErrorRecord())
     monkeypatch.setattr(moe_backward, "check_cuda", check_on_cpu)
     monkeypatch.setattr(megakernel_walk, "check_cuda", check_on_cpu)
-    monkeypatch.setattr(megakernel_walk, "check_expert_weights", _expert_weights_on_cpu)
+    monkeypatch.setattr(checks, "check_expert_weights", _expert_weights_on_cpu)
     monkeypatch.setattr(moe_backward, "check_arg", check_on_cpu)
     device_args.clear_descriptor_cache()
     t, h, i, e, k = BACKWARD_SIZES
@@ -390,11 +385,11 @@ def test_forward_plan_is_reused_and_rechecked(monkeypatch, kernels):
     from mok.launchers import device_args, megakernel_walk, plans
     from mok.launchers import forward_megakernel as moe_forward
 
-    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: FakeErrorRecord())
     monkeypatch.setattr(moe_forward, "sm_count", lambda device: 132)
     monkeypatch.setattr(moe_forward, "check_cuda", lambda name, t, dtype, shape: None)
     monkeypatch.setattr(megakernel_walk, "check_cuda", lambda name, t, dtype, shape: None)
-    monkeypatch.setattr(megakernel_walk, "check_expert_weights",
+    monkeypatch.setattr(checks, "check_expert_weights",
                         lambda name, t, dtype, shape: t.stride(0) // t.shape[2])  # fmt: skip
     plans.clear_plans()
     device_args.clear_descriptor_cache()

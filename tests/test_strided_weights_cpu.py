@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_kernels import fake_kernels
+from fake_kernels import FakeErrorRecord, fake_kernels
 
 from mok import functional as F
 from mok.launchers import checks
@@ -178,11 +178,6 @@ def test_reference_path_accumulates_into_fused_main_grads():
 # ---- launch packing: the rows-per-expert parameters, descriptors over the views ----
 
 
-class _Record:
-    device_ptr = 0x1000
-    status_ptr = 0x1040
-
-
 @pytest.fixture()
 def kernels(monkeypatch):
     return fake_kernels(monkeypatch)
@@ -201,8 +196,8 @@ def _on_cpu(monkeypatch, *modules):
     """Make the launchers' CUDA-only checks and lookups CPU-safe in `modules`."""
     from mok.launchers import device_args, megakernel_walk
 
-    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: _Record())
-    for module in (megakernel_walk, *modules):
+    monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: FakeErrorRecord())
+    for module in (checks, megakernel_walk, *modules):
         for name, fake in (("check_cuda", _check_on_cpu), ("check_arg", _check_on_cpu),
                            ("check_expert_weights", _expert_weights_on_cpu),
                            ("sm_count", lambda device: 132),
@@ -230,6 +225,14 @@ def _record_descriptors(monkeypatch, *modules):
     return encoded
 
 
+def _schedule(t: int, k: int):
+    """A schedule of random routing over the E experts, with room for every expert's padding."""
+    from mok import reference as R
+
+    return R.make_schedule(torch.randint(0, E, (t, k)), num_local_experts=E,
+                           capacity=t * k + E * 128)  # fmt: skip
+
+
 def _weights(fused: bool):
     gate, up = torch.zeros(E, I, H, dtype=torch.bfloat16), torch.ones(E, I, H, dtype=torch.bfloat16)
     return fused_halves(gate, up) if fused else (gate, up)
@@ -237,14 +240,12 @@ def _weights(fused: bool):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_forward_megakernel_packs_the_rows_per_expert(monkeypatch, kernels, fused):
-    from mok import reference as R
     from mok.launchers import forward_megakernel
 
     _on_cpu(monkeypatch, forward_megakernel)
     encoded = _record_descriptors(monkeypatch, forward_megakernel)
     t, k = 256, 2
-    schedule = R.make_schedule(torch.randint(0, E, (t, k)), num_local_experts=E,
-                               capacity=t * k + E * 128)  # fmt: skip
+    schedule = _schedule(t, k)
     gate, up = _weights(fused)
     down = torch.zeros(E, H, I, dtype=torch.bfloat16)
     forward_megakernel.routed_forward(torch.zeros(t, H, dtype=torch.bfloat16), schedule, k, gate,
@@ -261,14 +262,12 @@ def test_forward_megakernel_packs_the_rows_per_expert(monkeypatch, kernels, fuse
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_backward_megakernel_packs_the_rows_per_expert(monkeypatch, kernels, fused):
-    from mok import reference as R
     from mok.launchers import backward_megakernel
 
     _on_cpu(monkeypatch, backward_megakernel)
     encoded = _record_descriptors(monkeypatch, backward_megakernel)
     t, k = 256, 2
-    schedule = R.make_schedule(torch.randint(0, E, (t, k)), num_local_experts=E,
-                               capacity=t * k + E * 128)  # fmt: skip
+    schedule = _schedule(t, k)
     c = schedule.capacity
     gate, up = _weights(fused)
     down = torch.zeros(E, H, I, dtype=torch.bfloat16)
@@ -288,13 +287,11 @@ def test_backward_megakernel_packs_the_rows_per_expert(monkeypatch, kernels, fus
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_backward_megakernel_writes_fused_gradient_halves(monkeypatch, kernels, fused):
-    from mok import reference as R
     from mok.launchers import backward_megakernel
 
     _on_cpu(monkeypatch, backward_megakernel)
     t, k = 256, 2
-    schedule = R.make_schedule(torch.randint(0, E, (t, k)), num_local_experts=E,
-                               capacity=t * k + E * 128)  # fmt: skip
+    schedule = _schedule(t, k)
     c = schedule.capacity
     gate, up = _weights(fused)
     rows_c = [torch.zeros(c, n, dtype=torch.bfloat16) for n in (H, I, I, I)]

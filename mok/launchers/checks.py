@@ -74,6 +74,19 @@ def check_expert_weights(
     return expert_rows(name, tensor)
 
 
+def check_gate_up_weights(gate_weights, up_weights, shape: tuple[int, int, int]) -> int:
+    """Gate and up bf16 [E, I, H] as `check_expert_weights` takes them, with equal strides (the
+    kernels take one rows-per-expert for both); returns that rows-per-expert."""
+    gate_rows = check_expert_weights("gate_weights", gate_weights, torch.bfloat16, shape)
+    up_rows = check_expert_weights("up_weights", up_weights, torch.bfloat16, shape)
+    if gate_rows != up_rows:
+        raise ValueError(
+            f"gate_weights and up_weights must have the same strides, got "
+            f"{tuple(gate_weights.stride())} and {tuple(up_weights.stride())}"
+        )
+    return gate_rows
+
+
 def expert_rows(name: str, weights: torch.Tensor) -> int:
     """Rows from one expert's [N, K] block of `weights` [E, N, K] to the next's: N for a
     contiguous tensor, 2 N for either half of a fused [E, 2 N, K] (gate_up[:, :N], gate_up[:, N:],

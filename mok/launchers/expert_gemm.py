@@ -18,7 +18,7 @@ from .checks import (
     MAX_COLS,
     MAX_ROWS,
     check_cuda,
-    check_expert_weights,
+    check_gate_up_weights,
     check_multiple,
     expert_rows_view,
 )
@@ -59,13 +59,7 @@ def gate_up_swiglu(
         "intermediate_size (gate_weights.shape[1])", intermediate_size, GATE_UP_N_ALIGNMENT
     )
     weight_shape = (num_experts, intermediate_size, hidden_size)
-    expert_rows = check_expert_weights("gate_weights", gate_weights, torch.bfloat16, weight_shape)
-    up_rows = check_expert_weights("up_weights", up_weights, torch.bfloat16, weight_shape)
-    if up_rows != expert_rows:
-        raise ValueError(
-            f"gate_weights and up_weights must have the same strides, got "
-            f"{tuple(gate_weights.stride())} and {tuple(up_weights.stride())}"
-        )
+    expert_rows = check_gate_up_weights(gate_weights, up_weights, weight_shape)
     check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
     if capacity >= MAX_ROWS or num_experts * expert_rows >= MAX_ROWS:
         raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_arg, check_cuda, check_expert_weights, check_extents, expert_rows
+from .checks import check_arg, check_cuda, check_extents, check_gate_up_weights, expert_rows
 from .comm import get_error_record
 from .device_args import TILE_ROWS
 from .plans import Counters
@@ -32,14 +32,8 @@ def check_routed_operands(
     kernels take one rows-per-expert for both."""
     num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
     capacity = schedule.peer_rank.shape[0]
-    shape = (num_experts, intermediate_size, hidden_size)
-    gate_rows = check_expert_weights("gate_weights", gate_weights, torch.bfloat16, shape)
-    up_rows = check_expert_weights("up_weights", up_weights, torch.bfloat16, shape)
-    if gate_rows != up_rows:
-        raise ValueError(
-            f"gate_weights and up_weights must have the same strides, got "
-            f"{tuple(gate_weights.stride())} and {tuple(up_weights.stride())}"
-        )
+    check_gate_up_weights(gate_weights, up_weights,
+                          (num_experts, intermediate_size, hidden_size))  # fmt: skip
     check_cuda("down_weights", down_weights, torch.bfloat16,
                (num_experts, hidden_size, intermediate_size))  # fmt: skip
     return _check_rest(schedule, slots, num_tokens, topk, hidden_size, intermediate_size,
