@@ -507,13 +507,9 @@ def _backward_mxfp8(config, workspace, schedule, forward_context, grad_output, x
     values, exact = forward_context, mxfp8_context.is_quantised(forward_context)
     if exact:  # the original's: (data, scales) pairs, MXFP8 values once dequantised
         _check_provenance(forward_context, schedule)
-        cap = workspace.schedule_capacity
-        x_data = (
-            forward_context.x_routed[0] if isinstance(forward_context.x_routed, tuple) else None
-        )
-        if getattr(x_data, "shape", (None, cap))[1:2] != (cap,):  # ring reuse: macrobatch 0's
-            cap = context_rows(config.macrobatch_size, cap, workspace.num_local_tokens,
-                               workspace.topk)  # fmt: skip
+        x_data = forward_context.x_routed[0]  # [H, rows]: quantised along the routed rows
+        cap = _context_capacity(getattr(x_data, "shape", None), 1, config.macrobatch_size,
+                                workspace)  # fmt: skip
         mxfp8_context.check_quantised(forward_context, cap, workspace.hidden_size, inter,
                                       workspace.device)  # fmt: skip
         _check_shared_context(forward_context, workspace, inter, has_shared)
@@ -556,9 +552,8 @@ def _check_context(
     has_shared: bool,
     macrobatch_size: int | None = None,
 ) -> None:
-    cap, hidden, t = workspace.schedule_capacity, workspace.hidden_size, workspace.num_local_tokens
-    if macrobatch_size is not None and getattr(ctx.x_routed, "shape", (cap,))[:1] != (cap,):
-        cap = context_rows(macrobatch_size, cap, t, workspace.topk)  # ring reuse: macrobatch 0's
+    hidden = workspace.hidden_size
+    cap = _context_capacity(getattr(ctx.x_routed, "shape", None), 0, macrobatch_size, workspace)
     dev = workspace.device
     _check_provenance(ctx, schedule)
     check_tensor("forward_context.x_routed", ctx.x_routed, dtype=torch.bfloat16,
@@ -567,6 +562,17 @@ def _check_context(
         check_tensor(f"forward_context.{name}", getattr(ctx, name), dtype=torch.bfloat16,
                      shape=[cap, inter], device=dev)  # fmt: skip
     _check_shared_context(ctx, workspace, inter, has_shared)
+
+
+def _context_capacity(shape, dim: int, macrobatch_size: int | None, workspace) -> int:
+    """The routed rows a context's x_routed must hold, its rows along `dim` of `shape` (None:
+    not a tensor): the schedule capacity, or with ring reuse (`macrobatch_size` below the routed
+    rows) macrobatch 0's when it holds other than every row."""
+    cap = workspace.schedule_capacity
+    rows = tuple(shape)[dim : dim + 1] if shape is not None else (cap,)
+    if macrobatch_size is not None and rows != (cap,):
+        cap = context_rows(macrobatch_size, cap, workspace.num_local_tokens, workspace.topk)
+    return cap
 
 
 def _check_shared_context(ctx: MoKForwardContext, workspace, inter: int, has_shared: bool):
