@@ -21,7 +21,7 @@ import torch
 
 from . import reference
 from .errors import MoKInputError
-from .types import MoKSchedule
+from .types import MoKForwardContext, MoKSchedule, PassConfig
 from .validation import (
     check_expert_id_values,
     check_macrobatch,
@@ -213,19 +213,21 @@ def forward(
     """
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
+    shared = (shared_gate_weights, shared_up_weights, shared_down_weights)
+    routed = (routed_gate_weights, routed_up_weights, routed_down_weights)
     if x.is_cuda:
-        return _gpu("forward", x.device, ws.ep_size).forward(
-            ws, schedule, x, router_weights, shared_gate_weights, shared_up_weights,
-            shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
-            swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
+        pass_config = PassConfig.of_workspace(
+            ws, swiglu_limit=swiglu_limit, num_comm_ctas=fwd_num_comm_sms,
+            minibatch_size=minibatch_size, macrobatch_size=macrobatch_size,
         )  # fmt: skip
+        gpu = _gpu("forward", x.device, ws.ep_size)
+        return gpu.forward(ws, schedule, x, router_weights, shared, routed, pass_config)
     check_router_weight_values(router_weights)
     macrobatch = _check_macrobatch(macrobatch_size, minibatch_size, router_weights, "forward")
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.forward(
-        schedule, x, router_weights, shared_gate_weights, shared_up_weights,
-        shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
-        group=ws.group, swiglu_limit=swiglu_limit, macrobatch_size=macrobatch,
+        schedule, x, router_weights, *shared, *routed, group=ws.group, swiglu_limit=swiglu_limit,
+        macrobatch_size=macrobatch,
     )  # fmt: skip
     return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 
@@ -352,22 +354,23 @@ def backward(
     )  # fmt: skip
     ctx_tensors = (x_routed, gate_routed, up_routed, hidden_routed, gate_shared, up_shared,
                    hidden_shared)  # fmt: skip
+    shared = (shared_gate_weights, shared_up_weights, shared_down_weights)
+    routed = (routed_gate_weights, routed_up_weights, routed_down_weights)
     if x.is_cuda:
+        pass_config = PassConfig.of_workspace(
+            ws, swiglu_limit=swiglu_limit, num_comm_ctas=bwd_num_comm_sms,
+            minibatch_size=minibatch_size, macrobatch_size=macrobatch_size,
+        )  # fmt: skip
         return _gpu("backward", x.device, ws.ep_size).backward(
-            ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate_weights,
-            shared_up_weights, shared_down_weights, routed_gate_weights, routed_up_weights,
-            routed_down_weights, swiglu_limit, bwd_num_comm_sms, minibatch_size,
-            macrobatch_size, main_grads,
+            ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, routed,
+            pass_config, main_grads,
         )  # fmt: skip
     check_router_weight_values(router_weights)
     macrobatch = _check_macrobatch(macrobatch_size, minibatch_size, router_weights, "backward")
-    from .types import MoKForwardContext  # noqa: PLC0415
-
     ctx = MoKForwardContext(*(_none_if_empty(t) for t in ctx_tensors))
     grads = reference.backward(
-        schedule, ctx, grad_output, x, router_weights, shared_gate_weights, shared_up_weights,
-        shared_down_weights, routed_gate_weights, routed_up_weights, routed_down_weights,
-        group=ws.group, swiglu_limit=swiglu_limit, macrobatch_size=macrobatch,
+        schedule, ctx, grad_output, x, router_weights, *shared, *routed, group=ws.group,
+        swiglu_limit=swiglu_limit, macrobatch_size=macrobatch,
     )  # fmt: skip
     d_x, d_router, weight_grads = grads[0], grads[1], list(grads[2:])
     if _fused_grads(routed_gate_weights, routed_up_weights, main_grads):
@@ -442,18 +445,20 @@ def forward_mxfp8(
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     routed = ((routed_gate, routed_gate_scales), (routed_up, routed_up_scales),
               (routed_down, routed_down_scales))  # fmt: skip
+    shared = (shared_gate_weights, shared_up_weights, shared_down_weights)
     if x.is_cuda:
-        return _gpu("forward", x.device, ws.ep_size).forward(
-            ws, schedule, x, router_weights, shared_gate_weights, shared_up_weights,
-            shared_down_weights, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
-            macrobatch_size,
+        pass_config = PassConfig.of_workspace(
+            ws, swiglu_limit=swiglu_limit, num_comm_ctas=fwd_num_comm_sms,
+            minibatch_size=minibatch_size, macrobatch_size=macrobatch_size,
         )  # fmt: skip
+        gpu = _gpu("forward", x.device, ws.ep_size)
+        return gpu.forward(ws, schedule, x, router_weights, shared, routed, pass_config)
     check_router_weight_values(router_weights)
     macrobatch = _check_macrobatch(macrobatch_size, minibatch_size, router_weights, "forward")
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.mxfp8_forward(
-        schedule, x, router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
-        *routed, group=ws.group, swiglu_limit=swiglu_limit, macrobatch_size=macrobatch,
+        schedule, x, router_weights, *shared, *routed, group=ws.group, swiglu_limit=swiglu_limit,
+        macrobatch_size=macrobatch,
     )  # fmt: skip
     return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 
@@ -553,28 +558,29 @@ def backward_mxfp8(
     macrobatch.py). `context_exact`: the routed context holds MXFP8 values already (a dequantised
     quantised context, mok/mxfp8_context.py), so the round trips that are identities on it
     are skipped; the results are the same either way."""
-    from .types import MoKForwardContext  # noqa: PLC0415
-
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     ctx_tensors = (x_routed, gate_routed, up_routed, hidden_routed, gate_shared, up_shared,
                    hidden_shared)  # fmt: skip
+    shared = (shared_gate_weights, shared_up_weights, shared_down_weights)
     routed = ((routed_gate, routed_gate_scales, routed_gate_t, routed_gate_t_scales),
               (routed_up, routed_up_scales, routed_up_t, routed_up_t_scales),
               (routed_down_t, routed_down_t_scales))  # fmt: skip
     if x.is_cuda:
+        pass_config = PassConfig.of_workspace(
+            ws, swiglu_limit=swiglu_limit, num_comm_ctas=bwd_num_comm_sms,
+            minibatch_size=minibatch_size, macrobatch_size=macrobatch_size,
+        )  # fmt: skip
         return _gpu("backward", x.device, ws.ep_size).backward(
-            ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate_weights,
-            shared_up_weights, shared_down_weights, *routed, swiglu_limit, bwd_num_comm_sms,
-            minibatch_size, macrobatch_size, (None,) * 6, context_exact,
+            ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, routed,
+            pass_config, (None,) * 6, context_exact,
         )  # fmt: skip
     check_router_weight_values(router_weights)
     macrobatch = _check_macrobatch(macrobatch_size, minibatch_size, router_weights, "backward")
     ctx = MoKForwardContext(*(_none_if_empty(t) for t in ctx_tensors))
     grads = reference.mxfp8_backward(
-        schedule, ctx, grad_output, x, router_weights, shared_gate_weights, shared_up_weights,
-        shared_down_weights, *routed, group=ws.group, swiglu_limit=swiglu_limit,
-        macrobatch_size=macrobatch,
+        schedule, ctx, grad_output, x, router_weights, *shared, *routed, group=ws.group,
+        swiglu_limit=swiglu_limit, macrobatch_size=macrobatch,
     )  # fmt: skip
     d_x, d_router, weight_grads = grads[0], grads[1], grads[2:]
     return (d_x, d_router,

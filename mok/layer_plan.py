@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from .functional import backward_outputs
-from .types import MoKSchedule
+from .types import MoKSchedule, PassConfig
 from .validation import tensor_key
 
 _STEPS_MAX = 8  # keys per module (distinct token counts, streams, threads); cleared when full
@@ -122,17 +122,26 @@ class LayerStep:
         self.device = x.device
         self.raise_value_errors = launchers.value_error_check(x.device)
         self.has_shared = module.shared_gate_weight is not None
-        self.limit = module.swiglu_limit
+        limit = module.swiglu_limit
         self.grad_key = tensor_key(x)  # grad_output's, as the full path checks it
         self.schedule_op = launchers.schedule_op_plan(
             workspace, top_experts, module.num_local_experts, workspace.schedule_capacity,
             config.all_gather_top_experts_chunk_bytes,
         )  # fmt: skip
+        # The full path's settings (mok.layer_ops makes them alike from the op's arguments).
+        forward_pass_config = PassConfig.of_workspace(
+            workspace, swiglu_limit=limit, num_comm_ctas=config.fwd_num_comm_sms,
+            minibatch_size=config.minibatch_size, macrobatch_size=config.macrobatch_size,
+        )  # fmt: skip
+        self.backward_pass_config = PassConfig.of_workspace(
+            workspace, swiglu_limit=limit, num_comm_ctas=config.bwd_num_comm_sms,
+            minibatch_size=config.minibatch_size, macrobatch_size=config.macrobatch_size,
+        )  # fmt: skip
+        weights = module.weights()
         # Where its megakernel sums the slots, it also writes the schedule (`schedules`).
         self.forward_op = launchers.forward_op_plan(
-            workspace, schedule, x, router_weights, *module.weights(), self.limit,
-            config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
-            schedule_ids=top_experts,
+            workspace, schedule, x, router_weights, weights[:3], weights[3:],
+            forward_pass_config, schedule_ids=top_experts,
         )  # fmt: skip
         self.carve = launchers.Carve(self.schedule_op.layout() + self.forward_op.layout(), x.device)
         self.backward_ops: dict[tuple, object] = {}
@@ -194,12 +203,12 @@ class LayerStep:
         (`schedule` and `saved_ctx` as `full_context` gives them)."""
         from . import launchers  # noqa: PLC0415 - the CUDA path's door, CUDA only
 
-        ws, config = self.ws(), self.config
+        ws = self.ws()
         if ws is None or tensor_key(grad_output) != self.grad_key:
             return
         # The full path's context: empty shared tensors without a shared expert (its plan's key).
         ctx = saved_ctx if self.has_shared else (*saved_ctx, *(x.new_empty(0),) * 3)
         self.backward_ops[self._backward_key()] = launchers.backward_op_plan(
-            ws, schedule, ctx, grad_output, x, router_weights, *weights, self.limit,
-            config.bwd_num_comm_sms, config.minibatch_size, config.macrobatch_size, (None,) * 6,
+            ws, schedule, ctx, grad_output, x, router_weights, weights[:3], weights[3:],
+            self.backward_pass_config, (None,) * 6,
         )  # fmt: skip

@@ -1,10 +1,14 @@
-"""Plain data types returned by `mok.functional`: the schedule and the forward context."""
+"""Plain data types: the schedule and the forward context (`mok.functional` returns them), and
+the launch settings of one pass (`PassConfig`, what the layer ops hand the launchers)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from .config import DEFAULT_WAIT_TIMEOUT_NS
 
 
 @dataclass(frozen=True)
@@ -69,4 +73,43 @@ class MoKForwardContext:
             self.gate_shared,
             self.up_shared,
             self.hidden_shared,
+        )
+
+
+class PassConfig(NamedTuple):
+    """The launch settings of one forward or backward pass: one object down the launch path
+    (mok/launchers), and part of every launch plan's key (a NamedTuple: hashable).
+
+    swiglu_limit:    the SwiGLU clamp, or None
+    num_comm_ctas:   CTAs that dispatch while the rest compute (0: every CTA dispatches its
+                     share first); MoKConfig.fwd_num_comm_sms or bwd_num_comm_sms
+    minibatch_size:  overlap granularity in routed rows (None: every row); never changes the
+                     bits. The megakernel's `minibatch_tiles` is made from it in one place
+                     (launchers/megakernel_walk.py, `walk_arguments`)
+    macrobatch_size: routed rows held at once, an int for the layer ops (below T * k: ring
+                     reuse, launchers/macrobatch.py); None where only a megakernel launches
+    timeout_ns:      bound of every device wait
+    grid:            the megakernels' CTAs (None: the SM count)
+    """
+
+    swiglu_limit: float | None = None
+    num_comm_ctas: int = 0
+    minibatch_size: int | None = None
+    macrobatch_size: int | None = None
+    timeout_ns: int = DEFAULT_WAIT_TIMEOUT_NS
+    grid: int | None = None
+
+    @classmethod
+    def of_workspace(
+        cls, workspace, *, swiglu_limit, num_comm_ctas, minibatch_size, macrobatch_size
+    ) -> PassConfig:
+        """A pass's settings on `workspace` (its wait bound and megakernel grid) with the op's
+        knobs, MoKConfig's fields as the op took them (by name: three of them are ints)."""
+        return cls(
+            swiglu_limit=swiglu_limit,
+            num_comm_ctas=num_comm_ctas,
+            minibatch_size=minibatch_size,
+            macrobatch_size=macrobatch_size,
+            timeout_ns=workspace.wait_timeout_ns,
+            grid=workspace.megakernel_ctas,
         )

@@ -248,6 +248,7 @@ def test_mxfp8_backward_megakernel_launch_packs(monkeypatch, kernels):
 
 def test_comm_count_is_clamped_below_the_grid():
     from mok.launchers.megakernel_walk import walk_arguments
+    from mok.types import PassConfig
 
     class _Schedule:
         peer_rank = peer_token_idx = num_tokens = tokens_per_expert = torch.zeros(8)
@@ -260,8 +261,11 @@ def test_comm_count_is_clamped_below_the_grid():
     walk.get_error_record = lambda device: FakeErrorRecord()
     try:
         for comm, want in ((16, 16), (0, 0), (500, 131)):  # never all CTAs: at most grid - 1
-            args = walk_arguments(_Schedule(), counters, 1, rows, gate_w, 2, None, comm, 132, 1)
+            settings = PassConfig(num_comm_ctas=comm, minibatch_size=256, timeout_ns=1)
+            args = walk_arguments(_Schedule(), counters, rows, gate_w, 2, settings, 132)
             assert args["num_comm_ctas"] == want
+            # The minibatch's one conversion: routed rows to 128-row tiles of the 8 rows.
+            assert args["minibatch_tiles"] == 1 and args["timeout_ns"] == 1
     finally:
         walk.get_error_record = original
 

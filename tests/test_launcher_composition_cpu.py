@@ -23,6 +23,7 @@ from mok.launchers import dispatch, expert_gemm, expert_gemm_bwd, mxfp8
 from mok.launchers.plans import Carve, schedule_addresses
 from mok.mxfp8_context import dequantised_context, quantised_context
 from mok.testing import make_inputs, rel_error
+from mok.types import PassConfig
 
 # The modules, not the `forward` and `backward` functions mok.launchers re-exports by name.
 fwd = importlib.import_module("mok.launchers.forward_op")
@@ -145,9 +146,9 @@ class _FakeForwardPlan:
 
     bound = True  # a launch is bound: the op takes the combine path when asked
 
-    def __init__(self, x, schedule, topk, gate_w, up_w, down_w, limit, comm, minibatch, timeout,
-                 peers, slots, grid, combine=False, schedule_ids=None):  # fmt: skip
-        self.args, self.combine = (topk, gate_w, up_w, down_w, limit), combine
+    def __init__(self, x, schedule, topk, weights, pass_config, peers, slots, combine=False,
+                 schedule_ids=None):  # fmt: skip
+        self.args, self.combine = (topk, *weights, pass_config.swiglu_limit), combine
         self.schedules = schedule_ids is not None  # the ops here pass None: the full path
         assert not self.schedules
 
@@ -171,18 +172,17 @@ class _FakeBackwardPlan:
 
     bound = True  # a launch is bound: the op takes the in-kernel finish when asked
 
-    def __init__(self, dy, w, schedule, x_routed, gate, up, hidden, gate_w, up_w, down_w,
-                 limit, weight_grads, comm, minibatch, timeout, peers, slots, grid,
+    def __init__(self, dy, w, schedule, context, weights, pass_config, weight_grads, peers, slots,
                  mxfp8=False, finish=False, fused_grads=False):  # fmt: skip
-        self.schedule, self.weights, self.mxfp8 = schedule, (gate_w, up_w, down_w), mxfp8
+        self.schedule, self.weights, self.mxfp8 = schedule, tuple(weights), mxfp8
         self.finish, self.fused_grads = finish, fused_grads
-        self.limit, self.weight_grads = limit, weight_grads
-        capacity, hidden_size = x_routed.shape
-        inter = gate.shape[1]
+        self.limit, self.weight_grads = pass_config.swiglu_limit, weight_grads
+        capacity, hidden_size = context[0].shape
+        inter = context[1].shape[1]
         self.scratch = Carve([(torch.bfloat16, (capacity, hidden_size)),
                               (torch.bfloat16, (capacity, inter)),
                               (torch.bfloat16, (capacity, inter)),
-                              (torch.float32, (capacity, inter // 128))], x_routed.device)  # fmt: skip
+                              (torch.float32, (capacity, inter // 128))], context[0].device)  # fmt: skip
 
     def launch(self, dy, w, schedule_at, context_at, context, slots, weights=None,
                finish_at=(0, 0)):  # fmt: skip
@@ -288,6 +288,13 @@ class _Workspace:
         return self
 
 
+def _settings(swiglu_limit):
+    """A pass's settings as mok.layer_ops makes them on `_Workspace` (16 comm CTAs, minibatches
+    of 4096 rows, one macrobatch of every row)."""
+    return PassConfig.of_workspace(_Workspace(), swiglu_limit=swiglu_limit, num_comm_ctas=16,
+                                   minibatch_size=4096, macrobatch_size=131072)  # fmt: skip
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("shared,limit,main", [(True, None, False), (False, 0.5, True)])
 def test_composition_equals_reference_backward(fake_kernels, monkeypatch, shared, limit, main,
@@ -308,7 +315,8 @@ def test_composition_equals_reference_backward(fake_kernels, monkeypatch, shared
     mains = tuple(torch.zeros(weights[i].shape) if main and weights[i] is not None else None
                   for i in order)  # fmt: skip
     got = bwd.backward(_Workspace(), schedule, ctx_tensors, inp["grad_output"], inp["x"],
-                       inp["router_weights"], *weights, limit, 16, 4096, 131072, mains)  # fmt: skip
+                       inp["router_weights"], weights[:3], weights[3:], _settings(limit),
+                       mains)  # fmt: skip
     assert torch.equal(got[0], want[0])  # d_x: same bf16 slots, same fixed-order epilogue
     # d_router uses the bf16-rounded expert output (the kernel's y): within bf16 rounding.
     assert rel_error(got[1], want[1]) < 2**-8
@@ -342,8 +350,8 @@ def test_mxfp8_composition_equals_reference_backward(fake_kernels, shared, limit
     empty = inp["x"].new_empty(0)
     ctx_tensors = [t if t is not None else empty for t in ctx.tensors()]
     got = bwd.backward(_Workspace(), schedule, ctx_tensors, inp["grad_output"], inp["x"],
-                       inp["router_weights"], *shared_w, *routed, limit, 16, 4096, 131072,
-                       (None,) * 6, exact)  # fmt: skip
+                       inp["router_weights"], shared_w, routed, _settings(limit), (None,) * 6,
+                       exact)  # fmt: skip
     assert torch.equal(got[0], want[0])  # d_x: same round trips, same fp32 products
     assert rel_error(got[1], want[1]) < 2**-8
     for g, w in zip(got[2:], want[2:], strict=True):
@@ -371,8 +379,8 @@ def _check_forward_composition(shared, limit):
     schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
     weights = [inp[n] for n in WEIGHTS]
     out, ctx = R.forward(schedule, inp["x"], inp["router_weights"], *weights, swiglu_limit=limit)
-    got = fwd.forward(_Workspace(), schedule, inp["x"], inp["router_weights"], *weights, limit,
-                      16, 4096, 131072)  # fmt: skip
+    got = fwd.forward(_Workspace(), schedule, inp["x"], inp["router_weights"], weights[:3],
+                      weights[3:], _settings(limit))  # fmt: skip
     assert torch.equal(got[0], out)
     rows = int(schedule.num_tokens)
     for g, w in zip(got[1:5], ctx.tensors()[:4], strict=True):
@@ -393,8 +401,8 @@ def test_an_op_plan_is_not_reused_for_another_workspace_with_its_handle(fake_ker
     schedule = R.make_schedule(inp["top_experts"], num_local_experts=E, capacity=T * K + E * 128)
     weights = [inp[n] for n in WEIGHTS]
     first, second = _Workspace(), _Workspace()  # the same handle, two objects
-    outs = [fwd.forward(ws, schedule, inp["x"], inp["router_weights"], *weights, None, 16, 4096,
-                        131072) for ws in (first, second)]  # fmt: skip
+    outs = [fwd.forward(ws, schedule, inp["x"], inp["router_weights"], weights[:3], weights[3:],
+                        _settings(None)) for ws in (first, second)]  # fmt: skip
     from mok.launchers import plans
 
     (op,) = [p for k, p in plans.plans_of_thread().items() if k[0] == "forward"]
@@ -419,8 +427,8 @@ def test_fused_gate_up_weights_give_one_fused_gradient(fake_kernels, main_down):
     for ws in (weights, fused):
         mains = (None, None, torch.zeros(E, H, I) if main_down else None, None, None, None)
         results.append(bwd.backward(_Workspace(), schedule, ctx_tensors, inp["grad_output"],
-                                    inp["x"], inp["router_weights"], *ws, None, 16, 4096,
-                                    131072, mains))  # fmt: skip
+                                    inp["x"], inp["router_weights"], ws[:3], ws[3:],
+                                    _settings(None), mains))  # fmt: skip
     separate, got = results
     assert got[2].shape == (E, 2 * I, H) and got[3].numel() == 0
     assert torch.equal(got[2], torch.cat([separate[2], separate[3]], dim=1))

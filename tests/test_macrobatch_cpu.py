@@ -35,6 +35,7 @@ from mok import reference as R
 from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd
 from mok.nn import MoKExperts
 from mok.testing import WEIGHT_NAMES, make_inputs, rel_error
+from mok.types import PassConfig
 
 macrobatch = importlib.import_module("mok.launchers.macrobatch")
 
@@ -333,22 +334,23 @@ def test_backward_refuses_a_context_of_other_rows():
 # ----------------------------------------------------------------------------------------------
 
 
-def fake_routed_forward(x, schedule, topk, gate_w, up_w, down_w, *, swiglu_limit=None,
-                        slots=None, **_):  # fmt: skip
+def fake_routed_forward(x, schedule, topk, weights, pass_config, *, slots=None, **_):
     """The forward megakernel over one (sub-)schedule: dispatch, gate/up + SwiGLU, down rows to
     their slots; row tile by row tile, as the reference (and the kernel) computes them."""
-    ctx, y = R._routed_forward(schedule, x, gate_w, up_w, down_w, topk=topk, group=None,
-                               swiglu_limit=swiglu_limit)  # fmt: skip
+    ctx, y = R._routed_forward(schedule, x, *weights, topk=topk, group=None,
+                               swiglu_limit=pass_config.swiglu_limit)  # fmt: skip
     slots = R.push_rows(y, schedule.peer_rank, schedule.peer_token_idx, x.shape[0] * topk, None,
                         out=slots)  # fmt: skip
     return ctx.tensors()[:4], slots
 
 
-def fake_routed_backward(grad_output, router_weights, schedule, x_routed, gate, up, hidden,
-                         gate_w, up_w, down_w, *, swiglu_limit=None, weight_grads=True,
-                         slots=None, **_):  # fmt: skip
+def fake_routed_backward(grad_output, router_weights, schedule, context, weights, pass_config,
+                         *, weight_grads=True, slots=None, **_):  # fmt: skip
     """The backward megakernel without its weight phase over one (sub-)schedule."""
     assert not weight_grads  # the ring path sums the weight gradients macrobatch by macrobatch
+    _, gate, up, _ = context
+    gate_w, up_w, down_w = weights
+    swiglu_limit = pass_config.swiglu_limit
     topk = router_weights.shape[1]
     peer, slot = schedule.peer_rank, schedule.peer_token_idx
     dy_routed = R.pull_rows(grad_output, peer, slot.long() // topk, None)
@@ -436,8 +438,9 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(macrobatch, "window_schedules",
                         logged("macrobatch_schedule", R.macrobatch_windows))  # fmt: skip
-    monkeypatch.setattr(macrobatch, "routed_forward", logged("moe_forward", fake_routed_forward))
-    monkeypatch.setattr(macrobatch, "routed_backward",
+    monkeypatch.setattr(macrobatch, "launch_routed_forward",
+                        logged("moe_forward", fake_routed_forward))  # fmt: skip
+    monkeypatch.setattr(macrobatch, "launch_routed_backward",
                         logged("moe_backward", fake_routed_backward))  # fmt: skip
     monkeypatch.setattr(macrobatch, "push_router_grads",
                         logged("router_grad_push", fake_push_router_grads))  # fmt: skip
@@ -457,15 +460,17 @@ def launches(monkeypatch):
 def compose(inputs, schedule, size, main, limit):
     """(out, context, 8 gradients, fp32 main_grads) through the ring launchers."""
     weights = [inputs[n] for n in WEIGHT_NAMES]
-    got = macrobatch.forward(_Workspace(), schedule, inputs["x"], inputs["router_weights"],
-                             *weights, limit, 0, 256, size)  # fmt: skip
+    shared, routed = weights[:3], weights[3:]
+    pass_config = PassConfig(swiglu_limit=limit, minibatch_size=256, macrobatch_size=size)
+    got = macrobatch.forward(_Workspace(), schedule, inputs["x"], inputs["router_weights"], shared,
+                             routed, pass_config)  # fmt: skip
     out, ctx = got[0], list(got[1:])
     order = (3, 4, 5, 0, 1, 2)
     gen = torch.Generator().manual_seed(5)
     mains = tuple(torch.randn(weights[i].shape, generator=gen) if main and weights[i] is not None
                   else None for i in order)  # fmt: skip
     grads = macrobatch.backward(_Workspace(), schedule, ctx, inputs["grad_output"], inputs["x"],
-                                inputs["router_weights"], *weights, limit, 0, 256, size,
+                                inputs["router_weights"], shared, routed, pass_config,
                                 mains)  # fmt: skip
     return out, ctx, grads, [m for m in mains if m is not None]
 
@@ -509,32 +514,37 @@ def test_ring_launchers_read_a_full_context_without_replay(launches):
     _, ctx = R.forward(schedule, inputs["x"], inputs["router_weights"], *weights)
     empty = torch.empty(0)
     ctx_tensors = [t if t is not None else empty for t in ctx.tensors()]
+    shared, routed = weights[:3], weights[3:]
     want = macrobatch.backward(_Workspace(), schedule, ctx_tensors, inputs["grad_output"],
-                               inputs["x"], inputs["router_weights"], *weights, None, 0, 256,
-                               1 << 14, (None,) * 6)  # fmt: skip
+                               inputs["x"], inputs["router_weights"], shared, routed,
+                               PassConfig(minibatch_size=256, macrobatch_size=1 << 14),
+                               (None,) * 6)  # fmt: skip
     launches.clear()
+    ring = PassConfig(minibatch_size=256, macrobatch_size=512)
     got = macrobatch.backward(_Workspace(), schedule, ctx_tensors, inputs["grad_output"],
-                              inputs["x"], inputs["router_weights"], *weights, None, 0, 256, 512,
+                              inputs["x"], inputs["router_weights"], shared, routed, ring,
                               (None,) * 6)  # fmt: skip
     assert "gather_rows" not in launches and "gate_up" not in launches
     assert_bitwise(got, want, "full context")
     with pytest.raises(ValueError, match=r"hold macrobatch 0 \(512 rows\) or every routed row "
                                          r"\(4096\), got shape \[1024, 256\]"):  # fmt: skip
         macrobatch.backward(_Workspace(), schedule, [ctx_tensors[0][:1024], *ctx_tensors[1:]],
-                            inputs["grad_output"], inputs["x"], inputs["router_weights"],
-                            *weights, None, 0, 256, 512, (None,) * 6)  # fmt: skip
+                            inputs["grad_output"], inputs["x"], inputs["router_weights"], shared,
+                            routed, ring, (None,) * 6)  # fmt: skip
 
 
 def test_gpu_ops_hand_a_small_macrobatch_to_the_ring_launchers(monkeypatch):
     fwd = importlib.import_module("mok.launchers.forward_op")
     bwd = importlib.import_module("mok.launchers.backward_op")
     calls = []
-    monkeypatch.setattr(macrobatch, "forward", lambda *a: calls.append(("forward", a[-1])))
-    monkeypatch.setattr(macrobatch, "backward", lambda *a: calls.append(("backward", a[-2])))
+    monkeypatch.setattr(macrobatch, "forward",
+                        lambda *a: calls.append(("forward", a[-1].macrobatch_size)))  # fmt: skip
+    monkeypatch.setattr(macrobatch, "backward",
+                        lambda *a: calls.append(("backward", a[-2].macrobatch_size)))  # fmt: skip
     x, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.ones(T, K)
-    fwd.forward(_Workspace(), None, x, w, *([None] * 6), None, 0, 256, 1024)
-    bwd.backward(_Workspace(), None, [None] * 7, x, x, w, *([None] * 6), None, 0, 256, 1024,
-                 (None,) * 6)  # fmt: skip
+    none3, pass_config = (None,) * 3, PassConfig(minibatch_size=256, macrobatch_size=1024)
+    fwd.forward(_Workspace(), None, x, w, none3, none3, pass_config)
+    bwd.backward(_Workspace(), None, [None] * 7, x, x, w, none3, none3, pass_config, (None,) * 6)
     assert calls == [("forward", 1024), ("backward", 1024)]
 
 

@@ -207,11 +207,14 @@ def _layer_rows(device) -> dict:
         ),
     }
     from mok.launchers import forward_op  # noqa: PLC0415
+    from mok.types import PassConfig  # noqa: PLC0415
 
+    settings = PassConfig.of_workspace(ws, swiglu_limit=None, num_comm_ctas=0,
+                                       minibatch_size=config.minibatch_size,
+                                       macrobatch_size=config.macrobatch_size)  # fmt: skip
     rows["layer: launchers forward_op.forward"] = _per_call(
-        lambda: forward_op.forward(ws, schedule, x, w, *weights, None, 0, config.minibatch_size,
-                                   config.macrobatch_size), 20,
-    )  # fmt: skip
+        lambda: forward_op.forward(ws, schedule, x, w, weights[:3], weights[3:], settings), 20
+    )
     # The engine row syncs before each step: beside it the same call on the main thread, also
     # with the GPU idle at its start, so the two differ only in the thread.
     rows["layer: functional.backward, GPU idle at the start"] = _idle_start(

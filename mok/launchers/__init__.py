@@ -18,8 +18,10 @@ A layer step's launch plans (`mok.layer_plan`):
 MXFP8 (`mok.mxfp8_context`): mxfp8_quantize, mxfp8_dequantize
 The original's raw ops (`mok.original`) and the virtual EP group (`mok.virtual_ep`):
     prepare_comm, group_barrier, all_gather_top_experts, build_schedule_gpu, check_gpu_layer,
-    megakernel_peer_tables, routed_forward, shared_forward, routed_backward, push_router_grads,
-    shared_backward, mxfp8_weights, mxfp8_weight_gradients
+    megakernel_peer_tables, launch_routed_forward, shared_forward, launch_routed_backward,
+    push_router_grads, shared_backward, mxfp8_weights, mxfp8_weight_gradients
+A pass's settings: one `mok.types.PassConfig` for forward, backward, their plans and
+    launch_routed_*; keywords for routed_forward and routed_backward (tests, tools).
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ import torch
 from mok.runtime.module import arch_env_token
 
 from ..errors import MoKKernelUnavailableError
-from .backward_megakernel import push_router_grads, routed_backward
+from .backward_megakernel import launch_routed_backward, push_router_grads, routed_backward
 from .backward_op import backward, mxfp8_weight_gradients
 from .backward_op import backward_op as backward_op_plan
 from .checks import check_gpu_layer
 from .comm import all_gather_top_experts, check_errors, group_barrier
 from .comm import prepare as prepare_comm
 from .epilogues import bwd_epilogue, fwd_epilogue
-from .forward_megakernel import routed_forward
+from .forward_megakernel import launch_routed_forward, routed_forward
 from .forward_op import forward, recompute_forward_context
 from .forward_op import forward_op as forward_op_plan
 from .mxfp8 import backward_weights as mxfp8_weights
@@ -67,6 +69,8 @@ __all__ = [
     "forward_op_plan",
     "fwd_epilogue",
     "group_barrier",
+    "launch_routed_backward",
+    "launch_routed_forward",
     "megakernel_peer_tables",
     "missing_variants",
     "mxfp8_dequantize",

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from ..config import DEFAULT_WAIT_TIMEOUT_NS
+from ..types import PassConfig
 from .checks import check_arg, check_cuda, check_multiple, expert_rows_view
-from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT, gate_up_gradients
 from .megakernel_walk import (
     BACKWARD_COUNTER_TAIL,
     check_routed_operands,
     megakernel_counters,
-    minibatch_row_tiles,
     walk_arguments,
 )
 from .plans import (
@@ -53,7 +53,7 @@ def routed_backward(
     weight_grads: bool = True,
     num_comm_ctas: int = 0,
     minibatch_size: int | None = None,
-    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    timeout_ns: int = DEFAULT_WAIT_TIMEOUT_NS,
     peers: tuple | None = None,
     slots: torch.Tensor | None = None,
     grid: int | None = None,
@@ -69,9 +69,10 @@ def routed_backward(
     pull dY and w from their buffers and push d_x into their slots. Outputs: dy_e bf16 [C, H]; d_gate, d_up bf16 [C, I];
     router_partials fp32 [C, I / 128]; slots bf16 [T * k, H] (row t * k + j: token t's d_x through
     expert j). `weight_grads`: bf16 weight gradients, bitwise expert_gemm_bwd.weight_gradient's.
-    `num_comm_ctas`: CTAs that dispatch while the rest compute (0: all dispatch first).
-    `minibatch_size` (routed rows; None: all) never changes the bits. `slots`: the d_x slots
-    buffer to push into (None: a new one); `grid`: CTAs (None: the SM count).
+    The settings are a PassConfig's fields (mok.types): `num_comm_ctas` CTAs dispatch while
+    the rest compute (0: all dispatch first); `minibatch_size` (routed rows; None: all) never
+    changes the bits; `grid`: CTAs (None: the SM count). `slots`: the d_x slots buffer to push
+    into (None: a new one).
 
     `mxfp8`: the MXFP8 variant (SEMANTICS §5). The weights are the bf16 values of the MXFP8
     copies, new tensors on every call (bound per launch; their shapes are fixed by the plan's
@@ -83,54 +84,65 @@ def routed_backward(
     `fused_grads`: dW_gate and dW_up are the two halves of one new [E, 2 I, H] bf16 tensor
     (for weights that are the halves of one: validation.fused_gate_up).
     """
+    pass_config = PassConfig(swiglu_limit=swiglu_limit, num_comm_ctas=num_comm_ctas,
+                             minibatch_size=minibatch_size, timeout_ns=timeout_ns, grid=grid)  # fmt: skip
+    return launch_routed_backward(
+        grad_output, router_weights, schedule, (x_routed, gate, up, hidden),
+        (gate_weights, up_weights, down_weights), pass_config, weight_grads=weight_grads,
+        peers=peers, slots=slots, mxfp8=mxfp8, fused_grads=fused_grads,
+    )  # fmt: skip
+
+
+def launch_routed_backward(grad_output, router_weights, schedule, context, weights, pass_config,
+                           *, weight_grads=True, peers=None, slots=None, mxfp8=False,
+                           fused_grads=False):  # fmt: skip
+    """`routed_backward` with its context (x_routed, gate, up, hidden), routed weights (gate,
+    up, down) and settings (a PassConfig) each as one object, as the launch path holds them."""
     key = (
         KERNEL, tensor_key(grad_output), tensor_key(router_weights),
         tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
         tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
-        tensor_key(x_routed), tensor_key(gate), tensor_key(up), tensor_key(hidden),
-        *(tensor_key(w) if mxfp8 else weight_key(w) for w in (gate_weights, up_weights,
-                                                               down_weights)),
-        tensor_key(slots), swiglu_limit, weight_grads, num_comm_ctas, minibatch_size, timeout_ns,
+        *map(tensor_key, context), *map(tensor_key if mxfp8 else weight_key, weights),
+        tensor_key(slots), pass_config, weight_grads,
         None if peers is None else tuple(p if isinstance(p, int) else p.data_ptr() for p in peers),
-        grid, mxfp8, fused_grads, current_stream(grad_output.get_device()),
+        mxfp8, fused_grads, current_stream(grad_output.get_device()),
     )  # fmt: skip
-    launch = plan(key, lambda: backward_plan(
-        grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
-        up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid, mxfp8, fused_grads=fused_grads,
-    ))  # fmt: skip
-    weights = (gate_weights, up_weights, down_weights) if mxfp8 else None
-    return launch(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots,
-                  weights)  # fmt: skip
+
+    def make():
+        return backward_plan(
+            grad_output, router_weights, schedule, context, weights, pass_config, weight_grads,
+            peers, slots, mxfp8, fused_grads=fused_grads,
+        )  # fmt: skip
+
+    launch = plan(key, make)
+    call_weights = weights if mxfp8 else None  # read per launch only as MXFP8's bf16 values
+    return launch(grad_output, router_weights, schedule, context, slots, call_weights)
 
 
 def backward_plan(
-    grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights, up_weights,
-    down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size, timeout_ns, peers,
-    slots, grid, mxfp8=False, finish=False, fused_grads=False,
+    grad_output, router_weights, schedule, context, weights, pass_config, weight_grads, peers,
+    slots, mxfp8=False, finish=False, fused_grads=False,
 ):  # fmt: skip
     """`routed_backward`'s plan for these arguments (checked now); call it as
-    plan(grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots, weights)
-    (`weights` = (gate, up, down) with `mxfp8`, else None). `finish` (a group of one: `peers`
-    None): the launch also writes d_x = sum_j slots[t * k + j] (bf16 [T, H]) and the router
-    weights' gradient d_router (fp32 [T, k]), backward_finish's bits and router-weight check;
-    pass `finish` = (d_x, d_router) to the call (or their addresses to `launch`)."""
+    plan(grad_output, router_weights, schedule, context, slots, weights) (`context` = (x_routed,
+    gate, up, hidden); `weights` = (gate, up, down) with `mxfp8`, else None). `finish` (a group
+    of one: `peers` None): the launch also writes d_x = sum_j slots[t * k + j] (bf16 [T, H])
+    and the router weights' gradient d_router (fp32 [T, k]), backward_finish's bits and
+    router-weight check; pass `finish` = (d_x, d_router) to the call (or their addresses to
+    `launch`)."""
     if finish and peers is not None:
         raise ValueError("finish: the in-kernel finish is a group of one's (peers must be None)")
-    return _BackwardPlan(
-        grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
-        up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid, mxfp8, finish, fused_grads,
-    )  # fmt: skip
+    return _BackwardPlan(grad_output, router_weights, schedule, context, weights, pass_config,
+                         weight_grads, peers, slots, mxfp8, finish, fused_grads)  # fmt: skip
 
 
 class _BackwardPlan:
-    """One (shapes, weights, config) of `routed_backward`: checked and bound on its first call."""
+    """One (shapes, weights, settings) of `routed_backward`: checked and bound on its first
+    call."""
 
     def __init__(
-        self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, gate_weights,
-        up_weights, down_weights, swiglu_limit, weight_grads, num_comm_ctas, minibatch_size,
-        timeout_ns, peers, slots, grid, mxfp8, finish=False, fused_grads=False,
+        self, grad_output, router_weights, schedule, context, weights, pass_config, weight_grads,
+        peers, slots, mxfp8, finish=False, fused_grads=False,
     ):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
 
@@ -147,11 +159,11 @@ class _BackwardPlan:
         check_arg("router_weights", router_weights, torch.float32, (num_tokens, topk),
                   cuda=True, align=4)  # fmt: skip
         num_experts, intermediate_size, capacity = check_routed_operands(
-            gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk,
-            hidden_size, grad_output.device,
-        )  # fmt: skip
+            *weights, schedule, slots, num_tokens, topk, hidden_size, grad_output.device
+        )
         check_multiple("hidden_size", hidden_size, N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, N_ALIGNMENT)
+        x_routed, gate, up, hidden = context
         for name, t, shape in (
             ("x_routed", x_routed, (capacity, hidden_size)),
             ("gate", gate, (capacity, intermediate_size)),
@@ -159,7 +171,6 @@ class _BackwardPlan:
             ("hidden", hidden, (capacity, intermediate_size)),
         ):
             check_cuda(name, t, torch.bfloat16, shape)
-        minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)
         self.device = grad_output.device
         self.device_index = grad_output.get_device()
         self.sizes = (num_tokens, topk, capacity, num_experts, hidden_size, intermediate_size)
@@ -177,7 +188,7 @@ class _BackwardPlan:
         self.counters = megakernel_counters(capacity, BACKWARD_COUNTER_TAIL, self.device)
         kernel = get_kernel(KERNEL_MXFP8 if mxfp8 else KERNEL, device=self.device)
         self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size)}
-        grid = grid or sm_count(self.device)
+        grid = pass_config.grid or sm_count(self.device)
         buffer, first_slots, d_weights, rounded = self._outputs(slots)
         dy_e, d_gate, d_up, partials = self.scratch.views(buffer)
         # Without weight gradients the weight phase has no tasks; its outputs point anywhere.
@@ -185,7 +196,6 @@ class _BackwardPlan:
         self.dynamic_tma = DYNAMIC_TMA + (WEIGHT_TMA if mxfp8 else ())
         self.descriptor_list = [Descriptors(kernel, name) for name in self.dynamic_tma]
         self.last_descriptors = (None, None)  # (addresses, descriptors) of the last BF16 call
-        weights = (gate_weights, up_weights, down_weights)
         tma = self._descriptors(dy_e, d_gate, d_up, hidden, x_routed, rounded, weights)
         if not mxfp8:
             tma.update({name: tma_descriptor(kernel, name, self._weight_view(name, w))
@@ -218,18 +228,9 @@ class _BackwardPlan:
                 "status_ptr": status_ptr(self.device) if finish else None,
                 "finish_tokens": num_tokens if finish else 0,
                 **walk_arguments(
-                    schedule,
-                    self.counters.tensor,
-                    timeout_ns,
-                    grad_output,
-                    gate_weights,
-                    topk,
-                    swiglu_limit,
-                    num_comm_ctas,
-                    grid,
-                    minibatch_tiles,
-                    ep_rank,
-                ),
+                    schedule, self.counters.tensor, grad_output, weights[0], topk, pass_config,
+                    grid, ep_rank,
+                ),  # fmt: skip
                 "weight_gemms": 3 if weight_grads else 0,
                 "d_w_gate_up_rows": (2 if fused_grads else 1) * intermediate_size,
             },
@@ -295,11 +296,11 @@ class _BackwardPlan:
                        torch.empty(capacity, inter, **bf16), torch.empty(capacity, inter, **bf16))  # fmt: skip
         return self.scratch.new(), slots, d_weights, rounded
 
-    def __call__(self, grad_output, router_weights, schedule, x_routed, gate, up, hidden, slots,
-                 weights=None, finish=None):  # fmt: skip
+    def __call__(self, grad_output, router_weights, schedule, context, slots, weights=None,
+                 finish=None):  # fmt: skip
         """(dy_e, d_gate, d_up, partials, slots, d_weights): the scratch as views of one
-        allocation. `finish`: (d_x, d_router) of a plan made with `finish`."""
-        context = (x_routed, gate, up, hidden)
+        allocation; `context` = (x_routed, gate, up, hidden). `finish`: (d_x, d_router) of a
+        plan made with `finish`."""
         finish_at = (0, 0) if finish is None else tuple(t.data_ptr() for t in finish)
         buffer, slots, d_weights = self.launch(
             grad_output, router_weights, schedule_addresses(schedule),

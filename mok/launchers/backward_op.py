@@ -54,35 +54,24 @@ def mxfp8_weight_gradients(dy_e, x_rows, d_gate, d_up, hidden, tokens, main_grad
     return weight_gradients(*operands, tokens, main_grads)
 
 
-def backward(
-    ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
-    shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
-    minibatch_size, macrobatch_size, main_grads, context_exact=False,
-):  # fmt: skip
-    """The backward op; with MXFP8 routed weights `context_exact` says the routed context holds
-    MXFP8 values already (x, hidden along the tokens, gate, up along I: a dequantised quantised
-    context), so their round trips, identities, are skipped."""
-    if macrobatch_size < x.shape[0] * router_weights.shape[1]:  # ring reuse (macrobatch.py)
-        return macrobatch.backward(
-            ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
-            shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
-            minibatch_size, macrobatch_size, main_grads,
-        )  # fmt: skip
-    op = backward_op(
-        ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
-        shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
-        minibatch_size, macrobatch_size, main_grads,
-    )  # fmt: skip
-    return op(schedule, ctx_tensors, grad_output, x, router_weights,
-              (shared_gate, shared_up, shared_down), main_grads,
-              (routed_gate, routed_up, routed_down), context_exact)  # fmt: skip
+def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, routed,
+             pass_config, main_grads, context_exact=False):  # fmt: skip
+    """The backward op: `shared` and `routed` the (gate, up, down) weights (shared ones None
+    without a shared expert), `pass_config` its settings (mok.types.PassConfig). With MXFP8
+    routed weights `context_exact` says the routed context holds MXFP8 values already (x,
+    hidden along the tokens, gate, up along I: a dequantised quantised context), so their
+    round trips, identities, are skipped."""
+    if pass_config.macrobatch_size < x.shape[0] * router_weights.shape[1]:  # ring reuse
+        return macrobatch.backward(ws, schedule, ctx_tensors, grad_output, x, router_weights,
+                                   shared, routed, pass_config, main_grads)  # fmt: skip
+    op = backward_op(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, routed,
+                     pass_config, main_grads)  # fmt: skip
+    return op(schedule, ctx_tensors, grad_output, x, router_weights, shared, main_grads, routed,
+              context_exact)  # fmt: skip
 
 
-def backward_op(
-    ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
-    shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
-    minibatch_size, macrobatch_size, main_grads,
-):  # fmt: skip
+def backward_op(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, routed,
+                pass_config, main_grads):  # fmt: skip
     """The plan of `backward` (without ring reuse) for these arguments, checked when made:
     op(schedule, ctx_tensors, grad_output, x, router_weights, shared weights, main_grads,
     routed weights, context_exact) -> backward's outputs."""
@@ -90,34 +79,30 @@ def backward_op(
         "backward", ws.handle, *(tensor_key(t) for t in ctx_tensors), tensor_key(grad_output),
         tensor_key(x), tensor_key(router_weights), tensor_key(schedule.peer_rank),
         tensor_key(schedule.peer_token_idx), tensor_key(schedule.num_tokens),
-        tensor_key(schedule.tokens_per_expert), weight_key(shared_gate), weight_key(shared_up),
-        weight_key(shared_down), weight_key(routed_gate), weight_key(routed_up),
-        weight_key(routed_down), *(weight_key(g) for g in main_grads), swiglu_limit,
-        bwd_num_comm_sms, minibatch_size, macrobatch_size, current_stream(x.get_device()),
+        tensor_key(schedule.tokens_per_expert), *map(weight_key, shared),
+        *map(weight_key, routed), *map(weight_key, main_grads), pass_config,
+        current_stream(x.get_device()),
     )  # fmt: skip
     ws.require_alive()  # a plan holds the workspace's buffers
 
     def make():
-        return _BackwardOp(
-            ws, schedule, ctx_tensors, grad_output, router_weights,
-            (routed_gate, routed_up, routed_down), swiglu_limit, bwd_num_comm_sms,
-            minibatch_size, macrobatch_size, main_grads, shared_gate is not None,
-        )  # fmt: skip
+        has_shared = shared[0] is not None
+        return _BackwardOp(ws, schedule, ctx_tensors, grad_output, router_weights, routed,
+                           pass_config, main_grads, has_shared)  # fmt: skip
 
     # Not one made for an evicted workspace whose handle this one took over.
     return plan(key, make, current=lambda op: op.ws() is ws)
 
 
 class _BackwardOp:
-    """The backward op for one (workspace, shapes, weights, main_grads, config): its checks and
-    the backward megakernel's plan made on the first call, then only launches."""
+    """The backward op for one (workspace, shapes, weights, main_grads, settings): its checks
+    and the backward megakernel's plan made on the first call, then only launches."""
 
     def __init__(self, ws, schedule, ctx_tensors, grad_output, router_weights, routed,
-                 swiglu_limit, bwd_num_comm_sms, minibatch_size, macrobatch_size,
-                 main_grads, shared_expert):  # fmt: skip
+                 pass_config, main_grads, shared_expert):  # fmt: skip
         check_gpu_layer(ws, "backward")
-        check_macrobatch(macrobatch_size, grad_output.shape[0], router_weights.shape[1],
-                         "backward")  # fmt: skip
+        num_tokens, topk = grad_output.shape[0], router_weights.shape[1]
+        check_macrobatch(pass_config.macrobatch_size, num_tokens, topk, "backward")
         self.mxfp8 = isinstance(routed[0], tuple)
         if self.mxfp8:
             # Checked: the tuples (mok.mxfp8_weights); no main_grads (mok.functional).
@@ -129,7 +114,7 @@ class _BackwardOp:
             )
         # By weak reference: the workspace cache evicts only workspaces nothing else holds; and no
         # tensor of the caller's (the shared weights come with each call).
-        self.ws, self.limit = weakref.ref(ws), swiglu_limit
+        self.ws, self.limit = weakref.ref(ws), pass_config.swiglu_limit
         self.tables = tables = peer_tables(ws)
         # The d_x rows' slots: the workspace's (a group of one too: no allocation per call).
         self.slots, peers, self.grad_peers = ws.buffers["d_x_routed_buffer"], None, None
@@ -144,13 +129,11 @@ class _BackwardOp:
         # Gate and up the halves of one [E, 2 I, H]: so are their bf16 gradients.
         self.fused = (not self.mxfp8 and main_grads[0] is None and main_grads[1] is None
                       and fused_gate_up(routed[0], routed[1]))  # fmt: skip
-        x_routed, gate, up, hidden = ctx_tensors[:4]
         # A group of one without a shared expert: d_x and d_router in the megakernel's launch.
         finish = tables is None and not shared_expert
         self.routed = backward_plan(
-            grad_output, router_weights, schedule, x_routed, gate, up, hidden, *routed,
-            swiglu_limit, self.in_launch, bwd_num_comm_sms, minibatch_size, ws.wait_timeout_ns,
-            peers, self.slots, ws.megakernel_ctas, self.mxfp8, finish, self.fused,
+            grad_output, router_weights, schedule, ctx_tensors[:4], routed, pass_config,
+            self.in_launch, peers, self.slots, self.mxfp8, finish, self.fused,
         )  # fmt: skip
         self.in_kernel_finish = finish and self.routed.bound is not None
         # The push's checks look at shapes only: partials as the scratch's piece is shaped

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..config import DEFAULT_WAIT_TIMEOUT_NS
+from ..types import PassConfig
 from . import mxfp8
 from .checks import check_cuda, check_multiple, expert_rows_view
-from .comm import DEFAULT_TIMEOUT_NS
 from .device_args import sm_count
 from .expert_gemm import DOWN_N_ALIGNMENT, GATE_UP_N_ALIGNMENT, K_ALIGNMENT
 from .megakernel_walk import (
@@ -20,7 +21,6 @@ from .megakernel_walk import (
     check_mxfp8_routed_operands,
     check_routed_operands,
     megakernel_counters,
-    minibatch_row_tiles,
     walk_arguments,
 )
 from .plans import (
@@ -50,7 +50,7 @@ def routed_forward(
     swiglu_limit: float | None = None,
     num_comm_ctas: int = 0,
     minibatch_size: int | None = None,
-    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    timeout_ns: int = DEFAULT_WAIT_TIMEOUT_NS,
     peers: tuple | None = None,
     slots: torch.Tensor | None = None,
     grid: int | None = None,
@@ -65,30 +65,43 @@ def routed_forward(
     t * k + j is token t's j-th expert output. `peers` = (ep_rank, x table, slots table), the
     int64 [P] tables of every rank's x and slots buffers (None: a group of one): rows of other
     ranks' tokens are pulled from their x buffers and pushed into their slots buffers.
-    `num_comm_ctas`: CTAs that dispatch while the rest compute (0: all dispatch first).
-    `minibatch_size` (routed rows; None: all) never changes the bits. `grid`: CTAs (None: the
-    SM count). `dequantized` (MXFP8): the pairs' bf16 values (mxfp8.dequantized_weights) where
-    the caller has them already (a macrobatch ring launches once per macrobatch).
+    The settings are a PassConfig's fields (mok.types): `num_comm_ctas` CTAs dispatch while
+    the rest compute (0: all dispatch first); `minibatch_size` (routed rows; None: all) never
+    changes the bits; `grid`: CTAs (None: the SM count). `dequantized` (MXFP8): the pairs'
+    bf16 values (mxfp8.dequantized_weights) where the caller has them already (a macrobatch
+    ring launches once per macrobatch).
     """
+    pass_config = PassConfig(swiglu_limit=swiglu_limit, num_comm_ctas=num_comm_ctas,
+                             minibatch_size=minibatch_size, timeout_ns=timeout_ns, grid=grid)  # fmt: skip
+    weights = (gate_weights, up_weights, down_weights)
+    return launch_routed_forward(
+        x, schedule, topk, weights, pass_config, peers=peers, slots=slots, dequantized=dequantized
+    )
+
+
+def launch_routed_forward(
+    x, schedule, topk, weights, pass_config, *, peers=None, slots=None, dequantized=None
+):
+    """`routed_forward` with its routed weights (gate, up, down) and settings (a PassConfig)
+    each as one object, as the launch path holds them."""
     key = (
         KERNEL, tensor_key(x), tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
         tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
-        weight_key(gate_weights), weight_key(up_weights), weight_key(down_weights),
-        tensor_key(slots), topk, swiglu_limit, num_comm_ctas, minibatch_size, timeout_ns,
-        None if peers is None else (peers[0], peers[1].data_ptr(), peers[2].data_ptr()), grid,
+        *map(weight_key, weights), tensor_key(slots), topk, pass_config,
+        None if peers is None else (peers[0], peers[1].data_ptr(), peers[2].data_ptr()),
         current_stream(x.get_device()),
     )  # fmt: skip
-    launch = plan(key, lambda: forward_plan(
-        x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
-        minibatch_size, timeout_ns, peers, slots, grid, dequantized=dequantized,
-    ))  # fmt: skip
-    return launch(x, schedule, slots, (gate_weights, up_weights, down_weights),
-                  dequantized=dequantized)  # fmt: skip
+
+    def make():
+        return forward_plan(
+            x, schedule, topk, weights, pass_config, peers, slots, dequantized=dequantized
+        )
+
+    return plan(key, make)(x, schedule, slots, weights, dequantized=dequantized)
 
 
 def forward_plan(
-    x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
-    minibatch_size, timeout_ns, peers, slots, grid, combine=False, schedule_ids=None,
+    x, schedule, topk, weights, pass_config, peers, slots, combine=False, schedule_ids=None,
     dequantized=None,
 ):  # fmt: skip
     """`routed_forward`'s plan for these arguments (checked now); call it as
@@ -106,24 +119,22 @@ def forward_plan(
     if schedule_ids is not None and not combine:
         raise ValueError("schedule_ids: the in-kernel schedule needs the in-kernel combine")
     return _ForwardPlan(
-        x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit, num_comm_ctas,
-        minibatch_size, timeout_ns, peers, slots, grid, combine, schedule_ids, dequantized,
-    )  # fmt: skip
+        x, schedule, topk, weights, pass_config, peers, slots, combine, schedule_ids, dequantized
+    )
 
 
 class _ForwardPlan:
-    """One (shapes, weights, config) of `routed_forward`: checked and bound on its first call."""
+    """One (shapes, weights, settings) of `routed_forward`: checked and bound on its first call."""
 
     def __init__(
-        self, x, schedule, topk, gate_weights, up_weights, down_weights, swiglu_limit,
-        num_comm_ctas, minibatch_size, timeout_ns, peers, slots, grid, combine=False,
+        self, x, schedule, topk, weights, pass_config, peers, slots, combine=False,
         schedule_ids=None, dequantized=None,
     ):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
 
         num_tokens, hidden_size = x.shape
         check_cuda("x", x, torch.bfloat16, (num_tokens, hidden_size))
-        pairs = [isinstance(w, tuple) for w in (gate_weights, up_weights, down_weights)]
+        pairs = [isinstance(w, tuple) for w in weights]
         if any(pairs) and not all(pairs):
             raise ValueError(
                 "gate_weights, up_weights and down_weights must be all bf16 tensors or all "
@@ -132,13 +143,11 @@ class _ForwardPlan:
         self.mxfp8 = all(pairs)
         check = check_mxfp8_routed_operands if self.mxfp8 else check_routed_operands
         num_experts, intermediate_size, capacity = check(
-            gate_weights, up_weights, down_weights, schedule, slots, num_tokens, topk,
-            hidden_size, x.device,
-        )  # fmt: skip
+            *weights, schedule, slots, num_tokens, topk, hidden_size, x.device
+        )
         check_multiple("hidden_size", hidden_size, DOWN_N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, GATE_UP_N_ALIGNMENT)
         check_multiple("intermediate_size", intermediate_size, K_ALIGNMENT)
-        minibatch_tiles = minibatch_row_tiles(minibatch_size, capacity)
         self.device = x.device
         self.device_index = x.get_device()
         self.shapes = ((capacity, hidden_size), (capacity, intermediate_size),
@@ -157,11 +166,10 @@ class _ForwardPlan:
         # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit.
         self.counters = megakernel_counters(capacity, FORWARD_COUNTER_TAIL, x.device)
         kernel = get_kernel(KERNEL_MXFP8 if self.mxfp8 else KERNEL, device=x.device)
-        weights = (gate_weights, up_weights, down_weights)
         self.weight_tma = {name: Descriptors(kernel, name) for name in WEIGHT_TMA}
         if self.mxfp8:  # bf16 values of the pairs, new on every call: bound per launch
             weights = self.first_weights = dequantized or mxfp8.dequantized_weights(weights)
-        grid = grid or sm_count(x.device)
+        grid = pass_config.grid or sm_count(x.device)
         x_routed, gate, up, hidden = self._outputs()
         # MXFP8: the GEMMs' A operands are the rows' round trips (scratch of this call).
         a_x, a_h = self._operands(x_routed, hidden)
@@ -194,17 +202,7 @@ class _ForwardPlan:
                 "schedule_expert_counts_ptr": schedule_scratch[1],
                 "schedule_entries": entries,
                 **walk_arguments(
-                    schedule,
-                    self.counters.tensor,
-                    timeout_ns,
-                    x,
-                    weights[0],
-                    topk,
-                    swiglu_limit,
-                    num_comm_ctas,
-                    grid,
-                    minibatch_tiles,
-                    ep_rank,
+                    schedule, self.counters.tensor, x, weights[0], topk, pass_config, grid, ep_rank
                 ),
             },
             dynamic=DYNAMIC + (WEIGHT_TMA if self.mxfp8 else ()),

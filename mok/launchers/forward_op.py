@@ -33,29 +33,16 @@ from .plans import current_stream, plan, tensor_key, weight_key
 from .shared_expert import shared_forward
 
 
-def forward(
-    ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
-    routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
-):  # fmt: skip
-    if macrobatch_size < x.shape[0] * router_weights.shape[1]:  # ring reuse (macrobatch.py)
-        return macrobatch.forward(
-            ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
-            routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size,
-            macrobatch_size,
-        )  # fmt: skip
-    op = forward_op(
-        ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
-        routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
-    )  # fmt: skip
-    return op(schedule, x, router_weights, (shared_gate, shared_up, shared_down),
-              (routed_gate, routed_up, routed_down))  # fmt: skip
+def forward(ws, schedule, x, router_weights, shared, routed, pass_config):
+    """The forward op: `shared` and `routed` the (gate, up, down) weights (shared ones None
+    without a shared expert), `pass_config` its settings (mok.types.PassConfig)."""
+    if pass_config.macrobatch_size < x.shape[0] * router_weights.shape[1]:  # ring reuse
+        return macrobatch.forward(ws, schedule, x, router_weights, shared, routed, pass_config)
+    op = forward_op(ws, schedule, x, router_weights, shared, routed, pass_config)
+    return op(schedule, x, router_weights, shared, routed)
 
 
-def forward_op(
-    ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
-    routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
-    schedule_ids=None,
-):  # fmt: skip
+def forward_op(ws, schedule, x, router_weights, shared, routed, pass_config, schedule_ids=None):
     """The plan of `forward` (without ring reuse) for these arguments, checked when made:
     op(schedule, x, router_weights, shared weights, routed weights) -> forward's outputs.
     `schedule_ids` (a layer step's int64 [T, k] routing): where the op sums in the megakernel
@@ -65,36 +52,36 @@ def forward_op(
         "forward", ws.handle, tensor_key(x), tensor_key(router_weights),
         tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
         tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
-        weight_key(shared_gate), weight_key(shared_up), weight_key(shared_down),
-        weight_key(routed_gate), weight_key(routed_up), weight_key(routed_down), swiglu_limit,
-        fwd_num_comm_sms, minibatch_size, macrobatch_size, current_stream(x.get_device()),
+        *map(weight_key, shared), *map(weight_key, routed), pass_config,
+        current_stream(x.get_device()),
         None if schedule_ids is None else ("schedule_ids", tensor_key(schedule_ids)),
     )  # fmt: skip
     ws.require_alive()  # a plan holds the workspace's buffers
 
     def make():
+        has_shared = shared[0] is not None
         return _ForwardOp(
-            ws, schedule, x, router_weights, (routed_gate, routed_up, routed_down), swiglu_limit,
-            fwd_num_comm_sms, minibatch_size, macrobatch_size, shared_gate is not None,
-            schedule_ids,
-        )  # fmt: skip
+            ws, schedule, x, router_weights, routed, pass_config, has_shared, schedule_ids
+        )
 
     # Not one made for an evicted workspace whose handle this one took over.
     return plan(key, make, current=lambda op: op.ws() is ws)
 
 
 class _ForwardOp:
-    """The forward op for one (workspace, shapes, weights, config): its checks and the routed
+    """The forward op for one (workspace, shapes, weights, settings): its checks and the routed
     megakernel's plan made on the first call, then only launches. `combine`: the megakernel
     sums the slots itself (a group of one without a shared expert)."""
 
-    def __init__(self, ws, schedule, x, router_weights, routed, swiglu_limit, fwd_num_comm_sms,
-                 minibatch_size, macrobatch_size, has_shared, schedule_ids=None):  # fmt: skip
+    def __init__(
+        self, ws, schedule, x, router_weights, routed, pass_config, has_shared, schedule_ids=None
+    ):
         check_gpu_layer(ws, "forward")
-        check_macrobatch(macrobatch_size, x.shape[0], router_weights.shape[1], "forward")
+        num_tokens, topk = x.shape[0], router_weights.shape[1]
+        check_macrobatch(pass_config.macrobatch_size, num_tokens, topk, "forward")
         # By weak reference: the workspace cache evicts only workspaces nothing else holds; and no
         # tensor of the caller's (the shared weights come with each call).
-        self.ws, self.limit = weakref.ref(ws), swiglu_limit
+        self.ws, self.limit = weakref.ref(ws), pass_config.swiglu_limit
         self.tables = tables = peer_tables(ws)
         # The routed rows' slots: the workspace's (a group of one too: no allocation per call).
         self.slots, peers = ws.buffers["combine_buffer"], None
@@ -102,11 +89,10 @@ class _ForwardOp:
         if tables is not None:
             peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
         combine = tables is None and not has_shared
+        ids = schedule_ids if combine else None
         self.routed = forward_plan(
-            x, schedule, ws.topk, *routed, swiglu_limit, fwd_num_comm_sms, minibatch_size,
-            ws.wait_timeout_ns, peers, self.slots, ws.megakernel_ctas, combine,
-            schedule_ids if combine else None,
-        )  # fmt: skip
+            x, schedule, ws.topk, routed, pass_config, peers, self.slots, combine, ids
+        )
         # The launch writes the schedule: `combined` takes the routing's address.
         self.schedules = self.routed.schedules
         # No launch (no routed rows): the epilogue kernel sums the slots.

@@ -38,12 +38,12 @@ import torch
 from ..types import MoKSchedule
 from ..validation import check_macrobatch, fused_gate_up
 from . import dispatch, epilogues, expert_gemm, mxfp8
-from .backward_megakernel import push_router_grads, routed_backward
+from .backward_megakernel import launch_routed_backward, push_router_grads
 from .checks import check_cuda, check_expert_weights, check_extents, check_gpu_layer, check_multiple
 from .comm import group_barrier, publish_x
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import M_ALIGNMENT, N_ALIGNMENT, gate_up_gradients
-from .forward_megakernel import routed_forward
+from .forward_megakernel import launch_routed_forward
 from .peer_tables import peer_tables
 from .shared_expert import shared_backward, shared_forward
 
@@ -107,15 +107,13 @@ def window_schedules(schedule, macrobatch_size: int) -> list[tuple[int, MoKSched
 # ---------------------------------------------------------------------------------------------
 
 
-def forward(
-    ws, schedule, x, router_weights, shared_gate, shared_up, shared_down, routed_gate,
-    routed_up, routed_down, swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
-):  # fmt: skip
+def forward(ws, schedule, x, router_weights, shared, routed, pass_config):
     """forward_op.forward with ring reuse: the same outputs, bitwise; the routed context holds
     macrobatch 0 ([macrobatch_size, H], [macrobatch_size, I])."""
     check_gpu_layer(ws, "forward")
     num_tokens, topk = router_weights.shape
-    check_macrobatch(macrobatch_size, num_tokens, topk, "forward", minibatch_size)
+    macrobatch_size = pass_config.macrobatch_size
+    check_macrobatch(macrobatch_size, num_tokens, topk, "forward", pass_config.minibatch_size)
     tables = peer_tables(ws)
     publish_x(ws, x, tables)
     peers, slots = None, ws.buffers["combine_buffer"]
@@ -123,25 +121,21 @@ def forward(
         peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
     windows = window_schedules(schedule, macrobatch_size)
     # MXFP8 pairs: their bf16 values once for every macrobatch's launch.
-    dequantized = None
-    if isinstance(routed_gate, tuple):
-        dequantized = mxfp8.dequantized_weights((routed_gate, routed_up, routed_down))
+    dequantized = mxfp8.dequantized_weights(routed) if isinstance(routed[0], tuple) else None
     routed_ctx = None
     # Last to first: the context left is macrobatch 0's. Each macrobatch's buffers are
     # dropped before the next macrobatch's are made: the allocator hands the memory back.
     for _, window in reversed(windows):
         routed_ctx = None
-        routed_ctx, slots = routed_forward(
-            x, window, ws.topk, routed_gate, routed_up, routed_down, swiglu_limit=swiglu_limit,
-            num_comm_ctas=fwd_num_comm_sms, minibatch_size=minibatch_size,
-            timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots, grid=ws.megakernel_ctas,
+        routed_ctx, slots = launch_routed_forward(
+            x, window, ws.topk, routed, pass_config, peers=peers, slots=slots,
             dequantized=dequantized,
         )  # fmt: skip
     group_barrier(ws, "PEER_BARRIER_END")
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
-    if shared_gate is not None:
-        *shared_ctx, y_shared = shared_forward(x, shared_gate, shared_up, shared_down, swiglu_limit)
+    if shared[0] is not None:
+        *shared_ctx, y_shared = shared_forward(x, *shared, pass_config.swiglu_limit)
     out = epilogues.fwd_epilogue(y_shared, slots, router_weights)
     return (out, *routed_ctx, *shared_ctx)
 
@@ -151,24 +145,21 @@ def forward(
 # ---------------------------------------------------------------------------------------------
 
 
-def backward(
-    ws, schedule, ctx_tensors, grad_output, x, router_weights, shared_gate, shared_up,
-    shared_down, routed_gate, routed_up, routed_down, swiglu_limit, bwd_num_comm_sms,
-    minibatch_size, macrobatch_size, main_grads,
-):  # fmt: skip
+def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, routed,
+             pass_config, main_grads):  # fmt: skip
     """backward_op.backward with ring reuse and replay: the same outputs, bitwise. The routed
     context holds macrobatch 0 (forward's) or every row (recompute_forward_context's)."""
     check_gpu_layer(ws, "backward")
     num_tokens, topk = router_weights.shape
-    check_macrobatch(macrobatch_size, num_tokens, topk, "backward", minibatch_size)
+    macrobatch_size = pass_config.macrobatch_size
+    check_macrobatch(macrobatch_size, num_tokens, topk, "backward", pass_config.minibatch_size)
     # MXFP8 (backward_op.py's layer): the GEMMs read the transposed copies' bf16 values, the
     # replay the forward pairs' (along H); every GEMM operand is a round trip.
-    is_mxfp8, forward_weights = isinstance(routed_gate, tuple), (routed_gate, routed_up)
+    is_mxfp8, forward_weights, weights = isinstance(routed[0], tuple), routed[:2], routed
     if is_mxfp8:
-        forward_weights = mxfp8.dequantized_weights((routed_gate[:2], routed_up[:2]))
-        routed_gate, routed_up, routed_down = mxfp8.backward_weights(
-            (routed_gate, routed_up, routed_down)
-        )
+        forward_weights = mxfp8.dequantized_weights((routed[0][:2], routed[1][:2]))
+        weights = mxfp8.backward_weights(routed)
+    routed_gate, routed_up, routed_down = weights
     if routed_down.shape[2] % N_ALIGNMENT:
         raise ValueError(
             f"intermediate_size must be a multiple of {N_ALIGNMENT} on the sm_90a backward "
@@ -203,10 +194,10 @@ def backward(
     windows = window_schedules(schedule, macrobatch_size)
     fused = (main_grads[0] is None and main_grads[1] is None
              and fused_gate_up(routed_gate, routed_up))  # fmt: skip
-    grads = _WeightGradients(routed_gate, routed_up, routed_down, main_grads[:3], fused)
+    grads = _WeightGradients(*weights, main_grads[:3], fused)
     replay = None
     if not full_context:
-        replay = _Replay(x, *forward_weights, swiglu_limit, first_rows, is_mxfp8)
+        replay = _Replay(x, *forward_weights, pass_config.swiglu_limit, first_rows, is_mxfp8)
     for m, (first, window) in enumerate(windows):
         rows = window.peer_rank.shape[0]
         if full_context:
@@ -218,11 +209,9 @@ def backward(
         x_rows, gate_rows, up_rows, hidden_rows = ctx
         if is_mxfp8:  # the SwiGLU backward's inputs (a context exact already: identities)
             gate_rows, up_rows = mxfp8.gate_up_operands(gate_rows, up_rows)
-        dy_e, d_gate, d_up, partials, slots, _ = routed_backward(
-            grad_output, router_weights, window, x_rows, gate_rows, up_rows, hidden_rows,
-            routed_gate, routed_up, routed_down, swiglu_limit=swiglu_limit, weight_grads=False,
-            num_comm_ctas=bwd_num_comm_sms, minibatch_size=minibatch_size,
-            timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots, grid=ws.megakernel_ctas,
+        dy_e, d_gate, d_up, partials, slots, _ = launch_routed_backward(
+            grad_output, router_weights, window, (x_rows, gate_rows, up_rows, hidden_rows),
+            weights, pass_config, weight_grads=False, peers=peers, slots=slots,
             mxfp8=is_mxfp8,
         )  # fmt: skip
         push_router_grads(partials, window, router_weights, d_router, peers=grad_peers)
@@ -242,11 +231,11 @@ def backward(
 
     # Distinct empty tensors: custom-op outputs may not alias each other.
     d_x_shared, shared_grads = None, [x.new_empty(0) for _ in range(3)]
-    if shared_gate is not None:
+    if shared[0] is not None:
+        shared_ctx, limit = (gate_s, up_s, hidden_s), pass_config.swiglu_limit
         d_x_shared, shared_grads = shared_backward(
-            grad_output, x, (gate_s, up_s, hidden_s), (shared_gate, shared_up, shared_down),
-            swiglu_limit, main_grads[3:],
-        )  # fmt: skip
+            grad_output, x, shared_ctx, shared, limit, main_grads[3:]
+        )
     d_x = epilogues.bwd_epilogue(d_x_shared, slots, topk)
     return (d_x, d_router, *grads.results(x), *shared_grads)
 

@@ -1,5 +1,6 @@
 """Both megakernels' dispatch and task-walk launch arguments: schedule, zeroed counters, error
-record, sizes, communication CTAs and the minibatch in row tiles."""
+record, sizes, and a pass's settings (mok.types.PassConfig): communication CTAs, the wait bound
+and the minibatch, routed rows converted to row tiles here."""
 
 from __future__ import annotations
 
@@ -100,12 +101,12 @@ def minibatch_row_tiles(minibatch_size: int | None, capacity: int) -> int:
     return max(1, min(minibatch_size // TILE_ROWS, all_tiles))
 
 
-def walk_arguments(
-    schedule, counters, timeout_ns, rows, gate_weights, topk, swiglu_limit, num_comm_ctas, grid,
-    minibatch_tiles, ep_rank=0,
-) -> dict:  # fmt: skip
-    """`rows`: the dispatch source [T, H]; `gate_weights` [E, I, H] (checked: its experts'
-    rows are `gate_up_expert_rows` apart, as up's); at most grid - 1 comm CTAs."""
+def walk_arguments(schedule, counters, rows, gate_weights, topk, pass_config, grid, ep_rank=0):
+    """The walk's kernel arguments of a launch of `grid` CTAs with `pass_config`'s settings (a
+    PassConfig): its minibatch in 128-row tiles (`minibatch_tiles`, made here only), at most
+    grid - 1 comm CTAs. `rows`: the dispatch source [T, H]; `gate_weights` [E, I, H] (checked:
+    its experts' rows are `gate_up_expert_rows` apart, as up's)."""
+    limit, capacity = pass_config.swiglu_limit, schedule.peer_rank.shape[0]
     return {
         "peer_rank_ptr": schedule.peer_rank,
         "peer_token_idx_ptr": schedule.peer_token_idx,
@@ -113,16 +114,16 @@ def walk_arguments(
         "tokens_per_expert_ptr": schedule.tokens_per_expert,
         "counters_ptr": counters,
         "error_record_ptr": get_error_record(counters.device).device_ptr,
-        "timeout_ns": timeout_ns,
+        "timeout_ns": pass_config.timeout_ns,
         "num_experts": gate_weights.shape[0],
         "hidden_size": rows.shape[1],
         "intermediate_size": gate_weights.shape[1],
         "gate_up_expert_rows": expert_rows("gate_weights", gate_weights),
         "topk": topk,
         "ep_rank": ep_rank,
-        "capacity": schedule.peer_rank.shape[0],
-        "has_limit": int(swiglu_limit is not None),
-        "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
-        "num_comm_ctas": max(0, min(num_comm_ctas, grid - 1)),
-        "minibatch_tiles": minibatch_tiles,
+        "capacity": capacity,
+        "has_limit": int(limit is not None),
+        "swiglu_limit": 0.0 if limit is None else float(limit),
+        "num_comm_ctas": max(0, min(pass_config.num_comm_ctas, grid - 1)),
+        "minibatch_tiles": minibatch_row_tiles(pass_config.minibatch_size, capacity),
     }

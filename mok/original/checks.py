@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..config import FEATURE_ALIGNMENT, MAX_TOPK, ROUTED_ROW_ALIGNMENT
 from ..errors import MoKInputError
+from ..types import PassConfig
 from ..validation import (
     HIDDEN_ALIGNMENT,
     check_int,
@@ -158,8 +159,10 @@ def check_sizes(activation_name: str, activation, routed_gate, topk, num_comm_sm
 
 def check_launch(
     ws: MoKWorkspace, op: str, topk, swiglu_limit, num_comm_sms, macrobatch_size, minibatch_size
-) -> float | None:
-    """topk, swiglu_limit and the MoKConfig fields the op takes; returns the SwiGLU limit."""
+) -> PassConfig:
+    """topk, swiglu_limit and the MoKConfig fields the op takes; returns the op's settings on
+    `ws`, with every routed row held at once (macrobatch_size None: the op's outputs are the
+    whole context)."""
     check_int("topk", topk)
     if topk != ws.topk:
         raise ValueError(f"topk must be the workspace's topk {ws.topk}, got {topk}")
@@ -169,7 +172,8 @@ def check_launch(
     check_int("macrobatch_size", macrobatch_size, minimum=minibatch_size,
               multiple_of=minibatch_size)  # fmt: skip
     check_macrobatch(macrobatch_size, ws.num_local_tokens, ws.topk, op)
-    return limit
+    return PassConfig.of_workspace(ws, swiglu_limit=limit, num_comm_ctas=num_comm_sms,
+                                   minibatch_size=minibatch_size, macrobatch_size=None)  # fmt: skip
 
 
 def check_schedule(

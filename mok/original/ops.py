@@ -301,15 +301,15 @@ def _check_sizes(args: dict, activation_name: str) -> None:
 
 
 def _check_fwd_bf16(op, args):
-    """(workspace, E, I, has_shared, swiglu_limit) of a BF16 forward or recompute op's checked
+    """(workspace, E, I, has_shared, PassConfig) of a BF16 forward or recompute op's checked
     arguments (`args` by name; the recompute has no combine buffer)."""
     _check_sizes(args, "x")
     ws = _forward_workspace(args["x"], args["x_ptrs"], args.get("combine_buffer"),
                             args.get("combine_buffer_ptrs"))  # fmt: skip
     num_experts, inter, has_shared = checks.check_bf16_weights(ws, _weights_of(args))
     checks.check_schedule(ws, num_experts, *_schedule_of(args))
-    limit = checks.check_launch(ws, op, *_launch_of(args))
-    return ws, num_experts, inter, has_shared, limit
+    pass_config = checks.check_launch(ws, op, *_launch_of(args))
+    return ws, num_experts, inter, has_shared, pass_config
 
 
 @torch.library.custom_op(
@@ -361,13 +361,12 @@ def dispatch_mlp_swiglu_combine_fwd_bf16(
         op has run (barrier_all); out = fwd_epilogue(y_shared, combine_buffer, router weights).
     """
     op, args = "dispatch_mlp_swiglu_combine_fwd_bf16", locals()
-    ws, _, _, _, limit = _check_fwd_bf16(op, args)
+    ws, _, _, _, pass_config = _check_fwd_bf16(op, args)
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     routed = (w_routed_gate, w_routed_up, w_routed_down)
     ctx, y_shared = slot_passes.forward_to_slots(
-        ws, op, MoKSchedule(*_schedule_of(args)), x, combine_buffer, shared, routed, limit,
-        num_comm_sms, minibatch_size,
-    )  # fmt: skip
+        ws, op, MoKSchedule(*_schedule_of(args)), x, combine_buffer, shared, routed, pass_config
+    )
     x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx
     y_shared = _empty(x) if y_shared is None else y_shared
     return (x_routed, gate_s, gate, up_s, up, hidden_s, hidden, y_shared, _empty(x))
@@ -414,11 +413,11 @@ def recompute_forward_context_bf16(
         (on CUDA with an EP group, with its own start and end barriers inside).
     """
     args = locals()
-    ws, _, _, _, limit = _check_fwd_bf16("recompute_forward_context_bf16", args)
+    ws, _, _, _, pass_config = _check_fwd_bf16("recompute_forward_context_bf16", args)
     recompute = layer_ops.implementation("recompute_forward_context")
     x_routed, gate, up, hidden, gate_s, up_s, hidden_s = recompute(
         ws.handle, *_schedule_of(args), x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up,
-        limit,
+        pass_config.swiglu_limit,
     )  # fmt: skip
     return (x_routed, gate_s, gate, up_s, up, hidden_s, hidden)
 
@@ -467,7 +466,7 @@ def _backward_workspace(args: dict):
 
 
 def _check_bwd_bf16(op, args):
-    """(workspace, E, I, has_shared, swiglu_limit, context by name) of the BF16 backward op's
+    """(workspace, E, I, has_shared, PassConfig, context by name) of the BF16 backward op's
     checked arguments (`args` by name)."""
     _check_sizes(args, "d_y_buffer")
     ws = _backward_workspace(args)
@@ -475,8 +474,8 @@ def _check_bwd_bf16(op, args):
     ctx = {n: args[n] for n in _BF16_CONTEXT_ARGS}
     checks.check_bf16_context(ws, inter, has_shared, ctx)
     checks.check_schedule(ws, num_experts, *_schedule_of(args))
-    limit = checks.check_launch(ws, op, *_launch_of(args))
-    return ws, num_experts, inter, has_shared, limit, ctx
+    pass_config = checks.check_launch(ws, op, *_launch_of(args))
+    return ws, num_experts, inter, has_shared, pass_config, ctx
 
 
 def _weight_grad_outputs(like, grads, weights: dict, has_shared: bool) -> tuple[Tensor, ...]:
@@ -557,13 +556,13 @@ def dispatch_mlp_swiglu_combine_bwd_bf16(
         d_x_routed_buffer), d_router_weights = d_router_weight_buffer.clone().
     """
     op, args = "dispatch_mlp_swiglu_combine_bwd_bf16", locals()
-    ws, _, _, has_shared, limit, ctx = _check_bwd_bf16(op, args)
+    ws, _, _, has_shared, pass_config, ctx = _check_bwd_bf16(op, args)
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     routed = (w_routed_gate, w_routed_up, w_routed_down)
     d_x_shared, grads = slot_passes.backward_to_slots(
         ws, op, MoKSchedule(*_schedule_of(args)), tuple(ctx.values()), d_y_buffer,
-        router_weight_buffer, x, d_x_routed_buffer, d_router_weight_buffer, shared, routed, limit,
-        num_comm_sms, minibatch_size,
+        router_weight_buffer, x, d_x_routed_buffer, d_router_weight_buffer, shared, routed,
+        pass_config,
     )  # fmt: skip
     d_x_shared = _empty(x) if d_x_shared is None else d_x_shared
     return (d_x_shared, *(_empty(x) for _ in range(8)),
@@ -607,7 +606,7 @@ def _check_mxfp8_forward_weights(ws, weights: dict, *, down: bool) -> tuple[int,
 
 
 def _check_fwd_mxfp8(op, args):
-    """(workspace, I, has_shared, swiglu_limit) of an MXFP8 forward or recompute op's checked
+    """(workspace, I, has_shared, PassConfig) of an MXFP8 forward or recompute op's checked
     arguments (`args` by name; the recompute has no combine buffer and no down weights)."""
     _check_sizes(args, "x")
     combine_buffer = args.get("combine_buffer")
@@ -617,8 +616,8 @@ def _check_fwd_mxfp8(op, args):
         ws, _weights_of(args), down=combine_buffer is not None
     )
     checks.check_schedule(ws, num_experts, *_schedule_of(args))
-    limit = checks.check_launch(ws, op, *_launch_of(args))
-    return ws, inter, has_shared, limit
+    pass_config = checks.check_launch(ws, op, *_launch_of(args))
+    return ws, inter, has_shared, pass_config
 
 
 def _fake_mxfp8_context(x, ws, inter: int, has_shared: bool) -> tuple[Tensor, ...]:
@@ -679,12 +678,12 @@ def dispatch_mlp_swiglu_combine_fwd_mxfp8(
         routed row is held, as this op returns the whole context).
     """
     op, args = "dispatch_mlp_swiglu_combine_fwd_mxfp8", locals()
-    ws, _, _, limit = _check_fwd_mxfp8(op, args)
+    ws, _, _, pass_config = _check_fwd_mxfp8(op, args)
     ctx, y_shared = slot_passes.mxfp8_forward_to_slots(
         ws, op, MoKSchedule(*_schedule_of(args)), x, combine_buffer,
         (w_shared_gate, w_shared_up, w_shared_down),
         ((w_routed_gate, w_routed_gate_sc), (w_routed_up, w_routed_up_sc),
-         (w_routed_down, w_routed_down_sc)), limit, num_comm_sms, minibatch_size,
+         (w_routed_down, w_routed_down_sc)), pass_config,
     )  # fmt: skip
     return (*ctx, _empty(x) if y_shared is None else y_shared, _empty(x))
 
@@ -728,10 +727,10 @@ def _recompute_forward_context_mxfp8(
         dequantised weights), then quantises the context as the forward op does.
     """
     args = locals()
-    ws, _, _, limit = _check_fwd_mxfp8("recompute_forward_context_mxfp8", args)
+    ws, _, _, pass_config = _check_fwd_mxfp8("recompute_forward_context_mxfp8", args)
     layer = torch.ops.mok.recompute_forward_context_mxfp8.default(
         ws.handle, *_schedule_of(args), x, w_shared_gate, w_shared_up, w_routed_gate,
-        w_routed_gate_sc, w_routed_up, w_routed_up_sc, limit,
+        w_routed_gate_sc, w_routed_up, w_routed_up_sc, pass_config.swiglu_limit,
     )  # fmt: skip
     ctx = MoKForwardContext(*layer[:4], *(t if t.numel() else None for t in layer[4:]))
     return mxfp8_context.quantised_context(ctx, x)
@@ -773,7 +772,7 @@ _MXFP8_CONTEXT_ARGS = ("x_fp8_t_routed", "x_sc_t_routed", "gate_shared", "gate_f
 
 
 def _check_bwd_mxfp8(op, args):
-    """(workspace, E, I, has_shared, swiglu_limit, context by name) of the MXFP8 backward op's
+    """(workspace, E, I, has_shared, PassConfig, context by name) of the MXFP8 backward op's
     checked arguments (`args` by name). Backward MXFP8 weights: gate and up (fp8, scale)
     [E, I, H] and their transposed copies [E, H, I] (`_T`), down only transposed [E, I, H]."""
     _check_sizes(args, "d_y_buffer")
@@ -791,8 +790,8 @@ def _check_bwd_mxfp8(op, args):
     ctx = {n: args[n] for n in _MXFP8_CONTEXT_ARGS}
     checks.check_mxfp8_context(ws, inter, has_shared, ctx)
     checks.check_schedule(ws, num_experts, *_schedule_of(args))
-    limit = checks.check_launch(ws, op, *_launch_of(args))
-    return ws, num_experts, inter, has_shared, limit, ctx
+    pass_config = checks.check_launch(ws, op, *_launch_of(args))
+    return ws, num_experts, inter, has_shared, pass_config, ctx
 
 
 def _mxfp8_gradient_outputs(like, d_x_shared, grads, weights, has_shared) -> tuple[Tensor, ...]:
@@ -881,14 +880,14 @@ def dispatch_mlp_swiglu_combine_bwd_mxfp8(
         MXFP8 backward runs it.
     """
     op, args = "dispatch_mlp_swiglu_combine_bwd_mxfp8", locals()
-    ws, _, _, has_shared, limit, ctx = _check_bwd_mxfp8(op, args)
+    ws, _, _, has_shared, pass_config, ctx = _check_bwd_mxfp8(op, args)
     routed = ((w_routed_gate, w_routed_gate_sc, w_routed_gate_T, w_routed_gate_T_sc),
               (w_routed_up, w_routed_up_sc, w_routed_up_T, w_routed_up_T_sc),
               (w_routed_down_T, w_routed_down_T_sc))  # fmt: skip
     d_x_shared, grads = slot_passes.mxfp8_backward_to_slots(
         ws, op, MoKSchedule(*_schedule_of(args)), tuple(ctx.values()), d_y_buffer,
         router_weight_buffer, x, d_x_routed_buffer, d_router_weight_buffer,
-        (w_shared_gate, w_shared_up, w_shared_down), routed, limit, num_comm_sms, minibatch_size,
+        (w_shared_gate, w_shared_up, w_shared_down), routed, pass_config,
     )  # fmt: skip
     return _mxfp8_gradient_outputs(x, d_x_shared, grads, _weights_of(args), has_shared)
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import reference
 from ..mxfp8_context import dequantised_context, quantised_context
-from ..types import MoKForwardContext, MoKSchedule
+from ..types import MoKForwardContext, MoKSchedule, PassConfig
 from ..validation import check_router_weight_values
 
 Tensor = torch.Tensor
@@ -52,39 +52,36 @@ def cuda_launchers(layer_op: str, ws):
 # ----------------------------------------------------------------------------------------------
 
 
-def forward_to_slots(
-    ws, op: str, schedule: MoKSchedule, x: Tensor, slots: Tensor, shared: tuple, routed: tuple,
-    swiglu_limit, num_comm_sms: int, minibatch_size: int,
-):  # fmt: skip
+def forward_to_slots(ws, op: str, schedule: MoKSchedule, x: Tensor, slots: Tensor,
+                     shared: tuple, routed: tuple, pass_config: PassConfig):  # fmt: skip
     """(the 7 context tensors, y_shared or None); `slots` [T*k, H] filled. `shared` and
-    `routed` are the (gate, up, down) weights (shared ones None for a routed-only layer)."""
+    `routed` are the (gate, up, down) weights (shared ones None for a routed-only layer);
+    `pass_config` the op's settings (original/checks.py, `check_launch`)."""
+    limit = pass_config.swiglu_limit
     if not x.is_cuda:
         ctx, got, y_shared = reference.forward_to_slots(
-            schedule, x, *shared, *routed, topk=ws.topk, group=ws.group,
-            swiglu_limit=swiglu_limit,
-        )  # fmt: skip
+            schedule, x, *shared, *routed, topk=ws.topk, group=ws.group, swiglu_limit=limit
+        )
         slots.copy_(got)
         return _filled(ctx, x), y_shared
     gpu = cuda_launchers("forward", ws)
     gpu.check_gpu_layer(ws, op)
     tables = gpu.megakernel_peer_tables(ws)
     peers = None if tables is None else (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
-    routed_ctx, _ = gpu.routed_forward(
-        x, schedule, ws.topk, *routed, swiglu_limit=swiglu_limit, num_comm_ctas=num_comm_sms,
-        minibatch_size=minibatch_size, timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots,
-        grid=ws.megakernel_ctas,
-    )  # fmt: skip
+    routed_ctx, _ = gpu.launch_routed_forward(
+        x, schedule, ws.topk, routed, pass_config, peers=peers, slots=slots
+    )
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
     if shared[0] is not None:
-        *shared_ctx, y_shared = gpu.shared_forward(x, *shared, swiglu_limit)
+        *shared_ctx, y_shared = gpu.shared_forward(x, *shared, limit)
     return (*routed_ctx, *shared_ctx), y_shared
 
 
 def backward_to_slots(
     ws, op: str, schedule: MoKSchedule, ctx: tuple, d_y: Tensor, router_weights: Tensor,
-    x: Tensor, slots: Tensor, d_router: Tensor, shared: tuple, routed: tuple, swiglu_limit,
-    num_comm_sms: int, minibatch_size: int,
+    x: Tensor, slots: Tensor, d_router: Tensor, shared: tuple, routed: tuple,
+    pass_config: PassConfig,
 ):  # fmt: skip
     """(d_x_shared or None, the 6 bf16 weight gradients routed gate, up, down, shared gate, up,
     down (None without a shared expert)); `slots` [T*k, H] and `d_router` [T, k] filled.
@@ -93,19 +90,18 @@ def backward_to_slots(
         check_router_weight_values(router_weights)
         d_x_shared, got, got_router, *grads = reference.backward_to_slots(
             schedule, MoKForwardContext(*(_present(t) for t in ctx)), d_y, x, router_weights,
-            *shared, *routed, group=ws.group, swiglu_limit=swiglu_limit,
+            *shared, *routed, group=ws.group, swiglu_limit=pass_config.swiglu_limit,
         )  # fmt: skip
         slots.copy_(got)
         d_router.copy_(got_router)
         return d_x_shared, tuple(None if g is None else g.to(torch.bfloat16) for g in grads)
     return _cuda_backward_to_slots(ws, op, schedule, ctx, d_y, router_weights, x, slots,
-                                   d_router, shared, routed, swiglu_limit, num_comm_sms,
-                                   minibatch_size)  # fmt: skip
+                                   d_router, shared, routed, pass_config)  # fmt: skip
 
 
 def _cuda_backward_to_slots(
-    ws, op, schedule, ctx, d_y, router_weights, x, slots, d_router, shared, routed, swiglu_limit,
-    num_comm_sms, minibatch_size, mxfp8: bool = False,
+    ws, op, schedule, ctx, d_y, router_weights, x, slots, d_router, shared, routed, pass_config,
+    mxfp8: bool = False,
 ):  # fmt: skip
     """`backward_to_slots` on CUDA: the backward megakernel (with `mxfp8` its MXFP8 variant,
     composed as launchers/backward_op.py composes it; `routed` the MXFP8 tuples, `ctx` a
@@ -122,11 +118,9 @@ def _cuda_backward_to_slots(
     weights = routed
     if mxfp8:
         weights = gpu.mxfp8_weights(routed)
-    dy_e, d_gate, d_up, partials, _, routed_grads = gpu.routed_backward(
-        d_y, router_weights, schedule, x_routed, gate, up, hidden, *weights,
-        swiglu_limit=swiglu_limit, weight_grads=not mxfp8, num_comm_ctas=num_comm_sms,
-        minibatch_size=minibatch_size, timeout_ns=ws.wait_timeout_ns, peers=peers, slots=slots,
-        grid=ws.megakernel_ctas, mxfp8=mxfp8,
+    dy_e, d_gate, d_up, partials, _, routed_grads = gpu.launch_routed_backward(
+        d_y, router_weights, schedule, (x_routed, gate, up, hidden), weights, pass_config,
+        weight_grads=not mxfp8, peers=peers, slots=slots, mxfp8=mxfp8,
     )  # fmt: skip
     gpu.push_router_grads(partials, schedule, router_weights, d_router, peers=grad_peers)
     if mxfp8:
@@ -143,7 +137,7 @@ def _cuda_backward_to_slots(
     d_x_shared, shared_grads = None, (None, None, None)
     if shared[0] is not None:
         d_x_shared, shared_grads = gpu.shared_backward(
-            d_y, x, tuple(shared_ctx), shared, swiglu_limit, (None, None, None)
+            d_y, x, tuple(shared_ctx), shared, pass_config.swiglu_limit, (None, None, None)
         )
     return d_x_shared, (*routed_grads, *shared_grads)
 
@@ -153,30 +147,26 @@ def _cuda_backward_to_slots(
 # ----------------------------------------------------------------------------------------------
 
 
-def mxfp8_forward_to_slots(
-    ws, op: str, schedule: MoKSchedule, x: Tensor, slots: Tensor, shared: tuple, routed: tuple,
-    swiglu_limit, num_comm_sms: int, minibatch_size: int,
-):  # fmt: skip
+def mxfp8_forward_to_slots(ws, op: str, schedule: MoKSchedule, x: Tensor, slots: Tensor,
+                           shared: tuple, routed: tuple, pass_config: PassConfig):  # fmt: skip
     """(the 11 tensors of `quantised_context`, y_shared or None); `slots` filled. `routed`:
     (gate, up, down) each (fp8, scale) along K. CUDA: the forward megakernel's MXFP8 variant
     (`forward_to_slots` with the MXFP8 pairs), its bf16 context then quantised."""
     if x.is_cuda:
-        ctx, y_shared = forward_to_slots(
-            ws, op, schedule, x, slots, shared, routed, swiglu_limit, num_comm_sms,
-            minibatch_size,
-        )  # fmt: skip
+        ctx, y_shared = forward_to_slots(ws, op, schedule, x, slots, shared, routed, pass_config)
         return quantised_context(MoKForwardContext(*(_present(t) for t in ctx)), x), y_shared
     ctx, got, y_shared = reference.mxfp8_forward_to_slots(
-        schedule, x, *shared, *routed, topk=ws.topk, group=ws.group, swiglu_limit=swiglu_limit
-    )
+        schedule, x, *shared, *routed, topk=ws.topk, group=ws.group,
+        swiglu_limit=pass_config.swiglu_limit,
+    )  # fmt: skip
     slots.copy_(got)
     return quantised_context(ctx, x), y_shared
 
 
 def mxfp8_backward_to_slots(
     ws, op: str, schedule: MoKSchedule, ctx: tuple, d_y: Tensor, router_weights: Tensor,
-    x: Tensor, slots: Tensor, d_router: Tensor, shared: tuple, routed: tuple, swiglu_limit,
-    num_comm_sms: int, minibatch_size: int,
+    x: Tensor, slots: Tensor, d_router: Tensor, shared: tuple, routed: tuple,
+    pass_config: PassConfig,
 ):  # fmt: skip
     """As `backward_to_slots`; `ctx` in `quantised_context`'s order, `routed` the MXFP8 tuples
     of mok.reference.mxfp8_backward (gate and up with their transposed copies, down transposed).
@@ -185,12 +175,12 @@ def mxfp8_backward_to_slots(
     if x.is_cuda:
         return _cuda_backward_to_slots(
             ws, op, schedule, dequantised_context(ctx).tensors(), d_y, router_weights, x, slots,
-            d_router, shared, routed, swiglu_limit, num_comm_sms, minibatch_size, mxfp8=True,
+            d_router, shared, routed, pass_config, mxfp8=True,
         )  # fmt: skip
     check_router_weight_values(router_weights)
     d_x_shared, got, got_router, *grads = reference.mxfp8_backward_to_slots(
         schedule, dequantised_context(ctx), d_y, x, router_weights, *shared, *routed,
-        group=ws.group, swiglu_limit=swiglu_limit,
+        group=ws.group, swiglu_limit=pass_config.swiglu_limit,
     )  # fmt: skip
     slots.copy_(got)
     d_router.copy_(got_router)
