@@ -1,0 +1,188 @@
+"""Where a layer pass's GPU time goes at a benchmark shape, beside the pass's byte and FLOP floors.
+
+    python -m tools.phase_times [--shape qwen3-30b-a3b] [--tokens 2048,4096] [--iters 20]
+
+For each token count, on one random routing (`mok.testing.make_inputs`), medians of CUDA-event
+timings of `--iters` back-to-back calls over `--rounds` rounds, in ms a call:
+
+- `schedule`, `forward`, `backward`: the `mok.functional` calls a training step makes;
+- each kernel's GPU time inside one schedule + forward + backward (torch.profiler), so host
+  gaps between launches show as the difference;
+- the separate grouped GEMM kernels (`launchers.expert_gemm`) on the forward's own routed
+  buffer and schedule: gate/up + SwiGLU, then down; and the same two with the routed rows
+  spread evenly over the experts (`T * k / E` rows each, rounded up to 128), which is what the
+  GEMMs cost without the schedule's 128-row padding of uneven experts;
+- `weights once`: the weight bytes over the copy bandwidth measured here (read + write of a
+  2 GiB copy): the least time any forward can take to read the weights;
+- the pass's FLOPs over the bf16 GEMM rate measured here (a 8192^3 matmul).
+
+Nothing here is asserted; it prints one table per token count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.shapes import SHAPES, scale_for_run
+from mok import functional as F
+from mok.launchers import expert_gemm
+from mok.testing import make_inputs
+
+WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
+
+
+def _time(fn, iters: int, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def _ceilings(iters: int, rounds: int) -> tuple[float, float]:
+    """(copy GB/s counting read + write, bf16 matmul TFLOP/s) on this GPU now."""
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    copy_ms = _time(lambda: dst.copy_(src), iters, rounds)
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_ms = _time(lambda: a @ b, iters, rounds)
+    return 4 * (1 << 30) / copy_ms / 1e6, 2 * n**3 / mm_ms / 1e9
+
+
+def _kernel_times(step) -> dict[str, float]:
+    """GPU ms of each kernel name in one call of `step` (torch.profiler)."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or event.cuda_time_total
+        if total > 0:
+            times[event.key] = total / 1e3
+    return times
+
+
+def run(shape_name: str, tokens: int, iters: int, rounds: int, copy_gbs: float, tflops: float):
+    shape = scale_for_run({s.name: s for s in SHAPES}[shape_name], 1, quick=False)
+    h, i, e, k = shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.topk
+    inputs = make_inputs(tokens, h, i, e, k, seed=0, device="cuda")
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=tokens,
+                         hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
+    weights = [inputs[n] for n in WEIGHTS]
+    x, rw, top, dy = (
+        inputs["x"],
+        inputs["router_weights"],
+        inputs["top_experts"],
+        inputs["grad_output"],
+    )
+    schedule = F.build_schedule(ws, config, top, num_local_experts=e)
+    out, ctx = F.forward(config, ws, schedule, x, rw, *weights)
+
+    def sched():
+        F.build_schedule(ws, config, top, num_local_experts=e)
+
+    def fwd():
+        F.forward(config, ws, schedule, x, rw, *weights)
+
+    def bwd():
+        F.backward(config, ws, schedule, ctx, dy, x, rw, *weights)
+
+    def step():
+        s = F.build_schedule(ws, config, top, num_local_experts=e)
+        o, c = F.forward(config, ws, s, x, rw, *weights)
+        F.backward(config, ws, s, c, dy, x, rw, *weights)
+
+    rows = ctx.x_routed.shape[0]
+    gate, up, hidden = (torch.empty(rows, i, dtype=torch.bfloat16, device="cuda") for _ in "guh")
+    y = torch.empty(rows, h, dtype=torch.bfloat16, device="cuda")
+    gw, uw, dw = inputs["routed_gate"], inputs["routed_up"], inputs["routed_down"]
+    tpe = schedule.tokens_per_expert
+    even = -(-tokens * k // e // 128) * 128
+    tpe_even = torch.full((e,), even, dtype=torch.int32, device="cuda")
+    x_even = torch.randn(even * e, h, device="cuda").to(torch.bfloat16)
+    h_even = torch.randn(even * e, i, device="cuda").to(torch.bfloat16)
+    g2, u2, hid2 = (torch.empty(even * e, i, dtype=torch.bfloat16, device="cuda") for _ in "guh")
+    y2 = torch.empty(even * e, h, dtype=torch.bfloat16, device="cuda")
+
+    rows_routed = tokens * k
+    padded = int(tpe.sum().item())
+    fwd_flops = 2 * rows_routed * 3 * h * i
+    weight_bytes = 3 * e * h * i * 2
+    rows_table = [
+        ("schedule", _time(sched, iters, rounds)),
+        ("forward", _time(fwd, iters, rounds)),
+        ("backward", _time(bwd, iters, rounds)),
+        (
+            "gate_up alone, this routing",
+            _time(
+                lambda: expert_gemm.gate_up_swiglu(
+                    ctx.x_routed, gw, uw, tpe, gate=gate, up=up, hidden=hidden
+                ),
+                iters,
+                rounds,
+            ),
+        ),  # fmt: skip
+        (
+            "down alone, this routing",
+            _time(lambda: expert_gemm.down(ctx.hidden_routed, dw, tpe, out=y), iters, rounds),
+        ),
+        (
+            f"gate_up alone, {even} rows each",
+            _time(
+                lambda: expert_gemm.gate_up_swiglu(
+                    x_even, gw, uw, tpe_even, gate=g2, up=u2, hidden=hid2
+                ),
+                iters,
+                rounds,
+            ),
+        ),  # fmt: skip
+        (
+            f"down alone, {even} rows each",
+            _time(lambda: expert_gemm.down(h_even, dw, tpe_even, out=y2), iters, rounds),
+        ),
+    ]
+    print(f"\n== {shape_name}, {tokens} tokens: {rows_routed} routed rows, {padded} after padding "
+          f"({padded / rows_routed:.2f}x), {e} experts")  # fmt: skip
+    print(f"weights once (bytes over the copy rate): {weight_bytes / copy_gbs / 1e6:.3f} ms; "
+          f"forward FLOPs at {tflops:.0f} TFLOP/s: {fwd_flops / tflops / 1e9:.3f} ms, "
+          f"with the padding {fwd_flops * padded / rows_routed / tflops / 1e9:.3f} ms")  # fmt: skip
+    for name, ms in rows_table:
+        print(f"  {name:<34} {ms:8.3f} ms")
+    print("  kernels in one schedule + forward + backward (torch.profiler):")
+    kernels = _kernel_times(step)
+    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"    {name[:60]:<60} {ms:8.3f} ms")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.phase_times", description=__doc__)
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=[s.name for s in SHAPES])
+    parser.add_argument("--tokens", default="2048,4096")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    copy_gbs, tflops = _ceilings(args.iters, args.rounds)
+    print(f"copy {copy_gbs:.0f} GB/s (read + write), bf16 matmul {tflops:.1f} TFLOP/s")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        run(args.shape, tokens, args.iters, args.rounds, copy_gbs, tflops)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
