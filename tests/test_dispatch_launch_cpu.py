@@ -130,6 +130,59 @@ def test_mxfp8_forward_megakernel_launch_packs(monkeypatch, kernels):
         moe_forward.routed_forward(x, schedule, k, pairs[0][:1], *pairs[1:])
 
 
+def test_a_failed_mxfp8_forward_leaves_no_weights_behind(monkeypatch, kernels):
+    """An MXFP8 plan dequantises the weights to bind itself, and each launch its own: a call
+    that fails after the plan was made (out of memory, say) must leave none of those bf16
+    weights alive (the plan stays cached; a big layer's would hold gigabytes)."""
+    import gc
+    import weakref
+
+    from mok import reference as R
+    from mok.launchers import device_args, plans
+
+    moe_forward = _forward_launcher_on_cpu(monkeypatch)
+    plans.clear_plans()
+    t, h, i, e, k = 256, 256, 128, 4, 2
+    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
+                               capacity=t * k + e * 128)  # fmt: skip
+    x = torch.zeros(t, h, dtype=torch.bfloat16)
+    pairs = [R.mxfp8_quantize(torch.randn(e, n, kk).to(torch.bfloat16))
+             for n, kk in ((i, h), (i, h), (h, i))]  # fmt: skip
+    made = []
+    dequantized = moe_forward.mxfp8.dequantized_weights
+
+    def recorded(weights):
+        values = dequantized(weights)
+        made.extend(weakref.ref(v) for v in values)
+        return values
+
+    monkeypatch.setattr(moe_forward.mxfp8, "dequantized_weights", recorded)
+    outputs = moe_forward._ForwardPlan._outputs
+    calls = []
+
+    def out_of_memory_on_the_call(self):  # the plan's own outputs, then the call's
+        calls.append(None)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected: the call's context")
+        return outputs(self)
+
+    monkeypatch.setattr(moe_forward._ForwardPlan, "_outputs", out_of_memory_on_the_call)
+    try:
+        moe_forward.routed_forward(x, schedule, k, *pairs)
+    except torch.OutOfMemoryError:
+        pass
+    else:
+        raise AssertionError("the injected failure did not happen")
+    assert len(calls) == 2 and made  # the plan was made (and cached), then the call failed
+    assert any(isinstance(p, moe_forward._ForwardPlan) for p in plans.plans_of_thread().values())
+    for kernel in kernels.values():
+        kernel.launches.clear()  # the fakes' records hold their arguments
+    device_args.clear_descriptor_cache()
+    gc.collect()
+    assert [r() for r in made if r() is not None] == []
+    plans.clear_plans()
+
+
 def _backward_launcher_on_cpu(monkeypatch):
     """mok.launchers.backward_megakernel with its CUDA-only checks and lookups made CPU-safe."""
     from mok.launchers import backward_megakernel as moe_backward

@@ -106,7 +106,8 @@ class _BackwardOp:
         self.mxfp8 = isinstance(routed[0], tuple)
         if self.mxfp8:
             # Checked: the tuples (mok.mxfp8_weights); no main_grads (mok.functional).
-            routed = self.first_weights = mxfp8.backward_weights(routed)
+            # Only for the checks and the binding: every call dequantises its own.
+            routed = mxfp8.backward_weights(routed)
         if routed[2].shape[2] % N_ALIGNMENT:
             raise ValueError(
                 f"intermediate_size must be a multiple of {N_ALIGNMENT} on the "
@@ -190,7 +191,7 @@ class _BackwardOp:
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
         weights = None
         if self.mxfp8:
-            weights, self.first_weights = self.first_weights or mxfp8.backward_weights(routed), None
+            weights = mxfp8.backward_weights(routed)
             if not context_exact:
                 gate, up = mxfp8.gate_up_operands(gate, up)
         layer_step = context is not None

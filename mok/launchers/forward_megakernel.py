@@ -167,8 +167,10 @@ class _ForwardPlan:
         self.counters = megakernel_counters(capacity, FORWARD_COUNTER_TAIL, x.device)
         kernel = get_kernel(KERNEL_MXFP8 if self.mxfp8 else KERNEL, device=x.device)
         self.weight_tma = {name: Descriptors(kernel, name) for name in WEIGHT_TMA}
-        if self.mxfp8:  # bf16 values of the pairs, new on every call: bound per launch
-            weights = self.first_weights = dequantized or mxfp8.dequantized_weights(weights)
+        if self.mxfp8:
+            # The pairs' bf16 values, only to bind the plan: every launch dequantises its own
+            # (kept by no plan, so a call that fails leaves none of them behind).
+            weights = dequantized or mxfp8.dequantized_weights(weights)
         grid = pass_config.grid or sm_count(x.device)
         x_routed, gate, up, hidden = self._outputs()
         # MXFP8: the GEMMs' A operands are the rows' round trips (scratch of this call).
@@ -262,8 +264,7 @@ class _ForwardPlan:
         if self.mxfp8:
             a_x, a_h = self._operands(context(0), context(3))
             tma_x, tma_h = self.tma_x.get(a_x), self.tma_h.get(a_h)
-            bf16 = self.first_weights or dequantized or mxfp8.dequantized_weights(weights)
-            self.first_weights = None
+            bf16 = dequantized or mxfp8.dequantized_weights(weights)
             bf16_weights = tuple(self._weight_descriptors(bf16).values())
             rounded_at = (a_x.data_ptr(), a_h.data_ptr())
         else:
