@@ -8,10 +8,13 @@ timings of `--iters` back-to-back calls over `--rounds` rounds, in ms a call:
 - `schedule`, `forward`, `backward`: the `mok.functional` calls a training step makes;
 - each kernel's GPU time inside one schedule + forward + backward (torch.profiler), so host
   gaps between launches show as the difference;
-- the separate grouped GEMM kernels (`launchers.expert_gemm`) on the forward's own routed
-  buffer and schedule: gate/up + SwiGLU, then down; and the same two with the routed rows
-  spread evenly over the experts (`T * k / E` rows each, rounded up to 128), which is what the
-  GEMMs cost without the schedule's 128-row padding of uneven experts;
+- the pieces of the megakernels as separate kernels, on the forward's own schedule and
+  context: the dispatch (`gather_rows`), gate/up + SwiGLU, down, the sums (`fwd_epilogue`); the
+  backward's d_hidden (+ SwiGLU backward), d_x and the three weight gradients (bf16); and
+  gate/up and down with the routed rows spread evenly over the experts (`T * k / E` rows each,
+  rounded up to 128): what the GEMMs cost without the schedule's 128-row padding of uneven
+  experts. The megakernel against the sum of its pieces is what running them as one kernel
+  gains or loses;
 - `weights once`: the weight bytes over the copy bandwidth measured here (read + write of a
   2 GiB copy): the least time any forward can take to read the weights;
 - the pass's FLOPs over the bf16 GEMM rate measured here (a 8192^3 matmul).
@@ -29,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.shapes import SHAPES, scale_for_run
 from mok import functional as F
-from mok.launchers import expert_gemm
+from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd
 from mok.testing import make_inputs
 
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
@@ -109,54 +112,63 @@ def run(shape_name: str, tokens: int, iters: int, rounds: int, copy_gbs: float, 
         F.backward(config, ws, s, c, dy, x, rw, *weights)
 
     rows = ctx.x_routed.shape[0]
-    gate, up, hidden = (torch.empty(rows, i, dtype=torch.bfloat16, device="cuda") for _ in "guh")
-    y = torch.empty(rows, h, dtype=torch.bfloat16, device="cuda")
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    gate, up, hidden, d_gate, d_up = (torch.empty(rows, i, **bf16) for _ in range(5))
+    y, d_x_rows, gathered = (torch.empty(rows, h, **bf16) for _ in range(3))
+    dy_rows = torch.randn(rows, h, device="cuda").to(torch.bfloat16)
+    slots = torch.randn(tokens * k, h, device="cuda").to(torch.bfloat16)
     gw, uw, dw = inputs["routed_gate"], inputs["routed_up"], inputs["routed_down"]
     tpe = schedule.tokens_per_expert
+    ids = (schedule.peer_rank, schedule.peer_token_idx, schedule.num_tokens)
     even = -(-tokens * k // e // 128) * 128
     tpe_even = torch.full((e,), even, dtype=torch.int32, device="cuda")
     x_even = torch.randn(even * e, h, device="cuda").to(torch.bfloat16)
     h_even = torch.randn(even * e, i, device="cuda").to(torch.bfloat16)
-    g2, u2, hid2 = (torch.empty(even * e, i, dtype=torch.bfloat16, device="cuda") for _ in "guh")
-    y2 = torch.empty(even * e, h, dtype=torch.bfloat16, device="cuda")
+    g2, u2, hid2 = (torch.empty(even * e, i, **bf16) for _ in range(3))
+    y2 = torch.empty(even * e, h, **bf16)
+
+    def gather():
+        dispatch.gather_rows(x, *ids, k, out=gathered)
+
+    def gate_up():
+        expert_gemm.gate_up_swiglu(ctx.x_routed, gw, uw, tpe, gate=gate, up=up, hidden=hidden)
+
+    def down():
+        expert_gemm.down(ctx.hidden_routed, dw, tpe, out=y)
+
+    def sums():
+        epilogues.fwd_epilogue(None, slots, rw)
+
+    def d_hidden():
+        expert_gemm_bwd.d_hidden_swiglu(dy_rows, dw, ctx.gate_routed, ctx.up_routed, tpe,
+                                        d_gate=d_gate, d_up=d_up)  # fmt: skip
+
+    def d_x():
+        expert_gemm_bwd.d_x(d_gate, d_up, gw, uw, tpe, out=d_x_rows)
+
+    def weight_grads():
+        for a, b in ((d_gate, ctx.x_routed), (d_up, ctx.x_routed), (dy_rows, ctx.hidden_routed)):
+            expert_gemm_bwd.weight_gradient(a, b, tpe, output="bf16")
+
+    def gate_up_even():
+        expert_gemm.gate_up_swiglu(x_even, gw, uw, tpe_even, gate=g2, up=u2, hidden=hid2)
+
+    def down_even():
+        expert_gemm.down(h_even, dw, tpe_even, out=y2)
 
     rows_routed = tokens * k
     padded = int(tpe.sum().item())
     fwd_flops = 2 * rows_routed * 3 * h * i
     weight_bytes = 3 * e * h * i * 2
-    rows_table = [
-        ("schedule", _time(sched, iters, rounds)),
-        ("forward", _time(fwd, iters, rounds)),
-        ("backward", _time(bwd, iters, rounds)),
-        (
-            "gate_up alone, this routing",
-            _time(
-                lambda: expert_gemm.gate_up_swiglu(
-                    ctx.x_routed, gw, uw, tpe, gate=gate, up=up, hidden=hidden
-                ),
-                iters,
-                rounds,
-            ),
-        ),  # fmt: skip
-        (
-            "down alone, this routing",
-            _time(lambda: expert_gemm.down(ctx.hidden_routed, dw, tpe, out=y), iters, rounds),
-        ),
-        (
-            f"gate_up alone, {even} rows each",
-            _time(
-                lambda: expert_gemm.gate_up_swiglu(
-                    x_even, gw, uw, tpe_even, gate=g2, up=u2, hidden=hid2
-                ),
-                iters,
-                rounds,
-            ),
-        ),  # fmt: skip
-        (
-            f"down alone, {even} rows each",
-            _time(lambda: expert_gemm.down(h_even, dw, tpe_even, out=y2), iters, rounds),
-        ),
-    ]
+    calls = [
+        ("schedule", sched), ("forward", fwd), ("backward", bwd),
+        ("dispatch alone (gather_rows)", gather), ("gate_up alone", gate_up),
+        ("down alone", down), ("sums alone (fwd_epilogue)", sums), ("d_hidden alone", d_hidden),
+        ("d_x alone", d_x), ("weight gradients alone (3, bf16)", weight_grads),
+        (f"gate_up alone, {even} rows each", gate_up_even),
+        (f"down alone, {even} rows each", down_even),
+    ]  # fmt: skip
+    rows_table = [(name, _time(fn, iters, rounds)) for name, fn in calls]
     print(f"\n== {shape_name}, {tokens} tokens: {rows_routed} routed rows, {padded} after padding "
           f"({padded / rows_routed:.2f}x), {e} experts")  # fmt: skip
     print(f"weights once (bytes over the copy rate): {weight_bytes / copy_gbs / 1e6:.3f} ms; "
