@@ -9,7 +9,8 @@ Run it from outside the checkout, so that `import mok` finds the installed copy.
   installed package has no module the sources lack;
 - every module imports (`core`: each one outside mok.dsl_kernels and mok.integrations, and
   the kernel sources fail only for want of the DSL, the integrations only for want of their
-  framework: both come with the dev extra);
+  framework: both come with the dev extra; of the two TorchTitan entries, one per TorchTitan
+  line, the one for the line not installed raises ImportError naming the other);
 - the manifest and every cubin it names are installed, byte-equal to the checkout's.
 """
 
@@ -21,6 +22,9 @@ import pkgutil
 import sys
 from importlib import resources
 from pathlib import Path
+
+# mok's entries for the two TorchTitan lines: 0.3's overrides, 0.2's model converter.
+TORCHTITAN_ENTRIES = ("mok.integrations.torchtitan", "mok.integrations.torchtitan_converter")
 
 
 def source_modules(source_root: Path) -> set[str]:
@@ -58,7 +62,7 @@ def main() -> int:
             f"extra {sorted(installed - expected)}"
         )
 
-    failures = []
+    failures, other_version = [], []
     for name in sorted(installed):
         try:
             importlib.import_module(name)
@@ -74,8 +78,17 @@ def main() -> int:
                 continue
             if not (mode == "core" and framework):
                 failures.append(f"{name}: {error!r}")
+        except ImportError as error:
+            # Each TorchTitan entry is for one TorchTitan line (0.3: overrides, 0.2: model
+            # converters) and names the other when imported under it; one of them must import.
+            if name in TORCHTITAN_ENTRIES and "needs TorchTitan" in str(error):
+                other_version.append(name)
+            else:
+                failures.append(f"{name}: {error!r}")
         except Exception as error:  # report every module that fails, then stop
             failures.append(f"{name}: {error!r}")
+    if mode == "all" and len(other_version) == len(TORCHTITAN_ENTRIES):
+        failures.append(f"neither TorchTitan entry imports: {other_version}")
     if failures:
         raise SystemExit("modules that do not import:\n  " + "\n  ".join(failures))
     print(f"{len(installed)} modules installed, each imports ({mode})")

@@ -6,7 +6,11 @@ own experts path.
 
 The model is built from TorchTitan's own Qwen3 config builders (random init, nothing
 downloaded). mok comes in through TorchTitan's override mechanism, the same entry a training
-job passes as ``--override.imports mok.integrations.torchtitan.mok_routed_experts``. Both models
+job passes as ``--override.imports mok.integrations.torchtitan.mok_routed_experts``. With
+TorchTitan 0.2 (which imports with torch 2.11) the model is built from its `Qwen3ModelArgs` and
+mok comes in through its model converter, the one a job selects with ``--experimental.custom_import
+mok.integrations.torchtitan_converter --model.converters mok``; 0.2's router runs on CUDA only
+(`torch.histc` of int64 ids). Both models
 start from the same weights (bf16) and see the same random token batches (a fixed random
 Markov chain, `_training.markov_batches`). The mok model trains twice; its two runs must be
 bitwise identical. Attention is SDPA (causal) in both, since FlexAttention has no backward on
@@ -87,6 +91,52 @@ def loss_of(model, tokens):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def is_torchtitan_02() -> bool:
+    """TorchTitan 0.2 (model converters, `Qwen3ModelArgs`) rather than 0.3 (overrides)."""
+    try:
+        import torchtitan.config.override  # noqa: F401, PLC0415
+    except ImportError:
+        return True
+    return False
+
+
+def build_02(args, device, seed: int, mok: bool):
+    """TorchTitan 0.2's Qwen3-MoE model (its `Qwen3ModelArgs`, the MoE settings of its Qwen3
+    configs), bf16; `mok`: its MoE layers converted by mok's model converter."""
+    from torchtitan.models.moe import MoEArgs  # noqa: PLC0415
+    from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs  # noqa: PLC0415
+
+    head_dim = 64
+    moe = MoEArgs(num_experts=args.experts, top_k=args.topk, score_func="softmax",
+                  route_norm=True, score_before_experts=False, load_balance_coeff=None,
+                  num_shared_experts=0,
+                  use_grouped_mm=device.type == "cuda")  # fmt: skip
+    model_args = Qwen3ModelArgs(
+        dim=args.hidden, n_layers=args.layers, n_heads=args.hidden // head_dim,
+        n_kv_heads=max(1, args.hidden // head_dim // 2), head_dim=head_dim,
+        vocab_size=args.vocab, max_seq_len=args.seq, hidden_dim=4 * args.hidden,
+        moe_enabled=True, moe_inter_dim=args.intermediate, moe_args=moe,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Qwen3Model(model_args)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    model = model.to(torch.bfloat16)
+    if mok:
+        from mok.integrations.torchtitan_converter import MoKConverter  # noqa: PLC0415
+
+        MoKConverter().convert(model)
+    return model
+
+
+def loss_of_02(model, tokens):
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                             tokens[:, 1:].flatten())  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _training.add_model_args(p)
@@ -100,18 +150,27 @@ def main(argv=None) -> int:
     print(f"torchtitan {getattr(torchtitan, '__version__', '?')}, torch {torch.__version__}, "
           f"device {device}; Qwen3-MoE {args.layers} layers, D={args.hidden} F={args.intermediate} "
           f"E={args.experts} k={args.topk}, {args.batch}x{args.seq} tokens a step, bf16")  # fmt: skip
-    framework_model = build(model_config(args), device, seed=0)
+    titan_02 = is_torchtitan_02()
+    loss = loss_of_02 if titan_02 else loss_of
+
+    def make(mok: bool):
+        if titan_02:
+            return build_02(args, device, seed=0, mok=mok)
+        return build(with_mok(model_config(args)) if mok else model_config(args), device, seed=0)
+
+    framework_model = make(mok=False)
     init = {k: v.clone() for k, v in framework_model.state_dict().items()}
-    framework = _training.train(framework_model, batches, loss_of, args.lr, device)
+    framework = _training.train(framework_model, batches, loss, args.lr, device)
     del framework_model
     runs = []
     for _ in range(2):
-        model = build(with_mok(model_config(args)), device, seed=0)
+        model = make(mok=True)
         model.load_state_dict(init)
-        routed = [type(layer.moe.routed_experts).__name__ for layer in model.layers.values()]
-        runs.append(_training.train(model, batches, loss_of, args.lr, device))
+        routed = [type(layer.moe if titan_02 else layer.moe.routed_experts).__name__
+                  for layer in model.layers.values()]  # fmt: skip
+        runs.append(_training.train(model, batches, loss, args.lr, device))
         del model
-    print(f"routed experts per layer: {routed}")
+    print(f"{'MoE layers' if titan_02 else 'routed experts per layer'}: {routed}")
     ok = _training.report("torchtitan", framework, runs[0], runs[1], "TorchTitan")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "losses.json"), "w") as f:

@@ -264,6 +264,22 @@ def test_torchtitan_training_is_bitwise_reproducible():
     check_torchtitan_training_repeats(torch.device("cpu"))
 
 
+@pytest.mark.parametrize(
+    "check",
+    ["the_03_entry_names_the_converter", "a_job_converts_every_moe_layer",
+     "what_mok_does_not_run_is_refused", "a_shared_expert_folds_when_as_wide"],
+)  # fmt: skip
+def test_torchtitan_02_converter(torchtitan_02_site, check):
+    """TorchTitan 0.2's model converter "mok" (mok/integrations/torchtitan_converter.py), in a
+    process with TorchTitan 0.2 first on the path. Its model runs on CUDA only (0.2's router):
+    tests/gpu/test_integrations_gpu.py runs the model and training checks."""
+    _torchtitan()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from torchtitan_02_checks import run_check  # noqa: PLC0415
+
+    run_check(torchtitan_02_site, check)
+
+
 def check_torchtitan_training_repeats(device, **sizes) -> None:
     example = _torchtitan()
     args = _tt_args(**sizes)

@@ -29,13 +29,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torchtitan.config import derive, override
+
+try:
+    from torchtitan.config import derive, override
+except ImportError as error:  # TorchTitan 0.2: no override mechanism
+    raise ImportError(
+        "mok.integrations.torchtitan needs TorchTitan 0.3 (its override mechanism, "
+        "torchtitan.config.override); for TorchTitan 0.2 use its model converter: "
+        "--experimental.custom_import mok.integrations.torchtitan_converter "
+        "--model.converters mok"
+    ) from error
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe import MoE, RoutedExperts
 
-from .. import functional
 from ..config import MoKConfig
-from ..nn import layer_workspace, moe
+from .torchtitan_layer import foldable_shared_expert, mok_layer, set_knobs
 
 __all__ = ["MoKMoE", "MoKRoutedExperts", "mok_moe", "mok_routed_experts"]
 
@@ -84,45 +92,25 @@ class MoKRoutedExperts(_MoKLayer, RoutedExperts):
         and rounds once to bf16, then to x's dtype). `num_local_tokens_per_expert_E` is not
         needed: mok counts and places the routed rows itself."""
         del num_local_tokens_per_expert_E
-        return mok_layer(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, self.inner_experts)
+        return mok_layer(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK,
+                         _routed_weights(self.inner_experts))  # fmt: skip
 
 
-def mok_layer(owner, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, experts, shared=None):
-    """The layer in mok: `owner`'s MoKConfig, EP group and recompute; `experts` a
-    GroupedExperts; `shared` a FeedForward folded in as mok's shared expert, or None."""
-    batch, seq, dim = x_BLD.shape
-    topk = topk_scores_BLK.shape[-1]
-    x = x_BLD.reshape(batch * seq, dim).to(torch.bfloat16).contiguous()
-    scores = topk_scores_BLK.reshape(-1, topk).to(torch.float32).contiguous()
-    ids = topk_expert_ids_BLK.reshape(-1, topk).to(torch.int64).contiguous()
-    gate, up, down = (_local_bf16(w) for w in (experts.w1_EFD, experts.w3_EFD, experts.w2_EDF))
-    shared_weights = (None, None, None)
-    if shared is not None:
-        shared_weights = tuple(_local_bf16(lin.weight) for lin in (shared.w1, shared.w3,
-                                                                   shared.w2))  # fmt: skip
-    num_local_experts = gate.shape[0]
-    config = owner.mok_config
-    workspace = layer_workspace(config, owner.ep_group, x.device, x.shape[0], dim, topk,
-                                num_local_experts)  # fmt: skip
-    schedule = functional.build_schedule(workspace, config, ids,
-                                         num_local_experts=num_local_experts)  # fmt: skip
-    out = moe(config, workspace, schedule, x, scores, *shared_weights, gate, up, down,
-              recompute=owner.recompute)  # fmt: skip
-    return out.to(x_BLD.dtype).view(batch, seq, dim)
+def _routed_weights(experts) -> tuple:
+    """(gate, up, down) of a TorchTitan 0.3 GroupedExperts."""
+    return experts.w1_EFD, experts.w3_EFD, experts.w2_EDF
 
 
 def _mok_knobs(owner, config) -> None:
     """`owner`'s MoKConfig, recompute flag and (until `parallelize`) EP group of one."""
-    owner.mok_config = MoKConfig(
+    knobs = MoKConfig(
         fwd_num_comm_sms=config.fwd_num_comm_sms,
         bwd_num_comm_sms=config.bwd_num_comm_sms,
         minibatch_size=config.minibatch_size,
         macrobatch_size=config.macrobatch_size,
         schedule_capacity_multiplier=config.schedule_capacity_multiplier,
     )
-    owner.mok_config.validate()
-    owner.recompute = config.recompute
-    owner.ep_group = None
+    set_knobs(owner, knobs, config.recompute)
 
 
 class MoKMoE(_MoKLayer, MoE):
@@ -136,14 +124,8 @@ class MoKMoE(_MoKLayer, MoE):
     def folds_shared_expert(self) -> bool:
         """Whether the shared expert runs inside mok's layer: a SwiGLU FeedForward without
         biases, as wide as the routed experts."""
-        shared = self.shared_experts
-        if type(shared) is not FeedForward:
-            return False
-        linears = (shared.w1, shared.w2, shared.w3)
-        if any(getattr(lin, "bias", None) is not None for lin in linears):
-            return False
         width = self.routed_experts.inner_experts.w1_EFD.shape[1]
-        return shared.w1.weight.shape[0] == width
+        return foldable_shared_expert(self.shared_experts, width, FeedForward)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         """MoE.forward's routing and load-balancing counts, then mok's layer."""
@@ -156,7 +138,7 @@ class MoKMoE(_MoKLayer, MoE):
                 self.tokens_per_expert_E.add_(routing_map_BLE.sum(dim=(0, 1)))
         fold = self.folds_shared_expert()
         out_BLD = mok_layer(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK,
-                            self.routed_experts.inner_experts,
+                            _routed_weights(self.routed_experts.inner_experts),
                             self.shared_experts if fold else None)  # fmt: skip
         if self.shared_experts is not None and not fold:
             out_BLD = out_BLD + self.shared_experts(x_BLD)
@@ -167,13 +149,6 @@ def _ep_group(parallel_dims):
     """The process group of TorchTitan's EP mesh, or None (a group of one) without one."""
     ep_mesh = parallel_dims.get_optional_mesh("ep")
     return None if ep_mesh is None else ep_mesh.get_group()
-
-
-def _local_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a weight (a DTensor's local shard), in bf16."""
-    if hasattr(weight, "to_local"):
-        weight = weight.to_local()
-    return weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
 
 
 @override(

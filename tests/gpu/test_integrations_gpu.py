@@ -38,6 +38,15 @@ def test_torchtitan_training_repeats_bitwise_on_gpu():
     cases.check_torchtitan_training_repeats(CUDA, hidden=256, intermediate=256)
 
 
+@pytest.mark.parametrize("check", ["the_model_matches_the_framework", "training_repeats_bitwise"])
+def test_torchtitan_02_on_gpu(torchtitan_02_site, check):
+    """TorchTitan 0.2 (which imports with torch 2.11) through mok's model converter: the model
+    against TorchTitan's own experts, and training twice bitwise (tests/torchtitan_02_checks.py)."""
+    from torchtitan_02_checks import run_check
+
+    run_check(torchtitan_02_site, check, "cuda")
+
+
 @pytest.mark.parametrize(
     "line,source", [b for b in test_readme.python_blocks() if b[1].startswith("# needs CUDA")]
 )
