@@ -1,6 +1,7 @@
 """Compile every registered kernel variant to cubins + one manifest, on a machine with no GPU.
 
     python -m mok.dsl_kernels.build --arch sm_90a sm_100a [--check] [--only NAME] [--out DIR]
+    python -m mok.dsl_kernels.build --arch sm_90a --only NAME --set FIELD=VALUE --out DIR  # diagnostic
 
 Writes `mok/dsl_kernels/cubins/<variant>.<arch>.cubin` and `mok/dsl_kernels/cubins/manifest.json`.
 `--check` builds into a temporary directory and exits 1 if the committed manifest or any cubin
@@ -26,6 +27,8 @@ Where each manifest field comes from (nothing is typed in by hand twice):
 """
 
 import argparse
+import ast
+import dataclasses
 import hashlib
 import importlib.metadata
 import inspect
@@ -343,8 +346,12 @@ def tma_specs(owner: str, kernel_obj, params: list[dict], ptx: str) -> list[dict
 # ---------------------------------------------------------------------------------------------
 # Build / check
 # ---------------------------------------------------------------------------------------------
-def build(archs, only=None, verbose=True) -> tuple[dict, dict[str, bytes], dict[str, str]]:
-    """Compile the registry: (manifest, {cubin file name: bytes}, {cubin file name: PTX})."""
+def build(
+    archs, only=None, verbose=True, settings=None
+) -> tuple[dict, dict[str, bytes], dict[str, str]]:
+    """Compile the registry: (manifest, {cubin file name: bytes}, {cubin file name: PTX}).
+    `settings` (with `only`): config fields of that variant set for this build, e.g. a
+    diagnostic build's {"timeline": True}; each must be a field of its kernel class."""
     from .registry import variants
 
     registry = variants()
@@ -365,6 +372,13 @@ def build(archs, only=None, verbose=True) -> tuple[dict, dict[str, bytes], dict[
     for variant in registry:
         if only is not None and variant.name != only:
             continue
+        if settings:
+            fields = {f.name for f in dataclasses.fields(variant.kernel)}
+            unknown = sorted(set(settings) - fields)
+            if unknown:
+                raise BuildError(f"--set {unknown}: not config fields of {variant.name} "
+                                 f"(its kernel {variant.kernel.__name__} has {sorted(fields)})")  # fmt: skip
+            variant = dataclasses.replace(variant, config={**variant.config, **settings})
         for arch in archs:
             if getattr(variant, "archs", None) and arch not in variant.archs:
                 continue  # e.g. wgmma kernels: sm_90a only
@@ -455,11 +469,25 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="rebuild in a temp dir and compare")
     parser.add_argument("--only", metavar="NAME", help="build only this variant")
     parser.add_argument("--out", type=Path, default=CUBIN_DIR, help="output directory")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a diagnostic build: set a config field of the --only variant "
+                        "(e.g. timeline=True); never into the shipped cubins")  # fmt: skip
     args = parser.parse_args(argv)
     archs = list(dict.fromkeys(args.arch))
+    settings = {}
+    for item in args.set:
+        field_name, _, value = item.partition("=")
+        try:
+            settings[field_name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[field_name] = value
+    if settings and (args.only is None or args.check or args.out.resolve() == CUBIN_DIR.resolve()):
+        print("--set needs --only, no --check, and an --out other than the shipped cubins",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
     try:
-        manifest, cubins, _ = build(archs, only=args.only)
+        manifest, cubins, _ = build(archs, only=args.only, settings=settings)
     except BuildError as error:
         print(f"build failed: {error}", file=sys.stderr)
         return 2

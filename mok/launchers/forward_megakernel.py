@@ -163,15 +163,18 @@ class _ForwardPlan:
             self.schedules = True
         self.schedule_scratch = schedule_scratch  # held: the launch writes it by address
         ep_rank, x_table, slots_table = peers if peers is not None else (0, None, None)
-        # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit.
-        self.counters = megakernel_counters(capacity, FORWARD_COUNTER_TAIL, x.device)
         kernel = get_kernel(KERNEL_MXFP8 if self.mxfp8 else KERNEL, device=x.device)
+        grid = pass_config.grid or sm_count(x.device)
+        # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit
+        # (and a diagnostic build's phase stamps, tools/phase_timeline.py).
+        self.timeline_ctas = grid if kernel.variant.config.get("timeline") else 0
+        self.counters = megakernel_counters(capacity, FORWARD_COUNTER_TAIL, x.device,
+                                            self.timeline_ctas)  # fmt: skip
         self.weight_tma = {name: Descriptors(kernel, name) for name in WEIGHT_TMA}
         if self.mxfp8:
             # The pairs' bf16 values, only to bind the plan: every launch dequantises its own
             # (kept by no plan, so a call that fails leaves none of them behind).
             weights = dequantized or mxfp8.dequantized_weights(weights)
-        grid = pass_config.grid or sm_count(x.device)
         x_routed, gate, up, hidden = self._outputs()
         # MXFP8: the GEMMs' A operands are the rows' round trips (scratch of this call).
         a_x, a_h = self._operands(x_routed, hidden)

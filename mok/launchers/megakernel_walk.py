@@ -17,11 +17,27 @@ from .plans import Counters
 # COUNTER_TAIL (tests/test_moe_*_build.py).
 FORWARD_COUNTER_TAIL = 8
 BACKWARD_COUNTER_TAIL = 6
+# A diagnostic build's (config `timeline`) int64 words per CTA past the counters
+# (mok/dsl_kernels/common/timeline.py STAMPS).
+TIMELINE_STAMPS = 16
 
 
-def megakernel_counters(capacity: int, tail: int, device: torch.device) -> Counters:
-    """A megakernel plan's counters: two words per 128-row tile of the capacity, then `tail`."""
-    return Counters(2 * (-(-capacity // TILE_ROWS)) + tail, device)
+def megakernel_counters(capacity: int, tail: int, device: torch.device, timeline_ctas: int = 0):
+    """A megakernel plan's counters: two words per 128-row tile of the capacity, then `tail`;
+    then, for a diagnostic build with `timeline` (`timeline_ctas` its grid), the CTAs' int64
+    words from the next 8-byte boundary (`timeline_words` reads them)."""
+    words = 2 * (-(-capacity // TILE_ROWS)) + tail
+    if timeline_ctas:
+        words += words % 2 + 2 * TIMELINE_STAMPS * timeline_ctas
+    return Counters(words, device)
+
+
+def timeline_words(counters: Counters, capacity: int, tail: int, ctas: int) -> torch.Tensor:
+    """int64 [ctas, TIMELINE_STAMPS]: a diagnostic build's words, as its last launch left them."""
+    words = 2 * (-(-capacity // TILE_ROWS)) + tail
+    first = words + words % 2
+    flat = counters.tensor[first : first + 2 * TIMELINE_STAMPS * ctas]
+    return flat.view(torch.int64).view(ctas, TIMELINE_STAMPS)
 
 
 def check_routed_operands(

@@ -145,8 +145,17 @@ class Manifest:
         return self.directory / variant.cubin
 
 
+# A folder of cubins and manifest to load instead of the installed ones: a diagnostic build
+# (`python -m mok.dsl_kernels.build ... --set FIELD=VALUE --out DIR`, tools/phase_timeline.py).
+KERNEL_DIR_ENV_VAR = "MOK_KERNEL_DIR"
+
+
 def default_manifest_path() -> Path:
-    """`manifest.json` in the installed `mok.dsl_kernels/cubins` folder."""
+    """`manifest.json` in the installed `mok.dsl_kernels/cubins` folder, or in MOK_KERNEL_DIR
+    when that is set (read when a kernel is first loaded: set it before any mok call)."""
+    folder = os.environ.get(KERNEL_DIR_ENV_VAR)
+    if folder:
+        return Path(folder) / MANIFEST_FILENAME
     return Path(str(resources.files("mok.dsl_kernels") / "cubins")) / MANIFEST_FILENAME
 
 

@@ -49,6 +49,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64
 
+from ..common import timeline
 from ..common.params import (
     Bf16Pointer,
     Fp32Pointer,
@@ -92,6 +93,12 @@ from .gemm_engine import (
 # Counters after the two per-row-tile arrays: the task ticket, the dispatch ticket, the down
 # tiles stored, the schedule phase's words, the exit word.
 COUNTER_TAIL = 4 + schedule_phase.WORDS
+# A diagnostic build's (`timeline`, common/timeline.py) words of each CTA: %globaltimer at the
+# start, after the schedule phase, after dispatch, when the consumers have their first task,
+# when they finish their last, after the sums, when the producer and the crew finish, at the
+# exit; then the tasks the CTA's consumers ran.
+TIMELINE_SLOTS = ("start", "schedule", "dispatch", "first_task", "last_task", "sums",
+                  "producer_done", "crew_done", "exit", "tasks")  # fmt: skip
 
 
 class ForwardOperands(NamedTuple):
@@ -150,6 +157,8 @@ class Sm90MoeForward:
 
     stages: int = 3
     mxfp8: bool = False
+    # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
+    timeline: bool = False
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
@@ -216,6 +225,17 @@ class Sm90MoeForward:
         record = walk.error_record_ptr.toint()
         task_ticket = hidden_done + row_tile_bytes
         down_done = task_ticket + Int64(8)  # after the task and dispatch tickets
+
+        timeline.mark_time(
+            self.timeline,
+            tidx,
+            0,
+            dispatched,
+            capacity_tiles,
+            COUNTER_TAIL,
+            bidx,
+            TIMELINE_SLOTS.index("start"),
+        )
         if args.schedule_entries > 0:
             schedule_phase.schedule_tasks(
                 args.ids_ptr,
@@ -232,6 +252,16 @@ class Sm90MoeForward:
             # The tables were generic-proxy writes to the ring, which TMA writes next.
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
+        timeline.mark_time(
+            self.timeline,
+            tidx,
+            0,
+            dispatched,
+            capacity_tiles,
+            COUNTER_TAIL,
+            bidx,
+            TIMELINE_SLOTS.index("schedule"),
+        )
 
         # ---- tile lists, counters, the ticket ----
         tokens_per_expert = cute.make_tensor(
@@ -266,6 +296,16 @@ class Sm90MoeForward:
                 row_tickets,
                 rounded_ptr=args.x_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
             )
+        timeline.mark_time(
+            self.timeline,
+            tidx,
+            0,
+            dispatched,
+            capacity_tiles,
+            COUNTER_TAIL,
+            bidx,
+            TIMELINE_SLOTS.index("dispatch"),
+        )
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -295,6 +335,16 @@ class Sm90MoeForward:
                 state, _, _ = produce_steps(state, batches, tiles, tickets, waits, loads)
                 signal_no_task(ring, state)
                 ring.producer_tail(state)
+                timeline.mark_time(
+                    self.timeline,
+                    tidx,
+                    0,
+                    dispatched,
+                    capacity_tiles,
+                    COUNTER_TAIL,
+                    bidx,
+                    TIMELINE_SLOTS.index("producer_done"),
+                )
             else:
                 # ---- crew: gate/up tiles (then their row tile's counter), down rows to slots ----
                 stores = (
@@ -313,6 +363,16 @@ class Sm90MoeForward:
                 )
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
+                timeline.mark_time(
+                    self.timeline,
+                    tidx,
+                    32 * crew.first_warp,
+                    dispatched,
+                    capacity_tiles,
+                    COUNTER_TAIL,
+                    bidx,
+                    TIMELINE_SLOTS.index("crew_done"),
+                )
         else:
             # ---- consumers: each task's mainloop, then its accumulators to the crew ----
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -332,6 +392,16 @@ class Sm90MoeForward:
 
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
+            timeline.mark_time(
+                self.timeline,
+                tidx,
+                THREADS_PER_WARPGROUP,
+                dispatched,
+                capacity_tiles,
+                COUNTER_TAIL,
+                bidx,
+                TIMELINE_SLOTS.index("first_task"),
+            )
             states = (read_state, release_state)
             while task >= 0:
                 (base, middle, _, _), (_, end, _, _) = step_of(batches, task)
@@ -358,6 +428,27 @@ class Sm90MoeForward:
                     (down_mma, down_thr, walk.intermediate_size // TILE_K),
                 )
             crew.hand_off_nothing()
+            timeline.mark_time(
+                self.timeline,
+                tidx,
+                THREADS_PER_WARPGROUP,
+                dispatched,
+                capacity_tiles,
+                COUNTER_TAIL,
+                bidx,
+                TIMELINE_SLOTS.index("last_task"),
+            )
+            timeline.mark_value(
+                self.timeline,
+                tidx,
+                THREADS_PER_WARPGROUP,
+                dispatched,
+                capacity_tiles,
+                COUNTER_TAIL,
+                bidx,
+                TIMELINE_SLOTS.index("tasks"),
+                seq,
+            )
             if args.combine_tokens > 0:
                 combine_phase.combine_slots(
                     tidx - THREADS_PER_WARPGROUP,
@@ -369,4 +460,24 @@ class Sm90MoeForward:
                     args,
                     walk,
                 )
+            timeline.mark_time(
+                self.timeline,
+                tidx,
+                THREADS_PER_WARPGROUP,
+                dispatched,
+                capacity_tiles,
+                COUNTER_TAIL,
+                bidx,
+                TIMELINE_SLOTS.index("sums"),
+            )
+        timeline.mark_time(
+            self.timeline,
+            tidx,
+            0,
+            dispatched,
+            capacity_tiles,
+            COUNTER_TAIL,
+            bidx,
+            TIMELINE_SLOTS.index("exit"),
+        )
         retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)
