@@ -85,18 +85,25 @@ def test_forward_megakernel_launch_packs(monkeypatch, kernels):
     assert args["counters_ptr"].count_nonzero() == 0
 
 
-def test_mxfp8_forward_megakernel_launch_packs(monkeypatch, kernels):
+def _mxfp8_forward_operands():
+    """((T, H, I, E, k), schedule, x, the three MXFP8 weight pairs) of a small routed forward."""
     from mok import reference as R
-    from mok.launchers import device_args
-    from mok.runtime.tma import tma_encode_args
 
-    moe_forward = _forward_launcher_on_cpu(monkeypatch)
     t, h, i, e, k = 256, 256, 128, 4, 2
     schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
                                capacity=t * k + e * 128)  # fmt: skip
     x = torch.zeros(t, h, dtype=torch.bfloat16)
     pairs = [R.mxfp8_quantize(torch.randn(e, n, kk).to(torch.bfloat16))
              for n, kk in ((i, h), (i, h), (h, i))]  # fmt: skip
+    return (t, h, i, e, k), schedule, x, pairs
+
+
+def test_mxfp8_forward_megakernel_launch_packs(monkeypatch, kernels):
+    from mok.launchers import device_args
+    from mok.runtime.tma import tma_encode_args
+
+    moe_forward = _forward_launcher_on_cpu(monkeypatch)
+    (t, h, i, e, k), schedule, x, pairs = _mxfp8_forward_operands()
     encoded = []
 
     def descriptor(self, tensor):  # the TMA spec must take the view's dtype and shape
@@ -137,17 +144,11 @@ def test_a_failed_mxfp8_forward_leaves_no_weights_behind(monkeypatch, kernels):
     import gc
     import weakref
 
-    from mok import reference as R
     from mok.launchers import device_args, plans
 
     moe_forward = _forward_launcher_on_cpu(monkeypatch)
     plans.clear_plans()
-    t, h, i, e, k = 256, 256, 128, 4, 2
-    schedule = R.make_schedule(torch.randint(0, e, (t, k)), num_local_experts=e,
-                               capacity=t * k + e * 128)  # fmt: skip
-    x = torch.zeros(t, h, dtype=torch.bfloat16)
-    pairs = [R.mxfp8_quantize(torch.randn(e, n, kk).to(torch.bfloat16))
-             for n, kk in ((i, h), (i, h), (h, i))]  # fmt: skip
+    (_, _, _, _, k), schedule, x, pairs = _mxfp8_forward_operands()
     made = []
     dequantized = moe_forward.mxfp8.dequantized_weights
 

@@ -24,12 +24,12 @@ import statistics
 
 import torch
 
-from benchmarks.shapes import SHAPES, scale_for_run
+from benchmarks.shapes import SHAPES
 from mok import functional as F
 from mok.launchers import forward_megakernel, plans
 from mok.launchers.megakernel_walk import FORWARD_COUNTER_TAIL, timeline_words
 from mok.runtime.manifest import KERNEL_DIR_ENV_VAR
-from mok.testing import make_inputs
+from tools.phase_times import layer
 
 # (label, from slot, to slot) of each printed phase: mok/dsl_kernels/sm90/moe_forward.py's
 # TIMELINE_SLOTS, by index.
@@ -57,14 +57,8 @@ def _forward_plan():
 
 
 def run(shape_name: str, tokens: int, reps: int) -> None:
-    shape = scale_for_run({s.name: s for s in SHAPES}[shape_name], 1, quick=False)
-    h, i, e, k = shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.topk
-    inputs = make_inputs(tokens, h, i, e, k, seed=0, device="cuda")
-    config = F.MoKConfig()
-    ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=tokens,
-                         hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
+    _, inputs, config, ws, schedule = layer(shape_name, tokens)
     weights = [None, None, None, inputs["routed_gate"], inputs["routed_up"], inputs["routed_down"]]
-    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
     for _ in range(reps):
         F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights)
     torch.cuda.synchronize()

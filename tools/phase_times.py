@@ -1,9 +1,9 @@
 """Where a layer pass's GPU time goes at a benchmark shape, beside the pass's byte and FLOP floors.
 
-    python -m tools.phase_times [--shape qwen3-30b-a3b] [--tokens 2048,4096] [--iters 20]
+    python -m tools.phase_times [--shape qwen3-30b-a3b] [--tokens 2048,4096] [--reps 20]
 
-For each token count, on one random routing (`mok.testing.make_inputs`), medians of CUDA-event
-timings of `--iters` back-to-back calls over `--rounds` rounds, in ms a call:
+For each token count, on one random routing (`mok.testing.make_inputs`), the median over `--reps`
+calls of each call between CUDA events (benchmarks.timing, as the benchmark times), in ms:
 
 - `schedule`, `forward`, `backward`: the `mok.functional` calls a training step makes;
 - each kernel's GPU time inside one schedule + forward + backward (torch.profiler), so host
@@ -16,8 +16,8 @@ timings of `--iters` back-to-back calls over `--rounds` rounds, in ms a call:
   experts. The megakernel against the sum of its pieces is what running them as one kernel
   gains or loses;
 - `weights once`: the weight bytes over the copy bandwidth measured here (read + write of a
-  2 GiB copy): the least time any forward can take to read the weights;
-- the pass's FLOPs over the bf16 GEMM rate measured here (a 8192^3 matmul).
+  2 GiB copy, benchmarks.timing): the least time any forward can take to read the weights;
+- the pass's FLOPs over the bf16 GEMM rate measured here (8192^3 matmuls, benchmarks.timing).
 
 Nothing here is asserted; it prints one table per token count.
 """
@@ -31,38 +31,31 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.shapes import SHAPES, scale_for_run
+from benchmarks.timing import TimingConfig, copy_bandwidth_gbs, gemm_ceiling_tflops, time_ms
 from mok import functional as F
 from mok.launchers import dispatch, epilogues, expert_gemm, expert_gemm_bwd
 from mok.testing import make_inputs
 
+CUDA = torch.device("cuda")
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
 
 
-def _time(fn, iters: int, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        fn()
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
+def _time(fn, reps: int) -> float:
+    """Median ms of `fn()` over `reps` calls, each between CUDA events (benchmarks.timing)."""
+    return statistics.median(time_ms(CUDA, TimingConfig(warmup=3, reps=reps), lambda _: fn()))
 
 
-def _ceilings(iters: int, rounds: int) -> tuple[float, float]:
-    """(copy GB/s counting read + write, bf16 matmul TFLOP/s) on this GPU now."""
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    copy_ms = _time(lambda: dst.copy_(src), iters, rounds)
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    mm_ms = _time(lambda: a @ b, iters, rounds)
-    return 4 * (1 << 30) / copy_ms / 1e6, 2 * n**3 / mm_ms / 1e9
+def layer(shape_name: str, tokens: int):
+    """(shape, inputs, config, workspace, schedule) of one layer at a benchmark shape (EP = 1)
+    on random inputs (`mok.testing.make_inputs`), its schedule built."""
+    shape = scale_for_run({s.name: s for s in SHAPES}[shape_name], 1, quick=False)
+    h, i, e, k = shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.topk
+    inputs = make_inputs(tokens, h, i, e, k, seed=0, device=CUDA)
+    config = F.MoKConfig()
+    ws = F.get_workspace(config, None, device=CUDA, num_local_tokens=tokens, hidden_size=h,
+                         topk=k, num_local_experts=e)  # fmt: skip
+    schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
+    return shape, inputs, config, ws, schedule
 
 
 def _kernel_times(step) -> dict[str, float]:
@@ -80,21 +73,12 @@ def _kernel_times(step) -> dict[str, float]:
     return times
 
 
-def run(shape_name: str, tokens: int, iters: int, rounds: int, copy_gbs: float, tflops: float):
-    shape = scale_for_run({s.name: s for s in SHAPES}[shape_name], 1, quick=False)
+def run(shape_name: str, tokens: int, reps: int, copy_gbs: float, tflops: float):
+    shape, inputs, config, ws, schedule = layer(shape_name, tokens)
     h, i, e, k = shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.topk
-    inputs = make_inputs(tokens, h, i, e, k, seed=0, device="cuda")
-    config = F.MoKConfig()
-    ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=tokens,
-                         hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
     weights = [inputs[n] for n in WEIGHTS]
-    x, rw, top, dy = (
-        inputs["x"],
-        inputs["router_weights"],
-        inputs["top_experts"],
-        inputs["grad_output"],
-    )
-    schedule = F.build_schedule(ws, config, top, num_local_experts=e)
+    x, rw, top = inputs["x"], inputs["router_weights"], inputs["top_experts"]
+    dy = inputs["grad_output"]
     out, ctx = F.forward(config, ws, schedule, x, rw, *weights)
 
     def sched():
@@ -168,7 +152,7 @@ def run(shape_name: str, tokens: int, iters: int, rounds: int, copy_gbs: float, 
         (f"gate_up alone, {even} rows each", gate_up_even),
         (f"down alone, {even} rows each", down_even),
     ]  # fmt: skip
-    rows_table = [(name, _time(fn, iters, rounds)) for name, fn in calls]
+    rows_table = [(name, _time(fn, reps)) for name, fn in calls]
     print(f"\n== {shape_name}, {tokens} tokens: {rows_routed} routed rows, {padded} after padding "
           f"({padded / rows_routed:.2f}x), {e} experts")  # fmt: skip
     print(f"weights once (bytes over the copy rate): {weight_bytes / copy_gbs / 1e6:.3f} ms; "
@@ -186,13 +170,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.phase_times", description=__doc__)
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=[s.name for s in SHAPES])
     parser.add_argument("--tokens", default="2048,4096")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
-    copy_gbs, tflops = _ceilings(args.iters, args.rounds)
+    config = TimingConfig(warmup=3, reps=args.reps)
+    copy_gbs = copy_bandwidth_gbs(CUDA, 2 << 30, config)
+    tflops = gemm_ceiling_tflops(CUDA, 8192, config)
     print(f"copy {copy_gbs:.0f} GB/s (read + write), bf16 matmul {tflops:.1f} TFLOP/s")
     for tokens in (int(t) for t in args.tokens.split(",")):
-        run(args.shape, tokens, args.iters, args.rounds, copy_gbs, tflops)
+        run(args.shape, tokens, args.reps, copy_gbs, tflops)
         torch.cuda.empty_cache()
 
 

@@ -39,19 +39,20 @@ def stamp(counters: Int64, counter_words: Int32, cta: Int32, slot: int):
 
 
 @cute.jit
-def mark_time(enabled: cutlass.Constexpr, tidx, thread: cutlass.Constexpr, counters: Int64,
-              capacity_tiles, tail: cutlass.Constexpr, cta, slot: cutlass.Constexpr):  # fmt: skip
+def mark_time(enabled: cutlass.Constexpr, tidx, counters: Int64, capacity_tiles,
+              tail: cutlass.Constexpr, cta, thread: cutlass.Constexpr,
+              slot: cutlass.Constexpr):  # fmt: skip
     """A megakernel's stamp at `slot` by thread `thread`, its counters being two int32 arrays
     of `capacity_tiles` and `tail` words; nothing at all unless `enabled` (its config's
-    `timeline`)."""
+    `timeline`). The first six arguments are the kernel's for every mark."""
     if cutlass.const_expr(enabled):
         if tidx == thread:
             stamp(counters, 2 * capacity_tiles + tail, cta, slot)
 
 
 @cute.jit
-def mark_value(enabled: cutlass.Constexpr, tidx, thread: cutlass.Constexpr, counters: Int64,
-               capacity_tiles, tail: cutlass.Constexpr, cta, slot: cutlass.Constexpr,
+def mark_value(enabled: cutlass.Constexpr, tidx, counters: Int64, capacity_tiles,
+               tail: cutlass.Constexpr, cta, thread: cutlass.Constexpr, slot: cutlass.Constexpr,
                value):  # fmt: skip
     """`mark_time`, storing `value` instead of the time."""
     if cutlass.const_expr(enabled):

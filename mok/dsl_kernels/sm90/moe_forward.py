@@ -99,6 +99,7 @@ COUNTER_TAIL = 4 + schedule_phase.WORDS
 # exit; then the tasks the CTA's consumers ran.
 TIMELINE_SLOTS = ("start", "schedule", "dispatch", "first_task", "last_task", "sums",
                   "producer_done", "crew_done", "exit", "tasks")  # fmt: skip
+SLOT = {name: n for n, name in enumerate(TIMELINE_SLOTS)}
 
 
 class ForwardOperands(NamedTuple):
@@ -225,17 +226,10 @@ class Sm90MoeForward:
         record = walk.error_record_ptr.toint()
         task_ticket = hidden_done + row_tile_bytes
         down_done = task_ticket + Int64(8)  # after the task and dispatch tickets
+        # A diagnostic build's phase stamps (`timeline`); none at all in the shipped one.
+        marks = (self.timeline, tidx, dispatched, capacity_tiles, COUNTER_TAIL, bidx)
 
-        timeline.mark_time(
-            self.timeline,
-            tidx,
-            0,
-            dispatched,
-            capacity_tiles,
-            COUNTER_TAIL,
-            bidx,
-            TIMELINE_SLOTS.index("start"),
-        )
+        timeline.mark_time(*marks, 0, SLOT["start"])
         if args.schedule_entries > 0:
             schedule_phase.schedule_tasks(
                 args.ids_ptr,
@@ -252,16 +246,7 @@ class Sm90MoeForward:
             # The tables were generic-proxy writes to the ring, which TMA writes next.
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-        timeline.mark_time(
-            self.timeline,
-            tidx,
-            0,
-            dispatched,
-            capacity_tiles,
-            COUNTER_TAIL,
-            bidx,
-            TIMELINE_SLOTS.index("schedule"),
-        )
+        timeline.mark_time(*marks, 0, SLOT["schedule"])
 
         # ---- tile lists, counters, the ticket ----
         tokens_per_expert = cute.make_tensor(
@@ -296,16 +281,7 @@ class Sm90MoeForward:
                 row_tickets,
                 rounded_ptr=args.x_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
             )
-        timeline.mark_time(
-            self.timeline,
-            tidx,
-            0,
-            dispatched,
-            capacity_tiles,
-            COUNTER_TAIL,
-            bidx,
-            TIMELINE_SLOTS.index("dispatch"),
-        )
+        timeline.mark_time(*marks, 0, SLOT["dispatch"])
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -335,16 +311,7 @@ class Sm90MoeForward:
                 state, _, _ = produce_steps(state, batches, tiles, tickets, waits, loads)
                 signal_no_task(ring, state)
                 ring.producer_tail(state)
-                timeline.mark_time(
-                    self.timeline,
-                    tidx,
-                    0,
-                    dispatched,
-                    capacity_tiles,
-                    COUNTER_TAIL,
-                    bidx,
-                    TIMELINE_SLOTS.index("producer_done"),
-                )
+                timeline.mark_time(*marks, 0, SLOT["producer_done"])
             else:
                 # ---- crew: gate/up tiles (then their row tile's counter), down rows to slots ----
                 stores = (
@@ -363,16 +330,7 @@ class Sm90MoeForward:
                 )
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
-                timeline.mark_time(
-                    self.timeline,
-                    tidx,
-                    32 * crew.first_warp,
-                    dispatched,
-                    capacity_tiles,
-                    COUNTER_TAIL,
-                    bidx,
-                    TIMELINE_SLOTS.index("crew_done"),
-                )
+                timeline.mark_time(*marks, 32 * crew.first_warp, SLOT["crew_done"])
         else:
             # ---- consumers: each task's mainloop, then its accumulators to the crew ----
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -392,16 +350,7 @@ class Sm90MoeForward:
 
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
-            timeline.mark_time(
-                self.timeline,
-                tidx,
-                THREADS_PER_WARPGROUP,
-                dispatched,
-                capacity_tiles,
-                COUNTER_TAIL,
-                bidx,
-                TIMELINE_SLOTS.index("first_task"),
-            )
+            timeline.mark_time(*marks, THREADS_PER_WARPGROUP, SLOT["first_task"])
             states = (read_state, release_state)
             while task >= 0:
                 (base, middle, _, _), (_, end, _, _) = step_of(batches, task)
@@ -428,27 +377,8 @@ class Sm90MoeForward:
                     (down_mma, down_thr, walk.intermediate_size // TILE_K),
                 )
             crew.hand_off_nothing()
-            timeline.mark_time(
-                self.timeline,
-                tidx,
-                THREADS_PER_WARPGROUP,
-                dispatched,
-                capacity_tiles,
-                COUNTER_TAIL,
-                bidx,
-                TIMELINE_SLOTS.index("last_task"),
-            )
-            timeline.mark_value(
-                self.timeline,
-                tidx,
-                THREADS_PER_WARPGROUP,
-                dispatched,
-                capacity_tiles,
-                COUNTER_TAIL,
-                bidx,
-                TIMELINE_SLOTS.index("tasks"),
-                seq,
-            )
+            timeline.mark_time(*marks, THREADS_PER_WARPGROUP, SLOT["last_task"])
+            timeline.mark_value(*marks, THREADS_PER_WARPGROUP, SLOT["tasks"], seq)
             if args.combine_tokens > 0:
                 combine_phase.combine_slots(
                     tidx - THREADS_PER_WARPGROUP,
@@ -460,24 +390,6 @@ class Sm90MoeForward:
                     args,
                     walk,
                 )
-            timeline.mark_time(
-                self.timeline,
-                tidx,
-                THREADS_PER_WARPGROUP,
-                dispatched,
-                capacity_tiles,
-                COUNTER_TAIL,
-                bidx,
-                TIMELINE_SLOTS.index("sums"),
-            )
-        timeline.mark_time(
-            self.timeline,
-            tidx,
-            0,
-            dispatched,
-            capacity_tiles,
-            COUNTER_TAIL,
-            bidx,
-            TIMELINE_SLOTS.index("exit"),
-        )
+            timeline.mark_time(*marks, THREADS_PER_WARPGROUP, SLOT["sums"])
+        timeline.mark_time(*marks, 0, SLOT["exit"])
         retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)
