@@ -1,4 +1,4 @@
-"""The forward megakernel's diagnostic timeline (mok/dsl_kernels/common/timeline.py,
+"""The megakernels' diagnostic timeline (mok/dsl_kernels/common/timeline.py,
 tools/phase_timeline.py) on CPU: the build option that makes it, the loader's folder override,
 and the words' place past the counters as the kernel computes it. The shipped cubins have none
 of it (`python -m mok.dsl_kernels.build --check` compares them with the sources)."""
@@ -62,10 +62,17 @@ def test_the_stamps_and_slots_agree_on_both_sides():
         "cutlass", reason="nvidia-cutlass-dsl is not installed (pip install -e .[dev])"
     )
     from mok.dsl_kernels.common import timeline
-    from mok.dsl_kernels.sm90 import moe_forward
+    from mok.dsl_kernels.sm90 import moe_backward, moe_forward
+    from mok.launchers.megakernel_walk import BACKWARD_COUNTER_TAIL
     from tools import phase_timeline
 
     assert timeline.STAMPS == TIMELINE_STAMPS
     assert phase_timeline.SLOTS == moe_forward.TIMELINE_SLOTS
-    assert len(moe_forward.TIMELINE_SLOTS) <= TIMELINE_STAMPS
+    assert phase_timeline.BACKWARD_SLOTS == moe_backward.TIMELINE_SLOTS
+    for kernel in (moe_forward, moe_backward):
+        assert len(kernel.TIMELINE_SLOTS) <= TIMELINE_STAMPS
     assert moe_forward.COUNTER_TAIL == FORWARD_COUNTER_TAIL
+    assert moe_backward.COUNTER_TAIL == BACKWARD_COUNTER_TAIL
+    for phases, slots in ((phase_timeline.PHASES, phase_timeline.SLOTS),
+                          (phase_timeline.BACKWARD_PHASES, phase_timeline.BACKWARD_SLOTS)):  # fmt: skip
+        assert {slot for _, a, b in phases for slot in (a, b)} <= set(slots)

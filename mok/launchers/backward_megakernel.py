@@ -178,17 +178,21 @@ class _BackwardPlan:
         self.fused_grads = fused_grads
         self.mxfp8 = mxfp8
         self.bound = None
+        self.timeline_ctas = 0  # a diagnostic build's grid (tools/phase_timeline.py)
         self.scratch = Carve(self.scratch_layout(), self.device)
         if capacity == 0 or num_experts == 0 or num_tokens == 0:
             return
         ep_rank, dy_table, weight_table, slots_table = (
             peers if peers is not None else (0,) + (None,) * 3
         )
-        # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py).
-        self.counters = megakernel_counters(capacity, BACKWARD_COUNTER_TAIL, self.device)
         kernel = get_kernel(KERNEL_MXFP8 if mxfp8 else KERNEL, device=self.device)
-        self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size)}
         grid = pass_config.grid or sm_count(self.device)
+        # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py), and a
+        # diagnostic build's phase stamps (tools/phase_timeline.py).
+        self.timeline_ctas = grid if kernel.variant.config.get("timeline") else 0
+        self.counters = megakernel_counters(capacity, BACKWARD_COUNTER_TAIL, self.device,
+                                            self.timeline_ctas)  # fmt: skip
+        self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size)}
         buffer, first_slots, d_weights, rounded = self._outputs(slots)
         dy_e, d_gate, d_up, partials = self.scratch.views(buffer)
         # Without weight gradients the weight phase has no tasks; its outputs point anywhere.

@@ -153,6 +153,7 @@ class _ForwardPlan:
         self.shapes = ((capacity, hidden_size), (capacity, intermediate_size),
                        (num_tokens * topk, hidden_size))  # fmt: skip
         self.bound = None
+        self.timeline_ctas = 0  # a diagnostic build's grid (tools/phase_timeline.py)
         self.schedules = False  # the launch writes the schedule (`schedule_ids`)
         if capacity == 0 or num_experts == 0 or num_tokens == 0:
             return

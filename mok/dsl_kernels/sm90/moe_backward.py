@@ -48,6 +48,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64
 
+from ..common import timeline
 from ..common.bounded_wait import red_add_release_gpu_s32
 from ..common.params import (
     Bf16Pointer,
@@ -88,6 +89,13 @@ from .weight_phase import (
 # Counters after the two per-row-tile arrays: dispatch_total, dgu_total, the task ticket, the
 # dispatch ticket, dx_done, the exit word.
 COUNTER_TAIL = 6
+# A diagnostic build's (`timeline`, common/timeline.py) words of each CTA: %globaltimer at the
+# start, after dispatch, when the consumers have their first task, when they finish their last
+# d_hidden or d_x task, when they finish their weight tasks, after the finish phase, when the
+# producer and the crew finish, at the exit; then the d_hidden and d_x tasks the CTA ran.
+TIMELINE_SLOTS = ("start", "dispatch", "first_task", "last_task", "weights", "finish",
+                  "producer_done", "crew_done", "exit", "tasks")  # fmt: skip
+SLOT = {name: n for n, name in enumerate(TIMELINE_SLOTS)}
 
 # Shapes: dY [T, H], dY_e and x_routed [C, H], gate/up/hidden/d_gate/d_up [C, I] bf16; router
 # weights [T * k] and partials [C, I / 128] fp32; dW_down [E, H, I], dW_gate/dW_up [E, I, H]
@@ -185,6 +193,8 @@ class Sm90MoeBackward:
 
     stages: int = 3
     mxfp8: bool = False
+    # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
+    timeline: bool = False
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
@@ -292,6 +302,9 @@ class Sm90MoeBackward:
         dispatch_total = dgu_done + row_tile_bytes
         dgu_total = dispatch_total + Int64(4)
         record = walk.error_record_ptr.toint()
+        # A diagnostic build's phase stamps (`timeline`); none at all in the shipped one.
+        marks = (self.timeline, tidx, dispatched, capacity_tiles, COUNTER_TAIL, bidx)
+        timeline.mark_time(*marks, 0, SLOT["start"])
         weight_tasks = WeightTasks(
             tokens_per_expert,
             walk.num_experts,
@@ -329,6 +342,7 @@ class Sm90MoeBackward:
             # Counted in tiles, so the weight phase waits for the tiles, not for every CTA.
             if tidx == 0:
                 red_add_release_gpu_s32(dispatch_total, copied)
+        timeline.mark_time(*marks, 0, SLOT["dispatch"])
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -387,6 +401,7 @@ class Sm90MoeBackward:
                     weight_loads(sA_w, sB0, sB1, weight_tma),
                 )
                 ring.producer_tail(state)
+                timeline.mark_time(*marks, 0, SLOT["producer_done"])
             else:
                 # ---- crew: d_gate/d_up (then the counters), d_x rows to slots, weights ----
                 stores = (
@@ -413,6 +428,7 @@ class Sm90MoeBackward:
                     tidx,
                     (args.d_w_down_ptr, args.d_w_gate_ptr, args.d_w_up_ptr),
                 )
+                timeline.mark_time(*marks, 32 * CREW.first_warp, SLOT["crew_done"])
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = engine.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
@@ -465,6 +481,7 @@ class Sm90MoeBackward:
 
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
+            timeline.mark_time(*marks, engine.THREADS_PER_WARPGROUP, SLOT["first_task"])
             states = (read_state, release_state)
             segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
             while task >= 0:
@@ -500,6 +517,8 @@ class Sm90MoeBackward:
                     end_row_2,
                 )
             CREW.hand_off_nothing()
+            timeline.mark_time(*marks, engine.THREADS_PER_WARPGROUP, SLOT["last_task"])
+            timeline.mark_value(*marks, engine.THREADS_PER_WARPGROUP, SLOT["tasks"], seq)
             states = past_last_task(ring, states)
             # ---- weight tasks: both operands MN-major, their own MMA object and A view ----
             w_mma = engine.make_tiled_mma(
@@ -519,6 +538,7 @@ class Sm90MoeBackward:
                 w_thr,
                 buffers,
             )
+            timeline.mark_time(*marks, engine.THREADS_PER_WARPGROUP, SLOT["weights"])
             if args.finish_tokens > 0:
                 combine_phase.finish_backward(
                     tidx - engine.THREADS_PER_WARPGROUP,
@@ -543,4 +563,6 @@ class Sm90MoeBackward:
                         args.status_ptr,
                     ),
                 )
+            timeline.mark_time(*marks, engine.THREADS_PER_WARPGROUP, SLOT["finish"])
+        timeline.mark_time(*marks, 0, SLOT["exit"])
         retire_cta(dispatched, 2 * capacity_tiles + COUNTER_TAIL, warp_idx, grid_size)
