@@ -18,6 +18,7 @@ from .megakernel_walk import (
     BACKWARD_COUNTER_TAIL,
     check_routed_operands,
     megakernel_counters,
+    stamped_ctas,
     walk_arguments,
 )
 from .plans import (
@@ -189,7 +190,7 @@ class _BackwardPlan:
         grid = pass_config.grid or sm_count(self.device)
         # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py), and a
         # diagnostic build's phase stamps (tools/phase_timeline.py).
-        self.timeline_ctas = grid if kernel.variant.config.get("timeline") else 0
+        self.timeline_ctas = stamped_ctas(kernel, grid)
         self.counters = megakernel_counters(capacity, BACKWARD_COUNTER_TAIL, self.device,
                                             self.timeline_ctas)  # fmt: skip
         self.flat = {"tma_wd": (num_experts * hidden_size, intermediate_size)}

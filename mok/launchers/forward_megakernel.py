@@ -21,6 +21,7 @@ from .megakernel_walk import (
     check_mxfp8_routed_operands,
     check_routed_operands,
     megakernel_counters,
+    stamped_ctas,
     walk_arguments,
 )
 from .plans import (
@@ -168,7 +169,7 @@ class _ForwardPlan:
         grid = pass_config.grid or sm_count(x.device)
         # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit
         # (and a diagnostic build's phase stamps, tools/phase_timeline.py).
-        self.timeline_ctas = grid if kernel.variant.config.get("timeline") else 0
+        self.timeline_ctas = stamped_ctas(kernel, grid)
         self.counters = megakernel_counters(capacity, FORWARD_COUNTER_TAIL, x.device,
                                             self.timeline_ctas)  # fmt: skip
         self.weight_tma = {name: Descriptors(kernel, name) for name in WEIGHT_TMA}

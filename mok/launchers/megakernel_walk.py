@@ -26,18 +26,29 @@ def megakernel_counters(capacity: int, tail: int, device: torch.device, timeline
     """A megakernel plan's counters: two words per 128-row tile of the capacity, then `tail`;
     then, for a diagnostic build with `timeline` (`timeline_ctas` its grid), the CTAs' int64
     words from the next 8-byte boundary (`timeline_words` reads them)."""
-    words = 2 * (-(-capacity // TILE_ROWS)) + tail
+    words = _counter_words(capacity, tail)
     if timeline_ctas:
         words += words % 2 + 2 * TIMELINE_STAMPS * timeline_ctas
     return Counters(words, device)
 
 
+def stamped_ctas(kernel, grid: int) -> int:
+    """The CTAs whose phase stamps a launch of `kernel` writes: its grid for a diagnostic build
+    (its config's `timeline`), else none."""
+    return grid if kernel.variant.config.get("timeline") else 0
+
+
 def timeline_words(counters: Counters, capacity: int, tail: int, ctas: int) -> torch.Tensor:
-    """int64 [ctas, TIMELINE_STAMPS]: a diagnostic build's words, as its last launch left them."""
-    words = 2 * (-(-capacity // TILE_ROWS)) + tail
+    """int64 [ctas, TIMELINE_STAMPS]: a diagnostic build's words, as its last launch left them
+    (from the first 8-byte boundary after the counters, common/timeline.py)."""
+    words = _counter_words(capacity, tail)
     first = words + words % 2
     flat = counters.tensor[first : first + 2 * TIMELINE_STAMPS * ctas]
     return flat.view(torch.int64).view(ctas, TIMELINE_STAMPS)
+
+
+def _counter_words(capacity: int, tail: int) -> int:
+    return 2 * (-(-capacity // TILE_ROWS)) + tail
 
 
 def check_routed_operands(
