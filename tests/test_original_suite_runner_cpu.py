@@ -204,6 +204,18 @@ def test_adaptations_and_details_are_recorded(suite):
     assert "needs two ranks" in records["tests/test_shapes.py::test_skips_itself"].detail
 
 
+def test_a_failure_is_explained_as_it_happens(suite):
+    """The reason and the output's tail follow the failing node's line at once, so a run killed
+    before its table still shows why each node failed."""
+    result, lines = suite
+    failed = _records(result)["tests/test_fake.py::test_fails"]
+    at = next(i for i, line in enumerate(lines) if line.endswith("tests/test_fake.py::test_fails"))
+    assert lines[at + 1] == f"    {failed.detail}"
+    assert "fake failure" in lines[at + 2]
+    passed = next(i for i, line in enumerate(lines) if line.endswith("test_fake.py::test_passes"))
+    assert not lines[passed + 1].startswith("    ")
+
+
 def test_a_row_fits_one_rank_unless_its_experts_tiles_exceed_the_capacity():
     plugin_spec = importlib.util.spec_from_file_location(
         "original_suite_plugin", REPO_ROOT / "tools" / "original_suite_plugin.py"

@@ -46,6 +46,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -582,6 +583,10 @@ def run_suite(
                     record.detail = f"{known_differences[node]} | {record.detail}"
             records.append(record)
             log(f"{record.outcome:<8} {record.seconds:>7.1f}s  {node}")
+            # A failure's reason as it happens: a run cut short still shows why each node failed.
+            if record.outcome in ("failed", "error", "timeout"):
+                log(f"    {record.detail}")
+                log(textwrap.indent(record.tail, "    | "))
 
     summary = summary_line(records, version, commit)
     if list_only:
