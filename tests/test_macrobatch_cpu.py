@@ -591,3 +591,33 @@ def test_new_kernels_launch_packs(monkeypatch):
         macrobatch.weight_gradient_window(a, b, schedule.tokens_per_expert, 64, out, partials[0],
                                           partials[1], output="accumulate")  # fmt: skip
     device_args.clear_descriptor_cache()
+
+
+class _SeenAsCuda(torch.Tensor):
+    """A CPU tensor that the launchers' checks take for a CUDA one (they read is_cuda and
+    data_ptr only), to test alignment rules without a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("num_experts", [1, 2, 3, 5])
+def test_a_macrobatch_row_of_tokens_per_expert_is_accepted_at_any_expert_count(num_experts):
+    """window_schedules hands each macrobatch row m of an int32 [M, E] table to the expert GEMMs;
+    with E = 1 (the original's one-expert backward case) row 1 lies 4 bytes in. The kernels read
+    it element by element (Int32Pointer, 4-byte aligned), so every row is accepted; a 16-byte
+    rule refused it."""
+    from mok.launchers.checks import check_counts, check_cuda
+
+    table = torch.arange(4 * num_experts, dtype=torch.int32).reshape(4, num_experts)
+    table = table.as_subclass(_SeenAsCuda)
+    for m in range(4):
+        check_counts("tokens_per_expert", table[m], num_experts)
+    if num_experts % 4:
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            check_cuda("tokens_per_expert", table[1], torch.int32, (num_experts,))
+    with pytest.raises(ValueError, match=r"tokens_per_expert must be a contiguous CUDA torch.int32"):
+        check_counts("tokens_per_expert", table[1].long(), num_experts)
+    with pytest.raises(ValueError, match=r"shape \[7\]"):
+        check_counts("tokens_per_expert", table[1], 7)

@@ -64,6 +64,13 @@ def check_cuda(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple
     check_arg(name, tensor, dtype, shape, cuda=True)
 
 
+def check_counts(name: str, tensor: torch.Tensor, size: int) -> None:
+    """A contiguous CUDA int32 vector of `size` that the kernels read element by element
+    (`Int32Pointer`, 4-byte aligned): a row of a larger table qualifies, as a macrobatch's
+    `tokens_per_expert` row of one local expert does."""
+    check_arg(name, tensor, torch.int32, (size,), cuda=True, align=4)
+
+
 def check_expert_weights(
     name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> int:

@@ -17,6 +17,7 @@ import torch
 from .checks import (
     MAX_COLS,
     MAX_ROWS,
+    check_counts,
     check_cuda,
     check_gate_up_weights,
     check_multiple,
@@ -60,7 +61,7 @@ def gate_up_swiglu(
     )
     weight_shape = (num_experts, intermediate_size, hidden_size)
     expert_rows = check_gate_up_weights(gate_weights, up_weights, weight_shape)
-    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_counts("tokens_per_expert", tokens_per_expert, num_experts)
     if capacity >= MAX_ROWS or num_experts * expert_rows >= MAX_ROWS:
         raise ValueError(
             f"routed rows ({capacity}) and num_experts * rows per expert "
@@ -128,7 +129,7 @@ def down(
     check_cuda(
         "down_weights", down_weights, torch.bfloat16, (num_experts, hidden_size, intermediate_size)
     )
-    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_counts("tokens_per_expert", tokens_per_expert, num_experts)
     if capacity >= MAX_ROWS or num_experts * hidden_size >= MAX_ROWS:
         raise ValueError(
             f"routed rows ({capacity}) and num_experts * hidden_size "

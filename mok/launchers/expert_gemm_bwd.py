@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_cuda, check_expert_weights, check_extents, check_multiple
+from .checks import check_counts, check_cuda, check_expert_weights, check_extents, check_multiple
 from .device_args import persistent_grid, sm_count, tma_descriptor
 from .expert_gemm import K_ALIGNMENT
 
@@ -65,7 +65,7 @@ def d_hidden_swiglu(
     )
     check_cuda("gate", gate, torch.bfloat16, (capacity, intermediate_size))
     check_cuda("up", up, torch.bfloat16, (capacity, intermediate_size))
-    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_counts("tokens_per_expert", tokens_per_expert, num_experts)
     check_extents(
         "num_experts * hidden_size",
         capacity,
@@ -144,7 +144,7 @@ def d_x(
     weight_shape = (num_experts, intermediate_size, hidden_size)
     check_cuda("gate_weights", gate_weights, torch.bfloat16, weight_shape)
     check_cuda("up_weights", up_weights, torch.bfloat16, weight_shape)
-    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_counts("tokens_per_expert", tokens_per_expert, num_experts)
     check_extents(
         "num_experts * intermediate_size",
         capacity,
@@ -211,7 +211,7 @@ def weight_gradient(
     check_cuda("b_routed", b_routed, torch.bfloat16, (capacity, n_size))
     check_multiple("M (a_routed.shape[1])", m_size, M_ALIGNMENT)
     check_multiple("N (b_routed.shape[1])", n_size, N_ALIGNMENT)
-    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_counts("tokens_per_expert", tokens_per_expert, num_experts)
     if output not in WEIGHTS_KERNELS:
         raise ValueError(f"output must be one of {sorted(WEIGHTS_KERNELS)}, got {output!r}")
     kernel_name, out_dtype = WEIGHTS_KERNELS[output]

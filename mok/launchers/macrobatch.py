@@ -39,7 +39,14 @@ from ..types import MoKSchedule
 from ..validation import check_macrobatch, fused_gate_up
 from . import dispatch, epilogues, expert_gemm, mxfp8
 from .backward_megakernel import launch_routed_backward, push_router_grads
-from .checks import check_cuda, check_expert_weights, check_extents, check_gpu_layer, check_multiple
+from .checks import (
+    check_counts,
+    check_cuda,
+    check_expert_weights,
+    check_extents,
+    check_gpu_layer,
+    check_multiple,
+)
 from .comm import group_barrier, publish_x
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import M_ALIGNMENT, N_ALIGNMENT, gate_up_gradients
@@ -348,7 +355,7 @@ def weight_gradient_window(
     check_multiple("the macrobatch's rows", rows, TILE_ROWS)
     if first_row < 0 or first_row % TILE_ROWS:
         raise ValueError(f"first_row must be a multiple of {TILE_ROWS} >= 0, got {first_row}")
-    check_cuda("tokens_per_expert", tokens_per_expert, torch.int32, (num_experts,))
+    check_counts("tokens_per_expert", tokens_per_expert, num_experts)
     out_rows = check_expert_weights("out", out, out_dtype, (num_experts, m_size, n_size))
     check_extents("E * out rows per expert", rows, num_experts * out_rows, m_size, n_size)
     check_cuda("partial_in", partial_in, torch.float32, (m_size, n_size))
