@@ -617,7 +617,9 @@ def test_a_macrobatch_row_of_tokens_per_expert_is_accepted_at_any_expert_count(n
     if num_experts % 4:
         with pytest.raises(ValueError, match="16-byte aligned"):
             check_cuda("tokens_per_expert", table[1], torch.int32, (num_experts,))
-    with pytest.raises(ValueError, match=r"tokens_per_expert must be a contiguous CUDA torch.int32"):
+    with pytest.raises(
+        ValueError, match=r"tokens_per_expert must be a contiguous CUDA torch.int32"
+    ):
         check_counts("tokens_per_expert", table[1].long(), num_experts)
     with pytest.raises(ValueError, match=r"shape \[7\]"):
         check_counts("tokens_per_expert", table[1], 7)

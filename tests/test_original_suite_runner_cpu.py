@@ -288,3 +288,18 @@ def test_a_checkout_of_tests_only_under_a_configured_folder_runs(tmp_path, monke
     assert [(r.node, r.outcome) for r in result.records] == [("tests/test_one.py::test_ok",
                                                               "passed")]  # fmt: skip
     assert result.workdir_note == ""
+
+
+def test_the_default_budget_is_a_share_of_the_gpus_memory(monkeypatch):
+    """Without --memory-budget-gib the weight copies may take 0.4 of the device's memory (an
+    H100's 80 GB ran out of memory at 0.88 of it, counting the weight copies alone)."""
+    import torch
+
+    class Props:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    assert runner.default_memory_budget_gib() == 32.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runner.default_memory_budget_gib() == round(0.4 * runner.NO_GPU_MEMORY_GIB, 1)
