@@ -56,7 +56,7 @@ from ..common.params import (
     Int32Pointer,
     Int64Pointer,
 )
-from ..common.peers import peer_table
+from ..common.peers import D_X_ROUTED_BUFFER, D_Y_BUFFER, ROUTER_WEIGHT_BUFFER, peer_table
 from ..common.retire import retire_cta
 from ..phases import combine_phase
 from ..phases.dispatch_phase import PHASE_BACKWARD_DISPATCH, dispatch_rows
@@ -175,9 +175,7 @@ class BackwardTensors(NamedTuple):
     d_up_ptr: Bf16Pointer
     partials_ptr: Fp32Pointer
     slots_ptr: Bf16Pointer
-    dy_ptrs: Int64Pointer
-    weight_ptrs: Int64Pointer
-    slots_ptrs: Int64Pointer
+    peer_table_ptr: Int64Pointer
     dy_rounded_ptr: Bf16Pointer
     d_gate_rounded_ptr: Bf16Pointer
     d_up_rounded_ptr: Bf16Pointer
@@ -327,7 +325,7 @@ class Sm90MoeBackward:
         # ---- dispatch: dY_e = bf16(w * dY), every thread of the dispatching CTAs ----
         if bidx < dispatchers:
             copied = dispatch_rows(
-                (args.dy_ptr, peer_table(args.dy_ptrs), walk.ep_rank),
+                (args.dy_ptr, peer_table(args.peer_table_ptr, D_Y_BUFFER), walk.ep_rank),
                 args.dy_routed_ptr,
                 walk,
                 dispatched,
@@ -335,7 +333,7 @@ class Sm90MoeBackward:
                 tidx,
                 engine.THREADS,
                 row_tickets,
-                (args.weight_ptr, peer_table(args.weight_ptrs)),
+                (args.weight_ptr, peer_table(args.peer_table_ptr, ROUTER_WEIGHT_BUFFER)),
                 args.dy_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
             )
             # After dispatch_rows' last CTA barrier: every row tile this CTA copied is written.
@@ -415,7 +413,7 @@ class Sm90MoeBackward:
                         if cutlass.const_expr(self.mxfp8)
                         else None,
                     ),
-                    slot_stores(args, walk, dx_done),
+                    slot_stores(args, walk, dx_done, D_X_ROUTED_BUFFER),
                 )
                 lane = tidx - 32 * CREW.first_warp
                 store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)

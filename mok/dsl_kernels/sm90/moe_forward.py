@@ -56,7 +56,7 @@ from ..common.params import (
     Int32Pointer,
     Int64Pointer,
 )
-from ..common.peers import peer_table
+from ..common.peers import COMBINE_BUFFER, X_BUFFER, peer_table
 from ..common.retire import retire_cta
 from ..phases import combine_phase, schedule_phase
 from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
@@ -137,8 +137,7 @@ class ForwardTensors(NamedTuple):
     up_ptr: Bf16Pointer
     hidden_ptr: Bf16Pointer
     slots_ptr: Bf16Pointer
-    x_ptrs: Int64Pointer
-    slots_ptrs: Int64Pointer
+    peer_table_ptr: Int64Pointer
     x_rounded_ptr: Bf16Pointer
     hidden_rounded_ptr: Bf16Pointer
     out_ptr: Bf16Pointer
@@ -271,7 +270,7 @@ class Sm90MoeForward:
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
         if bidx < dispatchers:
             dispatch_rows(
-                (args.x_ptr, peer_table(args.x_ptrs), walk.ep_rank),
+                (args.x_ptr, peer_table(args.peer_table_ptr, X_BUFFER), walk.ep_rank),
                 args.x_routed_ptr,
                 walk,
                 dispatched,
@@ -326,7 +325,7 @@ class Sm90MoeForward:
                         (hidden_done,),
                         args.hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
                     ),
-                    slot_stores(args, walk, down_done),
+                    slot_stores(args, walk, down_done, COMBINE_BUFFER),
                 )
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
