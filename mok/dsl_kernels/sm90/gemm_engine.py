@@ -286,6 +286,8 @@ def mma_k_tiles(
     all padding, so it issues no wgmma: it waits for and releases each of the `k_tiles` stages
     (the other warpgroup reads them) and its accumulators stay zero, what wgmma gives for zero
     rows. Returns (read, release)."""
+    # A skipping warpgroup hands off what it holds: zeros only when it started from them.
+    assert from_zero or skip is None, "mma_k_tiles: skip needs from_zero"
     tCrA, tCrB0, tCrB1 = operands
     acc0, acc1 = accumulators
     k_blocks = cute.size(tCrA, mode=[2])
