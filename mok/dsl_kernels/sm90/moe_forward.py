@@ -70,7 +70,15 @@ from ..phases.task_walk import (
     produce_steps,
     store_steps,
 )
-from ..phases.tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
+from ..phases.tickets import (
+    PADDED_HALF,
+    SLOT_BYTES,
+    Tickets,
+    consumer_task,
+    signal_no_task,
+    task_flags,
+    task_slots,
+)
 from . import down_phase, gate_up_phase
 from . import epilogue_warps as handoff
 from . import gemm_engine as engine
@@ -265,6 +273,10 @@ class Sm90MoeForward:
         tickets = Tickets(task_ticket, slots, num_tasks)
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.
         row_tickets = Tickets(task_ticket + Int64(4), slots, row_tiles_total)
+        # Whether each task's rows 64..127 are all padding: the second consumer warpgroup then
+        # issues no wgmma for it (gemm_engine.mma_k_tiles `skip`).
+        flags = task_flags(storage, handoff.BUFFER_BYTES)
+        rank_of = cute.make_tensor(walk.peer_rank_ptr, cute.make_layout(walk.capacity))
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
@@ -307,7 +319,9 @@ class Sm90MoeForward:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                state, _, _ = produce_steps(state, batches, tiles, tickets, waits, loads)
+                state, _, _ = produce_steps(
+                    state, batches, tiles, tickets, waits, loads, (rank_of, flags)
+                )
                 signal_no_task(ring, state)
                 ring.producer_tail(state)
                 timeline.mark_time(*marks, 0, SLOT["producer_done"])
@@ -340,9 +354,12 @@ class Sm90MoeForward:
             down_mma = engine.forward_mma()
             down_thr = down_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
-            def run_task(states, mma, thr, k_tiles):
+            second_half = warpgroup == 2
+
+            def run_task(states, flag, mma, thr, k_tiles):
+                skip = (flag == PADDED_HALF) & second_half
                 read_state, release_state = engine.mma_k_tiles(
-                    mma, ring, states[0], states[1], k_tiles, operands, accs
+                    mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip
                 )
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
@@ -363,6 +380,7 @@ class Sm90MoeForward:
                     middle,
                     run_task,
                     (tiled_mma, thr_mma, walk.hidden_size // TILE_K),
+                    flags=flags,
                 )
                 states, seq, task = consume_phase(
                     states,
@@ -374,6 +392,7 @@ class Sm90MoeForward:
                     end,
                     run_task,
                     (down_mma, down_thr, walk.intermediate_size // TILE_K),
+                    flags=flags,
                 )
             crew.hand_off_nothing()
             timeline.mark_time(*marks, THREADS_PER_WARPGROUP, SLOT["last_task"])
