@@ -226,8 +226,8 @@ def _check_schedule_origin(schedule, workspace, *, routing: bool) -> None:
     top_experts it was built from changed in place since. A schedule made by hand, or while
     torch.compile traced, carries no origin and is checked by its shapes only."""
     made = getattr(schedule, "__dict__", {}).get(_SCHEDULE_ROUTING)
-    if made is None:
-        return
+    if made is None or not isinstance(workspace, MoKWorkspace):
+        return  # a workspace of another type: _check_common raises TypeError naming it
     handle, num_tokens, routing_ref, version = made
     if handle != workspace.handle:
         raise ValueError(

@@ -730,7 +730,9 @@ def mxfp8_quantize(
     below at 1e-12 and rounded up to a power of two (UE8M0 byte = its biased exponent); element =
     round-to-nearest-even, satfinite E4M3 of v * (1/scale).
     """
-    rows = _as_rows(x, transpose).float()
+    # Contiguous: for one matrix, the transpose's reshape is a strided view, which `.float()`
+    # keeps, and the data would come back strided.
+    rows = _as_rows(x, transpose).float().contiguous()
     num_rows, num_cols = rows.shape
     blocks = rows.view(num_rows, num_cols // MXFP8_BLOCK, MXFP8_BLOCK)
     q = blocks.abs().amax(dim=-1) / E4M3_MAX

@@ -56,6 +56,25 @@ def test_schedule_refused_with_another_workspace(layer):
                   inp["routed_up"], inp["routed_down"])  # fmt: skip
 
 
+def test_a_workspace_of_another_type_is_a_type_error_on_every_pass(layer):
+    # The schedule's origin check must not read the workspace before its type is checked
+    # (the original raises TypeError here, and so must mok, not AttributeError).
+    config, ws, inp = layer
+    schedule = F.build_schedule(ws, config, inp["top_experts"], num_local_experts=E)
+    out, ctx = _forward(config, ws, schedule, inp)
+    weights = (None, None, None, inp["routed_gate"], inp["routed_up"], inp["routed_down"])
+    calls = (
+        lambda w: _forward(config, w, schedule, inp),
+        lambda w: F.backward(config, w, schedule, ctx, torch.randn_like(out), inp["x"],
+                             inp["router_weights"], *weights),
+        lambda w: F.recompute_forward_context(config, w, schedule, inp["x"], None, None,
+                                              inp["routed_gate"], inp["routed_up"]),
+    )  # fmt: skip
+    for call in calls:
+        with pytest.raises(TypeError, match="workspace must be a MoKWorkspace, got object"):
+            call(object())
+
+
 def test_module_refuses_topk_above_num_experts():
     with pytest.raises(ValueError, match=r"topk must be <= num_experts \(8\).*got topk=10"):
         MoKExperts(num_experts=8, hidden_size=128, intermediate_size=128, topk=10)

@@ -102,7 +102,7 @@ def test_epilogue_ops_take_the_original_arguments():
         ops.bwd_epilogue(None, slots)
 
 
-@pytest.mark.parametrize("shape", [(256, 128), (2, 128, 256)])
+@pytest.mark.parametrize("shape", [(256, 128), (2, 128, 256), (1, 256, 256), (1, 128, 256)])
 def test_mxfp8_quantize_returns_the_original_four_tuple(shape):
     from mok import ops
     from mok import reference as R
@@ -113,6 +113,9 @@ def test_mxfp8_quantize_returns_the_original_four_tuple(shape):
         want_data, want_scales = R.mxfp8_quantize(x, transpose=transpose)
         assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
         assert torch.equal(scales, want_scales)
+        # Contiguous, as mok's MXFP8 weight checks (and the original's kernels) take them;
+        # a single matrix's transposed data once came back strided.
+        assert data.is_contiguous() and want_data.is_contiguous()
     only_t = ops.mxfp8_quantize(x, False, True)
     assert only_t[0] is None and only_t[1] is None and torch.equal(only_t[3], x_sc_t)
     with pytest.raises(ValueError, match="both False"):

@@ -88,6 +88,8 @@ FAKE_TESTS = {
             return (
                 ("huge", 64, 4096, 4096, 8, 512),
                 ("small", 4, 256, 256, 2, 512),
+                # 64 experts x 128 rows cannot fit one rank's 2 x 16 x 1 routed rows.
+                ("crowded", 64, 256, 256, 1, 16),
             )
     """,
     # A package named mok in the checkout: importing it would shadow the mok under test.
@@ -106,6 +108,7 @@ TEST_ADAPTATIONS = (
         "reduce_shapes",
         "two copies of the routed weights",
         weight_copies=2,
+        fit_schedule=True,
     ),
 )
 
@@ -190,12 +193,31 @@ def test_adaptations_and_details_are_recorded(suite):
     reduced = records["tests/test_shapes.py::test_small_shapes_only"]
     assert reduced.adaptation.startswith("shapes reduced (2 x")
     assert "shape 'huge' dropped" in reduced.tail
+    assert "shape 'crowded' dropped: 64 experts x 128 rows > the schedule's 2 x 16 x 1" in (
+        reduced.tail
+    )
     assert "SHAPES=small" in reduced.tail
     failed = records["tests/test_fake.py::test_fails"]
     assert failed.detail.startswith("a documented difference | ")
     assert "fake failure" in failed.tail
     assert records["tests/test_fake.py::test_hangs"].detail == "killed after 5 s"
     assert "needs two ranks" in records["tests/test_shapes.py::test_skips_itself"].detail
+
+
+def test_a_row_fits_one_rank_unless_its_experts_tiles_exceed_the_capacity():
+    plugin_spec = importlib.util.spec_from_file_location(
+        "original_suite_plugin", REPO_ROOT / "tools" / "original_suite_plugin.py"
+    )
+    plugin = importlib.util.module_from_spec(plugin_spec)
+    plugin_spec.loader.exec_module(plugin)
+    fits = plugin.fits_one_rank
+    # The original's table at EP size 1: 384 experts x 128 rows against 2 T k.
+    assert fits(("Kimi K2.7 Code", 384, 7168, 2048, 8, 7168), 1)  # 49152 <= 114688
+    assert fits(("DeepSeek-V4-Pro", 384, 7168, 3072, 6, 7168), 1)  # 49152 <= 86016
+    assert not fits(("Minimum top-k", 384, 7168, 2048, 1, 7168), 1)  # 49152 > 14336
+    assert not fits(("Local tokens 16384", 384, 7168, 2048, 8, 2048), 1)  # 49152 > 32768
+    assert fits(("Minimum top-k", 384, 7168, 2048, 1, 7168), 8)  # 48 experts a rank
+    assert fits(("exactly full", 4, 256, 256, 1, 256), 1)  # 512 <= 512
 
 
 def test_reduce_shapes_refuses_a_module_without_shapes(fake_checkout):

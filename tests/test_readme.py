@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUN_COMMAND = "pip install torch==2.13.0 -e . && python -m mok"
 TEST_COMMAND = 'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -q'
-DOCS = ("README.md", "examples/README.md", "docs/SEMANTICS.md", "docs/DESIGN.md")
+DOCS = ("README.md", "examples/README.md", "docs/SEMANTICS.md", "docs/DESIGN.md", "docs/NOTES.md")
 # A `code span` is taken for a path when it starts with one of these folders or with ../; link
 # targets ([text](target)) always are, unless they are URLs.
 TOP_FOLDERS = {
@@ -43,7 +43,9 @@ def test_ci_builds_installs_and_checks_the_wheel():
 def named_paths(text: str) -> list[str]:
     spans = [s for s in re.findall(r"`([^`\s]+)`", text) if s.split("/")[0] in TOP_FOLDERS]
     links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
-    return [p.rstrip(",.;:") for p in spans + links if "/" in p or p.endswith((".md", ".png"))]
+    # A pytest node id (`tests/x.py::test_y`) names its file.
+    paths = [p.split("::")[0].rstrip(",.;:") for p in spans + links]
+    return [p for p in paths if "/" in p or p.endswith((".md", ".png"))]
 
 
 @pytest.mark.parametrize("doc", DOCS)

@@ -7,8 +7,9 @@ MOK_ORIGINAL_SUITE_PLAN:
   checkout named in the plan, so a user's copy of the original can never be what is tested;
 - for the test nodes the plan names, wraps the test module's `shapes(world_size)` so that rows
   whose routed weights (times the copies that test keeps alive) exceed the plan's memory budget
-  are dropped, printing each dropped row. Assertions, tolerances and expected exceptions are
-  never touched: the test runs its own code on fewer input shapes.
+  are dropped, and, where the plan says `fit_schedule`, the rows whose routed rows cannot fit
+  one rank's schedule (`fits_one_rank`), printing each dropped row. Assertions, tolerances and
+  expected exceptions are never touched: the test runs its own code on fewer input shapes.
 """
 
 from __future__ import annotations
@@ -62,7 +63,26 @@ def routed_weight_bytes(row: tuple, world_size: int) -> int:
     return 3 * num_local_experts * hidden_size * intermediate_size * BF16_BYTES
 
 
-def _reduced_shapes(original_shapes, node_id: str, weight_copies: int, budget_bytes: int):
+# The schedule's expert segments are padded to this many rows (mok's sm_90a tile; the
+# original's is 256) and hold at most 2 T k rows at EP size 1 (max(2, ceil(P m)) T k, P = 1).
+ROUTED_ROW_ALIGNMENT = 128
+MIN_CAPACITY_FACTOR = 2
+
+
+def fits_one_rank(row: tuple, world_size: int) -> bool:
+    """Whether a shapes() row's routing can fit one rank's schedule: False when each of the
+    rank's experts, taking at least one padded tile, already needs more rows than the
+    smallest capacity the original's rule gives (2 T k). The rows of the original's table
+    route T k >= E rows over E experts at random, so every expert receives rows."""
+    _, num_experts, _, _, topk, num_local_tokens = row
+    num_local_experts = num_experts // world_size
+    capacity = MIN_CAPACITY_FACTOR * num_local_tokens * topk
+    return num_local_experts * ROUTED_ROW_ALIGNMENT <= capacity
+
+
+def _reduced_shapes(
+    original_shapes, node_id: str, weight_copies: int, budget_bytes: int, fit_schedule: bool
+):
     def shapes(world_size: int):
         kept = []
         for row in original_shapes(world_size):
@@ -71,6 +91,15 @@ def _reduced_shapes(original_shapes, node_id: str, weight_copies: int, budget_by
                     f"{node_id}: shapes() row {row!r} is not (name, experts, hidden, intermediate, "
                     "topk, tokens); the original changed, update tools/original_suite.py's table"
                 )
+            if fit_schedule and not fits_one_rank(row, world_size):
+                _, num_experts, _, _, topk, tokens = row
+                print(
+                    f"original-suite: shape {row[0]!r} dropped: {num_experts // world_size} "
+                    f"experts x {ROUTED_ROW_ALIGNMENT} rows > the schedule's "
+                    f"{MIN_CAPACITY_FACTOR} x {tokens} x {topk} at EP size {world_size}",
+                    flush=True,
+                )
+                continue
             need = weight_copies * routed_weight_bytes(row, world_size)
             if need > budget_bytes:
                 print(
@@ -107,4 +136,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.nodeid,
             reduction["weight_copies"],
             reduction["budget_bytes"],
+            reduction.get("fit_schedule", False),
         )

@@ -201,6 +201,12 @@ def check_routing_ids(topk_all, num_local_experts, schedule_capacity, rank) -> N
     check_int("num_local_experts", num_local_experts, minimum=1)
     check_int("schedule_capacity", schedule_capacity, minimum=ROUTED_ROW_ALIGNMENT,
               multiple_of=ROUTED_ROW_ALIGNMENT)  # fmt: skip
+    if schedule_capacity < num_tokens * topk:
+        # As the original: the schedule holds at least one rank's own routed rows.
+        raise ValueError(
+            f"schedule_capacity must be >= num_local_tokens * topk = {num_tokens} * {topk} = "
+            f"{num_tokens * topk}, got {schedule_capacity}"
+        )
     check_int("rank", rank, minimum=0)
     if rank >= ep_size:
         raise ValueError(f"rank must be in [0, {ep_size}) (topk_all.shape[0]), got {rank}")
