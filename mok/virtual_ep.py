@@ -1,11 +1,11 @@
 """A virtual EP group: P logical expert-parallel ranks in one process on one GPU.
 
-Each rank has its own workspace (plain allocations on the one GPU) whose peer tables point at
+Each rank has its own workspace (plain allocations on the one GPU) whose peer table points at
 the other ranks' buffers, its own CUDA stream, and a megakernel grid of (SM count - P) // P
 CTAs, so the P ranks' megakernels and their P barrier kernels are resident side by side and the
 ranks run concurrently, as real ranks do. The ranks go
 through the same kernels and the same launch code as real ranks; only the allocation and the
-peer tables differ. It proves the EP protocol
+peer table differ. It proves the EP protocol
 (pull dispatch, push combine, device barriers) on one GPU; it cannot show NVLink's timing or
 memory ordering between GPUs.
 
@@ -29,7 +29,7 @@ import torch
 
 from .config import MoKConfig
 from .validation import check_int, check_type
-from .workspace import allocate_workspace, upload_peer_tables
+from .workspace import allocate_workspace, upload_peer_table
 
 # CUDA's default for CUDA_DEVICE_MAX_CONNECTIONS: more streams than this share hardware queues.
 # It is read when CUDA initialises, so it must be set before.
@@ -80,7 +80,7 @@ class VirtualEPGroup:
         topk: int,
         num_local_experts: int | None = None,
     ) -> list:
-        """One MoKWorkspace per rank, each rank's peer tables pointing at every rank's
+        """One MoKWorkspace per rank, each rank's peer table pointing at every rank's
         buffers. Destroy them with `ws.destroy()` on each."""
         check_type("config", config, MoKConfig)
         config.validate()
@@ -107,7 +107,7 @@ class VirtualEPGroup:
             ws.peer_ptrs = {
                 name: [other.buffers[name].data_ptr() for other in spaces] for name in ws.buffers
             }
-            upload_peer_tables(ws)
+            upload_peer_table(ws)
         _prepare(spaces)
         # The buffers' initial fill, before any rank's stream uses them.
         torch.cuda.synchronize(self.device)

@@ -1,8 +1,8 @@
 """The workspace: owns every buffer a mok layer uses, for one (group, device, T, H, k, capacity).
 
 One GPU (or any CPU run): plain allocations. An EP group on CUDA: torch symmetric memory
-(`empty` + `rendezvous`), with each peer's buffer address in `peer_ptrs` for the kernels'
-unicast loads and stores (NVLink multicast is never used). Buffers are allocated once and reused
+(`empty` + `rendezvous`), with each peer's buffer address in `peer_ptrs` and, for the kernels'
+unicast loads and stores, in one device table `peer_table` (NVLink multicast is never used). Buffers are allocated once and reused
 by every call; `destroy()` releases them explicitly.
 
 `get_workspace` caches workspaces, at most `WORKSPACE_CACHE_SIZE` of one layer shape (its
@@ -97,9 +97,9 @@ class MoKWorkspace:
     wait_timeout_ns: int = DEFAULT_WAIT_TIMEOUT_NS
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     peer_ptrs: dict[str, list[int]] = field(default_factory=dict)
-    # EP > 1 on CUDA: each buffer's peer_ptrs as a device int64 [P] table, uploaded when the
-    # workspace is made (a blocking copy later could wait behind a peer's barrier).
-    peer_tables: dict[str, torch.Tensor] = field(default_factory=dict)
+    # EP > 1 on CUDA: every buffer's peer_ptrs in one device table (`peer_table_of`), uploaded
+    # when the workspace is made (a blocking copy later could wait behind a peer's barrier).
+    peer_table: torch.Tensor | None = None
     _handles: dict[str, object] = field(default_factory=dict, repr=False)
     destroyed: bool = False
     # Set when a mok op ran on this workspace during CUDA graph capture: the graph holds its
@@ -186,7 +186,7 @@ class MoKWorkspace:
             dist.barrier(group=self.group)
         self.buffers.clear()
         self.peer_ptrs.clear()
-        self.peer_tables.clear()
+        self.peer_table = None
         self._handles.clear()
         self.caller_barrier_target = None
         self.comm_state = None
@@ -226,7 +226,7 @@ def _set_fields(ws: MoKWorkspace, **values) -> None:
 
 # The original's attribute names for the buffers: `<name>`, `<name>_ptrs` (each rank's address)
 # and `<name>_handle` (the symmetric-memory handle; None for plain allocations).
-# The buffers peers pull rows from and push rows into (the megakernels' peer tables).
+# The buffers peers pull rows from and push rows into (the megakernels' rows of the peer table).
 DATA_BUFFER_NAMES = (
     "x_buffer",
     "combine_buffer",
@@ -236,6 +236,9 @@ DATA_BUFFER_NAMES = (
     "d_router_weight_buffer",
 )
 BUFFER_NAMES = (*DATA_BUFFER_NAMES, "all_gather_top_experts_buffer", "barrier_buffer")
+# The peer table's row length: one int64 address per rank, for up to 127 ranks (the packed
+# (rank, row) int32's limit). Rows are BUFFER_NAMES, in order (mok/dsl_kernels/common/peers.py).
+PEER_TABLE_ROW = 128
 # The buffers the original addresses through NVLink multicast (mok never does: its are 0).
 MULTICAST_BUFFER_NAMES = ("all_gather_top_experts_buffer", "barrier_buffer")
 
@@ -598,8 +601,9 @@ def _revive(key: tuple, ws: MoKWorkspace) -> None:
         _fill_buffers(ws)
     except BaseException:
         # Out of memory, say: the workspace stays evicted, holding nothing.
-        for table in (ws.buffers, ws.peer_ptrs, ws.peer_tables, ws._handles):
+        for table in (ws.buffers, ws.peer_ptrs, ws._handles):
             table.clear()
+        ws.peer_table = None
         raise
     ws.destroyed = False
     del _EVICTED[key]
@@ -653,7 +657,7 @@ def allocate_workspace(
     group, ep_rank, ep_size, device, num_tokens, hidden, topk, capacity, *, plain: bool = False
 ) -> MoKWorkspace:
     """A new workspace's buffers, registered live: symmetric memory for an EP group on CUDA,
-    plain allocations otherwise or with `plain` (a virtual group then sets the peer tables)."""
+    plain allocations otherwise or with `plain` (a virtual group then sets the peer table)."""
     symmetric = ep_size > 1 and device.type == "cuda" and not plain
     ws = MoKWorkspace.allocated(
         handle=next(_NEXT_HANDLE),
@@ -695,12 +699,31 @@ def _fill_buffers(ws: MoKWorkspace) -> None:
         ws.buffers[name] = buf
     if symmetric:
         dist.barrier(group=group)
-        upload_peer_tables(ws)
+        upload_peer_table(ws)
 
 
-def upload_peer_tables(ws: MoKWorkspace) -> None:
-    """ws.peer_tables from ws.peer_ptrs (one-time setup, outside graph capture)."""
-    ws.peer_tables = {
-        name: torch.tensor(pointers, dtype=torch.int64, device=ws.device)
-        for name, pointers in ws.peer_ptrs.items()
-    }
+def peer_table_of(ws: MoKWorkspace) -> torch.Tensor:
+    """The EP group's peer table from ws.peer_ptrs: int64 [len(BUFFER_NAMES), PEER_TABLE_ROW]
+    on the workspace's device, row b the addresses of buffer BUFFER_NAMES[b] on every rank (0 past
+    the EP size, and for a buffer without peer_ptrs). One-time setup: a blocking copy, outside
+    graph capture."""
+    table = torch.zeros(len(BUFFER_NAMES), PEER_TABLE_ROW, dtype=torch.int64)
+    for row, name in enumerate(BUFFER_NAMES):
+        pointers = ws.peer_ptrs.get(name)
+        if pointers is None:
+            continue
+        if len(pointers) != ws.ep_size:
+            raise ValueError(
+                f"workspace.peer_ptrs[{name!r}] has {len(pointers)} entries, expected ep_size = "
+                f"{ws.ep_size}"
+            )
+        # Addresses as int64 bits (a pointer past 2^63 wraps to the same 64 bits).
+        table[row, : len(pointers)] = torch.tensor(
+            [p - (1 << 64) if p >= 1 << 63 else p for p in pointers], dtype=torch.int64
+        )
+    return table.to(ws.device)
+
+
+def upload_peer_table(ws: MoKWorkspace) -> None:
+    """ws.peer_table from ws.peer_ptrs (`peer_table_of`)."""
+    ws.peer_table = peer_table_of(ws)

@@ -43,7 +43,7 @@ PARAMS = {
         "timeout_ns",
     ],
     "ep_barrier": [
-        "peer_barrier_ptrs",
+        "peer_table_ptr",
         "rank",
         "world_size",
         "barrier_epoch_ptr",
@@ -53,8 +53,7 @@ PARAMS = {
     ],
     "all_gather_top_experts": [
         "ids_ptr",
-        "peer_gather_ptrs",
-        "peer_barrier_ptrs",
+        "peer_table_ptr",
         "rank",
         "world_size",
         "num_ids",

@@ -345,17 +345,15 @@ def test_router_grad_push_launch_packs(monkeypatch, kernels):
                                capacity=t * k + e * 128)  # fmt: skip
     partials = torch.zeros(schedule.capacity, 4)
     w, d_router = torch.ones(t, k), torch.zeros(t, k)
-    tables = torch.zeros(2, dtype=torch.int64)
-    backward_megakernel.push_router_grads(
-        partials, schedule, w, d_router, peers=(1, tables, tables)
-    )
+    table = torch.zeros(8, 128, dtype=torch.int64)
+    backward_megakernel.push_router_grads(partials, schedule, w, d_router, peers=(1, table))
     ((grid, args),) = kernels["router_grad_push"].launches
-    assert grid == (-(-schedule.capacity // 128), 1, 1)
+    assert grid == (-(-schedule.capacity // 128), 1, 1) and args["peer_table_ptr"] is table
     assert args["ep_rank"] == 1 and args["blocks"] == 4 and args["num_rows"] == schedule.capacity
     assert args["status_ptr"] == FakeErrorRecord.status_ptr
 
 
-def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):
+def test_forward_megakernel_packs_the_peer_table(monkeypatch, kernels):
     from mok import reference as R
     from mok.launchers import device_args, megakernel_walk
     from mok.launchers import forward_megakernel as moe_forward
@@ -371,18 +369,18 @@ def test_forward_megakernel_packs_peer_tables(monkeypatch, kernels):
     x = torch.zeros(t, h, dtype=torch.bfloat16)
     gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
     down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
-    x_table, slots_table = torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.int64)
+    table = torch.zeros(8, 128, dtype=torch.int64)
     slots = torch.zeros(t * k, h, dtype=torch.bfloat16)
     _, got = moe_forward.routed_forward(x, schedule, k, gate_w, gate_w, down_w,
-                                        peers=(3, x_table, slots_table), slots=slots,
+                                        peers=(3, table), slots=slots,
                                         grid=32)  # fmt: skip
     device_args.clear_descriptor_cache()
     ((grid, args),) = kernels["moe_forward"].launches
     assert got is slots and grid == (32, 1, 1) and args["ep_rank"] == 3
-    assert args["x_ptrs"] is x_table and args["slots_ptrs"] is slots_table
+    assert args["peer_table_ptr"] is table
 
 
-def test_backward_megakernel_packs_peer_tables(monkeypatch, kernels):
+def test_backward_megakernel_packs_the_peer_table(monkeypatch, kernels):
     from mok.launchers import backward_megakernel as moe_backward
     from mok.launchers import device_args, megakernel_walk
 
@@ -401,17 +399,16 @@ def test_backward_megakernel_packs_peer_tables(monkeypatch, kernels):
         torch.zeros(e, i, h, dtype=torch.bfloat16),
         torch.zeros(e, h, i, dtype=torch.bfloat16),
     )
-    tables = [torch.full((2,), n, dtype=torch.int64) for n in range(3)]
+    table = torch.ones(8, 128, dtype=torch.int64)
     slots = torch.zeros(t * k, h, dtype=torch.bfloat16)
     *_, got_slots, _ = moe_backward.routed_backward(
         dy, w, schedule, x_routed, gate, up, hidden, gate_w, gate_w, down_w,
-        peers=(1, *tables), slots=slots, grid=64,
+        peers=(1, table), slots=slots, grid=64,
     )  # fmt: skip
     device_args.clear_descriptor_cache()
     ((grid, args),) = kernels["moe_backward"].launches
     assert got_slots is slots and grid == (64, 1, 1) and args["ep_rank"] == 1
-    assert args["dy_ptrs"] is tables[0] and args["weight_ptrs"] is tables[1]
-    assert args["slots_ptrs"] is tables[2]
+    assert args["peer_table_ptr"] is table
 
 
 def test_gpu_layer_limits_are_clear_errors():

@@ -18,7 +18,7 @@ A layer step's launch plans (`mok.layer_plan`):
 MXFP8 (`mok.mxfp8_context`): mxfp8_quantize, mxfp8_dequantize
 The original's raw ops (`mok.original`) and the virtual EP group (`mok.virtual_ep`):
     prepare_comm, group_barrier, all_gather_top_experts, build_schedule_gpu, check_gpu_layer,
-    megakernel_peer_tables, launch_routed_forward, shared_forward, launch_routed_backward,
+    megakernel_peer_table, launch_routed_forward, shared_forward, launch_routed_backward,
     push_router_grads, shared_backward, mxfp8_weights, mxfp8_weight_gradients
 A pass's settings: one `mok.types.PassConfig` for forward, backward, their plans and
     launch_routed_*; keywords for routed_forward and routed_backward (tests, tools).
@@ -43,7 +43,7 @@ from .forward_op import forward, recompute_forward_context
 from .forward_op import forward_op as forward_op_plan
 from .mxfp8 import backward_weights as mxfp8_weights
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
-from .peer_tables import peer_tables as megakernel_peer_tables
+from .peer_table import peer_table as megakernel_peer_table
 from .plans import Carve, current_stream, weight_key
 from .schedule_kernels import build_schedule_gpu
 from .schedule_op import build_schedule
@@ -71,7 +71,7 @@ __all__ = [
     "group_barrier",
     "launch_routed_backward",
     "launch_routed_forward",
-    "megakernel_peer_tables",
+    "megakernel_peer_table",
     "missing_variants",
     "mxfp8_dequantize",
     "mxfp8_quantize",

@@ -65,9 +65,9 @@ def routed_backward(
 
     grad_output bf16 [T, H]; router_weights fp32 [T, k]; x_routed bf16 [C, H], gate, up, hidden
     bf16 [C, I] (forward context); weights bf16 [E, I, H] (gate, up), [E, H, I] (down); `schedule`
-    this rank's MoKSchedule. `peers` = (ep_rank, dY table, router-weight table, slots table), the
-    int64 [P] tables of every rank's buffers (None: a group of one): rows of other ranks' tokens
-    pull dY and w from their buffers and push d_x into their slots. Outputs: dy_e bf16 [C, H]; d_gate, d_up bf16 [C, I];
+    this rank's MoKSchedule. `peers` = (ep_rank, the EP group's peer table,
+    launchers.peer_table; None: a group of one): rows of other ranks' tokens pull dY and w from
+    their buffers and push d_x into their slots (d_x_routed) buffers. Outputs: dy_e bf16 [C, H]; d_gate, d_up bf16 [C, I];
     router_partials fp32 [C, I / 128]; slots bf16 [T * k, H] (row t * k + j: token t's d_x through
     expert j). `weight_grads`: bf16 weight gradients, bitwise expert_gemm_bwd.weight_gradient's.
     The settings are a PassConfig's fields (mok.types): `num_comm_ctas` CTAs dispatch while
@@ -105,7 +105,7 @@ def launch_routed_backward(grad_output, router_weights, schedule, context, weigh
         tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
         *map(tensor_key, context), *map(tensor_key if mxfp8 else weight_key, weights),
         tensor_key(slots), pass_config, weight_grads,
-        None if peers is None else tuple(p if isinstance(p, int) else p.data_ptr() for p in peers),
+        None if peers is None else (peers[0], peers[1].data_ptr()),
         mxfp8, fused_grads, current_stream(grad_output.get_device()),
     )  # fmt: skip
 
@@ -183,9 +183,7 @@ class _BackwardPlan:
         self.scratch = Carve(self.scratch_layout(), self.device)
         if capacity == 0 or num_experts == 0 or num_tokens == 0:
             return
-        ep_rank, dy_table, weight_table, slots_table = (
-            peers if peers is not None else (0,) + (None,) * 3
-        )
+        ep_rank, table = peers if peers is not None else (0, None)
         kernel = get_kernel(KERNEL_MXFP8 if mxfp8 else KERNEL, device=self.device)
         grid = pass_config.grid or sm_count(self.device)
         # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py), and a
@@ -225,9 +223,7 @@ class _BackwardPlan:
                 "d_up_ptr": d_up,
                 "partials_ptr": partials,
                 "slots_ptr": first_slots,
-                "dy_ptrs": dy_table,
-                "weight_ptrs": weight_table,
-                "slots_ptrs": slots_table,
+                "peer_table_ptr": table,
                 "d_x_ptr": None,
                 "d_router_ptr": None,
                 "status_ptr": status_ptr(self.device) if finish else None,
@@ -376,11 +372,11 @@ def push_router_grads(
     """d_router fp32 [T, k] of this rank's tokens' slots that this rank's experts hold: each
     routed row's sum_b partials[r, b] / w, pushed to its token's rank (kernel router_grad_push;
     a weight <= 0 or non-finite sets the value-status words, launchers/status.py).
-    `router_weights` fp32 [T, k] and `d_router` are this rank's; `peers` = (ep_rank, router-weight
-    table, d_router table) or None (a group of one)."""
+    `router_weights` fp32 [T, k] and `d_router` are this rank's; `peers` = (ep_rank, the EP group's
+    peer table) or None (a group of one)."""
     key = ("router_grad_push", tensor_key(partials), tensor_key(schedule.peer_rank),
            tensor_key(router_weights), tensor_key(d_router),
-           None if peers is None else (peers[0], peers[1].data_ptr(), peers[2].data_ptr()),
+           None if peers is None else (peers[0], peers[1].data_ptr()),
            current_stream(partials.get_device()))  # fmt: skip
     push = plan(key, lambda: router_grad_push_plan(partials, schedule, router_weights,
                                                    d_router, peers))  # fmt: skip
@@ -428,7 +424,7 @@ def _bind_router_grad_push(partials, schedule, router_weights, d_router, peers):
     from mok.runtime import get_kernel  # noqa: PLC0415
 
     capacity, blocks = check_router_grad_push(partials, schedule, router_weights, d_router)
-    ep_rank, weight_table, d_router_table = peers if peers is not None else (0, None, None)
+    ep_rank, table = peers if peers is not None else (0, None)
     if capacity == 0:
         return None
     kernel = get_kernel("router_grad_push", device=partials.device)
@@ -442,8 +438,7 @@ def _bind_router_grad_push(partials, schedule, router_weights, d_router, peers):
             "num_tokens_ptr": schedule.num_tokens,
             "weight_ptr": router_weights,
             "d_router_ptr": d_router,
-            "weight_ptrs": weight_table,
-            "d_router_ptrs": d_router_table,
+            "peer_table_ptr": table,
             "ep_rank": ep_rank,
             "num_rows": capacity,
             "blocks": blocks,

@@ -34,7 +34,7 @@ from .checks import check_gpu_layer
 from .comm import group_barrier
 from .epilogues import bwd_epilogue_plan
 from .expert_gemm_bwd import N_ALIGNMENT, weight_gradients
-from .peer_tables import peer_tables
+from .peer_table import peer_table
 from .plans import (
     current_stream,
     new_tensors,
@@ -116,14 +116,10 @@ class _BackwardOp:
         # By weak reference: the workspace cache evicts only workspaces nothing else holds; and no
         # tensor of the caller's (the shared weights come with each call).
         self.ws, self.limit = weakref.ref(ws), pass_config.swiglu_limit
-        self.tables = tables = peer_tables(ws)
+        self.table = table = peer_table(ws)
         # The d_x rows' slots: the workspace's (a group of one too: no allocation per call).
-        self.slots, peers, self.grad_peers = ws.buffers["d_x_routed_buffer"], None, None
-        if tables is not None:
-            peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
-                     tables["d_x_routed_buffer"])  # fmt: skip
-            self.grad_peers = (ws.ep_rank, tables["router_weight_buffer"],
-                               tables["d_router_weight_buffer"])  # fmt: skip
+        self.slots = ws.buffers["d_x_routed_buffer"]
+        peers = None if table is None else (ws.ep_rank, table)
         # The weight gradients in the megakernel's launch unless they go into fp32 main_grads
         # (or their MXFP8 operands need round trips first).
         self.in_launch = all(g is None for g in main_grads[:3]) and not self.mxfp8
@@ -131,7 +127,7 @@ class _BackwardOp:
         self.fused = (not self.mxfp8 and main_grads[0] is None and main_grads[1] is None
                       and fused_gate_up(routed[0], routed[1]))  # fmt: skip
         # A group of one without a shared expert: d_x and d_router in the megakernel's launch.
-        finish = tables is None and not shared_expert
+        finish = table is None and not shared_expert
         self.routed = backward_plan(
             grad_output, router_weights, schedule, ctx_tensors[:4], routed, pass_config,
             self.in_launch, peers, self.slots, self.mxfp8, finish, self.fused,
@@ -141,13 +137,12 @@ class _BackwardOp:
         # (allocated alone, not the whole scratch) and d_router as each call makes it.
         partials = new_tensors(self.routed.scratch.pieces[3:], grad_output.device)[0]
         d_router = self._d_router(ws, router_weights)
-        self.push = router_grad_push_plan(partials, schedule, router_weights, d_router,
-                                          self.grad_peers)  # fmt: skip
+        self.push = router_grad_push_plan(partials, schedule, router_weights, d_router, peers)
         self.epilogue = None  # bound on the first call, with its tensors
         # A group of one with a shared expert (or no launch): the push and the epilogue in one
         # launch (backward_finish.py).
         self.finish = None
-        if tables is None and not self.in_kernel_finish:
+        if table is None and not self.in_kernel_finish:
             shared_d_x = None
             if shared_expert:
                 shared_d_x = torch.empty(grad_output.shape, dtype=torch.bfloat16,
@@ -156,7 +151,7 @@ class _BackwardOp:
                                       router_weights, d_router)  # fmt: skip
 
     def _d_router(self, ws, router_weights):
-        if self.tables is None:
+        if self.table is None:
             return torch.empty(router_weights.shape, dtype=torch.float32,
                                device=router_weights.device)  # fmt: skip
         return ws.buffers["d_router_weight_buffer"]
@@ -187,7 +182,7 @@ class _BackwardOp:
         context by address, (schedule's four, context's four, a callable making context tensor
         i); `schedule` and ctx_tensors[:4] are then unused, and absent shared gradients are
         None."""
-        ws, tables = self.ws(), self.tables
+        ws, table = self.ws(), self.table
         x_routed, gate, up, hidden, gate_s, up_s, hidden_s = ctx_tensors
         weights = None
         if self.mxfp8:
@@ -205,7 +200,7 @@ class _BackwardOp:
             finish_at = (d_x.data_ptr(), d_router.data_ptr())
         else:
             d_router = self._d_router(ws, router_weights)
-        if tables is not None:
+        if table is not None:
             ws.buffers["d_y_buffer"].copy_(grad_output)
             ws.buffers["router_weight_buffer"].copy_(router_weights)
         group_barrier(ws, "PEER_BARRIER_START")
@@ -227,7 +222,7 @@ class _BackwardOp:
                 routed_grads = weight_gradients(*operands, fused=self.fused)
         if self.fused and not layer_step:  # the op's output: the fused tensor in gate's place
             routed_grads = [routed_grads[0]._base, x.new_empty(0), routed_grads[2]]
-        if tables is not None:
+        if table is not None:
             d_router = d_router.clone()  # the buffer is the next call's
         d_x_shared, shared_grads = None, [None, None, None]
         if not layer_step:

@@ -16,7 +16,7 @@ replayable, mixed with eager calls. Other kernels arriving on `barrier_buffer` m
 
 Rules: every rank makes the same comm calls on a workspace in the same order with the same
 `config`, in stream order (one stream or a chained graph; no programmatic dependent launch). The
-first comm call on a workspace runs outside graph capture: it uploads the peer-pointer tables.
+first comm call on a workspace runs outside graph capture: it uploads the peer table.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEFAULT_WAIT_TIMEOUT_NS as DEFAULT_TIMEOUT_NS
+from ..workspace import peer_table_of
 from .plans import current_stream, plan, tensor_key
 
 # Upper bound on the all-gather grid: small enough to be co-resident on any supported GPU
@@ -47,8 +48,9 @@ class CommState:
     """What the comm launchers keep per workspace (its declared field `comm_state`, made by the
     first comm call on it)."""
 
-    barrier_ptrs: torch.Tensor  # int64 [P] device table: each rank's barrier_buffer address
-    gather_ptrs: torch.Tensor  # int64 [P] device table: each rank's all-gather buffer address
+    # The EP group's peer table (mok.workspace.peer_table_of), whose barrier_buffer and
+    # all_gather_top_experts_buffer rows the comm kernels read
+    peer_table: torch.Tensor
     epoch: torch.Tensor  # int32 [2]: this rank's barrier_epoch_buffer (arrival epoch, readers)
 
 
@@ -95,23 +97,10 @@ def _state(workspace) -> CommState:
         raise ValueError(f"workspace must be on a CUDA device, got {workspace.device}")
     state = workspace.comm_state
     if state is None:
-
-        def table(name: str) -> torch.Tensor:
-            if name in workspace.peer_tables:  # uploaded with the workspace
-                return workspace.peer_tables[name]
-            pointers = workspace.peer_ptrs[name]
-            if len(pointers) != workspace.ep_size:
-                raise ValueError(
-                    f"workspace.peer_ptrs[{name!r}] has {len(pointers)} entries, expected "
-                    f"ep_size = {workspace.ep_size}"
-                )
-            # One-time setup: a blocking host-to-device copy is fine here.
-            return torch.tensor(pointers, dtype=torch.int64, device=workspace.device)
-
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "the first comm call on a workspace must run outside CUDA graph capture (it "
-                "uploads the peer-pointer tables and maps the error record): make one eager "
+                "uploads the peer table and maps the error record): make one eager "
                 "call (a warm-up) before capturing"
             )
         if workspace.ep_size > MAX_WORLD_SIZE:
@@ -122,18 +111,21 @@ def _state(workspace) -> CommState:
                 "workspace.buffers['barrier_epoch_buffer'] must be an int32 tensor of 2 "
                 f"elements, got {None if epoch is None else (epoch.dtype, list(epoch.shape))}"
             )
-        state = CommState(
-            barrier_ptrs=table("barrier_buffer"),
-            gather_ptrs=table("all_gather_top_experts_buffer"),
-            epoch=epoch,
-        )
+        for name in ("barrier_buffer", "all_gather_top_experts_buffer"):
+            if name not in workspace.peer_ptrs:
+                raise ValueError(f"workspace.peer_ptrs lacks {name!r}: its peer addresses")
+        # Uploaded with an EP group's workspace; else made now (one-time setup: a blocking
+        # host-to-device copy is fine here).
+        table = workspace.peer_table
+        state = CommState(peer_table=peer_table_of(workspace) if table is None else table,
+                          epoch=epoch)  # fmt: skip
         get_error_record(workspace.device)  # made here, outside capture
         workspace.comm_state = state
     return state
 
 
 def prepare(workspace) -> None:
-    """Do a workspace's one-time comm setup now (error record, barrier and gather tables),
+    """Do a workspace's one-time comm setup now (error record, peer table),
     outside graph capture and before any rank's stream can wait on a peer."""
     _state(workspace)
 
@@ -190,7 +182,7 @@ def _bind_barrier(workspace, phase, timeout_ns, manifest):
     return kernel.bind(
         (1, 1, 1),
         {
-            "peer_barrier_ptrs": state.barrier_ptrs,
+            "peer_table_ptr": state.peer_table,
             "rank": workspace.ep_rank,
             "world_size": workspace.ep_size,
             "barrier_epoch_ptr": state.epoch,
@@ -278,8 +270,7 @@ def all_gather_plan(workspace, config, top_experts, timeout_ns, num_experts, man
         (ctas_per_peer, world_size, 1),
         {
             "ids_ptr": top_experts,
-            "peer_gather_ptrs": state.gather_ptrs,
-            "peer_barrier_ptrs": state.barrier_ptrs,
+            "peer_table_ptr": state.peer_table,
             "rank": workspace.ep_rank,
             "world_size": world_size,
             "num_ids": num_ids,
@@ -354,9 +345,9 @@ def group_barrier(ws, phase_name: str) -> None:
         ep_barrier(ws, phase=WaitPhase[phase_name], timeout_ns=ws.wait_timeout_ns)
 
 
-def publish_x(ws, x, tables) -> None:
+def publish_x(ws, x, table) -> None:
     """EP > 1: x into this rank's symmetric x buffer, then the start barrier: peers pull from
     it once every rank has arrived."""
-    if tables is not None:
+    if table is not None:
         ws.buffers["x_buffer"].copy_(x)
     group_barrier(ws, "PEER_BARRIER_START")

@@ -23,8 +23,8 @@ def gather_rows(
     peers: tuple | None = None,
 ) -> torch.Tensor:
     """Routed rows bf16 [C, H] of `src` bf16 [T, H] (C = peer_rank's length), into `out` when
-    given (its rows at or past num_tokens are left as they are). `peers` = (ep_rank, the int64
-    [P] table of every rank's x buffer): rows of other ranks' tokens are pulled from there."""
+    given (its rows at or past num_tokens are left as they are). `peers` = (ep_rank, the EP group's
+    peer table, launchers.peer_table): rows of other ranks' tokens are pulled from their x buffers."""
     from mok.runtime import get_kernel  # noqa: PLC0415
 
     num_src, hidden = src.shape if src.dim() == 2 else (-1, -1)
@@ -49,7 +49,7 @@ def gather_rows(
         {
             "out_ptr": out,
             "src_ptr": src,
-            "src_ptrs": None if peers is None else peers[1],
+            "peer_table_ptr": None if peers is None else peers[1],
             "peer_rank_ptr": peer_rank,
             "peer_token_idx_ptr": peer_token_idx,
             "num_tokens_ptr": num_tokens,

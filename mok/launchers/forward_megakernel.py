@@ -63,9 +63,9 @@ def routed_forward(
     or all three MXFP8 pairs (E4M3 data of those shapes, UE8M0 scales; mok.ops.mxfp8_quantize
     along K): the MXFP8 layer (mok.reference.mxfp8_forward's rows, the same bf16 outputs);
     `schedule` this rank's MoKSchedule. slots bf16 [T * k, H] (`slots`, or a new tensor): row
-    t * k + j is token t's j-th expert output. `peers` = (ep_rank, x table, slots table), the
-    int64 [P] tables of every rank's x and slots buffers (None: a group of one): rows of other
-    ranks' tokens are pulled from their x buffers and pushed into their slots buffers.
+    t * k + j is token t's j-th expert output. `peers` = (ep_rank, the EP group's peer table,
+    launchers.peer_table; None: a group of one): rows of other ranks' tokens are pulled from
+    their x buffers and pushed into their slots (combine) buffers.
     The settings are a PassConfig's fields (mok.types): `num_comm_ctas` CTAs dispatch while
     the rest compute (0: all dispatch first); `minibatch_size` (routed rows; None: all) never
     changes the bits; `grid`: CTAs (None: the SM count). `dequantized` (MXFP8): the pairs'
@@ -89,7 +89,7 @@ def launch_routed_forward(
         KERNEL, tensor_key(x), tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
         tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
         *map(weight_key, weights), tensor_key(slots), topk, pass_config,
-        None if peers is None else (peers[0], peers[1].data_ptr(), peers[2].data_ptr()),
+        None if peers is None else (peers[0], peers[1].data_ptr()),
         current_stream(x.get_device()),
     )  # fmt: skip
 
@@ -164,7 +164,7 @@ class _ForwardPlan:
                                                            (num_tokens, topk))  # fmt: skip
             self.schedules = True
         self.schedule_scratch = schedule_scratch  # held: the launch writes it by address
-        ep_rank, x_table, slots_table = peers if peers is not None else (0, None, None)
+        ep_rank, table = peers if peers is not None else (0, None)
         kernel = get_kernel(KERNEL_MXFP8 if self.mxfp8 else KERNEL, device=x.device)
         grid = pass_config.grid or sm_count(x.device)
         # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit
@@ -198,8 +198,7 @@ class _ForwardPlan:
                 "up_ptr": up,
                 "hidden_ptr": hidden,
                 "slots_ptr": first_slots,
-                "x_ptrs": x_table,
-                "slots_ptrs": slots_table,
+                "peer_table_ptr": table,
                 "out_ptr": None,
                 "router_weights_ptr": None,
                 "status_ptr": status_ptr(x.device) if combine else None,

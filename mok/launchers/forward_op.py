@@ -28,7 +28,7 @@ from .checks import check_gpu_layer, check_host
 from .comm import group_barrier, publish_x
 from .epilogues import fwd_epilogue_plan
 from .forward_megakernel import forward_plan
-from .peer_tables import peer_tables
+from .peer_table import peer_table
 from .plans import current_stream, plan, tensor_key, weight_key
 from .shared_expert import shared_forward
 
@@ -82,13 +82,13 @@ class _ForwardOp:
         # By weak reference: the workspace cache evicts only workspaces nothing else holds; and no
         # tensor of the caller's (the shared weights come with each call).
         self.ws, self.limit = weakref.ref(ws), pass_config.swiglu_limit
-        self.tables = tables = peer_tables(ws)
+        self.table = table = peer_table(ws)
         # The routed rows' slots: the workspace's (a group of one too: no allocation per call).
         self.slots, peers = ws.buffers["combine_buffer"], None
         self.slots_at = self.slots.data_ptr()
-        if tables is not None:
-            peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
-        combine = tables is None and not has_shared
+        if table is not None:
+            peers = (ws.ep_rank, table)
+        combine = table is None and not has_shared
         ids = schedule_ids if combine else None
         self.routed = forward_plan(
             x, schedule, ws.topk, routed, pass_config, peers, self.slots, combine, ids
@@ -116,7 +116,7 @@ class _ForwardOp:
             out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
             routed_ctx, _ = self.routed(x, schedule, self.slots, routed, (out, router_weights))
             return (out, *routed_ctx, x.new_empty(0), x.new_empty(0), x.new_empty(0))
-        publish_x(ws, x, self.tables)
+        publish_x(ws, x, self.table)
         if context is None:
             routed_ctx, slots = self.routed(x, schedule, self.slots, routed)
             shared_ctx = (x.new_empty(0), x.new_empty(0), x.new_empty(0))
@@ -155,9 +155,9 @@ def recompute_forward_context(
     ws, schedule, x, shared_gate, shared_up, routed_gate, routed_up, swiglu_limit
 ):
     check_gpu_layer(ws, "recompute_forward_context")
-    tables = peer_tables(ws)
-    publish_x(ws, x, tables)
-    peers = None if tables is None else (ws.ep_rank, tables["x_buffer"])
+    table = peer_table(ws)
+    publish_x(ws, x, table)
+    peers = None if table is None else (ws.ep_rank, table)
     x_routed = dispatch.gather_rows(x, schedule.peer_rank, schedule.peer_token_idx,
                                     schedule.num_tokens, ws.topk, peers=peers)  # fmt: skip
     group_barrier(ws, "PEER_BARRIER_END")

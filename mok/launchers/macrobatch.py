@@ -51,7 +51,7 @@ from .comm import group_barrier, publish_x
 from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import M_ALIGNMENT, N_ALIGNMENT, gate_up_gradients
 from .forward_megakernel import launch_routed_forward
-from .peer_tables import peer_tables
+from .peer_table import peer_table
 from .shared_expert import shared_backward, shared_forward
 
 SCHEDULE_KERNEL = "macrobatch_schedule"
@@ -121,11 +121,10 @@ def forward(ws, schedule, x, router_weights, shared, routed, pass_config):
     num_tokens, topk = router_weights.shape
     macrobatch_size = pass_config.macrobatch_size
     check_macrobatch(macrobatch_size, num_tokens, topk, "forward", pass_config.minibatch_size)
-    tables = peer_tables(ws)
-    publish_x(ws, x, tables)
-    peers, slots = None, ws.buffers["combine_buffer"]
-    if tables is not None:
-        peers = (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
+    table = peer_table(ws)
+    publish_x(ws, x, table)
+    peers = None if table is None else (ws.ep_rank, table)
+    slots = ws.buffers["combine_buffer"]
     windows = window_schedules(schedule, macrobatch_size)
     # MXFP8 pairs: their bf16 values once for every macrobatch's launch.
     dequantized = mxfp8.dequantized_weights(routed) if isinstance(routed[0], tuple) else None
@@ -181,20 +180,16 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
             f"routed row ({capacity}), got shape {list(x_routed.shape)}"
         )
     full_context = x_routed.shape[0] == capacity
-    tables = peer_tables(ws)
-    peers = grad_peers = x_peers = None
+    table = peer_table(ws)
+    peers = None if table is None else (ws.ep_rank, table)
     slots = ws.buffers["d_x_routed_buffer"]
-    if tables is None:
+    if table is None:
         d_router = torch.empty(num_tokens, topk, dtype=torch.float32, device=x.device)
     else:
         ws.buffers["d_y_buffer"].copy_(grad_output)
         ws.buffers["router_weight_buffer"].copy_(router_weights)
         # The replayed macrobatches pull x rows again (on every rank: a peer may replay).
         ws.buffers["x_buffer"].copy_(x)
-        peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
-                 tables["d_x_routed_buffer"])  # fmt: skip
-        grad_peers = (ws.ep_rank, tables["router_weight_buffer"], tables["d_router_weight_buffer"])
-        x_peers = (ws.ep_rank, tables["x_buffer"])
         d_router = ws.buffers["d_router_weight_buffer"]
     group_barrier(ws, "PEER_BARRIER_START")
 
@@ -212,7 +207,7 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
         elif m == 0:
             ctx = (x_routed, gate, up, hidden)
         else:
-            ctx = replay(window, topk, x_peers)
+            ctx = replay(window, topk, peers)
         x_rows, gate_rows, up_rows, hidden_rows = ctx
         if is_mxfp8:  # the SwiGLU backward's inputs (a context exact already: identities)
             gate_rows, up_rows = mxfp8.gate_up_operands(gate_rows, up_rows)
@@ -221,7 +216,7 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
             weights, pass_config, weight_grads=False, peers=peers, slots=slots,
             mxfp8=is_mxfp8,
         )  # fmt: skip
-        push_router_grads(partials, window, router_weights, d_router, peers=grad_peers)
+        push_router_grads(partials, window, router_weights, d_router, peers=peers)
         if is_mxfp8:  # every operand's round trip along the tokens (32-row blocks: a
             # macrobatch edge is a block edge)
             dy_e, x_rows, d_gate, d_up, hidden_rows = mxfp8.weight_gradient_operands(
@@ -233,7 +228,7 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
         # hands the memory back to the next launch only).
         del dy_e, d_gate, d_up, partials, ctx, x_rows, gate_rows, up_rows, hidden_rows
     group_barrier(ws, "PEER_BARRIER_END")
-    if tables is not None:
+    if table is not None:
         d_router = d_router.clone()  # the buffer is the next call's
 
     # Distinct empty tensors: custom-op outputs may not alias each other.

@@ -77,7 +77,7 @@ def plans_of_thread() -> dict:
 @on_cuda_destroy
 def clear_plans() -> None:
     """Drop this thread's plans (tests, `MoKWorkspace.destroy`). A plan holds no tensor of the
-    caller's: only its own scratch and, for an EP group, its workspace's buffers and tables."""
+    caller's: only its own scratch and, for an EP group, its workspace's buffers and peer table."""
     _local.plans = {}
 
 

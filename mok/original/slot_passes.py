@@ -66,8 +66,8 @@ def forward_to_slots(ws, op: str, schedule: MoKSchedule, x: Tensor, slots: Tenso
         return _filled(ctx, x), y_shared
     gpu = cuda_launchers("forward", ws)
     gpu.check_gpu_layer(ws, op)
-    tables = gpu.megakernel_peer_tables(ws)
-    peers = None if tables is None else (ws.ep_rank, tables["x_buffer"], tables["combine_buffer"])
+    table = gpu.megakernel_peer_table(ws)
+    peers = None if table is None else (ws.ep_rank, table)
     routed_ctx, _ = gpu.launch_routed_forward(
         x, schedule, ws.topk, routed, pass_config, peers=peers, slots=slots
     )
@@ -108,12 +108,8 @@ def _cuda_backward_to_slots(
     dequantised quantised context, MXFP8 values already)."""
     gpu = cuda_launchers("backward", ws)
     gpu.check_gpu_layer(ws, op)
-    tables = gpu.megakernel_peer_tables(ws)
-    peers = grad_peers = None
-    if tables is not None:
-        peers = (ws.ep_rank, tables["d_y_buffer"], tables["router_weight_buffer"],
-                 tables["d_x_routed_buffer"])  # fmt: skip
-        grad_peers = (ws.ep_rank, tables["router_weight_buffer"], tables["d_router_weight_buffer"])
+    table = gpu.megakernel_peer_table(ws)
+    peers = None if table is None else (ws.ep_rank, table)
     x_routed, gate, up, hidden, *shared_ctx = ctx
     weights = routed
     if mxfp8:
@@ -122,7 +118,7 @@ def _cuda_backward_to_slots(
         d_y, router_weights, schedule, (x_routed, gate, up, hidden), weights, pass_config,
         weight_grads=not mxfp8, peers=peers, slots=slots, mxfp8=mxfp8,
     )  # fmt: skip
-    gpu.push_router_grads(partials, schedule, router_weights, d_router, peers=grad_peers)
+    gpu.push_router_grads(partials, schedule, router_weights, d_router, peers=peers)
     if mxfp8:
         routed_grads = gpu.mxfp8_weight_gradients(
             dy_e,

@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .peers import peer_table, rank_address
+from .peers import D_ROUTER_WEIGHT_BUFFER, ROUTER_WEIGHT_BUFFER, peer_table, rank_address
 from .value_checks import STATUS_BAD_WEIGHT_BACKWARD, flag_unless_positive_finite
 
 # The smallest normal fp32: a router weight must be > 0 (a bad one sets the value-status word
@@ -25,8 +25,7 @@ def push_row(
     num_tokens_ptr: cute.Pointer,
     weight_ptr: cute.Pointer,
     d_router_ptr: cute.Pointer,
-    weight_ptrs: cute.Pointer,
-    d_router_ptrs: cute.Pointer,
+    peer_table_ptr: cute.Pointer,
     ep_rank: Int32,
     num_rows: Int32,
     blocks: Int32,
@@ -38,8 +37,8 @@ def push_row(
     slot = cute.make_tensor(peer_token_idx_ptr, cute.make_layout(num_rows))
     partials = cute.make_tensor(partials_ptr, cute.make_layout((num_rows, blocks),
                                                                stride=(blocks, 1)))  # fmt: skip
-    weight_table = peer_table(weight_ptrs)
-    d_router_table = peer_table(d_router_ptrs)
+    weight_table = peer_table(peer_table_ptr, ROUTER_WEIGHT_BUFFER)
+    d_router_table = peer_table(peer_table_ptr, D_ROUTER_WEIGHT_BUFFER)
     if row < rows:
         peer = rank[row]
         if peer >= 0:

@@ -69,6 +69,7 @@ from ..common.params import (
     Int64Pointer,
     aligned_pointer,
 )
+from ..common.peers import ALL_GATHER_TOP_EXPERTS_BUFFER, BARRIER_BUFFER, peer_row_address
 from ..common.value_checks import STATUS_BAD_EXPERT_ID, load_checked_id
 
 THREADS = 128
@@ -80,10 +81,9 @@ class AllGatherArgs(NamedTuple):
     """`AllGatherTopExperts`'s parameters, in order (P = world_size)."""
 
     ids_ptr: Int64Pointer  # int64 [num_ids], contiguous: this rank's routing ids (T * k)
-    # int64 [P]: the address of each rank's `all_gather_top_experts_buffer`, int32 [P, num_ids]
-    peer_gather_ptrs: Int64Pointer
-    # int64 [P]: the address of each rank's `barrier_buffer`, int32 [P]
-    peer_barrier_ptrs: Int64Pointer
+    # int64 [buffers, 128]: the EP group's peer table (common/peers.py); its rows give each
+    # rank's `all_gather_top_experts_buffer` (int32 [P, num_ids]) and `barrier_buffer` (int32 [P])
+    peer_table_ptr: Int64Pointer
     rank: Int32
     world_size: Int32
     num_ids: Int32
@@ -128,7 +128,7 @@ class AllGatherTopExperts:
     def kernel(self, args: AllGatherArgs):
         tidx, _, _ = cute.arch.thread_idx()
         cta_in_peer, peer, _ = cute.arch.block_idx()
-        barrier_table = args.peer_barrier_ptrs.toint()
+        barrier_table = peer_row_address(args.peer_table_ptr, BARRIER_BUFFER)
         record = args.error_record_ptr.toint()
         own_barrier = peer_address(barrier_table, args.rank)
 
@@ -153,7 +153,7 @@ class AllGatherTopExperts:
         limit = Int64(args.num_experts)
         bad_id = args.status_ptr.toint() + Int64(STATUS_BAD_EXPERT_ID * 4)
         destination = (
-            peer_address(args.peer_gather_ptrs.toint(), peer)
+            peer_address(peer_row_address(args.peer_table_ptr, ALL_GATHER_TOP_EXPERTS_BUFFER), peer)
             + Int64(args.rank) * Int64(args.num_ids) * 4
         )
         num_chunks = (args.num_ids + args.chunk_ids - 1) // args.chunk_ids

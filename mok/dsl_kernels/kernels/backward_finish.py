@@ -17,7 +17,7 @@ from .moe_combine_backward import CombineBackwardArgs
 
 
 class FinishPushArgs(NamedTuple):
-    """The push's parameters, in order: `RouterGradPushArgs` of a group of one (no peer tables,
+    """The push's parameters, in order: `RouterGradPushArgs` of a group of one (no peer table,
     rank 0)."""
 
     partials_ptr: Fp32Pointer
@@ -36,7 +36,7 @@ class BackwardFinish:
     """CTAs [0, C) are `MoeCombineBackward`'s grid (C = gx * gy, gx = ceil(hidden_size /
     (8 * threads)), gy = ceil(num_tokens / tokens_per_cta); CTA b is its (b % gx, b // gx));
     CTAs [C, C + ceil(num_rows / threads)) are `RouterGradPush`'s of a group of one (no peer
-    tables, rank 0). Each does exactly what its kernel does, so the outputs are those kernels'
+    table, rank 0). Each does exactly what its kernel does, so the outputs are those kernels'
     bits.
 
     Kernel parameters: the epilogue's (`CombineBackwardArgs`), then the push's
@@ -78,9 +78,9 @@ class BackwardFinish:
                 self.threads, self.tokens_per_cta, tidx, bidx % grid_x, bidx // grid_x, *combine
             )
         else:
-            # A group of one: its own router weights and d_router (null tables, rank 0).
+            # A group of one: its own router weights and d_router (a null table, rank 0).
             no_table = cute.make_ptr(
                 cutlass.Int64, cutlass.Int64(0), cute.AddressSpace.gmem, assumed_align=8
             )
             row = (bidx - combine_ctas) * self.threads + tidx
-            push_row(row, *push[:6], no_table, no_table, Int32(0), *push[6:])
+            push_row(row, *push[:6], no_table, Int32(0), *push[6:])

@@ -3,9 +3,10 @@
 Counters: every rank's workspace `barrier_buffer` is int32 [P], one slot per *source* rank:
 slot s of rank r counts the arrivals rank s has made at rank r, ever (monotone, never reset;
 see common/bounded_wait.py for why). To arrive, rank r adds 1 with `red.release.sys` to slot r
-of every peer's buffer (itself included), through the peer base addresses of `barrier_buffer`
-(a device table of P int64, `peer_barrier_ptrs`). To wait, rank r polls its own P slots with
-the bounded acquire wait until each has reached `target = base + arrivals of this call`.
+of every peer's buffer (itself included), through the addresses of `barrier_buffer` on every
+rank (its row of the EP group's peer table, common/peers.py). To wait, rank r polls its own P
+slots with the bounded acquire wait until each has reached `target = base + arrivals of this
+call`.
 
 Arrival epoch (what makes the launches CUDA-graph replayable): `base`, the number of arrivals
 every slot has received from the comm calls before this one, lives on the device, in word 0
@@ -66,6 +67,7 @@ from ..common.barrier_arrivals import (
     wait_for_source,
 )
 from ..common.params import ErrorRecordPointer, Int64Pointer
+from ..common.peers import BARRIER_BUFFER, peer_row_address
 
 THREADS = 128  # thread t arrives at peers t, t+128, ... and waits on slots t, t+128, ...
 
@@ -73,9 +75,9 @@ THREADS = 128  # thread t arrives at peers t, t+128, ... and waits on slots t, t
 class EpBarrierArgs(NamedTuple):
     """`EpBarrier`'s parameters, in order."""
 
-    # int64 [world_size]: the address of `barrier_buffer` of each rank, as this rank maps it;
-    # entry `rank` is its own
-    peer_barrier_ptrs: Int64Pointer
+    # int64 [buffers, 128]: the EP group's peer table (common/peers.py); its barrier_buffer row
+    # holds that buffer's address on each rank, as this rank maps it, entry `rank` its own
+    peer_table_ptr: Int64Pointer
     rank: Int32
     world_size: Int32
     # int32 [2]: this rank's `barrier_epoch_buffer`, the arrival epoch of the module doc
@@ -108,7 +110,7 @@ class EpBarrier:
     @cute.kernel
     def kernel(self, args: EpBarrierArgs):
         tidx, _, _ = cute.arch.thread_idx()
-        peer_table = args.peer_barrier_ptrs.toint()
+        peer_table = peer_row_address(args.peer_table_ptr, BARRIER_BUFFER)
         epoch_buffer = args.barrier_epoch_ptr.toint()
         record = args.error_record_ptr.toint()
 

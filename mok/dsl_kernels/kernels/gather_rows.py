@@ -1,5 +1,5 @@
 """Gather of the routed rows for the recomputed forward context: each row pulled from its token's
-rank (this rank's `src`, or a peer's symmetric buffer through the peer table)."""
+rank (this rank's `src`, or a peer's `x_buffer` through the peer table)."""
 
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from ..common.params import Bf16Pointer, Int32Pointer, Int64Pointer
-from ..common.peers import peer_table, rank_address
+from ..common.peers import X_BUFFER, peer_table, rank_address
 from ..common.row_chunks import VECTOR, chunked_row_views
 
 
@@ -18,7 +18,9 @@ class GatherRowsArgs(NamedTuple):
 
     out_ptr: Bf16Pointer  # bf16 [num_rows, hidden_size]
     src_ptr: Bf16Pointer  # bf16 [num_src_rows, hidden_size]: this rank's rows
-    src_ptrs: Int64Pointer  # int64 [P]: the peers' `src` addresses (common/peers.py)
+    # int64 [buffers, 128]: the EP group's peer table (common/peers.py); a peer's rows are its
+    # x_buffer
+    peer_table_ptr: Int64Pointer
     peer_rank_ptr: Int32Pointer  # int32 [num_rows], the schedule's
     peer_token_idx_ptr: Int32Pointer  # int32 [num_rows], the schedule's
     # int32 [1], the schedule's routed-row count, read on the device: rows at or past it are
@@ -74,7 +76,7 @@ class GatherRows:
         _, grid_y, _ = cute.arch.grid_dim()
         chunks, (mOut,) = chunked_row_views(args.hidden_size, (args.out_ptr, args.num_rows))
         row_bytes = cute.assume(Int64(args.hidden_size) * Int64(2), divby=128)
-        table = peer_table(args.src_ptrs)
+        table = peer_table(args.peer_table_ptr, X_BUFFER)
         rank = cute.make_tensor(args.peer_rank_ptr, cute.make_layout(args.num_rows))
         slot = cute.make_tensor(args.peer_token_idx_ptr, cute.make_layout(args.num_rows))
         rows = cutlass.min(

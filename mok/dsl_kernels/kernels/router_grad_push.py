@@ -19,8 +19,9 @@ class RouterGradPushArgs(NamedTuple):
     num_tokens_ptr: Int32Pointer  # int32 [1]: the schedule's routed rows
     weight_ptr: Fp32Pointer  # this rank's router weights, fp32 [T * k]
     d_router_ptr: Fp32Pointer  # this rank's d_router, fp32 [T * k]
-    weight_ptrs: Int64Pointer  # the peers' router weights' addresses, int64 [P]
-    d_router_ptrs: Int64Pointer  # the peers' d_router addresses, int64 [P]
+    # int64 [buffers, 128]: the EP group's peer table (common/peers.py), for the peers' router
+    # weights and d_router
+    peer_table_ptr: Int64Pointer
     ep_rank: Int32
     num_rows: Int32
     blocks: Int32
@@ -37,8 +38,8 @@ class RouterGradPush:
     `partials` hold <dY_e, y> = w * <dY, y> per 128-column block (the d_hidden epilogue's), so
     the quotient is <dY, y>. The sum runs in increasing b, one thread per row: the same bits on
     every rank and EP size. router_weights[p] and d_router[p] (fp32 [T * k]) are this rank's
-    `weight_ptr` / `d_router_ptr` for p == ep_rank and the peer tables' addresses (int64 [P])
-    otherwise. The pushed values are read by their rank after the group's end barrier.
+    `weight_ptr` / `d_router_ptr` for p == ep_rank and the peer table's router_weight_buffer
+    and d_router_weight_buffer rows otherwise. The pushed values are read by their rank after the group's end barrier.
 
     Kernel parameters: `RouterGradPushArgs`. Launch: grid (ceil(num_rows / threads), 1, 1),
     block (threads, 1, 1).

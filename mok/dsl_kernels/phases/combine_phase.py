@@ -136,5 +136,5 @@ def finish_backward(thread: Int32, bidx: Int32, grid_size: Int32, waits: tuple, 
         if item < items:
             sum_slots(thread, item, col_blocks, chunks, num_tokens, topk, views)
         else:
-            push_row((item - items) * COMBINE_THREADS + thread, *push[:6], no_table,
-                     no_table, Int32(0), *push[6:])  # fmt: skip
+            push_row((item - items) * COMBINE_THREADS + thread, *push[:6], no_table, Int32(0),
+                     *push[6:])  # fmt: skip

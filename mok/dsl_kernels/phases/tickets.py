@@ -15,8 +15,13 @@ from cutlass import Int32, Int64
 from ..common.bounded_wait import atom_add_relaxed_gpu_s32
 
 TASK_SLOTS = 8
-SLOT_BYTES = 4 * TASK_SLOTS
+# The task numbers, then as many words of what the producer found about each task's rows
+# (`task_flags`).
+SLOT_BYTES = 2 * 4 * TASK_SLOTS
 NO_TASK = -1
+# A task flag: rows 64..127 of its 128-row tile are all padding (the second consumer
+# warpgroup's half; gemm_engine.mma_k_tiles `skip`).
+PADDED_HALF = 1
 
 
 def task_slots(storage, offset_bytes: int) -> cute.Tensor:
@@ -24,6 +29,16 @@ def task_slots(storage, offset_bytes: int) -> cute.Tensor:
     memory, past what its crew hand-off uses (sm90: epilogue_warps.BUFFER_BYTES)."""
     return cute.make_tensor(
         cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=Int32),
+        cute.make_layout(TASK_SLOTS),
+    )
+
+
+def task_flags(storage, offset_bytes: int) -> cute.Tensor:
+    """TASK_SLOTS int32 flags after `task_slots`' words: flag seq % TASK_SLOTS belongs to the
+    task in that slot, written by the producer (every lane) before the task's first stage, so
+    the consumers read it after that stage's full barrier, as they read the task."""
+    return cute.make_tensor(
+        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes + 4 * TASK_SLOTS, dtype=Int32),
         cute.make_layout(TASK_SLOTS),
     )
 

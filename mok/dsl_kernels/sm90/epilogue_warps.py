@@ -234,13 +234,14 @@ class EpilogueCrew:
 CREW = EpilogueCrew(first_warp=1, num_warps=3)
 
 
-def slot_stores(args, walk, stored) -> dict:
+def slot_stores(args, walk, stored, slots_row: int) -> dict:
     """Crew store keywords (task_walk.store_phase) of 128 x 256 tiles whose rows are pushed to
     their (token, j) slots on the source rank: `args.slots_ptr` bf16 [T * k, H] on this rank,
-    the address in `args.slots_ptrs` (int64 [P]) on the others, by `walk`'s schedule
+    on the others the address in row `slots_row` of the peer table at `args.peer_table_ptr`
+    (common/peers.py: the forward's combine_buffer, the backward's d_x_routed_buffer), by `walk`'s schedule
     (task_walk.WalkArgs); padding rows are not stored. Each stored tile counts on the int32 at
     `stored` (`count_tile`: the in-kernel sums wait on it)."""
-    table = peer_table(args.slots_ptrs)
+    table = peer_table(args.peer_table_ptr, slots_row)
     row_bytes = cute.assume(Int64(walk.hidden_size) * Int64(2), divby=4 * TILE_N)
     return dict(
         tile_cols=2 * TILE_N, slots=(walk.peer_rank_ptr, walk.peer_token_idx_ptr),

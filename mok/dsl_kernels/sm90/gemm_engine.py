@@ -276,22 +276,31 @@ def mma_k_tiles(
     accumulators: tuple,
     may_be_empty: bool = False,
     from_zero: bool = True,
+    skip=None,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
     the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
     accumulators go on from the values the caller put in them (every wgmma accumulates, so a
-    sum continued from its stored fp32 partial is bitwise the uninterrupted one). Returns
-    (read, release)."""
+    sum continued from its stored fp32 partial is bitwise the uninterrupted one). `skip` (a
+    Boolean, the same on the whole warpgroup; `from_zero` only): this warpgroup's 64 rows are
+    all padding, so it issues no wgmma: it waits for and releases each of the `k_tiles` stages
+    (the other warpgroup reads them) and its accumulators stay zero, what wgmma gives for zero
+    rows. Returns (read, release)."""
+    # A skipping warpgroup hands off what it holds: zeros only when it started from them.
+    assert from_zero or skip is None, "mma_k_tiles: skip needs from_zero"
     tCrA, tCrB0, tCrB1 = operands
     acc0, acc1 = accumulators
     k_blocks = cute.size(tCrA, mode=[2])
     if cutlass.const_expr(from_zero):
         acc0.fill(0.0)
         acc1.fill(0.0)
+    mma_tiles = k_tiles
+    if cutlass.const_expr(skip is not None):
+        mma_tiles = cutlass.select_(skip, Int32(0), k_tiles)
     fence_accumulators(accumulators)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     cute.nvgpu.warpgroup.fence()
-    for k_tile in cutlass.range(k_tiles, unroll=1):
+    for k_tile in cutlass.range(mma_tiles, unroll=1):
         ring.consumer_wait(read_state)
         for k_block in cutlass.range_constexpr(k_blocks):
             coord = (None, None, k_block, read_state.index)
@@ -306,13 +315,19 @@ def mma_k_tiles(
             release_state.advance()
     cute.nvgpu.warpgroup.wait_group(0)
     fence_accumulators(accumulators)
-    if cutlass.const_expr(may_be_empty):
-        if k_tiles > 0:
+    if cutlass.const_expr(may_be_empty or skip is not None):
+        if mma_tiles > 0:
             ring.consumer_release(release_state)
             release_state.advance()
     else:
         ring.consumer_release(release_state)
         release_state.advance()
+    if cutlass.const_expr(skip is not None):
+        for _ in cutlass.range(k_tiles - mma_tiles, unroll=1):
+            ring.consumer_wait(read_state)
+            read_state.advance()
+            ring.consumer_release(release_state)
+            release_state.advance()
     return read_state, release_state
 
 

@@ -56,7 +56,7 @@ from ..common.params import (
     Int32Pointer,
     Int64Pointer,
 )
-from ..common.peers import peer_table
+from ..common.peers import D_X_ROUTED_BUFFER, D_Y_BUFFER, ROUTER_WEIGHT_BUFFER, peer_table
 from ..common.retire import retire_cta
 from ..phases import combine_phase
 from ..phases.dispatch_phase import PHASE_BACKWARD_DISPATCH, dispatch_rows
@@ -71,7 +71,15 @@ from ..phases.task_walk import (
     produce_steps,
     store_steps,
 )
-from ..phases.tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
+from ..phases.tickets import (
+    PADDED_HALF,
+    SLOT_BYTES,
+    Tickets,
+    consumer_task,
+    signal_no_task,
+    task_flags,
+    task_slots,
+)
 from . import d_hidden_phase, d_x_phase
 from . import epilogue_warps as handoff
 from . import gemm_engine as engine
@@ -175,9 +183,7 @@ class BackwardTensors(NamedTuple):
     d_up_ptr: Bf16Pointer
     partials_ptr: Fp32Pointer
     slots_ptr: Bf16Pointer
-    dy_ptrs: Int64Pointer
-    weight_ptrs: Int64Pointer
-    slots_ptrs: Int64Pointer
+    peer_table_ptr: Int64Pointer
     dy_rounded_ptr: Bf16Pointer
     d_gate_rounded_ptr: Bf16Pointer
     d_up_rounded_ptr: Bf16Pointer
@@ -323,11 +329,15 @@ class Sm90MoeBackward:
         row_tickets = Tickets(
             task_ticket + Int64(4), task_slots(storage, handoff.BUFFER_BYTES), row_tiles_total
         )
+        # Whether each task's rows 64..127 are all padding: the second consumer warpgroup then
+        # issues no wgmma for it (gemm_engine.mma_k_tiles `skip`).
+        flags = task_flags(storage, handoff.BUFFER_BYTES)
+        rank_of = cute.make_tensor(walk.peer_rank_ptr, cute.make_layout(walk.capacity))
 
         # ---- dispatch: dY_e = bf16(w * dY), every thread of the dispatching CTAs ----
         if bidx < dispatchers:
             copied = dispatch_rows(
-                (args.dy_ptr, peer_table(args.dy_ptrs), walk.ep_rank),
+                (args.dy_ptr, peer_table(args.peer_table_ptr, D_Y_BUFFER), walk.ep_rank),
                 args.dy_routed_ptr,
                 walk,
                 dispatched,
@@ -335,7 +345,7 @@ class Sm90MoeBackward:
                 tidx,
                 engine.THREADS,
                 row_tickets,
-                (args.weight_ptr, peer_table(args.weight_ptrs)),
+                (args.weight_ptr, peer_table(args.peer_table_ptr, ROUTER_WEIGHT_BUFFER)),
                 args.dy_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
             )
             # After dispatch_rows' last CTA barrier: every row tile this CTA copied is written.
@@ -378,7 +388,9 @@ class Sm90MoeBackward:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                state, _, _ = produce_steps(state, batches, tiles, tickets, waits, loads)
+                state, _, _ = produce_steps(
+                    state, batches, tiles, tickets, waits, loads, (rank_of, flags)
+                )
                 signal_no_task(ring, state)
                 state.advance()
                 wait = PhaseWait(
@@ -415,7 +427,7 @@ class Sm90MoeBackward:
                         if cutlass.const_expr(self.mxfp8)
                         else None,
                     ),
-                    slot_stores(args, walk, dx_done),
+                    slot_stores(args, walk, dx_done, D_X_ROUTED_BUFFER),
                 )
                 lane = tidx - 32 * CREW.first_warp
                 store_steps(CREW, batches, tiles, tickets, buffers, lane, stores)
@@ -435,7 +447,9 @@ class Sm90MoeBackward:
             read_state, release_state = engine.make_consumer_states(self.stages)
 
             # ---- d_hidden tasks: the SwiGLU backward and partials here, d_gate/d_up to the crew
-            def run_d_hidden(states, first_row, col_tile):
+            second_half = warpgroup == 2
+
+            def run_d_hidden(states, flag, first_row, col_tile):
                 read_state, release_state = engine.mma_k_tiles(
                     tiled_mma,
                     ring,
@@ -444,6 +458,7 @@ class Sm90MoeBackward:
                     walk.hidden_size // TILE_K,
                     operands,
                     accs,
+                    skip=(flag == PADDED_HALF) & second_half,
                 )
                 for j in cutlass.range_constexpr(2):
                     d_hidden_phase.swiglu_backward(
@@ -466,7 +481,7 @@ class Sm90MoeBackward:
             d_x_mma = engine.backward_mma()
             d_x_thr = d_x_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
-            def run_d_x(states, first_row, col_tile):
+            def run_d_x(states, flag, first_row, col_tile):
                 read_state, release_state = engine.mma_k_tiles(
                     d_x_mma,
                     ring,
@@ -475,6 +490,7 @@ class Sm90MoeBackward:
                     2 * (walk.intermediate_size // TILE_K),
                     operands,
                     accs,
+                    skip=(flag == PADDED_HALF) & second_half,
                 )
                 CREW.hand_off(d_x_thr, accs, buffers)
                 return read_state, release_state
@@ -501,6 +517,7 @@ class Sm90MoeBackward:
                     tiles[0],
                     first,
                     end_row,
+                    flags,
                 )
                 states, seq, task = consume_phase(
                     states,
@@ -515,6 +532,7 @@ class Sm90MoeBackward:
                     tiles[1],
                     first_2,
                     end_row_2,
+                    flags,
                 )
             CREW.hand_off_nothing()
             timeline.mark_time(*marks, engine.THREADS_PER_WARPGROUP, SLOT["last_task"])

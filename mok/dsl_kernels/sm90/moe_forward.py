@@ -56,7 +56,7 @@ from ..common.params import (
     Int32Pointer,
     Int64Pointer,
 )
-from ..common.peers import peer_table
+from ..common.peers import COMBINE_BUFFER, X_BUFFER, peer_table
 from ..common.retire import retire_cta
 from ..phases import combine_phase, schedule_phase
 from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
@@ -70,7 +70,15 @@ from ..phases.task_walk import (
     produce_steps,
     store_steps,
 )
-from ..phases.tickets import SLOT_BYTES, Tickets, consumer_task, signal_no_task, task_slots
+from ..phases.tickets import (
+    PADDED_HALF,
+    SLOT_BYTES,
+    Tickets,
+    consumer_task,
+    signal_no_task,
+    task_flags,
+    task_slots,
+)
 from . import down_phase, gate_up_phase
 from . import epilogue_warps as handoff
 from . import gemm_engine as engine
@@ -137,8 +145,7 @@ class ForwardTensors(NamedTuple):
     up_ptr: Bf16Pointer
     hidden_ptr: Bf16Pointer
     slots_ptr: Bf16Pointer
-    x_ptrs: Int64Pointer
-    slots_ptrs: Int64Pointer
+    peer_table_ptr: Int64Pointer
     x_rounded_ptr: Bf16Pointer
     hidden_rounded_ptr: Bf16Pointer
     out_ptr: Bf16Pointer
@@ -266,12 +273,16 @@ class Sm90MoeForward:
         tickets = Tickets(task_ticket, slots, num_tasks)
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.
         row_tickets = Tickets(task_ticket + Int64(4), slots, row_tiles_total)
+        # Whether each task's rows 64..127 are all padding: the second consumer warpgroup then
+        # issues no wgmma for it (gemm_engine.mma_k_tiles `skip`).
+        flags = task_flags(storage, handoff.BUFFER_BYTES)
+        rank_of = cute.make_tensor(walk.peer_rank_ptr, cute.make_layout(walk.capacity))
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
         if bidx < dispatchers:
             dispatch_rows(
-                (args.x_ptr, peer_table(args.x_ptrs), walk.ep_rank),
+                (args.x_ptr, peer_table(args.peer_table_ptr, X_BUFFER), walk.ep_rank),
                 args.x_routed_ptr,
                 walk,
                 dispatched,
@@ -308,7 +319,9 @@ class Sm90MoeForward:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                state, _, _ = produce_steps(state, batches, tiles, tickets, waits, loads)
+                state, _, _ = produce_steps(
+                    state, batches, tiles, tickets, waits, loads, (rank_of, flags)
+                )
                 signal_no_task(ring, state)
                 ring.producer_tail(state)
                 timeline.mark_time(*marks, 0, SLOT["producer_done"])
@@ -326,7 +339,7 @@ class Sm90MoeForward:
                         (hidden_done,),
                         args.hidden_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
                     ),
-                    slot_stores(args, walk, down_done),
+                    slot_stores(args, walk, down_done, COMBINE_BUFFER),
                 )
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
@@ -341,9 +354,12 @@ class Sm90MoeForward:
             down_mma = engine.forward_mma()
             down_thr = down_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
-            def run_task(states, mma, thr, k_tiles):
+            second_half = warpgroup == 2
+
+            def run_task(states, flag, mma, thr, k_tiles):
+                skip = (flag == PADDED_HALF) & second_half
                 read_state, release_state = engine.mma_k_tiles(
-                    mma, ring, states[0], states[1], k_tiles, operands, accs
+                    mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip
                 )
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
@@ -364,6 +380,7 @@ class Sm90MoeForward:
                     middle,
                     run_task,
                     (tiled_mma, thr_mma, walk.hidden_size // TILE_K),
+                    flags=flags,
                 )
                 states, seq, task = consume_phase(
                     states,
@@ -375,6 +392,7 @@ class Sm90MoeForward:
                     end,
                     run_task,
                     (down_mma, down_thr, walk.intermediate_size // TILE_K),
+                    flags=flags,
                 )
             crew.hand_off_nothing()
             timeline.mark_time(*marks, THREADS_PER_WARPGROUP, SLOT["last_task"])
