@@ -559,6 +559,7 @@ def test_new_kernels_launch_packs(monkeypatch):
     made = fake_kernels(monkeypatch)
     monkeypatch.setattr(macrobatch, "sm_count", lambda device: 132)
     monkeypatch.setattr(macrobatch, "check_cuda", lambda name, t, dtype, shape: None)
+    monkeypatch.setattr(macrobatch, "check_counts", lambda name, t, size: None)
     monkeypatch.setattr(macrobatch, "check_expert_weights",
                         lambda name, t, dtype, shape: t.stride(0) // t.shape[2])  # fmt: skip
     device_args.clear_descriptor_cache()
