@@ -9,8 +9,8 @@ block whose experts module carries `@use_experts_implementation` with SwiGLU exp
 up concatenated as ``gate_up_proj`` [E, 2I, H], gate rows first; ``down_proj`` [E, H, I]; no
 bias; SiLU) runs its routed experts in mok: Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral,
 DeepSeek-V3, OLMoE and the other families with that layout. Parameter names, checkpoints and
-the model's router stay transformers'. ``gate_up_proj`` goes to `mok.nn.moe_fused` whole and
-its gradient comes back whole (the layer copies its two halves each pass).
+the model's router stay transformers'. ``gate_up_proj`` goes to `mok.nn.moe_fused` whole, its
+halves read in place, and its gradient comes back whole, written by the kernels (no copy).
 
 Anything else (biases, transposed or interleaved layouts, a custom gate such as GPT-OSS's
 clamped one, experts without a gate, a post-expert norm, transformers' own expert
