@@ -1,31 +1,61 @@
 #!/usr/bin/env bash
-# One run on a GPU machine: install mok, run the GPU tests named in $TESTS, the
-# benchmarks named in $BENCH, and write every log under $OUT. Usage (from the repo root):
-#   TESTS="tests/gpu/test_runtime_gpu.py" BENCH="memory moe main" bash tools/gpu_run.sh
+# One run on a one-GPU machine, bounded in time: install mok, then the GPU test files in $TESTS
+# (each in its own process, $PAR at a time, none started after $DEADLINE_S), the original's
+# suite if $ORIGINAL names its checkout, the benchmarks in $BENCH; logs under $OUT (packed as
+# $OUT/logs.tgz with $OUT/summary.txt beside it), the summary printed last. From the repo root:
+#   TESTS="tests/gpu/test_runtime_gpu.py tests/gpu/test_comm_gpu.py" PAR=4 bash tools/gpu_run.sh
+#   ORIGINAL=PATH_TO_ORIGINAL_CHECKOUT BENCH="main moe" bash tools/gpu_run.sh
+# WHEELS=DIR: wheels installed into /tmp/site (put on PYTHONPATH) first, except TorchTitan's,
+# which tests/conftest.py installs for its own checks from the same folder (PIP_FIND_LINKS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-status=0
-[ -n "${DIAG:-}" ] && timeout 200 python3 $DIAG 2>&1 | tee "$OUT/diag.log"
-# Each test file in its own process: a trapped kernel kills its CUDA context, and must not
-# take the other files' tests with it.
-for t in ${TESTS:-}; do
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $t ${TEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -12
-  status=$(( status | PIPESTATUS[0] ))
-done
-if [ -n "${MULTI:-}" ]; then
-  timeout "${MULTI_TIMEOUT:-240}" torchrun --nproc-per-node 2 -m pytest -m multigpu -q -rfE -p no:cacheprovider $MULTI 2>&1 | tee "$OUT/pytest_multigpu.log" | tail -30
-  status=$(( status | PIPESTATUS[0] ))
+OUT=${OUT:-/tmp/out}; LOGS=$(mktemp -d); mkdir -p "$OUT"; START=$(date +%s)
+export LOGS DEADLINE=$(( START + ${DEADLINE_S:-540} )) TEST_TIMEOUT=${TEST_TIMEOUT:-420}
+pack() { cp "$LOGS/summary.txt" "$OUT/" 2>/dev/null; tar -czf "$OUT/logs.tgz" -C "$LOGS" . ; }
+trap pack EXIT
+: > "$LOGS/summary.txt"
+note() { echo "$*" >> "$LOGS/summary.txt"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$LOGS/gpu.txt"
+if [ -n "${WHEELS:-}" ]; then
+  wheels=$(ls "$WHEELS"/*.whl | grep -v torchtitan)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels > "$LOGS/wheels.log" 2>&1 \
+    || note "wheels: install failed (wheels.log)"
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PIP_NO_INDEX=1 PIP_FIND_LINKS=$(cd "$WHEELS" && pwd)
 fi
+python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$LOGS/gpu.txt"
+python3 -m pip install --no-deps --no-build-isolation -e . > "$LOGS/install.log" 2>&1 || { tail -20 "$LOGS/install.log"; exit 1; }
+
+# One test file in its own process: a trapped kernel kills its CUDA context, and must not take
+# the other files' tests with it.
+run_file() {
+  local name left start
+  name=$(basename "$1" .py); start=$(date +%s); left=$(( DEADLINE - start ))
+  [ "$left" -gt "$TEST_TIMEOUT" ] && left=$TEST_TIMEOUT
+  if [ "$left" -lt 20 ]; then echo "$name not started (deadline)" >> "$LOGS/summary.txt"; return; fi
+  timeout "$left" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$1" ${TEST_ARGS:-} > "$LOGS/$name.log" 2>&1
+  echo "$name rc=$? $(grep -E '(passed|failed|error|skipped)' "$LOGS/$name.log" | tail -1 | cut -c1-100) [$(( $(date +%s) - start ))s]" >> "$LOGS/summary.txt"
+}
+export -f run_file
+status=0
+[ -n "${TESTS:-}" ] && printf '%s\n' $TESTS | xargs -P "${PAR:-1}" -I{} bash -c 'run_file {}'
+grep -q " rc=[1-9]" "$LOGS/summary.txt" && status=1
+
+if [ -n "${ORIGINAL:-}" ]; then
+  left=$(( DEADLINE - $(date +%s) ))
+  timeout "$left" python3 tools/original_suite.py "$ORIGINAL" --timeout "${ORIGINAL_TIMEOUT:-300}" \
+    --json "$LOGS/original_suite.json" ${ORIGINAL_ARGS:-} > "$LOGS/original_suite.log" 2>&1
+  note "original suite rc=$?: $(tail -1 "$LOGS/original_suite.log")"
+fi
+
 for b in ${BENCH:-}; do
+  left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && { note "$b not started (deadline)"; continue; }
   case $b in
-    memory) timeout 240 python3 -m benchmarks.memory_kernels --json "$OUT/memory_kernels.json" --profile "$OUT/launch_profile.txt" 2>&1 | tee "$OUT/memory_kernels.log" | tail -20 ;;
-    moe) timeout "${MOE_TIMEOUT:-300}" python3 -m benchmarks.moe ${MOE_ARGS:-} --json "$OUT/moe.json" --png "$OUT/moe.png" 2>&1 | tee "$OUT/moe.log" | tail -30 ;;
-    main) timeout 120 python3 -m mok 2>&1 | tee "$OUT/main.log" | tail -16 ;;
-    moe2) timeout "${MOE_TIMEOUT:-300}" torchrun --nproc-per-node 2 -m benchmarks.moe ${MOE_ARGS:-} --json "$OUT/moe_ep2.json" --png "$OUT/moe_ep2.png" 2>&1 | tee "$OUT/moe_ep2.log" | grep -v "^W1" | tail -30 ;;
+    main) timeout "$left" python3 -m mok > "$LOGS/main.log" 2>&1; note "python -m mok rc=$? $(tail -1 "$LOGS/main.log")" ;;
+    memory) timeout "$left" python3 -m benchmarks.memory_kernels --json "$LOGS/memory_kernels.json" > "$LOGS/memory_kernels.log" 2>&1; note "memory_kernels rc=$?" ;;
+    moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
+         note "benchmarks.moe rc=$?"; grep -A60 "^shape " "$LOGS/moe.log" >> "$LOGS/summary.txt" ;;
   esac
 done
+note "total $(( $(date +%s) - START ))s"
+echo "======== summary"; cat "$LOGS/summary.txt"
 exit $status
