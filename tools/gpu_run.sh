@@ -5,6 +5,8 @@
 # $OUT/logs.tgz with $OUT/summary.txt beside it), the summary printed last. From the repo root:
 #   TESTS="tests/gpu/test_runtime_gpu.py tests/gpu/test_comm_gpu.py" PAR=4 bash tools/gpu_run.sh
 #   ORIGINAL=PATH_TO_ORIGINAL_CHECKOUT BENCH="main moe" bash tools/gpu_run.sh
+#   BASELINE=DIR BENCH=ab MOE_ARGS="--shapes qwen3-30b-a3b --tokens 2048,16384" bash tools/gpu_run.sh
+#     (DIR: another tree of mok, e.g. `git archive REV | tar -x -C DIR`; tools/tree_ab.py compares)
 # WHEELS=DIR: wheels installed into /tmp/site (put on PYTHONPATH) first, except TorchTitan's,
 # which tests/conftest.py installs for its own checks from the same folder (PIP_FIND_LINKS).
 set -uo pipefail
@@ -54,6 +56,16 @@ for b in ${BENCH:-}; do
     memory) timeout "$left" python3 -m benchmarks.memory_kernels --json "$LOGS/memory_kernels.json" > "$LOGS/memory_kernels.log" 2>&1; note "memory_kernels rc=$?" ;;
     moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
          note "benchmarks.moe rc=$?"; grep -A60 "^shape " "$LOGS/moe.log" >> "$LOGS/summary.txt" ;;
+    ab) # the same benchmark in $BASELINE (another tree of mok: A) and here (B), in turn, twice
+        for i in 1 2; do
+          for side in a b; do
+            tree=.; [ $side = a ] && tree=$BASELINE
+            left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break 2
+            (cd "$tree" && timeout "$left" python3 -m benchmarks.moe --no-liger --no-sonic ${MOE_ARGS:-} \
+              --json "$LOGS/ab_$side$i.json" > "$LOGS/ab_$side$i.log" 2>&1)
+          done
+        done
+        python3 tools/tree_ab.py --a "$LOGS"/ab_a*.json --b "$LOGS"/ab_b*.json >> "$LOGS/summary.txt" 2>&1 ;;
   esac
 done
 note "total $(( $(date +%s) - START ))s"
