@@ -554,9 +554,7 @@ def test_gpu_ops_hand_a_small_macrobatch_to_the_ring_launchers(monkeypatch):
 
 
 def test_new_kernels_launch_packs(monkeypatch):
-    from mok.launchers import device_args
-
-    from mok.launchers import plans
+    from mok.launchers import device_args, plans
 
     plans.clear_plans()  # a plan bound by another test would launch that test's fake kernel
     made = fake_kernels(monkeypatch)

@@ -303,3 +303,20 @@ def test_the_default_budget_is_a_share_of_the_gpus_memory(monkeypatch):
     assert runner.default_memory_budget_gib() == 32.0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert runner.default_memory_budget_gib() == round(0.4 * runner.NO_GPU_MEMORY_GIB, 1)
+
+
+def test_a_spent_time_budget_leaves_nodes_not_run_and_still_reports(fake_checkout):
+    """--budget-s: with the budget spent (here by the collection), no node starts; each is
+    recorded 'not run' (skips still 'skipped'), and the summary says so."""
+    lines: list[str] = []
+    result = runner.run_suite(
+        fake_checkout, adaptations=TEST_ADAPTATIONS, known_differences={}, timeout_s=5.0,
+        memory_budget_gib=1.0, budget_s=0.001, log=lines.append,
+    )  # fmt: skip
+    outcomes = {record.node: record.outcome for record in result.records}
+    assert outcomes["tests/test_fake.py::test_needs_two_ranks"] == "skipped"
+    assert {o for n, o in outcomes.items() if not n.endswith("needs_two_ranks")} == {"not run"}
+    assert "5 not run (time budget)" in result.summary
+    assert all(record.tail == "" for record in result.records)
+    with pytest.raises(ValueError, match="budget_s must be > 0, got 0"):
+        runner.run_suite(fake_checkout, budget_s=0, log=lambda line: None)

@@ -45,7 +45,8 @@ grep -q " rc=[1-9]" "$LOGS/summary.txt" && status=1
 if [ -n "${ORIGINAL:-}" ]; then
   left=$(( DEADLINE - $(date +%s) ))
   timeout "$left" python3 tools/original_suite.py "$ORIGINAL" --timeout "${ORIGINAL_TIMEOUT:-300}" \
-    --json "$LOGS/original_suite.json" ${ORIGINAL_ARGS:-} > "$LOGS/original_suite.log" 2>&1
+    --budget-s $(( left - 10 )) --json "$LOGS/original_suite.json" ${ORIGINAL_ARGS:-} \
+    > "$LOGS/original_suite.log" 2>&1
   note "original suite rc=$?: $(tail -1 "$LOGS/original_suite.log")"
 fi
 

@@ -2,6 +2,7 @@
 
     python tools/original_suite.py PATH_TO_ORIGINAL_CHECKOUT [--only PATTERN ...] [--timeout S]
                                    [--json OUT] [--list] [--strict] [--memory-budget-gib G]
+                                   [--budget-s S]
 
 PATH_TO_ORIGINAL_CHECKOUT is a checkout of the original (Godofnothing/mixture-of-kittens) with
 its tests/ folder. Nothing of it is copied into this repository: the runner reads the tests
@@ -78,6 +79,8 @@ def default_memory_budget_gib() -> float:
 
 
 DEFAULT_TIMEOUT_S = 1800.0
+# Under --budget-s, a node is started only with at least this much of the budget left.
+MIN_NODE_S = 15.0
 TAIL_LINES = 15
 
 # Multicast off: the machines mok is tested on do not allow NVLink multicast (NVLS).
@@ -511,6 +514,8 @@ def summary_line(records: Sequence[NodeRecord], version: str, commit: str) -> st
     parts.append(f"{counts['timeout']} timed out")
     if counts["error"]:
         parts.append(f"{counts['error']} errors")
+    if counts["not run"]:
+        parts.append(f"{counts['not run']} not run (time budget)")
     return f"original suite: {', '.join(parts)} of {len(records)} ({_identity(version, commit)})"
 
 
@@ -546,6 +551,7 @@ def run_suite(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     memory_budget_gib: float | None = None,
     list_only: bool = False,
+    budget_s: float | None = None,
     log: Callable[[str], None] = print,
 ) -> SuiteResult:
     """Collect the checkout's tests, then run each selected node in its own process."""
@@ -554,6 +560,9 @@ def run_suite(
         raise SuiteError(f"checkout must be a folder, got {checkout} (not a folder)")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if budget_s is not None and budget_s <= 0:
+        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     if memory_budget_gib is None:
         memory_budget_gib = default_memory_budget_gib()
     if memory_budget_gib <= 0:
@@ -580,9 +589,14 @@ def run_suite(
             if list_only:
                 log(f"{node}  {label}".rstrip())
                 continue
+            left = None if deadline is None else deadline - time.monotonic()
             if adaptation is not None and adaptation.action == "skip":
                 record = NodeRecord(
                     node, "skipped", 0.0, label, adaptation.reason, "", adaptation.category
+                )
+            elif left is not None and left < MIN_NODE_S:
+                record = NodeRecord(
+                    node, "not run", 0.0, label, "the run's time budget ran out", ""
                 )
             else:
                 plan["reduce_shapes"] = {}
@@ -593,7 +607,9 @@ def run_suite(
                         "fit_schedule": adaptation.fit_schedule,
                     }
                 plan_path.write_text(json.dumps(plan))
-                record = run_node(node, workdir, env, timeout_s)
+                record = run_node(
+                    node, workdir, env, timeout_s if left is None else min(timeout_s, left)
+                )
                 record.adaptation = label
                 if record.outcome == "skipped":
                     record.skip_category = "by the test"
@@ -622,6 +638,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only", nargs="+", default=[], metavar="NAME", help="run nodes containing/matching NAME"
     )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a node")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="seconds for the whole run: a node gets at most what is left, none starts with "
+        f"under {MIN_NODE_S:g} s left (recorded 'not run'), and the table and JSON still come",
+    )
     parser.add_argument("--json", type=Path, help="write every record to this JSON file")
     parser.add_argument("--list", action="store_true", help="list the nodes and adaptations")
     parser.add_argument("--strict", action="store_true", help="exit 1 on any non-pass, non-skip")
@@ -642,6 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_s=args.timeout,
             memory_budget_gib=args.memory_budget_gib,
             list_only=args.list,
+            budget_s=args.budget_s,
         )
     except (SuiteError, ValueError) as error:
         print(f"original suite: not run: {error}", file=sys.stderr)
@@ -664,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     print(result.summary)
-    bad = {"failed", "error", "timeout"}
+    bad = {"failed", "error", "timeout", "not run"}
     if args.strict and any(record.outcome in bad for record in result.records):
         return 1
     return 0
