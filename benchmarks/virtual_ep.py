@@ -155,7 +155,7 @@ def measure(shape_names, sizes, tokens=16384, warmup=2, reps=5) -> list[dict]:
                         ("graph fwd", "fwd_graph"),
                         ("graph fwd+bwd", "fwdbwd_graph"),
                     )
-                )  # fmt: skip
+                )
                 + f"  pulled = pushed per rank per pass "
                 f"{row['peer_bytes_per_rank_per_pass'] / 1e6:8.1f} MB  bitwise {same}",
                 flush=True,

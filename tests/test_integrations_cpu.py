@@ -373,7 +373,7 @@ def _tt_moe_config(shared_width: int, dim: int = 128, width: int = 128):
             top_k=2,
             score_func="softmax",
             route_norm=True,
-        ),  # fmt: skip
+        ),
         routed_experts=make_routed_experts_config(
             dim=dim,
             hidden_dim=width,
@@ -381,10 +381,10 @@ def _tt_moe_config(shared_width: int, dim: int = 128, width: int = 128):
             top_k=2,
             param_init=experts_init,
             comm_backend="standard",
-        ),  # fmt: skip
+        ),
         shared_experts=make_ffn_config(
             dim=dim, hidden_dim=shared_width, w1_param_init=init, w2w3_param_init=init
-        ),  # fmt: skip
+        ),
     )
 
 

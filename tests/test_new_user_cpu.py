@@ -396,7 +396,7 @@ def test_backward_refuses_a_shared_expert_context_without_shared_weights():
         (["--tokens", "0"], r"--tokens must be >= 1, got 0"),
         (["--swiglu-limit", "-1"], r"--swiglu-limit must be a finite number > 0, got -1.0"),
     ],
-)  # fmt: skip
+)
 def test_python_m_mok_argument_errors_are_usage_errors(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
         mok_main(argv)

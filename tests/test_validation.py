@@ -80,7 +80,7 @@ def test_config_is_frozen():
         (dict(device=3), TypeError, r"device must be a device, got int"),
         (dict(num_local_experts=0), ValueError, r"num_local_experts must be >= 1, got 0"),
     ],
-)  # fmt: skip
+)
 def test_get_workspace_errors(kwargs, exc, match):
     args = dict(device="cpu", num_local_tokens=T, hidden_size=H, topk=K) | kwargs
     with pytest.raises(exc, match=match):

@@ -231,7 +231,7 @@ class _BackwardPlan:
                 **walk_arguments(
                     schedule, self.counters.tensor, grad_output, weights[0], topk, pass_config,
                     grid, ep_rank,
-                ),  # fmt: skip
+                ),
                 "weight_gemms": 3 if weight_grads else 0,
                 "d_w_gate_up_rows": (2 if fused_grads else 1) * intermediate_size,
             },
