@@ -8,8 +8,10 @@
 # examples/train_torchtitan.py). --datasets adds `datasets` and its needs, which TorchTitan
 # 0.2's Qwen3 package imports through its dataloaders (pyarrow alone is ~55 MB).
 set -euo pipefail
-dir=${1:-.whl}
-[ "${1:-}" = "--datasets" ] && dir=.whl
+dir=.whl datasets=0
+for arg in "$@"; do
+    if [ "$arg" = "--datasets" ]; then datasets=1; else dir=$arg; fi
+done
 mkdir -p "$dir"
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
            --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
@@ -20,7 +22,7 @@ get() {
 }
 get megatron-core==0.19.2 torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 \
     docstring_parser==0.18.0 typeguard==4.6.1 dill==0.4.0 colorama==0.4.6
-if [[ " $* " == *" --datasets "* ]]; then
+if [ "$datasets" = 1 ]; then
     get datasets xxhash multiprocess pyarrow fsspec
 fi
 ls -la "$dir"

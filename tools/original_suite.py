@@ -21,9 +21,9 @@ Only the EP-size-1 adaptations in ORIGINAL_ADAPTATIONS are applied, each with it
 a node that needs a larger EP group is not run (counted as "skipped (EP >= 2)"), and the
 tests that loop over the original's shapes(world_size) table drop the rows whose routed
 weights, times the copies the test keeps alive, exceed --memory-budget-gib (default 0.4 of the
-GPU's memory; at EP size 1 one rank holds every expert). No assertion, tolerance or expected exception is changed. The
-documented differences from the original (README) are not adapted; the runner only names
-them beside a failing node (KNOWN_DIFFERENCES).
+GPU's memory; at EP size 1 one rank holds every expert). No assertion, tolerance or expected
+exception is changed. The documented differences from the original (README) are not adapted;
+the runner only names them beside a failing node (KNOWN_DIFFERENCES).
 
 --list prints the collected nodes with the adaptation each gets and runs nothing. --only keeps
 the nodes whose id contains the text or matches it as a glob. --json writes every record.
@@ -82,6 +82,8 @@ DEFAULT_TIMEOUT_S = 1800.0
 # Under --budget-s, a node is started only with at least this much of the budget left.
 MIN_NODE_S = 15.0
 TAIL_LINES = 15
+# Outcomes of a node that ran and did not pass: each is explained as it happens.
+FAILING = ("failed", "error", "timeout")
 
 # Multicast off: the machines mok is tested on do not allow NVLink multicast (NVLS).
 RUN_ENV = {
@@ -618,7 +620,7 @@ def run_suite(
             records.append(record)
             log(f"{record.outcome:<8} {record.seconds:>7.1f}s  {node}")
             # A failure's reason as it happens: a run cut short still shows why each node failed.
-            if record.outcome in ("failed", "error", "timeout"):
+            if record.outcome in FAILING:
                 log(f"    {record.detail}")
                 log(textwrap.indent(record.tail, "    | "))
 
@@ -687,8 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     print(result.summary)
-    bad = {"failed", "error", "timeout", "not run"}
-    if args.strict and any(record.outcome in bad for record in result.records):
+    if args.strict and any(record.outcome in (*FAILING, "not run") for record in result.records):
         return 1
     return 0
 
