@@ -18,6 +18,9 @@ def kernels(monkeypatch):
 
 
 def test_gather_rows_launch_packs(kernels):
+    from mok.launchers import plans
+
+    plans.clear_plans()  # a plan bound by another test would launch that test's fake kernel
     t, h, k, capacity = 300, 256, 2, 1024
     src = torch.zeros(t, h, dtype=torch.bfloat16)
     peer = torch.zeros(capacity, dtype=torch.int32)
@@ -27,6 +30,15 @@ def test_gather_rows_launch_packs(kernels):
     assert name == "gather_rows"
     ((grid, args),) = kernel.launches
     assert grid == (1, capacity // 4, 1) and args["num_rows"] == capacity
+    # The next call of the same shapes (a later macrobatch's replay) reuses the bound launch:
+    # no kernel lookup, the new addresses written.
+    out = torch.empty(capacity, h, dtype=torch.bfloat16)
+    counts = torch.tensor([256], dtype=torch.int32)
+    dispatch.gather_rows(src, peer, slot, counts, k, out=out)
+    assert kernels["gather_rows"] is kernel and len(kernel.launches) == 2
+    _, again = kernel.launches[1]
+    assert again["out_ptr"] == out.data_ptr() and again["num_tokens_ptr"] == counts.data_ptr()
+    assert (again["num_rows"], again["topk"], again["hidden_size"]) == (capacity, k, h)
 
 
 def _expert_weights_on_cpu(name, tensor, dtype, shape):

@@ -554,8 +554,9 @@ def test_gpu_ops_hand_a_small_macrobatch_to_the_ring_launchers(monkeypatch):
 
 
 def test_new_kernels_launch_packs(monkeypatch):
-    from mok.launchers import device_args
+    from mok.launchers import device_args, plans
 
+    plans.clear_plans()  # a plan bound by another test would launch that test's fake kernel
     made = fake_kernels(monkeypatch)
     monkeypatch.setattr(macrobatch, "sm_count", lambda device: 132)
     monkeypatch.setattr(macrobatch, "check_cuda", lambda name, t, dtype, shape: None)
@@ -585,6 +586,22 @@ def test_new_kernels_launch_packs(monkeypatch):
         assert grid == (tiles, 1, 1) and args["first_row"] == 1024 and args["window_rows"] == 1024
         assert (args["m_size"], args["n_size"], args["num_experts"]) == (I, H, E)
         assert args["out_expert_rows"] == I
+    # The plan's next call (the next macrobatch): no new kernel lookup, the new first_row and
+    # addresses written over the bound launch; a misaligned address is still refused.
+    kernel = made[macrobatch.WINDOW_KERNELS["accumulate"][0]]
+    later = torch.zeros(1024, I, dtype=torch.bfloat16)
+    macrobatch.weight_gradient_window(later, b, schedule.tokens_per_expert, 2048, out,
+                                      partials[1], partials[0], output="accumulate")  # fmt: skip
+    assert made[macrobatch.WINDOW_KERNELS["accumulate"][0]] is kernel
+    (_, first), (_, second) = kernel.launches
+    assert second["first_row"] == 2048 and second["out_ptr"] == out.data_ptr()
+    assert (second["partial_in_ptr"], second["partial_out_ptr"]) == (
+        first["partial_out_ptr"], first["partial_in_ptr"])  # fmt: skip
+    assert second["window_rows"] == 1024 and second["num_experts"] == E
+    shifted = torch.zeros(1024 * I + 4, dtype=torch.bfloat16)[4:].view(1024, I)
+    with pytest.raises(ValueError, match="a_rows must be 16-byte aligned"):
+        macrobatch.weight_gradient_window(shifted, b, schedule.tokens_per_expert, 0, out,
+                                          partials[0], partials[1], output="accumulate")  # fmt: skip
     with pytest.raises(ValueError, match="partial_in and partial_out must be different"):
         macrobatch.weight_gradient_window(a, b, schedule.tokens_per_expert, 0, out, partials[0],
                                           partials[0], output="accumulate")  # fmt: skip

@@ -194,7 +194,7 @@ def _expert_weights_on_cpu(name, tensor, dtype, shape):
 
 def _on_cpu(monkeypatch, *modules):
     """Make the launchers' CUDA-only checks and lookups CPU-safe in `modules`."""
-    from mok.launchers import device_args, megakernel_walk
+    from mok.launchers import device_args, megakernel_walk, plans
 
     monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: FakeErrorRecord())
     for module in (checks, megakernel_walk, *modules):
@@ -205,6 +205,7 @@ def _on_cpu(monkeypatch, *modules):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fake)
     device_args.clear_descriptor_cache()
+    plans.clear_plans()  # a plan bound by another test would launch that test's fake kernel
 
 
 def _record_descriptors(monkeypatch, *modules):
@@ -378,7 +379,8 @@ def test_window_weight_gradient_writes_a_fused_half_in_place(monkeypatch, kernel
                                       output=output)  # fmt: skip
     ((_, args),) = kernels[macrobatch.WINDOW_KERNELS[output][0]].launches
     assert args["out_expert_rows"] == 2 * I and args["m_size"] == I
-    assert args["out_ptr"].data_ptr() == fused[:, I:].data_ptr()
+    # A launch plan writes the dynamic params as addresses (ints).
+    assert args["out_ptr"] == fused[:, I:].data_ptr()
 
 
 def test_weight_names_order_is_what_the_tests_assume():
@@ -454,3 +456,29 @@ def test_moe_fused_adds_into_fp32_main_grad_halves_in_place(monkeypatch):
     main_gate, main_up = seen["main_grads"][:2]
     assert main_gate.data_ptr() == gate_up.main_grad.data_ptr()  # in place: no scratch
     assert main_up.data_ptr() == gate_up.main_grad[:, I:].data_ptr()
+
+
+def test_recompute_gemm_relaunches_its_plan_with_the_ticket_zeroed(monkeypatch, kernels):
+    """The replay's gate/up GEMM, macrobatch after macrobatch: one bound launch per shapes and
+    weights; each call zeroes the plan's tile ticket first (the kernel never resets it)."""
+    from mok.launchers import expert_gemm, plans
+
+    _on_cpu(monkeypatch, expert_gemm)
+    gate, up = _weights(False)
+    tokens = torch.full((E,), 128, dtype=torch.int32)
+    rows = torch.zeros(E * 128, H, dtype=torch.bfloat16)
+    expert_gemm.gate_up_swiglu(rows, gate, up, tokens)
+    kernel = kernels["expert_gemm_gate_up_swiglu"]
+    ((_, first),) = kernel.launches
+    (plan,) = [
+        p for p in plans.plans_of_thread().values() if isinstance(p, expert_gemm._GateUpPlan)
+    ]
+    plan.ticket.fill_(5)  # as a finished launch leaves it
+    outs = [torch.empty(E * 128, I, dtype=torch.bfloat16) for _ in range(3)]
+    expert_gemm.gate_up_swiglu(rows, gate, up, tokens, gate=outs[0], up=outs[1], hidden=outs[2])
+    assert kernels["expert_gemm_gate_up_swiglu"] is kernel and len(kernel.launches) == 2
+    _, second = kernel.launches[1]
+    assert int(plan.ticket) == 0 and second["ticket_ptr"] is first["ticket_ptr"]
+    assert (second["gate_ptr"], second["up_ptr"], second["out_ptr"]) == tuple(
+        t.data_ptr() for t in outs
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import tensor_key
 from .checks import (
     MAX_COLS,
     MAX_ROWS,
@@ -24,6 +25,7 @@ from .checks import (
     expert_rows_view,
 )
 from .device_args import new_ticket, persistent_grid, tma_descriptor
+from .plans import Descriptors, current_stream, plan, weight_key, zero_async
 
 GATE_UP_KERNEL = "expert_gemm_gate_up_swiglu"
 DOWN_KERNEL = "expert_gemm_down"
@@ -50,8 +52,6 @@ def gate_up_swiglu(
     `tokens_per_expert` int32 [E]: padded segment sizes, multiples of 128, sum <= C (not checked: a
     host sync). Constraints: H % 64 == 0, I % 128 == 0. Current stream, no host sync.
     """
-    from mok.runtime import get_kernel  # noqa: PLC0415
-
     capacity, hidden_size = x_routed.shape if x_routed.dim() == 2 else (-1, -1)
     num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
     check_cuda("x_routed", x_routed, torch.bfloat16, (capacity, hidden_size))
@@ -80,34 +80,52 @@ def gate_up_swiglu(
     if capacity == 0 or num_experts == 0:
         return gate, up, hidden
 
-    kernel = get_kernel(GATE_UP_KERNEL, device=device, manifest=manifest)
-    col_tiles = intermediate_size // GATE_UP_N_ALIGNMENT
-    kernel.launch(
-        (persistent_grid(device, capacity, col_tiles), 1, 1),
-        {
-            "tma_a": tma_descriptor(kernel, "tma_a", x_routed),
-            "tma_b0": tma_descriptor(
-                kernel, "tma_b0", expert_rows_view("gate_weights", gate_weights)[0]
-            ),
-            "tma_b1": tma_descriptor(
-                kernel, "tma_b1", expert_rows_view("up_weights", up_weights)[0]
-            ),
-            "out_ptr": hidden,
-            "gate_ptr": gate,
-            "up_ptr": up,
-            "peer_rank_ptr": None,
-            "peer_token_idx_ptr": None,
-            "tokens_per_expert_ptr": tokens_per_expert,
-            "ticket_ptr": new_ticket(device),
-            "num_experts": num_experts,
-            "k_size": hidden_size,
-            "n_size": intermediate_size,
-            "b_expert_rows": expert_rows,
-            "has_limit": int(swiglu_limit is not None),
-            "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
-        },
-    )
+    args = (x_routed, gate_weights, up_weights, tokens_per_expert, swiglu_limit, expert_rows)
+    if manifest is not None:  # another build's kernels (tests): no plan of theirs is kept
+        _GateUpPlan(*args, manifest=manifest)(x_routed, tokens_per_expert, gate, up, hidden)
+        return gate, up, hidden
+    key = (GATE_UP_KERNEL, tensor_key(x_routed), weight_key(gate_weights), weight_key(up_weights),
+           tensor_key(tokens_per_expert), swiglu_limit, current_stream(x_routed.get_device()))  # fmt: skip
+    plan(key, lambda: _GateUpPlan(*args))(x_routed, tokens_per_expert, gate, up, hidden)
     return gate, up, hidden
+
+
+class _GateUpPlan:
+    """`gate_up_swiglu` for one (shapes, weights, limit): bound on its first call (the caller
+    has checked the tensors); a call zeroes the plan's tile ticket on the stream, writes the
+    addresses and launches."""
+
+    def __init__(self, x_routed, gate_weights, up_weights, tokens_per_expert, swiglu_limit,
+                 expert_rows, *, manifest=None):  # fmt: skip
+        from mok.runtime import get_kernel  # noqa: PLC0415
+
+        device = x_routed.device
+        capacity, hidden_size = x_routed.shape
+        num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
+        kernel = get_kernel(GATE_UP_KERNEL, device=device, manifest=manifest)
+        self.device_index = x_routed.get_device()
+        self.ticket = new_ticket(device)
+        self.tma_a = Descriptors(kernel, "tma_a")
+        col_tiles = intermediate_size // GATE_UP_N_ALIGNMENT
+        self.bound = kernel.bind((persistent_grid(device, capacity, col_tiles), 1, 1), {
+            "tma_a": self.tma_a.get(x_routed),
+            "tma_b0": tma_descriptor(kernel, "tma_b0",
+                                     expert_rows_view("gate_weights", gate_weights)[0]),
+            "tma_b1": tma_descriptor(kernel, "tma_b1",
+                                     expert_rows_view("up_weights", up_weights)[0]),
+            "out_ptr": None, "gate_ptr": None, "up_ptr": None,
+            "peer_rank_ptr": None, "peer_token_idx_ptr": None,
+            "tokens_per_expert_ptr": None, "ticket_ptr": self.ticket,
+            "num_experts": num_experts, "k_size": hidden_size, "n_size": intermediate_size,
+            "b_expert_rows": expert_rows, "has_limit": int(swiglu_limit is not None),
+            "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+        }, dynamic=("tma_a", "out_ptr", "gate_ptr", "up_ptr", "tokens_per_expert_ptr"))  # fmt: skip
+
+    def __call__(self, x_routed, tokens_per_expert, gate, up, hidden) -> None:
+        stream = current_stream(self.device_index)
+        zero_async(self.ticket, stream)  # the kernel hands out tiles from zero, never resets it
+        self.bound.launch(self.tma_a.get(x_routed), hidden.data_ptr(), gate.data_ptr(),
+                          up.data_ptr(), tokens_per_expert.data_ptr(), stream=stream)  # fmt: skip
 
 
 def down(

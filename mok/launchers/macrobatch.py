@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..types import MoKSchedule
-from ..validation import check_macrobatch, fused_gate_up
+from ..validation import check_macrobatch, fused_gate_up, tensor_key
 from . import dispatch, epilogues, expert_gemm, mxfp8
 from .backward_megakernel import launch_routed_backward, push_router_grads
 from .checks import (
@@ -48,16 +48,20 @@ from .checks import (
     check_multiple,
 )
 from .comm import group_barrier, publish_x
-from .device_args import TILE_ROWS, sm_count, tma_descriptor
+from .device_args import TILE_ROWS, sm_count
 from .expert_gemm_bwd import M_ALIGNMENT, N_ALIGNMENT, gate_up_gradients
 from .forward_megakernel import launch_routed_forward
 from .peer_table import peer_table
+from .plans import Descriptors, aligned, all_aligned, current_stream, plan
 from .shared_expert import shared_backward, shared_forward
 
 SCHEDULE_KERNEL = "macrobatch_schedule"
 # The macrobatch_schedule kernel's one CTA has a thread per local expert.
 MAX_LOCAL_EXPERTS = 1024
 # weight_gradient_window's `output` -> (kernel, dtype of out)
+# The window kernels' params a call of a bound launch writes (`_WindowPlan`), in its order.
+WINDOW_DYNAMIC = ("tma_a", "tma_b", "out_ptr", "partial_in_ptr", "partial_out_ptr",
+                  "tokens_per_expert_ptr", "first_row")  # fmt: skip
 WINDOW_KERNELS = {
     "bf16": ("expert_gemm_bwd_weights_window_bf16", torch.bfloat16),
     "accumulate": ("expert_gemm_bwd_weights_window_accumulate", torch.float32),
@@ -335,47 +339,79 @@ def weight_gradient_window(
     (checks.expert_rows). An expert with no rows is finished (zeros, or out += 0)
     by the macrobatch at row 0. Constraints: M % 128 == 0, N % 256 == 0, first_row % 128 == 0.
     """
-    from mok.runtime import get_kernel  # noqa: PLC0415
-
-    rows, m_size = a_rows.shape if a_rows.dim() == 2 else (-1, -1)
-    n_size = b_rows.shape[1] if b_rows.dim() == 2 else -1
-    num_experts = tokens_per_expert.shape[0] if tokens_per_expert.dim() == 1 else -1
     if output not in WINDOW_KERNELS:
         raise ValueError(f"output must be one of {sorted(WINDOW_KERNELS)}, got {output!r}")
-    kernel_name, out_dtype = WINDOW_KERNELS[output]
-    check_cuda("a_rows", a_rows, torch.bfloat16, (rows, m_size))
-    check_cuda("b_rows", b_rows, torch.bfloat16, (rows, n_size))
-    check_multiple("M (a_rows.shape[1])", m_size, M_ALIGNMENT)
-    check_multiple("N (b_rows.shape[1])", n_size, N_ALIGNMENT)
-    check_multiple("the macrobatch's rows", rows, TILE_ROWS)
-    if first_row < 0 or first_row % TILE_ROWS:
+    if (
+        isinstance(first_row, bool)
+        or not isinstance(first_row, int)
+        or first_row < 0
+        or (first_row % TILE_ROWS)
+    ):
         raise ValueError(f"first_row must be a multiple of {TILE_ROWS} >= 0, got {first_row}")
-    check_counts("tokens_per_expert", tokens_per_expert, num_experts)
-    out_rows = check_expert_weights("out", out, out_dtype, (num_experts, m_size, n_size))
-    check_extents("E * out rows per expert", rows, num_experts * out_rows, m_size, n_size)
-    check_cuda("partial_in", partial_in, torch.float32, (m_size, n_size))
-    check_cuda("partial_out", partial_out, torch.float32, (m_size, n_size))
     if partial_in.data_ptr() == partial_out.data_ptr():
         raise ValueError("partial_in and partial_out must be different buffers")
-    if num_experts == 0:
-        return out
-    kernel = get_kernel(kernel_name, device=a_rows.device)
-    tiles = num_experts * (m_size // M_ALIGNMENT) * (n_size // N_ALIGNMENT)
-    kernel.launch(
-        (max(1, min(sm_count(a_rows.device), tiles)), 1, 1),
-        {
-            "tma_a": tma_descriptor(kernel, "tma_a", a_rows),
-            "tma_b": tma_descriptor(kernel, "tma_b", b_rows),
-            "out_ptr": out,
-            "partial_in_ptr": partial_in,
-            "partial_out_ptr": partial_out,
-            "tokens_per_expert_ptr": tokens_per_expert,
-            "num_experts": num_experts,
-            "m_size": m_size,
-            "n_size": n_size,
-            "out_expert_rows": out_rows,
-            "first_row": first_row,
-            "window_rows": rows,
-        },
-    )
+    # Everything but the addresses and first_row is the plan's key: its first call runs the
+    # full checks (one macrobatch after another reuses it, a launch each).
+    key = (
+        "weights_window", output, tensor_key(a_rows), tensor_key(b_rows),
+        tensor_key(tokens_per_expert), tensor_key(out), tensor_key(partial_in),
+        tensor_key(partial_out), current_stream(a_rows.get_device()),
+    )  # fmt: skip
+
+    def make():
+        return _WindowPlan(a_rows, b_rows, tokens_per_expert, out, partial_in, partial_out, output)
+
+    plan(key, make)(a_rows, b_rows, tokens_per_expert, first_row, out, partial_in, partial_out)
     return out
+
+
+class _WindowPlan:
+    """`weight_gradient_window` for one (shapes, output): checked and bound on its first call;
+    a call writes the addresses and first_row, and launches (none for no experts)."""
+
+    def __init__(self, a_rows, b_rows, tokens_per_expert, out, partial_in, partial_out, output):
+        from mok.runtime import get_kernel  # noqa: PLC0415
+
+        rows, m_size = a_rows.shape if a_rows.dim() == 2 else (-1, -1)
+        n_size = b_rows.shape[1] if b_rows.dim() == 2 else -1
+        num_experts = tokens_per_expert.shape[0] if tokens_per_expert.dim() == 1 else -1
+        kernel_name, out_dtype = WINDOW_KERNELS[output]
+        check_cuda("a_rows", a_rows, torch.bfloat16, (rows, m_size))
+        check_cuda("b_rows", b_rows, torch.bfloat16, (rows, n_size))
+        check_multiple("M (a_rows.shape[1])", m_size, M_ALIGNMENT)
+        check_multiple("N (b_rows.shape[1])", n_size, N_ALIGNMENT)
+        check_multiple("the macrobatch's rows", rows, TILE_ROWS)
+        check_counts("tokens_per_expert", tokens_per_expert, num_experts)
+        out_rows = check_expert_weights("out", out, out_dtype, (num_experts, m_size, n_size))
+        check_extents("E * out rows per expert", rows, num_experts * out_rows, m_size, n_size)
+        check_cuda("partial_in", partial_in, torch.float32, (m_size, n_size))
+        check_cuda("partial_out", partial_out, torch.float32, (m_size, n_size))
+        self.bound = None
+        self.device_index = a_rows.get_device()
+        if num_experts == 0:
+            return
+        kernel = get_kernel(kernel_name, device=a_rows.device)
+        self.tma_a, self.tma_b = Descriptors(kernel, "tma_a"), Descriptors(kernel, "tma_b")
+        tiles = num_experts * (m_size // M_ALIGNMENT) * (n_size // N_ALIGNMENT)
+        grid = (max(1, min(sm_count(a_rows.device), tiles)), 1, 1)
+        self.bound = kernel.bind(grid, {
+            "tma_a": self.tma_a.get(a_rows), "tma_b": self.tma_b.get(b_rows), "out_ptr": out,
+            "partial_in_ptr": partial_in, "partial_out_ptr": partial_in,
+            "tokens_per_expert_ptr": tokens_per_expert, "num_experts": num_experts,
+            "m_size": m_size, "n_size": n_size, "out_expert_rows": out_rows, "first_row": 0,
+            "window_rows": rows,
+        }, dynamic=WINDOW_DYNAMIC)  # fmt: skip
+
+    def __call__(self, a_rows, b_rows, tokens_per_expert, first_row, out, partial_in,
+                 partial_out) -> None:  # fmt: skip
+        if self.bound is None:
+            return
+        addresses = (a_rows.data_ptr(), b_rows.data_ptr(), out.data_ptr(),
+                     partial_in.data_ptr(), partial_out.data_ptr())  # fmt: skip
+        all_aligned(("a_rows", "b_rows", "out", "partial_in", "partial_out"), addresses)
+        aligned("tokens_per_expert", tokens_per_expert.data_ptr(), 4)
+        self.bound.launch(
+            self.tma_a.at(addresses[0], lambda: a_rows), self.tma_b.at(addresses[1], lambda: b_rows),
+            *addresses[2:], tokens_per_expert.data_ptr(), first_row,
+            stream=current_stream(self.device_index),
+        )  # fmt: skip
