@@ -6,7 +6,9 @@
 #   TESTS="tests/gpu/test_runtime_gpu.py tests/gpu/test_comm_gpu.py" PAR=4 bash tools/gpu_run.sh
 #   ORIGINAL=PATH_TO_ORIGINAL_CHECKOUT BENCH="main moe" bash tools/gpu_run.sh
 #   BASELINE=DIR BENCH=ab MOE_ARGS="--shapes qwen3-30b-a3b --tokens 2048,16384" bash tools/gpu_run.sh
+#   BENCH=phases PHASE_SHAPES="qwen3-30b-a3b kimi-k2" [TIMELINE_DIR=DIR] bash tools/gpu_run.sh
 #     (DIR: another tree of mok, e.g. `git archive REV | tar -x -C DIR`; tools/tree_ab.py compares)
+# Everything a call leaves comes back as $OUT/logs.tgz and $OUT/summary.txt: two files.
 # WHEELS=DIR: wheels installed into /tmp/site (put on PYTHONPATH) first, except TorchTitan's,
 # which tests/conftest.py installs for its own checks from the same folder (PIP_FIND_LINKS).
 set -uo pipefail
@@ -57,6 +59,19 @@ for b in ${BENCH:-}; do
     memory) timeout "$left" python3 -m benchmarks.memory_kernels --json "$LOGS/memory_kernels.json" > "$LOGS/memory_kernels.log" 2>&1; note "memory_kernels rc=$?" ;;
     moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
          note "benchmarks.moe rc=$?"; grep -A60 "^shape " "$LOGS/moe.log" >> "$LOGS/summary.txt" ;;
+    phases) # where a pass's time goes (tools/phase_times.py); with TIMELINE_DIR (a diagnostic build of the
+        # megakernels, tools/phase_timeline.py's docstring) their phases CTA by CTA too
+        for shape in ${PHASE_SHAPES:-qwen3-30b-a3b}; do
+          left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break
+          timeout "$left" python3 -m tools.phase_times --shape "$shape" --tokens "${PHASE_TOKENS:-2048,4096,16384}" \
+            > "$LOGS/phase_times_$shape.log" 2>&1; note "phase_times $shape rc=$?"
+          if [ -n "${TIMELINE_DIR:-}" ]; then
+            left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break
+            MOK_KERNEL_DIR=$TIMELINE_DIR timeout "$left" python3 -m tools.phase_timeline --shape "$shape" \
+              --tokens "${PHASE_TOKENS:-2048,4096,16384}" > "$LOGS/phase_timeline_$shape.log" 2>&1
+            note "phase_timeline $shape rc=$?"
+          fi
+        done ;;
     ab) # the same benchmark in $BASELINE (another tree of mok: A) and here (B), in turn, twice
         for i in 1 2; do
           for side in a b; do
