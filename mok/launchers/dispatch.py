@@ -40,9 +40,15 @@ def gather_rows(
     check_host("out", out, torch.bfloat16, (capacity, hidden))
     if capacity == 0 or num_src == 0:
         return out.zero_()
-    key = ("gather_rows", tensor_key(src), tensor_key(peer_rank), tensor_key(out), topk,
-           None if peers is None else (peers[0], peers[1].data_ptr()),
-           current_stream(src.get_device()))  # fmt: skip
+    key = (
+        "gather_rows",
+        tensor_key(src),
+        tensor_key(peer_rank),
+        tensor_key(out),
+        topk,
+        None if peers is None else (peers[0], peers[1].data_ptr()),
+        current_stream(src.get_device()),
+    )
     launch = plan(key, lambda: _GatherPlan(src, capacity, topk, peers))
     launch(out, src, peer_rank, peer_token_idx, num_tokens)
     return out
@@ -61,16 +67,30 @@ class _GatherPlan:
         threads, rows_per_cta = int(config["threads"]), int(config["rows_per_cta"])
         grid_y = min(-(-capacity // rows_per_cta), MAX_GRID_Y)
         self.device_index = src.get_device()
-        self.bound = kernel.bind((-(-hidden // (8 * threads)), grid_y, 1), {
-            "out_ptr": None, "src_ptr": None,
-            "peer_table_ptr": None if peers is None else peers[1],
-            "peer_rank_ptr": None, "peer_token_idx_ptr": None, "num_tokens_ptr": None,
-            "num_rows": capacity, "num_src_rows": num_src, "hidden_size": hidden, "topk": topk,
-            "ep_rank": 0 if peers is None else peers[0],
-        }, dynamic=("out_ptr", "src_ptr", "peer_rank_ptr", "peer_token_idx_ptr",
-                    "num_tokens_ptr"))  # fmt: skip
+        self.bound = kernel.bind(
+            (-(-hidden // (8 * threads)), grid_y, 1),
+            {
+                "out_ptr": None,
+                "src_ptr": None,
+                "peer_table_ptr": None if peers is None else peers[1],
+                "peer_rank_ptr": None,
+                "peer_token_idx_ptr": None,
+                "num_tokens_ptr": None,
+                "num_rows": capacity,
+                "num_src_rows": num_src,
+                "hidden_size": hidden,
+                "topk": topk,
+                "ep_rank": 0 if peers is None else peers[0],
+            },
+            dynamic=("out_ptr", "src_ptr", "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr"),
+        )
 
     def __call__(self, out, src, peer_rank, peer_token_idx, num_tokens) -> None:
-        self.bound.launch(out.data_ptr(), src.data_ptr(), peer_rank.data_ptr(),
-                          peer_token_idx.data_ptr(), num_tokens.data_ptr(),
-                          stream=current_stream(self.device_index))  # fmt: skip
+        self.bound.launch(
+            out.data_ptr(),
+            src.data_ptr(),
+            peer_rank.data_ptr(),
+            peer_token_idx.data_ptr(),
+            num_tokens.data_ptr(),
+            stream=current_stream(self.device_index),
+        )

@@ -84,8 +84,15 @@ def gate_up_swiglu(
     if manifest is not None:  # another build's kernels (tests): no plan of theirs is kept
         _GateUpPlan(*args, manifest=manifest)(x_routed, tokens_per_expert, gate, up, hidden)
         return gate, up, hidden
-    key = (GATE_UP_KERNEL, tensor_key(x_routed), weight_key(gate_weights), weight_key(up_weights),
-           tensor_key(tokens_per_expert), swiglu_limit, current_stream(x_routed.get_device()))  # fmt: skip
+    key = (
+        GATE_UP_KERNEL,
+        tensor_key(x_routed),
+        weight_key(gate_weights),
+        weight_key(up_weights),
+        tensor_key(tokens_per_expert),
+        swiglu_limit,
+        current_stream(x_routed.get_device()),
+    )
     plan(key, lambda: _GateUpPlan(*args))(x_routed, tokens_per_expert, gate, up, hidden)
     return gate, up, hidden
 
@@ -95,8 +102,17 @@ class _GateUpPlan:
     has checked the tensors); a call zeroes the plan's tile ticket on the stream, writes the
     addresses and launches."""
 
-    def __init__(self, x_routed, gate_weights, up_weights, tokens_per_expert, swiglu_limit,
-                 expert_rows, *, manifest=None):  # fmt: skip
+    def __init__(
+        self,
+        x_routed,
+        gate_weights,
+        up_weights,
+        tokens_per_expert,
+        swiglu_limit,
+        expert_rows,
+        *,
+        manifest=None,
+    ):
         from mok.runtime import get_kernel  # noqa: PLC0415
 
         device = x_routed.device
@@ -107,25 +123,44 @@ class _GateUpPlan:
         self.ticket = new_ticket(device)
         self.tma_a = Descriptors(kernel, "tma_a")
         col_tiles = intermediate_size // GATE_UP_N_ALIGNMENT
-        self.bound = kernel.bind((persistent_grid(device, capacity, col_tiles), 1, 1), {
-            "tma_a": self.tma_a.get(x_routed),
-            "tma_b0": tma_descriptor(kernel, "tma_b0",
-                                     expert_rows_view("gate_weights", gate_weights)[0]),
-            "tma_b1": tma_descriptor(kernel, "tma_b1",
-                                     expert_rows_view("up_weights", up_weights)[0]),
-            "out_ptr": None, "gate_ptr": None, "up_ptr": None,
-            "peer_rank_ptr": None, "peer_token_idx_ptr": None,
-            "tokens_per_expert_ptr": None, "ticket_ptr": self.ticket,
-            "num_experts": num_experts, "k_size": hidden_size, "n_size": intermediate_size,
-            "b_expert_rows": expert_rows, "has_limit": int(swiglu_limit is not None),
-            "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
-        }, dynamic=("tma_a", "out_ptr", "gate_ptr", "up_ptr", "tokens_per_expert_ptr"))  # fmt: skip
+        self.bound = kernel.bind(
+            (persistent_grid(device, capacity, col_tiles), 1, 1),
+            {
+                "tma_a": self.tma_a.get(x_routed),
+                "tma_b0": tma_descriptor(
+                    kernel, "tma_b0", expert_rows_view("gate_weights", gate_weights)[0]
+                ),
+                "tma_b1": tma_descriptor(
+                    kernel, "tma_b1", expert_rows_view("up_weights", up_weights)[0]
+                ),
+                "out_ptr": None,
+                "gate_ptr": None,
+                "up_ptr": None,
+                "peer_rank_ptr": None,
+                "peer_token_idx_ptr": None,
+                "tokens_per_expert_ptr": None,
+                "ticket_ptr": self.ticket,
+                "num_experts": num_experts,
+                "k_size": hidden_size,
+                "n_size": intermediate_size,
+                "b_expert_rows": expert_rows,
+                "has_limit": int(swiglu_limit is not None),
+                "swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+            },
+            dynamic=("tma_a", "out_ptr", "gate_ptr", "up_ptr", "tokens_per_expert_ptr"),
+        )
 
     def __call__(self, x_routed, tokens_per_expert, gate, up, hidden) -> None:
         stream = current_stream(self.device_index)
         zero_async(self.ticket, stream)  # the kernel hands out tiles from zero, never resets it
-        self.bound.launch(self.tma_a.get(x_routed), hidden.data_ptr(), gate.data_ptr(),
-                          up.data_ptr(), tokens_per_expert.data_ptr(), stream=stream)  # fmt: skip
+        self.bound.launch(
+            self.tma_a.get(x_routed),
+            hidden.data_ptr(),
+            gate.data_ptr(),
+            up.data_ptr(),
+            tokens_per_expert.data_ptr(),
+            stream=stream,
+        )
 
 
 def down(

@@ -60,8 +60,15 @@ SCHEDULE_KERNEL = "macrobatch_schedule"
 MAX_LOCAL_EXPERTS = 1024
 # weight_gradient_window's `output` -> (kernel, dtype of out)
 # The window kernels' params a call of a bound launch writes (`_WindowPlan`), in its order.
-WINDOW_DYNAMIC = ("tma_a", "tma_b", "out_ptr", "partial_in_ptr", "partial_out_ptr",
-                  "tokens_per_expert_ptr", "first_row")  # fmt: skip
+WINDOW_DYNAMIC = (
+    "tma_a",
+    "tma_b",
+    "out_ptr",
+    "partial_in_ptr",
+    "partial_out_ptr",
+    "tokens_per_expert_ptr",
+    "first_row",
+)
 WINDOW_KERNELS = {
     "bf16": ("expert_gemm_bwd_weights_window_bf16", torch.bfloat16),
     "accumulate": ("expert_gemm_bwd_weights_window_accumulate", torch.float32),
@@ -138,9 +145,15 @@ def forward(ws, schedule, x, router_weights, shared, routed, pass_config):
     for _, window in reversed(windows):
         routed_ctx = None
         routed_ctx, slots = launch_routed_forward(
-            x, window, ws.topk, routed, pass_config, peers=peers, slots=slots,
+            x,
+            window,
+            ws.topk,
+            routed,
+            pass_config,
+            peers=peers,
+            slots=slots,
             dequantized=dequantized,
-        )  # fmt: skip
+        )
     group_barrier(ws, "PEER_BARRIER_END")
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
@@ -216,10 +229,17 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
         if is_mxfp8:  # the SwiGLU backward's inputs (a context exact already: identities)
             gate_rows, up_rows = mxfp8.gate_up_operands(gate_rows, up_rows)
         dy_e, d_gate, d_up, partials, slots, _ = launch_routed_backward(
-            grad_output, router_weights, window, (x_rows, gate_rows, up_rows, hidden_rows),
-            weights, pass_config, weight_grads=False, peers=peers, slots=slots,
+            grad_output,
+            router_weights,
+            window,
+            (x_rows, gate_rows, up_rows, hidden_rows),
+            weights,
+            pass_config,
+            weight_grads=False,
+            peers=peers,
+            slots=slots,
             mxfp8=is_mxfp8,
-        )  # fmt: skip
+        )
         push_router_grads(partials, window, router_weights, d_router, peers=peers)
         if is_mxfp8:  # every operand's round trip along the tokens (32-row blocks: a
             # macrobatch edge is a block edge)
@@ -269,9 +289,14 @@ class _Replay:
         if self.rounded is not None:
             a_rows = mxfp8.mxfp8_round_trip(x_routed, along_rows=False, out=self.rounded[:rows])
         expert_gemm.gate_up_swiglu(
-            a_rows, *self.weights, window.tokens_per_expert, swiglu_limit=self.limit,
-            gate=gate, up=up, hidden=hidden,
-        )  # fmt: skip
+            a_rows,
+            *self.weights,
+            window.tokens_per_expert,
+            swiglu_limit=self.limit,
+            gate=gate,
+            up=up,
+            hidden=hidden,
+        )
         return x_routed, gate, up, hidden
 
 
@@ -353,10 +378,16 @@ def weight_gradient_window(
     # Everything but the addresses and first_row is the plan's key: its first call runs the
     # full checks (one macrobatch after another reuses it, a launch each).
     key = (
-        "weights_window", output, tensor_key(a_rows), tensor_key(b_rows),
-        tensor_key(tokens_per_expert), tensor_key(out), tensor_key(partial_in),
-        tensor_key(partial_out), current_stream(a_rows.get_device()),
-    )  # fmt: skip
+        "weights_window",
+        output,
+        tensor_key(a_rows),
+        tensor_key(b_rows),
+        tensor_key(tokens_per_expert),
+        tensor_key(out),
+        tensor_key(partial_in),
+        tensor_key(partial_out),
+        current_stream(a_rows.get_device()),
+    )
 
     def make():
         return _WindowPlan(a_rows, b_rows, tokens_per_expert, out, partial_in, partial_out, output)
@@ -394,24 +425,44 @@ class _WindowPlan:
         self.tma_a, self.tma_b = Descriptors(kernel, "tma_a"), Descriptors(kernel, "tma_b")
         tiles = num_experts * (m_size // M_ALIGNMENT) * (n_size // N_ALIGNMENT)
         grid = (max(1, min(sm_count(a_rows.device), tiles)), 1, 1)
-        self.bound = kernel.bind(grid, {
-            "tma_a": self.tma_a.get(a_rows), "tma_b": self.tma_b.get(b_rows), "out_ptr": out,
-            "partial_in_ptr": partial_in, "partial_out_ptr": partial_in,
-            "tokens_per_expert_ptr": tokens_per_expert, "num_experts": num_experts,
-            "m_size": m_size, "n_size": n_size, "out_expert_rows": out_rows, "first_row": 0,
-            "window_rows": rows,
-        }, dynamic=WINDOW_DYNAMIC)  # fmt: skip
+        self.bound = kernel.bind(
+            grid,
+            {
+                "tma_a": self.tma_a.get(a_rows),
+                "tma_b": self.tma_b.get(b_rows),
+                "out_ptr": out,
+                "partial_in_ptr": partial_in,
+                "partial_out_ptr": partial_in,
+                "tokens_per_expert_ptr": tokens_per_expert,
+                "num_experts": num_experts,
+                "m_size": m_size,
+                "n_size": n_size,
+                "out_expert_rows": out_rows,
+                "first_row": 0,
+                "window_rows": rows,
+            },
+            dynamic=WINDOW_DYNAMIC,
+        )
 
-    def __call__(self, a_rows, b_rows, tokens_per_expert, first_row, out, partial_in,
-                 partial_out) -> None:  # fmt: skip
+    def __call__(
+        self, a_rows, b_rows, tokens_per_expert, first_row, out, partial_in, partial_out
+    ) -> None:
         if self.bound is None:
             return
-        addresses = (a_rows.data_ptr(), b_rows.data_ptr(), out.data_ptr(),
-                     partial_in.data_ptr(), partial_out.data_ptr())  # fmt: skip
+        addresses = (
+            a_rows.data_ptr(),
+            b_rows.data_ptr(),
+            out.data_ptr(),
+            partial_in.data_ptr(),
+            partial_out.data_ptr(),
+        )
         all_aligned(("a_rows", "b_rows", "out", "partial_in", "partial_out"), addresses)
         aligned("tokens_per_expert", tokens_per_expert.data_ptr(), 4)
         self.bound.launch(
-            self.tma_a.at(addresses[0], lambda: a_rows), self.tma_b.at(addresses[1], lambda: b_rows),
-            *addresses[2:], tokens_per_expert.data_ptr(), first_row,
+            self.tma_a.at(addresses[0], lambda: a_rows),
+            self.tma_b.at(addresses[1], lambda: b_rows),
+            *addresses[2:],
+            tokens_per_expert.data_ptr(),
+            first_row,
             stream=current_stream(self.device_index),
-        )  # fmt: skip
+        )
