@@ -8,7 +8,7 @@
 #   BASELINE=DIR BENCH=ab MOE_ARGS="--shapes qwen3-30b-a3b --tokens 2048,16384" bash tools/gpu_run.sh
 #   BENCH=phases PHASE_SHAPES="qwen3-30b-a3b kimi-k2" [TIMELINE_DIR=DIR] bash tools/gpu_run.sh
 #     (DIR: another tree of mok, e.g. `git archive REV | tar -x -C DIR`; tools/tree_ab.py compares)
-# Everything a call leaves comes back as $OUT/logs.tgz and $OUT/summary.txt: two files.
+# A run leaves two files in $OUT: logs.tgz (every log) and summary.txt.
 # WHEELS=DIR: wheels installed into /tmp/site (put on PYTHONPATH) first, except TorchTitan's,
 # which tests/conftest.py installs for its own checks from the same folder (PIP_FIND_LINKS).
 set -uo pipefail
