@@ -432,7 +432,7 @@ class _WindowPlan:
                 "tma_b": self.tma_b.get(b_rows),
                 "out_ptr": out,
                 "partial_in_ptr": partial_in,
-                "partial_out_ptr": partial_in,
+                "partial_out_ptr": partial_out,
                 "tokens_per_expert_ptr": tokens_per_expert,
                 "num_experts": num_experts,
                 "m_size": m_size,
