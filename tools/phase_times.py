@@ -67,7 +67,9 @@ def _kernel_times(step) -> dict[str, float]:
         torch.cuda.synchronize()
     times: dict[str, float] = {}
     for event in prof.key_averages():
-        total = getattr(event, "device_time_total", None) or event.cuda_time_total
+        total = getattr(event, "device_time_total", None)
+        if total is None:  # torch before device_time_total
+            total = event.cuda_time_total
         if total > 0:
             times[event.key] = total / 1e3
     return times
