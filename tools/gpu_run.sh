@@ -7,6 +7,7 @@
 #   ORIGINAL=PATH_TO_ORIGINAL_CHECKOUT BENCH="main moe" bash tools/gpu_run.sh
 #   BASELINE=DIR BENCH=ab MOE_ARGS="--shapes qwen3-30b-a3b --tokens 2048,16384" bash tools/gpu_run.sh
 #   BENCH=phases PHASE_SHAPES="qwen3-30b-a3b kimi-k2" [TIMELINE_DIR=DIR] bash tools/gpu_run.sh
+#   BENCH=ncu NCU_TOKENS="2048 16384" [NCU_SHAPE=kimi-k2] bash tools/gpu_run.sh
 #     (DIR: another tree of mok, e.g. `git archive REV | tar -x -C DIR`; tools/tree_ab.py compares)
 # A run leaves two files in $OUT: logs.tgz (every log) and summary.txt.
 # WHEELS=DIR: wheels installed into /tmp/site (put on PYTHONPATH) first, except TorchTitan's,
@@ -71,6 +72,16 @@ for b in ${BENCH:-}; do
               --tokens "${PHASE_TOKENS:-2048,4096,16384}" > "$LOGS/phase_timeline_$shape.log" 2>&1
             note "phase_timeline $shape rc=$?"
           fi
+        done ;;
+    ncu) # ncu's sections for each kernel of tools/ncu_step.py (NCU_SHAPE, NCU_TOKENS), SM clock not locked
+        for t in ${NCU_TOKENS:-2048}; do
+          left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break
+          timeout "$left" ncu --clock-control none -k "regex:moe_forward|gate_up_swiglu|moe_backward" \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+            --section SchedulerStats --section ComputeWorkloadAnalysis --section LaunchStats \
+            python3 -m tools.ncu_step --shape "${NCU_SHAPE:-qwen3-30b-a3b}" --tokens "$t" \
+            > "$LOGS/ncu_$t.txt" 2>&1
+          note "ncu ${NCU_SHAPE:-qwen3-30b-a3b} $t rc=$?"
         done ;;
     ab) # the same benchmark in $BASELINE (another tree of mok: A) and here (B), in turn, twice
         for i in 1 2; do
