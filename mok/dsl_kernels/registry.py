@@ -40,6 +40,7 @@ def variants() -> list[Variant]:
     from .kernels.router_grad_push import RouterGradPush
     from .kernels.schedule import Schedule
     from .kernels.sm_holder import SmHolder
+    from .sm90.copy_probe import MODES, Sm90CopyProbe
     from .sm90.expert_gemm import Sm90ExpertGemm
     from .sm90.expert_gemm_bwd import Sm90ExpertGemmBwd
     from .sm90.expert_gemm_bwd_weights import Sm90ExpertGemmBwdWeights
@@ -235,5 +236,17 @@ def variants() -> list[Variant]:
                 archs=("sm_90a",),
             )
             for engine in ENGINES
+        ),
+        # How fast one SM moves rows, by 16-byte loads or by bulk copies (sm90/copy_probe.py,
+        # tools/copy_probe.py).
+        *(
+            Variant(
+                f"copy_probe_{mode}",
+                Sm90CopyProbe,
+                {"mode": mode},
+                launch_grid="(num_ctas, 1, 1)",
+                archs=("sm_90a",),
+            )
+            for mode in MODES
         ),
     ]
