@@ -226,27 +226,14 @@ def variants() -> list[Variant]:
                 ("expert_gemm_bwd_weights_window_accumulate", "fp32_accumulate"),
             )
         ),
-        # The compute ceilings of the MXFP8 engines (sm90/wgmma_probe.py, tools/wgmma_probe.py).
-        *(
-            Variant(
-                f"wgmma_probe_{engine}",
-                Sm90WgmmaProbe,
-                {"engine": engine},
-                launch_grid="(num_ctas, 1, 1)",
-                archs=("sm_90a",),
-            )
-            for engine in ENGINES
-        ),
-        # How fast one SM moves rows, by 16-byte loads or by bulk copies (sm90/copy_probe.py,
+        # Probes, one CTA an SM: the compute ceilings of the MXFP8 engines (sm90/wgmma_probe.py,
+        # tools/wgmma_probe.py) and how fast one SM moves rows (sm90/copy_probe.py,
         # tools/copy_probe.py).
         *(
-            Variant(
-                f"copy_probe_{mode}",
-                Sm90CopyProbe,
-                {"mode": mode},
-                launch_grid="(num_ctas, 1, 1)",
-                archs=("sm_90a",),
+            Variant(name, kernel, config, launch_grid="(num_ctas, 1, 1)", archs=("sm_90a",))
+            for name, kernel, config in (
+                *((f"wgmma_probe_{e}", Sm90WgmmaProbe, {"engine": e}) for e in ENGINES),
+                *((f"copy_probe_{m}", Sm90CopyProbe, {"mode": m}) for m in MODES),
             )
-            for mode in MODES
         ),
     ]

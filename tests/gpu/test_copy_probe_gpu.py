@@ -14,11 +14,12 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("mode", copy_probe.MODES)
-@pytest.mark.parametrize("rows", [7, 1000])
+CASES = [(mode, rows) for mode in copy_probe.MODES for rows in (7, 1000)]
+
+
+@pytest.mark.parametrize(("mode", "rows"), CASES)
 def test_probe_copies_every_row_exactly(mode, rows):
-    device = torch.device("cuda")
-    src, index = copy_probe.make_rows(rows, device, seed=rows)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    src, index = copy_probe.make_rows(rows, torch.device("cuda"), seed=rows)
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
     for ctas in (1, 3, sms):
         assert copy_probe.check(mode, src, index, ctas), (mode, rows, ctas)

@@ -28,6 +28,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from ..common.bounded_wait import _i32, _i64, side_effect_asm
 from ..common.params import Bf16Pointer, Int32Pointer
 from ..common.row_chunks import VECTOR, chunked_row_views
+from .gemm_engine import thread_roles
 
 MODES = ("vector", "bulk")
 THREADS = 128
@@ -77,27 +78,20 @@ def bulk_store(target: Int64, smem: Int32, size: Int32, *, loc=None, ip=None):
 
 @dataclass(frozen=True)
 class Sm90CopyProbe:
-    mode: str = "bulk"
+    mode: str = "bulk"  # MODES; the build calls validate()
 
-    def __post_init__(self):
+    def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
-    @property
-    def threads(self) -> int:
-        return THREADS
-
     @cute.jit
     def __call__(self, args: CopyProbeArgs):
-        self.kernel(args).launch(
-            grid=[1, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1
-        )  # the runtime launches the cubin with its own grid
+        # The runtime launches the cubin with its own grid.
+        self.kernel(args).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, args: CopyProbeArgs):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
+        tidx, bidx, grid, _, _ = thread_roles()
         if cutlass.const_expr(self.mode == "vector"):
             self._vector(args, tidx, bidx, grid)
         else:
