@@ -56,7 +56,12 @@ class FakeErrorRecord:
 
 
 def fake_kernels(monkeypatch) -> dict:
-    """{name: FakeKernel} of every kernel a launcher asks the runtime for (the latest of each)."""
+    """{name: FakeKernel} of every kernel a launcher asks the runtime for (the latest of each).
+    The thread's launch plans are dropped first: a plan bound earlier holds another kernel and
+    would launch it instead of asking for one."""
+    from mok.launchers import plans  # noqa: PLC0415
+
+    plans.clear_plans()
     made = {}
 
     def fake_get_kernel(name, device=None, **_):

@@ -194,7 +194,7 @@ def _expert_weights_on_cpu(name, tensor, dtype, shape):
 
 def _on_cpu(monkeypatch, *modules):
     """Make the launchers' CUDA-only checks and lookups CPU-safe in `modules`."""
-    from mok.launchers import device_args, megakernel_walk, plans
+    from mok.launchers import device_args, megakernel_walk
 
     monkeypatch.setattr(megakernel_walk, "get_error_record", lambda device: FakeErrorRecord())
     for module in (checks, megakernel_walk, *modules):
@@ -205,7 +205,6 @@ def _on_cpu(monkeypatch, *modules):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fake)
     device_args.clear_descriptor_cache()
-    plans.clear_plans()  # a plan bound by another test would launch that test's fake kernel
 
 
 def _record_descriptors(monkeypatch, *modules):

@@ -20,7 +20,7 @@ import torch
 from benchmarks.shapes import SHAPES
 from mok import functional as F
 from mok.launchers import expert_gemm
-from tools.phase_times import WEIGHTS, layer
+from tools.phase_times import WEIGHTS, even_rows, layer
 
 
 def main() -> None:
@@ -38,8 +38,7 @@ def main() -> None:
     rows = ctx.x_routed.shape[0]
     outs = {n: torch.empty(rows, i, **bf16) for n in ("gate", "up", "hidden")}
     expert_gemm.gate_up_swiglu(ctx.x_routed, gw, uw, schedule.tokens_per_expert, **outs)
-    even = -(-args.tokens * k // e // 128) * 128
-    tpe_even = torch.full((e,), even, dtype=torch.int32, device="cuda")
+    even, tpe_even = even_rows(args.tokens, k, e)
     x_even = torch.randn(even * e, h, device="cuda").to(torch.bfloat16)
     outs = {n: torch.empty(even * e, i, **bf16) for n in ("gate", "up", "hidden")}
     expert_gemm.gate_up_swiglu(x_even, gw, uw, tpe_even, **outs)

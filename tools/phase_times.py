@@ -75,6 +75,13 @@ def _kernel_times(step) -> dict[str, float]:
     return times
 
 
+def even_rows(tokens: int, topk: int, num_experts: int) -> tuple[int, torch.Tensor]:
+    """(rows an expert, its tokens_per_expert on the GPU): the routed rows spread evenly over
+    the experts, `T * k / E` rounded up to the 128-row tile, no other padding."""
+    even = -(-tokens * topk // num_experts // 128) * 128
+    return even, torch.full((num_experts,), even, dtype=torch.int32, device="cuda")
+
+
 def run(shape_name: str, tokens: int, reps: int, copy_gbs: float, tflops: float):
     shape, inputs, config, ws, schedule = layer(shape_name, tokens)
     h, i, e, k = shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.topk
@@ -106,8 +113,7 @@ def run(shape_name: str, tokens: int, reps: int, copy_gbs: float, tflops: float)
     gw, uw, dw = inputs["routed_gate"], inputs["routed_up"], inputs["routed_down"]
     tpe = schedule.tokens_per_expert
     ids = (schedule.peer_rank, schedule.peer_token_idx, schedule.num_tokens)
-    even = -(-tokens * k // e // 128) * 128
-    tpe_even = torch.full((e,), even, dtype=torch.int32, device="cuda")
+    even, tpe_even = even_rows(tokens, k, e)
     x_even = torch.randn(even * e, h, device="cuda").to(torch.bfloat16)
     h_even = torch.randn(even * e, i, device="cuda").to(torch.bfloat16)
     g2, u2, hid2 = (torch.empty(even * e, i, **bf16) for _ in range(3))
