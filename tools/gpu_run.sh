@@ -9,6 +9,7 @@
 #   BENCH=phases PHASE_SHAPES="qwen3-30b-a3b kimi-k2" [TIMELINE_DIR=DIR] bash tools/gpu_run.sh
 #   BENCH=ncu NCU_TOKENS="2048 16384" [NCU_SHAPE=kimi-k2] bash tools/gpu_run.sh
 #   TESTS=tests/gpu/test_copy_probe_gpu.py BENCH=copy bash tools/gpu_run.sh
+#   TESTS=tests/gpu/test_row_tma_probe_gpu.py BENCH=rows bash tools/gpu_run.sh
 #     (DIR: another tree of mok, e.g. `git archive REV | tar -x -C DIR`; tools/tree_ab.py compares)
 # A run leaves two files in $OUT: logs.tgz (every log) and summary.txt.
 # WHEELS=DIR: wheels installed into /tmp/site (put on PYTHONPATH) first, except TorchTitan's,
@@ -76,6 +77,8 @@ for b in ${BENCH:-}; do
         done ;;
     copy) timeout "$left" python3 -m tools.copy_probe > "$LOGS/copy_probe.log" 2>&1; note "copy_probe rc=$?"
           tail -20 "$LOGS/copy_probe.log" >> "$LOGS/summary.txt" ;;
+    rows) timeout "$left" python3 -m tools.row_tma_probe > "$LOGS/row_tma_probe.log" 2>&1; note "row_tma_probe rc=$?"
+          tail -6 "$LOGS/row_tma_probe.log" >> "$LOGS/summary.txt" ;;
     ncu) # ncu's sections for each kernel of tools/ncu_step.py (NCU_SHAPE, NCU_TOKENS), SM clock not locked
         for t in ${NCU_TOKENS:-2048}; do
           left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break

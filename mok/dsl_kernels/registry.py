@@ -47,6 +47,7 @@ def variants() -> list[Variant]:
     from .sm90.expert_gemm_bwd_weights_window import Sm90ExpertGemmBwdWeightsWindow
     from .sm90.moe_backward import Sm90MoeBackward
     from .sm90.moe_forward import Sm90MoeForward
+    from .sm90.row_tma_probe import Sm90RowTmaProbe
     from .sm90.wgmma_probe import ENGINES, Sm90WgmmaProbe
 
     return [
@@ -227,13 +228,15 @@ def variants() -> list[Variant]:
             )
         ),
         # Probes, one CTA an SM: the compute ceilings of the MXFP8 engines (sm90/wgmma_probe.py,
-        # tools/wgmma_probe.py) and how fast one SM moves rows (sm90/copy_probe.py,
-        # tools/copy_probe.py).
+        # tools/wgmma_probe.py), how fast one SM moves rows (sm90/copy_probe.py,
+        # tools/copy_probe.py) and rows gathered by one-row TMA boxes (sm90/row_tma_probe.py,
+        # tools/row_tma_probe.py).
         *(
             Variant(name, kernel, config, launch_grid="(num_ctas, 1, 1)", archs=("sm_90a",))
             for name, kernel, config in (
                 *((f"wgmma_probe_{e}", Sm90WgmmaProbe, {"engine": e}) for e in ENGINES),
                 *((f"copy_probe_{m}", Sm90CopyProbe, {"mode": m}) for m in MODES),
+                ("row_tma_probe", Sm90RowTmaProbe, {}),
             )
         ),
     ]

@@ -1,0 +1,71 @@
+"""TMA copies issued by any lane, with coordinates of its own: rows gathered one TMA box each.
+
+The DSL issues every TMA copy of `cute.copy` from one lane it elects, so 128 rows with 128
+different source coordinates would be 128 elected copies in a row. These helpers are the PTX
+instructions themselves: each lane of a warp that calls one issues its own copy. The
+descriptor is a kernel parameter (a `cute.CopyAtom` argument, 128 bytes in param space, as the
+runtime passes every TMA descriptor); `descriptor_address` is its generic address.
+
+With the 128-byte swizzle, TMA places a box by the shared address it writes, so a one-row box
+(64 bf16, 128 bytes) written at byte 128 r of a 1024-byte aligned stage lands where row r of a
+128-row box would: the layout wgmma reads (tests/gpu/test_row_tma_probe_gpu.py checks this on
+the GPU, sm90/row_tma_probe.py).
+"""
+
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
+from cutlass.cute.core import _cute_ir, _to_mlir_address_space
+from cutlass.cute.typing import AddressSpace
+from cutlass.cutlass_dsl import dsl_user_op
+
+from .bounded_wait import _i32, _i64, side_effect_asm
+
+# A row coordinate past every tensor the megakernels gather from (they have < 2^30 rows, the
+# engine's MAX_ROWS): its box is out of bounds, so TMA writes zeros and still counts its bytes.
+ROW_OUT_OF_BOUNDS = 1 << 30
+
+
+@dsl_user_op
+def descriptor_address(atom: cute.CopyAtom, *, loc=None, ip=None) -> Int64:
+    """The generic address of the TMA descriptor that `atom` (a kernel parameter) holds."""
+    pointer_type = _cute_ir.PtrType.get(
+        Int64.mlir_type, _to_mlir_address_space(AddressSpace.generic), 64, None
+    )
+    exec_atom = _cute_nvgpu_ir.atom_make_exec_tma(atom._trait.value, loc=loc, ip=ip)
+    return _cute_nvgpu_ir.get_tma_desc_addr(pointer_type, exec_atom, loc=loc, ip=ip).toint(
+        loc=loc, ip=ip
+    )
+
+
+@dsl_user_op
+def load_box_2d(descriptor: Int64, smem: Int32, barrier: Int32, col: Int32, row: Int32, *,
+                loc=None, ip=None) -> None:  # fmt: skip
+    """This lane's TMA load of the box at (col, row) (innermost first) to shared byte address
+    `smem`, its bytes completing on the mbarrier at shared address `barrier`."""
+    side_effect_asm(
+        None,
+        [_i32(smem, loc, ip), _i64(descriptor, loc, ip), _i32(col, loc, ip),
+         _i32(row, loc, ip), _i32(barrier, loc, ip)],
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[$0], [$1, {$2, $3}], [$4];",
+        "r,l,r,r,r,~{memory}",
+        loc,
+        ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def store_box_2d(descriptor: Int64, smem: Int32, col: Int32, row: Int32, *, loc=None,
+                 ip=None) -> None:  # fmt: skip
+    """This lane's TMA store of the box at shared byte address `smem` to (col, row), in the
+    lane's current bulk async-group (commit and wait with cute.arch.cp_async_bulk_*)."""
+    side_effect_asm(
+        None,
+        [_i64(descriptor, loc, ip), _i32(col, loc, ip), _i32(row, loc, ip),
+         _i32(smem, loc, ip)],
+        "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];",
+        "l,r,r,r,~{memory}",
+        loc,
+        ip,
+    )  # fmt: skip

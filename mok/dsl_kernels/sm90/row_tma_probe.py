@@ -1,0 +1,150 @@
+"""Rows gathered by one-row TMA boxes into a 128-byte-swizzled stage: whether the stage holds what
+wgmma reads, and how fast one SM fills stages that way (docs/NOTES.md §18 item 9).
+
+`src` is a bf16 [rows, H] tensor seen through two descriptors: `tma_rows` (box 64 x 1) and
+`tma_tile` (box 64 x 128, the megakernels' operand box), both with the 128-byte swizzle. A
+stage is 128 rows x 64 columns (16 KiB, 1024-byte aligned). Modes (the runtime `mode`):
+
+- CHECK (CTA 0): stage 0 by one `tma_tile` box of rows 0..127, columns 0..63; stage 1 by 128
+  `tma_rows` boxes, row r from source row `index[r]` (negative: a row out of bounds, which
+  TMA fills with zeros), columns 64..127, each lane of warp 0 issuing 4. Then the two stages'
+  raw bytes to `out` ([2, 128, 64] bf16, stage by stage): the host checks stage 0 against the
+  128-byte swizzle of the rows (the layout wgmma reads) and stage 1 against the same swizzle.
+- ROWS / TILE (every CTA, warp 0): `k_tiles` stages through a ring of STAGES, as a GEMM
+  producer fills them: a task is H / 64 k-tiles of the same 128 rows, CTA b's task t the
+  rows index[(b + t * grid) * 128 + r] (modulo `index_count`); ROWS by 128 one-row boxes a
+  k-tile (4 a lane), TILE by one 128-row box of rows ((b + t * grid) * 128) mod src rows, the
+  same bytes in the megakernels' way. tools/row_tma_probe.py times both.
+
+Launch: grid (n, 1, 1), block (128, 1, 1).
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Int32, Int64
+
+from ..common.params import Bf16Pointer, Int32Pointer
+from ..common.row_tma import ROW_OUT_OF_BOUNDS, descriptor_address, load_box_2d
+from .gemm_engine import TILE_K, TILE_M, k_major_coords, thread_roles
+
+CHECK, ROWS, TILE = 0, 1, 2
+THREADS = 128
+STAGES = 4
+STAGE_BYTES = TILE_M * TILE_K * 2
+LANE_ROWS = TILE_M // 32  # rows each lane of warp 0 gathers a k-tile
+
+
+class RowTmaProbeArgs(NamedTuple):
+    """`Sm90RowTmaProbe`'s parameters after its two descriptors, in order."""
+
+    src_ptr: Bf16Pointer  # [src_rows, H]: the descriptors' tensor (only for the DSL's atoms)
+    index_ptr: Int32Pointer  # [index_count]: source rows (negative: out of bounds)
+    out_ptr: Bf16Pointer  # CHECK: [2, 128, 64], the two stages' raw bytes
+    index_count: Int32
+    src_rows: Int32
+    hidden_size: Int32
+    k_tiles: Int32  # ROWS / TILE: stages each CTA fills
+    mode: Int32
+
+
+@dataclass(frozen=True)
+class Sm90RowTmaProbe:
+    def tma_specs(self) -> list[dict]:
+        from .gemm_engine import tma_spec  # noqa: PLC0415
+
+        return [tma_spec("tma_rows", [TILE_K, 1]), tma_spec("tma_tile", [TILE_K, TILE_M])]
+
+    @cute.jit
+    def __call__(self, args: RowTmaProbeArgs):
+        # The runtime encodes both descriptors from tma_specs; the DSL's only give them a place.
+        coords = cute.make_tensor(args.src_ptr, k_major_coords())
+        one_row = cute.make_layout((1, TILE_K), stride=(TILE_K, 1))
+        tile = cute.make_layout((TILE_M, TILE_K), stride=(TILE_K, 1))
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_rows, _ = cute.nvgpu.cpasync.make_tiled_tma_atom(op, coords, one_row, (1, TILE_K))
+        tma_tile, _ = cute.nvgpu.cpasync.make_tiled_tma_atom(op, coords, tile, (TILE_M, TILE_K))
+        self.kernel(tma_rows, tma_tile, args).launch(
+            grid=[1, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1
+        )
+
+    @cute.kernel
+    def kernel(self, tma_rows: cute.CopyAtom, tma_tile: cute.CopyAtom, args: RowTmaProbeArgs):
+        tidx, bidx, grid, warp_idx, _ = thread_roles()
+        lane = tidx % 32
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[Int64, STAGES]
+            stages: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES * TILE_M * TILE_K], 1024]
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        barrier_ptr = storage.barriers.data_ptr()
+        stages = storage.stages.data_ptr()
+        stage_at = stages.toint()
+        rows_desc = descriptor_address(tma_rows)
+        tile_desc = descriptor_address(tma_tile)
+        index = cute.make_tensor(args.index_ptr, cute.make_layout(args.index_count))
+        if tidx == 0:
+            for s in cutlass.range(STAGES, unroll=1):
+                cute.arch.mbarrier_init(barrier_ptr + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if args.mode == CHECK:
+            if bidx == 0:
+                if warp_idx == 0:
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr, STAGE_BYTES)
+                        load_box_2d(tile_desc, stage_at, barrier_ptr.toint(), Int32(0), Int32(0))
+                        cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr + 1, STAGE_BYTES)
+                    cute.arch.sync_warp()
+                    for i in cutlass.range_constexpr(LANE_ROWS):
+                        r = lane + 32 * i
+                        source = index[r]
+                        row = cutlass.select_(source >= 0, source, Int32(ROW_OUT_OF_BOUNDS))
+                        load_box_2d(rows_desc, stage_at + STAGE_BYTES + 2 * TILE_K * r,
+                                    (barrier_ptr + 1).toint(), Int32(TILE_K), row)  # fmt: skip
+                cute.arch.mbarrier_wait(barrier_ptr, 0)
+                cute.arch.mbarrier_wait(barrier_ptr + 1, 0)
+                # The two stages' raw bytes, 16 bytes a thread at a time.
+                words = cute.make_tensor(
+                    cute.recast_ptr(stages, dtype=Int64), cute.make_layout(2 * STAGE_BYTES // 8)
+                )
+                out = cute.make_tensor(
+                    cute.recast_ptr(args.out_ptr, dtype=Int64),
+                    cute.make_layout(2 * STAGE_BYTES // 8),
+                )
+                for w in cutlass.range(tidx, 2 * STAGE_BYTES // 8, THREADS, unroll=1):
+                    out[w] = words[w]
+        elif warp_idx == 0:
+            k_per_task = args.hidden_size // TILE_K
+            row_tiles = args.src_rows // TILE_M
+            tokens = cute.make_rmem_tensor((LANE_ROWS,), Int32)
+            for j in cutlass.range(args.k_tiles + STAGES, unroll=1):
+                if j >= STAGES:
+                    # The stage's previous fill has landed: it may be refilled.
+                    done = j - STAGES
+                    cute.arch.mbarrier_wait(barrier_ptr + done % STAGES, (done // STAGES) % 2)
+                if j < args.k_tiles:
+                    s = j % STAGES
+                    task = j // k_per_task
+                    col = (j % k_per_task) * TILE_K
+                    first = (bidx + task * grid) * TILE_M
+                    barrier = (barrier_ptr + s).toint()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr + s, STAGE_BYTES)
+                    cute.arch.sync_warp()
+                    if args.mode == ROWS:
+                        if j % k_per_task == 0:
+                            for i in cutlass.range_constexpr(LANE_ROWS):
+                                tokens[i] = index[(first + lane + 32 * i) % args.index_count]
+                        for i in cutlass.range_constexpr(LANE_ROWS):
+                            r = lane + 32 * i
+                            load_box_2d(rows_desc, stage_at + s * STAGE_BYTES + 2 * TILE_K * r,
+                                        barrier, col, tokens[i])  # fmt: skip
+                    elif lane == 0:
+                        row = (first // TILE_M) % row_tiles * TILE_M
+                        load_box_2d(tile_desc, stage_at + s * STAGE_BYTES, barrier, col, row)
