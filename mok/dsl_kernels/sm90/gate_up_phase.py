@@ -11,35 +11,64 @@ writes each hidden row's MXFP8 round trip along I (`rounded_ptr`), the down GEMM
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.mxfp8_values import store_round_trip
+from ..common.row_tma import ROW_OUT_OF_BOUNDS
 from . import gemm_engine as engine
-from .gemm_engine import TILE_K, TILE_M, TILE_N
+from .gemm_engine import GATHER_ROWS_A_LANE, TILE_K, TILE_M, TILE_N
 
 # WaitPhase id (mok.runtime.WaitPhase, a wire format) of a down task waiting for hidden rows.
 PHASE_GATE_UP_GEMM = 6
 
 
-def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows):
+def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=None):
     """Producer: `load(state, expert, col_tile, row_tile)` of a gate/up task over `tma` = (tma_x,
     mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1). The weights' [rows, H] views
-    hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H])."""
+    hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H]).
+    `gather` = (an Int32, nonzero: on; the descriptor address of x [T, H] in boxes of one row,
+    the schedule's peer_rank and peer_token_idx tensors, k): when on, A's rows come from x
+    itself, row r of the tile from token peer_token_idx[r] // k (a padding row, peer_rank < 0,
+    from no row: zeros), by gemm_engine.load_k_tiles_gathered; else from x_routed by tma_x."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
     tXsX, tXgX = engine.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
     tGsG, tGgG = engine.partition_tma_load(tma_wg, sB0, mWg, (TILE_N, TILE_K))
     tUsU, tUgU = engine.partition_tma_load(tma_wu, sB1, mWu, (TILE_N, TILE_K))
     expert_tiles = gate_up_expert_rows // TILE_N
+    k_tiles = hidden_size // TILE_K
 
     def load(state, expert, col_tile, row_tile):
         weight_tile = expert * expert_tiles + col_tile
-        loads = (
-            (tma_x, tXgX, row_tile, None, tXsX),
+        weights = (
             (tma_wg, tGgG, weight_tile, None, tGsG),
             (tma_wu, tUgU, weight_tile, None, tUsU),
         )
-        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+        if cutlass.const_expr(gather is None):
+            return engine.load_k_tiles(ring, state, k_tiles, ((tma_x, tXgX, row_tile, None, tXsX),
+                                                              *weights))  # fmt: skip
+        return load_task(state, row_tile, weights)
+
+    @cute.jit
+    def load_task(state, row_tile, weights):
+        gathers, descriptor, rank_of, token_of, topk = gather
+        if gathers != 0:
+            lane = cute.arch.lane_idx()
+            rows = cute.make_rmem_tensor((GATHER_ROWS_A_LANE,), Int32)
+            for i in cutlass.range_constexpr(GATHER_ROWS_A_LANE):
+                r = row_tile * TILE_M + lane + 32 * i
+                rows[i] = cutlass.select_(
+                    rank_of[r] >= 0, token_of[r] // topk, Int32(ROW_OUT_OF_BOUNDS)
+                )
+            stages_at = sA.iterator.toint()
+            state = engine.load_k_tiles_gathered(
+                ring, state, k_tiles, weights, (descriptor, stages_at, rows)
+            )
+        else:
+            state = engine.load_k_tiles(
+                ring, state, k_tiles, ((tma_x, tXgX, row_tile, None, tXsX), *weights)
+            )
+        return state
 
     return load
 

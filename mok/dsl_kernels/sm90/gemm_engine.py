@@ -16,6 +16,7 @@ from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.ptx import fence_operand
+from ..common.row_tma import load_box_2d, store_box_2d
 from ..phases.tiles import TILE_M, TILE_N
 
 # TILE_M x TILE_N (phases/tiles.py): the CTA tile's rows (two consumer warpgroups x 64 rows) and
@@ -236,6 +237,41 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads):
     return state
 
 
+# A stage's A tile in bytes (TILE_M rows x TILE_K bf16; the stages of k_major_smem_layout follow
+# one another) and the rows each producer lane gathers a k-tile.
+A_STAGE_BYTES = TILE_M * TILE_K * 2
+GATHER_ROWS_A_LANE = TILE_M // 32
+
+
+@cute.jit
+def load_k_tiles_gathered(ring, state, k_tiles: Int32, loads, gather):
+    """`load_k_tiles` with A's rows gathered: every lane of the producer warp loads rows lane,
+    lane + 32, lane + 64, lane + 96 of each stage's A tile, one TMA box of one row each (64
+    columns at the k-tile's K), at 128 bytes a row into the stage (the 128-byte swizzle is by
+    shared address: a 128-row box would write the same bytes), while the elected lane loads
+    `loads` (B) as `load_k_tiles` does. `gather` = (descriptor address of a box of one row,
+    the A stages' shared byte address, this lane's GATHER_ROWS_A_LANE source rows: an Int32
+    register tensor, row_tma.ROW_OUT_OF_BOUNDS for a padding row). An out-of-bounds box is
+    zeros and counts its bytes, so the full barrier's transaction count is the same."""
+    descriptor, stages_at, rows = gather
+    lane = cute.arch.lane_idx()
+    for k_tile in cutlass.range(k_tiles, unroll=1):
+        ring.producer_acquire(state)
+        full = ring.producer_get_barrier(state)
+        for i in cutlass.range_constexpr(len(loads)):
+            tma, tXgX, mn_tile, _, tXsX = loads[i]
+            cute.copy(
+                tma, tXgX[(None, mn_tile, k_tile)], tXsX[(None, state.index)], tma_bar_ptr=full
+            )
+        stage_at = stages_at + state.index * A_STAGE_BYTES
+        for i in cutlass.range_constexpr(GATHER_ROWS_A_LANE):
+            row_at = stage_at + (lane + 32 * i) * (2 * TILE_K)
+            load_box_2d(descriptor, row_at, full.toint(), k_tile * TILE_K, rows[i])
+        ring.producer_commit(state)
+        state.advance()
+    return state
+
+
 # ---------------------------------------------------------------------- consumers: wgmma
 
 
@@ -277,6 +313,7 @@ def mma_k_tiles(
     may_be_empty: bool = False,
     from_zero: bool = True,
     skip=None,
+    store=None,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
     the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
@@ -302,6 +339,12 @@ def mma_k_tiles(
     cute.nvgpu.warpgroup.fence()
     for k_tile in cutlass.range(mma_tiles, unroll=1):
         ring.consumer_wait(read_state)
+        if cutlass.const_expr(store is not None):
+            stores, descriptor, stages_at, row = store
+            if stores:
+                store_box_2d(descriptor, stages_at + read_state.index * A_STAGE_BYTES,
+                             k_tile * TILE_K, row)  # fmt: skip
+                cute.arch.cp_async_bulk_commit_group()
         for k_block in cutlass.range_constexpr(k_blocks):
             coord = (None, None, k_block, read_state.index)
             cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
@@ -311,10 +354,17 @@ def mma_k_tiles(
         if k_tile > 0:
             # The batch of k_tile - 1 is complete: its stage can be refilled.
             cute.nvgpu.warpgroup.wait_group(1)
+            if cutlass.const_expr(store is not None):
+                if store[0]:
+                    # k_tile - 1's store has read the stage (k_tile's may still be reading).
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
             ring.consumer_release(release_state)
             release_state.advance()
     cute.nvgpu.warpgroup.wait_group(0)
     fence_accumulators(accumulators)
+    if cutlass.const_expr(store is not None):
+        if store[0]:
+            cute.arch.cp_async_bulk_wait_group(0)
     if cutlass.const_expr(may_be_empty or skip is not None):
         if mma_tiles > 0:
             ring.consumer_release(release_state)

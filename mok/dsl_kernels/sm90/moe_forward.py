@@ -58,6 +58,7 @@ from ..common.params import (
 )
 from ..common.peers import COMBINE_BUFFER, X_BUFFER, peer_table
 from ..common.retire import retire_cta
+from ..common.row_tma import descriptor_address
 from ..phases import combine_phase, schedule_phase
 from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
 from ..phases.expert_tiles import TileList
@@ -72,7 +73,9 @@ from ..phases.task_walk import (
 )
 from ..phases.tickets import (
     PADDED_HALF,
+    ROW_TILE_SHIFT,
     SLOT_BYTES,
+    STORE_ROWS,
     Tickets,
     consumer_task,
     signal_no_task,
@@ -112,13 +115,14 @@ SLOT = {name: n for n, name in enumerate(TIMELINE_SLOTS)}
 
 class ForwardOperands(NamedTuple):
     """The GEMMs' operands, from which `__call__` makes the TMA atoms (the runtime encodes the
-    descriptors, box 64 x 128, from `tma_specs`)."""
+    descriptors, box 64 x 128, and x's in boxes of one row, from `tma_specs`)."""
 
     a_x: Bf16Pointer
     b_wg: Bf16Pointer
     b_wu: Bf16Pointer
     a_h: Bf16Pointer
     b_wd: Bf16Pointer
+    a_x_rows: Bf16Pointer
 
 
 class ForwardTma(NamedTuple):
@@ -134,6 +138,9 @@ class ForwardTma(NamedTuple):
     mH: cute.Tensor
     tma_wd: cute.CopyAtom
     mWd: cute.Tensor
+    # x [T, H] in boxes of one row (64 x 1): the gathering producer's A rows.
+    tma_x_rows: cute.CopyAtom
+    mXRows: cute.Tensor
 
 
 class ForwardTensors(NamedTuple):
@@ -156,6 +163,7 @@ class ForwardTensors(NamedTuple):
     schedule_counts_ptr: Int32Pointer
     schedule_expert_counts_ptr: Int32Pointer
     schedule_entries: Int32
+    gather_rows: Int32
 
 
 @dataclass(frozen=True)
@@ -177,7 +185,8 @@ class Sm90MoeForward:
 
     def tma_specs(self) -> list[dict]:
         box = [TILE_K, TILE_M]
-        return [engine.tma_spec(name, box) for name in ForwardTma._fields[::2]]
+        specs = [engine.tma_spec(name, box) for name in ForwardTma._fields[:10:2]]
+        return specs + [engine.tma_spec("tma_x_rows", [TILE_K, 1])]
 
     def stage_bytes(self) -> int:
         return engine.stage_bytes()
@@ -203,6 +212,14 @@ class Sm90MoeForward:
             *engine.make_tma_load(operands.b_wu, layout, b_smem, tile_b),
             *engine.make_tma_load(operands.a_h, layout, a_smem, tile_a),
             *engine.make_tma_load(operands.b_wd, layout, b_smem, tile_b),
+            # The DSL's atom only gives the descriptor its parameter: the producer issues the
+            # one-row boxes itself (common/row_tma.py), into the swizzled stages.
+            *cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                cute.make_tensor(operands.a_x_rows, layout),
+                cute.make_layout((1, TILE_K), stride=(TILE_K, 1)),
+                (1, TILE_K),
+            ),
         )
         self.kernel(tma, args, walk, steps).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
@@ -221,9 +238,16 @@ class Sm90MoeForward:
         )
         ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
         loaded = (sA, sB0, sB1)
+        # BF16 only: the gate/up producer gathers x's rows itself, and column-0 gate/up tasks
+        # store them to x_routed; there is no dispatch phase.
+        gathers = Int32(0)
+        if cutlass.const_expr(not self.mxfp8):
+            gathers = args.gather_rows
         if warp_idx == 0:
             for atom in (tma.tma_x, tma.tma_wg, tma.tma_wu, tma.tma_h, tma.tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
+            if gathers != 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_x_rows)
 
         # ---- the schedule's tasks (a group of one's layer step: schedule_entries = T * k) ----
         capacity_tiles = (walk.capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
@@ -280,6 +304,7 @@ class Sm90MoeForward:
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
+        dispatchers = cutlass.select_(gathers != 0, Int32(0), dispatchers)
         if bidx < dispatchers:
             dispatch_rows(
                 (args.x_ptr, peer_table(args.peer_table_ptr, X_BUFFER), walk.ep_rank),
@@ -298,16 +323,29 @@ class Sm90MoeForward:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 # ---- producer: each task's loads after its rows' counter ----
+                gather = None
+                if cutlass.const_expr(not self.mxfp8):
+                    gather = (
+                        gathers,
+                        descriptor_address(tma.tma_x_rows),
+                        rank_of,
+                        cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
+                        walk.topk,
+                    )
                 loads = (
                     gate_up_phase.producer_loads(
-                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows
+                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows, gather
                     ),
                     down_phase.producer_loads(
-                        ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size
+                        ring, loaded, tma[6:10], walk.hidden_size, walk.intermediate_size
                     ),
                 )
+                # Gathering, no row tile waits for dispatch (a count of 0 is reached at once).
+                dispatch_needed = cutlass.select_(gathers != 0, Int32(0), Int32(1))
                 waits = (
-                    RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, walk.timeout_ns),
+                    RowTileWait(
+                        dispatched, dispatch_needed, PHASE_DISPATCH, record, walk.timeout_ns
+                    ),
                     RowTileWait(
                         hidden_done,
                         gate_up_cols,
@@ -320,7 +358,7 @@ class Sm90MoeForward:
                     pipeline.PipelineUserType.Producer, self.stages
                 )
                 state, _, _ = produce_steps(
-                    state, batches, tiles, tickets, waits, loads, (rank_of, flags)
+                    state, batches, tiles, tickets, waits, loads, (rank_of, flags), gathers
                 )
                 signal_no_task(ring, state)
                 ring.producer_tail(state)
@@ -355,12 +393,23 @@ class Sm90MoeForward:
             down_thr = down_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
             second_half = warpgroup == 2
+            # Gathering: a column-0 gate/up task's A stages are its rows of x_routed, which
+            # thread 128 (lane 0 of the first consumer warp) stores by TMA (tma_x's box).
+            stores = None
+            if cutlass.const_expr(not self.mxfp8):
+                stores = (descriptor_address(tma.tma_x), sA.iterator.toint())
 
-            def run_task(states, flag, mma, thr, k_tiles):
-                skip = (flag == PADDED_HALF) & second_half
+            def run_task(states, flag, mma, thr, k_tiles, gate_up):
+                skip = ((flag & PADDED_HALF) != 0) & second_half
+                store = None
+                if cutlass.const_expr(gate_up and stores is not None):
+                    storing = ((flag & STORE_ROWS) != 0) & (tidx == THREADS_PER_WARPGROUP)
+                    row = (flag >> ROW_TILE_SHIFT) * TILE_M
+                    store = (storing, stores[0], stores[1], row)
                 read_state, release_state = engine.mma_k_tiles(
-                    mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip
-                )
+                    mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip,
+                    store=store,
+                )  # fmt: skip
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
@@ -379,7 +428,7 @@ class Sm90MoeForward:
                     base,
                     middle,
                     run_task,
-                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K),
+                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K, True),
                     flags=flags,
                 )
                 states, seq, task = consume_phase(
@@ -391,7 +440,7 @@ class Sm90MoeForward:
                     middle,
                     end,
                     run_task,
-                    (down_mma, down_thr, walk.intermediate_size // TILE_K),
+                    (down_mma, down_thr, walk.intermediate_size // TILE_K, False),
                     flags=flags,
                 )
             crew.hand_off_nothing()

@@ -78,7 +78,9 @@ class Sm90RowTmaProbe:
         @cute.struct
         class SharedStorage:
             barriers: cute.struct.MemRange[Int64, STAGES]
-            stages: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES * TILE_M * TILE_K], 1024]
+            stages: cute.struct.Align[
+                cute.struct.MemRange[BFloat16, STAGES * TILE_M * TILE_K], 1024
+            ]
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         barrier_ptr = storage.barriers.data_ptr()
