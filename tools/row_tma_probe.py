@@ -1,14 +1,15 @@
-"""Rows gathered by one-row TMA boxes (mok/dsl_kernels/sm90/row_tma_probe.py; docs/NOTES.md §18
-item 9): whether a 128-byte-swizzled stage filled row by row holds what one 128-row box
-writes, and how fast every SM fills stages that way against the 128-row box.
+"""Rows gathered by one-row TMA boxes or by 16-byte cp.async (mok/dsl_kernels/sm90/row_tma_probe.py;
+docs/NOTES.md §18 item 9): whether a 128-byte-swizzled stage filled row by row holds what one
+128-row box writes, and how fast every SM fills stages each way against the 128-row box.
 
     python -m tools.row_tma_probe [--tokens 16384] [--hidden 2048] [--k-tiles 4096] [--reps 5]
 
 The check: stage 0 by a 128-row box, stage 1 by 128 one-row boxes from random rows (some out
-of bounds), both compared bit for bit with the 128-byte swizzle of the rows they should hold.
-The rates: every SM fills `--k-tiles` stages of 16 KiB through a ring of 4, a task's H / 64
-k-tiles from the same 128 rows (ROWS: 128 one-row boxes a k-tile from `--tokens` x 8 random
-routed rows; TILE: one 128-row box), as GB/s, GB/s per SM and ns per k-tile per SM.
+of bounds), stage 2 the same rows by cp.async, each compared bit for bit with the 128-byte
+swizzle of the rows it should hold. The rates: every SM fills `--k-tiles` stages of 16 KiB
+through a ring of 4, a task's H / 64 k-tiles from the same 128 rows (rows: 128 one-row boxes
+a k-tile from `--tokens` x 8 random routed rows; cp.async: the same rows by one warp's 16-byte
+cp.async; tile: one 128-row box), as GB/s, GB/s per SM and ns per k-tile per SM.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import argparse
 
 import torch
 
-CHECK, ROWS, TILE = 0, 1, 2  # sm90/row_tma_probe.py
+CHECK, ROWS, TILE, CP_ASYNC = 0, 1, 2, 3  # sm90/row_tma_probe.py
+STAGES_CHECKED = 3
 TILE_M, TILE_K = 128, 64
 STAGE_BYTES = TILE_M * TILE_K * 2
 
@@ -60,17 +62,20 @@ def launch(src, index, out, mode: int, ctas: int, k_tiles: int = 0) -> None:
     })  # fmt: skip
 
 
-def check(src: torch.Tensor, index: torch.Tensor) -> tuple[bool, bool]:
-    """(stage 0 by one 128-row box, stage 1 by one-row boxes of index[:128], negative rows zero)
-    each equal bit for bit to the swizzle of the rows it should hold (`out` poisoned first)."""
-    out = torch.full((2, TILE_M, TILE_K), float("nan"), dtype=torch.bfloat16, device=src.device)
+def check(src: torch.Tensor, index: torch.Tensor) -> tuple[bool, bool, bool]:
+    """(stage 0 by one 128-row box, stage 1 by one-row boxes of index[:128], stage 2 the same rows
+    by cp.async; negative rows zero) each equal bit for bit to the swizzle of the rows it
+    should hold (`out` poisoned first)."""
+    out = torch.full((STAGES_CHECKED, TILE_M, TILE_K), float("nan"), dtype=torch.bfloat16,
+                     device=src.device)  # fmt: skip
     launch(src, index, out, CHECK, 1)
     rows = index[:TILE_M].long()
     gathered = src[rows.clamp(min=0), TILE_K : 2 * TILE_K].clone()
     gathered[rows < 0] = 0
-    expected = (swizzled(src[:TILE_M, :TILE_K]), swizzled(gathered))
+    expected = (swizzled(src[:TILE_M, :TILE_K]), swizzled(gathered), swizzled(gathered))
     return tuple(
-        bool(torch.equal(out[i].view(torch.int16), expected[i].view(torch.int16))) for i in (0, 1)
+        bool(torch.equal(out[i].view(torch.int16), expected[i].view(torch.int16)))
+        for i in range(STAGES_CHECKED)
     )
 
 
@@ -88,19 +93,19 @@ def main(argv: list[str] | None = None) -> None:
     src, index = make_inputs(args.tokens, args.hidden, 8 * args.tokens, device)
     checked = index[:TILE_M].clone()
     checked[::5] = -1
-    box, rows = check(src, checked)
+    verdicts = ["exact" if ok else "WRONG" for ok in check(src, checked)]
     print(f"{torch.cuda.get_device_name(device)}, {sms} SMs; x [{args.tokens}, {args.hidden}] "
-          f"bf16; check: 128-row box {'exact' if box else 'WRONG'}, one-row boxes "
-          f"{'exact' if rows else 'WRONG'}")  # fmt: skip
+          f"bf16; check: 128-row box {verdicts[0]}, one-row boxes {verdicts[1]}, cp.async "
+          f"{verdicts[2]}")  # fmt: skip
     config = TimingConfig(warmup=2, reps=args.reps)
-    out = torch.empty(2, TILE_M, TILE_K, dtype=torch.bfloat16, device=device)
+    out = torch.empty(STAGES_CHECKED, TILE_M, TILE_K, dtype=torch.bfloat16, device=device)
     moved = sms * args.k_tiles * STAGE_BYTES
-    print(f"{'mode':6s} {'ms':>8s} {'GB/s':>8s} {'GB/s an SM':>11s} {'ns a k-tile':>12s}")
-    for name, mode in (("rows", ROWS), ("tile", TILE)):
+    print(f"{'mode':8s} {'ms':>8s} {'GB/s':>8s} {'GB/s an SM':>11s} {'ns a k-tile':>12s}")
+    for name, mode in (("rows", ROWS), ("cp.async", CP_ASYNC), ("tile", TILE)):
         ms = median(time_ms(device, config,
                             lambda _s, m=mode: launch(src, index, out, m, sms, args.k_tiles)))  # fmt: skip
         rate = moved / (ms * 1e-3) / 1e9
-        print(f"{name:6s} {ms:8.3f} {rate:8.0f} {rate / sms:11.1f} "
+        print(f"{name:8s} {ms:8.3f} {rate:8.0f} {rate / sms:11.1f} "
               f"{ms * 1e6 / args.k_tiles:12.1f}")  # fmt: skip
 
 

@@ -1,7 +1,8 @@
-"""One-row TMA boxes (mok/dsl_kernels/sm90/row_tma_probe.py, mok/dsl_kernels/common/row_tma.py)
-fill a 128-byte-swizzled stage as one 128-row box does: the stage a 128-row box writes is the
-swizzle of its rows (the layout wgmma reads), and so is the stage of 128 one-row boxes from
-random rows, out-of-bounds rows zero. `out` is poisoned first."""
+"""One-row TMA boxes and 16-byte cp.async (mok/dsl_kernels/sm90/row_tma_probe.py,
+mok/dsl_kernels/common/row_tma.py) fill a 128-byte-swizzled stage as one 128-row box does: the
+stage a 128-row box writes is the swizzle of its rows (the layout wgmma reads), and so are the
+stages of 128 one-row boxes and of cp.async from random rows, out-of-bounds rows zero. `out`
+is poisoned first."""
 
 import pytest
 import torch
@@ -18,4 +19,4 @@ pytestmark = [
 def test_one_row_boxes_fill_the_swizzled_stage(src_rows, hidden, seed):
     src, index = row_tma_probe.make_inputs(src_rows, hidden, 128, torch.device("cuda"), seed)
     index[3::7] = -1
-    assert row_tma_probe.check(src, index) == (True, True)
+    assert row_tma_probe.check(src, index) == (True, True, True)

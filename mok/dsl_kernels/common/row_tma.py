@@ -1,4 +1,5 @@
-"""TMA copies issued by any lane, with coordinates of its own: rows gathered one TMA box each.
+"""Rows gathered by any lane: TMA copies with coordinates of its own (a row a box), and 16-byte
+`cp.async` copies completing on an mbarrier.
 
 The DSL issues every TMA copy of `cute.copy` from one lane it elects, so 128 rows with 128
 different source coordinates would be 128 elected copies in a row. These helpers are the PTX
@@ -69,3 +70,31 @@ def store_box_2d(descriptor: Int64, smem: Int32, col: Int32, row: Int32, *, loc=
         loc,
         ip,
     )  # fmt: skip
+
+
+@dsl_user_op
+def cp_async_16(smem: Int32, source: Int64, size: Int32, *, loc=None, ip=None) -> None:
+    """This lane's 16-byte `cp.async` global -> shared (L2 only); `size` 0 writes 16 zero bytes
+    and reads nothing, `size` 16 copies."""
+    side_effect_asm(
+        None,
+        [_i32(smem, loc, ip), _i64(source, loc, ip), _i32(size, loc, ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r,~{memory}",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def cp_async_arrive_noinc(barrier: Int32, *, loc=None, ip=None) -> None:
+    """An arrival on the mbarrier at shared address `barrier` once every `cp.async` this lane
+    issued before is complete; the barrier's expected count includes it (`.noinc`)."""
+    side_effect_asm(
+        None,
+        [_i32(barrier, loc, ip)],
+        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
+        "r,~{memory}",
+        loc,
+        ip,
+    )

@@ -1,5 +1,6 @@
-"""Rows gathered by one-row TMA boxes into a 128-byte-swizzled stage: whether the stage holds what
-wgmma reads, and how fast one SM fills stages that way (docs/NOTES.md §18 item 9).
+"""Rows gathered into a 128-byte-swizzled stage, by one-row TMA boxes or by 16-byte `cp.async`:
+whether the stage holds what wgmma reads, and how fast one SM fills stages each way
+(docs/NOTES.md §18 item 9).
 
 `src` is a bf16 [rows, H] tensor seen through two descriptors: `tma_rows` (box 64 x 1) and
 `tma_tile` (box 64 x 128, the megakernels' operand box), both with the 128-byte swizzle. A
@@ -7,14 +8,16 @@ stage is 128 rows x 64 columns (16 KiB, 1024-byte aligned). Modes (the runtime `
 
 - CHECK (CTA 0): stage 0 by one `tma_tile` box of rows 0..127, columns 0..63; stage 1 by 128
   `tma_rows` boxes, row r from source row `index[r]` (negative: a row out of bounds, which
-  TMA fills with zeros), columns 64..127, each lane of warp 0 issuing 4. Then the two stages'
-  raw bytes to `out` ([2, 128, 64] bf16, stage by stage): the host checks stage 0 against the
-  128-byte swizzle of the rows (the layout wgmma reads) and stage 1 against the same swizzle.
-- ROWS / TILE (every CTA, warp 0): `k_tiles` stages through a ring of STAGES, as a GEMM
-  producer fills them: a task is H / 64 k-tiles of the same 128 rows, CTA b's task t the
+  TMA fills with zeros), columns 64..127, each lane of warp 0 issuing 4; stage 2 the same rows
+  by `cp.async` (`gather_k_tile`). Then the three stages' raw bytes to `out` ([3, 128, 64]
+  bf16, stage by stage): the host checks stage 0 against the 128-byte swizzle of the rows (the
+  layout wgmma reads) and stages 1 and 2 against the same swizzle.
+- ROWS / TILE / CP_ASYNC (every CTA, warp 0): `k_tiles` stages through a ring of STAGES, as a
+  GEMM producer fills them: a task is H / 64 k-tiles of the same 128 rows, CTA b's task t the
   rows index[(b + t * grid) * 128 + r] (modulo `index_count`); ROWS by 128 one-row boxes a
-  k-tile (4 a lane), TILE by one 128-row box of rows ((b + t * grid) * 128) mod src rows, the
-  same bytes in the megakernels' way. tools/row_tma_probe.py times both.
+  k-tile (4 a lane), CP_ASYNC by `gather_k_tile`, TILE by one 128-row box of rows
+  ((b + t * grid) * 128) mod src rows, the same bytes in the megakernels' way.
+  tools/row_tma_probe.py times the three.
 
 Launch: grid (n, 1, 1), block (128, 1, 1).
 """
@@ -27,10 +30,16 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from ..common.params import Bf16Pointer, Int32Pointer
-from ..common.row_tma import ROW_OUT_OF_BOUNDS, descriptor_address, load_box_2d
+from ..common.row_tma import (
+    ROW_OUT_OF_BOUNDS,
+    cp_async_16,
+    cp_async_arrive_noinc,
+    descriptor_address,
+    load_box_2d,
+)
 from .gemm_engine import TILE_K, TILE_M, k_major_coords, thread_roles
 
-CHECK, ROWS, TILE = 0, 1, 2
+CHECK, ROWS, TILE, CP_ASYNC = 0, 1, 2, 3
 THREADS = 128
 STAGES = 4
 STAGE_BYTES = TILE_M * TILE_K * 2
@@ -42,12 +51,33 @@ class RowTmaProbeArgs(NamedTuple):
 
     src_ptr: Bf16Pointer  # [src_rows, H]: the descriptors' tensor (only for the DSL's atoms)
     index_ptr: Int32Pointer  # [index_count]: source rows (negative: out of bounds)
-    out_ptr: Bf16Pointer  # CHECK: [2, 128, 64], the two stages' raw bytes
+    out_ptr: Bf16Pointer  # CHECK: [3, 128, 64], the three stages' raw bytes
     index_count: Int32
     src_rows: Int32
     hidden_size: Int32
     k_tiles: Int32  # ROWS / TILE: stages each CTA fills
     mode: Int32
+
+
+@cute.jit
+def gather_k_tile(stage_at: Int32, table, src_at: Int64, row_bytes: Int64, col: Int32,
+                  barrier: Int32):  # fmt: skip
+    """Warp 0: one k-tile of 128 rows (64 bf16 from column `col`) into the 128-byte-swizzled
+    stage at shared byte address `stage_at` by 16-byte `cp.async`: lane l copies chunk l % 8 of
+    rows l // 8 + 4 j (j < 32), row r's source row `table[r]` (shared Int32 [128]; negative:
+    zeros) of the [*, row_bytes] tensor at `src_at`; then each lane's `.noinc` arrival on
+    `barrier` (its expected count includes the 32)."""
+    lane = cute.arch.lane_idx()
+    chunk = lane % 8
+    group = lane // 8
+    for j in cutlass.range_constexpr(TILE_M // 4):
+        r = group + 4 * j
+        source = table[r]
+        size = cutlass.select_(source >= 0, Int32(16), Int32(0))
+        at = src_at + Int64(cutlass.max(source, 0)) * row_bytes + Int64(2 * col + 16 * chunk)
+        # Row r's chunk c sits at chunk c ^ (r % 8) of its 128 bytes; r % 8 = group + 4 (j % 2).
+        cp_async_16(stage_at + r * 128 + ((chunk ^ (group + 4 * (j % 2))) * 16), at, size)
+    cp_async_arrive_noinc(barrier)
 
 
 @dataclass(frozen=True)
@@ -78,6 +108,7 @@ class Sm90RowTmaProbe:
         @cute.struct
         class SharedStorage:
             barriers: cute.struct.MemRange[Int64, STAGES]
+            table: cute.struct.Align[cute.struct.MemRange[Int32, TILE_M], 16]
             stages: cute.struct.Align[
                 cute.struct.MemRange[BFloat16, STAGES * TILE_M * TILE_K], 1024
             ]
@@ -89,9 +120,14 @@ class Sm90RowTmaProbe:
         rows_desc = descriptor_address(tma_rows)
         tile_desc = descriptor_address(tma_tile)
         index = cute.make_tensor(args.index_ptr, cute.make_layout(args.index_count))
+        table = cute.make_tensor(storage.table.data_ptr(), cute.make_layout(TILE_M))
+        src_at = args.src_ptr.toint()
+        row_bytes = Int64(args.hidden_size) * Int64(2)
         if tidx == 0:
             for s in cutlass.range(STAGES, unroll=1):
-                cute.arch.mbarrier_init(barrier_ptr + s, 1)
+                # A stage filled by cp.async completes on warp 0's 32 arrivals.
+                by_lanes = (args.mode == CP_ASYNC) | ((args.mode == CHECK) & (s == 2))
+                cute.arch.mbarrier_init(barrier_ptr + s, cutlass.select_(by_lanes, 32, 1))
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -106,20 +142,24 @@ class Sm90RowTmaProbe:
                     for i in cutlass.range_constexpr(LANE_ROWS):
                         r = lane + 32 * i
                         source = index[r]
+                        table[r] = source
                         row = cutlass.select_(source >= 0, source, Int32(ROW_OUT_OF_BOUNDS))
                         load_box_2d(rows_desc, stage_at + STAGE_BYTES + 2 * TILE_K * r,
                                     (barrier_ptr + 1).toint(), Int32(TILE_K), row)  # fmt: skip
-                cute.arch.mbarrier_wait(barrier_ptr, 0)
-                cute.arch.mbarrier_wait(barrier_ptr + 1, 0)
-                # The two stages' raw bytes, 16 bytes a thread at a time.
+                    cute.arch.sync_warp()
+                    gather_k_tile(stage_at + 2 * STAGE_BYTES, table, src_at, row_bytes,
+                                  Int32(TILE_K), (barrier_ptr + 2).toint())  # fmt: skip
+                for s in cutlass.range_constexpr(3):
+                    cute.arch.mbarrier_wait(barrier_ptr + s, 0)
+                # The three stages' raw bytes, 8 bytes a thread at a time.
                 words = cute.make_tensor(
-                    cute.recast_ptr(stages, dtype=Int64), cute.make_layout(2 * STAGE_BYTES // 8)
+                    cute.recast_ptr(stages, dtype=Int64), cute.make_layout(3 * STAGE_BYTES // 8)
                 )
                 out = cute.make_tensor(
                     cute.recast_ptr(args.out_ptr, dtype=Int64),
-                    cute.make_layout(2 * STAGE_BYTES // 8),
+                    cute.make_layout(3 * STAGE_BYTES // 8),
                 )
-                for w in cutlass.range(tidx, 2 * STAGE_BYTES // 8, THREADS, unroll=1):
+                for w in cutlass.range(tidx, 3 * STAGE_BYTES // 8, THREADS, unroll=1):
                     out[w] = words[w]
         elif warp_idx == 0:
             k_per_task = args.hidden_size // TILE_K
@@ -136,7 +176,17 @@ class Sm90RowTmaProbe:
                     col = (j % k_per_task) * TILE_K
                     first = (bidx + task * grid) * TILE_M
                     barrier = (barrier_ptr + s).toint()
-                    if lane == 0:
+                    if args.mode == CP_ASYNC:
+                        if j % k_per_task == 0:
+                            # The task's rows (the cp.asyncs took their sources when issued).
+                            cute.arch.sync_warp()
+                            for i in cutlass.range_constexpr(LANE_ROWS):
+                                r = lane + 32 * i
+                                table[r] = index[(first + r) % args.index_count]
+                            cute.arch.sync_warp()
+                        gather_k_tile(stage_at + s * STAGE_BYTES, table, src_at, row_bytes, col,
+                                      barrier)  # fmt: skip
+                    elif lane == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr + s, STAGE_BYTES)
                     cute.arch.sync_warp()
                     if args.mode == ROWS:
@@ -147,6 +197,6 @@ class Sm90RowTmaProbe:
                             r = lane + 32 * i
                             load_box_2d(rows_desc, stage_at + s * STAGE_BYTES + 2 * TILE_K * r,
                                         barrier, col, tokens[i])  # fmt: skip
-                    elif lane == 0:
+                    elif (args.mode == TILE) & (lane == 0):
                         row = (first // TILE_M) % row_tiles * TILE_M
                         load_box_2d(tile_desc, stage_at + s * STAGE_BYTES, barrier, col, row)
