@@ -13,6 +13,7 @@ With the 128-byte swizzle, TMA places a box by the shared address it writes, so 
 the GPU, sm90/row_tma_probe.py).
 """
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
@@ -87,6 +88,21 @@ def cp_async_16(smem: Int32, source: Int64, size: Int32, *, loc=None, ip=None) -
 
 
 @dsl_user_op
+def cp_async_arrive(barrier: Int32, *, loc=None, ip=None) -> None:
+    """An arrival on the mbarrier at shared address `barrier` once every `cp.async` this lane
+    issued before is complete, counted at once (the pending count goes up now and down then):
+    the phase cannot complete before those copies, whatever the barrier's expected count."""
+    side_effect_asm(
+        None,
+        [_i32(barrier, loc, ip)],
+        "cp.async.mbarrier.arrive.shared::cta.b64 [$0];",
+        "r,~{memory}",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def cp_async_arrive_noinc(barrier: Int32, *, loc=None, ip=None) -> None:
     """An arrival on the mbarrier at shared address `barrier` once every `cp.async` this lane
     issued before is complete; the barrier's expected count includes it (`.noinc`)."""
@@ -98,3 +114,23 @@ def cp_async_arrive_noinc(barrier: Int32, *, loc=None, ip=None) -> None:
         loc,
         ip,
     )
+
+
+@cute.jit
+def gather_k_tile(stage_at: Int32, table, src_at: Int64, row_bytes: Int64, col: Int32):
+    """One warp: one k-tile of 128 rows (64 bf16 from column `col`) into the 128-byte-swizzled
+    K-major stage at shared byte address `stage_at` (1024-byte aligned) by 16-byte `cp.async`:
+    lane l copies chunk l % 8 of rows l // 8 + 4 j (j < 32), so each instruction reads four
+    whole 128-byte row pieces; row r's source is row `table[r]` (shared Int32 [128]; negative:
+    zeros) of the row-major tensor at global address `src_at`, `row_bytes` a row. The caller
+    makes the copies complete on a barrier (`cp_async_arrive`)."""
+    lane = cute.arch.lane_idx()
+    chunk = lane % 8
+    group = lane // 8
+    for j in cutlass.range_constexpr(32):
+        r = group + 4 * j
+        source = table[r]
+        size = cutlass.select_(source >= 0, Int32(16), Int32(0))
+        at = src_at + Int64(cutlass.max(source, 0)) * row_bytes + Int64(2 * col + 16 * chunk)
+        # Row r's chunk c sits at chunk c ^ (r % 8) of its 128 bytes; r % 8 = group + 4 (j % 2).
+        cp_async_16(stage_at + r * 128 + ((chunk ^ (group + 4 * (j % 2))) * 16), at, size)

@@ -9,7 +9,8 @@ stage is 128 rows x 64 columns (16 KiB, 1024-byte aligned). Modes (the runtime `
 - CHECK (CTA 0): stage 0 by one `tma_tile` box of rows 0..127, columns 0..63; stage 1 by 128
   `tma_rows` boxes, row r from source row `index[r]` (negative: a row out of bounds, which
   TMA fills with zeros), columns 64..127, each lane of warp 0 issuing 4; stage 2 the same rows
-  by `cp.async` (`gather_k_tile`). Then the three stages' raw bytes to `out` ([3, 128, 64]
+  by `cp.async` (common/row_tma.gather_k_tile, each lane's `.noinc` arrival on a barrier
+  expecting the 32). Then the three stages' raw bytes to `out` ([3, 128, 64]
   bf16, stage by stage): the host checks stage 0 against the 128-byte swizzle of the rows (the
   layout wgmma reads) and stages 1 and 2 against the same swizzle.
 - ROWS / TILE / CP_ASYNC (every CTA, warp 0): `k_tiles` stages through a ring of STAGES, as a
@@ -32,9 +33,9 @@ from cutlass import BFloat16, Int32, Int64
 from ..common.params import Bf16Pointer, Int32Pointer
 from ..common.row_tma import (
     ROW_OUT_OF_BOUNDS,
-    cp_async_16,
     cp_async_arrive_noinc,
     descriptor_address,
+    gather_k_tile,
     load_box_2d,
 )
 from .gemm_engine import TILE_K, TILE_M, k_major_coords, thread_roles
@@ -57,27 +58,6 @@ class RowTmaProbeArgs(NamedTuple):
     hidden_size: Int32
     k_tiles: Int32  # ROWS / TILE: stages each CTA fills
     mode: Int32
-
-
-@cute.jit
-def gather_k_tile(stage_at: Int32, table, src_at: Int64, row_bytes: Int64, col: Int32,
-                  barrier: Int32):  # fmt: skip
-    """Warp 0: one k-tile of 128 rows (64 bf16 from column `col`) into the 128-byte-swizzled
-    stage at shared byte address `stage_at` by 16-byte `cp.async`: lane l copies chunk l % 8 of
-    rows l // 8 + 4 j (j < 32), row r's source row `table[r]` (shared Int32 [128]; negative:
-    zeros) of the [*, row_bytes] tensor at `src_at`; then each lane's `.noinc` arrival on
-    `barrier` (its expected count includes the 32)."""
-    lane = cute.arch.lane_idx()
-    chunk = lane % 8
-    group = lane // 8
-    for j in cutlass.range_constexpr(TILE_M // 4):
-        r = group + 4 * j
-        source = table[r]
-        size = cutlass.select_(source >= 0, Int32(16), Int32(0))
-        at = src_at + Int64(cutlass.max(source, 0)) * row_bytes + Int64(2 * col + 16 * chunk)
-        # Row r's chunk c sits at chunk c ^ (r % 8) of its 128 bytes; r % 8 = group + 4 (j % 2).
-        cp_async_16(stage_at + r * 128 + ((chunk ^ (group + 4 * (j % 2))) * 16), at, size)
-    cp_async_arrive_noinc(barrier)
 
 
 @dataclass(frozen=True)
@@ -148,7 +128,8 @@ class Sm90RowTmaProbe:
                                     (barrier_ptr + 1).toint(), Int32(TILE_K), row)  # fmt: skip
                     cute.arch.sync_warp()
                     gather_k_tile(stage_at + 2 * STAGE_BYTES, table, src_at, row_bytes,
-                                  Int32(TILE_K), (barrier_ptr + 2).toint())  # fmt: skip
+                                  Int32(TILE_K))  # fmt: skip
+                    cp_async_arrive_noinc((barrier_ptr + 2).toint())
                 for s in cutlass.range_constexpr(3):
                     cute.arch.mbarrier_wait(barrier_ptr + s, 0)
                 # The three stages' raw bytes, 8 bytes a thread at a time.
@@ -184,8 +165,8 @@ class Sm90RowTmaProbe:
                                 r = lane + 32 * i
                                 table[r] = index[(first + r) % args.index_count]
                             cute.arch.sync_warp()
-                        gather_k_tile(stage_at + s * STAGE_BYTES, table, src_at, row_bytes, col,
-                                      barrier)  # fmt: skip
+                        gather_k_tile(stage_at + s * STAGE_BYTES, table, src_at, row_bytes, col)
+                        cp_async_arrive_noinc(barrier)
                     elif lane == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr + s, STAGE_BYTES)
                     cute.arch.sync_warp()
