@@ -182,9 +182,7 @@ class _ForwardPlan:
         a_x, a_h = self._operands(x_routed, hidden)
         self.tma_x = Descriptors(kernel, "tma_x")
         self.tma_h = Descriptors(kernel, "tma_h")
-        # x in boxes of one row: a BF16 group of one's gate/up producer gathers its rows (no
-        # dispatch phase); the parameter is bound in every plan.
-        self.tma_x_rows = Descriptors(kernel, "tma_x_rows")
+        # A BF16 group of one's gate/up producer gathers x's rows (no dispatch phase).
         self.gathers = peers is None and not self.mxfp8
         self.last_descriptors = (None, None)  # (addresses, descriptors) of the last BF16 call
         first_slots = slots if slots is not None else x_routed  # any address: rewritten per call
@@ -193,7 +191,6 @@ class _ForwardPlan:
             {
                 "tma_x": self.tma_x.get(a_x),
                 "tma_h": self.tma_h.get(a_h),
-                "tma_x_rows": self.tma_x_rows.get(x),
                 "gather_rows": int(self.gathers),
                 **self._weight_descriptors(weights),
                 "x_rounded_ptr": a_x if self.mxfp8 else None,
@@ -286,12 +283,11 @@ class _ForwardPlan:
             (tma_x, tma_h), bf16_weights, rounded_at = last, (), (0, 0)
         x_address = x.data_ptr()
         aligned("x", x_address)
-        tma_x_rows = self.tma_x_rows.at(x_address, lambda: x)
         stream = current_stream(self.device_index)
         self.counters.before_launch(stream)
         if self.schedules:
             aligned("top_experts", ids_at, 8)
-        self.bound.launch(tma_x, tma_h, tma_x_rows, x_address, *context_at, slots_at, *rounded_at,
+        self.bound.launch(tma_x, tma_h, x_address, *context_at, slots_at, *rounded_at,
                           *combine_at, ids_at, *schedule_at, *bf16_weights, stream=stream)  # fmt: skip
 
 
@@ -306,7 +302,7 @@ def in_kernel_schedule(ids, num_experts, capacity, shape) -> tuple:
 
 # Rewritten on every launch, in this order (BoundLaunch.launch).
 DYNAMIC = (
-    "tma_x", "tma_h", "tma_x_rows", "x_ptr", "x_routed_ptr", "gate_ptr", "up_ptr", "hidden_ptr", "slots_ptr",
+    "tma_x", "tma_h", "x_ptr", "x_routed_ptr", "gate_ptr", "up_ptr", "hidden_ptr", "slots_ptr",
     "x_rounded_ptr", "hidden_rounded_ptr", "out_ptr", "router_weights_ptr", "ids_ptr",
     "peer_rank_ptr",
     "peer_token_idx_ptr", "num_tokens_ptr", "tokens_per_expert_ptr",

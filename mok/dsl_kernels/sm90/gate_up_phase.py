@@ -14,9 +14,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.mxfp8_values import store_round_trip
-from ..common.row_tma import ROW_OUT_OF_BOUNDS
 from . import gemm_engine as engine
-from .gemm_engine import GATHER_ROWS_A_LANE, TILE_K, TILE_M, TILE_N
+from .gemm_engine import TILE_K, TILE_M, TILE_N
 
 # WaitPhase id (mok.runtime.WaitPhase, a wire format) of a down task waiting for hidden rows.
 PHASE_GATE_UP_GEMM = 6
@@ -26,10 +25,10 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=Non
     """Producer: `load(state, expert, col_tile, row_tile)` of a gate/up task over `tma` = (tma_x,
     mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1). The weights' [rows, H] views
     hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H]).
-    `gather` = (an Int32, nonzero: on; the descriptor address of x [T, H] in boxes of one row,
-    the schedule's peer_rank and peer_token_idx tensors, k): when on, A's rows come from x
+    `gather` = (an Int32, nonzero: on; x's global address, the schedule's peer_rank and
+    peer_token_idx tensors, k, a shared Int32 [TILE_M] table): when on, A's rows come from x
     itself, row r of the tile from token peer_token_idx[r] // k (a padding row, peer_rank < 0,
-    from no row: zeros), by gemm_engine.load_k_tiles_gathered; else from x_routed by tma_x."""
+    zeros), by gemm_engine.load_k_tiles_gathered; else from x_routed by tma_x."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
     tXsX, tXgX = engine.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
@@ -51,18 +50,19 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=Non
 
     @cute.jit
     def load_task(state, row_tile, weights):
-        gathers, descriptor, rank_of, token_of, topk = gather
+        gathers, x_at, rank_of, token_of, topk, table = gather
         if gathers != 0:
+            # The task's source rows, once; the last task's copies took theirs when issued.
             lane = cute.arch.lane_idx()
-            rows = cute.make_rmem_tensor((GATHER_ROWS_A_LANE,), Int32)
-            for i in cutlass.range_constexpr(GATHER_ROWS_A_LANE):
-                r = row_tile * TILE_M + lane + 32 * i
-                rows[i] = cutlass.select_(
-                    rank_of[r] >= 0, token_of[r] // topk, Int32(ROW_OUT_OF_BOUNDS)
-                )
-            stages_at = sA.iterator.toint()
+            cute.arch.sync_warp()
+            for i in cutlass.range_constexpr(TILE_M // 32):
+                r = lane + 32 * i
+                row = row_tile * TILE_M + r
+                table[r] = cutlass.select_(rank_of[row] >= 0, token_of[row] // topk, Int32(-1))
+            cute.arch.sync_warp()
+            row_bytes = Int64(hidden_size) * Int64(2)
             state = engine.load_k_tiles_gathered(
-                ring, state, k_tiles, weights, (descriptor, stages_at, rows)
+                ring, state, k_tiles, weights, (x_at, row_bytes, sA.iterator.toint(), table)
             )
         else:
             state = engine.load_k_tiles(

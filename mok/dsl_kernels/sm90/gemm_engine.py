@@ -16,7 +16,7 @@ from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.ptx import fence_operand
-from ..common.row_tma import load_box_2d, store_box_2d
+from ..common.row_tma import cp_async_arrive, gather_k_tile, store_box_2d
 from ..phases.tiles import TILE_M, TILE_N
 
 # TILE_M x TILE_N (phases/tiles.py): the CTA tile's rows (two consumer warpgroups x 64 rows) and
@@ -237,37 +237,38 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads):
     return state
 
 
-# A stage's A tile in bytes (TILE_M rows x TILE_K bf16; the stages of k_major_smem_layout follow
-# one another) and the rows each producer lane gathers a k-tile.
+# A stage's A tile and its B0 + B1 tiles in bytes (bf16; the stages of k_major_smem_layout
+# follow one another).
 A_STAGE_BYTES = TILE_M * TILE_K * 2
-GATHER_ROWS_A_LANE = TILE_M // 32
+B_STAGE_BYTES = 2 * TILE_N * TILE_K * 2
 
 
 @cute.jit
 def load_k_tiles_gathered(ring, state, k_tiles: Int32, loads, gather):
-    """`load_k_tiles` with A's rows gathered: every lane of the producer warp loads rows lane,
-    lane + 32, lane + 64, lane + 96 of each stage's A tile, one TMA box of one row each (64
-    columns at the k-tile's K), at 128 bytes a row into the stage (the 128-byte swizzle is by
-    shared address: a 128-row box would write the same bytes), while the elected lane loads
-    `loads` (B) as `load_k_tiles` does. `gather` = (descriptor address of a box of one row,
-    the A stages' shared byte address, this lane's GATHER_ROWS_A_LANE source rows: an Int32
-    register tensor, row_tma.ROW_OUT_OF_BOUNDS for a padding row). An out-of-bounds box is
-    zeros and counts its bytes, so the full barrier's transaction count is the same."""
-    descriptor, stages_at, rows = gather
-    lane = cute.arch.lane_idx()
+    """`load_k_tiles` with A's rows gathered by the producer warp's 16-byte `cp.async`
+    (row_tma.gather_k_tile: 4 whole 128-byte row pieces an instruction, swizzled as a 128-row
+    TMA box lands), while the elected lane loads `loads` (B) by TMA as `load_k_tiles` does.
+    `gather` = (the source tensor's global address, its bytes a row, the A stages' shared byte
+    address, the task's source rows: shared Int32 [TILE_M], negative for a padding row, which
+    is zeros). Each stage's full barrier: every lane's `cp.async` arrival, counted at once (so
+    the phase waits for its copies), then the elected lane's arrival expecting B's bytes. The
+    consumers must fence the async proxy after the full barrier (the copies are generic-proxy
+    writes; wgmma reads through the async proxy)."""
+    src_at, row_bytes, stages_at, table = gather
     for k_tile in cutlass.range(k_tiles, unroll=1):
-        ring.producer_acquire(state)
+        ring.sync_object_empty.wait(state.index, state.phase)
         full = ring.producer_get_barrier(state)
+        gather_k_tile(stages_at + state.index * A_STAGE_BYTES, table, src_at, row_bytes,
+                      k_tile * TILE_K)  # fmt: skip
+        cp_async_arrive(full.toint())
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(full, B_STAGE_BYTES)
         for i in cutlass.range_constexpr(len(loads)):
             tma, tXgX, mn_tile, _, tXsX = loads[i]
             cute.copy(
                 tma, tXgX[(None, mn_tile, k_tile)], tXsX[(None, state.index)], tma_bar_ptr=full
             )
-        stage_at = stages_at + state.index * A_STAGE_BYTES
-        for i in cutlass.range_constexpr(GATHER_ROWS_A_LANE):
-            row_at = stage_at + (lane + 32 * i) * (2 * TILE_K)
-            load_box_2d(descriptor, row_at, full.toint(), k_tile * TILE_K, rows[i])
-        ring.producer_commit(state)
         state.advance()
     return state
 
@@ -314,6 +315,7 @@ def mma_k_tiles(
     from_zero: bool = True,
     skip=None,
     store=None,
+    fence=None,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
     the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
@@ -339,6 +341,9 @@ def mma_k_tiles(
     cute.nvgpu.warpgroup.fence()
     for k_tile in cutlass.range(mma_tiles, unroll=1):
         ring.consumer_wait(read_state)
+        if cutlass.const_expr(fence is not None):
+            if fence:
+                cute.arch.fence_proxy("async.shared", space="cta")
         if cutlass.const_expr(store is not None):
             stores, descriptor, stages_at, row = store
             if stores:

@@ -111,18 +111,25 @@ COUNTER_TAIL = 4 + schedule_phase.WORDS
 TIMELINE_SLOTS = ("start", "schedule", "dispatch", "first_task", "last_task", "sums",
                   "producer_done", "crew_done", "exit", "tasks")  # fmt: skip
 SLOT = {name: n for n, name in enumerate(TIMELINE_SLOTS)}
+# The gathering producer's table of a task's source rows (int32 [TILE_M]), past the task slots.
+GATHER_TABLE_BYTES = 4 * TILE_M
+
+
+def gather_table(storage) -> cute.Tensor:
+    """The gate/up producer's shared int32 [TILE_M] table of its task's source rows."""
+    at = storage.staging.data_ptr() + handoff.BUFFER_BYTES + SLOT_BYTES
+    return cute.make_tensor(cute.recast_ptr(at, dtype=Int32), cute.make_layout(TILE_M))
 
 
 class ForwardOperands(NamedTuple):
     """The GEMMs' operands, from which `__call__` makes the TMA atoms (the runtime encodes the
-    descriptors, box 64 x 128, and x's in boxes of one row, from `tma_specs`)."""
+    descriptors, box 64 x 128, from `tma_specs`)."""
 
     a_x: Bf16Pointer
     b_wg: Bf16Pointer
     b_wu: Bf16Pointer
     a_h: Bf16Pointer
     b_wd: Bf16Pointer
-    a_x_rows: Bf16Pointer
 
 
 class ForwardTma(NamedTuple):
@@ -138,9 +145,6 @@ class ForwardTma(NamedTuple):
     mH: cute.Tensor
     tma_wd: cute.CopyAtom
     mWd: cute.Tensor
-    # x [T, H] in boxes of one row (64 x 1): the gathering producer's A rows.
-    tma_x_rows: cute.CopyAtom
-    mXRows: cute.Tensor
 
 
 class ForwardTensors(NamedTuple):
@@ -185,8 +189,7 @@ class Sm90MoeForward:
 
     def tma_specs(self) -> list[dict]:
         box = [TILE_K, TILE_M]
-        specs = [engine.tma_spec(name, box) for name in ForwardTma._fields[:10:2]]
-        return specs + [engine.tma_spec("tma_x_rows", [TILE_K, 1])]
+        return [engine.tma_spec(name, box) for name in ForwardTma._fields[::2]]
 
     def stage_bytes(self) -> int:
         return engine.stage_bytes()
@@ -212,14 +215,6 @@ class Sm90MoeForward:
             *engine.make_tma_load(operands.b_wu, layout, b_smem, tile_b),
             *engine.make_tma_load(operands.a_h, layout, a_smem, tile_a),
             *engine.make_tma_load(operands.b_wd, layout, b_smem, tile_b),
-            # The DSL's atom only gives the descriptor its parameter: the producer issues the
-            # one-row boxes itself (common/row_tma.py), into the swizzled stages.
-            *cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                cute.make_tensor(operands.a_x_rows, layout),
-                cute.make_layout((1, TILE_K), stride=(TILE_K, 1)),
-                (1, TILE_K),
-            ),
         )
         self.kernel(tma, args, walk, steps).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
@@ -234,7 +229,7 @@ class Sm90MoeForward:
         a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
         b_layout = engine.k_major_smem_layout(TILE_N, self.stages)
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-            a_layout, b_layout, self.stages, SLOT_BYTES
+            a_layout, b_layout, self.stages, SLOT_BYTES + GATHER_TABLE_BYTES
         )
         ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
         loaded = (sA, sB0, sB1)
@@ -246,8 +241,6 @@ class Sm90MoeForward:
         if warp_idx == 0:
             for atom in (tma.tma_x, tma.tma_wg, tma.tma_wu, tma.tma_h, tma.tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
-            if gathers != 0:
-                cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_x_rows)
 
         # ---- the schedule's tasks (a group of one's layer step: schedule_entries = T * k) ----
         capacity_tiles = (walk.capacity + TILE_M - 1) // TILE_M  # each per-row-tile counter array
@@ -327,17 +320,18 @@ class Sm90MoeForward:
                 if cutlass.const_expr(not self.mxfp8):
                     gather = (
                         gathers,
-                        descriptor_address(tma.tma_x_rows),
+                        args.x_ptr.toint(),
                         rank_of,
                         cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
                         walk.topk,
+                        gather_table(storage),
                     )
                 loads = (
                     gate_up_phase.producer_loads(
                         ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows, gather
                     ),
                     down_phase.producer_loads(
-                        ring, loaded, tma[6:10], walk.hidden_size, walk.intermediate_size
+                        ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size
                     ),
                 )
                 # Gathering, no row tile waits for dispatch (a count of 0 is reached at once).
@@ -402,13 +396,15 @@ class Sm90MoeForward:
             def run_task(states, flag, mma, thr, k_tiles, gate_up):
                 skip = ((flag & PADDED_HALF) != 0) & second_half
                 store = None
+                fence = None
                 if cutlass.const_expr(gate_up and stores is not None):
                     storing = ((flag & STORE_ROWS) != 0) & (tidx == THREADS_PER_WARPGROUP)
                     row = (flag >> ROW_TILE_SHIFT) * TILE_M
                     store = (storing, stores[0], stores[1], row)
+                    fence = gathers != 0
                 read_state, release_state = engine.mma_k_tiles(
                     mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip,
-                    store=store,
+                    store=store, fence=fence,
                 )  # fmt: skip
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
