@@ -9,7 +9,7 @@ of bounds), stage 2 the same rows by cp.async, each compared bit for bit with th
 swizzle of the rows it should hold. The rates: every SM fills `--k-tiles` stages of 16 KiB
 through a ring of 4, a task's H / 64 k-tiles from the same 128 rows (rows: 128 one-row boxes
 a k-tile from `--tokens` x 8 random routed rows; cp.async: the same rows by one warp's 16-byte
-cp.async; tile: one 128-row box), as GB/s, GB/s per SM and ns per k-tile per SM.
+cp.async, or by four warps, 32 rows each; tile: one 128-row box), as GB/s, GB/s per SM and ns per k-tile per SM.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-CHECK, ROWS, TILE, CP_ASYNC = 0, 1, 2, 3  # sm90/row_tma_probe.py
+CHECK, ROWS, TILE, CP_ASYNC, CP_ASYNC_4 = 0, 1, 2, 3, 4  # sm90/row_tma_probe.py
 STAGES_CHECKED = 3
 TILE_M, TILE_K = 128, 64
 STAGE_BYTES = TILE_M * TILE_K * 2
@@ -100,12 +100,18 @@ def main(argv: list[str] | None = None) -> None:
     config = TimingConfig(warmup=2, reps=args.reps)
     out = torch.empty(STAGES_CHECKED, TILE_M, TILE_K, dtype=torch.bfloat16, device=device)
     moved = sms * args.k_tiles * STAGE_BYTES
-    print(f"{'mode':8s} {'ms':>8s} {'GB/s':>8s} {'GB/s an SM':>11s} {'ns a k-tile':>12s}")
-    for name, mode in (("rows", ROWS), ("cp.async", CP_ASYNC), ("tile", TILE)):
+    print(f"{'mode':16s} {'ms':>8s} {'GB/s':>8s} {'GB/s an SM':>11s} {'ns a k-tile':>12s}")
+    modes = (
+        ("rows", ROWS),
+        ("cp.async", CP_ASYNC),
+        ("cp.async 4 warps", CP_ASYNC_4),
+        ("tile", TILE),
+    )
+    for name, mode in modes:
         ms = median(time_ms(device, config,
                             lambda _s, m=mode: launch(src, index, out, m, sms, args.k_tiles)))  # fmt: skip
         rate = moved / (ms * 1e-3) / 1e9
-        print(f"{name:8s} {ms:8.3f} {rate:8.0f} {rate / sms:11.1f} "
+        print(f"{name:16s} {ms:8.3f} {rate:8.0f} {rate / sms:11.1f} "
               f"{ms * 1e6 / args.k_tiles:12.1f}")  # fmt: skip
 
 

@@ -10,7 +10,8 @@ runtime passes every TMA descriptor); `descriptor_address` is its generic addres
 With the 128-byte swizzle, TMA places a box by the shared address it writes, so a one-row box
 (64 bf16, 128 bytes) written at byte 128 r of a 1024-byte aligned stage lands where row r of a
 128-row box would: the layout wgmma reads (tests/gpu/test_row_tma_probe_gpu.py checks this on
-the GPU, sm90/row_tma_probe.py).
+the GPU, sm90/row_tma_probe.py). Used by the probe only: a stage of one-row boxes, and one
+warp's `cp.async`, fill a stage far slower than one 128-row box (docs/NOTES.md §18 item 9).
 """
 
 import cutlass
@@ -58,22 +59,6 @@ def load_box_2d(descriptor: Int64, smem: Int32, barrier: Int32, col: Int32, row:
 
 
 @dsl_user_op
-def store_box_2d(descriptor: Int64, smem: Int32, col: Int32, row: Int32, *, loc=None,
-                 ip=None) -> None:  # fmt: skip
-    """This lane's TMA store of the box at shared byte address `smem` to (col, row), in the
-    lane's current bulk async-group (commit and wait with cute.arch.cp_async_bulk_*)."""
-    side_effect_asm(
-        None,
-        [_i64(descriptor, loc, ip), _i32(col, loc, ip), _i32(row, loc, ip),
-         _i32(smem, loc, ip)],
-        "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];",
-        "l,r,r,r,~{memory}",
-        loc,
-        ip,
-    )  # fmt: skip
-
-
-@dsl_user_op
 def cp_async_16(smem: Int32, source: Int64, size: Int32, *, loc=None, ip=None) -> None:
     """This lane's 16-byte `cp.async` global -> shared (L2 only); `size` 0 writes 16 zero bytes
     and reads nothing, `size` 16 copies."""
@@ -82,21 +67,6 @@ def cp_async_16(smem: Int32, source: Int64, size: Int32, *, loc=None, ip=None) -
         [_i32(smem, loc, ip), _i64(source, loc, ip), _i32(size, loc, ip)],
         "cp.async.cg.shared.global [$0], [$1], 16, $2;",
         "r,l,r,~{memory}",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def cp_async_arrive(barrier: Int32, *, loc=None, ip=None) -> None:
-    """An arrival on the mbarrier at shared address `barrier` once every `cp.async` this lane
-    issued before is complete, counted at once (the pending count goes up now and down then):
-    the phase cannot complete before those copies, whatever the barrier's expected count."""
-    side_effect_asm(
-        None,
-        [_i32(barrier, loc, ip)],
-        "cp.async.mbarrier.arrive.shared::cta.b64 [$0];",
-        "r,~{memory}",
         loc,
         ip,
     )
@@ -117,18 +87,20 @@ def cp_async_arrive_noinc(barrier: Int32, *, loc=None, ip=None) -> None:
 
 
 @cute.jit
-def gather_k_tile(stage_at: Int32, table, src_at: Int64, row_bytes: Int64, col: Int32):
-    """One warp: one k-tile of 128 rows (64 bf16 from column `col`) into the 128-byte-swizzled
-    K-major stage at shared byte address `stage_at` (1024-byte aligned) by 16-byte `cp.async`:
-    lane l copies chunk l % 8 of rows l // 8 + 4 j (j < 32), so each instruction reads four
-    whole 128-byte row pieces; row r's source is row `table[r]` (shared Int32 [128]; negative:
-    zeros) of the row-major tensor at global address `src_at`, `row_bytes` a row. The caller
-    makes the copies complete on a barrier (`cp_async_arrive`)."""
+def gather_k_tile(stage_at: Int32, table, src_at: Int64, row_bytes: Int64, col: Int32,
+                  first_row: Int32 = 0, rows: int = 128):  # fmt: skip
+    """One warp: one k-tile of `rows` rows from `first_row` (a multiple of 8; 64 bf16 from column
+    `col`) into the 128-byte-swizzled K-major stage at shared byte address `stage_at`
+    (1024-byte aligned) by 16-byte `cp.async`: lane l copies chunk l % 8 of rows first_row +
+    l // 8 + 4 j (j < rows / 4), so each instruction reads four whole 128-byte row pieces; row
+    r's source is row `table[r]` (shared Int32 [128]; negative: zeros) of the row-major tensor
+    at global address `src_at`, `row_bytes` a row. The caller makes the copies complete on a
+    barrier (`cp_async_arrive_noinc`)."""
     lane = cute.arch.lane_idx()
     chunk = lane % 8
     group = lane // 8
-    for j in cutlass.range_constexpr(32):
-        r = group + 4 * j
+    for j in cutlass.range_constexpr(rows // 4):
+        r = first_row + group + 4 * j
         source = table[r]
         size = cutlass.select_(source >= 0, Int32(16), Int32(0))
         at = src_at + Int64(cutlass.max(source, 0)) * row_bytes + Int64(2 * col + 16 * chunk)

@@ -19,13 +19,9 @@ TASK_SLOTS = 8
 # (`task_flags`).
 SLOT_BYTES = 2 * 4 * TASK_SLOTS
 NO_TASK = -1
-# Task flag bits: rows 64..127 of its 128-row tile are all padding (the second consumer
-# warpgroup's half; gemm_engine.mma_k_tiles `skip`); the consumers store the task's A stages
-# as the rows of its row tile, whose number is the flag >> ROW_TILE_SHIFT (the forward's
-# gathered gate/up tasks of column 0, sm90/moe_forward.py).
+# A task flag: rows 64..127 of its 128-row tile are all padding (the second consumer
+# warpgroup's half; gemm_engine.mma_k_tiles `skip`).
 PADDED_HALF = 1
-STORE_ROWS = 2
-ROW_TILE_SHIFT = 2
 
 
 def task_slots(storage, offset_bytes: int) -> cute.Tensor:

@@ -11,7 +11,7 @@ writes each hidden row's MXFP8 round trip along I (`rounded_ptr`), the down GEMM
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int64
 
 from ..common.mxfp8_values import store_round_trip
 from . import gemm_engine as engine
@@ -21,54 +21,25 @@ from .gemm_engine import TILE_K, TILE_M, TILE_N
 PHASE_GATE_UP_GEMM = 6
 
 
-def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=None):
+def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows):
     """Producer: `load(state, expert, col_tile, row_tile)` of a gate/up task over `tma` = (tma_x,
     mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1). The weights' [rows, H] views
-    hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H]).
-    `gather` = (an Int32, nonzero: on; x's global address, the schedule's peer_rank and
-    peer_token_idx tensors, k, a shared Int32 [TILE_M] table): when on, A's rows come from x
-    itself, row r of the tile from token peer_token_idx[r] // k (a padding row, peer_rank < 0,
-    zeros), by gemm_engine.load_k_tiles_gathered; else from x_routed by tma_x."""
+    hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H])."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
     tXsX, tXgX = engine.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
     tGsG, tGgG = engine.partition_tma_load(tma_wg, sB0, mWg, (TILE_N, TILE_K))
     tUsU, tUgU = engine.partition_tma_load(tma_wu, sB1, mWu, (TILE_N, TILE_K))
     expert_tiles = gate_up_expert_rows // TILE_N
-    k_tiles = hidden_size // TILE_K
 
     def load(state, expert, col_tile, row_tile):
         weight_tile = expert * expert_tiles + col_tile
-        weights = (
+        loads = (
+            (tma_x, tXgX, row_tile, None, tXsX),
             (tma_wg, tGgG, weight_tile, None, tGsG),
             (tma_wu, tUgU, weight_tile, None, tUsU),
         )
-        if cutlass.const_expr(gather is None):
-            return engine.load_k_tiles(ring, state, k_tiles, ((tma_x, tXgX, row_tile, None, tXsX),
-                                                              *weights))  # fmt: skip
-        return load_task(state, row_tile, weights)
-
-    @cute.jit
-    def load_task(state, row_tile, weights):
-        gathers, x_at, rank_of, token_of, topk, table = gather
-        if gathers != 0:
-            # The task's source rows, once; the last task's copies took theirs when issued.
-            lane = cute.arch.lane_idx()
-            cute.arch.sync_warp()
-            for i in cutlass.range_constexpr(TILE_M // 32):
-                r = lane + 32 * i
-                row = row_tile * TILE_M + r
-                table[r] = cutlass.select_(rank_of[row] >= 0, token_of[row] // topk, Int32(-1))
-            cute.arch.sync_warp()
-            row_bytes = Int64(hidden_size) * Int64(2)
-            state = engine.load_k_tiles_gathered(
-                ring, state, k_tiles, weights, (x_at, row_bytes, sA.iterator.toint(), table)
-            )
-        else:
-            state = engine.load_k_tiles(
-                ring, state, k_tiles, ((tma_x, tXgX, row_tile, None, tXsX), *weights)
-            )
-        return state
+        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
 
     return load
 

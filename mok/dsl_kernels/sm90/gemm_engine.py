@@ -16,7 +16,6 @@ from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.ptx import fence_operand
-from ..common.row_tma import cp_async_arrive, gather_k_tile, store_box_2d
 from ..phases.tiles import TILE_M, TILE_N
 
 # TILE_M x TILE_N (phases/tiles.py): the CTA tile's rows (two consumer warpgroups x 64 rows) and
@@ -237,42 +236,6 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads):
     return state
 
 
-# A stage's A tile and its B0 + B1 tiles in bytes (bf16; the stages of k_major_smem_layout
-# follow one another).
-A_STAGE_BYTES = TILE_M * TILE_K * 2
-B_STAGE_BYTES = 2 * TILE_N * TILE_K * 2
-
-
-@cute.jit
-def load_k_tiles_gathered(ring, state, k_tiles: Int32, loads, gather):
-    """`load_k_tiles` with A's rows gathered by the producer warp's 16-byte `cp.async`
-    (row_tma.gather_k_tile: 4 whole 128-byte row pieces an instruction, swizzled as a 128-row
-    TMA box lands), while the elected lane loads `loads` (B) by TMA as `load_k_tiles` does.
-    `gather` = (the source tensor's global address, its bytes a row, the A stages' shared byte
-    address, the task's source rows: shared Int32 [TILE_M], negative for a padding row, which
-    is zeros). Each stage's full barrier: every lane's `cp.async` arrival, counted at once (so
-    the phase waits for its copies), then the elected lane's arrival expecting B's bytes. The
-    consumers must fence the async proxy after the full barrier (the copies are generic-proxy
-    writes; wgmma reads through the async proxy)."""
-    src_at, row_bytes, stages_at, table = gather
-    for k_tile in cutlass.range(k_tiles, unroll=1):
-        ring.sync_object_empty.wait(state.index, state.phase)
-        full = ring.producer_get_barrier(state)
-        gather_k_tile(stages_at + state.index * A_STAGE_BYTES, table, src_at, row_bytes,
-                      k_tile * TILE_K)  # fmt: skip
-        cp_async_arrive(full.toint())
-        cute.arch.sync_warp()
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(full, B_STAGE_BYTES)
-        for i in cutlass.range_constexpr(len(loads)):
-            tma, tXgX, mn_tile, _, tXsX = loads[i]
-            cute.copy(
-                tma, tXgX[(None, mn_tile, k_tile)], tXsX[(None, state.index)], tma_bar_ptr=full
-            )
-        state.advance()
-    return state
-
-
 # ---------------------------------------------------------------------- consumers: wgmma
 
 
@@ -314,8 +277,6 @@ def mma_k_tiles(
     may_be_empty: bool = False,
     from_zero: bool = True,
     skip=None,
-    store=None,
-    fence=None,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
     the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
@@ -341,15 +302,6 @@ def mma_k_tiles(
     cute.nvgpu.warpgroup.fence()
     for k_tile in cutlass.range(mma_tiles, unroll=1):
         ring.consumer_wait(read_state)
-        if cutlass.const_expr(fence is not None):
-            if fence:
-                cute.arch.fence_proxy("async.shared", space="cta")
-        if cutlass.const_expr(store is not None):
-            stores, descriptor, stages_at, row = store
-            if stores:
-                store_box_2d(descriptor, stages_at + read_state.index * A_STAGE_BYTES,
-                             k_tile * TILE_K, row)  # fmt: skip
-                cute.arch.cp_async_bulk_commit_group()
         for k_block in cutlass.range_constexpr(k_blocks):
             coord = (None, None, k_block, read_state.index)
             cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
@@ -359,17 +311,10 @@ def mma_k_tiles(
         if k_tile > 0:
             # The batch of k_tile - 1 is complete: its stage can be refilled.
             cute.nvgpu.warpgroup.wait_group(1)
-            if cutlass.const_expr(store is not None):
-                if store[0]:
-                    # k_tile - 1's store has read the stage (k_tile's may still be reading).
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)
             ring.consumer_release(release_state)
             release_state.advance()
     cute.nvgpu.warpgroup.wait_group(0)
     fence_accumulators(accumulators)
-    if cutlass.const_expr(store is not None):
-        if store[0]:
-            cute.arch.cp_async_bulk_wait_group(0)
     if cutlass.const_expr(may_be_empty or skip is not None):
         if mma_tiles > 0:
             ring.consumer_release(release_state)

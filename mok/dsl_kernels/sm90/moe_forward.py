@@ -58,7 +58,6 @@ from ..common.params import (
 )
 from ..common.peers import COMBINE_BUFFER, X_BUFFER, peer_table
 from ..common.retire import retire_cta
-from ..common.row_tma import descriptor_address
 from ..phases import combine_phase, schedule_phase
 from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
 from ..phases.expert_tiles import TileList
@@ -73,9 +72,7 @@ from ..phases.task_walk import (
 )
 from ..phases.tickets import (
     PADDED_HALF,
-    ROW_TILE_SHIFT,
     SLOT_BYTES,
-    STORE_ROWS,
     Tickets,
     consumer_task,
     signal_no_task,
@@ -111,14 +108,6 @@ COUNTER_TAIL = 4 + schedule_phase.WORDS
 TIMELINE_SLOTS = ("start", "schedule", "dispatch", "first_task", "last_task", "sums",
                   "producer_done", "crew_done", "exit", "tasks")  # fmt: skip
 SLOT = {name: n for n, name in enumerate(TIMELINE_SLOTS)}
-# The gathering producer's table of a task's source rows (int32 [TILE_M]), past the task slots.
-GATHER_TABLE_BYTES = 4 * TILE_M
-
-
-def gather_table(storage) -> cute.Tensor:
-    """The gate/up producer's shared int32 [TILE_M] table of its task's source rows."""
-    at = storage.staging.data_ptr() + handoff.BUFFER_BYTES + SLOT_BYTES
-    return cute.make_tensor(cute.recast_ptr(at, dtype=Int32), cute.make_layout(TILE_M))
 
 
 class ForwardOperands(NamedTuple):
@@ -167,7 +156,6 @@ class ForwardTensors(NamedTuple):
     schedule_counts_ptr: Int32Pointer
     schedule_expert_counts_ptr: Int32Pointer
     schedule_entries: Int32
-    gather_rows: Int32
 
 
 @dataclass(frozen=True)
@@ -229,15 +217,10 @@ class Sm90MoeForward:
         a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
         b_layout = engine.k_major_smem_layout(TILE_N, self.stages)
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-            a_layout, b_layout, self.stages, SLOT_BYTES + GATHER_TABLE_BYTES
+            a_layout, b_layout, self.stages, SLOT_BYTES
         )
         ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
         loaded = (sA, sB0, sB1)
-        # BF16 only: the gate/up producer gathers x's rows itself, and column-0 gate/up tasks
-        # store them to x_routed; there is no dispatch phase.
-        gathers = Int32(0)
-        if cutlass.const_expr(not self.mxfp8):
-            gathers = args.gather_rows
         if warp_idx == 0:
             for atom in (tma.tma_x, tma.tma_wg, tma.tma_wu, tma.tma_h, tma.tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
@@ -297,7 +280,6 @@ class Sm90MoeForward:
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
-        dispatchers = cutlass.select_(gathers != 0, Int32(0), dispatchers)
         if bidx < dispatchers:
             dispatch_rows(
                 (args.x_ptr, peer_table(args.peer_table_ptr, X_BUFFER), walk.ep_rank),
@@ -316,30 +298,16 @@ class Sm90MoeForward:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 # ---- producer: each task's loads after its rows' counter ----
-                gather = None
-                if cutlass.const_expr(not self.mxfp8):
-                    gather = (
-                        gathers,
-                        args.x_ptr.toint(),
-                        rank_of,
-                        cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
-                        walk.topk,
-                        gather_table(storage),
-                    )
                 loads = (
                     gate_up_phase.producer_loads(
-                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows, gather
+                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows
                     ),
                     down_phase.producer_loads(
                         ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size
                     ),
                 )
-                # Gathering, no row tile waits for dispatch (a count of 0 is reached at once).
-                dispatch_needed = cutlass.select_(gathers != 0, Int32(0), Int32(1))
                 waits = (
-                    RowTileWait(
-                        dispatched, dispatch_needed, PHASE_DISPATCH, record, walk.timeout_ns
-                    ),
+                    RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, walk.timeout_ns),
                     RowTileWait(
                         hidden_done,
                         gate_up_cols,
@@ -352,7 +320,7 @@ class Sm90MoeForward:
                     pipeline.PipelineUserType.Producer, self.stages
                 )
                 state, _, _ = produce_steps(
-                    state, batches, tiles, tickets, waits, loads, (rank_of, flags), gathers
+                    state, batches, tiles, tickets, waits, loads, (rank_of, flags)
                 )
                 signal_no_task(ring, state)
                 ring.producer_tail(state)
@@ -387,25 +355,12 @@ class Sm90MoeForward:
             down_thr = down_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
             second_half = warpgroup == 2
-            # Gathering: a column-0 gate/up task's A stages are its rows of x_routed, which
-            # thread 128 (lane 0 of the first consumer warp) stores by TMA (tma_x's box).
-            stores = None
-            if cutlass.const_expr(not self.mxfp8):
-                stores = (descriptor_address(tma.tma_x), sA.iterator.toint())
 
-            def run_task(states, flag, mma, thr, k_tiles, gate_up):
-                skip = ((flag & PADDED_HALF) != 0) & second_half
-                store = None
-                fence = None
-                if cutlass.const_expr(gate_up and stores is not None):
-                    storing = ((flag & STORE_ROWS) != 0) & (tidx == THREADS_PER_WARPGROUP)
-                    row = (flag >> ROW_TILE_SHIFT) * TILE_M
-                    store = (storing, stores[0], stores[1], row)
-                    fence = gathers != 0
+            def run_task(states, flag, mma, thr, k_tiles):
+                skip = (flag == PADDED_HALF) & second_half
                 read_state, release_state = engine.mma_k_tiles(
-                    mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip,
-                    store=store, fence=fence,
-                )  # fmt: skip
+                    mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip
+                )
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
@@ -424,7 +379,7 @@ class Sm90MoeForward:
                     base,
                     middle,
                     run_task,
-                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K, True),
+                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K),
                     flags=flags,
                 )
                 states, seq, task = consume_phase(
@@ -436,7 +391,7 @@ class Sm90MoeForward:
                     middle,
                     end,
                     run_task,
-                    (down_mma, down_thr, walk.intermediate_size // TILE_K, False),
+                    (down_mma, down_thr, walk.intermediate_size // TILE_K),
                     flags=flags,
                 )
             crew.hand_off_nothing()

@@ -13,7 +13,8 @@ stage is 128 rows x 64 columns (16 KiB, 1024-byte aligned). Modes (the runtime `
   expecting the 32). Then the three stages' raw bytes to `out` ([3, 128, 64]
   bf16, stage by stage): the host checks stage 0 against the 128-byte swizzle of the rows (the
   layout wgmma reads) and stages 1 and 2 against the same swizzle.
-- ROWS / TILE / CP_ASYNC (every CTA, warp 0): `k_tiles` stages through a ring of STAGES, as a
+- ROWS / TILE / CP_ASYNC (every CTA, warp 0; CP_ASYNC_4: the 4 warps, 32 rows each):
+  `k_tiles` stages through a ring of STAGES, as a
   GEMM producer fills them: a task is H / 64 k-tiles of the same 128 rows, CTA b's task t the
   rows index[(b + t * grid) * 128 + r] (modulo `index_count`); ROWS by 128 one-row boxes a
   k-tile (4 a lane), CP_ASYNC by `gather_k_tile`, TILE by one 128-row box of rows
@@ -40,7 +41,7 @@ from ..common.row_tma import (
 )
 from .gemm_engine import TILE_K, TILE_M, k_major_coords, thread_roles
 
-CHECK, ROWS, TILE, CP_ASYNC = 0, 1, 2, 3
+CHECK, ROWS, TILE, CP_ASYNC, CP_ASYNC_4 = 0, 1, 2, 3, 4
 THREADS = 128
 STAGES = 4
 STAGE_BYTES = TILE_M * TILE_K * 2
@@ -107,7 +108,9 @@ class Sm90RowTmaProbe:
             for s in cutlass.range(STAGES, unroll=1):
                 # A stage filled by cp.async completes on warp 0's 32 arrivals.
                 by_lanes = (args.mode == CP_ASYNC) | ((args.mode == CHECK) & (s == 2))
-                cute.arch.mbarrier_init(barrier_ptr + s, cutlass.select_(by_lanes, 32, 1))
+                arrivals = cutlass.select_(by_lanes, 32, 1)
+                arrivals = cutlass.select_(args.mode == CP_ASYNC_4, THREADS, arrivals)
+                cute.arch.mbarrier_init(barrier_ptr + s, arrivals)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -142,7 +145,7 @@ class Sm90RowTmaProbe:
                 )
                 for w in cutlass.range(tidx, 3 * STAGE_BYTES // 8, THREADS, unroll=1):
                     out[w] = words[w]
-        elif warp_idx == 0:
+        elif (warp_idx == 0) | (args.mode == CP_ASYNC_4):
             k_per_task = args.hidden_size // TILE_K
             row_tiles = args.src_rows // TILE_M
             tokens = cute.make_rmem_tensor((LANE_ROWS,), Int32)
@@ -157,7 +160,17 @@ class Sm90RowTmaProbe:
                     col = (j % k_per_task) * TILE_K
                     first = (bidx + task * grid) * TILE_M
                     barrier = (barrier_ptr + s).toint()
-                    if args.mode == CP_ASYNC:
+                    if args.mode == CP_ASYNC_4:
+                        # Each warp its 32 rows of the task (its own part of the table).
+                        mine = warp_idx * 32
+                        if j % k_per_task == 0:
+                            cute.arch.sync_warp()
+                            table[mine + lane] = index[(first + mine + lane) % args.index_count]
+                            cute.arch.sync_warp()
+                        gather_k_tile(stage_at + s * STAGE_BYTES, table, src_at, row_bytes, col,
+                                      mine, 32)  # fmt: skip
+                        cp_async_arrive_noinc(barrier)
+                    elif args.mode == CP_ASYNC:
                         if j % k_per_task == 0:
                             # The task's rows (the cp.asyncs took their sources when issued).
                             cute.arch.sync_warp()
@@ -167,7 +180,7 @@ class Sm90RowTmaProbe:
                             cute.arch.sync_warp()
                         gather_k_tile(stage_at + s * STAGE_BYTES, table, src_at, row_bytes, col)
                         cp_async_arrive_noinc(barrier)
-                    elif lane == 0:
+                    elif (lane == 0) & (args.mode != CP_ASYNC_4):
                         cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr + s, STAGE_BYTES)
                     cute.arch.sync_warp()
                     if args.mode == ROWS:
