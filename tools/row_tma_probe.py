@@ -9,7 +9,9 @@ of bounds), stage 2 the same rows by cp.async, each compared bit for bit with th
 swizzle of the rows it should hold. The rates: every SM fills `--k-tiles` stages of 16 KiB
 through a ring of 4, a task's H / 64 k-tiles from the same 128 rows (rows: 128 one-row boxes
 a k-tile from `--tokens` x 8 random routed rows; cp.async: the same rows by one warp's 16-byte
-cp.async, or by four warps, 32 rows each; tile: one 128-row box), as GB/s, GB/s per SM and ns per k-tile per SM.
+cp.async, or by four warps, 32 rows each; tile: one 128-row box), alone (B 0) and beside two
+128-row boxes of B a stage by TMA (B 2: 48 KiB a stage, as the GEMMs load), as GB/s, GB/s per
+SM and ns per k-tile per SM.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def swizzled(rows: torch.Tensor) -> torch.Tensor:
 _DESCRIPTORS: dict = {}  # (address, shape) -> both descriptors: encoded once, outside timed spans
 
 
-def launch(src, index, out, mode: int, ctas: int, k_tiles: int = 0) -> None:
+def launch(src, index, out, mode: int, ctas: int, k_tiles: int = 0, b_boxes: int = 0) -> None:
     from mok.runtime import get_kernel  # noqa: PLC0415 - CUDA only
 
     kernel = get_kernel("row_tma_probe", device=src.device)
@@ -59,6 +61,7 @@ def launch(src, index, out, mode: int, ctas: int, k_tiles: int = 0) -> None:
         "tma_rows": tma_rows, "tma_tile": tma_tile,
         "src_ptr": src, "index_ptr": index, "out_ptr": out, "index_count": index.shape[0],
         "src_rows": src.shape[0], "hidden_size": src.shape[1], "k_tiles": k_tiles, "mode": mode,
+        "b_boxes": b_boxes,
     })  # fmt: skip
 
 
@@ -99,20 +102,27 @@ def main(argv: list[str] | None = None) -> None:
           f"{verdicts[2]}")  # fmt: skip
     config = TimingConfig(warmup=2, reps=args.reps)
     out = torch.empty(STAGES_CHECKED, TILE_M, TILE_K, dtype=torch.bfloat16, device=device)
-    moved = sms * args.k_tiles * STAGE_BYTES
-    print(f"{'mode':16s} {'ms':>8s} {'GB/s':>8s} {'GB/s an SM':>11s} {'ns a k-tile':>12s}")
+    print(
+        f"{'mode':16s} {'B':>3s} {'ms':>8s} {'GB/s':>8s} {'GB/s an SM':>11s} {'ns a k-tile':>12s}"
+    )
     modes = (
         ("rows", ROWS),
         ("cp.async", CP_ASYNC),
         ("cp.async 4 warps", CP_ASYNC_4),
         ("tile", TILE),
     )
-    for name, mode in modes:
-        ms = median(time_ms(device, config,
-                            lambda _s, m=mode: launch(src, index, out, m, sms, args.k_tiles)))  # fmt: skip
-        rate = moved / (ms * 1e-3) / 1e9
-        print(f"{name:16s} {ms:8.3f} {rate:8.0f} {rate / sms:11.1f} "
-              f"{ms * 1e6 / args.k_tiles:12.1f}")  # fmt: skip
+    for b_boxes in (0, 2):
+        # A's 16 KiB a stage, and with B's two boxes 48 KiB (the GEMMs' stage).
+        moved = sms * args.k_tiles * STAGE_BYTES * (1 + b_boxes)
+        for name, mode in modes:
+
+            def run(_s, m=mode, b=b_boxes):
+                launch(src, index, out, m, sms, args.k_tiles, b)
+
+            ms = median(time_ms(device, config, run))
+            rate = moved / (ms * 1e-3) / 1e9
+            print(f"{name:16s} {b_boxes:3d} {ms:8.3f} {rate:8.0f} {rate / sms:11.1f} "
+                  f"{ms * 1e6 / args.k_tiles:12.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

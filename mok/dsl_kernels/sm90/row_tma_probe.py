@@ -14,7 +14,8 @@ stage is 128 rows x 64 columns (16 KiB, 1024-byte aligned). Modes (the runtime `
   bf16, stage by stage): the host checks stage 0 against the 128-byte swizzle of the rows (the
   layout wgmma reads) and stages 1 and 2 against the same swizzle.
 - ROWS / TILE / CP_ASYNC (every CTA, warp 0; CP_ASYNC_4: the 4 warps, 32 rows each):
-  `k_tiles` stages through a ring of STAGES, as a
+  `k_tiles` stages (with `b_boxes`, each also two 128-row boxes of other rows by TMA, 48 KiB a
+  stage as the GEMMs load A and B) through a ring of STAGES, as a
   GEMM producer fills them: a task is H / 64 k-tiles of the same 128 rows, CTA b's task t the
   rows index[(b + t * grid) * 128 + r] (modulo `index_count`); ROWS by 128 one-row boxes a
   k-tile (4 a lane), CP_ASYNC by `gather_k_tile`, TILE by one 128-row box of rows
@@ -45,6 +46,9 @@ CHECK, ROWS, TILE, CP_ASYNC, CP_ASYNC_4 = 0, 1, 2, 3, 4
 THREADS = 128
 STAGES = 4
 STAGE_BYTES = TILE_M * TILE_K * 2
+# A stage holds A's tile and room for two B boxes (the GEMM's stage: `b_boxes`).
+B_BYTES = 2 * STAGE_BYTES
+STAGE_STRIDE = STAGE_BYTES + B_BYTES
 LANE_ROWS = TILE_M // 32  # rows each lane of warp 0 gathers a k-tile
 
 
@@ -59,6 +63,7 @@ class RowTmaProbeArgs(NamedTuple):
     hidden_size: Int32
     k_tiles: Int32  # ROWS / TILE: stages each CTA fills
     mode: Int32
+    b_boxes: Int32  # rates: nonzero also loads two 128-row boxes a stage as B, by TMA
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ class Sm90RowTmaProbe:
             barriers: cute.struct.MemRange[Int64, STAGES]
             table: cute.struct.Align[cute.struct.MemRange[Int32, TILE_M], 16]
             stages: cute.struct.Align[
-                cute.struct.MemRange[BFloat16, STAGES * TILE_M * TILE_K], 1024
+                cute.struct.MemRange[BFloat16, STAGES * STAGE_STRIDE // 2], 1024
             ]
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -110,6 +115,11 @@ class Sm90RowTmaProbe:
                 by_lanes = (args.mode == CP_ASYNC) | ((args.mode == CHECK) & (s == 2))
                 arrivals = cutlass.select_(by_lanes, 32, 1)
                 arrivals = cutlass.select_(args.mode == CP_ASYNC_4, THREADS, arrivals)
+                # With B: warp 0 lane 0's arrival expecting B's bytes, beside the lanes' copies.
+                b_arrival = (args.b_boxes != 0) & (
+                    (args.mode == CP_ASYNC) | (args.mode == CP_ASYNC_4)
+                )
+                arrivals = arrivals + cutlass.select_(b_arrival, 1, 0)
                 cute.arch.mbarrier_init(barrier_ptr + s, arrivals)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -127,24 +137,27 @@ class Sm90RowTmaProbe:
                         source = index[r]
                         table[r] = source
                         row = cutlass.select_(source >= 0, source, Int32(ROW_OUT_OF_BOUNDS))
-                        load_box_2d(rows_desc, stage_at + STAGE_BYTES + 2 * TILE_K * r,
+                        load_box_2d(rows_desc, stage_at + STAGE_STRIDE + 2 * TILE_K * r,
                                     (barrier_ptr + 1).toint(), Int32(TILE_K), row)  # fmt: skip
                     cute.arch.sync_warp()
-                    gather_k_tile(stage_at + 2 * STAGE_BYTES, table, src_at, row_bytes,
+                    gather_k_tile(stage_at + 2 * STAGE_STRIDE, table, src_at, row_bytes,
                                   Int32(TILE_K))  # fmt: skip
                     cp_async_arrive_noinc((barrier_ptr + 2).toint())
                 for s in cutlass.range_constexpr(3):
                     cute.arch.mbarrier_wait(barrier_ptr + s, 0)
-                # The three stages' raw bytes, 8 bytes a thread at a time.
+                # The three stages' A tiles, raw, 8 bytes a thread at a time.
                 words = cute.make_tensor(
-                    cute.recast_ptr(stages, dtype=Int64), cute.make_layout(3 * STAGE_BYTES // 8)
+                    cute.recast_ptr(stages, dtype=Int64),
+                    cute.make_layout((STAGE_BYTES // 8, 3), stride=(1, STAGE_STRIDE // 8)),
                 )
                 out = cute.make_tensor(
                     cute.recast_ptr(args.out_ptr, dtype=Int64),
-                    cute.make_layout(3 * STAGE_BYTES // 8),
+                    cute.make_layout((STAGE_BYTES // 8, 3)),
                 )
                 for w in cutlass.range(tidx, 3 * STAGE_BYTES // 8, THREADS, unroll=1):
-                    out[w] = words[w]
+                    out[w % (STAGE_BYTES // 8), w // (STAGE_BYTES // 8)] = words[
+                        w % (STAGE_BYTES // 8), w // (STAGE_BYTES // 8)
+                    ]
         elif (warp_idx == 0) | (args.mode == CP_ASYNC_4):
             k_per_task = args.hidden_size // TILE_K
             row_tiles = args.src_rows // TILE_M
@@ -167,7 +180,7 @@ class Sm90RowTmaProbe:
                             cute.arch.sync_warp()
                             table[mine + lane] = index[(first + mine + lane) % args.index_count]
                             cute.arch.sync_warp()
-                        gather_k_tile(stage_at + s * STAGE_BYTES, table, src_at, row_bytes, col,
+                        gather_k_tile(stage_at + s * STAGE_STRIDE, table, src_at, row_bytes, col,
                                       mine, 32)  # fmt: skip
                         cp_async_arrive_noinc(barrier)
                     elif args.mode == CP_ASYNC:
@@ -178,10 +191,21 @@ class Sm90RowTmaProbe:
                                 r = lane + 32 * i
                                 table[r] = index[(first + r) % args.index_count]
                             cute.arch.sync_warp()
-                        gather_k_tile(stage_at + s * STAGE_BYTES, table, src_at, row_bytes, col)
+                        gather_k_tile(stage_at + s * STAGE_STRIDE, table, src_at, row_bytes, col)
                         cp_async_arrive_noinc(barrier)
                     elif (lane == 0) & (args.mode != CP_ASYNC_4):
-                        cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr + s, STAGE_BYTES)
+                        # TILE / ROWS: one arrival expecting every box's bytes.
+                        expected = STAGE_BYTES + cutlass.select_(args.b_boxes != 0, B_BYTES, 0)
+                        cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr + s, expected)
+                    if (args.b_boxes != 0) & (warp_idx == 0) & (lane == 0):
+                        # B: two 128-row boxes of other row tiles, as a GEMM's stage loads (the
+                        # cp.async modes' barrier expects this arrival too).
+                        if (args.mode == CP_ASYNC) | (args.mode == CP_ASYNC_4):
+                            cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr + s, B_BYTES)
+                        for b in cutlass.range_constexpr(2):
+                            b_row = (first // TILE_M + 1 + b) % row_tiles * TILE_M
+                            load_box_2d(tile_desc, stage_at + s * STAGE_STRIDE + STAGE_BYTES * (1 + b),
+                                        barrier, col, b_row)  # fmt: skip
                     cute.arch.sync_warp()
                     if args.mode == ROWS:
                         if j % k_per_task == 0:
@@ -189,8 +213,8 @@ class Sm90RowTmaProbe:
                                 tokens[i] = index[(first + lane + 32 * i) % args.index_count]
                         for i in cutlass.range_constexpr(LANE_ROWS):
                             r = lane + 32 * i
-                            load_box_2d(rows_desc, stage_at + s * STAGE_BYTES + 2 * TILE_K * r,
+                            load_box_2d(rows_desc, stage_at + s * STAGE_STRIDE + 2 * TILE_K * r,
                                         barrier, col, tokens[i])  # fmt: skip
                     elif (args.mode == TILE) & (lane == 0):
                         row = (first // TILE_M) % row_tiles * TILE_M
-                        load_box_2d(tile_desc, stage_at + s * STAGE_BYTES, barrier, col, row)
+                        load_box_2d(tile_desc, stage_at + s * STAGE_STRIDE, barrier, col, row)
