@@ -6,7 +6,7 @@ docs/NOTES.md §18 item 9): whether a 128-byte-swizzled stage filled row by row 
 
 The check: stage 0 by a 128-row box, stage 1 by 128 one-row boxes from random rows (some out
 of bounds), stage 2 the same rows by cp.async, each compared bit for bit with the 128-byte
-swizzle of the rows it should hold. The rates: every SM fills `--k-tiles` stages of 16 KiB
+swizzle of the rows it should hold. The rates: every SM fills `--k-tiles` stages (A: 16 KiB)
 through a ring of 4, a task's H / 64 k-tiles from the same 128 rows (rows: 128 one-row boxes
 a k-tile from `--tokens` x 8 random routed rows; cp.async: the same rows by one warp's 16-byte
 cp.async, or by four warps, 32 rows each; tile: one 128-row box), alone (B 0) and beside two

@@ -2,25 +2,26 @@
 whether the stage holds what wgmma reads, and how fast one SM fills stages each way
 (docs/NOTES.md §18 item 9).
 
-`src` is a bf16 [rows, H] tensor seen through two descriptors: `tma_rows` (box 64 x 1) and
-`tma_tile` (box 64 x 128, the megakernels' operand box), both with the 128-byte swizzle. A
-stage is 128 rows x 64 columns (16 KiB, 1024-byte aligned). Modes (the runtime `mode`):
+`src` is a bf16 [rows, H] tensor, read through two descriptors, `tma_rows` (box 64 x 1) and
+`tma_tile` (box 64 x 128, the megakernels' operand box), both with the 128-byte swizzle, and
+by `cp.async` from its address. A stage is A's 128 rows x 64 columns (16 KiB, 1024-byte
+aligned), then room for two B boxes (48 KiB in all, the GEMMs' stage). Modes (the runtime
+`mode`):
 
-- CHECK (CTA 0): stage 0 by one `tma_tile` box of rows 0..127, columns 0..63; stage 1 by 128
-  `tma_rows` boxes, row r from source row `index[r]` (negative: a row out of bounds, which
-  TMA fills with zeros), columns 64..127, each lane of warp 0 issuing 4; stage 2 the same rows
-  by `cp.async` (common/row_tma.gather_k_tile, each lane's `.noinc` arrival on a barrier
-  expecting the 32). Then the three stages' raw bytes to `out` ([3, 128, 64]
-  bf16, stage by stage): the host checks stage 0 against the 128-byte swizzle of the rows (the
-  layout wgmma reads) and stages 1 and 2 against the same swizzle.
-- ROWS / TILE / CP_ASYNC (every CTA, warp 0; CP_ASYNC_4: the 4 warps, 32 rows each):
-  `k_tiles` stages (with `b_boxes`, each also two 128-row boxes of other rows by TMA, 48 KiB a
-  stage as the GEMMs load A and B) through a ring of STAGES, as a
-  GEMM producer fills them: a task is H / 64 k-tiles of the same 128 rows, CTA b's task t the
-  rows index[(b + t * grid) * 128 + r] (modulo `index_count`); ROWS by 128 one-row boxes a
-  k-tile (4 a lane), CP_ASYNC by `gather_k_tile`, TILE by one 128-row box of rows
-  ((b + t * grid) * 128) mod src rows, the same bytes in the megakernels' way.
-  tools/row_tma_probe.py times the three.
+- CHECK (CTA 0): stage 0's A by one `tma_tile` box of rows 0..127, columns 0..63; stage 1's
+  by 128 `tma_rows` boxes, row r from source row `index[r]` (negative: a row out of bounds,
+  which TMA fills with zeros), columns 64..127, each lane of warp 0 issuing 4; stage 2's the
+  same rows by `cp.async` (common/row_tma.gather_k_tile, each lane's `.noinc` arrival on a
+  barrier expecting the 32). Then the three A tiles' raw bytes to `out` ([3, 128, 64] bf16):
+  the host checks stage 0 against the 128-byte swizzle of the rows (the layout wgmma reads) and
+  stages 1 and 2 against the same swizzle.
+- The rates, every CTA: `k_tiles` stages through a ring of STAGES, as a GEMM producer fills
+  them: a task is H / 64 k-tiles of the same 128 rows, CTA b's task t the rows
+  index[(b + t * grid) * 128 + r] (modulo `index_count`). A by ROWS (128 one-row boxes a
+  k-tile, 4 a lane of warp 0), CP_ASYNC (`gather_k_tile` by warp 0), CP_ASYNC_4 (the four
+  warps, 32 rows each) or TILE (one 128-row box of rows ((b + t * grid) * 128) mod src rows,
+  the same bytes in the megakernels' way); with `b_boxes`, each stage also two 128-row boxes
+  of other rows by TMA as B. tools/row_tma_probe.py times them.
 
 Launch: grid (n, 1, 1), block (128, 1, 1).
 """
@@ -40,7 +41,7 @@ from ..common.row_tma import (
     gather_k_tile,
     load_box_2d,
 )
-from .gemm_engine import TILE_K, TILE_M, k_major_coords, thread_roles
+from .gemm_engine import TILE_K, TILE_M, k_major_coords, thread_roles, tma_spec
 
 CHECK, ROWS, TILE, CP_ASYNC, CP_ASYNC_4 = 0, 1, 2, 3, 4
 THREADS = 128
@@ -55,13 +56,13 @@ LANE_ROWS = TILE_M // 32  # rows each lane of warp 0 gathers a k-tile
 class RowTmaProbeArgs(NamedTuple):
     """`Sm90RowTmaProbe`'s parameters after its two descriptors, in order."""
 
-    src_ptr: Bf16Pointer  # [src_rows, H]: the descriptors' tensor (only for the DSL's atoms)
+    src_ptr: Bf16Pointer  # [src_rows, H]: the descriptors' tensor, and cp.async's source
     index_ptr: Int32Pointer  # [index_count]: source rows (negative: out of bounds)
     out_ptr: Bf16Pointer  # CHECK: [3, 128, 64], the three stages' raw bytes
     index_count: Int32
     src_rows: Int32
     hidden_size: Int32
-    k_tiles: Int32  # ROWS / TILE: stages each CTA fills
+    k_tiles: Int32  # the rates: stages each CTA fills
     mode: Int32
     b_boxes: Int32  # rates: nonzero also loads two 128-row boxes a stage as B, by TMA
 
@@ -69,8 +70,6 @@ class RowTmaProbeArgs(NamedTuple):
 @dataclass(frozen=True)
 class Sm90RowTmaProbe:
     def tma_specs(self) -> list[dict]:
-        from .gemm_engine import tma_spec  # noqa: PLC0415
-
         return [tma_spec("tma_rows", [TILE_K, 1]), tma_spec("tma_tile", [TILE_K, TILE_M])]
 
     @cute.jit
