@@ -153,10 +153,9 @@ class Sm90RowTmaProbe:
                     cute.recast_ptr(args.out_ptr, dtype=Int64),
                     cute.make_layout((STAGE_BYTES // 8, 3)),
                 )
-                for w in cutlass.range(tidx, 3 * STAGE_BYTES // 8, THREADS, unroll=1):
-                    out[w % (STAGE_BYTES // 8), w // (STAGE_BYTES // 8)] = words[
-                        w % (STAGE_BYTES // 8), w // (STAGE_BYTES // 8)
-                    ]
+                for checked in cutlass.range_constexpr(3):
+                    for w in cutlass.range(tidx, STAGE_BYTES // 8, THREADS, unroll=1):
+                        out[w, checked] = words[w, checked]
         elif (warp_idx == 0) | (args.mode == CP_ASYNC_4):
             k_per_task = args.hidden_size // TILE_K
             row_tiles = args.src_rows // TILE_M
@@ -192,7 +191,7 @@ class Sm90RowTmaProbe:
                             cute.arch.sync_warp()
                         gather_k_tile(stage_at + s * STAGE_STRIDE, table, src_at, row_bytes, col)
                         cp_async_arrive_noinc(barrier)
-                    elif (lane == 0) & (args.mode != CP_ASYNC_4):
+                    elif lane == 0:
                         # TILE / ROWS: one arrival expecting every box's bytes.
                         expected = STAGE_BYTES + cutlass.select_(args.b_boxes != 0, B_BYTES, 0)
                         cute.arch.mbarrier_arrive_and_expect_tx(barrier_ptr + s, expected)
