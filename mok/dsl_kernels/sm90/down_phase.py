@@ -10,9 +10,10 @@ from . import gemm_engine as engine
 from .gemm_engine import TILE_K, TILE_M, TILE_N
 
 
-def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
+def producer_loads(ring, smem, tma, hidden_size, intermediate_size, loaders: int = 0):
     """Producer: `load(state, expert, col_tile, row_tile)` of a down task over `tma` = (tma_h, mH,
-    tma_wd, mWd) into `smem` = (sA, sB0, sB1)."""
+    tma_wd, mWd) into `smem` = (sA, sB0, sB1); `loaders`: the ring's loader arrivals, made up
+    on each stage (gemm_engine.load_k_tiles)."""
     sA, sB0, sB1 = smem
     tma_h, mH, tma_wd, mWd = tma
     tHsH, tHgH = engine.partition_tma_load(tma_h, sA, mH, (TILE_M, TILE_K))
@@ -26,6 +27,6 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
             (tma_wd, tDgD, weight_tile, None, tDsD0),
             (tma_wd, tDgD, weight_tile + 1, None, tDsD1),
         )
-        return engine.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
+        return engine.load_k_tiles(ring, state, intermediate_size // TILE_K, loads, loaders)
 
     return load
