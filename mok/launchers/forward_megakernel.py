@@ -182,8 +182,6 @@ class _ForwardPlan:
         a_x, a_h = self._operands(x_routed, hidden)
         self.tma_x = Descriptors(kernel, "tma_x")
         self.tma_h = Descriptors(kernel, "tma_h")
-        # A BF16 group of one: the loader warpgroup gathers x's rows (no dispatch phase).
-        self.gathers = peers is None and not self.mxfp8
         self.last_descriptors = (None, None)  # (addresses, descriptors) of the last BF16 call
         first_slots = slots if slots is not None else x_routed  # any address: rewritten per call
         self.bound = kernel.bind(
@@ -191,7 +189,6 @@ class _ForwardPlan:
             {
                 "tma_x": self.tma_x.get(a_x),
                 "tma_h": self.tma_h.get(a_h),
-                "gather_rows": int(self.gathers),
                 **self._weight_descriptors(weights),
                 "x_rounded_ptr": a_x if self.mxfp8 else None,
                 "hidden_rounded_ptr": a_h if self.mxfp8 else None,

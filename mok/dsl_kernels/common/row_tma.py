@@ -10,9 +10,8 @@ runtime passes every TMA descriptor); `descriptor_address` is its generic addres
 With the 128-byte swizzle, TMA places a box by the shared address it writes, so a one-row box
 (64 bf16, 128 bytes) written at byte 128 r of a 1024-byte aligned stage lands where row r of a
 128-row box would: the layout wgmma reads (tests/gpu/test_row_tma_probe_gpu.py checks this on
-the GPU, sm90/row_tma_probe.py). A stage of one-row boxes, and one warp's `cp.async`, fill a
-stage far slower than one 128-row box (docs/NOTES.md §18 item 9); the forward megakernel's
-loader warpgroup gathers by four warps' `cp.async` (sm90/gemm_engine.py `gather_stages`).
+the GPU, sm90/row_tma_probe.py). Used by the probe only: a stage of one-row boxes, and one
+warp's `cp.async`, fill a stage far slower than one 128-row box (docs/NOTES.md §18 item 9).
 """
 
 import cutlass
@@ -54,22 +53,6 @@ def load_box_2d(descriptor: Int64, smem: Int32, barrier: Int32, col: Int32, row:
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
         "[$0], [$1, {$2, $3}], [$4];",
         "r,l,r,r,r,~{memory}",
-        loc,
-        ip,
-    )  # fmt: skip
-
-
-@dsl_user_op
-def store_box_2d(descriptor: Int64, smem: Int32, col: Int32, row: Int32, *, loc=None,
-                 ip=None) -> None:  # fmt: skip
-    """This lane's TMA store of the box at shared byte address `smem` to (col, row), in the
-    lane's current bulk async-group (commit and wait with cute.arch.cp_async_bulk_*)."""
-    side_effect_asm(
-        None,
-        [_i64(descriptor, loc, ip), _i32(col, loc, ip), _i32(row, loc, ip),
-         _i32(smem, loc, ip)],
-        "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];",
-        "l,r,r,r,~{memory}",
         loc,
         ip,
     )  # fmt: skip

@@ -12,16 +12,7 @@ from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_g
 from ..common.params import Int32Pointer
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .minibatches import step_windows
-from .tickets import (
-    PADDED_HALF,
-    ROW_TILE_SHIFT,
-    STORE_ROWS,
-    TASK_SLOTS,
-    Tickets,
-    consumer_task,
-    crew_task,
-    take_ticket,
-)
+from .tickets import PADDED_HALF, TASK_SLOTS, Tickets, consumer_task, crew_task, take_ticket
 from .tiles import TILE_M, TILE_N
 
 
@@ -81,14 +72,13 @@ def locate_task(tiles: TileList, task: Int32, base: Int32, cursor: tuple, end_ro
 @cute.jit
 def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
                   end: Int32, wait: RowTileWait, load_task, load_args, first=None,
-                  end_row=None, halves=None, store_rows=None):  # fmt: skip
+                  end_row=None, halves=None):  # fmt: skip
     """Producer warp: for the CTA's tasks in base .. end - 1, the bounded `wait` for the row
     tile (if any), `state = load_task(state, expert, col_tile, row_tile, *load_args)`, the next
     ticket. `first`, `end_row`: a minibatch window (step_windows). `halves` = (the schedule's
     peer_rank tensor, tickets.task_flags): each task's flag says whether its tile's rows
-    64..127 are all padding (their first is: an expert's padding follows its rows).
-    `store_rows` (with `halves`; an Int32, nonzero: on): column-0 tasks' flags also carry
-    STORE_ROWS and their row tile. Returns (state, seq, task)."""
+    64..127 are all padding (their first is: an expert's padding follows its rows). Returns
+    (state, seq, task)."""
     cursor = first
     if cutlass.const_expr(first is None):
         cursor = locate_first_tile(tiles, Int32(0))
@@ -97,13 +87,7 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
         if cutlass.const_expr(halves is not None):
             rank_of, flags = halves
             padded = rank_of[row_tile * TILE_M + TILE_M // 2] < 0
-            flag = cutlass.select_(padded, Int32(PADDED_HALF), Int32(0))
-            if cutlass.const_expr(store_rows is not None):
-                stores = (store_rows != 0) & (col_tile == 0)
-                flag = flag | cutlass.select_(
-                    stores, Int32(STORE_ROWS) | (row_tile << ROW_TILE_SHIFT), Int32(0)
-                )
-            flags[seq % TASK_SLOTS] = flag
+            flags[seq % TASK_SLOTS] = cutlass.select_(padded, Int32(PADDED_HALF), Int32(0))
         if cutlass.const_expr(wait is not None):
             bounded_wait_reached(
                 wait.counters + Int64(4) * Int64(row_tile), wait.needed, wait.timeout_ns,
@@ -120,10 +104,10 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
 
 @cute.jit
 def produce_steps(state, batches, tiles: tuple, tickets: Tickets, waits: tuple, loads: tuple,
-                  halves=None, store_rows=None):  # fmt: skip
+                  halves=None):  # fmt: skip
     """Producer warp: a two-phase megakernel's tasks step by step, produce_phase over each
-    step's phase-1 part (index 0 of tiles, waits, loads), then phase 2 (`halves` for both,
-    `store_rows` for phase 1). Ends at NO_TASK."""
+    step's phase-1 part (index 0 of tiles, waits, loads), then phase 2 (`halves` for both).
+    Ends at NO_TASK."""
     seq = Int32(0)
     task = take_ticket(tickets, seq)
     segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
@@ -133,7 +117,7 @@ def produce_steps(state, batches, tiles: tuple, tickets: Tickets, waits: tuple, 
         )
         state, seq, task = produce_phase(state, tiles[0], tickets, seq, task, base, middle,
                                          waits[0], loads[0], (), first, end_row,
-                                         halves, store_rows)  # fmt: skip
+                                         halves)  # fmt: skip
         state, seq, task = produce_phase(state, tiles[1], tickets, seq, task, middle, end,
                                          waits[1], loads[1], (), first_2, end_row_2,
                                          halves)  # fmt: skip

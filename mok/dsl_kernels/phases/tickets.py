@@ -19,13 +19,9 @@ TASK_SLOTS = 8
 # (`task_flags`).
 SLOT_BYTES = 2 * 4 * TASK_SLOTS
 NO_TASK = -1
-# Task flag bits: rows 64..127 of its 128-row tile are all padding (the second consumer
-# warpgroup's half; gemm_engine.mma_k_tiles `skip`); the consumers store the task's A stages
-# as the rows of its row tile, whose number is the flag >> ROW_TILE_SHIFT (the forward's
-# gathered gate/up tasks of column 0, sm90/moe_forward.py).
+# A task flag: rows 64..127 of its 128-row tile are all padding (the second consumer
+# warpgroup's half; gemm_engine.mma_k_tiles `skip`).
 PADDED_HALF = 1
-STORE_ROWS = 2
-ROW_TILE_SHIFT = 2
 
 
 def task_slots(storage, offset_bytes: int) -> cute.Tensor:
@@ -69,16 +65,12 @@ def take_ticket(tickets: Tickets, seq: Int32) -> Int32:
 
 
 @cute.jit
-def signal_no_task(ring, state, arrivals: int = 1):
+def signal_no_task(ring, state):
     """Producer, on NO_TASK: arrive on the next free stage's full barrier with no load (the
-    consumers wake and read NO_TASK), `arrivals` times (the ring's whole count). Never
-    released: `producer_tail` finds every stage free."""
+    consumers wake and read NO_TASK). Never released: `producer_tail` finds every stage free."""
     ring.sync_object_empty.wait(state.index, state.phase)
     with cute.arch.elect_one():
-        if cutlass.const_expr(arrivals == 1):
-            cute.arch.mbarrier_arrive(ring.producer_get_barrier(state))
-        else:
-            cute.arch.mbarrier_arrive(ring.producer_get_barrier(state), None, arrivals)
+        cute.arch.mbarrier_arrive(ring.producer_get_barrier(state))
 
 
 @cute.jit

@@ -10,10 +10,9 @@ from . import gemm_engine as engine
 from .gemm_engine import TILE_K, TILE_M, TILE_N
 
 
-def producer_loads(ring, smem, tma, hidden_size, intermediate_size, loaders: int = 0):
+def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
     """Producer: `load(state, expert, col_tile, row_tile)` of a down task over `tma` = (tma_h, mH,
-    tma_wd, mWd) into `smem` = (sA, sB0, sB1); `loaders`: the ring's loader arrivals, made up
-    on each stage (gemm_engine.load_k_tiles)."""
+    tma_wd, mWd) into `smem` = (sA, sB0, sB1)."""
     sA, sB0, sB1 = smem
     tma_h, mH, tma_wd, mWd = tma
     tHsH, tHgH = engine.partition_tma_load(tma_h, sA, mH, (TILE_M, TILE_K))
@@ -27,6 +26,6 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, loaders: int
             (tma_wd, tDgD, weight_tile, None, tDsD0),
             (tma_wd, tDgD, weight_tile + 1, None, tDsD1),
         )
-        return engine.load_k_tiles(ring, state, intermediate_size // TILE_K, loads, loaders)
+        return engine.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
 
     return load

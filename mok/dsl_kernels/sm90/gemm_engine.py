@@ -16,7 +16,6 @@ from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.ptx import fence_operand
-from ..common.row_tma import cp_async_arrive_noinc, gather_k_tile, store_box_2d
 from ..phases.tiles import TILE_M, TILE_N
 
 # TILE_M x TILE_N (phases/tiles.py): the CTA tile's rows (two consumer warpgroups x 64 rows) and
@@ -166,21 +165,16 @@ def allocate_operand_ring_storage(a_layout, b_layout, stages: int, staging_bytes
     return storage, sA, sB0, sB1
 
 
-def make_operand_ring(storage, a_layout, b_layout, stages: int, loader_threads: int = 0):
+def make_operand_ring(storage, a_layout, b_layout, stages: int):
     """The operand ring: full barrier = TMA bytes landed (the bf16 A, B0 and B1 tiles), empty =
-    every consumer warp done. `loader_threads` > 0: each full barrier also expects that many
-    arrivals, one a thread of a loader warpgroup that gathers A by `cp.async`
-    (`gather_stages`), which a stage loaded whole by TMA makes up (`load_k_tiles` `loaders`)."""
+    every consumer warp done."""
     tx_count = cute.size_in_bytes(
         BFloat16, cute.slice_(a_layout, (None, None, 0))
     ) + 2 * cute.size_in_bytes(BFloat16, cute.slice_(b_layout, (None, None, 0)))
-    producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-    if loader_threads > 0:
-        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + loader_threads)
     ring = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.ring_barriers.data_ptr(),
         num_stages=stages,
-        producer_group=producer_group,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
         consumer_group=pipeline.CooperativeGroup(
             pipeline.Agent.Thread, NUM_CONSUMER_WARPGROUPS * 4
         ),
@@ -226,15 +220,11 @@ def partition_tma_load_pair(
 
 
 @cute.jit
-def load_k_tiles(ring, state, k_tiles: Int32, loads, loaders: int = 0):
-    """Fill `k_tiles` stages in K order from `loads` (per TMA box: atom, gmem, MN tile, K0, smem).
-    `loaders`: the ring's loader arrivals (`make_operand_ring`), made up here on each stage."""
+def load_k_tiles(ring, state, k_tiles: Int32, loads):
+    """Fill `k_tiles` stages in K order from `loads` (per TMA box: atom, gmem, MN tile, K0, smem)."""
     for k_tile in cutlass.range(k_tiles, unroll=1):
         ring.producer_acquire(state)
         full = ring.producer_get_barrier(state)
-        if cutlass.const_expr(loaders > 0):
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(full, None, loaders)
         for i in cutlass.range_constexpr(len(loads)):
             tma, tXgX, mn_tile, k_base, tXsX = loads[i]
             k = k_tile
@@ -242,50 +232,6 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads, loaders: int = 0):
                 k = k_base + k_tile
             cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)], tma_bar_ptr=full)
         ring.producer_commit(state)
-        state.advance()
-    return state
-
-
-# A stage's A tile and its B0 + B1 tiles in bytes (bf16; the stages of k_major_smem_layout
-# follow one another).
-A_STAGE_BYTES = TILE_M * TILE_K * 2
-B_STAGE_BYTES = 2 * TILE_N * TILE_K * 2
-# A loader warpgroup's warps each gather this many rows of a stage's A tile.
-LOADER_ROWS = TILE_M // 4
-
-
-@cute.jit
-def load_b_tiles(ring, state, k_tiles: Int32, loads):
-    """`load_k_tiles` of B alone (`loads`: B0, B1 boxes): each stage's arrival expects B's bytes;
-    the loader warpgroup gathers A into the same stages (`gather_stages`)."""
-    for k_tile in cutlass.range(k_tiles, unroll=1):
-        ring.sync_object_empty.wait(state.index, state.phase)
-        full = ring.producer_get_barrier(state)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(full, B_STAGE_BYTES)
-        for i in cutlass.range_constexpr(len(loads)):
-            tma, tXgX, mn_tile, _, tXsX = loads[i]
-            cute.copy(
-                tma, tXgX[(None, mn_tile, k_tile)], tXsX[(None, state.index)], tma_bar_ptr=full
-            )
-        state.advance()
-    return state
-
-
-@cute.jit
-def gather_stages(ring, state, k_tiles: Int32, stages_at: Int32, table, src_at: Int64,
-                  row_bytes: Int64, first_row: Int32):  # fmt: skip
-    """A loader warp: rows first_row .. first_row + LOADER_ROWS - 1 of A in each of `k_tiles`
-    stages by 16-byte `cp.async` (row_tma.gather_k_tile: row r from row `table[r]` of the
-    row-major tensor at `src_at`, `row_bytes` a row; negative: zeros), swizzled as a 128-row TMA
-    box lands, at shared byte address `stages_at` (A's stages); then each lane's arrival on the
-    stage's full barrier once its copies are complete (`.noinc`: the ring expects it). The
-    copies are generic-proxy writes: consumers fence the async proxy after the full barrier."""
-    for k_tile in cutlass.range(k_tiles, unroll=1):
-        ring.sync_object_empty.wait(state.index, state.phase)
-        gather_k_tile(stages_at + state.index * A_STAGE_BYTES, table, src_at, row_bytes,
-                      k_tile * TILE_K, first_row, LOADER_ROWS)  # fmt: skip
-        cp_async_arrive_noinc(ring.producer_get_barrier(state).toint())
         state.advance()
     return state
 
@@ -331,8 +277,6 @@ def mma_k_tiles(
     may_be_empty: bool = False,
     from_zero: bool = True,
     skip=None,
-    gathered=None,
-    store=None,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
     the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
@@ -341,11 +285,7 @@ def mma_k_tiles(
     Boolean, the same on the whole warpgroup; `from_zero` only): this warpgroup's 64 rows are
     all padding, so it issues no wgmma: it waits for and releases each of the `k_tiles` stages
     (the other warpgroup reads them) and its accumulators stay zero, what wgmma gives for zero
-    rows. `gathered` (a Boolean): the stages' A was gathered by `cp.async`, so the async proxy
-    is fenced after each full barrier. `store` = (a Boolean, the TMA descriptor's address, A's
-    stages' shared byte address, a row): if the Boolean, each stage's A tile is stored by TMA
-    at (its K, row) (the caller makes it one thread's), read before its stage is released.
-    Returns (read, release)."""
+    rows. Returns (read, release)."""
     # A skipping warpgroup hands off what it holds: zeros only when it started from them.
     assert from_zero or skip is None, "mma_k_tiles: skip needs from_zero"
     tCrA, tCrB0, tCrB1 = operands
@@ -362,15 +302,6 @@ def mma_k_tiles(
     cute.nvgpu.warpgroup.fence()
     for k_tile in cutlass.range(mma_tiles, unroll=1):
         ring.consumer_wait(read_state)
-        if cutlass.const_expr(gathered is not None):
-            if gathered:
-                cute.arch.fence_proxy("async.shared", space="cta")
-        if cutlass.const_expr(store is not None):
-            stores, descriptor, stages_at, row = store
-            if stores:
-                store_box_2d(descriptor, stages_at + read_state.index * A_STAGE_BYTES,
-                             k_tile * TILE_K, row)  # fmt: skip
-                cute.arch.cp_async_bulk_commit_group()
         for k_block in cutlass.range_constexpr(k_blocks):
             coord = (None, None, k_block, read_state.index)
             cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
@@ -380,17 +311,10 @@ def mma_k_tiles(
         if k_tile > 0:
             # The batch of k_tile - 1 is complete: its stage can be refilled.
             cute.nvgpu.warpgroup.wait_group(1)
-            if cutlass.const_expr(store is not None):
-                if store[0]:
-                    # k_tile - 1's store has read the stage (k_tile's may still be reading).
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)
             ring.consumer_release(release_state)
             release_state.advance()
     cute.nvgpu.warpgroup.wait_group(0)
     fence_accumulators(accumulators)
-    if cutlass.const_expr(store is not None):
-        if store[0]:
-            cute.arch.cp_async_bulk_wait_group(0)
     if cutlass.const_expr(may_be_empty or skip is not None):
         if mma_tiles > 0:
             ring.consumer_release(release_state)

@@ -58,7 +58,6 @@ from ..common.params import (
 )
 from ..common.peers import COMBINE_BUFFER, X_BUFFER, peer_table
 from ..common.retire import retire_cta
-from ..common.row_tma import descriptor_address
 from ..phases import combine_phase, schedule_phase
 from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
 from ..phases.expert_tiles import TileList
@@ -73,9 +72,7 @@ from ..phases.task_walk import (
 )
 from ..phases.tickets import (
     PADDED_HALF,
-    ROW_TILE_SHIFT,
     SLOT_BYTES,
-    STORE_ROWS,
     Tickets,
     consumer_task,
     signal_no_task,
@@ -111,15 +108,6 @@ COUNTER_TAIL = 4 + schedule_phase.WORDS
 TIMELINE_SLOTS = ("start", "schedule", "dispatch", "first_task", "last_task", "sums",
                   "producer_done", "crew_done", "exit", "tasks")  # fmt: skip
 SLOT = {name: n for n, name in enumerate(TIMELINE_SLOTS)}
-# The BF16 variant's fourth warpgroup gathers A's rows of the gate/up tasks from x (a group of
-# one, `gather_rows`): its shared table of a task's source rows (int32 [TILE_M]) and the
-# producer's handshake, past the task slots. Registers a thread: 40 in the producer and loader
-# warpgroups, 216 in the consumers (512 threads share the SM's 64 K).
-GATHER_TABLE_BYTES = 4 * TILE_M
-GATHER_BYTES = GATHER_TABLE_BYTES + 4 * gate_up_phase.HANDSHAKE_WORDS
-LOADER_REGISTERS = 40
-GATHER_CONSUMER_REGISTERS = 216
-LOADER_WARPGROUP = 3
 
 
 class ForwardOperands(NamedTuple):
@@ -168,7 +156,6 @@ class ForwardTensors(NamedTuple):
     schedule_counts_ptr: Int32Pointer
     schedule_expert_counts_ptr: Int32Pointer
     schedule_entries: Int32
-    gather_rows: Int32
 
 
 @dataclass(frozen=True)
@@ -185,13 +172,8 @@ class Sm90MoeForward:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
 
     @property
-    def gathers(self) -> bool:
-        """Whether the variant has the loader warpgroup (BF16; MXFP8 reads rounded rows)."""
-        return not self.mxfp8
-
-    @property
     def threads(self) -> int:
-        return engine.THREADS + (THREADS_PER_WARPGROUP if self.gathers else 0)
+        return engine.THREADS
 
     def tma_specs(self) -> list[dict]:
         box = [TILE_K, TILE_M]
@@ -234,19 +216,11 @@ class Sm90MoeForward:
         tiled_mma = engine.forward_mma()
         a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
         b_layout = engine.k_major_smem_layout(TILE_N, self.stages)
-        gather_bytes = GATHER_BYTES if cutlass.const_expr(self.gathers) else 0
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-            a_layout, b_layout, self.stages, SLOT_BYTES + gather_bytes
+            a_layout, b_layout, self.stages, SLOT_BYTES
         )
-        loader_threads = THREADS_PER_WARPGROUP if cutlass.const_expr(self.gathers) else 0
-        ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages, loader_threads)
+        ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
         loaded = (sA, sB0, sB1)
-        # A group of one's BF16 pass: the loader warpgroup gathers x's rows for the gate/up
-        # tasks, column-0 tasks store them to x_routed (the backward's operand): no dispatch.
-        gathers = Int32(0)
-        if cutlass.const_expr(self.gathers):
-            gathers = args.gather_rows
-        gather_at = storage.staging.data_ptr() + handoff.BUFFER_BYTES + SLOT_BYTES
         if warp_idx == 0:
             for atom in (tma.tma_x, tma.tma_wg, tma.tma_wu, tma.tma_h, tma.tma_wd):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
@@ -306,7 +280,6 @@ class Sm90MoeForward:
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
-        dispatchers = cutlass.select_(gathers != 0, Int32(0), dispatchers)
         if bidx < dispatchers:
             dispatch_rows(
                 (args.x_ptr, peer_table(args.peer_table_ptr, X_BUFFER), walk.ep_rank),
@@ -315,7 +288,7 @@ class Sm90MoeForward:
                 dispatched,
                 buffers[2],
                 tidx,
-                self.threads,
+                engine.THREADS,
                 row_tickets,
                 rounded_ptr=args.x_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
             )
@@ -325,31 +298,16 @@ class Sm90MoeForward:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 # ---- producer: each task's loads after its rows' counter ----
-                gather = None
-                if cutlass.const_expr(self.gathers):
-                    gather = (
-                        gathers,
-                        gate_up_phase.handshake_words(gather_at + GATHER_TABLE_BYTES),
-                    )
                 loads = (
                     gate_up_phase.producer_loads(
-                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows, gather
+                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows
                     ),
                     down_phase.producer_loads(
-                        ring,
-                        loaded,
-                        tma[6:],
-                        walk.hidden_size,
-                        walk.intermediate_size,
-                        loader_threads,
+                        ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size
                     ),
                 )
-                # Gathering, no row tile waits for dispatch (a count of 0 is reached at once).
-                dispatch_needed = cutlass.select_(gathers != 0, Int32(0), Int32(1))
                 waits = (
-                    RowTileWait(
-                        dispatched, dispatch_needed, PHASE_DISPATCH, record, walk.timeout_ns
-                    ),
+                    RowTileWait(dispatched, Int32(1), PHASE_DISPATCH, record, walk.timeout_ns),
                     RowTileWait(
                         hidden_done,
                         gate_up_cols,
@@ -361,18 +319,10 @@ class Sm90MoeForward:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                store_rows = None
-                if cutlass.const_expr(self.gathers):
-                    store_rows = gathers
                 state, _, _ = produce_steps(
-                    state, batches, tiles, tickets, waits, loads, (rank_of, flags), store_rows
+                    state, batches, tiles, tickets, waits, loads, (rank_of, flags)
                 )
-                if cutlass.const_expr(self.gathers):
-                    if gathers != 0:
-                        gate_up_phase.publish_task(
-                            gather[1], Int32(gate_up_phase.NO_ROWS), Int32(0), Int32(0)
-                        )
-                signal_no_task(ring, state, 1 + loader_threads)
+                signal_no_task(ring, state)
                 ring.producer_tail(state)
                 timeline.mark_time(*marks, 0, SLOT["producer_done"])
             else:
@@ -394,31 +344,9 @@ class Sm90MoeForward:
                 lane = tidx - 32 * crew.first_warp
                 store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
                 timeline.mark_time(*marks, 32 * crew.first_warp, SLOT["crew_done"])
-        elif warpgroup == LOADER_WARPGROUP:
-            # ---- loaders (the BF16 variant): A's rows of each gate/up task, from x ----
-            cute.arch.setmaxregister_decrease(LOADER_REGISTERS)
-            if gathers != 0:
-                gate_up_phase.gather_rows(
-                    ring,
-                    self.stages,
-                    gate_up_phase.handshake_words(gather_at + GATHER_TABLE_BYTES),
-                    cute.make_tensor(
-                        cute.recast_ptr(gather_at, dtype=Int32), cute.make_layout(TILE_M)
-                    ),
-                    sA,
-                    args.x_ptr.toint(),
-                    walk.hidden_size,
-                    rank_of,
-                    cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
-                    walk.topk,
-                    tidx - LOADER_WARPGROUP * THREADS_PER_WARPGROUP,
-                )
         else:
             # ---- consumers: each task's mainloop, then its accumulators to the crew ----
-            if cutlass.const_expr(self.gathers):
-                cute.arch.setmaxregister_increase(GATHER_CONSUMER_REGISTERS)
-            else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             thr_mma, operands, accs = engine.make_consumer_fragments(tiled_mma, tidx, sA, sB0, sB1)
             read_state, release_state = engine.make_consumer_states(self.stages)
             # Each phase has its own MMA object: `mma_k_tiles` sets its accumulate field inside
@@ -427,24 +355,12 @@ class Sm90MoeForward:
             down_thr = down_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
             second_half = warpgroup == 2
-            # Gathering: a column-0 gate/up task's A stages are its rows of x_routed, which
-            # thread 128 (lane 0 of the first consumer warp) stores by TMA (tma_x's box).
-            stores = None
-            if cutlass.const_expr(self.gathers):
-                stores = (descriptor_address(tma.tma_x), sA.iterator.toint())
 
-            def run_task(states, flag, mma, thr, k_tiles, gate_up):
-                skip = ((flag & PADDED_HALF) != 0) & second_half
-                store = None
-                gathered = None
-                if cutlass.const_expr(gate_up and stores is not None):
-                    storing = ((flag & STORE_ROWS) != 0) & (tidx == THREADS_PER_WARPGROUP)
-                    store = (storing, stores[0], stores[1], (flag >> ROW_TILE_SHIFT) * TILE_M)
-                    gathered = gathers != 0
+            def run_task(states, flag, mma, thr, k_tiles):
+                skip = (flag == PADDED_HALF) & second_half
                 read_state, release_state = engine.mma_k_tiles(
-                    mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip,
-                    gathered=gathered, store=store,
-                )  # fmt: skip
+                    mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip
+                )
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
@@ -463,7 +379,7 @@ class Sm90MoeForward:
                     base,
                     middle,
                     run_task,
-                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K, True),
+                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K),
                     flags=flags,
                 )
                 states, seq, task = consume_phase(
@@ -475,7 +391,7 @@ class Sm90MoeForward:
                     middle,
                     end,
                     run_task,
-                    (down_mma, down_thr, walk.intermediate_size // TILE_K, False),
+                    (down_mma, down_thr, walk.intermediate_size // TILE_K),
                     flags=flags,
                 )
             crew.hand_off_nothing()
