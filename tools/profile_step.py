@@ -1,13 +1,20 @@
 """Per-kernel GPU time of one mok forward + backward at a benchmark shape (torch.profiler).
 
-python tools/profile_step.py [--shape qwen3-30b-a3b] [--tokens 16384]
+python tools/profile_step.py [--shape qwen3-30b-a3b] [--tokens 16384] [--macrobatch 0,16384]
+
+Each `--macrobatch` size (0: every routed row at once, the default config) profiles one step
+after three warm ones and prints its kernels' GPU time by name (launches, total, mean), then
+the step's span on the GPU (first kernel's start to last kernel's end), the time some kernel
+ran, and the gaps between: where a macrobatched step's extra time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from mok import functional as F
@@ -21,23 +28,21 @@ SHAPES = {  # H, I, E, k
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
 
 
-def setup_layer(shape: str, tokens: int):
-    """(inputs, config, workspace, weights, num_experts) of one layer at a benchmark shape."""
+def setup_layer(shape: str, tokens: int, macrobatch: int = 0):
+    """(inputs, config, workspace, weights, num_experts) of one layer at a benchmark shape;
+    `macrobatch` > 0: that many routed rows held at once."""
     h, i, e, k = SHAPES[shape]
     inputs = make_inputs(tokens, h, i, e, k, seed=0, device="cuda")
     config = F.MoKConfig()
+    if macrobatch > 0:
+        config = dataclasses.replace(config, macrobatch_size=macrobatch)
     ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=tokens,
                          hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
     return inputs, config, ws, [inputs[n] for n in WEIGHTS], e
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
-    parser.add_argument("--tokens", type=int, default=16384)
-    args = parser.parse_args()
-    t = args.tokens
-    inputs, config, ws, weights, e = setup_layer(args.shape, t)
+def profile_one(args, inputs, weights, e, config, ws) -> None:
+    """Profile one step under `config` and print its kernels and its span."""
 
     def step():
         schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
@@ -51,10 +56,48 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    print(f"== {args.shape} T={t}: one schedule + forward + backward")
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    kernels = sorted(
+        (ev for ev in prof.events() if ev.device_type == DeviceType.CUDA),
+        key=lambda ev: ev.time_range.start,
     )
+    totals: dict[str, list[float]] = {}
+    busy, end = 0.0, None
+    for ev in kernels:
+        start, stop = ev.time_range.start, ev.time_range.end
+        totals.setdefault(ev.name[:70], []).append(stop - start)
+        # Time some kernel ran: the union of the intervals (kernels on one stream do not overlap).
+        if end is None or start >= end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0.0
+    size = config.macrobatch_size if args_macrobatch(config) else "all"
+    print(f"== {args.shape} T={args.tokens} macrobatch {size}: one schedule + forward + backward")
+    print(f"  {'kernel':70} {'launches':>8} {'total us':>10} {'mean us':>9}")
+    for name, times in sorted(totals.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {name:70} {len(times):8d} {sum(times):10.1f} {sum(times) / len(times):9.1f}")
+    print(f"  span {span:.1f} us, kernels running {busy:.1f} us, gaps {span - busy:.1f} us, "
+          f"{len(kernels)} kernels")  # fmt: skip
+
+
+def args_macrobatch(config) -> bool:
+    """Whether `config` holds fewer routed rows at once than the default."""
+    return config.macrobatch_size != F.MoKConfig().macrobatch_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--macrobatch", default="0", help="comma list of sizes; 0: every row")
+    args = parser.parse_args()
+    for size in (int(v) for v in args.macrobatch.split(",")):
+        inputs, config, ws, weights, e = setup_layer(args.shape, args.tokens, size)
+        profile_one(args, inputs, weights, e, config, ws)
+        del inputs, ws, weights
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
