@@ -1,6 +1,7 @@
 """Per-kernel GPU time of one mok forward + backward at a benchmark shape (torch.profiler).
 
 python tools/profile_step.py [--shape qwen3-30b-a3b] [--tokens 16384] [--macrobatch 0,16384]
+    [--minibatch N]
 
 Each `--macrobatch` size (0: every routed row at once, the default config) profiles one step
 after three warm ones and prints its kernels' GPU time by name (launches, total, mean), then
@@ -28,14 +29,21 @@ SHAPES = {  # H, I, E, k
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
 
 
-def setup_layer(shape: str, tokens: int, macrobatch: int = 0):
+def setup_layer(shape: str, tokens: int, macrobatch: int = 0, minibatch: int = 0):
     """(inputs, config, workspace, weights, num_experts) of one layer at a benchmark shape;
-    `macrobatch` > 0: that many routed rows held at once."""
+    `macrobatch` > 0: that many routed rows held at once; `minibatch` > 0: the minibatch (else
+    the default's, cut to the macrobatch)."""
     h, i, e, k = SHAPES[shape]
     inputs = make_inputs(tokens, h, i, e, k, seed=0, device="cuda")
     config = F.MoKConfig()
+    if minibatch > 0:
+        config = dataclasses.replace(config, minibatch_size=minibatch)
     if macrobatch > 0:
-        config = dataclasses.replace(config, macrobatch_size=macrobatch)
+        config = dataclasses.replace(
+            config,
+            minibatch_size=min(config.minibatch_size, macrobatch),
+            macrobatch_size=macrobatch,
+        )
     ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=tokens,
                          hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
     return inputs, config, ws, [inputs[n] for n in WEIGHTS], e
@@ -74,7 +82,8 @@ def profile_one(args, inputs, weights, e, config, ws) -> None:
             end = stop
     span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0.0
     size = config.macrobatch_size if args_macrobatch(config) else "all"
-    print(f"== {args.shape} T={args.tokens} macrobatch {size}: one schedule + forward + backward")
+    print(f"== {args.shape} T={args.tokens} macrobatch {size}, minibatch {config.minibatch_size}: "
+          "one schedule + forward + backward")  # fmt: skip
     print(f"  {'kernel':70} {'launches':>8} {'total us':>10} {'mean us':>9}")
     for name, times in sorted(totals.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {name:70} {len(times):8d} {sum(times):10.1f} {sum(times) / len(times):9.1f}")
@@ -92,9 +101,10 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--macrobatch", default="0", help="comma list of sizes; 0: every row")
+    parser.add_argument("--minibatch", type=int, default=0, help="0: the default's")
     args = parser.parse_args()
     for size in (int(v) for v in args.macrobatch.split(",")):
-        inputs, config, ws, weights, e = setup_layer(args.shape, args.tokens, size)
+        inputs, config, ws, weights, e = setup_layer(args.shape, args.tokens, size, args.minibatch)
         profile_one(args, inputs, weights, e, config, ws)
         del inputs, ws, weights
         torch.cuda.empty_cache()
