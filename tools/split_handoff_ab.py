@@ -18,21 +18,16 @@ import statistics
 import torch
 
 from benchmarks.shapes import SHAPES
+from benchmarks.timing import TimingConfig, time_ms
 from mok import functional as F
 from mok.launchers import expert_gemm
-from tools.phase_times import WEIGHTS, layer
+from tools.phase_times import CUDA, WEIGHTS, layer
 
 KERNELS = (expert_gemm.GATE_UP_KERNEL, expert_gemm.GATE_UP_SPLIT_KERNEL)
 
 
-def time_once(fn) -> float:
-    """GPU ms of one call of `fn` (CUDA events)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
+# One launch between CUDA events, the kernels in turn (benchmarks.timing).
+ONE_LAUNCH = TimingConfig(warmup=0, reps=1)
 
 
 def compare(shape_name: str, tokens: int, reps: int) -> str:
@@ -56,7 +51,7 @@ def compare(shape_name: str, tokens: int, reps: int) -> str:
     times = {kernel: [] for kernel in KERNELS}
     for rep in range(reps + 3):
         for kernel in KERNELS:
-            ms = time_once(lambda k=kernel: run(k))
+            (ms,) = time_ms(CUDA, ONE_LAUNCH, lambda _, k=kernel: run(k))
             if rep >= 3:
                 times[kernel].append(ms)
     routed = int(tpe.sum())

@@ -45,7 +45,6 @@ if CONSUMER_THREADS != COMBINE_THREADS:
 # Two staged blocks and the 128 destination rows of a slots tile.
 TARGETS_OFFSET = 2 * STAGED_BYTES
 BUFFER_BYTES = TARGETS_OFFSET + 4 * TILE_M
-CHUNKS_PER_TILE = TILE_M * STAGED_CHUNKS
 
 
 def allocate_crew_storage(a_layout, b_layout, stages: int, extra_bytes: int = 0):
@@ -155,7 +154,16 @@ class EpilogueCrew:
             )
             for j in range(2)
         ]
-        for idx in cutlass.range(lane, CHUNKS_PER_TILE, self.threads, unroll=1):
+        self.store_rows(views, lane, TILE_M, first_row, first_col, targets, store_chunk,
+                        store_args)  # fmt: skip
+
+    @cute.jit
+    def store_rows(self, views, lane, rows: int, first_row, first_col, targets, store_chunk,
+                   store_args):  # fmt: skip
+        """Crew: `store_chunk` of every 16-byte chunk of `rows` rows of `views` (block 0's and
+        block 1's, bf16 (8, STAGED_CHUNKS, rows)) to row first_row + r, or `targets[r]` where
+        that is not -1."""
+        for idx in cutlass.range(lane, rows * STAGED_CHUNKS, self.threads, unroll=1):
             row = idx // STAGED_CHUNKS
             chunk = idx % STAGED_CHUNKS
             target = Int64(first_row + row)
@@ -324,13 +332,8 @@ class SplitEpilogueCrew(EpilogueCrew):
                     barrier_id=ROUND_FREE[1], number_of_threads=self.handoff_threads
                 )
                 cute.arch.barrier(barrier_id=ROUND_READY[1], number_of_threads=self.handoff_threads)
-            for idx in cutlass.range(lane, SPLIT_ROWS * STAGED_CHUNKS, self.threads, unroll=1):
-                row = idx // STAGED_CHUNKS
-                chunk = idx % STAGED_CHUNKS
-                store_chunk(
-                    views[0][None, chunk, row].load(), views[1][None, chunk, row].load(),
-                    Int64(first_row + round_ * SPLIT_ROWS + row), chunk, first_col, *store_args,
-                )  # fmt: skip
+            self.store_rows(views, lane, SPLIT_ROWS, first_row + round_ * SPLIT_ROWS, first_col,
+                            None, store_chunk, store_args)  # fmt: skip
 
 
 SPLIT_CREW = SplitEpilogueCrew(first_warp=1, num_warps=3)

@@ -38,13 +38,13 @@ from ..phases.expert_tiles import TileList
 from ..phases.task_walk import consume_phase, count_tiles, produce_phase, store_phase
 from ..phases.tickets import (
     SLOT_BYTES,
-    TASK_SLOTS,
     Tickets,
     consumer_task,
     crew_task,
     signal_no_task,
     take_ticket,
     task_slots,
+    task_slots_at,
 )
 from . import epilogue_warps as handoff
 from . import gemm_engine as engine
@@ -162,10 +162,7 @@ class Sm90ExpertGemm:
             storage, sA, sB0, sB1, buffers = handoff.allocate_split_crew_storage(
                 a_layout, b_layout, self.stages, SLOT_BYTES
             )
-            slots = cute.make_tensor(
-                cute.recast_ptr(storage.head.data_ptr(), dtype=Int32),
-                cute.make_layout(TASK_SLOTS),
-            )
+            slots = task_slots_at(storage.head.data_ptr())
         else:
             storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
                 a_layout, b_layout, self.stages, SLOT_BYTES
