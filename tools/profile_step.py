@@ -49,8 +49,9 @@ def setup_layer(shape: str, tokens: int, macrobatch: int = 0, minibatch: int = 0
     return inputs, config, ws, [inputs[n] for n in WEIGHTS], e
 
 
-def profile_one(args, inputs, weights, e, config, ws) -> None:
-    """Profile one step under `config` and print its kernels and its span."""
+def profile_one(args, size: int, inputs, weights, e, config, ws) -> None:
+    """Profile one step under `config` (macrobatches of `size` rows, 0: none) and print its
+    kernels and its span."""
 
     def step():
         schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
@@ -81,19 +82,14 @@ def profile_one(args, inputs, weights, e, config, ws) -> None:
             busy += stop - end
             end = stop
     span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0.0
-    size = config.macrobatch_size if args_macrobatch(config) else "all"
-    print(f"== {args.shape} T={args.tokens} macrobatch {size}, minibatch {config.minibatch_size}: "
+    print(f"== {args.shape} T={args.tokens} macrobatch {size or 'all'}, "
+          f"minibatch {config.minibatch_size}: "
           "one schedule + forward + backward")  # fmt: skip
     print(f"  {'kernel':70} {'launches':>8} {'total us':>10} {'mean us':>9}")
     for name, times in sorted(totals.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {name:70} {len(times):8d} {sum(times):10.1f} {sum(times) / len(times):9.1f}")
     print(f"  span {span:.1f} us, kernels running {busy:.1f} us, gaps {span - busy:.1f} us, "
           f"{len(kernels)} kernels")  # fmt: skip
-
-
-def args_macrobatch(config) -> bool:
-    """Whether `config` holds fewer routed rows at once than the default."""
-    return config.macrobatch_size != F.MoKConfig().macrobatch_size
 
 
 def main() -> None:
@@ -105,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     for size in (int(v) for v in args.macrobatch.split(",")):
         inputs, config, ws, weights, e = setup_layer(args.shape, args.tokens, size, args.minibatch)
-        profile_one(args, inputs, weights, e, config, ws)
+        profile_one(args, size, inputs, weights, e, config, ws)
         del inputs, ws, weights
         torch.cuda.empty_cache()
 
