@@ -10,7 +10,6 @@
 #   BENCH=ncu NCU_TOKENS="2048 16384" [NCU_SHAPE=kimi-k2] bash tools/gpu_run.sh
 #   TESTS=tests/gpu/test_copy_probe_gpu.py BENCH=copy bash tools/gpu_run.sh
 #   TESTS=tests/gpu/test_row_tma_probe_gpu.py BENCH=rows bash tools/gpu_run.sh
-#   BENCH=split [SPLIT_SHAPES="qwen3-30b-a3b kimi-k2"] bash tools/gpu_run.sh   (tools/split_handoff_ab.py)
 #     (DIR: another tree of mok, e.g. `git archive REV | tar -x -C DIR`; tools/tree_ab.py compares)
 # A run leaves two files in $OUT: logs.tgz (every log) and summary.txt.
 # WHEELS=DIR: wheels installed into /tmp/site (put on PYTHONPATH) first, except TorchTitan's,
@@ -80,11 +79,6 @@ for b in ${BENCH:-}; do
           tail -20 "$LOGS/copy_probe.log" >> "$LOGS/summary.txt" ;;
     rows) timeout "$left" python3 -m tools.row_tma_probe > "$LOGS/row_tma_probe.log" 2>&1; note "row_tma_probe rc=$?"
           tail -6 "$LOGS/row_tma_probe.log" >> "$LOGS/summary.txt" ;;
-    split) for shape in ${SPLIT_SHAPES:-qwen3-30b-a3b}; do
-            left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break
-            timeout "$left" python3 -m tools.split_handoff_ab --shape "$shape" > "$LOGS/split_$shape.log" 2>&1
-            note "split_handoff_ab $shape rc=$?"; tail -4 "$LOGS/split_$shape.log" >> "$LOGS/summary.txt"
-          done ;;
     ncu) # ncu's sections for each kernel of tools/ncu_step.py (NCU_SHAPE, NCU_TOKENS), SM clock not locked
         for t in ${NCU_TOKENS:-2048}; do
           left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break

@@ -144,15 +144,6 @@ def variants() -> list[Variant]:
             launch_grid="(min(sm_count, capacity / 128 * intermediate_size / 128), 1, 1)",
             archs=("sm_90a",),
         ),
-        # The same with the crew's split hand-off and 4 stages (docs/NOTES.md §18 question 8):
-        # an experiment beside the default, chosen by the launcher's `kernel` argument only.
-        Variant(
-            "expert_gemm_gate_up_swiglu_split",
-            Sm90ExpertGemm,
-            {"epilogue": "swiglu", "stages": 4, "split_handoff": True},
-            launch_grid="(min(sm_count, capacity / 128 * intermediate_size / 128), 1, 1)",
-            archs=("sm_90a",),
-        ),
         Variant(
             "expert_gemm_down",
             Sm90ExpertGemm,

@@ -28,10 +28,6 @@ from .device_args import new_ticket, persistent_grid, tma_descriptor
 from .plans import Descriptors, current_stream, plan, weight_key, zero_async
 
 GATE_UP_KERNEL = "expert_gemm_gate_up_swiglu"
-# The same parameters and bits, with the crew's split hand-off and a 4-stage ring
-# (docs/NOTES.md §18 question 8): for measuring against GATE_UP_KERNEL.
-GATE_UP_SPLIT_KERNEL = "expert_gemm_gate_up_swiglu_split"
-GATE_UP_KERNELS = (GATE_UP_KERNEL, GATE_UP_SPLIT_KERNEL)
 DOWN_KERNEL = "expert_gemm_down"
 K_ALIGNMENT = 64  # K block of the mainloop
 GATE_UP_N_ALIGNMENT = 128  # intermediate_size: one 128-column block of gate and of up per tile
@@ -49,17 +45,13 @@ def gate_up_swiglu(
     up: torch.Tensor | None = None,
     hidden: torch.Tensor | None = None,
     manifest=None,
-    kernel: str = GATE_UP_KERNEL,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate, up, hidden), each bf16 [C, I], for x_routed bf16 [C, H] and weights [E, I, H]
     (contiguous, or both halves of one fused [E, 2 I, H]: checks.expert_rows).
 
     `tokens_per_expert` int32 [E]: padded segment sizes, multiples of 128, sum <= C (not checked: a
-    host sync). Constraints: H % 64 == 0, I % 128 == 0. Current stream, no host sync. `kernel`:
-    one of GATE_UP_KERNELS (the same bits).
+    host sync). Constraints: H % 64 == 0, I % 128 == 0. Current stream, no host sync.
     """
-    if kernel not in GATE_UP_KERNELS:
-        raise ValueError(f"kernel must be one of {GATE_UP_KERNELS}, got {kernel!r}")
     capacity, hidden_size = x_routed.shape if x_routed.dim() == 2 else (-1, -1)
     num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
     check_cuda("x_routed", x_routed, torch.bfloat16, (capacity, hidden_size))
@@ -90,11 +82,10 @@ def gate_up_swiglu(
 
     args = (x_routed, gate_weights, up_weights, tokens_per_expert, swiglu_limit, expert_rows)
     if manifest is not None:  # another build's kernels (tests): no plan of theirs is kept
-        plan_now = _GateUpPlan(*args, manifest=manifest, kernel=kernel)
-        plan_now(x_routed, tokens_per_expert, gate, up, hidden)
+        _GateUpPlan(*args, manifest=manifest)(x_routed, tokens_per_expert, gate, up, hidden)
         return gate, up, hidden
     key = (
-        kernel,
+        GATE_UP_KERNEL,
         tensor_key(x_routed),
         weight_key(gate_weights),
         weight_key(up_weights),
@@ -102,8 +93,7 @@ def gate_up_swiglu(
         swiglu_limit,
         current_stream(x_routed.get_device()),
     )
-    plan(key, lambda: _GateUpPlan(*args, kernel=kernel))(x_routed, tokens_per_expert, gate, up,
-                                                          hidden)  # fmt: skip
+    plan(key, lambda: _GateUpPlan(*args))(x_routed, tokens_per_expert, gate, up, hidden)
     return gate, up, hidden
 
 
@@ -122,14 +112,13 @@ class _GateUpPlan:
         expert_rows,
         *,
         manifest=None,
-        kernel=GATE_UP_KERNEL,
     ):
         from mok.runtime import get_kernel  # noqa: PLC0415
 
         device = x_routed.device
         capacity, hidden_size = x_routed.shape
         num_experts, intermediate_size = gate_weights.shape[0], gate_weights.shape[1]
-        kernel = get_kernel(kernel, device=device, manifest=manifest)
+        kernel = get_kernel(GATE_UP_KERNEL, device=device, manifest=manifest)
         self.device_index = x_routed.get_device()
         self.ticket = new_ticket(device)
         self.tma_a = Descriptors(kernel, "tma_a")

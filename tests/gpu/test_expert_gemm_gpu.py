@@ -127,36 +127,6 @@ def test_matches_reference(case, limit):
         )
 
 
-@pytest.mark.parametrize("limit", [None, 1.0])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_split_handoff_kernel_gives_the_default_bits(case, limit):
-    """The 4-stage gate/up kernel with the crew's split hand-off (GATE_UP_SPLIT_KERNEL): gate,
-    up and hidden bitwise the default kernel's (same tiles, K order and rounding), rows past
-    the last segment untouched, twice."""
-    _, hidden_size, inter, sizes, extra = case
-    inp = _inputs(hidden_size, inter, sizes, extra, seed=3)
-    capacity = inp["x"].shape[0]
-    results = {}
-    for kernel in (
-        expert_gemm.GATE_UP_KERNEL,
-        expert_gemm.GATE_UP_SPLIT_KERNEL,
-        expert_gemm.GATE_UP_SPLIT_KERNEL,
-    ):
-        outs = [poisoned(capacity, inter) for _ in range(3)]
-        expert_gemm.gate_up_swiglu(
-            inp["x"], inp["gate_w"], inp["up_w"], inp["tokens_per_expert"], swiglu_limit=limit,
-            gate=outs[0], up=outs[1], hidden=outs[2], manifest=MANIFEST, kernel=kernel,
-        )  # fmt: skip
-        torch.cuda.synchronize()
-        results.setdefault(kernel, []).append(outs)
-    _, total = segments(sizes)
-    default = results[expert_gemm.GATE_UP_KERNEL][0]
-    for outs in results[expert_gemm.GATE_UP_SPLIT_KERNEL]:
-        for name, got, want in zip(("gate", "up", "hidden"), outs, default, strict=True):
-            assert torch.isnan(got[total:].float()).all(), f"{name}: rows past the segments written"
-            assert torch.equal(got[:total].view(torch.int16), want[:total].view(torch.int16)), name
-
-
 # (name, num_experts, hidden_size, intermediate_size, tokens, topk): evenly routed.
 TIMING_SHAPES = [
     ("qwen3-30b-a3b", 128, 2048, 768, 16384, 8),

@@ -27,12 +27,10 @@ PADDED_HALF = 1
 def task_slots(storage, offset_bytes: int) -> cute.Tensor:
     """TASK_SLOTS int32 slots at `offset_bytes` of `storage.staging`: the engine's shared
     memory, past what its crew hand-off uses (sm90: epilogue_warps.BUFFER_BYTES)."""
-    return task_slots_at(storage.staging.data_ptr() + offset_bytes)
-
-
-def task_slots_at(pointer) -> cute.Tensor:
-    """TASK_SLOTS int32 slots at the shared-memory `pointer` (where `task_slots` has no room)."""
-    return cute.make_tensor(cute.recast_ptr(pointer, dtype=Int32), cute.make_layout(TASK_SLOTS))
+    return cute.make_tensor(
+        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes, dtype=Int32),
+        cute.make_layout(TASK_SLOTS),
+    )
 
 
 def task_flags(storage, offset_bytes: int) -> cute.Tensor:

@@ -22,7 +22,6 @@ from ..phases.expert_tiles import locate_first_tile, locate_tile
 from .gemm_engine import (
     STAGED_BYTES,
     STAGED_CHUNKS,
-    STAGED_PAD,
     STAGED_ROW,
     THREADS_PER_WARPGROUP,
     TILE_M,
@@ -45,6 +44,7 @@ if CONSUMER_THREADS != COMBINE_THREADS:
 # Two staged blocks and the 128 destination rows of a slots tile.
 TARGETS_OFFSET = 2 * STAGED_BYTES
 BUFFER_BYTES = TARGETS_OFFSET + 4 * TILE_M
+CHUNKS_PER_TILE = TILE_M * STAGED_CHUNKS
 
 
 def allocate_crew_storage(a_layout, b_layout, stages: int, extra_bytes: int = 0):
@@ -154,16 +154,7 @@ class EpilogueCrew:
             )
             for j in range(2)
         ]
-        self.store_rows(views, lane, TILE_M, first_row, first_col, targets, store_chunk,
-                        store_args)  # fmt: skip
-
-    @cute.jit
-    def store_rows(self, views, lane, rows: int, first_row, first_col, targets, store_chunk,
-                   store_args):  # fmt: skip
-        """Crew: `store_chunk` of every 16-byte chunk of `rows` rows of `views` (block 0's and
-        block 1's, bf16 (8, STAGED_CHUNKS, rows)) to row first_row + r, or `targets[r]` where
-        that is not -1."""
-        for idx in cutlass.range(lane, rows * STAGED_CHUNKS, self.threads, unroll=1):
+        for idx in cutlass.range(lane, CHUNKS_PER_TILE, self.threads, unroll=1):
             row = idx // STAGED_CHUNKS
             chunk = idx % STAGED_CHUNKS
             target = Int64(first_row + row)
@@ -241,102 +232,6 @@ class EpilogueCrew:
 # Warps 1-3 of the producer warpgroup, in every SM90 GEMM and megakernel. The release atomics
 # live here, not in the consumers: there, one makes ptxas serialise every wgmma (C7520).
 CREW = EpilogueCrew(first_warp=1, num_warps=3)
-
-# The split hand-off (docs/NOTES.md §18 question 8): one block of 64 rows, a row's 128 columns of
-# block 0 then its 128 of block 1 side by side, rows SPLIT_ROW bf16 apart (528 bytes, 132 words:
-# the accumulator layout's 4-byte stores still hit 32 banks). Each consumer warpgroup hands off
-# its own 64 rows in its own round, on its own pair of named barriers (round 0 the first
-# warpgroup's, on BUFFERS_FREE / TILE_READY). 33 KiB where the two blocks take 68: the ring gets
-# a fourth stage (gemm_engine.MAX_STAGES_WITH_SPLIT_CREW).
-SPLIT_ROW = 2 * TILE_N + STAGED_PAD
-SPLIT_ROWS = TILE_M // 2
-SPLIT_BLOCK_BYTES = 2 * SPLIT_ROWS * SPLIT_ROW
-ROUND_FREE = (BUFFERS_FREE, 9)
-ROUND_READY = (TILE_READY, 10)
-
-
-def allocate_split_crew_storage(a_layout, b_layout, stages: int, head_bytes: int):
-    """The operand ring's shared memory with the split hand-off's block, `head_bytes` before A
-    (the task slots: the block and `stages` = 4 leave no room after it). Returns (storage, sA,
-    sB0, sB1, (the block: bf16 [SPLIT_ROWS, SPLIT_ROW],))."""
-    storage, sA, sB0, sB1 = allocate_operand_ring_storage(
-        a_layout, b_layout, stages, SPLIT_BLOCK_BYTES, head_bytes
-    )
-    block = cute.make_tensor(
-        cute.recast_ptr(storage.staging.data_ptr(), dtype=BFloat16),
-        cute.make_layout((SPLIT_ROWS, SPLIT_ROW), stride=(SPLIT_ROW, 1)),
-    )
-    return storage, sA, sB0, sB1, (block,)
-
-
-@dataclass(frozen=True)
-class SplitEpilogueCrew(EpilogueCrew):
-    """The crew of the split hand-off: the same stores, from one block in two rounds a tile
-    (`hand_off` per consumer warpgroup, `copy_out` waiting for the second round itself).
-    Slot stores' `targets` are not kept (no room): `slots` must be None."""
-
-    @property
-    def handoff_threads(self) -> int:
-        return THREADS_PER_WARPGROUP + self.threads
-
-    @cute.jit
-    def hand_off_bf16(self, thr_mma, values, buffers: tuple):
-        """Consumers: this warpgroup's rows of both bf16 fragments into the block, in its round."""
-        tidx, _, _ = cute.arch.thread_idx()
-        first_consumer = tidx < 2 * THREADS_PER_WARPGROUP
-        if first_consumer:
-            self._write_round(thr_mma, values, buffers[0], 0)
-        else:
-            self._write_round(thr_mma, values, buffers[0], 1)
-
-    @cute.jit
-    def _write_round(self, thr_mma, values, block, round_: int):
-        cute.arch.barrier(barrier_id=ROUND_FREE[round_], number_of_threads=self.handoff_threads)
-        for j in cutlass.range_constexpr(2):
-            # Tile row r of this warpgroup's half lands at block row r - 64 * round_.
-            view = cute.make_tensor(
-                block.iterator + (j * TILE_N - round_ * SPLIT_ROWS * SPLIT_ROW),
-                cute.make_layout((TILE_M, TILE_N), stride=(SPLIT_ROW, 1)),
-            )
-            cute.autovec_copy(values[j], thr_mma.partition_C(view))
-        cute.arch.barrier_arrive(
-            barrier_id=ROUND_READY[round_], number_of_threads=self.handoff_threads
-        )
-
-    @cute.jit
-    def hand_off_nothing(self):
-        """Consumers, past their last ticket: the first warpgroup wakes the crew for round 0 (it
-        reads NO_TASK); the second has no round to close."""
-        tidx, _, _ = cute.arch.thread_idx()
-        if tidx < 2 * THREADS_PER_WARPGROUP:
-            cute.arch.barrier(barrier_id=ROUND_FREE[0], number_of_threads=self.handoff_threads)
-            cute.arch.barrier_arrive(
-                barrier_id=ROUND_READY[0], number_of_threads=self.handoff_threads
-            )
-
-    @cute.jit
-    def copy_out(self, buffers, lane, first_row, first_col, targets, store_chunk, store_args):
-        """Crew, after round 0's hand-off: store its rows, free the block for round 1, wait for
-        it and store those rows (`store_chunk` as EpilogueCrew.copy_out)."""
-        assert targets is None, "SplitEpilogueCrew: no slot stores"
-        views = [
-            cute.make_tensor(
-                buffers[0].iterator + j * TILE_N,
-                cute.make_layout((8, STAGED_CHUNKS, SPLIT_ROWS), stride=(1, 8, SPLIT_ROW)),
-            )
-            for j in range(2)
-        ]
-        for round_ in cutlass.range_constexpr(2):
-            if cutlass.const_expr(round_ == 1):
-                cute.arch.barrier_arrive(
-                    barrier_id=ROUND_FREE[1], number_of_threads=self.handoff_threads
-                )
-                cute.arch.barrier(barrier_id=ROUND_READY[1], number_of_threads=self.handoff_threads)
-            self.store_rows(views, lane, SPLIT_ROWS, first_row + round_ * SPLIT_ROWS, first_col,
-                            None, store_chunk, store_args)  # fmt: skip
-
-
-SPLIT_CREW = SplitEpilogueCrew(first_warp=1, num_warps=3)
 
 
 def slot_stores(args, walk, stored, slots_row: int) -> dict:

@@ -15,10 +15,6 @@ Kernel parameters, in order (the runtime encodes the descriptors, box 64 x 128):
   at e * b_expert_rows: I, or 2 I for the halves of one [E, 2 I, H]; H for W_down),
   `has_limit`, `swiglu_limit`
 
-`split_handoff` (the swiglu epilogue only): the crew's split hand-off, one block in two rounds a
-tile (epilogue_warps.SplitEpilogueCrew), which leaves room for `stages` = 4 (docs/NOTES.md §18
-question 8); the same bits as the default.
-
 Constraints (the launcher checks them): tokens_per_expert[e] % 128 == 0, sum <= C; k_size % 64
 == 0; n_size % 128 (swiglu) or 256 (store) == 0, b_expert_rows a multiple of it and >=
 n_size; 16-byte aligned, rows contiguous; C, E * b_expert_rows < 2^30; k_size < 2^16; grid <=
@@ -44,11 +40,10 @@ from ..phases.tickets import (
     signal_no_task,
     take_ticket,
     task_slots,
-    task_slots_at,
 )
 from . import epilogue_warps as handoff
 from . import gemm_engine as engine
-from .epilogue_warps import CREW, SPLIT_CREW
+from .epilogue_warps import CREW
 from .gate_up_phase import store_swiglu_chunk
 from .gemm_engine import (
     CONSUMER_REGISTERS,
@@ -104,22 +99,11 @@ class Sm90ExpertGemm:
 
     epilogue: str = "swiglu"
     stages: int = 3
-    split_handoff: bool = False
 
     def validate(self) -> None:
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
-        if self.split_handoff and self.epilogue != "swiglu":
-            raise ValueError("split_handoff needs the swiglu epilogue")
-        max_stages = engine.MAX_STAGES_WITH_CREW
-        if self.split_handoff:
-            max_stages = engine.MAX_STAGES_WITH_SPLIT_CREW
-        engine.validate_stages(self.stages, max_stages)
-
-    @property
-    def crew(self):
-        """The epilogue crew: the split hand-off's, or the default two blocks'."""
-        return SPLIT_CREW if self.split_handoff else CREW
+        engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
 
     @property
     def threads(self) -> int:
@@ -158,16 +142,9 @@ class Sm90ExpertGemm:
         tiled_mma = engine.forward_mma()
         a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
         b_layout = engine.k_major_smem_layout(TILE_N, self.stages)
-        if cutlass.const_expr(self.split_handoff):
-            storage, sA, sB0, sB1, buffers = handoff.allocate_split_crew_storage(
-                a_layout, b_layout, self.stages, SLOT_BYTES
-            )
-            slots = task_slots_at(storage.head.data_ptr())
-        else:
-            storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-                a_layout, b_layout, self.stages, SLOT_BYTES
-            )
-            slots = task_slots(storage, handoff.BUFFER_BYTES)
+        storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
+            a_layout, b_layout, self.stages, SLOT_BYTES
+        )
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_a)
@@ -187,7 +164,9 @@ class Sm90ExpertGemm:
             col_tiles = args.n_size // (2 * TILE_N)
         tiles = TileList(tokens_per_expert, args.num_experts, col_tiles)
         # Tiles by a dynamic ticket (tickets.py); consumers and crew stop at NO_TASK.
-        tickets = Tickets(args.ticket_ptr.toint(), slots, Int32(0))
+        tickets = Tickets(
+            args.ticket_ptr.toint(), task_slots(storage, handoff.BUFFER_BYTES), Int32(0)
+        )
         no_end = Int32(2**31 - 1)
 
         if warpgroup == 0:
@@ -239,14 +218,14 @@ class Sm90ExpertGemm:
                     tiled_mma, ring, states[0], states[1], k_tiles, operands, (acc0, acc1)
                 )
                 # ---- the rounded tile to the crew, which stores it during the next mainloop ----
-                self.crew.hand_off(thr_mma, (acc0, acc1), buffers)
+                CREW.hand_off(thr_mma, (acc0, acc1), buffers)
                 return states
 
             seq = Int32(0)
             task = consumer_task(ring, read_state, tickets, seq)
             consume_phase((read_state, release_state), ring, tickets, seq, task, Int32(0), no_end,
                           run_tile, ())  # fmt: skip
-            self.crew.hand_off_nothing()
+            CREW.hand_off_nothing()
 
     @cute.jit
     def _weight_row_tiles(self, expert: Int32, col_tile: Int32, b_expert_rows: Int32):
@@ -267,14 +246,13 @@ class Sm90ExpertGemm:
     ):  # fmt: skip
         """Warps 1-3: store this CTA's tiles from the hand-off blocks, in ticket order."""
         row_stride = cute.assume(Int64(n_size), divby=TILE_N)
-        crew = self.crew
-        lane = tidx - 32 * crew.first_warp
+        lane = tidx - 32 * CREW.first_warp
         seq = Int32(0)
-        task = crew_task(crew, tickets, seq)
+        task = crew_task(CREW, tickets, seq)
         if cutlass.const_expr(self.epilogue == "swiglu"):
             store_args = (out_ptr, gate_ptr, up_ptr, row_stride, has_limit, swiglu_limit, None)
-            store_phase(crew, tiles, tickets, seq, task, Int32(0), no_end, buffers, lane, TILE_N,
+            store_phase(CREW, tiles, tickets, seq, task, Int32(0), no_end, buffers, lane, TILE_N,
                         None, store_swiglu_chunk, store_args)  # fmt: skip
         else:
-            store_phase(crew, tiles, tickets, seq, task, Int32(0), no_end, buffers, lane,
+            store_phase(CREW, tiles, tickets, seq, task, Int32(0), no_end, buffers, lane,
                         2 * TILE_N, None, handoff.store_pair, (out_ptr, row_stride))  # fmt: skip

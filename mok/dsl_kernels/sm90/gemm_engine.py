@@ -41,11 +41,9 @@ STAGED_CHUNKS = TILE_N // 8  # 16-byte chunks per staged row
 # ---------------------------------------------------------------------- static configuration
 
 # Ring stages that fit in the 227 KiB an SM90 CTA may have (48 KiB per stage: A + B0 + B1):
-# 4 alone, 3 beside the epilogue crew's two 34 KiB hand-off blocks (epilogue_warps.py), 4 beside
-# its split hand-off's one 33 KiB block (epilogue_warps.SplitEpilogueCrew).
+# 4 alone, 3 beside the epilogue crew's two 34 KiB hand-off blocks (epilogue_warps.py).
 MAX_STAGES = 4
 MAX_STAGES_WITH_CREW = 3
-MAX_STAGES_WITH_SPLIT_CREW = 4
 
 
 def validate_stages(stages: int, max_stages: int) -> None:
@@ -148,22 +146,13 @@ def thread_roles():
     return tidx, bidx, grid_size, warp_idx, warpgroup
 
 
-def allocate_operand_ring_storage(
-    a_layout, b_layout, stages: int, staging_bytes: int = 0, head_bytes: int = 0
-):
+def allocate_operand_ring_storage(a_layout, b_layout, stages: int, staging_bytes: int = 0):
     """Ring shared memory: mbarriers, A, B0, B1 (1024-byte aligned for the 128B swizzle), then
-    `staging_bytes` of `storage.staging` (0: none). `head_bytes` > 0: that many bytes of
-    `storage.head` right after the mbarriers, in the alignment pad before A (at most 1024 less
-    the mbarriers'). Returns (storage, sA, sB0, sB1)."""
-
-    if head_bytes + 16 * stages > 1024:
-        raise ValueError(f"head_bytes must fit the pad before A, got {head_bytes}")
+    `staging_bytes` of `storage.staging` (0: none). Returns (storage, sA, sB0, sB1)."""
 
     @cute.struct
     class SharedStorage:
         ring_barriers: cute.struct.MemRange[Int64, stages * 2]
-        if head_bytes > 0:
-            head: cute.struct.Align[cute.struct.MemRange[Int8, head_bytes], 16]
         sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
         sB0: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
         sB1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
