@@ -21,8 +21,6 @@ round trip along H (common/mxfp8_values.py), the first GEMM's operand (x, or dY_
 are adjacent and every lane of a warp takes the same chunk branch, as the shuffles need.
 """
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
@@ -127,15 +125,37 @@ def dispatch_rows(
                                           cute.AddressSpace.gmem, assumed_align=4)  # fmt: skip
                     w = cute.make_tensor(w_ptr, cute.make_layout(1))[0]
                     source = source // walk.topk
-            src_row = source_row(src, packed, source, row_bytes, chunks)
-            scale = None
-            if cutlass.const_expr(scaled):
-                scale = (w, scaled_values)
-            rounded = None
-            if cutlass.const_expr(rounded_ptr is not None):
-                rounded = (rounded_words, widened, packed_words)
-            copy_row_chunks(src_row, packed, mOut, first_row + r, lane, chunks, values,
-                            DISPATCH_BATCH, scale, rounded)  # fmt: skip
+            src_base = src_ptr.toint()
+            if packed >= 0:
+                src_base = rank_address(src_ptr, src_table, ep_rank, rank)
+            src_row = cute.make_tensor(
+                cute.make_ptr(BFloat16, src_base + Int64(source) * row_bytes,
+                              cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout((VECTOR, chunks), stride=(1, VECTOR)),
+            )  # fmt: skip
+            row = first_row + r
+            for base in cutlass.range(lane, chunks, 32 * DISPATCH_BATCH, unroll=1):
+                for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                    chunk = base + 32 * j
+                    values[None, j].fill(0.0)
+                    if chunk < chunks:
+                        if packed >= 0:
+                            values[None, j].store(src_row[None, chunk].load())
+                for j in cutlass.range_constexpr(DISPATCH_BATCH):
+                    chunk = base + 32 * j
+                    if chunk < chunks:
+                        row_values = values[None, j].load()
+                        if cutlass.const_expr(scaled):
+                            # Padding rows: w = 0 times +0.0 is +0.0.
+                            scaled_values.store(row_values.to(Float32))
+                            for i in cutlass.range_constexpr(VECTOR):
+                                scaled_values[i] = mul_rn(w, scaled_values[i])
+                            row_values = scaled_values.load().to(BFloat16)
+                        mOut[None, chunk, row].store(row_values)
+                        if cutlass.const_expr(rounded_ptr is not None):
+                            widened.store(row_values.to(Float32))
+                            round_trip_chunk(widened, packed_words)
+                            rounded_words[None, chunk, row].store(packed_words.load())
         cute.arch.fence_proxy("async.global")
         cute.arch.sync_threads()
         if tidx == 0:
@@ -148,166 +168,3 @@ def dispatch_rows(
     # Every thread has read the last ticket: the producer may reuse the slot.
     cute.arch.sync_threads()
     return copied
-
-
-@cute.jit
-def source_row(src, packed, source, row_bytes, chunks):
-    """Row `source` of rank `packed // RANK_UNIT`'s tensor in `src` = (local pointer, peer
-    table, ep_rank) as (VECTOR, chunks) bf16; this rank's row 0 for padding (`packed` < 0),
-    which `copy_row_chunks` never reads."""
-    src_ptr, src_table, ep_rank = src
-    src_base = src_ptr.toint()
-    if packed >= 0:
-        src_base = rank_address(src_ptr, src_table, ep_rank, packed // RANK_UNIT)
-    return cute.make_tensor(
-        cute.make_ptr(BFloat16, src_base + Int64(source) * row_bytes,
-                      cute.AddressSpace.gmem, assumed_align=16),
-        cute.make_layout((VECTOR, chunks), stride=(1, VECTOR)),
-    )  # fmt: skip
-
-
-@cute.jit
-def copy_row_chunks(src_row, packed, mOut, row, lane, chunks, values, batch: int, scale=None,
-                    rounded=None):  # fmt: skip
-    """One warp: mOut[:, :, row] = src_row (zeros if `packed` < 0), lane `lane`'s 16-byte chunks,
-    `batch` loads (into `values`, bf16 (VECTOR, batch)) issued before their stores. `scale` =
-    (w, fp32 (VECTOR,) scratch): each value times w (`mul_rn`); `rounded` = (round-trip words
-    view, fp32 and uint32 scratch): each written chunk's MXFP8 round trip too."""
-    for base in cutlass.range(lane, chunks, 32 * batch, unroll=1):
-        for j in cutlass.range_constexpr(batch):
-            chunk = base + 32 * j
-            values[None, j].fill(0.0)
-            if chunk < chunks:
-                if packed >= 0:
-                    values[None, j].store(src_row[None, chunk].load())
-        for j in cutlass.range_constexpr(batch):
-            chunk = base + 32 * j
-            if chunk < chunks:
-                row_values = values[None, j].load()
-                if cutlass.const_expr(scale is not None):
-                    w, scaled_values = scale
-                    # Padding rows: w = 0 times +0.0 is +0.0.
-                    scaled_values.store(row_values.to(Float32))
-                    for i in cutlass.range_constexpr(VECTOR):
-                        scaled_values[i] = mul_rn(w, scaled_values[i])
-                    row_values = scaled_values.load().to(BFloat16)
-                mOut[None, chunk, row].store(row_values)
-                if cutlass.const_expr(rounded is not None):
-                    rounded_words, widened, packed_words = rounded
-                    widened.store(row_values.to(Float32))
-                    round_trip_chunk(widened, packed_words)
-                    rounded_words[None, chunk, row].store(packed_words.load())
-
-
-# ---- the forward megakernel's crew, dispatching in the background ----
-# Its shared words (background_words): whether it still dispatches, the row tile it holds (-1:
-# none), that tile's next row, the step's decision (lane 0's, read by the crew), and the
-# consumers' hand-off word (set by every consumer thread once its fragments are written,
-# cleared by the crew once it has passed TILE_READY).
-ACTIVE, TILE, ROW, DECISION, PENDING = range(5)
-BACKGROUND_WORDS = 8
-DISPATCH_SYNC = 9  # named barrier of the crew's threads (3-6 the crew's hand-off, 7 the sums, 8 the schedule)
-# 16-byte loads in flight per crew lane (the crew runs at the producer warpgroup's registers).
-BACKGROUND_BATCH = 4
-COPY, HANDOFF = 1, 2
-
-
-class Background(NamedTuple):
-    """The crew's background dispatch: `words` (shared Int32 [BACKGROUND_WORDS]), `src` and
-    `out_ptr` as in dispatch_rows, the schedule (`walk`), the row tiles' counters
-    (`dispatched`), the dispatch ticket's address and the routed row tiles."""
-
-    words: cute.Tensor
-    src: tuple
-    out_ptr: object
-    walk: object
-    dispatched: Int64
-    counter: Int64
-    total: Int32
-
-
-@cute.jit
-def start_background(words, tidx, held: Int32, total: Int32, active) -> None:
-    """Thread 0, before the roles split (the CTA meets after it): the crew holds row tile
-    `held` (the ticket dispatch_rows stopped at) if `active` and held < total."""
-    if tidx == 0:
-        on = active & (held < total)
-        words[ACTIVE] = cutlass.select_(on, Int32(1), Int32(0))
-        words[TILE] = cutlass.select_(on, held, Int32(-1))
-        words[ROW] = Int32(0)
-        words[DECISION] = Int32(0)
-        words[PENDING] = Int32(0)
-
-
-@cute.jit
-def background_steps(crew, bg: Background, lane, until_handoff: bool) -> None:
-    """Crew (`lane` 0 .. crew.threads - 1): copy rows of held row tiles, one row a warp a step,
-    taking tickets while they last; with `until_handoff` stop before a step once the consumers
-    have handed off (words[PENDING]). A held tile is copied to its end in later steps whatever
-    comes between: nothing the crew does between steps waits on another CTA. Lane 0 decides
-    each step and the crew meets twice around the reading of its decision."""
-    words = bg.words
-    walk = bg.walk
-    warps = crew.threads // 32
-    chunks, (mOut,) = chunked_row_views(walk.hidden_size, (bg.out_ptr, walk.capacity))
-    row_bytes = cute.assume(Int64(walk.hidden_size) * Int64(2), divby=128)
-    rank_of = cute.make_tensor(walk.peer_rank_ptr, cute.make_layout(walk.capacity))
-    slot_of = cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity))
-    values = cute.make_rmem_tensor((VECTOR, BACKGROUND_BATCH), BFloat16)
-    go = Int32(1)
-    while go > 0:
-        if lane == 0:
-            decision = Int32(0)
-            if words[ACTIVE] > 0:
-                decision = COPY
-                if cutlass.const_expr(until_handoff):
-                    if words[PENDING] > 0:
-                        decision = HANDOFF
-                if decision == COPY:
-                    if words[TILE] < 0:
-                        ticket = atom_add_relaxed_gpu_s32(bg.counter, Int32(1))
-                        if ticket < bg.total:
-                            words[TILE] = ticket
-                            words[ROW] = Int32(0)
-                        else:
-                            words[ACTIVE] = Int32(0)
-                            decision = Int32(0)
-            words[DECISION] = decision
-        cute.arch.barrier(barrier_id=DISPATCH_SYNC, number_of_threads=crew.threads)
-        decision = words[DECISION]
-        tile = words[TILE]
-        first = words[ROW]
-        cute.arch.barrier(barrier_id=DISPATCH_SYNC, number_of_threads=crew.threads)
-        go = Int32(0)
-        if decision == COPY:
-            go = Int32(1)
-            r = first + lane // 32
-            if r < TILE_M:
-                row = tile * TILE_M + r
-                packed = cutlass.select_(
-                    rank_of[row] >= 0, rank_of[row] * RANK_UNIT + slot_of[row] // walk.topk,
-                    Int32(-1),
-                )  # fmt: skip
-                src_row = source_row(bg.src, packed, packed % RANK_UNIT, row_bytes, chunks)
-                copy_row_chunks(src_row, packed, mOut, row, lane % 32, chunks, values,
-                                BACKGROUND_BATCH)  # fmt: skip
-            if first + warps >= TILE_M:
-                # The tile's last step: publish it as dispatch_rows does.
-                cute.arch.fence_proxy("async.global")
-                cute.arch.barrier(barrier_id=DISPATCH_SYNC, number_of_threads=crew.threads)
-                if lane == 0:
-                    red_add_release_gpu_s32(bg.dispatched + Int64(4) * Int64(tile), Int32(1))
-                    words[TILE] = Int32(-1)
-            elif lane == 0:
-                words[ROW] = first + warps
-
-
-@cute.jit
-def crew_wait_dispatching(crew, bg: Background, lane) -> None:
-    """Crew, a tickets.crew_task `wait`: free the blocks, dispatch until the consumers hand off
-    (or nothing is left to dispatch), then pass TILE_READY and clear their word."""
-    crew.free_blocks()
-    background_steps(crew, bg, lane, True)
-    crew.wait_ready()
-    if lane == 0:
-        bg.words[PENDING] = Int32(0)

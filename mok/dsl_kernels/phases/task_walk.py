@@ -166,10 +166,10 @@ def past_last_task(ring, states):
 def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32, base: Int32,
                 end: Int32, buffers, lane, tile_cols: int, slots, store_chunk, store_args,
                 after_tile=None, after_args=(), handoffs: int = 1, first=None,
-                end_row=None, wait=None):  # fmt: skip
+                end_row=None):  # fmt: skip
     """Crew: store each hand-off of this phase's tasks, as EpilogueCrew.run (sm90) does for a
     static walk (`slots`, `handoffs`, `after_tile` alike; `first`, `end_row` as in
-    produce_phase; `wait` as in tickets.crew_task). Returns (seq, task)."""
+    produce_phase). Returns (seq, task)."""
     cursor = first
     if cutlass.const_expr(first is None):
         cursor = locate_first_tile(tiles, Int32(0))
@@ -188,27 +188,25 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
         if cutlass.const_expr(after_tile is not None):
             after_tile(lane, first_row, *after_args)
         seq = seq + 1
-        task = crew_task(crew, tickets, seq, wait)
+        task = crew_task(crew, tickets, seq)
     return seq, task
 
 
 @cute.jit
-def store_steps(crew, batches, tiles: tuple, tickets: Tickets, buffers, lane, stores: tuple,
-                wait=None):  # fmt: skip
+def store_steps(crew, batches, tiles: tuple, tickets: Tickets, buffers, lane, stores: tuple):
     """Crew: a two-phase megakernel's hand-offs step by step, store_phase over each step's
-    phase-1 part (tiles[0], keywords stores[0]), then phase 2. Ends at NO_TASK. `wait` as in
-    tickets.crew_task."""
+    phase-1 part (tiles[0], keywords stores[0]), then phase 2. Ends at NO_TASK."""
     seq = Int32(0)
-    task = crew_task(crew, tickets, seq, wait)
+    task = crew_task(crew, tickets, seq)
     segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
     while task >= 0:
         segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
             batches, tiles[0], segments, task
         )
         seq, task = store_phase(crew, tiles[0], tickets, seq, task, base, middle, buffers, lane,
-                                first=first, end_row=end_row, wait=wait, **stores[0])  # fmt: skip
+                                first=first, end_row=end_row, **stores[0])  # fmt: skip
         seq, task = store_phase(crew, tiles[1], tickets, seq, task, middle, end, buffers, lane,
-                                first=first_2, end_row=end_row_2, wait=wait, **stores[1])  # fmt: skip
+                                first=first_2, end_row=end_row_2, **stores[1])  # fmt: skip
     return seq, task
 
 

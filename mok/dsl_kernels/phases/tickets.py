@@ -81,12 +81,7 @@ def consumer_task(ring, read_state, tickets: Tickets, seq: Int32) -> Int32:
 
 
 @cute.jit
-def crew_task(crew, tickets: Tickets, seq: Int32, wait=None) -> Int32:
-    """Crew: wait for the next hand-off (or `hand_off_nothing`) and return its task. `wait`:
-    None, or (function, *args) called as function(crew, *args) to wait instead (it frees the
-    blocks and passes TILE_READY itself: dispatch_phase.crew_wait_dispatching)."""
-    if cutlass.const_expr(wait is None):
-        crew.wait_for_handoff()
-    else:
-        wait[0](crew, *wait[1:])
+def crew_task(crew, tickets: Tickets, seq: Int32) -> Int32:
+    """Crew: wait for the next hand-off (or `hand_off_nothing`) and return its task."""
+    crew.wait_for_handoff()
     return tickets.slots[seq % TASK_SLOTS]

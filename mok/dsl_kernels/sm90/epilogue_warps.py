@@ -103,40 +103,28 @@ class EpilogueCrew:
     # ------------------------------------------------------------------ consumer side
 
     @cute.jit
-    def hand_off(self, thr_mma, accumulators: tuple, buffers: tuple, announce=None):
+    def hand_off(self, thr_mma, accumulators: tuple, buffers: tuple):
         """Consumers: round both fp32 accumulators and hand them off (`hand_off_bf16`)."""
         values = []
         for j in cutlass.range_constexpr(2):
             rounded = cute.make_rmem_tensor(accumulators[j].shape, BFloat16)
             rounded.store(accumulators[j].load().to(BFloat16))
             values.append(rounded)
-        self.hand_off_bf16(thr_mma, values, buffers, announce)
+        self.hand_off_bf16(thr_mma, values, buffers)
 
     @cute.jit
-    def hand_off_bf16(self, thr_mma, values, buffers: tuple, announce=None):
-        """Consumers: once the crew freed the blocks, write two bf16 fragments and arrive (no wait).
-        `announce` (a shared Int32 [1], or None): set to 1 before arriving, for a crew that
-        works between hand-offs (`wait_ready`)."""
+    def hand_off_bf16(self, thr_mma, values, buffers: tuple):
+        """Consumers: once the crew freed the blocks, write two bf16 fragments and arrive (no wait)."""
         cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
         for j in cutlass.range_constexpr(2):
             cute.autovec_copy(values[j], thr_mma.partition_C(buffers[j]))
-        self.announce(announce)
         cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
 
     @cute.jit
-    def hand_off_nothing(self, announce=None):
+    def hand_off_nothing(self):
         """Consumers, past their last ticket: wake the crew with empty blocks (it reads NO_TASK)."""
         cute.arch.barrier(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
-        self.announce(announce)
         cute.arch.barrier_arrive(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
-
-    @cute.jit
-    def announce(self, announce):
-        """Consumers, past BUFFERS_FREE: every thread sets `announce` (None: nothing). The crew
-        clears it after TILE_READY, before its next BUFFERS_FREE arrival, so a set always follows
-        the clear before it."""
-        if cutlass.const_expr(announce is not None):
-            announce[0] = Int32(1)
 
     # ------------------------------------------------------------------ crew side
 
@@ -196,17 +184,7 @@ class EpilogueCrew:
     @cute.jit
     def wait_for_handoff(self):
         """Crew: free the blocks, then wait for the next hand-off (or `hand_off_nothing`)."""
-        self.free_blocks()
-        self.wait_ready()
-
-    @cute.jit
-    def free_blocks(self):
-        """Crew: the blocks are stored; the consumers may write the next hand-off."""
         cute.arch.barrier_arrive(barrier_id=BUFFERS_FREE, number_of_threads=self.handoff_threads)
-
-    @cute.jit
-    def wait_ready(self):
-        """Crew: wait for the hand-off after `free_blocks` (or `hand_off_nothing`)."""
         cute.arch.barrier(barrier_id=TILE_READY, number_of_threads=self.handoff_threads)
 
     @cute.jit

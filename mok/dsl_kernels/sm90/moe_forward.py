@@ -59,7 +59,6 @@ from ..common.params import (
 from ..common.peers import COMBINE_BUFFER, X_BUFFER, peer_table
 from ..common.retire import retire_cta
 from ..phases import combine_phase, schedule_phase
-from ..phases import dispatch_phase
 from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
 from ..phases.expert_tiles import TileList
 from ..phases.minibatches import Minibatches, step_of
@@ -213,15 +212,12 @@ class Sm90MoeForward:
     def kernel(self, tma: ForwardTma, args: ForwardTensors, walk: WalkArgs, steps: StepArgs):
         tidx, bidx, grid_size, warp_idx, warpgroup = engine.thread_roles()
         crew = CREW
-        # The crew's background dispatch (BF16 only: MXFP8's dispatch also rounds, which the
-        # crew's registers do not hold).
-        bg_on = int(not self.mxfp8)
 
         tiled_mma = engine.forward_mma()
         a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
         b_layout = engine.k_major_smem_layout(TILE_N, self.stages)
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-            a_layout, b_layout, self.stages, SLOT_BYTES + 4 * dispatch_phase.BACKGROUND_WORDS * bg_on
+            a_layout, b_layout, self.stages, SLOT_BYTES
         )
         ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
         loaded = (sA, sB0, sB1)
@@ -274,13 +270,6 @@ class Sm90MoeForward:
         batches = Minibatches(steps.minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
         num_tasks = row_tiles_total * (gate_up_cols + down_cols)
         slots = task_slots(storage, handoff.BUFFER_BYTES)
-        # The crew's background dispatch words, after the task slots and flags.
-        words = None
-        if cutlass.const_expr(bg_on):
-            words = cute.make_tensor(
-                cute.recast_ptr(slots.iterator + SLOT_BYTES // 4, dtype=Int32),
-                cute.make_layout(dispatch_phase.BACKGROUND_WORDS),
-            )
         tickets = Tickets(task_ticket, slots, num_tasks)
         # The int32 after the task ticket; both broadcast through the task slots, one at a time.
         row_tickets = Tickets(task_ticket + Int64(4), slots, row_tiles_total)
@@ -290,14 +279,7 @@ class Sm90MoeForward:
         rank_of = cute.make_tensor(walk.peer_rank_ptr, cute.make_layout(walk.capacity))
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
-        # With every CTA dispatching (no comm CTAs) and BF16, the CTA copies row tiles until
-        # the ticket reaches the grid size; its crew holds the ticket it stopped at and goes on
-        # in the background, between hand-offs (dispatch_phase.crew_wait_dispatching).
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
-        upfront = row_tiles_total
-        if cutlass.const_expr(bg_on):
-            if steps.num_comm_ctas == 0:
-                upfront = cutlass.min(grid_size, row_tiles_total)
         if bidx < dispatchers:
             dispatch_rows(
                 (args.x_ptr, peer_table(args.peer_table_ptr, X_BUFFER), walk.ep_rank),
@@ -307,14 +289,9 @@ class Sm90MoeForward:
                 buffers[2],
                 tidx,
                 engine.THREADS,
-                Tickets(row_tickets.counter, row_tickets.slots, upfront),
+                row_tickets,
                 rounded_ptr=args.x_rounded_ptr if cutlass.const_expr(self.mxfp8) else None,
             )
-        if cutlass.const_expr(bg_on):
-            dispatch_phase.start_background(
-                words, tidx, slots[0], row_tiles_total, upfront < row_tiles_total
-            )
-            cute.arch.sync_threads()
         timeline.mark_time(*marks, 0, SLOT["dispatch"])
 
         if warpgroup == 0:
@@ -365,23 +342,7 @@ class Sm90MoeForward:
                     slot_stores(args, walk, down_done, COMBINE_BUFFER),
                 )
                 lane = tidx - 32 * crew.first_warp
-                if cutlass.const_expr(bg_on):
-                    bg = dispatch_phase.Background(
-                        words,
-                        (args.x_ptr, peer_table(args.peer_table_ptr, X_BUFFER), walk.ep_rank),
-                        args.x_routed_ptr,
-                        walk,
-                        dispatched,
-                        row_tickets.counter,
-                        row_tiles_total,
-                    )
-                    wait = (dispatch_phase.crew_wait_dispatching, bg, lane)
-                    store_steps(crew, batches, tiles, tickets, buffers, lane, stores, wait)
-                    # Tiles still held or untaken (the consumers may be done while other CTAs'
-                    # tasks wait for them): copied to the end.
-                    dispatch_phase.background_steps(crew, bg, lane, False)
-                else:
-                    store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
+                store_steps(crew, batches, tiles, tickets, buffers, lane, stores)
                 timeline.mark_time(*marks, 32 * crew.first_warp, SLOT["crew_done"])
         else:
             # ---- consumers: each task's mainloop, then its accumulators to the crew ----
@@ -394,18 +355,13 @@ class Sm90MoeForward:
             down_thr = down_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
             second_half = warpgroup == 2
-            announce = None
-            if cutlass.const_expr(bg_on):
-                announce = cute.make_tensor(
-                    words.iterator + dispatch_phase.PENDING, cute.make_layout(1)
-                )
 
             def run_task(states, flag, mma, thr, k_tiles):
                 skip = (flag == PADDED_HALF) & second_half
                 read_state, release_state = engine.mma_k_tiles(
                     mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip
                 )
-                crew.hand_off(thr, accs, buffers, announce)
+                crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
             seq = Int32(0)
@@ -438,7 +394,7 @@ class Sm90MoeForward:
                     (down_mma, down_thr, walk.intermediate_size // TILE_K),
                     flags=flags,
                 )
-            crew.hand_off_nothing(announce)
+            crew.hand_off_nothing()
             timeline.mark_time(*marks, THREADS_PER_WARPGROUP, SLOT["last_task"])
             timeline.mark_value(*marks, THREADS_PER_WARPGROUP, SLOT["tasks"], seq)
             if args.combine_tokens > 0:
