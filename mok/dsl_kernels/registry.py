@@ -218,13 +218,13 @@ def variants() -> list[Variant]:
             Variant(
                 name,
                 Sm90ExpertGemmBwdWeightsWindow,
-                {"stages": 4, "output": output},
+                {"stages": stages, "output": output},
                 launch_grid="(min(sm_count, num_experts * m_size / 128 * n_size / 256), 1, 1)",
                 archs=("sm_90a",),
             )
-            for name, output in (
-                ("expert_gemm_bwd_weights_window_bf16", "bf16"),
-                ("expert_gemm_bwd_weights_window_accumulate", "fp32_accumulate"),
+            for name, output, stages in (
+                ("expert_gemm_bwd_weights_window_bf16", "bf16", 3),
+                ("expert_gemm_bwd_weights_window_accumulate", "fp32_accumulate", 4),
             )
         ),
         # Probes, one CTA an SM: the compute ceilings of the MXFP8 engines (sm90/wgmma_probe.py,

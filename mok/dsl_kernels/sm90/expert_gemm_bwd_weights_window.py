@@ -12,8 +12,9 @@ for each 128 x 256 output tile of e, one CTA:
       fp32 [M, N] tile sums the previous macrobatch stored (one expert crosses each edge);
     - runs the K loop over the macrobatch's part of the segment, 64 rows a stage, in order;
     - stores the fp32 sums into `partial_out` where the segment goes on past the macrobatch,
-      else the result: bf16 (output "bf16") or out += sum in fp32 (output "fp32_accumulate",
-      a caller's main_grad, as torch's `add_`).
+      else the result: bf16 (output "bf16", stored by the crew beside the next tile's mainloop,
+      as in expert_gemm_bwd_weights.py; 3 ring stages) or out += sum in fp32 (output
+      "fp32_accumulate", a caller's main_grad, as torch's `add_`).
 Every wgmma accumulates (gemm_engine.mma_k_tiles), so the sum continued from its stored fp32
 partial is bitwise the one-pass sum of expert_gemm_bwd_weights.py and of the backward
 megakernel's weight phase, for any macrobatch edges on 128-row tiles. An expert without rows is
@@ -43,8 +44,14 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..common.params import Bf16Pointer, Int32Pointer, aligned_pointer
+from . import epilogue_warps as handoff
 from . import gemm_engine as engine
-from .expert_gemm_bwd_weights import GradientPointer, advance_to_expert, grouped_tile_coords
+from .expert_gemm_bwd_weights import (
+    CREW,
+    GradientPointer,
+    advance_to_expert,
+    grouped_tile_coords,
+)
 from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 OUTPUTS = ("bf16", "fp32_accumulate")
@@ -111,7 +118,15 @@ class Sm90ExpertGemmBwdWeightsWindow:
     def validate(self) -> None:
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
-        engine.validate_stages(self.stages, engine.MAX_STAGES)
+        engine.validate_stages(
+            self.stages, engine.MAX_STAGES_WITH_CREW if self._crew else engine.MAX_STAGES
+        )
+
+    @property
+    def _crew(self) -> bool:
+        """The bf16 results are stored by the crew, beside the next tile's mainloop (an fp32
+        partial or sum does not fit the hand-off blocks: the consumers store those)."""
+        return self.output == "bf16"
 
     @property
     def threads(self) -> int:
@@ -155,8 +170,9 @@ class Sm90ExpertGemmBwdWeightsWindow:
         a_layout = self._smem_layout(TILE_M)
         b_layout = self._smem_layout(TILE_N)
         storage, sA, sB0, sB1 = engine.allocate_operand_ring_storage(
-            a_layout, b_layout, self.stages
+            a_layout, b_layout, self.stages, handoff.BUFFER_BYTES if self._crew else 0
         )
+        buffers = handoff.handoff_buffers(storage) if self._crew else None
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma.tma_b)
@@ -202,6 +218,10 @@ class Sm90ExpertGemmBwdWeightsWindow:
                     tile = tile + grid_size
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
+            if cutlass.const_expr(self._crew):
+                if warp_idx != 0:
+                    self._crew_stores(buffers, args, num_tiles, tiles_per_expert, m_tiles, tidx,
+                                      bidx, grid_size)  # fmt: skip
         else:
             # ========= consumer warpgroups: partial in, wgmma mainloop, partial or result out ==
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -232,17 +252,51 @@ class Sm90ExpertGemmBwdWeightsWindow:
                         (acc0, acc1), may_be_empty=True, from_zero=False,
                     )  # fmt: skip
 
-                    # ---- the sums on to the next macrobatch, or the result ----
+                    # ---- the sums on to the next macrobatch, or the result (bf16: the crew) ----
                     if into_partial:
                         copy_tile(thr_mma, (acc0, acc1), args.partial_out_ptr, None, first_out_row,
                                   first_col, args.n_size, "store")  # fmt: skip
                     else:
-                        expert_offset = (
-                            Int64(expert) * Int64(args.out_expert_rows) * Int64(args.n_size)
-                        )
-                        copy_tile(thr_mma, (acc0, acc1), args.out_ptr, expert_offset, first_out_row,
-                                  first_col, args.n_size, self.output)  # fmt: skip
+                        if cutlass.const_expr(self._crew):
+                            CREW.hand_off(thr_mma, (acc0, acc1), buffers)
+                        else:
+                            expert_offset = (
+                                Int64(expert) * Int64(args.out_expert_rows) * Int64(args.n_size)
+                            )
+                            copy_tile(thr_mma, (acc0, acc1), args.out_ptr, expert_offset,
+                                      first_out_row, first_col, args.n_size, self.output)  # fmt: skip
                 tile = tile + grid_size
+
+    @cute.jit
+    def _crew_stores(self, buffers, args, num_tiles, tiles_per_expert, m_tiles, tidx, bidx,
+                     grid_size):  # fmt: skip
+        """Warps 1-3: store the bf16 results of this CTA's tiles, the consumers' tile walk with
+        the same `window_part`, so each hand-off is met by exactly one store."""
+        tokens_per_expert = cute.make_tensor(
+            args.tokens_per_expert_ptr, cute.make_layout(cutlass.max(args.num_experts, 1))
+        )
+        lane = tidx - 32 * CREW.first_warp
+        row_stride = cute.assume(Int64(args.n_size), divby=2 * TILE_N)
+        cursor = Int32(0)
+        row_base = Int32(0)
+        tile = bidx
+        while tile < num_tiles:
+            expert = tile // tiles_per_expert
+            local = tile - expert * tiles_per_expert
+            cursor, row_base = advance_to_expert(tokens_per_expert, expert, cursor, row_base)
+            m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
+            _, _, _, into_partial, writes = window_part(
+                row_base, tokens_per_expert[expert], args.first_row, args.window_rows
+            )
+            stores = cutlass.select_(
+                writes, cutlass.select_(into_partial, Int32(0), Int32(1)), Int32(0)
+            )
+            if stores > 0:
+                CREW.store_handoff(
+                    buffers, lane, expert * args.out_expert_rows + m_tile * TILE_M,
+                    n_pair * (2 * TILE_N), None, handoff.store_pair, (args.out_ptr, row_stride),
+                )  # fmt: skip
+            tile = tile + grid_size
 
 
 @cute.jit
