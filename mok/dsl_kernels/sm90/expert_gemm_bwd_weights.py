@@ -66,6 +66,18 @@ def advance_to_expert(tokens_per_expert: cute.Tensor, expert: Int32, cursor: Int
     return cursor, row_base
 
 
+@cute.jit
+def locate_weight_tile(tile: Int32, tiles_per_expert: Int32, m_tiles: Int32,
+                       tokens_per_expert: cute.Tensor, cursor: Int32, row_base: Int32):  # fmt: skip
+    """(expert, m tile, 256-column pair, cursor, row_base) of tile `tile` of a walk in
+    increasing tiles: the expert's segment starts at row_base (`advance_to_expert`)."""
+    expert = tile // tiles_per_expert
+    local = tile - expert * tiles_per_expert
+    cursor, row_base = advance_to_expert(tokens_per_expert, expert, cursor, row_base)
+    m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
+    return expert, m_tile, n_pair, cursor, row_base
+
+
 def gradient_pointer(kernel):
     """The weight gradient's placeholder: bf16 or fp32 as the kernel's `output` says."""
     return global_pointer(BFloat16 if kernel.output == "bf16" else Float32, 16)
@@ -194,12 +206,9 @@ class Sm90ExpertGemmBwdWeights:
                 row_base = Int32(0)
                 tile = bidx
                 while tile < num_tiles:
-                    expert = tile // tiles_per_expert
-                    local = tile - expert * tiles_per_expert
-                    cursor, row_base = advance_to_expert(
-                        tokens_per_expert, expert, cursor, row_base
+                    expert, m_tile, n_pair, cursor, row_base = locate_weight_tile(
+                        tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base
                     )
-                    m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
                     n_tile = 2 * n_pair  # in units of TILE_N
                     k_base = row_base // TILE_K
                     # Fixed K order: the expert's tokens in increasing order, one CTA.

@@ -46,12 +46,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from ..common.params import Bf16Pointer, Int32Pointer, aligned_pointer
 from . import epilogue_warps as handoff
 from . import gemm_engine as engine
-from .expert_gemm_bwd_weights import (
-    CREW,
-    GradientPointer,
-    advance_to_expert,
-    grouped_tile_coords,
-)
+from .expert_gemm_bwd_weights import CREW, GradientPointer, locate_weight_tile
 from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 
 OUTPUTS = ("bf16", "fp32_accumulate")
@@ -71,6 +66,18 @@ def window_part(segment_start: Int32, segment_rows: Int32, first_row: Int32, win
     from_partial = meets & (segment_start < first_row)
     into_partial = meets & (segment_start + segment_rows > end_row)
     return (low - first_row) // TILE_K, k_tiles, from_partial, into_partial, writes
+
+
+@cute.jit
+def locate_window_tile(tile: Int32, tiles_per_expert: Int32, m_tiles: Int32,
+                       tokens_per_expert: cute.Tensor, cursor: Int32, row_base: Int32, args):  # fmt: skip
+    """`locate_weight_tile`, then the expert's `window_part` in the macrobatch of `args`
+    (WindowGemmArgs): what every role's walk over the tiles needs."""
+    expert, m_tile, n_pair, cursor, row_base = locate_weight_tile(
+        tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base
+    )
+    part = window_part(row_base, tokens_per_expert[expert], args.first_row, args.window_rows)
+    return expert, m_tile, n_pair, cursor, row_base, part
 
 
 # The fp32 partial sums, 16-byte aligned: whole rows move as vectors.
@@ -199,15 +206,10 @@ class Sm90ExpertGemmBwdWeightsWindow:
                 row_base = Int32(0)
                 tile = bidx
                 while tile < num_tiles:
-                    expert = tile // tiles_per_expert
-                    local = tile - expert * tiles_per_expert
-                    cursor, row_base = advance_to_expert(
-                        tokens_per_expert, expert, cursor, row_base
+                    _, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
+                        tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
                     )
-                    m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
-                    k_base, k_tiles, _, _, _ = window_part(
-                        row_base, tokens_per_expert[expert], args.first_row, args.window_rows
-                    )
+                    k_base, k_tiles, _, _, _ = part
                     # Fixed K order: the expert's rows in this macrobatch, increasing.
                     loads = (
                         (tma.tma_a, tAgA, m_tile, k_base, tAsA),
@@ -233,15 +235,12 @@ class Sm90ExpertGemmBwdWeightsWindow:
             row_base = Int32(0)
             tile = bidx
             while tile < num_tiles:
-                expert = tile // tiles_per_expert
-                local = tile - expert * tiles_per_expert
-                cursor, row_base = advance_to_expert(tokens_per_expert, expert, cursor, row_base)
-                m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
+                expert, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
+                    tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
+                )
                 first_out_row = m_tile * TILE_M
                 first_col = n_pair * (2 * TILE_N)
-                _, k_tiles, from_partial, into_partial, writes = window_part(
-                    row_base, tokens_per_expert[expert], args.first_row, args.window_rows
-                )
+                _, k_tiles, from_partial, into_partial, writes = part
 
                 if writes:
                     # ---- the sums so far: the previous macrobatch's partial, or zero ----
@@ -281,13 +280,10 @@ class Sm90ExpertGemmBwdWeightsWindow:
         row_base = Int32(0)
         tile = bidx
         while tile < num_tiles:
-            expert = tile // tiles_per_expert
-            local = tile - expert * tiles_per_expert
-            cursor, row_base = advance_to_expert(tokens_per_expert, expert, cursor, row_base)
-            m_tile, n_pair = grouped_tile_coords(local, m_tiles, tiles_per_expert)
-            _, _, _, into_partial, writes = window_part(
-                row_base, tokens_per_expert[expert], args.first_row, args.window_rows
+            expert, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
+                tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
             )
+            _, _, _, into_partial, writes = part
             stores = cutlass.select_(
                 writes, cutlass.select_(into_partial, Int32(0), Int32(1)), Int32(0)
             )
