@@ -16,6 +16,8 @@ DEFAULT_WAIT_TIMEOUT_NS = 10_000_000_000
 # hidden_size and intermediate_size must be multiples of this: one 128-wide K block of the
 # GEMM mainloop and one 128x128 MXFP8 scale tile.
 FEATURE_ALIGNMENT = 128
+# MoKConfig.macrobatch_replay's values.
+MACROBATCH_REPLAYS = ("gate_up", "gather")
 # Largest top-k the epilogues keep in registers.
 MAX_TOPK = 32
 
@@ -33,6 +35,12 @@ class MoKConfig:
         schedule_capacity_multiplier: worst-case share of all routed rows of the EP group that
             lands on one rank (> 0); see `schedule_capacity`.
         all_gather_top_experts_chunk_bytes: chunk of the routing all-gather (multiple of 16).
+        macrobatch_replay (beyond the original): what the backward redoes for the macrobatches
+            after the first when macrobatch_size is below the routed rows. "gate_up" (default):
+            the context holds macrobatch 0 and each later one's x rows are gathered again and
+            its gate/up GEMM and SwiGLU rerun; "gather": the context also holds gate, up and
+            hidden of every routed row (6 * intermediate_size bytes a row), so only x's rows
+            are gathered again. The same bits either way.
 
     Made as the original's is, with any values: every field is checked where the config is
     used (`validate`: get_workspace, build_schedule, forward, backward, recompute), so
@@ -51,6 +59,7 @@ class MoKConfig:
     macrobatch_size: int = 131072
     schedule_capacity_multiplier: float = 0.5
     all_gather_top_experts_chunk_bytes: int = 2048
+    macrobatch_replay: str = "gate_up"
 
     def validate(self, num_sms: int | None = None) -> MoKConfig:
         """Raise ValueError/TypeError naming the field, what is allowed and what was given.
@@ -60,7 +69,17 @@ class MoKConfig:
         """
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "schedule_capacity_multiplier":
+            if f.name == "macrobatch_replay":
+                if not isinstance(value, str):
+                    raise MoKInputError(
+                        f"MoKConfig.{f.name} must be a str, got {type(value).__name__}"
+                    )
+                if value not in MACROBATCH_REPLAYS:
+                    raise ValueError(
+                        f"MoKConfig.macrobatch_replay must be one of {MACROBATCH_REPLAYS}, "
+                        f"got {value!r}"
+                    )
+            elif f.name == "schedule_capacity_multiplier":
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise MoKInputError(
                         f"MoKConfig.{f.name} must be a float, got {type(value).__name__}"

@@ -297,6 +297,7 @@ def forward(
                 shared_gate_weights, shared_up_weights, shared_down_weights,
                 *routed_gate_weights, *routed_up_weights, *routed_down_weights, limit,
                 config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
+                config.macrobatch_replay,
             )  # fmt: skip
             return out, _mxfp8_context(ctx, x, schedule, shared_gate_weights is not None)
         _check_weights(workspace, schedule, weights)
@@ -307,6 +308,7 @@ def forward(
         shared_gate_weights, shared_up_weights, shared_down_weights,
         routed_gate_weights, routed_up_weights, routed_down_weights,
         limit, config.fwd_num_comm_sms, config.minibatch_size, config.macrobatch_size,
+        config.macrobatch_replay,
     )  # fmt: skip
     return out, _context(ctx, schedule, has_shared=shared_gate_weights is not None)
 
@@ -558,10 +560,21 @@ def _check_context(
     _check_provenance(ctx, schedule)
     check_tensor("forward_context.x_routed", ctx.x_routed, dtype=torch.bfloat16,
                  shape=[cap, hidden], device=dev)  # fmt: skip
+    # With ring reuse gate, up and hidden hold macrobatch 0's rows as x_routed does, or every
+    # row (MoKConfig.macrobatch_replay "gather").
+    rows = cap
+    if cap != workspace.schedule_capacity and _rows(ctx.gate_routed) == workspace.schedule_capacity:
+        rows = workspace.schedule_capacity
     for name in ("gate_routed", "up_routed", "hidden_routed"):
         check_tensor(f"forward_context.{name}", getattr(ctx, name), dtype=torch.bfloat16,
-                     shape=[cap, inter], device=dev)  # fmt: skip
+                     shape=[rows, inter], device=dev)  # fmt: skip
     _check_shared_context(ctx, workspace, inter, has_shared)
+
+
+def _rows(tensor) -> int | None:
+    """A tensor's rows, or None (not a tensor, or no dimensions)."""
+    shape = getattr(tensor, "shape", None)
+    return shape[0] if shape else None
 
 
 def _context_capacity(shape, dim: int, macrobatch_size: int | None, workspace) -> int:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from . import reference
+from .config import MACROBATCH_REPLAYS
 from .errors import MoKInputError
 from .types import MoKForwardContext, MoKSchedule, PassConfig
 from .validation import (
@@ -27,7 +28,7 @@ from .validation import (
     check_macrobatch,
     check_router_weight_values,
     check_tensor,
-    context_rows,
+    forward_context_rows,
     fused_gate_up,
 )
 from .workspace import workspace_from_handle
@@ -108,15 +109,34 @@ def _empty(like: Tensor) -> Tensor:
 
 
 def _fake_context(peer_rank, x, routed_gate_weights, has_shared: bool,
-                  capacity: int | None = None) -> tuple[Tensor, ...]:  # fmt: skip
+                  capacity: int | None = None, activation_rows: int | None = None,
+                  ) -> tuple[Tensor, ...]:  # fmt: skip
     """Empty tensors shaped like the 7 forward-context outputs (fake implementations); routed
-    rows `capacity` (None: the schedule's)."""
+    rows `capacity` (None: the schedule's), gate/up/hidden's `activation_rows` (None: as
+    x_routed's)."""
     capacity = peer_rank.shape[0] if capacity is None else capacity
+    activation_rows = capacity if activation_rows is None else activation_rows
     num_tokens, hidden = x.shape
     inter = routed_gate_weights.shape[1]
-    routed = [x.new_empty(capacity, hidden)] + [x.new_empty(capacity, inter) for _ in range(3)]
+    routed = [x.new_empty(capacity, hidden)] + [
+        x.new_empty(activation_rows, inter) for _ in range(3)
+    ]
     shared = [x.new_empty(num_tokens, inter) if has_shared else _empty(x) for _ in range(3)]
     return (*routed, *shared)
+
+
+def _fake_rows(macrobatch_size, macrobatch_replay, peer_rank, router_weights) -> tuple:
+    """(x_routed's rows, gate/up/hidden's rows) of a forward context (`forward_context_rows`)."""
+    return forward_context_rows(
+        macrobatch_size, macrobatch_replay, peer_rank.shape[0], *router_weights.shape
+    )
+
+
+def _macrobatch_replay(value: str) -> str:
+    """The op's `macrobatch_replay`, checked as MoKConfig's (a raw op call may pass anything)."""
+    if value not in MACROBATCH_REPLAYS:
+        raise ValueError(f"macrobatch_replay must be one of {MACROBATCH_REPLAYS}, got {value!r}")
+    return value
 
 
 def _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert) -> MoKSchedule:
@@ -195,6 +215,7 @@ def forward(
     fwd_num_comm_sms: int,
     minibatch_size: int,
     macrobatch_size: int,
+    macrobatch_replay: str = "gate_up",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The MoE layer forward: dispatch, SwiGLU experts, combine, fixed-order weighted sum.
 
@@ -206,10 +227,13 @@ def forward(
         shared_*:       bf16 gate/up [I, H], down [H, I], or None (routed-only)
         routed_*:       bf16 gate/up [E, I, H], down [E, H, I]
         swiglu_limit:   float or None
-        fwd_num_comm_sms, minibatch_size, macrobatch_size: MoKConfig fields the kernel uses
+        fwd_num_comm_sms, minibatch_size, macrobatch_size, macrobatch_replay: MoKConfig
+                        fields the kernel uses
     Outputs:
         out bf16 [T, H]; x_routed bf16 [C, H]; gate_routed, up_routed, hidden_routed bf16 [C, I];
-        gate_shared, up_shared, hidden_shared bf16 [T, I] (empty [0] without a shared expert)
+        gate_shared, up_shared, hidden_shared bf16 [T, I] (empty [0] without a shared expert).
+        With ring reuse (macrobatch_size below T * k) x_routed holds macrobatch 0's rows, and
+        gate/up/hidden too (macrobatch_replay "gate_up") or every row ("gather").
     """
     ws = workspace_from_handle(workspace_handle)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
@@ -219,6 +243,7 @@ def forward(
         pass_config = PassConfig.of_workspace(
             ws, swiglu_limit=swiglu_limit, num_comm_ctas=fwd_num_comm_sms,
             minibatch_size=minibatch_size, macrobatch_size=macrobatch_size,
+            macrobatch_replay=_macrobatch_replay(macrobatch_replay),
         )  # fmt: skip
         gpu = _gpu("forward", x.device, ws.ep_size)
         return gpu.forward(ws, schedule, x, router_weights, shared, routed, pass_config)
@@ -227,7 +252,7 @@ def forward(
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.forward(
         schedule, x, router_weights, *shared, *routed, group=ws.group, swiglu_limit=swiglu_limit,
-        macrobatch_size=macrobatch,
+        macrobatch_size=macrobatch, macrobatch_replay=_macrobatch_replay(macrobatch_replay),
     )  # fmt: skip
     return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 
@@ -237,12 +262,12 @@ def _(
     workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x,
     router_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
     routed_gate_weights, routed_up_weights, routed_down_weights, swiglu_limit,
-    fwd_num_comm_sms, minibatch_size, macrobatch_size,
+    fwd_num_comm_sms, minibatch_size, macrobatch_size, macrobatch_replay="gate_up",
 ):  # fmt: skip
-    rows = context_rows(macrobatch_size, peer_rank.shape[0], *router_weights.shape)
+    rows = _fake_rows(macrobatch_size, macrobatch_replay, peer_rank, router_weights)
     return (
         torch.empty_like(x),
-        *_fake_context(peer_rank, x, routed_gate_weights, shared_gate_weights is not None, rows),
+        *_fake_context(peer_rank, x, routed_gate_weights, shared_gate_weights is not None, *rows),
     )
 
 
@@ -437,11 +462,21 @@ def forward_mxfp8(
     fwd_num_comm_sms: int,
     minibatch_size: int,
     macrobatch_size: int,
+    macrobatch_replay: str = "gate_up",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`forward` with MXFP8 routed weights ((fp8, scale) along K each, mxfp8_quantize's):
     `mok.reference.mxfp8_forward`. Same outputs as `forward` (the context in bf16; with ring
-    reuse, macrobatch 0's rows). On CUDA the forward megakernel's MXFP8 variant."""
+    reuse, macrobatch 0's rows, as `forward`'s). On CUDA the forward megakernel's MXFP8
+    variant."""
     ws = workspace_from_handle(workspace_handle)
+    if _macrobatch_replay(macrobatch_replay) == "gather" and (
+        macrobatch_size < router_weights.numel()
+    ):
+        raise ValueError(
+            "macrobatch_replay 'gather' is BF16 only: with MXFP8 routed weights and "
+            f"macrobatch_size {macrobatch_size} below the {router_weights.numel()} routed rows, "
+            "use 'gate_up'"
+        )
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     routed = ((routed_gate, routed_gate_scales), (routed_up, routed_up_scales),
               (routed_down, routed_down_scales))  # fmt: skip
@@ -450,6 +485,7 @@ def forward_mxfp8(
         pass_config = PassConfig.of_workspace(
             ws, swiglu_limit=swiglu_limit, num_comm_ctas=fwd_num_comm_sms,
             minibatch_size=minibatch_size, macrobatch_size=macrobatch_size,
+            macrobatch_replay=_macrobatch_replay(macrobatch_replay),
         )  # fmt: skip
         gpu = _gpu("forward", x.device, ws.ep_size)
         return gpu.forward(ws, schedule, x, router_weights, shared, routed, pass_config)
@@ -458,7 +494,7 @@ def forward_mxfp8(
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.mxfp8_forward(
         schedule, x, router_weights, *shared, *routed, group=ws.group, swiglu_limit=swiglu_limit,
-        macrobatch_size=macrobatch,
+        macrobatch_size=macrobatch, macrobatch_replay=_macrobatch_replay(macrobatch_replay),
     )  # fmt: skip
     return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 
@@ -467,11 +503,12 @@ def forward_mxfp8(
 def _(workspace_handle, peer_rank, peer_token_idx, num_tokens, tokens_per_expert, x,
       router_weights, shared_gate_weights, shared_up_weights, shared_down_weights, routed_gate,
       routed_gate_scales, routed_up, routed_up_scales, routed_down, routed_down_scales,
-      swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size):  # fmt: skip
-    rows = context_rows(macrobatch_size, peer_rank.shape[0], *router_weights.shape)
+      swiglu_limit, fwd_num_comm_sms, minibatch_size, macrobatch_size,
+      macrobatch_replay="gate_up"):  # fmt: skip
+    rows = _fake_rows(macrobatch_size, macrobatch_replay, peer_rank, router_weights)
     return (
         torch.empty_like(x),
-        *_fake_context(peer_rank, x, routed_gate, shared_gate_weights is not None, rows),
+        *_fake_context(peer_rank, x, routed_gate, shared_gate_weights is not None, *rows),
     )
 
 

@@ -132,6 +132,7 @@ class LayerStep:
         forward_pass_config = PassConfig.of_workspace(
             workspace, swiglu_limit=limit, num_comm_ctas=config.fwd_num_comm_sms,
             minibatch_size=config.minibatch_size, macrobatch_size=config.macrobatch_size,
+            macrobatch_replay=config.macrobatch_replay,
         )  # fmt: skip
         self.backward_pass_config = PassConfig.of_workspace(
             workspace, swiglu_limit=limit, num_comm_ctas=config.bwd_num_comm_sms,

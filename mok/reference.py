@@ -468,26 +468,29 @@ def forward(
     group: dist.ProcessGroup | None = None,
     swiglu_limit: float | None = None,
     macrobatch_size: int | None = None,
+    macrobatch_replay: str = "gate_up",
 ) -> tuple[torch.Tensor, MoKForwardContext]:
     """The MoE layer forward (SEMANTICS §1); returns (out bf16 [T, H], context).
 
     `macrobatch_size` (a multiple of 128; None: every routed row at once): the schedule's rows
     run in macrobatches of that many (`macrobatch_windows`), last to first, and the context
     holds macrobatch 0's rows only ([macrobatch_size, ...]); `backward` replays the others.
-    Every output is bitwise the same for every macrobatch size."""
+    With `macrobatch_replay` "gather" it holds gate, up and hidden of every row too, and
+    `backward` pulls only x's rows again. Every output is bitwise the same for every macrobatch
+    size and replay."""
     return _layer_forward(
         schedule, x, router_weights, (shared_gate_weights, shared_up_weights, shared_down_weights),
         (routed_gate_weights, routed_up_weights, routed_down_weights), group, swiglu_limit, _mlp,
-        macrobatch_size,
+        macrobatch_size, macrobatch_replay,
     )  # fmt: skip
 
 
 def _layer_forward(schedule, x, router_weights, shared, routed, group, swiglu_limit, mlp,
-                   macrobatch_size=None):  # fmt: skip
+                   macrobatch_size=None, macrobatch_replay="gate_up"):  # fmt: skip
     """forward's body; `mlp` computes one routed expert's rows (BF16 or MXFP8)."""
     ctx, slots, y_shared = _forward_to_slots(
         schedule, x, router_weights.shape[1], shared, routed, group, swiglu_limit, mlp,
-        macrobatch_size,
+        macrobatch_size, macrobatch_replay,
     )  # fmt: skip
     return fwd_epilogue(y_shared, slots, router_weights), ctx
 
@@ -516,16 +519,28 @@ def forward_to_slots(
 
 
 def _forward_to_slots(schedule, x, topk, shared, routed, group, swiglu_limit, mlp,
-                      macrobatch_size=None):  # fmt: skip
+                      macrobatch_size=None, macrobatch_replay="gate_up"):  # fmt: skip
     shared_gate_weights, shared_up_weights, shared_down_weights = shared
     num_slots = x.shape[0] * topk
     slots = torch.zeros(num_slots, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    windows = macrobatch_windows(schedule, macrobatch_size)
+    # "gather": gate, up and hidden of every macrobatch kept in tensors of every row.
+    keep = macrobatch_replay == "gather" and len(windows) > 1
+    kept = None
     # The macrobatches last to first (the original's order): the context left is macrobatch 0's.
-    for _, window in reversed(macrobatch_windows(schedule, macrobatch_size)):
+    for first, window in reversed(windows):
         ctx, y_routed = _routed_forward(
             window, x, *routed, topk=topk, group=group, swiglu_limit=swiglu_limit, mlp=mlp
         )
+        if keep:
+            if kept is None:
+                kept = [ctx.gate_routed.new_zeros(schedule.capacity, ctx.gate_routed.shape[1])
+                        for _ in range(3)]  # fmt: skip
+            for whole, rows in zip(kept, ctx.tensors()[1:4], strict=True):
+                whole[first : first + window.capacity] = rows
         push_rows(y_routed, window.peer_rank, window.peer_token_idx, num_slots, group, out=slots)
+    if keep:
+        ctx = MoKForwardContext(ctx.x_routed, *kept)
     y_shared = None
     if shared_gate_weights is not None:
         gate_s, up_s, hidden_s, y_shared = _mlp(
@@ -634,18 +649,23 @@ def backward_to_slots(
     )  # fmt: skip
 
 
-def _macrobatch_context(ctx, schedule, windows, m, replay) -> MoKForwardContext:
+def _macrobatch_context(ctx, schedule, windows, m, replay, pull_x) -> MoKForwardContext:
     """Macrobatch m's routed context: rows of a context that holds every row (no ring reuse,
-    or a recomputed one), macrobatch 0's own context, or `replay(window)`."""
+    or a recomputed one), macrobatch 0's own context, `replay(window)`, or (gate, up and
+    hidden of every row: macrobatch_replay "gather") their rows with x's pulled again by
+    `pull_x(window)`."""
     first, window = windows[m]
+    rows = slice(first, first + window.capacity)
     if ctx.x_routed.shape[0] == schedule.capacity:
-        rows = slice(first, first + window.capacity)
         return MoKForwardContext(*(t[rows] for t in ctx.tensors()[:4]))
     if ctx.x_routed.shape[0] != windows[0][1].capacity:
         raise ValueError(
             f"forward_context.x_routed must have the schedule capacity ({schedule.capacity}) or "
             f"macrobatch 0's ({windows[0][1].capacity}) rows, got {ctx.x_routed.shape[0]}"
         )
+    if ctx.gate_routed.shape[0] == schedule.capacity:
+        x_rows = ctx.x_routed if m == 0 else pull_x(window)
+        return MoKForwardContext(x_rows, *(t[rows] for t in ctx.tensors()[1:4]))
     if m == 0:
         return ctx
     if replay is None:
@@ -667,8 +687,12 @@ def _layer_backward(schedule, ctx, grad_output, x, router_weights, shared, route
     slots = torch.zeros(num_slots, hidden_size, dtype=torch.bfloat16, device=x.device)
     d_router = torch.zeros(num_slots, 1, device=x.device)
     windows = macrobatch_windows(schedule, macrobatch_size)
+
+    def pull_x(window):
+        return pull_rows(x, window.peer_rank, window.peer_token_idx.long() // topk, group)
+
     for m, (_, window) in enumerate(windows):
-        ctx_m = _macrobatch_context(ctx, schedule, windows, m, replay)
+        ctx_m = _macrobatch_context(ctx, schedule, windows, m, replay, pull_x)
         peer, slot = window.peer_rank, window.peer_token_idx
         # Pull dY and w for every routed row; dY_e = bf16(w * dY) on the expert's side.
         dy_routed = pull_rows(grad_output, peer, slot.long() // topk, group)
@@ -809,16 +833,17 @@ def mxfp8_forward(
     group: dist.ProcessGroup | None = None,
     swiglu_limit: float | None = None,
     macrobatch_size: int | None = None,
+    macrobatch_replay: str = "gate_up",
 ) -> tuple[torch.Tensor, MoKForwardContext]:
     """`forward` with MXFP8 routed weights, each (fp8, scale) along its K: (out, context). The
     context holds the bf16 rows; `mxfp8_backward` quantises them as each GEMM reads them.
-    `macrobatch_size` as `forward`'s: the context holds macrobatch 0's rows only."""
+    `macrobatch_size` and `macrobatch_replay` as `forward`'s."""
     routed = tuple(
         _mxfp8_weight(w) for w in (routed_gate_weights, routed_up_weights, routed_down_weights)
     )
     return _layer_forward(
         schedule, x, router_weights, (shared_gate_weights, shared_up_weights, shared_down_weights),
-        routed, group, swiglu_limit, _mlp_mxfp8, macrobatch_size,
+        routed, group, swiglu_limit, _mlp_mxfp8, macrobatch_size, macrobatch_replay,
     )  # fmt: skip
 
 

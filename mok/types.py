@@ -88,6 +88,7 @@ class PassConfig(NamedTuple):
                      (launchers/megakernel_walk.py, `walk_arguments`)
     macrobatch_size: routed rows held at once, an int for the layer ops (below T * k: ring
                      reuse, launchers/macrobatch.py); None where only a megakernel launches
+    macrobatch_replay: MoKConfig.macrobatch_replay (the forward's context with ring reuse)
     timeout_ns:      bound of every device wait
     grid:            the megakernels' CTAs (None: the SM count)
     """
@@ -96,12 +97,20 @@ class PassConfig(NamedTuple):
     num_comm_ctas: int = 0
     minibatch_size: int | None = None
     macrobatch_size: int | None = None
+    macrobatch_replay: str = "gate_up"
     timeout_ns: int = DEFAULT_WAIT_TIMEOUT_NS
     grid: int | None = None
 
     @classmethod
     def of_workspace(
-        cls, workspace, *, swiglu_limit, num_comm_ctas, minibatch_size, macrobatch_size
+        cls,
+        workspace,
+        *,
+        swiglu_limit,
+        num_comm_ctas,
+        minibatch_size,
+        macrobatch_size,
+        macrobatch_replay="gate_up",
     ) -> PassConfig:
         """A pass's settings on `workspace` (its wait bound and megakernel grid) with the op's
         knobs, MoKConfig's fields as the op took them (by name: three of them are ints)."""
@@ -110,6 +119,7 @@ class PassConfig(NamedTuple):
             num_comm_ctas=num_comm_ctas,
             minibatch_size=minibatch_size,
             macrobatch_size=macrobatch_size,
+            macrobatch_replay=macrobatch_replay,
             timeout_ns=workspace.wait_timeout_ns,
             grid=workspace.megakernel_ctas,
         )

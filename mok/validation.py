@@ -245,3 +245,11 @@ def context_rows(macrobatch_size: int, capacity: int, num_tokens: int, topk: int
     if macrobatch_size < num_tokens * topk:
         return min(macrobatch_size, capacity)
     return capacity
+
+
+def forward_context_rows(macrobatch_size: int, macrobatch_replay: str, capacity: int,
+                         num_tokens: int, topk: int) -> tuple[int, int]:  # fmt: skip
+    """(x_routed's rows, gate/up/hidden's rows) of the forward context: `context_rows` both,
+    but every row of gate, up and hidden with ring reuse and macrobatch_replay "gather"."""
+    rows = context_rows(macrobatch_size, capacity, num_tokens, topk)
+    return rows, capacity if macrobatch_replay == "gather" else rows

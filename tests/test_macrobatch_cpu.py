@@ -224,6 +224,26 @@ def test_compiled_step_with_ring_reuse_equals_eager():
                    "compiled")  # fmt: skip
 
 
+@pytest.mark.parametrize("shared,limit", [(True, None), (False, 0.5)])
+def test_layer_replaying_x_only_gives_the_default_bits(shared, limit):
+    """MoKConfig.macrobatch_replay "gather": the context holds macrobatch 0's x rows and gate,
+    up and hidden of every row; every output and gradient bitwise the default path's."""
+    inputs = make_inputs(T, H, I, E, K, shared=shared, seed=11)
+    schedule, *want = run_functional(inputs, config_of(None), limit=limit)
+    for size in SIZES:
+        config = dataclasses.replace(config_of(size), macrobatch_replay="gather")
+        _, out, ctx, grads = run_functional(inputs, config, limit=limit)
+        assert_bitwise((out, *grads), (want[0], *want[2]), size)
+        routed = ctx.tensors()[:4]
+        assert [t.shape[0] for t in routed] == [size] + [schedule.capacity] * 3
+        assert_bitwise(routed, [want[1].x_routed[:size], *want[1].tensors()[1:4]], size)
+    # Every row at once: the knob changes nothing.
+    config = dataclasses.replace(config_of(None), macrobatch_replay="gather")
+    _, out, ctx, grads = run_functional(inputs, config, limit=limit)
+    assert_bitwise((out, *grads), (want[0], *want[2]), "every row")
+    assert ctx.x_routed.shape[0] == schedule.capacity
+
+
 def test_fake_forward_sizes_the_context_by_the_macrobatch():
     inputs = make_inputs(T, H, I, E, K, seed=15)
     ws = F.get_workspace(F.MoKConfig(), None, device="cpu", num_local_tokens=T, hidden_size=H,
@@ -242,6 +262,15 @@ def test_fake_forward_sizes_the_context_by_the_macrobatch():
             )
         assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real], size
         assert real[1].shape == (rows, H)
+        # macrobatch_replay "gather": gate, up and hidden keep every row.
+        real = torch.ops.mok.forward(*args, "gather")
+        with mode:
+            fake = torch.ops.mok.forward(
+                *[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args],
+                "gather",
+            )
+        assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real], size
+        assert [t.shape[0] for t in real[1:5]] == [rows] + [schedule.capacity] * 3
 
 
 def ep_worker(rank, world_size, macrobatch_size):
@@ -309,6 +338,15 @@ def test_macrobatch_errors_are_clear_on_both_paths():
     # MoKConfig refuses them where it is used (made with any values, as the original's).
     with pytest.raises(ValueError, match="multiple of minibatch_size"):
         F.MoKConfig(minibatch_size=256, macrobatch_size=384).validate()
+    # macrobatch_replay: MoKConfig's values only, on the config and on the raw op.
+    with pytest.raises(ValueError, match=r"macrobatch_replay must be one of \('gate_up', "
+                                         r"'gather'\), got 'gemm'"):  # fmt: skip
+        F.MoKConfig(macrobatch_replay="gemm").validate()
+    with pytest.raises(TypeError, match="macrobatch_replay must be a str, got bool"):
+        F.MoKConfig(macrobatch_replay=True).validate()
+    with pytest.raises(ValueError, match="macrobatch_replay must be one of"):
+        ops.forward(ws.handle, *sched, inputs["x"], inputs["router_weights"], *weights, None, 0,
+                    256, 512, "all")  # fmt: skip
 
 
 def test_backward_refuses_a_context_of_other_rows():
@@ -334,14 +372,20 @@ def test_backward_refuses_a_context_of_other_rows():
 # ----------------------------------------------------------------------------------------------
 
 
-def fake_routed_forward(x, schedule, topk, weights, pass_config, *, slots=None, **_):
+def fake_routed_forward(x, schedule, topk, weights, pass_config, *, slots=None, context=None,
+                        **_):  # fmt: skip
     """The forward megakernel over one (sub-)schedule: dispatch, gate/up + SwiGLU, down rows to
-    their slots; row tile by row tile, as the reference (and the kernel) computes them."""
+    their slots; row tile by row tile, as the reference (and the kernel) computes them. The
+    context in new tensors, or written into `context` (as the launch writes it there)."""
     ctx, y = R._routed_forward(schedule, x, *weights, topk=topk, group=None,
                                swiglu_limit=pass_config.swiglu_limit)  # fmt: skip
     slots = R.push_rows(y, schedule.peer_rank, schedule.peer_token_idx, x.shape[0] * topk, None,
                         out=slots)  # fmt: skip
-    return ctx.tensors()[:4], slots
+    if context is None:
+        return ctx.tensors()[:4], slots
+    for into, rows in zip(context, ctx.tensors()[:4], strict=True):
+        into.copy_(rows)
+    return context, slots
 
 
 def fake_routed_backward(grad_output, router_weights, schedule, context, weights, pass_config,
@@ -457,11 +501,12 @@ def launches(monkeypatch):
     return log
 
 
-def compose(inputs, schedule, size, main, limit):
+def compose(inputs, schedule, size, main, limit, replay="gate_up"):
     """(out, context, 8 gradients, fp32 main_grads) through the ring launchers."""
     weights = [inputs[n] for n in WEIGHT_NAMES]
     shared, routed = weights[:3], weights[3:]
-    pass_config = PassConfig(swiglu_limit=limit, minibatch_size=256, macrobatch_size=size)
+    pass_config = PassConfig(swiglu_limit=limit, minibatch_size=256, macrobatch_size=size,
+                             macrobatch_replay=replay)  # fmt: skip
     got = macrobatch.forward(_Workspace(), schedule, inputs["x"], inputs["router_weights"], shared,
                              routed, pass_config)  # fmt: skip
     out, ctx = got[0], list(got[1:])
@@ -505,6 +550,27 @@ def test_ring_launchers_give_the_same_bits_for_every_macrobatch_size(launches, s
         assert launches.count("router_grad_push") == count
         assert launches.count("weights_window") == 3 * count
     assert windows == 16  # 4096 rows of capacity, about half of them routed
+
+
+@pytest.mark.parametrize("shared,limit,main", [(False, None, False), (True, 0.5, True)])
+def test_ring_launchers_replaying_x_only_give_the_same_bits(launches, shared, limit, main):
+    """macrobatch_replay "gather": the forward writes gate, up and hidden of every macrobatch
+    into tensors of every row, and the backward pulls each later macrobatch's x rows again and
+    runs no gate/up GEMM."""
+    inputs = make_inputs(T, H, I, E, K, shared=shared, routing="one_expert", seed=19)
+    schedule = R.make_schedule(inputs["top_experts"], num_local_experts=E, capacity=4096)
+    want = compose(inputs, schedule, 1 << 14, main, limit)
+    for size in SIZES:
+        launches.clear()
+        got = compose(inputs, schedule, size, main, limit, replay="gather")
+        assert [t.shape[0] for t in got[1][:4]] == [size] + [schedule.capacity] * 3
+        assert_bitwise((got[0], *got[2], *got[3]), (want[0], *want[2], *want[3]), size)
+        assert_bitwise(got[1][:4], [want[1][0][:size], *want[1][1:4]], size)
+        count = -(-schedule.capacity // size)
+        assert launches.count("moe_forward") == launches.count("moe_backward") == count
+        assert launches.count("gather_rows") == count - 1
+        assert launches.count("gate_up") == (1 if shared else 0)  # the shared expert's only
+        assert launches.count("weights_window") == 3 * count
 
 
 def test_ring_launchers_read_a_full_context_without_replay(launches):

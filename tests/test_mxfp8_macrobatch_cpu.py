@@ -10,6 +10,8 @@ The GPU launchers' ring (mok/launchers/macrobatch.py) is held to the same bits o
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from bitwise import assert_bitwise
@@ -118,3 +120,16 @@ def test_fake_mxfp8_forward_sizes_the_context_by_the_macrobatch():
     assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real]
     assert real[1].shape[0] == 256
     assert torch.isfinite(real[0].float()).all()
+
+
+def test_mxfp8_refuses_the_gather_replay_with_ring_reuse():
+    """macrobatch_replay "gather" is BF16 only: with MXFP8 routed weights and ring reuse the
+    forward says so; with every row at once the knob changes nothing."""
+    inputs = make_inputs(T, H, I, E, K, shared=True, seed=31)
+    with pytest.raises(ValueError, match=r"macrobatch_replay 'gather' is BF16 only: with MXFP8 "
+                                         r"routed weights and macrobatch_size 256 below"):  # fmt: skip
+        step(inputs, dataclasses.replace(config_of(256), macrobatch_replay="gather"))
+    _, out, _, grads = step(inputs, config_of(None))
+    _, out_g, _, grads_g = step(inputs, dataclasses.replace(config_of(None),
+                                                            macrobatch_replay="gather"))  # fmt: skip
+    assert_bitwise((out_g, *grads_g), (out, *grads), "every row")

@@ -12,6 +12,7 @@ import torch
 
 from ..config import DEFAULT_WAIT_TIMEOUT_NS
 from ..types import PassConfig
+from ..validation import check_tensor
 from . import mxfp8
 from .checks import check_cuda, check_multiple, expert_rows_view
 from .device_args import sm_count
@@ -81,10 +82,12 @@ def routed_forward(
 
 
 def launch_routed_forward(
-    x, schedule, topk, weights, pass_config, *, peers=None, slots=None, dequantized=None
-):
+    x, schedule, topk, weights, pass_config, *, peers=None, slots=None, dequantized=None,
+    context=None,
+):  # fmt: skip
     """`routed_forward` with its routed weights (gate, up, down) and settings (a PassConfig)
-    each as one object, as the launch path holds them."""
+    each as one object, as the launch path holds them; `context`: as the plan's call takes
+    it."""
     key = (
         KERNEL, tensor_key(x), tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
         tensor_key(schedule.num_tokens), tensor_key(schedule.tokens_per_expert),
@@ -98,7 +101,7 @@ def launch_routed_forward(
             x, schedule, topk, weights, pass_config, peers, slots, dequantized=dequantized
         )
 
-    return plan(key, make)(x, schedule, slots, weights, dequantized=dequantized)
+    return plan(key, make)(x, schedule, slots, weights, dequantized=dequantized, context=context)
 
 
 def forward_plan(
@@ -232,6 +235,15 @@ class _ForwardPlan:
     def _outputs(self):
         return new_tensors(self.layout(), self.device)
 
+    def _checked(self, context) -> tuple:
+        """`context` as `__call__` takes it, checked against `layout()`."""
+        names = ("x_routed", "gate", "up", "hidden")
+        for name, tensor, (dtype, shape) in zip(names, context, self.layout(), strict=True):
+            check_tensor(f"context.{name}", tensor, dtype=dtype, shape=list(shape),
+                         device=self.device)  # fmt: skip
+            aligned(f"context.{name}", tensor.data_ptr())
+        return tuple(context)
+
     def _operands(self, x_routed, hidden):
         """The GEMMs' A operands: the rows themselves (BF16), or new scratch for their MXFP8
         round trips, which dispatch and the crew write."""
@@ -239,13 +251,16 @@ class _ForwardPlan:
             return x_routed, hidden
         return torch.empty_like(x_routed), torch.empty_like(hidden)
 
-    def __call__(self, x, schedule, slots, weights, combine=None, dequantized=None):
-        """((x_routed, gate, up, hidden), slots): the context in new tensors. `combine`: (out,
-        router_weights) of a plan made with `combine`; not for one made with `schedule_ids`
-        (`launch`). `dequantized`: as `routed_forward`'s."""
+    def __call__(self, x, schedule, slots, weights, combine=None, dequantized=None,
+                 context=None):  # fmt: skip
+        """((x_routed, gate, up, hidden), slots): the context in new tensors, or written into
+        `context` (four contiguous bf16 tensors of `layout()`'s shapes on the plan's device,
+        e.g. rows of larger ones: macrobatch.py). `combine`: (out, router_weights) of a plan
+        made with `combine`; not for one made with `schedule_ids` (`launch`). `dequantized`:
+        as `routed_forward`'s."""
         if self.schedules:
             raise ValueError("a plan made with schedule_ids launches by address (launch)")
-        outputs = self._outputs()
+        outputs = self._outputs() if context is None else self._checked(context)
         if slots is None:
             slots = torch.empty(self.shapes[2], dtype=torch.bfloat16, device=self.device)
         if self.bound is not None:

@@ -21,6 +21,10 @@ megakernel launch walks one macrobatch through views of the schedule, with no ho
               on from the previous macrobatch's partial and is rounded to bf16 (or added into
               its fp32 main_grad) only in the macrobatch holding the expert's last rows
 
+With MoKConfig.macrobatch_replay "gather" (BF16) each forward launch writes its gate, up and
+hidden rows into tensors of every row, which the context keeps beside macrobatch 0's x rows,
+and the backward's replay of a later macrobatch is gather_rows alone.
+
 Every row's results are computed by the same tiles as with one macrobatch (its edges are row
 tile edges) and every weight-gradient sum runs over the same 64-row K steps in the same order,
 continued in fp32: every output and gradient is bitwise the same for every macrobatch size.
@@ -139,11 +143,21 @@ def forward(ws, schedule, x, router_weights, shared, routed, pass_config):
     windows = window_schedules(schedule, macrobatch_size)
     # MXFP8 pairs: their bf16 values once for every macrobatch's launch.
     dequantized = mxfp8.dequantized_weights(routed) if isinstance(routed[0], tuple) else None
+    # macrobatch_replay "gather": gate, up and hidden of every macrobatch written into tensors
+    # of every row, which the context keeps.
+    kept = None
+    if pass_config.macrobatch_replay == "gather":
+        rows, inter = schedule.peer_rank.shape[0], routed[0].shape[1]
+        kept = [torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device) for _ in range(3)]
     routed_ctx = None
     # Last to first: the context left is macrobatch 0's. Each macrobatch's buffers are
     # dropped before the next macrobatch's are made: the allocator hands the memory back.
-    for _, window in reversed(windows):
-        routed_ctx = None
+    for first, window in reversed(windows):
+        routed_ctx, context = None, None
+        if kept is not None:
+            rows = window.peer_rank.shape[0]
+            x_routed = torch.empty(rows, x.shape[1], dtype=torch.bfloat16, device=x.device)
+            context = (x_routed, *(t[first : first + rows] for t in kept))
         routed_ctx, slots = launch_routed_forward(
             x,
             window,
@@ -153,7 +167,10 @@ def forward(ws, schedule, x, router_weights, shared, routed, pass_config):
             peers=peers,
             slots=slots,
             dequantized=dequantized,
+            context=context,
         )
+    if kept is not None:
+        routed_ctx = (routed_ctx[0], *kept)
     group_barrier(ws, "PEER_BARRIER_END")
     # Distinct empty tensors: custom-op outputs may not alias each other.
     shared_ctx, y_shared = tuple(x.new_empty(0) for _ in range(3)), None
@@ -197,6 +214,9 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
             f"routed row ({capacity}), got shape {list(x_routed.shape)}"
         )
     full_context = x_routed.shape[0] == capacity
+    # MoKConfig.macrobatch_replay "gather": gate, up and hidden of every row beside macrobatch
+    # 0's x rows; a later macrobatch pulls its x rows again and nothing else.
+    gathered = not full_context and gate.dim() == 2 and gate.shape[0] == capacity
     table = peer_table(ws)
     peers = None if table is None else (ws.ep_rank, table)
     slots = ws.buffers["d_x_routed_buffer"]
@@ -216,11 +236,15 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
     grads = _WeightGradients(*weights, main_grads[:3], fused)
     replay = None
     if not full_context:
-        replay = _Replay(x, *forward_weights, pass_config.swiglu_limit, first_rows, is_mxfp8)
+        replay = _Replay(x, *forward_weights, pass_config.swiglu_limit, first_rows, is_mxfp8,
+                         x_only=gathered)  # fmt: skip
     for m, (first, window) in enumerate(windows):
         rows = window.peer_rank.shape[0]
         if full_context:
             ctx = tuple(t[first : first + rows] for t in (x_routed, gate, up, hidden))
+        elif gathered:
+            x_rows = x_routed if m == 0 else replay(window, topk, peers)[0]
+            ctx = (x_rows, *(t[first : first + rows] for t in (gate, up, hidden)))
         elif m == 0:
             ctx = (x_routed, gate, up, hidden)
         else:
@@ -269,22 +293,29 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
 class _Replay:
     """A later macrobatch's context, rebuilt into one ring of [macrobatch_size] rows: its x rows
     pulled (gather_rows), gate/up + SwiGLU (recompute_forward_context's kernels, bitwise the
-    forward megakernel's rows). `mxfp8`: the GEMMs read the x rows' round trip along H (one
+    forward megakernel's rows), or with `x_only` the x rows alone. `mxfp8`: the GEMMs read the x rows' round trip along H (one
     more ring) and the weights are the forward pairs' bf16 values, as the MXFP8 forward's."""
 
-    def __init__(self, x, gate_weights, up_weights, swiglu_limit, rows: int, mxfp8=False):
+    def __init__(self, x, gate_weights, up_weights, swiglu_limit, rows: int, mxfp8=False,
+                 x_only=False):  # fmt: skip
         inter = gate_weights.shape[1]
         bf16 = dict(dtype=torch.bfloat16, device=x.device)
         self.x, self.weights, self.limit = x, (gate_weights, up_weights), swiglu_limit
+        self.x_only = x_only
         self.ring = (torch.empty(rows, x.shape[1], **bf16),
-                     *(torch.empty(rows, inter, **bf16) for _ in range(3)))  # fmt: skip
-        self.rounded = torch.empty(rows, x.shape[1], **bf16) if mxfp8 else None
+                     *(torch.empty(rows if not x_only else 0, inter, **bf16)
+                       for _ in range(3)))  # fmt: skip
+        self.rounded = torch.empty(rows, x.shape[1], **bf16) if mxfp8 and not x_only else None
 
     def __call__(self, window, topk: int, peers) -> tuple:
+        """(x_routed, gate, up, hidden) of the macrobatch; with `x_only` (macrobatch_replay
+        "gather") only x_routed is made (the rest are empty)."""
         rows = window.peer_rank.shape[0]
         x_routed, gate, up, hidden = (t[:rows] for t in self.ring)
         dispatch.gather_rows(self.x, window.peer_rank, window.peer_token_idx, window.num_tokens,
                              topk, out=x_routed, peers=peers)  # fmt: skip
+        if self.x_only:
+            return x_routed, gate, up, hidden
         a_rows = x_routed
         if self.rounded is not None:
             a_rows = mxfp8.mxfp8_round_trip(x_routed, along_rows=False, out=self.rounded[:rows])

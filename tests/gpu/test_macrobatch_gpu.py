@@ -193,6 +193,28 @@ def test_layer_is_bitwise_the_same_for_every_macrobatch_size(case):
                            [r[:rows] for r in ctx.tensors()[:4]], size)  # fmt: skip
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["qwen-widths", "one-expert-clamp"])
+def test_layer_replaying_x_only_gives_the_default_bits(case):
+    """MoKConfig.macrobatch_replay "gather": the context keeps gate, up and hidden of every row
+    (written there by each macrobatch's forward launch), the backward pulls x's rows again and
+    runs no gate/up GEMM; every output and gradient bitwise the default path's, twice."""
+    t, h, i, e, k, shared, limit, main, routing = case
+    inputs = make_inputs(t, h, i, e, k, shared=shared, routing=routing, seed=t + e, device=CUDA)
+    out, ctx, grads, schedule = step(inputs, e, config_of(), limit, main)
+    routed_rows = int(schedule.num_tokens)
+    for size in (t * k // 16, t * k // 4):
+        config = dataclasses.replace(config_of(size), macrobatch_replay="gather")
+        for _ in range(2):
+            got = step(inputs, e, config, limit, main)
+            assert_bitwise((got[0], *got[2]), (out, *grads), size)
+            x_rows, *kept = got[1].tensors()[:4]
+            assert x_rows.shape[0] == size and [r.shape[0] for r in kept] == [schedule.capacity] * 3
+            first = min(size, routed_rows)
+            assert_bitwise([x_rows[:first], *(r[:routed_rows] for r in kept)],
+                           [ctx.x_routed[:first], *(r[:routed_rows] for r in ctx.tensors()[1:4])],
+                           size)  # fmt: skip
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_module_with_ring_reuse_gives_the_default_bits(recompute):
     inputs = make_inputs(1024, 512, 256, 8, 4, seed=5, device=CUDA)
@@ -320,13 +342,18 @@ def test_memory_saved_and_time_cost_at_the_benchmark_shapes(name):
     capacity = base[5].capacity
     print(f"\n{name}: T {TOKENS}, capacity {capacity} rows, routed {int(base[5].num_tokens)}")
     print("  macrobatch | context held MB | fwd peak MB | bwd peak MB | fwd+bwd ms")
-    for size in (None, 16384, 4096):
-        got = base if size is None else measure(inputs, experts, config_of(size))
+    for size in (None, 16384, 4096, "16384 gather"):
+        config = config_of(size) if not isinstance(size, str) else dataclasses.replace(
+            config_of(16384), macrobatch_replay="gather")  # fmt: skip
+        got = base if size is None else measure(inputs, experts, config)
         rows[size] = got
         held, fwd_peak, bwd_peak, ms = got[:4]
         print(f"  {size or 'all':>10} | {held / 2**20:15.1f} | {fwd_peak / 2**20:11.1f} | "
               f"{bwd_peak / 2**20:11.1f} | {ms:10.3f} ({ms / base[3] - 1:+.1%})")  # fmt: skip
         assert_bitwise(got[4], base[4], size)
+    # "gather" holds macrobatch 0's x rows and gate, up and hidden of every row.
+    kept = capacity * 6 * inter + 16384 * 2 * hidden
+    assert abs(rows["16384 gather"][0] - kept) <= 0.1 * kept, (rows["16384 gather"][0], kept)
     for size in (16384, 4096):
         saved_context, saved_peak = predicted_saving(capacity, size, hidden, inter)
         assert base[0] - rows[size][0] >= 0.9 * saved_context, (size, base[0], rows[size][0])
