@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one mok forward + backward at a benchmark shape (torch.profiler).
 
 python tools/profile_step.py [--shape qwen3-30b-a3b] [--tokens 16384] [--macrobatch 0,16384]
-    [--minibatch N]
+    [--minibatch N] [--macrobatch-replay gather]
 
 Each `--macrobatch` size (0: every routed row at once, the default config) profiles one step
 after three warm ones and prints its kernels' GPU time by name (launches, total, mean), then
@@ -29,10 +29,12 @@ SHAPES = {  # H, I, E, k
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "routed_gate", "routed_up", "routed_down")
 
 
-def setup_layer(shape: str, tokens: int, macrobatch: int = 0, minibatch: int = 0):
+def setup_layer(shape: str, tokens: int, macrobatch: int = 0, minibatch: int = 0,
+                replay: str = "gate_up"):  # fmt: skip
     """(inputs, config, workspace, weights, num_experts) of one layer at a benchmark shape;
-    `macrobatch` > 0: that many routed rows held at once; `minibatch` > 0: the minibatch (else
-    the default's, cut to the macrobatch)."""
+    `macrobatch` > 0: that many routed rows held at once, `replay` its
+    MoKConfig.macrobatch_replay; `minibatch` > 0: the minibatch (else the default's, cut to
+    the macrobatch)."""
     h, i, e, k = SHAPES[shape]
     inputs = make_inputs(tokens, h, i, e, k, seed=0, device="cuda")
     config = F.MoKConfig()
@@ -43,6 +45,7 @@ def setup_layer(shape: str, tokens: int, macrobatch: int = 0, minibatch: int = 0
             config,
             minibatch_size=min(config.minibatch_size, macrobatch),
             macrobatch_size=macrobatch,
+            macrobatch_replay=replay,
         )
     ws = F.get_workspace(config, None, device=torch.device("cuda"), num_local_tokens=tokens,
                          hidden_size=h, topk=k, num_local_experts=e)  # fmt: skip
@@ -82,7 +85,8 @@ def profile_one(args, size: int, inputs, weights, e, config, ws) -> None:
             busy += stop - end
             end = stop
     span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0.0
-    print(f"== {args.shape} T={args.tokens} macrobatch {size or 'all'}, "
+    replay = f" ({config.macrobatch_replay} replay)" if size else ""
+    print(f"== {args.shape} T={args.tokens} macrobatch {size or 'all'}{replay}, "
           f"minibatch {config.minibatch_size}: "
           "one schedule + forward + backward")  # fmt: skip
     print(f"  {'kernel':70} {'launches':>8} {'total us':>10} {'mean us':>9}")
@@ -98,9 +102,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--macrobatch", default="0", help="comma list of sizes; 0: every row")
     parser.add_argument("--minibatch", type=int, default=0, help="0: the default's")
+    parser.add_argument("--macrobatch-replay", default="gate_up", choices=("gate_up", "gather"),
+                        help="MoKConfig.macrobatch_replay of the macrobatched steps")  # fmt: skip
     args = parser.parse_args()
     for size in (int(v) for v in args.macrobatch.split(",")):
-        inputs, config, ws, weights, e = setup_layer(args.shape, args.tokens, size, args.minibatch)
+        inputs, config, ws, weights, e = setup_layer(args.shape, args.tokens, size, args.minibatch,
+                                                     args.macrobatch_replay)  # fmt: skip
         profile_one(args, size, inputs, weights, e, config, ws)
         del inputs, ws, weights
         torch.cuda.empty_cache()
