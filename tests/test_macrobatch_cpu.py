@@ -273,7 +273,7 @@ def test_fake_forward_sizes_the_context_by_the_macrobatch():
         assert [t.shape[0] for t in real[1:5]] == [rows] + [schedule.capacity] * 3
 
 
-def ep_worker(rank, world_size, macrobatch_size):
+def ep_worker(rank, world_size, macrobatch_size, replay="gate_up"):
     inputs = make_inputs(world_size * EP_TOKENS, H, I, E, K, shared=True, seed=16)
     local = E // world_size
     rows = slice(rank * EP_TOKENS, (rank + 1) * EP_TOKENS)
@@ -281,7 +281,7 @@ def ep_worker(rank, world_size, macrobatch_size):
             for n, v in inputs.items()}  # fmt: skip
     for name in ("routed_gate", "routed_up", "routed_down"):
         mine[name] = inputs[name][rank * local : (rank + 1) * local]
-    config = config_of(macrobatch_size)
+    config = dataclasses.replace(config_of(macrobatch_size), macrobatch_replay=replay)
     ws = F.get_workspace(config, dist.group.WORLD, device="cpu", num_local_tokens=EP_TOKENS,
                          hidden_size=H, topk=K, num_local_experts=local)  # fmt: skip
     weights = [mine[n] for n in WEIGHT_NAMES]
@@ -289,17 +289,22 @@ def ep_worker(rank, world_size, macrobatch_size):
     out, ctx = F.forward(config, ws, schedule, mine["x"], mine["router_weights"], *weights)
     grads = F.backward(config, ws, schedule, ctx, mine["grad_output"], mine["x"],
                        mine["router_weights"], *weights)  # fmt: skip
-    return {"out": out, "grads": grads, "rows": ctx.x_routed.shape[0]}
+    return {"out": out, "grads": grads, "rows": [t.shape[0] for t in ctx.tensors()[:4]],
+            "capacity": schedule.capacity}  # fmt: skip
 
 
 EP_TOKENS = 512  # per rank: T * k = 1024 routed rows
 
 
-def test_ep_group_of_two_with_ring_reuse_gives_the_default_bits():
+@pytest.mark.parametrize("replay", ["gate_up", "gather"])
+def test_ep_group_of_two_with_ring_reuse_gives_the_default_bits(replay):
+    """Each rank replays its macrobatches pulling x rows from both ranks; with "gather" the
+    context keeps every row's gate, up and hidden and the replay is that pull alone."""
     want = run_on_gloo_group(ep_worker, 2, None)
-    got = run_on_gloo_group(ep_worker, 2, 256)
+    got = run_on_gloo_group(ep_worker, 2, 256, replay)
     for rank in range(2):
-        assert got[rank]["rows"] == 256
+        kept = got[rank]["capacity"] if replay == "gather" else 256
+        assert got[rank]["rows"] == [256, kept, kept, kept]
         assert_bitwise((got[rank]["out"], *got[rank]["grads"]),
                        (want[rank]["out"], *want[rank]["grads"]), rank)  # fmt: skip
 
