@@ -293,8 +293,9 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
 class _Replay:
     """A later macrobatch's context, rebuilt into one ring of [macrobatch_size] rows: its x rows
     pulled (gather_rows), gate/up + SwiGLU (recompute_forward_context's kernels, bitwise the
-    forward megakernel's rows), or with `x_only` the x rows alone. `mxfp8`: the GEMMs read the x rows' round trip along H (one
-    more ring) and the weights are the forward pairs' bf16 values, as the MXFP8 forward's."""
+    forward megakernel's rows), or with `x_only` the x rows alone. `mxfp8`: the GEMMs read the
+    x rows' round trip along H (one more ring) and the weights are the forward pairs' bf16
+    values, as the MXFP8 forward's."""
 
     def __init__(self, x, gate_weights, up_weights, swiglu_limit, rows: int, mxfp8=False,
                  x_only=False):  # fmt: skip
