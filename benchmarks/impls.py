@@ -25,6 +25,7 @@ class Impl:
     ``backward`` is ``None`` for a forward-only implementation: ``no_backward`` says why, as the
     status of its other passes. ``max_rel_err``: the error above which its check fails.
     ``state_bytes(state)``, where given: bytes of what the forward keeps for the backward.
+    ``vs_mok``: its timed rows carry ``ratio_vs_mok_bf16``, the bf16 mok row's time over its.
     """
 
     name: str
@@ -35,6 +36,7 @@ class Impl:
     no_backward: str | None = None
     max_rel_err: float = MAX_REL_ERR
     state_bytes: Callable[[object], int] | None = None
+    vs_mok: bool = False
 
 
 def baseline_impl(

@@ -6,6 +6,9 @@ its ``liger`` rows, each shape in its own process (benchmarks/liger.py); ``--no-
 The ``sonicmoe`` rows are attempted whenever SonicMoE is importable (or in ``--sonic-site DIR``),
 each shape and token count in its own process (benchmarks/sonic.py); ``--no-sonic`` drops them.
 The MXFP8 row (CUDA only, forward and backward, against an FP8 GEMM ceiling): add ``--mxfp8``.
+Ring reuse: ``--macrobatch 16384`` adds the ``mok-mb16384`` and ``mok-mb16384-gather`` rows
+(MoKConfig.macrobatch_size 16384 with either macrobatch_replay), each against the mok row
+(``ratio_vs_mok_bf16``: the mok row's time over the row's).
 EP over N GPUs: ``torchrun --nproc-per-node N -m benchmarks.moe`` (time = slowest rank).
 Smoke test on a CPU in seconds: ``python -m benchmarks.moe --quick --device cpu``.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import os
 import sys
@@ -35,7 +39,9 @@ from benchmarks.mok_impls import (
     MXFP8,
     MXFP8_IMPLS,
     NOT_AVAILABLE,
+    build_mok_macrobatch,
     describe_failure,
+    macrobatch_name,
     unavailable_reason,
 )
 from benchmarks.peer_worker import PeerJob
@@ -74,6 +80,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="add the mok-mxfp8 row (CUDA only; weights quantised once, untimed)",
     )  # fmt: skip
     parser.add_argument(
+        "--macrobatch", default="", metavar="SIZES",
+        help="add mok rows with ring reuse: routed rows held at once (comma list of multiples "
+        "of 256), each with both macrobatch replays, against the mok row",
+    )  # fmt: skip
+    parser.add_argument(
         "--virtual-ep", default=None, metavar="SIZES",
         help="one GPU: add rows of P-rank virtual EP groups (comma list, e.g. 2,8) against EP=1 "
         "(needs CUDA_DEVICE_MAX_CONNECTIONS > P)",
@@ -103,6 +114,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.tokens = parse_tokens(args.tokens) if args.tokens else [64 if args.quick else 16384]
     except ValueError as error:
         parser.error(str(error))
+    try:
+        args.macrobatch = parse_macrobatch(args.macrobatch)
+    except ValueError as error:
+        parser.error(str(error))
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.reps = args.reps or (3 if args.quick else 20)
     args.liger = None  # main: a LigerAvailability when the liger row is attempted
@@ -120,6 +135,19 @@ def parse_tokens(text: str) -> list[int]:
             )
         counts.append(int(item))
     return list(dict.fromkeys(counts))
+
+
+def parse_macrobatch(text: str) -> list[int]:
+    """``--macrobatch``: ``""`` (no ring rows) or ``"4096,16384"`` to sizes, multiples of 256
+    (a macrobatch is a multiple of the minibatch, which is one of 256)."""
+    sizes = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        if not item.isdigit() or int(item) < 256 or int(item) % 256:
+            raise ValueError(
+                f"--macrobatch: expected multiples of 256 separated by commas, got {text!r}"
+            )
+        sizes.append(int(item))
+    return list(dict.fromkeys(sizes))
 
 
 def init_device(args) -> tuple[torch.device, int, int, object]:
@@ -246,6 +274,11 @@ def build_impls(inputs: MoeInputs, args, group, probe) -> tuple[list[Impl], list
     ]
     missing = []
     builders = {**MOK_IMPLS, **(MXFP8_IMPLS if args.mxfp8 else {})}
+    for size in args.macrobatch:
+        for replay in ("gate_up", "gather"):
+            builders[macrobatch_name(size, replay, inputs.x.device.type)] = functools.partial(
+                build_mok_macrobatch, size=size, replay=replay
+            )
     for name, build in builders.items():
         impl = build(inputs, group)
         if impl is None:
@@ -370,7 +403,7 @@ def run_shape(
                 row.update(timed_fields(shape, args, num_tokens, pass_name, ms, ceilings, fp8))
                 if pass_name in best_baseline:
                     row["speedup"] = best_baseline[pass_name] / ms
-                if impl.name == MXFP8 and pass_name in mok_bf16_ms:
+                if (impl.name == MXFP8 or impl.vs_mok) and pass_name in mok_bf16_ms:
                     row["ratio_vs_mok_bf16"] = mok_bf16_ms[pass_name] / ms
                 if traffic is not None and impl.name in ("mok", "mok_cpu_path"):
                     row.update(ep_traffic_fields(traffic[pass_name], ms, ceilings))

@@ -42,9 +42,11 @@ def describe_failure(error: Exception) -> str:
     return f"error: {type(error).__name__}: {error}"
 
 
-def _mok_layer(name: str, inputs: MoeInputs, group, settings: dict | None = None) -> tuple | None:
+def _mok_layer(name: str, inputs: MoeInputs, group, settings: dict | None = None,
+               ring: bool = False) -> tuple | None:  # fmt: skip
     """(mok.functional, config, workspace) for these inputs, or ``None`` (why: in _REASONS).
-    ``settings``: MoKConfig fields other than the defaults (benchmarks/ep_sweep.py)."""
+    ``settings``: MoKConfig fields other than the defaults (benchmarks/ep_sweep.py); ``ring``:
+    keep their macrobatch_size even below the routed rows (the macrobatch rows)."""
     settings = settings or {}
     try:
         import mok.functional as functional
@@ -52,7 +54,7 @@ def _mok_layer(name: str, inputs: MoeInputs, group, settings: dict | None = None
         config = functional.MoKConfig(**settings)
         # The GPU path holds every routed row at once: a macrobatch of at least T * k rows.
         rows = inputs.num_tokens * inputs.shape.topk
-        if config.macrobatch_size < rows:
+        if config.macrobatch_size < rows and not ring:
             step = config.minibatch_size
             config = functional.MoKConfig(
                 **{**settings, "macrobatch_size": -(-rows // step) * step}
@@ -178,6 +180,35 @@ def _build_mok_mxfp8(inputs: MoeInputs, group) -> Impl | None:
         max_rel_err=MXFP8_MAX_REL_ERR,
         state_bytes=_context_bytes,
     )
+
+
+def macrobatch_name(size: int, replay: str, device_type: str) -> str:
+    """The name of the mok row with ring reuse at `size` rows and MoKConfig.macrobatch_replay
+    `replay`: ``mok-mb{size}`` (gate/up replayed) or ``mok-mb{size}-gather``; on a CPU
+    ``mok_cpu_path-mb{size}...`` (the reference path, as the ``mok_cpu_path`` row)."""
+    prefix = "mok_cpu_path" if device_type == "cpu" else "mok"
+    return f"{prefix}-mb{size}" + ("-gather" if replay == "gather" else "")
+
+
+def build_mok_macrobatch(inputs: MoeInputs, group, size: int, replay: str) -> Impl | None:
+    """mok's bf16 layer with ring reuse: `size` routed rows held at once (minibatch `size`),
+    the later macrobatches replayed as MoKConfig.macrobatch_replay `replay` says; ``None``
+    (why: in _REASONS) where `size` holds every routed row (that is the mok row)."""
+    name = macrobatch_name(size, replay, inputs.x.device.type)
+    rows = inputs.num_tokens * inputs.shape.topk
+    if size >= rows:
+        _REASONS[name] = f"every routed row at once ({size} >= T * k = {rows}): the mok row"
+        return None
+    settings = {"minibatch_size": size, "macrobatch_size": size, "macrobatch_replay": replay}
+    layer = _mok_layer(name, inputs, group, settings, ring=True)
+    if layer is None:
+        return None
+    routed = (inputs.gate, inputs.up, inputs.down)
+    where = "CPU path (PyTorch reference)" if inputs.x.device.type == "cpu" else "megakernels"
+    label = f"mok (bf16 {where}, macrobatches of {size} rows, {replay} replay)"
+    return Impl(name, label, False, _mok_forward(layer, inputs, routed),
+                _mok_backward(layer, inputs, routed), state_bytes=_context_bytes,
+                vs_mok=True)  # fmt: skip
 
 
 MOK_IMPLS: dict[str, Callable[[MoeInputs, object], Impl | None]] = {

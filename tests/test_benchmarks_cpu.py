@@ -488,3 +488,32 @@ def test_sonic_impl_checks_and_times_like_the_harness():
     timing = TimingConfig(warmup=0, reps=1)
     for pass_name in moe.PASSES:
         assert moe.time_pass(impl, inputs, pass_name, timing, None) > 0
+
+
+def test_macrobatch_rows_time_ring_reuse_against_the_mok_row(tmp_path, capsys):
+    """--macrobatch: a row per size and replay, checked like the others, each with its ratio
+    to the mok row and its context; a size holding every routed row says it is the mok row."""
+    assert moe.parse_args([]).macrobatch == []
+    assert moe.parse_args(["--macrobatch", "256, 16384,256"]).macrobatch == [256, 16384]
+    for bad in ("100", "384", "x"):
+        with pytest.raises(SystemExit):
+            moe.parse_args(["--macrobatch", bad])
+    assert "--macrobatch: expected multiples of 256" in capsys.readouterr().err
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--shapes", "qwen3-30b-a3b", "--macrobatch", "256,512"]
+    assert moe.main([*argv, "--reps", "1", "--warmup", "0", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    by_impl = {}
+    for row in rows:
+        by_impl.setdefault(row["impl"], []).append(row)
+    ring, gather = by_impl["mok_cpu_path-mb256"], by_impl["mok_cpu_path-mb256-gather"]
+    for row in ring + gather:
+        assert row["status"] == "ok" and row["max_rel_err"] <= MAX_REL_ERR
+        assert row["ratio_vs_mok_bf16"] > 0
+    # T * k = 512 routed rows at --quick: 256 holds half of them, 512 every one.
+    ctx = {row["impl"]: row["context_bytes"] for row in ring + gather if row["pass"] == "fwd"}
+    mok_ctx = next(r["context_bytes"] for r in by_impl["mok_cpu_path"] if r["pass"] == "fwd")
+    assert ctx["mok_cpu_path-mb256"] < ctx["mok_cpu_path-mb256-gather"] < mok_ctx
+    for name in ("mok_cpu_path-mb512", "mok_cpu_path-mb512-gather"):
+        assert all(r["status"].startswith("every routed row at once (512 >= T * k = 512)")
+                   and "ms" not in r for r in by_impl[name])  # fmt: skip
