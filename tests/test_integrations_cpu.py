@@ -220,7 +220,10 @@ def test_torchtitan_override_from_the_command_line():
 
     from mok.integrations.torchtitan import MoKRoutedExperts
 
-    entry = 'mok.integrations.torchtitan.mok_routed_experts={"recompute": true}'
+    entry = (
+        "mok.integrations.torchtitan.mok_routed_experts="
+        '{"recompute": true, "macrobatch_replay": "gather"}'
+    )
     config = ConfigManager().parse_args(
         ["--module", "qwen3", "--config", "qwen3_moe_debug", "--override.imports", entry]
     )
@@ -232,6 +235,16 @@ def test_torchtitan_override_from_the_command_line():
     for layer in moe_layers:
         assert type(layer.moe.routed_experts) is MoKRoutedExperts.Config
         assert layer.moe.routed_experts.recompute is True
+        assert layer.moe.routed_experts.macrobatch_replay == "gather"
+    # The knobs reach the module's MoKConfig.
+    from mok.integrations.torchtitan import _mok_knobs
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    _mok_knobs(owner, moe_layers[0].moe.routed_experts)
+    assert owner.mok_config.macrobatch_replay == "gather"
 
 
 def test_torchtitan_model_matches_framework():

@@ -58,6 +58,7 @@ class MoKKnobs:
     minibatch_size: int = 131072
     macrobatch_size: int = 131072
     schedule_capacity_multiplier: float = 0.5
+    macrobatch_replay: str = "gate_up"
     recompute: bool = False
 
 
@@ -109,6 +110,7 @@ def _mok_knobs(owner, config) -> None:
         minibatch_size=config.minibatch_size,
         macrobatch_size=config.macrobatch_size,
         schedule_capacity_multiplier=config.schedule_capacity_multiplier,
+        macrobatch_replay=config.macrobatch_replay,
     )
     set_knobs(owner, knobs, config.recompute)
 
