@@ -127,27 +127,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def parse_tokens(text: str) -> list[int]:
     """``--tokens``: ``"4096"`` or ``"2048,4096,16384"`` to token counts, in the order given."""
-    counts = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item.isdigit() or int(item) < 1:
-            raise ValueError(
-                f"--tokens: expected positive integers separated by commas, got {text!r}"
-            )
-        counts.append(int(item))
-    return list(dict.fromkeys(counts))
+    return _counts("--tokens", text, text.split(","), "positive integers", lambda n: n >= 1)
 
 
 def parse_macrobatch(text: str) -> list[int]:
     """``--macrobatch``: ``""`` (no ring rows) or ``"4096,16384"`` to sizes, multiples of 256
     (a macrobatch is a multiple of the minibatch, which is one of 256)."""
-    sizes = []
-    for item in (part.strip() for part in text.split(",") if part.strip()):
-        if not item.isdigit() or int(item) < 256 or int(item) % 256:
-            raise ValueError(
-                f"--macrobatch: expected multiples of 256 separated by commas, got {text!r}"
-            )
-        sizes.append(int(item))
-    return list(dict.fromkeys(sizes))
+    items = [part for part in text.split(",") if part.strip()]
+    return _counts(
+        "--macrobatch", text, items, "multiples of 256", lambda n: n >= 256 and n % 256 == 0
+    )
+
+
+def _counts(flag: str, text: str, items, expected: str, valid) -> list[int]:
+    """`items` of `flag`'s `text` as ints, each `valid`, repeats dropped, in the order given."""
+    counts = []
+    for item in (part.strip() for part in items):
+        if not item.isdigit() or not valid(int(item)):
+            raise ValueError(f"{flag}: expected {expected} separated by commas, got {text!r}")
+        counts.append(int(item))
+    return list(dict.fromkeys(counts))
 
 
 def init_device(args) -> tuple[torch.device, int, int, object]:

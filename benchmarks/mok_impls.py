@@ -138,14 +138,17 @@ def _build_mok_bf16(inputs: MoeInputs, group, settings: dict | None = None) -> I
     layer = _mok_layer("mok", inputs, group, settings)
     if layer is None:
         return None
-    routed = (inputs.gate, inputs.up, inputs.down)
-    forward = _mok_forward(layer, inputs, routed)
-    backward = _mok_backward(layer, inputs, routed)
     if inputs.x.device.type == "cpu":
-        label = "mok CPU path (PyTorch reference)"
-        return Impl("mok_cpu_path", label, False, forward, backward, state_bytes=_context_bytes)
-    label = "mok (bf16: forward megakernel, backward megakernel)"
-    return Impl("mok", label, False, forward, backward, state_bytes=_context_bytes)
+        return _bf16_impl("mok_cpu_path", "mok CPU path (PyTorch reference)", layer, inputs)
+    return _bf16_impl("mok", "mok (bf16: forward megakernel, backward megakernel)", layer, inputs)
+
+
+def _bf16_impl(name: str, label: str, layer: tuple, inputs: MoeInputs, vs_mok=False) -> Impl:
+    """A bf16 mok row of `layer` (_mok_layer's): forward, backward from its context."""
+    routed = (inputs.gate, inputs.up, inputs.down)
+    return Impl(name, label, False, _mok_forward(layer, inputs, routed),
+                _mok_backward(layer, inputs, routed), state_bytes=_context_bytes,
+                vs_mok=vs_mok)  # fmt: skip
 
 
 def _build_mok_mxfp8(inputs: MoeInputs, group) -> Impl | None:
@@ -203,12 +206,9 @@ def build_mok_macrobatch(inputs: MoeInputs, group, size: int, replay: str) -> Im
     layer = _mok_layer(name, inputs, group, settings, ring=True)
     if layer is None:
         return None
-    routed = (inputs.gate, inputs.up, inputs.down)
     where = "CPU path (PyTorch reference)" if inputs.x.device.type == "cpu" else "megakernels"
     label = f"mok (bf16 {where}, macrobatches of {size} rows, {replay} replay)"
-    return Impl(name, label, False, _mok_forward(layer, inputs, routed),
-                _mok_backward(layer, inputs, routed), state_bytes=_context_bytes,
-                vs_mok=True)  # fmt: skip
+    return _bf16_impl(name, label, layer, inputs, vs_mok=True)
 
 
 MOK_IMPLS: dict[str, Callable[[MoeInputs, object], Impl | None]] = {

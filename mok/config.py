@@ -22,6 +22,16 @@ MACROBATCH_REPLAYS = ("gate_up", "gather")
 MAX_TOPK = 32
 
 
+def check_macrobatch_replay(value, name: str = "macrobatch_replay") -> str:
+    """`value` if it is one of MACROBATCH_REPLAYS, else MoKInputError (not a str) or ValueError,
+    naming `name` (MoKConfig's field, or a layer op's argument)."""
+    if not isinstance(value, str):
+        raise MoKInputError(f"{name} must be a str, got {type(value).__name__}")
+    if value not in MACROBATCH_REPLAYS:
+        raise ValueError(f"{name} must be one of {MACROBATCH_REPLAYS}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class MoKConfig:
     """Launch configuration of the mok megakernels (frozen: it is a compile and cache key).
@@ -70,15 +80,7 @@ class MoKConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "macrobatch_replay":
-                if not isinstance(value, str):
-                    raise MoKInputError(
-                        f"MoKConfig.{f.name} must be a str, got {type(value).__name__}"
-                    )
-                if value not in MACROBATCH_REPLAYS:
-                    raise ValueError(
-                        f"MoKConfig.macrobatch_replay must be one of {MACROBATCH_REPLAYS}, "
-                        f"got {value!r}"
-                    )
+                check_macrobatch_replay(value, f"MoKConfig.{f.name}")
             elif f.name == "schedule_capacity_multiplier":
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise MoKInputError(

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from . import reference
-from .config import MACROBATCH_REPLAYS
+from .config import check_macrobatch_replay
 from .errors import MoKInputError
 from .types import MoKForwardContext, MoKSchedule, PassConfig
 from .validation import (
@@ -132,13 +132,6 @@ def _fake_rows(macrobatch_size, macrobatch_replay, peer_rank, router_weights) ->
     )
 
 
-def _macrobatch_replay(value: str) -> str:
-    """The op's `macrobatch_replay`, checked as MoKConfig's (a raw op call may pass anything)."""
-    if value not in MACROBATCH_REPLAYS:
-        raise ValueError(f"macrobatch_replay must be one of {MACROBATCH_REPLAYS}, got {value!r}")
-    return value
-
-
 def _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert) -> MoKSchedule:
     return MoKSchedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
 
@@ -236,6 +229,7 @@ def forward(
         gate/up/hidden too (macrobatch_replay "gate_up") or every row ("gather").
     """
     ws = workspace_from_handle(workspace_handle)
+    check_macrobatch_replay(macrobatch_replay)
     schedule = _schedule(peer_rank, peer_token_idx, num_tokens, tokens_per_expert)
     shared = (shared_gate_weights, shared_up_weights, shared_down_weights)
     routed = (routed_gate_weights, routed_up_weights, routed_down_weights)
@@ -243,7 +237,7 @@ def forward(
         pass_config = PassConfig.of_workspace(
             ws, swiglu_limit=swiglu_limit, num_comm_ctas=fwd_num_comm_sms,
             minibatch_size=minibatch_size, macrobatch_size=macrobatch_size,
-            macrobatch_replay=_macrobatch_replay(macrobatch_replay),
+            macrobatch_replay=macrobatch_replay,
         )  # fmt: skip
         gpu = _gpu("forward", x.device, ws.ep_size)
         return gpu.forward(ws, schedule, x, router_weights, shared, routed, pass_config)
@@ -252,7 +246,7 @@ def forward(
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.forward(
         schedule, x, router_weights, *shared, *routed, group=ws.group, swiglu_limit=swiglu_limit,
-        macrobatch_size=macrobatch, macrobatch_replay=_macrobatch_replay(macrobatch_replay),
+        macrobatch_size=macrobatch, macrobatch_replay=macrobatch_replay,
     )  # fmt: skip
     return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 
@@ -469,7 +463,7 @@ def forward_mxfp8(
     reuse, macrobatch 0's rows, as `forward`'s). On CUDA the forward megakernel's MXFP8
     variant."""
     ws = workspace_from_handle(workspace_handle)
-    if _macrobatch_replay(macrobatch_replay) == "gather" and (
+    if check_macrobatch_replay(macrobatch_replay) == "gather" and (
         macrobatch_size < router_weights.numel()
     ):
         raise ValueError(
@@ -485,7 +479,7 @@ def forward_mxfp8(
         pass_config = PassConfig.of_workspace(
             ws, swiglu_limit=swiglu_limit, num_comm_ctas=fwd_num_comm_sms,
             minibatch_size=minibatch_size, macrobatch_size=macrobatch_size,
-            macrobatch_replay=_macrobatch_replay(macrobatch_replay),
+            macrobatch_replay=macrobatch_replay,
         )  # fmt: skip
         gpu = _gpu("forward", x.device, ws.ep_size)
         return gpu.forward(ws, schedule, x, router_weights, shared, routed, pass_config)
@@ -494,7 +488,7 @@ def forward_mxfp8(
     ws.buffers["x_buffer"].copy_(x)
     out, ctx = reference.mxfp8_forward(
         schedule, x, router_weights, *shared, *routed, group=ws.group, swiglu_limit=swiglu_limit,
-        macrobatch_size=macrobatch, macrobatch_replay=_macrobatch_replay(macrobatch_replay),
+        macrobatch_size=macrobatch, macrobatch_replay=macrobatch_replay,
     )  # fmt: skip
     return (out, *(t if t is not None else _empty(x) for t in ctx.tensors()))
 

@@ -417,11 +417,16 @@ def recompute_forward_context(
     return MoKForwardContext(*ctx.tensors()[:4], gate_s, up_s, swiglu(gate_s, up_s, swiglu_limit))
 
 
+def pull_x_rows(schedule, x, topk: int, group) -> torch.Tensor:
+    """x_routed of `schedule`: each routed row's token of x, pulled from its rank."""
+    return pull_rows(x, schedule.peer_rank, schedule.peer_token_idx.long() // topk, group)
+
+
 def _routed_forward(schedule, x, gate_w, up_w, down_w, *, topk, group, swiglu_limit, mlp=None):
     """(context, y) of the routed experts; `mlp` (default `_mlp`) computes one row tile of an
     expert."""
     mlp = _mlp if mlp is None else mlp
-    x_routed = pull_rows(x, schedule.peer_rank, schedule.peer_token_idx.long() // topk, group)
+    x_routed = pull_x_rows(schedule, x, topk, group)
     capacity, inter = schedule.capacity, gate_w.shape[1]
     gate = torch.zeros(capacity, inter, dtype=torch.bfloat16, device=x.device)
     up, hidden = torch.zeros_like(gate), torch.zeros_like(gate)
@@ -689,7 +694,7 @@ def _layer_backward(schedule, ctx, grad_output, x, router_weights, shared, route
     windows = macrobatch_windows(schedule, macrobatch_size)
 
     def pull_x(window):
-        return pull_rows(x, window.peer_rank, window.peer_token_idx.long() // topk, group)
+        return pull_x_rows(window, x, topk, group)
 
     for m, (_, window) in enumerate(windows):
         ctx_m = _macrobatch_context(ctx, schedule, windows, m, replay, pull_x)

@@ -243,7 +243,7 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
         if full_context:
             ctx = tuple(t[first : first + rows] for t in (x_routed, gate, up, hidden))
         elif gathered:
-            x_rows = x_routed if m == 0 else replay(window, topk, peers)[0]
+            x_rows = x_routed if m == 0 else replay.x_rows(window, topk, peers)
             ctx = (x_rows, *(t[first : first + rows] for t in (gate, up, hidden)))
         elif m == 0:
             ctx = (x_routed, gate, up, hidden)
@@ -302,21 +302,23 @@ class _Replay:
         inter = gate_weights.shape[1]
         bf16 = dict(dtype=torch.bfloat16, device=x.device)
         self.x, self.weights, self.limit = x, (gate_weights, up_weights), swiglu_limit
-        self.x_only = x_only
-        self.ring = (torch.empty(rows, x.shape[1], **bf16),
-                     *(torch.empty(rows if not x_only else 0, inter, **bf16)
-                       for _ in range(3)))  # fmt: skip
+        self.x_ring = torch.empty(rows, x.shape[1], **bf16)
+        # gate, up, hidden: only where `__call__` runs (not with `x_only`).
+        self.ring = () if x_only else tuple(torch.empty(rows, inter, **bf16) for _ in range(3))
         self.rounded = torch.empty(rows, x.shape[1], **bf16) if mxfp8 and not x_only else None
 
-    def __call__(self, window, topk: int, peers) -> tuple:
-        """(x_routed, gate, up, hidden) of the macrobatch; with `x_only` (macrobatch_replay
-        "gather") only x_routed is made (the rest are empty)."""
-        rows = window.peer_rank.shape[0]
-        x_routed, gate, up, hidden = (t[:rows] for t in self.ring)
+    def x_rows(self, window, topk: int, peers):
+        """The macrobatch's x rows, pulled into the ring (all a `x_only` replay makes)."""
+        x_routed = self.x_ring[: window.peer_rank.shape[0]]
         dispatch.gather_rows(self.x, window.peer_rank, window.peer_token_idx, window.num_tokens,
                              topk, out=x_routed, peers=peers)  # fmt: skip
-        if self.x_only:
-            return x_routed, gate, up, hidden
+        return x_routed
+
+    def __call__(self, window, topk: int, peers) -> tuple:
+        """(x_routed, gate, up, hidden) of the macrobatch."""
+        rows = window.peer_rank.shape[0]
+        x_routed = self.x_rows(window, topk, peers)
+        gate, up, hidden = (t[:rows] for t in self.ring)
         a_rows = x_routed
         if self.rounded is not None:
             a_rows = mxfp8.mxfp8_round_trip(x_routed, along_rows=False, out=self.rounded[:rows])
