@@ -19,6 +19,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from mok import functional as F
+from mok.config import MACROBATCH_REPLAYS
 from mok.testing import make_inputs
 
 SHAPES = {  # H, I, E, k
@@ -102,7 +103,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--macrobatch", default="0", help="comma list of sizes; 0: every row")
     parser.add_argument("--minibatch", type=int, default=0, help="0: the default's")
-    parser.add_argument("--macrobatch-replay", default="gate_up", choices=("gate_up", "gather"),
+    parser.add_argument("--macrobatch-replay", default="gate_up", choices=MACROBATCH_REPLAYS,
                         help="MoKConfig.macrobatch_replay of the macrobatched steps")  # fmt: skip
     args = parser.parse_args()
     for size in (int(v) for v in args.macrobatch.split(",")):
