@@ -244,7 +244,7 @@ class Sm90ExpertGemmBwdWeightsWindow:
 
                 if writes:
                     # ---- the sums so far: the previous macrobatch's partial, or zero ----
-                    load_partial(thr_mma, (acc0, acc1), args.partial_in_ptr, None, from_partial,
+                    load_partial(thr_mma, (acc0, acc1), args.partial_in_ptr, from_partial,
                                  first_out_row, first_col, args.n_size)  # fmt: skip
                     read_state, release_state = engine.mma_k_tiles(
                         tiled_mma, ring, read_state, release_state, k_tiles, operands,
@@ -296,10 +296,10 @@ class Sm90ExpertGemmBwdWeightsWindow:
 
 
 @cute.jit
-def load_partial(thr_mma, accumulators: tuple, ptr: cute.Pointer, base_offset, from_partial,
-                 first_row: Int32, first_col: Int32, n_size: Int32):  # fmt: skip
+def load_partial(thr_mma, accumulators: tuple, ptr: cute.Pointer, from_partial, first_row: Int32,
+                 first_col: Int32, n_size: Int32):  # fmt: skip
     """The accumulators = the fp32 tile at (first_row, first_col) of the [*, n_size] partial at
-    `ptr` + base_offset (None: none) if `from_partial`, else zero. The load goes through a staging fragment and a select:
+    `ptr` if `from_partial`, else zero. The load goes through a staging fragment and a select:
     accumulator registers defined on one path of a branch make ptxas serialise every wgmma of
     the kernel (C7515), and an unconditional load would read 128 KiB a tile for nothing."""
     for j in cutlass.range_constexpr(2):
@@ -307,8 +307,8 @@ def load_partial(thr_mma, accumulators: tuple, ptr: cute.Pointer, base_offset, f
         staged = cute.make_rmem_tensor(acc.shape, Float32)
         staged.fill(0.0)
         if from_partial:
-            block = engine.output_tile(ptr, base_offset, first_row, first_col + j * TILE_N,
-                                       n_size, 2 * TILE_N)  # fmt: skip
+            block = engine.output_tile(ptr, None, first_row, first_col + j * TILE_N, n_size,
+                                       2 * TILE_N)  # fmt: skip
             cute.autovec_copy(thr_mma.partition_C(block), staged)
         for i in cutlass.range(cute.size(acc), unroll_full=True):
             acc[i] = cutlass.select_(from_partial, staged[i], Float32(0.0))
