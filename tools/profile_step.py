@@ -1,12 +1,14 @@
 """Per-kernel GPU time of one mok forward + backward at a benchmark shape (torch.profiler).
 
 python tools/profile_step.py [--shape qwen3-30b-a3b] [--tokens 16384] [--macrobatch 0,16384]
-    [--minibatch N] [--macrobatch-replay gather]
+    [--minibatch N] [--macrobatch-replay gather] [--main-grads]
 
 Each `--macrobatch` size (0: every routed row at once, the default config) profiles one step
 after three warm ones and prints its kernels' GPU time by name (launches, total, mean), then
 the step's span on the GPU (first kernel's start to last kernel's end), the time some kernel
-ran, and the gaps between: where a macrobatched step's extra time goes.
+ran, and the gaps between: where a macrobatched step's extra time goes. `--main-grads`: the
+routed weights' gradients are added into fp32 main_grads (their own kernels, after the backward
+megakernel, which then runs no weight tasks).
 """
 
 from __future__ import annotations
@@ -57,11 +59,15 @@ def profile_one(args, size: int, inputs, weights, e, config, ws) -> None:
     """Profile one step under `config` (macrobatches of `size` rows, 0: none) and print its
     kernels and its span."""
 
+    main_grads = None
+    if args.main_grads:  # routed gate, up, down (the layer has no shared expert)
+        main_grads = tuple(torch.zeros(w.shape, device="cuda") for w in weights[3:]) + (None,) * 3
+
     def step():
         schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
         out, ctx = F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights)
         F.backward(config, ws, schedule, ctx, inputs["grad_output"], inputs["x"],
-                   inputs["router_weights"], *weights)  # fmt: skip
+                   inputs["router_weights"], *weights, main_grads=main_grads)  # fmt: skip
 
     for _ in range(3):
         step()
@@ -87,7 +93,8 @@ def profile_one(args, size: int, inputs, weights, e, config, ws) -> None:
             end = stop
     span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0.0
     replay = f" ({config.macrobatch_replay} replay)" if size else ""
-    print(f"== {args.shape} T={args.tokens} macrobatch {size or 'all'}{replay}, "
+    grads = ", fp32 main_grads" if args.main_grads else ""
+    print(f"== {args.shape} T={args.tokens} macrobatch {size or 'all'}{replay}{grads}, "
           f"minibatch {config.minibatch_size}: "
           "one schedule + forward + backward")  # fmt: skip
     print(f"  {'kernel':70} {'launches':>8} {'total us':>10} {'mean us':>9}")
@@ -105,6 +112,8 @@ def main() -> None:
     parser.add_argument("--minibatch", type=int, default=0, help="0: the default's")
     parser.add_argument("--macrobatch-replay", default="gate_up", choices=MACROBATCH_REPLAYS,
                         help="MoKConfig.macrobatch_replay of the macrobatched steps")  # fmt: skip
+    parser.add_argument("--main-grads", action="store_true",
+                        help="add the routed weights' gradients into fp32 main_grads")  # fmt: skip
     args = parser.parse_args()
     for size in (int(v) for v in args.macrobatch.split(",")):
         inputs, config, ws, weights, e = setup_layer(args.shape, args.tokens, size, args.minibatch,
