@@ -19,7 +19,11 @@ Every wgmma accumulates (gemm_engine.mma_k_tiles), so the sum continued from its
 partial is bitwise the one-pass sum of expert_gemm_bwd_weights.py and of the backward
 megakernel's weight phase, for any macrobatch edges on 128-row tiles. An expert without rows is
 written (zeros, or out += 0) by the first macrobatch only; experts outside the macrobatch are
-not touched.
+not touched. CTA c's tiles are c, c + grid, ... in order; its walk starts at its first tile of
+the first expert whose segment does not end before the macrobatch and stops at the first
+expert whose segment starts past it (`first_window_tile`, `next_window_tile`), so a launch does
+not step through the other experts' tiles; the macrobatch at row 0 walks every tile (it writes
+the experts without rows).
 
 Kernel parameters, in order:
 - `tma_a`  A bf16 [window_rows, M], box 64 (M) x 64 (rows); `tma_b`  B bf16 [window_rows, N]
@@ -78,6 +82,36 @@ def locate_window_tile(tile: Int32, tiles_per_expert: Int32, m_tiles: Int32,
     )
     part = window_part(row_base, tokens_per_expert[expert], args.first_row, args.window_rows)
     return expert, m_tile, n_pair, cursor, row_base, part
+
+
+@cute.jit
+def first_window_tile(bidx: Int32, grid_size: Int32, tiles_per_expert: Int32,
+                      tokens_per_expert: cute.Tensor, args):  # fmt: skip
+    """(first tile, cursor, row_base) of CTA `bidx`'s walk (tiles bidx + j * grid): its first
+    tile of the first expert whose segment does not end before the macrobatch, the cursor
+    (`advance_to_expert`'s) at that expert. The macrobatch at row 0 walks from tile bidx: it
+    also writes the experts without rows."""
+    cursor = Int32(0)
+    row_base = Int32(0)
+    if args.first_row > 0:
+        last = cutlass.max(args.num_experts, 1) - 1
+        while (cursor < last) & (row_base + tokens_per_expert[cursor] <= args.first_row):
+            row_base = row_base + tokens_per_expert[cursor]
+            cursor = cursor + 1
+    first = cursor * tiles_per_expert
+    tile = bidx
+    if first > bidx:
+        tile = bidx + (first - bidx + grid_size - 1) // grid_size * grid_size
+    return tile, cursor, row_base
+
+
+@cute.jit
+def next_window_tile(tile: Int32, grid_size: Int32, num_tiles: Int32, row_base: Int32, args):
+    """The walk's tile after `tile`, whose expert's segment starts at row_base: num_tiles (the
+    end) once the segments start past the macrobatch, which then meets no later expert (the
+    macrobatch at row 0 walks on: it writes the experts without rows)."""
+    after = (args.first_row > 0) & (row_base >= args.first_row + args.window_rows)
+    return cutlass.select_(after, num_tiles, tile + grid_size)
 
 
 # The fp32 partial sums, 16-byte aligned: whole rows move as vectors.
@@ -202,9 +236,9 @@ class Sm90ExpertGemmBwdWeightsWindow:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                cursor = Int32(0)
-                row_base = Int32(0)
-                tile = bidx
+                tile, cursor, row_base = first_window_tile(
+                    bidx, grid_size, tiles_per_expert, tokens_per_expert, args
+                )
                 while tile < num_tiles:
                     _, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
                         tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
@@ -217,7 +251,7 @@ class Sm90ExpertGemmBwdWeightsWindow:
                         (tma.tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
                     )
                     state = engine.load_k_tiles(ring, state, k_tiles, loads)
-                    tile = tile + grid_size
+                    tile = next_window_tile(tile, grid_size, num_tiles, row_base, args)
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
             if cutlass.const_expr(self._crew):
@@ -231,9 +265,9 @@ class Sm90ExpertGemmBwdWeightsWindow:
                 tiled_mma, tidx, sA, sB0, sB1
             )
             read_state, release_state = engine.make_consumer_states(self.stages)
-            cursor = Int32(0)
-            row_base = Int32(0)
-            tile = bidx
+            tile, cursor, row_base = first_window_tile(
+                bidx, grid_size, tiles_per_expert, tokens_per_expert, args
+            )
             while tile < num_tiles:
                 expert, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
                     tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
@@ -264,7 +298,7 @@ class Sm90ExpertGemmBwdWeightsWindow:
                             )
                             copy_tile(thr_mma, (acc0, acc1), args.out_ptr, expert_offset,
                                       first_out_row, first_col, args.n_size, self.output)  # fmt: skip
-                tile = tile + grid_size
+                tile = next_window_tile(tile, grid_size, num_tiles, row_base, args)
 
     @cute.jit
     def _crew_stores(self, buffers, args, num_tiles, tiles_per_expert, m_tiles, tidx, bidx,
@@ -276,9 +310,9 @@ class Sm90ExpertGemmBwdWeightsWindow:
         )
         lane = tidx - 32 * CREW.first_warp
         row_stride = cute.assume(Int64(args.n_size), divby=2 * TILE_N)
-        cursor = Int32(0)
-        row_base = Int32(0)
-        tile = bidx
+        tile, cursor, row_base = first_window_tile(
+            bidx, grid_size, tiles_per_expert, tokens_per_expert, args
+        )
         while tile < num_tiles:
             expert, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
                 tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
@@ -292,7 +326,7 @@ class Sm90ExpertGemmBwdWeightsWindow:
                     buffers, lane, expert * args.out_expert_rows + m_tile * TILE_M,
                     n_pair * (2 * TILE_N), None, handoff.store_pair, (args.out_ptr, row_stride),
                 )  # fmt: skip
-            tile = tile + grid_size
+            tile = next_window_tile(tile, grid_size, num_tiles, row_base, args)
 
 
 @cute.jit
