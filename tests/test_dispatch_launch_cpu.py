@@ -265,6 +265,64 @@ def test_backward_megakernel_launch_packs(monkeypatch, kernels, weight_grads):
         assert d_weights is None
 
 
+def test_window_backward_megakernel_launch_packs(monkeypatch, kernels):
+    """One macrobatch's launch with its weight tasks (WeightWindow): the window variant, the
+    whole schedule's segments, the macrobatch's first row, the partials and the gradients the
+    caller holds (fused halves: gate and up rows 2 I apart), all rewritten per launch."""
+    moe_backward = _backward_launcher_on_cpu(monkeypatch)
+    monkeypatch.setattr(moe_backward, "check_expert_weights", _expert_weights_on_cpu)
+    monkeypatch.setattr(moe_backward, "check_counts",
+                        lambda name, t, size: None if t.shape == (size,) else pytest.fail(name))  # fmt: skip
+    t, h, i, e, k = BACKWARD_SIZES
+    schedule, dy, w, x_routed, gate, up, hidden = _backward_operands()
+    c = schedule.capacity
+    gate_w = torch.zeros(e, i, h, dtype=torch.bfloat16)
+    down_w = torch.zeros(e, h, i, dtype=torch.bfloat16)
+    fused = torch.zeros(e, 2 * i, h, dtype=torch.bfloat16)
+    d_weights = (fused[:, :i], fused[:, i:], torch.zeros(e, h, i, dtype=torch.bfloat16))
+    whole = torch.full((e,), 1024, dtype=torch.int32)
+    partials = torch.zeros(2, 3, h * i)
+    for m, first_row in enumerate((0, 2048)):
+        window = moe_backward.WeightWindow(whole, first_row, d_weights, partials[m % 2],
+                                           partials[(m + 1) % 2])  # fmt: skip
+        *_, got = moe_backward.launch_routed_backward(
+            dy, w, schedule, (x_routed, gate, up, hidden), (gate_w, gate_w, down_w),
+            moe_backward.PassConfig(), weight_grads=False, window=window,
+        )  # fmt: skip
+        assert [g.data_ptr() for g in got] == [g.data_ptr() for g in d_weights]
+    assert "moe_backward" not in kernels
+    launches = kernels["moe_backward_window"].launches
+    assert len(launches) == 2
+    for m, (_, args) in enumerate(launches):
+        assert args["weight_gemms"] == 3 and args["d_w_gate_up_rows"] == 2 * i
+        assert args["window_rows"] == c and args["window_first_row"] == 2048 * m
+        assert args["schedule_tokens_per_expert_ptr"] == whole.data_ptr()
+        assert args["tokens_per_expert_ptr"] == schedule.tokens_per_expert.data_ptr()
+        assert args["partial_in_ptr"] == partials[m % 2].data_ptr()
+        assert args["partial_out_ptr"] == partials[(m + 1) % 2].data_ptr()
+        assert [args[f"d_w_{n}_ptr"] for n in ("gate", "up", "down")] == [
+            g.data_ptr() for g in d_weights
+        ]
+    operands = (dy, w, schedule, (x_routed, gate, up, hidden), (gate_w, gate_w, down_w),
+                moe_backward.PassConfig())  # fmt: skip
+    bad = (
+        ({"weight_grads": True}, "weight_grads must be False"),
+        ({"window": window._replace(first_row=64)}, r"window.first_row must be a multiple of 128 "
+                                                    r">= 0, got 64"),
+        ({"window": window._replace(partial_out=window.partial_in)},
+         "partial_in and window.partial_out must be different buffers"),
+        ({"window": window._replace(d_weights=d_weights[:2])},
+         r"window.d_weights must be \(dW_gate, dW_up, dW_down\), got 2 tensors"),
+    )  # fmt: skip
+    for change, message in bad:
+        kwargs = {"weight_grads": False, "window": window, **change}
+        with pytest.raises(ValueError, match=message):
+            moe_backward.launch_routed_backward(*operands, **kwargs)
+    with pytest.raises(ValueError, match="MXFP8 backward megakernel computes no weight"):
+        moe_backward.launch_routed_backward(*operands, weight_grads=False, window=window,
+                                            mxfp8=True)  # fmt: skip
+
+
 def test_mxfp8_backward_megakernel_launch_packs(monkeypatch, kernels):
     from mok.launchers import device_args
 

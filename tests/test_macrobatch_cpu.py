@@ -394,8 +394,9 @@ def fake_routed_forward(x, schedule, topk, weights, pass_config, *, slots=None, 
 
 
 def fake_routed_backward(grad_output, router_weights, schedule, context, weights, pass_config,
-                         *, weight_grads=True, slots=None, **_):  # fmt: skip
-    """The backward megakernel without its weight phase over one (sub-)schedule."""
+                         *, weight_grads=True, slots=None, window=None, **_):  # fmt: skip
+    """The backward megakernel over one (sub-)schedule: with a WeightWindow its weight tasks
+    (the window's part of each gradient, from and into its partials), else no weight phase."""
     assert not weight_grads  # the ring path sums the weight gradients macrobatch by macrobatch
     _, gate, up, _ = context
     gate_w, up_w, down_w = weights
@@ -417,7 +418,19 @@ def fake_routed_backward(grad_output, router_weights, schedule, context, weights
             y = R.swiglu(gate[r], up[r], swiglu_limit).float()
             partials[r] = (y * d_hidden).view(y.shape[0], -1, 128).sum(dim=2)
     slots = R.push_rows(d_x, peer, slot, grad_output.shape[0] * topk, None, out=slots)
-    return dy_e, d_gate, d_up, partials, slots, None
+    if window is None:
+        return dy_e, d_gate, d_up, partials, slots, None
+    # The kernel's GEMM order (dW_down, dW_gate, dW_up) and its partials' layout.
+    x_rows, hidden = context[0], context[3]
+    d_w_gate, d_w_up, d_w_down = window.d_weights
+    hidden_size, inter = d_w_down.shape[1:]
+    for g, (a, b, out) in enumerate(((dy_e, hidden, d_w_down), (d_gate, x_rows, d_w_gate),
+                                     (d_up, x_rows, d_w_up))):  # fmt: skip
+        shape = (hidden_size, inter) if g == 0 else (inter, hidden_size)
+        R.weight_gradient_window(a, b, window.tokens_per_expert, window.first_row, out,
+                                 window.partial_in[g].view(shape),
+                                 window.partial_out[g].view(shape), output="bf16")  # fmt: skip
+    return dy_e, d_gate, d_up, partials, slots, list(window.d_weights)
 
 
 def fake_gather_rows(src, peer_rank, peer_token_idx, num_tokens, topk, *, out=None, peers=None):
@@ -547,13 +560,14 @@ def test_ring_launchers_give_the_same_bits_for_every_macrobatch_size(launches, s
         count = -(-schedule.capacity // size)
         # Forward: one schedule launch and a megakernel per macrobatch. Backward: the
         # schedule launch, a replay of every macrobatch but 0 (gather + gate/up), then per
-        # macrobatch the megakernel, the router push and the three weight-gradient GEMMs.
+        # macrobatch the megakernel (with its weight tasks for bf16 gradients) and the router
+        # push, and for fp32 main_grads the three window weight-gradient GEMMs.
         assert launches.count("macrobatch_schedule") == 2
         assert launches.count("moe_forward") == launches.count("moe_backward") == count
         assert launches.count("gather_rows") == count - 1
         assert launches.count("gate_up") == count - 1 + (1 if shared else 0)
         assert launches.count("router_grad_push") == count
-        assert launches.count("weights_window") == 3 * count
+        assert launches.count("weights_window") == (3 * count if main else 0)
     assert windows == 16  # 4096 rows of capacity, about half of them routed
 
 
@@ -575,7 +589,7 @@ def test_ring_launchers_replaying_x_only_give_the_same_bits(launches, shared, li
         assert launches.count("moe_forward") == launches.count("moe_backward") == count
         assert launches.count("gather_rows") == count - 1
         assert launches.count("gate_up") == (1 if shared else 0)  # the shared expert's only
-        assert launches.count("weights_window") == 3 * count
+        assert launches.count("weights_window") == (3 * count if main else 0)
 
 
 def test_ring_launchers_read_a_full_context_without_replay(launches):

@@ -1,14 +1,15 @@
 """Per-kernel GPU time of one mok forward + backward at a benchmark shape (torch.profiler).
 
 python tools/profile_step.py [--shape qwen3-30b-a3b] [--tokens 16384] [--macrobatch 0,16384]
-    [--minibatch N] [--macrobatch-replay gather] [--main-grads]
+    [--minibatch N] [--macrobatch-replay gather] [--main-grads] [--gaps N]
 
 Each `--macrobatch` size (0: every routed row at once, the default config) profiles one step
 after three warm ones and prints its kernels' GPU time by name (launches, total, mean), then
 the step's span on the GPU (first kernel's start to last kernel's end), the time some kernel
 ran, and the gaps between: where a macrobatched step's extra time goes. `--main-grads`: the
 routed weights' gradients are added into fp32 main_grads (their own kernels, after the backward
-megakernel, which then runs no weight tasks).
+megakernel, which then runs no weight tasks). `--gaps N`: the step's N longest gaps between
+kernels, each with the kernels before and after it (where the GPU waited for the host).
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ def profile_one(args, size: int, inputs, weights, e, config, ws) -> None:
         print(f"  {name:70} {len(times):8d} {sum(times):10.1f} {sum(times) / len(times):9.1f}")
     print(f"  span {span:.1f} us, kernels running {busy:.1f} us, gaps {span - busy:.1f} us, "
           f"{len(kernels)} kernels")  # fmt: skip
+    gaps = [(after.time_range.start - before.time_range.end, n, before.name, after.name)
+            for n, (before, after) in enumerate(zip(kernels, kernels[1:], strict=False), 1)]  # fmt: skip
+    for gap, n, before, after in sorted(gaps, reverse=True)[: args.gaps]:
+        print(f"  gap {gap:8.1f} us before kernel {n:3d}: {before[:40]} -> {after[:40]}")
 
 
 def main() -> None:
@@ -114,6 +119,7 @@ def main() -> None:
                         help="MoKConfig.macrobatch_replay of the macrobatched steps")  # fmt: skip
     parser.add_argument("--main-grads", action="store_true",
                         help="add the routed weights' gradients into fp32 main_grads")  # fmt: skip
+    parser.add_argument("--gaps", type=int, default=0, help="print the N longest gaps")
     args = parser.parse_args()
     for size in (int(v) for v in args.macrobatch.split(",")):
         inputs, config, ws, weights, e = setup_layer(args.shape, args.tokens, size, args.minibatch,

@@ -173,6 +173,14 @@ def variants() -> list[Variant]:
             launch_grid="(sm_count, 1, 1)",
             archs=("sm_90a",),
         ),
+        # One macrobatch of ring reuse, its weight tasks continued from and into fp32 partials.
+        Variant(
+            "moe_backward_window",
+            Sm90MoeBackward,
+            {"stages": 3, "window": True},
+            launch_grid="(sm_count, 1, 1)",
+            archs=("sm_90a",),
+        ),
         Variant(
             "moe_backward_mxfp8",
             Sm90MoeBackward,

@@ -1,18 +1,29 @@
 """The backward megakernel's launcher (mok/dsl_kernels/sm90/moe_backward.py): dispatch, d_hidden,
 d_x to slots and (unless fp32 main_grads take them) the weight gradients in one launch; for a
 plan made with `finish` (a group of one without a shared expert, launchers/backward_op.py), also
-backward_finish's d_x sum and router-weight gradients as the launch's last phase. Its
-counters (the plan's `plans.Counters`) are zero when it starts, as the forward megakernel's.
+backward_finish's d_x sum and router-weight gradients as the launch's last phase; with a
+`WeightWindow` (one macrobatch of ring reuse, launchers/macrobatch.py), that macrobatch's part
+of the bf16 weight gradients, continued from and into fp32 partials. Its counters (the plan's
+`plans.Counters`) are zero when it starts, as the forward megakernel's.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from ..config import DEFAULT_WAIT_TIMEOUT_NS
 from ..types import PassConfig
-from .checks import check_arg, check_cuda, check_multiple, expert_rows_view
-from .device_args import sm_count, tma_descriptor
+from .checks import (
+    check_arg,
+    check_counts,
+    check_cuda,
+    check_expert_weights,
+    check_multiple,
+    expert_rows_view,
+)
+from .device_args import TILE_ROWS, sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT, gate_up_gradients
 from .megakernel_walk import (
     BACKWARD_COUNTER_TAIL,
@@ -36,6 +47,25 @@ from .status import status_ptr
 
 KERNEL = "moe_backward"
 KERNEL_MXFP8 = "moe_backward_mxfp8"
+KERNEL_WINDOW = "moe_backward_window"
+
+
+class WeightWindow(NamedTuple):
+    """One macrobatch's bf16 weight gradients in its backward launch (the `window` variant).
+    The launch's schedule is the macrobatch's (its rows, its clipped segments) and its context
+    the macrobatch's rows; `tokens_per_expert` (int32 [E]) is the whole schedule's and
+    `first_row` (a multiple of 128) the schedule row of the macrobatch's first. Each expert's
+    tile sums start from `partial_in` where its segment began in an earlier macrobatch, go
+    into `partial_out` where it goes on past this one (fp32 [3, H * I] each, different
+    buffers: dW_down's [H, I], dW_gate's and dW_up's [I, H] sums, in that order), and are
+    rounded into `d_weights` = (dW_gate, dW_up, dW_down) (bf16 [E, I, H] (or the halves of one
+    [E, 2 I, H]), [E, I, H], [E, H, I]) in the macrobatch of the segment's last rows."""
+
+    tokens_per_expert: torch.Tensor
+    first_row: int
+    d_weights: tuple
+    partial_in: torch.Tensor
+    partial_out: torch.Tensor
 
 
 def routed_backward(
@@ -96,9 +126,15 @@ def routed_backward(
 
 def launch_routed_backward(grad_output, router_weights, schedule, context, weights, pass_config,
                            *, weight_grads=True, peers=None, slots=None, mxfp8=False,
-                           fused_grads=False):  # fmt: skip
+                           fused_grads=False, window=None):  # fmt: skip
     """`routed_backward` with its context (x_routed, gate, up, hidden), routed weights (gate,
-    up, down) and settings (a PassConfig) each as one object, as the launch path holds them."""
+    up, down) and settings (a PassConfig) each as one object, as the launch path holds them.
+    `window`: a WeightWindow (then `weight_grads` must be False: the gradients are the
+    window's)."""
+    window_key = None
+    if window is not None:
+        window_key = (tensor_key(window.tokens_per_expert), *map(tensor_key, window.d_weights),
+                      tensor_key(window.partial_in), tensor_key(window.partial_out))  # fmt: skip
     key = (
         KERNEL, tensor_key(grad_output), tensor_key(router_weights),
         tensor_key(schedule.peer_rank), tensor_key(schedule.peer_token_idx),
@@ -106,23 +142,24 @@ def launch_routed_backward(grad_output, router_weights, schedule, context, weigh
         *map(tensor_key, context), *map(tensor_key if mxfp8 else weight_key, weights),
         tensor_key(slots), pass_config, weight_grads,
         None if peers is None else (peers[0], peers[1].data_ptr()),
-        mxfp8, fused_grads, current_stream(grad_output.get_device()),
+        mxfp8, fused_grads, window_key, current_stream(grad_output.get_device()),
     )  # fmt: skip
 
     def make():
         return backward_plan(
             grad_output, router_weights, schedule, context, weights, pass_config, weight_grads,
-            peers, slots, mxfp8, fused_grads=fused_grads,
+            peers, slots, mxfp8, fused_grads=fused_grads, window=window,
         )  # fmt: skip
 
     launch = plan(key, make)
     call_weights = weights if mxfp8 else None  # read per launch only as MXFP8's bf16 values
-    return launch(grad_output, router_weights, schedule, context, slots, call_weights)
+    return launch(grad_output, router_weights, schedule, context, slots, call_weights,
+                  window=window)  # fmt: skip
 
 
 def backward_plan(
     grad_output, router_weights, schedule, context, weights, pass_config, weight_grads, peers,
-    slots, mxfp8=False, finish=False, fused_grads=False,
+    slots, mxfp8=False, finish=False, fused_grads=False, window=None,
 ):  # fmt: skip
     """`routed_backward`'s plan for these arguments (checked now); call it as
     plan(grad_output, router_weights, schedule, context, slots, weights) (`context` = (x_routed,
@@ -130,11 +167,12 @@ def backward_plan(
     of one: `peers` None): the launch also writes d_x = sum_j slots[t * k + j] (bf16 [T, H])
     and the router weights' gradient d_router (fp32 [T, k]), backward_finish's bits and
     router-weight check; pass `finish` = (d_x, d_router) to the call (or their addresses to
-    `launch`)."""
+    `launch`). `window`: a WeightWindow (checked now; pass one of the same shapes to each
+    call)."""
     if finish and peers is not None:
         raise ValueError("finish: the in-kernel finish is a group of one's (peers must be None)")
     return _BackwardPlan(grad_output, router_weights, schedule, context, weights, pass_config,
-                         weight_grads, peers, slots, mxfp8, finish, fused_grads)  # fmt: skip
+                         weight_grads, peers, slots, mxfp8, finish, fused_grads, window)  # fmt: skip
 
 
 class _BackwardPlan:
@@ -143,14 +181,20 @@ class _BackwardPlan:
 
     def __init__(
         self, grad_output, router_weights, schedule, context, weights, pass_config, weight_grads,
-        peers, slots, mxfp8, finish=False, fused_grads=False,
+        peers, slots, mxfp8, finish=False, fused_grads=False, window=None,
     ):  # fmt: skip
         from mok.runtime import get_kernel  # noqa: PLC0415
 
-        if mxfp8 and weight_grads:
+        if mxfp8 and (weight_grads or window is not None):
             raise ValueError(
                 "the MXFP8 backward megakernel computes no weight gradients in its launch "
-                "(weight_grads must be False; backward_op round-trips their operands first)"
+                "(weight_grads must be False and window None; backward_op round-trips their "
+                "operands first)"
+            )
+        if window is not None and (weight_grads or finish):
+            raise ValueError(
+                "window: the macrobatch's weight gradients are the window's (weight_grads must "
+                "be False) and its launch has no finish"
             )
 
         num_tokens, hidden_size = grad_output.shape
@@ -172,9 +216,13 @@ class _BackwardPlan:
             ("hidden", hidden, (capacity, intermediate_size)),
         ):
             check_cuda(name, t, torch.bfloat16, shape)
+        gate_up_rows = (2 if fused_grads else 1) * intermediate_size
+        if window is not None:
+            gate_up_rows = _check_window(window, num_experts, hidden_size, intermediate_size)
         self.device = grad_output.device
         self.device_index = grad_output.get_device()
         self.sizes = (num_tokens, topk, capacity, num_experts, hidden_size, intermediate_size)
+        self.window = window is not None
         self.weight_grads = weight_grads
         self.fused_grads = fused_grads
         self.mxfp8 = mxfp8
@@ -184,7 +232,8 @@ class _BackwardPlan:
         if capacity == 0 or num_experts == 0 or num_tokens == 0:
             return
         ep_rank, table = peers if peers is not None else (0, None)
-        kernel = get_kernel(KERNEL_MXFP8 if mxfp8 else KERNEL, device=self.device)
+        name = KERNEL_MXFP8 if mxfp8 else KERNEL_WINDOW if window is not None else KERNEL
+        kernel = get_kernel(name, device=self.device)
         grid = pass_config.grid or sm_count(self.device)
         # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py), and a
         # diagnostic build's phase stamps (tools/phase_timeline.py).
@@ -232,11 +281,18 @@ class _BackwardPlan:
                     schedule, self.counters.tensor, grad_output, weights[0], topk, pass_config,
                     grid, ep_rank,
                 ),
-                "weight_gemms": 3 if weight_grads else 0,
-                "d_w_gate_up_rows": (2 if fused_grads else 1) * intermediate_size,
+                "weight_gemms": 3 if weight_grads or window is not None else 0,
+                "d_w_gate_up_rows": gate_up_rows,
+                # The window variant's (the other variants do not read them).
+                "schedule_tokens_per_expert_ptr": None,
+                "window_first_row": 0,
+                "window_rows": capacity,
+                "partial_in_ptr": None,
+                "partial_out_ptr": None,
             },
             dynamic=(*self.dynamic_tma, *DYNAMIC_POINTERS,
-                     *(ROUNDED_POINTERS if mxfp8 else ())),
+                     *(ROUNDED_POINTERS if mxfp8 else ()),
+                     *(WINDOW_POINTERS if window is not None else ())),
         )  # fmt: skip
 
     def _descriptors(self, dy_e, d_gate, d_up, hidden, x_routed, rounded, weights) -> dict:
@@ -298,26 +354,40 @@ class _BackwardPlan:
         return self.scratch.new(), slots, d_weights, rounded
 
     def __call__(self, grad_output, router_weights, schedule, context, slots, weights=None,
-                 finish=None):  # fmt: skip
+                 finish=None, window=None):  # fmt: skip
         """(dy_e, d_gate, d_up, partials, slots, d_weights): the scratch as views of one
         allocation; `context` = (x_routed, gate, up, hidden). `finish`: (d_x, d_router) of a
-        plan made with `finish`."""
+        plan made with `finish`; `window`: the WeightWindow of a plan made with one (its
+        d_weights are returned)."""
         finish_at = (0, 0) if finish is None else tuple(t.data_ptr() for t in finish)
         buffer, slots, d_weights = self.launch(
             grad_output, router_weights, schedule_addresses(schedule),
             tuple(t.data_ptr() for t in context), context.__getitem__, slots, weights, finish_at,
+            window,
         )  # fmt: skip
         return (*self.scratch.views(buffer), slots, d_weights)
 
     def launch(self, grad_output, router_weights, schedule_at, context_at, context, slots,
-               weights=None, finish_at=(0, 0)):  # fmt: skip
+               weights=None, finish_at=(0, 0), window=None):  # fmt: skip
         """The launch on addresses: the schedule's four (`schedule_addresses`), the context's
         four (x_routed, gate, up, hidden; `context(i)` makes tensor i, only for a descriptor
-        not made yet); `finish_at`: (d_x, d_router) of a plan made with `finish`. -> (scratch
-        buffer (`self.scratch`: dy_e, d_gate, d_up, partials), slots, d_weights or None)."""
+        not made yet); `finish_at`: (d_x, d_router) of a plan made with `finish`; `window`:
+        the WeightWindow of a plan made with one. -> (scratch buffer (`self.scratch`: dy_e,
+        d_gate, d_up, partials), slots, d_weights or None)."""
+        if (window is not None) != self.window:
+            raise ValueError(
+                f"window: this plan was made {'with' if self.window else 'without'} one"
+            )
         buffer, slots, d_weights, rounded = self._outputs(slots)
+        if window is not None:
+            d_weights = list(window.d_weights)
         if self.bound is None:
-            if d_weights is not None:
+            if window is not None:
+                # No rows in the macrobatch: only the first touches its outputs (zeros).
+                if window.first_row == 0:
+                    for d_w in d_weights:
+                        d_w.zero_()
+            elif d_weights is not None:
                 for d_w in d_weights:
                     d_w.zero_()
             return buffer, slots, d_weights
@@ -334,6 +404,14 @@ class _BackwardPlan:
         descriptors = self._descriptors_at((*scratch_at[:3], hidden_at, x_routed_at), operand,
                                            rounded, weights)  # fmt: skip
         d_w_at = (dy_e_at,) * 3 if d_weights is None else tuple(t.data_ptr() for t in d_weights)
+        window_at = ()
+        if window is not None:
+            window_at = (window.tokens_per_expert.data_ptr(), window.first_row,
+                         window.partial_in.data_ptr(), window.partial_out.data_ptr())  # fmt: skip
+            all_aligned(("window.d_weights", "window.d_weights", "window.d_weights",
+                         "window.partial_in", "window.partial_out"),
+                        (*d_w_at, *window_at[2:]))  # fmt: skip
+            _check_window_call(window)
         stream = current_stream(self.device_index)
         self.counters.before_launch(stream)
         self.bound.launch(
@@ -341,6 +419,7 @@ class _BackwardPlan:
             gate_at, up_at, d_gate_at, d_up_at, partials_at, slots.data_ptr(), *finish_at,
             *schedule_at,
             *(t.data_ptr() for t in rounded or ()),
+            *window_at,
             stream=stream,
         )  # fmt: skip
         return buffer, slots, d_weights
@@ -353,12 +432,57 @@ DYNAMIC_TMA = ("tma_dy", "tma_dg", "tma_du", "tma_xdy", "tma_xdg", "tma_xdu", "t
 # The MXFP8 variant's weights (dequantised per call) and round-trip scratch, after those.
 WEIGHT_TMA = ("tma_wg", "tma_wu", "tma_wd")
 ROUNDED_POINTERS = ("dy_rounded_ptr", "d_gate_rounded_ptr", "d_up_rounded_ptr")
+# The window variant's, after the pointers (WeightWindow).
+WINDOW_POINTERS = ("schedule_tokens_per_expert_ptr", "window_first_row", "partial_in_ptr",
+                   "partial_out_ptr")  # fmt: skip
+
+
 DYNAMIC_POINTERS = (
     "d_w_down_ptr", "d_w_gate_ptr", "d_w_up_ptr", "dy_ptr", "weight_ptr", "dy_routed_ptr",
     "gate_ptr", "up_ptr", "d_gate_ptr", "d_up_ptr", "partials_ptr", "slots_ptr", "d_x_ptr",
     "d_router_ptr", "peer_rank_ptr", "peer_token_idx_ptr", "num_tokens_ptr",
     "tokens_per_expert_ptr",
 )  # fmt: skip
+
+
+def _check_window_call(window) -> None:
+    """What a WeightWindow may change from call to call of one plan: its first row, its
+    partials."""
+    first_row = window.first_row
+    if isinstance(first_row, bool) or not isinstance(first_row, int) or first_row < 0 \
+            or first_row % TILE_ROWS:  # fmt: skip
+        raise ValueError(
+            f"window.first_row must be a multiple of {TILE_ROWS} >= 0, got {first_row!r}"
+        )
+    if window.partial_in.data_ptr() == window.partial_out.data_ptr():
+        raise ValueError("window.partial_in and window.partial_out must be different buffers")
+
+
+def _check_window(window, num_experts, hidden_size, inter) -> int:
+    """A WeightWindow's tensors checked; returns dW_gate's (and dW_up's) rows per expert."""
+    if not isinstance(window, WeightWindow):
+        raise TypeError(f"window must be a WeightWindow, got {type(window).__name__}")
+    _check_window_call(window)
+    check_counts("window.tokens_per_expert", window.tokens_per_expert, num_experts)
+    if len(window.d_weights) != 3:
+        raise ValueError(f"window.d_weights must be (dW_gate, dW_up, dW_down), got "
+                         f"{len(window.d_weights)} tensors")  # fmt: skip
+    d_w_gate, d_w_up, d_w_down = window.d_weights
+    gate_rows = check_expert_weights("window.d_weights[0]", d_w_gate, torch.bfloat16,
+                                     (num_experts, inter, hidden_size))  # fmt: skip
+    up_rows = check_expert_weights("window.d_weights[1]", d_w_up, torch.bfloat16,
+                                   (num_experts, inter, hidden_size))  # fmt: skip
+    if gate_rows != up_rows:
+        raise ValueError(
+            f"window.d_weights: dW_gate and dW_up must have the same strides, got "
+            f"{tuple(d_w_gate.stride())} and {tuple(d_w_up.stride())}"
+        )
+    check_cuda("window.d_weights[2]", d_w_down, torch.bfloat16,
+               (num_experts, hidden_size, inter))  # fmt: skip
+    for name in ("partial_in", "partial_out"):
+        check_cuda(f"window.{name}", getattr(window, name), torch.float32,
+                   (3, hidden_size * inter))  # fmt: skip
+    return gate_rows
 
 
 def push_router_grads(

@@ -14,12 +14,14 @@ megakernel launch walks one macrobatch through views of the schedule, with no ho
     backward  macrobatches 0 .. C / MB - 1: macrobatch 0 from the context (or every macrobatch
               from a context of all C rows, e.g. a recomputed one), each later one replayed
               (gather_rows, the gate/up + SwiGLU kernel: recompute_forward_context's kernels,
-              bitwise the forward's); then one backward megakernel launch without its weight
-              phase (dispatch of w * dY, d_hidden + SwiGLU backward, d_x rows to slots), the
-              router-grad push, and the window weight-gradient kernel for each of dW_gate,
-              dW_up, dW_down (expert_gemm_bwd_weights_window.py): each expert's fp32 sum goes
-              on from the previous macrobatch's partial and is rounded to bf16 (or added into
-              its fp32 main_grad) only in the macrobatch holding the expert's last rows
+              bitwise the forward's); then one backward megakernel launch (dispatch of w * dY,
+              d_hidden + SwiGLU backward, d_x rows to slots, and for bf16 weight gradients its
+              weight tasks: the `window` variant, backward_megakernel.WeightWindow) and the
+              router-grad push; with fp32 main_grads or MXFP8, the launch without its weight
+              phase and the window weight-gradient kernel for each of dW_gate, dW_up, dW_down
+              (expert_gemm_bwd_weights_window.py). Either way each expert's fp32 sum goes on
+              from the previous macrobatch's partial and is rounded to bf16 (or added into its
+              fp32 main_grad) only in the macrobatch holding the expert's last rows
 
 With MoKConfig.macrobatch_replay "gather" (BF16) each forward launch writes its gate, up and
 hidden rows into tensors of every row, which the context keeps beside macrobatch 0's x rows,
@@ -42,7 +44,7 @@ import torch
 from ..types import MoKSchedule
 from ..validation import check_macrobatch, fused_gate_up, tensor_key
 from . import dispatch, epilogues, expert_gemm, mxfp8
-from .backward_megakernel import launch_routed_backward, push_router_grads
+from .backward_megakernel import WeightWindow, launch_routed_backward, push_router_grads
 from .checks import (
     check_counts,
     check_cuda,
@@ -234,6 +236,8 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
     fused = (main_grads[0] is None and main_grads[1] is None
              and fused_gate_up(routed_gate, routed_up))  # fmt: skip
     grads = _WeightGradients(*weights, main_grads[:3], fused)
+    # bf16 gradients: each macrobatch's weight tiles in its backward launch.
+    in_launch = not is_mxfp8 and all(g is None for g in main_grads[:3])
     replay = None
     if not full_context:
         replay = _Replay(x, *forward_weights, pass_config.swiglu_limit, first_rows, is_mxfp8,
@@ -263,15 +267,17 @@ def backward(ws, schedule, ctx_tensors, grad_output, x, router_weights, shared, 
             peers=peers,
             slots=slots,
             mxfp8=is_mxfp8,
+            window=grads.window(m, first, schedule.tokens_per_expert) if in_launch else None,
         )
         push_router_grads(partials, window, router_weights, d_router, peers=peers)
-        if is_mxfp8:  # every operand's round trip along the tokens (32-row blocks: a
-            # macrobatch edge is a block edge)
-            dy_e, x_rows, d_gate, d_up, hidden_rows = mxfp8.weight_gradient_operands(
-                dy_e, d_gate, d_up, x_rows, hidden_rows
-            )
-        grads.add(m, first, schedule.tokens_per_expert, (d_gate, d_up, dy_e),
-                  (x_rows, hidden_rows))  # fmt: skip
+        if not in_launch:
+            if is_mxfp8:  # every operand's round trip along the tokens (32-row blocks: a
+                # macrobatch edge is a block edge)
+                dy_e, x_rows, d_gate, d_up, hidden_rows = mxfp8.weight_gradient_operands(
+                    dy_e, d_gate, d_up, x_rows, hidden_rows
+                )
+            grads.add(m, first, schedule.tokens_per_expert, (d_gate, d_up, dy_e),
+                      (x_rows, hidden_rows))  # fmt: skip
         # Released before the next macrobatch's are made (stream-ordered: the allocator
         # hands the memory back to the next launch only).
         del dy_e, d_gate, d_up, partials, ctx, x_rows, gate_rows, up_rows, hidden_rows
@@ -335,9 +341,10 @@ class _Replay:
 
 
 class _WeightGradients:
-    """dW_gate, dW_up, dW_down summed macrobatch by macrobatch (weight_gradient_window): into
-    new bf16 tensors, or added into the fp32 main_grads given. Two fp32 partial slots per GEMM:
-    macrobatch m reads slot m % 2 (what crossed its first edge) and writes slot (m + 1) % 2."""
+    """dW_gate, dW_up, dW_down summed macrobatch by macrobatch (in each backward launch,
+    `window`, or weight_gradient_window, `add`): into new bf16 tensors, or added into the fp32
+    main_grads given. Two fp32 partial slots per GEMM: macrobatch m reads slot m % 2 (what
+    crossed its first edge) and writes slot (m + 1) % 2."""
 
     def __init__(self, gate_weights, up_weights, down_weights, main_grads, fused=False):
         num_experts, inter, hidden = gate_weights.shape
@@ -356,6 +363,12 @@ class _WeightGradients:
                 self.modes.append("accumulate")
         self.partials = torch.empty(2, 3, inter * hidden, dtype=torch.float32, device=device)
         self.shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+
+    def window(self, m: int, first_row: int, tokens_per_expert) -> WeightWindow:
+        """Macrobatch m's part in its backward launch (bf16 gradients only): it starts at
+        schedule row `first_row`; `tokens_per_expert` is the whole schedule's."""
+        return WeightWindow(tokens_per_expert, first_row, tuple(self.outputs),
+                            self.partials[m % 2], self.partials[(m + 1) % 2])  # fmt: skip
 
     def add(self, m: int, first_row: int, tokens_per_expert, a_rows: tuple, b_rows: tuple):
         """Macrobatch m's part: `a_rows` = (d_gate, d_up, dY_e), `b_rows` = (x_routed, hidden)

@@ -114,6 +114,25 @@ def next_window_tile(tile: Int32, grid_size: Int32, num_tiles: Int32, row_base: 
     return cutlass.select_(after, num_tiles, tile + grid_size)
 
 
+@cute.jit
+def walk_window_tiles(bidx: Int32, grid_size: Int32, tiles_per_expert: Int32, m_tiles: Int32,
+                      tokens_per_expert: cute.Tensor, args, visit, carried):  # fmt: skip
+    """CTA `bidx`'s walk over its tiles, the same for every role: `carried = visit(carried,
+    expert, m_tile, n_pair, part)` for each tile (part: its expert's `window_part`) from
+    `first_window_tile` to `next_window_tile`'s end. Returns `carried`."""
+    num_tiles = args.num_experts * tiles_per_expert
+    tile, cursor, row_base = first_window_tile(
+        bidx, grid_size, tiles_per_expert, tokens_per_expert, args
+    )
+    while tile < num_tiles:
+        expert, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
+            tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
+        )
+        carried = visit(carried, expert, m_tile, n_pair, part)
+        tile = next_window_tile(tile, grid_size, num_tiles, row_base, args)
+    return carried
+
+
 # The fp32 partial sums, 16-byte aligned: whole rows move as vectors.
 PartialPointer = aligned_pointer(Float32, 16)
 
@@ -225,7 +244,6 @@ class Sm90ExpertGemmBwdWeightsWindow:
         )
         m_tiles = args.m_size // TILE_M
         tiles_per_expert = m_tiles * (args.n_size // (2 * TILE_N))
-        num_tiles = args.num_experts * tiles_per_expert
 
         if warpgroup == 0:
             # ======== producer warpgroup: warp 0 issues TMA (the rest idle) ========
@@ -236,13 +254,8 @@ class Sm90ExpertGemmBwdWeightsWindow:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                tile, cursor, row_base = first_window_tile(
-                    bidx, grid_size, tiles_per_expert, tokens_per_expert, args
-                )
-                while tile < num_tiles:
-                    _, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
-                        tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
-                    )
+
+                def load_tile(state, expert, m_tile, n_pair, part):
                     k_base, k_tiles, _, _, _ = part
                     # Fixed K order: the expert's rows in this macrobatch, increasing.
                     loads = (
@@ -250,14 +263,16 @@ class Sm90ExpertGemmBwdWeightsWindow:
                         (tma.tma_b, tBgB, 2 * n_pair, k_base, tBsB0),
                         (tma.tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
                     )
-                    state = engine.load_k_tiles(ring, state, k_tiles, loads)
-                    tile = next_window_tile(tile, grid_size, num_tiles, row_base, args)
+                    return engine.load_k_tiles(ring, state, k_tiles, loads)
+
+                state = walk_window_tiles(bidx, grid_size, tiles_per_expert, m_tiles,
+                                          tokens_per_expert, args, load_tile, state)  # fmt: skip
                 # Keep the CTA alive until the consumers released every stage it filled.
                 ring.producer_tail(state)
             if cutlass.const_expr(self._crew):
                 if warp_idx != 0:
-                    self._crew_stores(buffers, args, num_tiles, tiles_per_expert, m_tiles, tidx,
-                                      bidx, grid_size)  # fmt: skip
+                    self._crew_stores(buffers, args, tokens_per_expert, tiles_per_expert,
+                                      m_tiles, tidx, bidx, grid_size)  # fmt: skip
         else:
             # ========= consumer warpgroups: partial in, wgmma mainloop, partial or result out ==
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -265,20 +280,16 @@ class Sm90ExpertGemmBwdWeightsWindow:
                 tiled_mma, tidx, sA, sB0, sB1
             )
             read_state, release_state = engine.make_consumer_states(self.stages)
-            tile, cursor, row_base = first_window_tile(
-                bidx, grid_size, tiles_per_expert, tokens_per_expert, args
-            )
-            while tile < num_tiles:
-                expert, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
-                    tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
-                )
+
+            def run_tile(states, expert, m_tile, n_pair, part):
+                read_state, release_state = states
                 first_out_row = m_tile * TILE_M
                 first_col = n_pair * (2 * TILE_N)
                 _, k_tiles, from_partial, into_partial, writes = part
 
                 if writes:
                     # ---- the sums so far: the previous macrobatch's partial, or zero ----
-                    load_partial(thr_mma, (acc0, acc1), args.partial_in_ptr, from_partial,
+                    load_partial(thr_mma, (acc0, acc1), args.partial_in_ptr, None, from_partial,
                                  first_out_row, first_col, args.n_size)  # fmt: skip
                     read_state, release_state = engine.mma_k_tiles(
                         tiled_mma, ring, read_state, release_state, k_tiles, operands,
@@ -298,25 +309,20 @@ class Sm90ExpertGemmBwdWeightsWindow:
                             )
                             copy_tile(thr_mma, (acc0, acc1), args.out_ptr, expert_offset,
                                       first_out_row, first_col, args.n_size, self.output)  # fmt: skip
-                tile = next_window_tile(tile, grid_size, num_tiles, row_base, args)
+                return read_state, release_state
+
+            walk_window_tiles(bidx, grid_size, tiles_per_expert, m_tiles, tokens_per_expert, args,
+                              run_tile, (read_state, release_state))  # fmt: skip
 
     @cute.jit
-    def _crew_stores(self, buffers, args, num_tiles, tiles_per_expert, m_tiles, tidx, bidx,
-                     grid_size):  # fmt: skip
-        """Warps 1-3: store the bf16 results of this CTA's tiles, the consumers' tile walk with
-        the same `window_part`, so each hand-off is met by exactly one store."""
-        tokens_per_expert = cute.make_tensor(
-            args.tokens_per_expert_ptr, cute.make_layout(cutlass.max(args.num_experts, 1))
-        )
+    def _crew_stores(self, buffers, args, tokens_per_expert, tiles_per_expert, m_tiles, tidx,
+                     bidx, grid_size):  # fmt: skip
+        """Warps 1-3: store the bf16 results of this CTA's tiles, the consumers' walk
+        (`walk_window_tiles`), so each hand-off is met by exactly one store."""
         lane = tidx - 32 * CREW.first_warp
         row_stride = cute.assume(Int64(args.n_size), divby=2 * TILE_N)
-        tile, cursor, row_base = first_window_tile(
-            bidx, grid_size, tiles_per_expert, tokens_per_expert, args
-        )
-        while tile < num_tiles:
-            expert, m_tile, n_pair, cursor, row_base, part = locate_window_tile(
-                tile, tiles_per_expert, m_tiles, tokens_per_expert, cursor, row_base, args
-            )
+
+        def store_tile(carried, expert, m_tile, n_pair, part):
             _, _, _, into_partial, writes = part
             stores = cutlass.select_(
                 writes, cutlass.select_(into_partial, Int32(0), Int32(1)), Int32(0)
@@ -326,14 +332,17 @@ class Sm90ExpertGemmBwdWeightsWindow:
                     buffers, lane, expert * args.out_expert_rows + m_tile * TILE_M,
                     n_pair * (2 * TILE_N), None, handoff.store_pair, (args.out_ptr, row_stride),
                 )  # fmt: skip
-            tile = next_window_tile(tile, grid_size, num_tiles, row_base, args)
+            return carried
+
+        walk_window_tiles(bidx, grid_size, tiles_per_expert, m_tiles, tokens_per_expert, args,
+                          store_tile, Int32(0))  # fmt: skip
 
 
 @cute.jit
-def load_partial(thr_mma, accumulators: tuple, ptr: cute.Pointer, from_partial, first_row: Int32,
-                 first_col: Int32, n_size: Int32):  # fmt: skip
+def load_partial(thr_mma, accumulators: tuple, ptr: cute.Pointer, base_offset, from_partial,
+                 first_row: Int32, first_col: Int32, n_size: Int32):  # fmt: skip
     """The accumulators = the fp32 tile at (first_row, first_col) of the [*, n_size] partial at
-    `ptr` if `from_partial`, else zero. The load goes through a staging fragment and a select:
+    `ptr` + base_offset (None: none) if `from_partial`, else zero. The load goes through a staging fragment and a select:
     accumulator registers defined on one path of a branch make ptxas serialise every wgmma of
     the kernel (C7515), and an unconditional load would read 128 KiB a tile for nothing."""
     for j in cutlass.range_constexpr(2):
@@ -341,8 +350,8 @@ def load_partial(thr_mma, accumulators: tuple, ptr: cute.Pointer, from_partial, 
         staged = cute.make_rmem_tensor(acc.shape, Float32)
         staged.fill(0.0)
         if from_partial:
-            block = engine.output_tile(ptr, None, first_row, first_col + j * TILE_N, n_size,
-                                       2 * TILE_N)  # fmt: skip
+            block = engine.output_tile(ptr, base_offset, first_row, first_col + j * TILE_N,
+                                       n_size, 2 * TILE_N)  # fmt: skip
             cute.autovec_copy(thr_mma.partition_C(block), staged)
         for i in cutlass.range(cute.size(acc), unroll_full=True):
             acc[i] = cutlass.select_(from_partial, staged[i], Float32(0.0))

@@ -8,7 +8,10 @@ Phases, in dependency order, each in its own module:
     finish       d_x[t] = sum_j slots[t * k + j]; router-weight gradients  (finish_tokens > 0)
                                                                             combine_phase
 Weight tasks run when `weight_gemms` is 3 (bf16 gradients; 0 for fp32 main_grads, which the
-accumulate kernel adds). The finish runs here only for a group of one without a shared expert
+accumulate kernel adds). The `window` variant runs one macrobatch of ring reuse with its weight
+tasks (launchers/macrobatch.py): each tile's part of its expert's segment of the whole schedule,
+from and into fp32 partials (weight_phase.WeightWindow, the last parameters), the bits of one
+pass. The finish runs here only for a group of one without a shared expert
 (the launcher passes finish_tokens = T); otherwise finish_tokens is 0 and backward_finish (or
 moe_combine_backward and router_grad_push) runs after the launch.
 
@@ -88,6 +91,7 @@ from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M,
 from .weight_phase import (
     PhaseWait,
     WeightTasks,
+    WeightWindow,
     consume_weight_tasks,
     produce_weight_tasks,
     store_weight_tasks,
@@ -199,6 +203,9 @@ class Sm90MoeBackward:
 
     stages: int = 3
     mxfp8: bool = False
+    # One macrobatch of ring reuse: its weight tasks go on from and into fp32 partials
+    # (weight_phase.WeightWindow, the last parameters, which the other variants do not read).
+    window: bool = False
     # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
     timeline: bool = False
 
@@ -230,6 +237,7 @@ class Sm90MoeBackward:
         weight_gemms: Int32,
         d_w_gate_up_rows: Int32,
         steps: StepArgs,
+        weight_window: WeightWindow,
         num_ctas: Int32,
     ):
         # The DSL's descriptors are discarded: the runtime encodes its own from the manifest.
@@ -255,9 +263,9 @@ class Sm90MoeBackward:
             *engine.make_tma_load(weight_operands.b_xh, b_layout, b_smem, tile_b),
             *engine.make_tma_load(weight_operands.b_xx, b_layout, b_smem, tile_b),
         )
-        self.kernel(tma, weight_tma, args, walk, weight_gemms, d_w_gate_up_rows, steps).launch(
-            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1
-        )
+        self.kernel(
+            tma, weight_tma, args, walk, weight_gemms, d_w_gate_up_rows, steps, weight_window
+        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
@@ -269,6 +277,7 @@ class Sm90MoeBackward:
         weight_gemms: Int32,
         d_w_gate_up_rows: Int32,
         steps: StepArgs,
+        weight_window: WeightWindow,
     ):
         tidx, bidx, grid_size, warp_idx, warpgroup = engine.thread_roles()
 
@@ -311,8 +320,17 @@ class Sm90MoeBackward:
         # A diagnostic build's phase stamps (`timeline`); none at all in the shipped one.
         marks = (self.timeline, tidx, dispatched, capacity_tiles, COUNTER_TAIL, bidx)
         timeline.mark_time(*marks, 0, SLOT["start"])
+        # The window variant's weight tasks walk the whole schedule's segments (the walk's are
+        # the macrobatch's, clipped).
+        window = weight_window if cutlass.const_expr(self.window) else None
+        weight_tokens_per_expert = tokens_per_expert
+        if cutlass.const_expr(self.window):
+            weight_tokens_per_expert = cute.make_tensor(
+                weight_window.schedule_tokens_per_expert_ptr,
+                cute.make_layout(cutlass.max(walk.num_experts, 1)),
+            )
         weight_tasks = WeightTasks(
-            tokens_per_expert,
+            weight_tokens_per_expert,
             walk.num_experts,
             walk.hidden_size,
             walk.intermediate_size,
@@ -411,6 +429,7 @@ class Sm90MoeBackward:
                     grid_size,
                     wait,
                     weight_loads(sA_w, sB0, sB1, weight_tma),
+                    window,
                 )
                 ring.producer_tail(state)
                 timeline.mark_time(*marks, 0, SLOT["producer_done"])
@@ -439,6 +458,7 @@ class Sm90MoeBackward:
                     buffers,
                     tidx,
                     (args.d_w_down_ptr, args.d_w_gate_ptr, args.d_w_up_ptr),
+                    window,
                 )
                 timeline.mark_time(*marks, 32 * CREW.first_warp, SLOT["crew_done"])
         else:
@@ -555,6 +575,7 @@ class Sm90MoeBackward:
                 CREW,
                 w_thr,
                 buffers,
+                window,
             )
             timeline.mark_time(*marks, engine.THREADS_PER_WARPGROUP, SLOT["weights"])
             if args.finish_tokens > 0:
