@@ -151,42 +151,18 @@ def variants() -> list[Variant]:
             launch_grid="(min(sm_count, capacity / 128 * hidden_size / 256), 1, 1)",
             archs=("sm_90a",),
         ),
-        # The megakernels (sm90/moe_forward.py, sm90/moe_backward.py).
-        Variant(
-            "moe_forward",
-            Sm90MoeForward,
-            {"stages": 3},
-            launch_grid="(sm_count, 1, 1)",
-            archs=("sm_90a",),
-        ),
-        Variant(
-            "moe_forward_mxfp8",
-            Sm90MoeForward,
-            {"stages": 3, "mxfp8": True},
-            launch_grid="(sm_count, 1, 1)",
-            archs=("sm_90a",),
-        ),
-        Variant(
-            "moe_backward",
-            Sm90MoeBackward,
-            {"stages": 3},
-            launch_grid="(sm_count, 1, 1)",
-            archs=("sm_90a",),
-        ),
-        # One macrobatch of ring reuse, its weight tasks continued from and into fp32 partials.
-        Variant(
-            "moe_backward_window",
-            Sm90MoeBackward,
-            {"stages": 3, "window": True},
-            launch_grid="(sm_count, 1, 1)",
-            archs=("sm_90a",),
-        ),
-        Variant(
-            "moe_backward_mxfp8",
-            Sm90MoeBackward,
-            {"stages": 3, "mxfp8": True},
-            launch_grid="(sm_count, 1, 1)",
-            archs=("sm_90a",),
+        # The megakernels (sm90/moe_forward.py, sm90/moe_backward.py): one persistent CTA an SM.
+        # moe_backward_window: one macrobatch of ring reuse, its weight tasks continued from and
+        # into fp32 partials.
+        *(
+            Variant(name, kernel, {"stages": 3, **extra}, "(sm_count, 1, 1)", ("sm_90a",))
+            for name, kernel, extra in (
+                ("moe_forward", Sm90MoeForward, {}),
+                ("moe_forward_mxfp8", Sm90MoeForward, {"mxfp8": True}),
+                ("moe_backward", Sm90MoeBackward, {}),
+                ("moe_backward_window", Sm90MoeBackward, {"window": True}),
+                ("moe_backward_mxfp8", Sm90MoeBackward, {"mxfp8": True}),
+            )
         ),
         # The shared expert's activation-gradient GEMMs (sm90/expert_gemm_bwd.py).
         Variant(
