@@ -154,6 +154,25 @@ def walk_next(tasks: WeightTasks, window, task: Int32, grid_size: Int32, gemm: I
 
 
 @cute.jit
+def walk_window_tasks(tasks: WeightTasks, window, task: Int32, grid_size: Int32, visit, carried):
+    """A macrobatch's weight tasks of this CTA from `task`, the walk the consumers and the crew
+    take (walk_start, advance_cursor, walk_next), so each hand-off is met by exactly one
+    store: `carried = visit(carried, task, gemm, m_tile, n_pair, part)` for each, part its
+    `task_part`. Returns `carried`."""
+    total = num_weight_tasks(tasks)
+    task, start = walk_start(tasks, window, task, grid_size)
+    cursor_gemm, cursor, row_base = Int32(-1), Int32(0), Int32(0)
+    while task < total:
+        gemm, expert, m_tile, n_pair, _ = locate_weight_task(tasks, task)
+        cursor_gemm, cursor, row_base = advance_cursor(tasks, gemm, expert, cursor_gemm, cursor,
+                                                       row_base, start)  # fmt: skip
+        part = task_part(tasks, window, expert, row_base)
+        carried = visit(carried, task, gemm, m_tile, n_pair, part)
+        task = walk_next(tasks, window, task, grid_size, gemm, row_base, start)
+    return carried
+
+
+@cute.jit
 def task_part(tasks: WeightTasks, window, expert: Int32, row_base: Int32):
     """(first K tile, K tiles, from partial, into partial, writes) of a task whose expert's
     segment starts at schedule row `row_base`: the whole segment without a window, else its
@@ -241,15 +260,10 @@ def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int
             crew.hand_off(thr_mma, accs, buffers)
             task = task + grid_size
     else:
-        task, start = walk_start(tasks, window, task, grid_size)
-        cursor_gemm, cursor, row_base = Int32(-1), Int32(0), Int32(0)
-        while task < total:
-            gemm, expert, m_tile, n_pair, _ = locate_weight_task(tasks, task)
-            cursor_gemm, cursor, row_base = advance_cursor(tasks, gemm, expert, cursor_gemm,
-                                                           cursor, row_base, start)  # fmt: skip
-            _, k_tiles, from_partial, into_partial, writes = task_part(
-                tasks, window, expert, row_base
-            )
+
+        def run_task(states, task, gemm, m_tile, n_pair, part, crew=crew):
+            read_state, release_state = states
+            _, k_tiles, from_partial, into_partial, writes = part
             if writes:
                 n_size = tasks.hidden_size
                 if gemm == 0:
@@ -268,7 +282,11 @@ def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int
                               n_size, "store")  # fmt: skip
                 else:
                     crew.hand_off(thr_mma, accs, buffers)
-            task = walk_next(tasks, window, task, grid_size, gemm, row_base, start)
+            return read_state, release_state
+
+        read_state, release_state = walk_window_tasks(
+            tasks, window, task, grid_size, run_task, (read_state, release_state)
+        )
     return read_state, release_state
 
 
@@ -286,19 +304,17 @@ def store_weight_tasks(crew, tasks: WeightTasks, task: Int32, grid_size: Int32, 
             _store_tile(crew, tasks, task, buffers, lane, outputs)
             task = task + grid_size
     else:
-        task, start = walk_start(tasks, window, task, grid_size)
-        cursor_gemm, cursor, row_base = Int32(-1), Int32(0), Int32(0)
-        while task < total:
-            gemm, expert, _, _, _ = locate_weight_task(tasks, task)
-            cursor_gemm, cursor, row_base = advance_cursor(tasks, gemm, expert, cursor_gemm,
-                                                           cursor, row_base, start)  # fmt: skip
-            _, _, _, into_partial, writes = task_part(tasks, window, expert, row_base)
+
+        def store_task(carried, task, gemm, m_tile, n_pair, part, crew=crew):
+            _, _, _, into_partial, writes = part
             stores = cutlass.select_(
                 writes, cutlass.select_(into_partial, Int32(0), Int32(1)), Int32(0)
             )
             if stores > 0:
                 _store_tile(crew, tasks, task, buffers, lane, outputs)
-            task = walk_next(tasks, window, task, grid_size, gemm, row_base, start)
+            return carried
+
+        walk_window_tasks(tasks, window, task, grid_size, store_task, Int32(0))
 
 
 @cute.jit
