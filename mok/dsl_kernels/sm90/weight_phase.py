@@ -154,11 +154,11 @@ def walk_next(tasks: WeightTasks, window, task: Int32, grid_size: Int32, gemm: I
 
 
 @cute.jit
-def walk_window_tasks(tasks: WeightTasks, window, task: Int32, grid_size: Int32, visit, carried):
-    """A macrobatch's weight tasks of this CTA from `task`, the walk the consumers and the crew
-    take (walk_start, advance_cursor, walk_next), so each hand-off is met by exactly one
-    store: `carried = visit(carried, task, gemm, m_tile, n_pair, part)` for each, part its
-    `task_part`. Returns `carried`."""
+def walk_weight_tasks(tasks: WeightTasks, window, task: Int32, grid_size: Int32, visit, carried):
+    """This CTA's weight tasks from `task` (`window`: a macrobatch's, or None: every task), the
+    walk the producer, the consumers and the crew take (walk_start, advance_cursor,
+    walk_next), so each hand-off is met by exactly one store: `carried = visit(carried, task,
+    gemm, m_tile, n_pair, part)` for each, part its `task_part`. Returns `carried`."""
     total = num_weight_tasks(tasks)
     task, start = walk_start(tasks, window, task, grid_size)
     cursor_gemm, cursor, row_base = Int32(-1), Int32(0), Int32(0)
@@ -221,13 +221,9 @@ def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size
             Int32(wait.d_hidden_phase), Int32(0), Int32(OWN_MEMORY), task, ld_acquire_gpu_s32,
         )  # fmt: skip
         cute.arch.fence_proxy("async.global")
-    task, start = walk_start(tasks, window, task, grid_size)
-    cursor_gemm, cursor, row_base = Int32(-1), Int32(0), Int32(0)
-    while task < total:
-        gemm, expert, m_tile, n_pair, _ = locate_weight_task(tasks, task)
-        cursor_gemm, cursor, row_base = advance_cursor(tasks, gemm, expert, cursor_gemm, cursor,
-                                                       row_base, start)  # fmt: skip
-        k_base, k_tiles, _, _, _ = task_part(tasks, window, expert, row_base)
+
+    def load_task(state, task, gemm, m_tile, n_pair, part, loads=loads):
+        k_base, k_tiles, _, _, _ = part
         for g in cutlass.range_constexpr(NUM_GEMMS):
             if gemm == g:
                 tma_a, tAgA, tAsA, tma_b, tBgB, tBsB0, tBsB1 = loads[g]
@@ -237,8 +233,9 @@ def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size
                     (tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
                 )
                 state = engine.load_k_tiles(ring, state, k_tiles, stage_loads)
-        task = walk_next(tasks, window, task, grid_size, gemm, row_base, start)
-    return state
+        return state
+
+    return walk_weight_tasks(tasks, window, task, grid_size, load_task, state)
 
 
 @cute.jit
@@ -284,7 +281,7 @@ def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int
                     crew.hand_off(thr_mma, accs, buffers)
             return read_state, release_state
 
-        read_state, release_state = walk_window_tasks(
+        read_state, release_state = walk_weight_tasks(
             tasks, window, task, grid_size, run_task, (read_state, release_state)
         )
     return read_state, release_state
@@ -314,7 +311,7 @@ def store_weight_tasks(crew, tasks: WeightTasks, task: Int32, grid_size: Int32, 
                 _store_tile(crew, tasks, task, buffers, lane, outputs)
             return carried
 
-        walk_window_tasks(tasks, window, task, grid_size, store_task, Int32(0))
+        walk_weight_tasks(tasks, window, task, grid_size, store_task, Int32(0))
 
 
 @cute.jit
