@@ -20,10 +20,11 @@ from .checks import (
     check_counts,
     check_cuda,
     check_expert_weights,
+    check_macrobatch_edge,
     check_multiple,
     expert_rows_view,
 )
-from .device_args import TILE_ROWS, sm_count, tma_descriptor
+from .device_args import sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT, gate_up_gradients
 from .megakernel_walk import (
     BACKWARD_COUNTER_TAIL,
@@ -411,7 +412,9 @@ class _BackwardPlan:
             all_aligned(("window.d_weights", "window.d_weights", "window.d_weights",
                          "window.partial_in", "window.partial_out"),
                         (*d_w_at, *window_at[2:]))  # fmt: skip
-            _check_window_call(window)
+            check_macrobatch_edge(
+                window.first_row, window.partial_in, window.partial_out, "window."
+            )
         stream = current_stream(self.device_index)
         self.counters.before_launch(stream)
         self.bound.launch(
@@ -445,24 +448,11 @@ DYNAMIC_POINTERS = (
 )  # fmt: skip
 
 
-def _check_window_call(window) -> None:
-    """What a WeightWindow may change from call to call of one plan: its first row, its
-    partials."""
-    first_row = window.first_row
-    if isinstance(first_row, bool) or not isinstance(first_row, int) or first_row < 0 \
-            or first_row % TILE_ROWS:  # fmt: skip
-        raise ValueError(
-            f"window.first_row must be a multiple of {TILE_ROWS} >= 0, got {first_row!r}"
-        )
-    if window.partial_in.data_ptr() == window.partial_out.data_ptr():
-        raise ValueError("window.partial_in and window.partial_out must be different buffers")
-
-
 def _check_window(window, num_experts, hidden_size, inter) -> int:
     """A WeightWindow's tensors checked; returns dW_gate's (and dW_up's) rows per expert."""
     if not isinstance(window, WeightWindow):
         raise TypeError(f"window must be a WeightWindow, got {type(window).__name__}")
-    _check_window_call(window)
+    check_macrobatch_edge(window.first_row, window.partial_in, window.partial_out, "window.")
     check_counts("window.tokens_per_expert", window.tokens_per_expert, num_experts)
     if len(window.d_weights) != 3:
         raise ValueError(f"window.d_weights must be (dW_gate, dW_up, dW_down), got "

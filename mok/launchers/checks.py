@@ -6,6 +6,7 @@ import torch
 
 from ..errors import MoKInputError, MoKKernelUnavailableError
 from ..validation import HIDDEN_ALIGNMENT
+from .device_args import TILE_ROWS
 
 # TMA coordinates are int32 and the kernels' coordinate tensors assume these extents.
 MAX_ROWS = 1 << 30
@@ -62,6 +63,19 @@ def check_multiple(name: str, value: int, multiple: int) -> None:
 def check_cuda(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """A contiguous, 16-byte aligned CUDA tensor (what a TMA descriptor is encoded from)."""
     check_arg(name, tensor, dtype, shape, cuda=True)
+
+
+def check_macrobatch_edge(first_row, partial_in, partial_out, prefix: str = "") -> None:
+    """One macrobatch's weight-gradient launch (a window kernel's, or the backward megakernel's
+    window variant's): its first schedule row a multiple of TILE_ROWS >= 0 and its two fp32
+    partials different buffers. `prefix`: the arguments' owner ("window." for a WeightWindow)."""
+    if isinstance(first_row, bool) or not isinstance(first_row, int) or first_row < 0 \
+            or first_row % TILE_ROWS:  # fmt: skip
+        raise ValueError(
+            f"{prefix}first_row must be a multiple of {TILE_ROWS} >= 0, got {first_row!r}"
+        )
+    if partial_in.data_ptr() == partial_out.data_ptr():
+        raise ValueError(f"{prefix}partial_in and {prefix}partial_out must be different buffers")
 
 
 def check_counts(name: str, tensor: torch.Tensor, size: int) -> None:

@@ -51,6 +51,7 @@ from .checks import (
     check_expert_weights,
     check_extents,
     check_gpu_layer,
+    check_macrobatch_edge,
     check_multiple,
 )
 from .comm import group_barrier, publish_x
@@ -413,15 +414,7 @@ def weight_gradient_window(
     """
     if output not in WINDOW_KERNELS:
         raise ValueError(f"output must be one of {sorted(WINDOW_KERNELS)}, got {output!r}")
-    if (
-        isinstance(first_row, bool)
-        or not isinstance(first_row, int)
-        or first_row < 0
-        or (first_row % TILE_ROWS)
-    ):
-        raise ValueError(f"first_row must be a multiple of {TILE_ROWS} >= 0, got {first_row}")
-    if partial_in.data_ptr() == partial_out.data_ptr():
-        raise ValueError("partial_in and partial_out must be different buffers")
+    check_macrobatch_edge(first_row, partial_in, partial_out)
     # Everything but the addresses and first_row is the plan's key: its first call runs the
     # full checks (one macrobatch after another reuses it, a launch each).
     key = (
