@@ -85,19 +85,28 @@ def locate_window_tile(tile: Int32, tiles_per_expert: Int32, m_tiles: Int32,
 
 
 @cute.jit
+def first_expert_from(tokens_per_expert: cute.Tensor, num_experts: Int32, first_row: Int32):
+    """(expert, rows before it): the first expert whose segment does not end before schedule
+    row `first_row` (the last expert if every one does), or (0, 0) for `first_row` 0, where
+    a macrobatch's walk starts (it also writes the experts without rows)."""
+    expert = Int32(0)
+    row_base = Int32(0)
+    if first_row > 0:
+        last = cutlass.max(num_experts, 1) - 1
+        while (expert < last) & (row_base + tokens_per_expert[expert] <= first_row):
+            row_base = row_base + tokens_per_expert[expert]
+            expert = expert + 1
+    return expert, row_base
+
+
+@cute.jit
 def first_window_tile(bidx: Int32, grid_size: Int32, tiles_per_expert: Int32,
                       tokens_per_expert: cute.Tensor, args):  # fmt: skip
     """(first tile, cursor, row_base) of CTA `bidx`'s walk (tiles bidx + j * grid): its first
     tile of the first expert whose segment does not end before the macrobatch, the cursor
     (`advance_to_expert`'s) at that expert. The macrobatch at row 0 walks from tile bidx: it
     also writes the experts without rows."""
-    cursor = Int32(0)
-    row_base = Int32(0)
-    if args.first_row > 0:
-        last = cutlass.max(args.num_experts, 1) - 1
-        while (cursor < last) & (row_base + tokens_per_expert[cursor] <= args.first_row):
-            row_base = row_base + tokens_per_expert[cursor]
-            cursor = cursor + 1
+    cursor, row_base = first_expert_from(tokens_per_expert, args.num_experts, args.first_row)
     first = cursor * tiles_per_expert
     tile = bidx
     if first > bidx:

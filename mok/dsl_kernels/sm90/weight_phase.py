@@ -28,8 +28,14 @@ from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_g
 from ..common.params import Int32Pointer
 from . import epilogue_warps as handoff
 from . import gemm_engine as engine
-from .expert_gemm_bwd_weights import grouped_tile_coords
-from .expert_gemm_bwd_weights_window import PartialPointer, copy_tile, load_partial, window_part
+from .expert_gemm_bwd_weights import advance_to_expert, grouped_tile_coords
+from .expert_gemm_bwd_weights_window import (
+    PartialPointer,
+    copy_tile,
+    first_expert_from,
+    load_partial,
+    window_part,
+)
 from .gemm_engine import TILE_K, TILE_M, TILE_N
 
 NUM_GEMMS = 3
@@ -96,9 +102,8 @@ def advance_cursor(tasks: WeightTasks, gemm: Int32, expert: Int32, cursor_gemm: 
         cursor_gemm = gemm
         cursor_expert = start[0]
         row_base = start[1]
-    while cursor_expert < expert:
-        row_base = row_base + tasks.tokens_per_expert[cursor_expert]
-        cursor_expert = cursor_expert + 1
+    cursor_expert, row_base = advance_to_expert(tasks.tokens_per_expert, expert, cursor_expert,
+                                                row_base)  # fmt: skip
     return cursor_gemm, cursor_expert, row_base
 
 
@@ -127,13 +132,9 @@ def walk_start(tasks: WeightTasks, window, task: Int32, grid_size: Int32):
     first_expert = Int32(0)
     first_base = Int32(0)
     if cutlass.const_expr(window is not None):
-        if window.window_first_row > 0:
-            last = cutlass.max(tasks.num_experts, 1) - 1
-            while (first_expert < last) & (
-                first_base + tasks.tokens_per_expert[first_expert] <= window.window_first_row
-            ):
-                first_base = first_base + tasks.tokens_per_expert[first_expert]
-                first_expert = first_expert + 1
+        first_expert, first_base = first_expert_from(
+            tasks.tokens_per_expert, tasks.num_experts, window.window_first_row
+        )
         task = _from_first_expert(tasks, task, grid_size, first_expert, Int32(0))
     return task, (first_expert, first_base)
 
