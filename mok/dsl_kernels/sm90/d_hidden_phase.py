@@ -26,8 +26,7 @@ from .gemm_engine import TILE_K, TILE_M, TILE_N
 PHASE_BACKWARD_DHIDDEN_GEMM = 10
 
 
-def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up_ptr,
-                   l2=(0, False)):  # fmt: skip
+def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up_ptr):
     """Producer: `load(...)` of a d_hidden task (gate/up prefetched to L2, then A = dY_e, B = W_down)."""
     sA, sB0, sB1 = smem
     tma_dy, mDy, tma_wd, mWd = tma
@@ -45,7 +44,7 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up
             (tma_wd, tWDgB, 2 * col_tile, b_k_base, tWDsB0),
             (tma_wd, tWDgB, 2 * col_tile + 1, b_k_base, tWDsB1),
         )
-        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads, *l2)
+        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
 
     return load
 

@@ -11,7 +11,7 @@ from . import gemm_engine as engine
 from .gemm_engine import TILE_K, TILE_M
 
 
-def producer_loads(ring, smem, tma, intermediate_size, gate_up_expert_rows, l2=(0, False)):
+def producer_loads(ring, smem, tma, intermediate_size, gate_up_expert_rows):
     """Producer warp: `load(state, expert, col_tile, row_tile)` of one d_x task, over `tma` =
     (tma_dg, mDg, tma_du, mDu, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1); the
     weights' [rows, H] views hold expert e's rows from e * gate_up_expert_rows."""
@@ -35,7 +35,7 @@ def producer_loads(ring, smem, tma, intermediate_size, gate_up_expert_rows, l2=(
                 (tma_b, tBgB, 2 * col_tile, b_k_base, tBsB0),
                 (tma_b, tBgB, 2 * col_tile + 1, b_k_base, tBsB1),
             )
-            state = engine.load_k_tiles(ring, state, intermediate_size // TILE_K, loads, *l2)
+            state = engine.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
         return state
 
     return load

@@ -10,7 +10,7 @@ from . import gemm_engine as engine
 from .gemm_engine import TILE_K, TILE_M, TILE_N
 
 
-def producer_loads(ring, smem, tma, hidden_size, intermediate_size, l2=(0, False)):
+def producer_loads(ring, smem, tma, hidden_size, intermediate_size):
     """Producer: `load(state, expert, col_tile, row_tile)` of a down task over `tma` = (tma_h, mH,
     tma_wd, mWd) into `smem` = (sA, sB0, sB1)."""
     sA, sB0, sB1 = smem
@@ -26,6 +26,6 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, l2=(0, False
             (tma_wd, tDgD, weight_tile, None, tDsD0),
             (tma_wd, tDgD, weight_tile + 1, None, tDsD1),
         )
-        return engine.load_k_tiles(ring, state, intermediate_size // TILE_K, loads, *l2)
+        return engine.load_k_tiles(ring, state, intermediate_size // TILE_K, loads)
 
     return load

@@ -21,7 +21,7 @@ from .gemm_engine import TILE_K, TILE_M, TILE_N
 PHASE_GATE_UP_GEMM = 6
 
 
-def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, l2=(0, False)):
+def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows):
     """Producer: `load(state, expert, col_tile, row_tile)` of a gate/up task over `tma` = (tma_x,
     mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1). The weights' [rows, H] views
     hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H])."""
@@ -39,7 +39,7 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, l2=(0, Fal
             (tma_wg, tGgG, weight_tile, None, tGsG),
             (tma_wu, tUgU, weight_tile, None, tUsU),
         )
-        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads, *l2)
+        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
 
     return load
 

@@ -219,25 +219,10 @@ def partition_tma_load_pair(
     return tXsX0, tXsX1, tXgX
 
 
-# L2 eviction priorities of a TMA load (`createpolicy` encodings, CUTLASS's CacheHintSm90).
-EVICT_FIRST = 0x12F0000000000000
-EVICT_LAST = 0x14F0000000000000
-
-
 @cute.jit
-def load_k_tiles(ring, state, k_tiles: Int32, loads, prefetch: int = 0, stream_b: bool = False):
-    """Fill `k_tiles` stages in K order from `loads` (per TMA box: atom, gmem, MN tile, K0, smem).
-    `prefetch` > 0: each box's K tile `prefetch` tiles ahead also goes to L2
-    (`cp.async.bulk.prefetch.tensor`), the task's first `prefetch` tiles before its first load,
-    so more of the operands' bytes are in flight than the ring's stages hold. `stream_b`: the
-    boxes after the first (the weights, read once a pass) load with L2 evict-first."""
-    if cutlass.const_expr(prefetch > 0):
-        for k_tile in cutlass.range(cutlass.min(k_tiles, prefetch), unroll=1):
-            prefetch_k_tile(loads, k_tile)
+def load_k_tiles(ring, state, k_tiles: Int32, loads):
+    """Fill `k_tiles` stages in K order from `loads` (per TMA box: atom, gmem, MN tile, K0, smem)."""
     for k_tile in cutlass.range(k_tiles, unroll=1):
-        if cutlass.const_expr(prefetch > 0):
-            if k_tile + prefetch < k_tiles:
-                prefetch_k_tile(loads, k_tile + prefetch)
         ring.producer_acquire(state)
         full = ring.producer_get_barrier(state)
         for i in cutlass.range_constexpr(len(loads)):
@@ -245,27 +230,10 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads, prefetch: int = 0, stream_b
             k = k_tile
             if cutlass.const_expr(k_base is not None):
                 k = k_base + k_tile
-            if cutlass.const_expr(stream_b and i > 0):
-                cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)],
-                          tma_bar_ptr=full, cache_policy=Int64(EVICT_FIRST))  # fmt: skip
-            else:
-                cute.copy(
-                    tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)], tma_bar_ptr=full
-                )
+            cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)], tma_bar_ptr=full)
         ring.producer_commit(state)
         state.advance()
     return state
-
-
-@cute.jit
-def prefetch_k_tile(loads, k_tile: Int32):
-    """Every box of `loads` at K tile `k_tile` into L2 (a hint: nothing waits for it)."""
-    for i in cutlass.range_constexpr(len(loads)):
-        tma, tXgX, mn_tile, k_base, _ = loads[i]
-        k = k_tile
-        if cutlass.const_expr(k_base is not None):
-            k = k_base + k_tile
-        cute.prefetch(tma, tXgX[(None, mn_tile, k)])
 
 
 # ---------------------------------------------------------------------- consumers: wgmma

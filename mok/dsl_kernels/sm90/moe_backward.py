@@ -206,12 +206,6 @@ class Sm90MoeBackward:
     # One macrobatch of ring reuse: its weight tasks go on from and into fp32 partials
     # (weight_phase.WeightWindow, the last parameters, which the other variants do not read).
     window: bool = False
-    # K tiles the producer prefetches into L2 ahead of its loads (gemm_engine.load_k_tiles):
-    # d_hidden and d_x tasks, weight tasks.
-    l2_prefetch: int = 0
-    weight_prefetch: int = 0
-    # The weights' TMA loads of d_hidden and d_x tasks with L2 evict-first.
-    stream_weights: bool = False
     # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
     timeline: bool = False
 
@@ -392,15 +386,9 @@ class Sm90MoeBackward:
                         walk.intermediate_size,
                         args.gate_ptr,
                         args.up_ptr,
-                        (self.l2_prefetch, self.stream_weights),
                     ),
                     d_x_phase.producer_loads(
-                        ring,
-                        smem,
-                        tma[4:],
-                        walk.intermediate_size,
-                        walk.gate_up_expert_rows,
-                        (self.l2_prefetch, self.stream_weights),
+                        ring, smem, tma[4:], walk.intermediate_size, walk.gate_up_expert_rows
                     ),
                 )
                 waits = (
@@ -442,7 +430,6 @@ class Sm90MoeBackward:
                     wait,
                     weight_loads(sA_w, sB0, sB1, weight_tma),
                     window,
-                    self.weight_prefetch,
                 )
                 ring.producer_tail(state)
                 timeline.mark_time(*marks, 0, SLOT["producer_done"])

@@ -165,10 +165,6 @@ class Sm90MoeForward:
 
     stages: int = 3
     mxfp8: bool = False
-    # K tiles the producer prefetches into L2 ahead of its loads (gemm_engine.load_k_tiles).
-    l2_prefetch: int = 0
-    # The weights' TMA loads with L2 evict-first (gemm_engine.load_k_tiles `stream_b`).
-    stream_weights: bool = False
     # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
     timeline: bool = False
 
@@ -304,20 +300,10 @@ class Sm90MoeForward:
                 # ---- producer: each task's loads after its rows' counter ----
                 loads = (
                     gate_up_phase.producer_loads(
-                        ring,
-                        loaded,
-                        tma[:6],
-                        walk.hidden_size,
-                        walk.gate_up_expert_rows,
-                        (self.l2_prefetch, self.stream_weights),
+                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows
                     ),
                     down_phase.producer_loads(
-                        ring,
-                        loaded,
-                        tma[6:],
-                        walk.hidden_size,
-                        walk.intermediate_size,
-                        (self.l2_prefetch, self.stream_weights),
+                        ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size
                     ),
                 )
                 waits = (

@@ -207,10 +207,10 @@ class PhaseWait(NamedTuple):
 
 @cute.jit
 def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size: Int32,
-                         wait: PhaseWait, loads: tuple, window=None, prefetch: int = 0):  # fmt: skip
+                         wait: PhaseWait, loads: tuple, window=None):  # fmt: skip
     """Producer: TMA loads of this CTA's weight tasks from `task`. `loads`: per GEMM (A atom, A gmem,
     A smem, B atom, B gmem, B smem 0 and 1). `window`: a WeightWindow, or None (every row).
-    `prefetch`: K tiles ahead into L2 (gemm_engine.load_k_tiles). Returns the producer state."""
+    Returns the producer state."""
     total = num_weight_tasks(tasks)
     if task < total:
         bounded_wait_reached(
@@ -223,7 +223,7 @@ def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size
         )  # fmt: skip
         cute.arch.fence_proxy("async.global")
 
-    def load_task(state, task, gemm, m_tile, n_pair, part, loads=loads, prefetch=prefetch):
+    def load_task(state, task, gemm, m_tile, n_pair, part, loads=loads):
         k_base, k_tiles, _, _, _ = part
         for g in cutlass.range_constexpr(NUM_GEMMS):
             if gemm == g:
@@ -233,7 +233,7 @@ def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size
                     (tma_b, tBgB, 2 * n_pair, k_base, tBsB0),
                     (tma_b, tBgB, 2 * n_pair + 1, k_base, tBsB1),
                 )
-                state = engine.load_k_tiles(ring, state, k_tiles, stage_loads, prefetch)
+                state = engine.load_k_tiles(ring, state, k_tiles, stage_loads)
         return state
 
     return walk_weight_tasks(tasks, window, task, grid_size, load_task, state)
