@@ -8,6 +8,7 @@
 #   BASELINE=DIR BENCH=ab MOE_ARGS="--shapes qwen3-30b-a3b --tokens 2048,16384" bash tools/gpu_run.sh
 #   BENCH=phases PHASE_SHAPES="qwen3-30b-a3b kimi-k2" [TIMELINE_DIR=DIR] bash tools/gpu_run.sh
 #   BENCH=ncu NCU_TOKENS="2048 16384" [NCU_SHAPE=kimi-k2] bash tools/gpu_run.sh
+#   BENCH=kernels KERNEL_DIRS="variant=DIR" [KERNEL_CASES=qwen3-30b-a3b:2048] bash tools/gpu_run.sh
 #   TESTS=tests/gpu/test_copy_probe_gpu.py BENCH=copy bash tools/gpu_run.sh
 #   TESTS=tests/gpu/test_row_tma_probe_gpu.py BENCH=rows bash tools/gpu_run.sh
 #     (DIR: another tree of mok, e.g. `git archive REV | tar -x -C DIR`; tools/tree_ab.py compares)
@@ -89,6 +90,12 @@ for b in ${BENCH:-}; do
             > "$LOGS/ncu_$t.txt" 2>&1
           note "ncu ${NCU_SHAPE:-qwen3-30b-a3b} $t rc=$?"
         done ;;
+    kernels) # cubin folders against the shipped cubins, in turn, bits checked (tools/kernel_ab.py):
+        # KERNEL_DIRS="NAME=DIR ...", KERNEL_CASES="SHAPE:TOKENS,..." (its default if unset)
+        dirs=(); for d in ${KERNEL_DIRS:-}; do dirs+=(--dir "$d"); done
+        timeout "$left" python3 -m tools.kernel_ab "${dirs[@]}" ${KERNEL_CASES:+--cases "$KERNEL_CASES"} \
+          > "$LOGS/kernel_ab.log" 2>&1
+        note "kernel_ab rc=$?"; grep -A100 "^shape " "$LOGS/kernel_ab.log" >> "$LOGS/summary.txt" ;;
     ab) # the same benchmark in $BASELINE (another tree of mok: A) and here (B), in turn, twice
         for i in 1 2; do
           for side in a b; do

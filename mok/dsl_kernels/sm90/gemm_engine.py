@@ -277,6 +277,7 @@ def mma_k_tiles(
     may_be_empty: bool = False,
     from_zero: bool = True,
     skip=None,
+    eager: bool = False,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
     the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
@@ -308,14 +309,21 @@ def mma_k_tiles(
             cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
         cute.nvgpu.warpgroup.commit_group()
         read_state.advance()
-        if k_tile > 0:
+        if cutlass.const_expr(eager):
+            # Diagnostic: each stage released as soon as its own batch completes.
+            cute.nvgpu.warpgroup.wait_group(0)
+            ring.consumer_release(release_state)
+            release_state.advance()
+        elif k_tile > 0:
             # The batch of k_tile - 1 is complete: its stage can be refilled.
             cute.nvgpu.warpgroup.wait_group(1)
             ring.consumer_release(release_state)
             release_state.advance()
     cute.nvgpu.warpgroup.wait_group(0)
     fence_accumulators(accumulators)
-    if cutlass.const_expr(may_be_empty or skip is not None):
+    if cutlass.const_expr(eager):
+        pass
+    elif cutlass.const_expr(may_be_empty or skip is not None):
         if mma_tiles > 0:
             ring.consumer_release(release_state)
             release_state.advance()

@@ -165,6 +165,8 @@ class Sm90MoeForward:
 
     stages: int = 3
     mxfp8: bool = False
+    # Diagnostic: consumers release each stage when its own wgmma batch completes.
+    eager_release: bool = False
     # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
     timeline: bool = False
 
@@ -359,7 +361,15 @@ class Sm90MoeForward:
             def run_task(states, flag, mma, thr, k_tiles):
                 skip = (flag == PADDED_HALF) & second_half
                 read_state, release_state = engine.mma_k_tiles(
-                    mma, ring, states[0], states[1], k_tiles, operands, accs, skip=skip
+                    mma,
+                    ring,
+                    states[0],
+                    states[1],
+                    k_tiles,
+                    operands,
+                    accs,
+                    skip=skip,
+                    eager=self.eager_release,
                 )
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state

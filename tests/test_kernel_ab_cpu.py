@@ -1,0 +1,88 @@
+"""tools/kernel_ab.py: its arguments and its comparison table (the timing needs a GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools import kernel_ab
+
+
+def _row(name, round_, fwd, fwdbwd, digest, shape="qwen3-30b-a3b", tokens=2048):
+    return {"name": name, "round": round_, "shape": shape, "tokens": tokens, "fwd": fwd,
+            "fwdbwd": fwdbwd, "hash": digest}  # fmt: skip
+
+
+def test_table_gives_best_times_ratios_and_bits():
+    results = [
+        _row("shipped", 1, 0.70, 2.20, "aa"),
+        _row("variant", 1, 0.75, 2.40, "aa"),
+        _row("changed", 1, 0.60, 2.00, "bb"),
+        _row("shipped", 2, 0.68, 2.10, "aa"),
+        _row("variant", 2, 0.71, 2.50, "aa"),
+        _row("changed", 2, 0.61, 2.05, "bb"),
+    ]
+    lines = kernel_ab.table(results)
+    rows = {(line.split()[2], line.split()[3]): line.split() for line in lines[1:]}
+    assert rows[("fwd", "shipped")][4:] == ["0.680", "1.000", "same"]
+    assert rows[("fwd", "variant")][4:] == ["0.710", "1.044", "same"]  # 0.71 / 0.68
+    assert rows[("fwdbwd", "variant")][4:] == ["2.400", "1.143", "same"]  # 2.40 / 2.10
+    # A faster build that changes the bits is named, whatever its time.
+    assert rows[("fwd", "changed")][4:] == ["0.600", "0.882", "DIFFERENT"]
+
+
+def test_table_flags_bits_that_change_between_rounds():
+    results = [_row("shipped", 1, 0.7, 2.2, "aa"), _row("shipped", 2, 0.7, 2.2, "ab")]
+    assert all("differ between rounds" in line for line in kernel_ab.table(results)[1:])
+
+
+def test_cases_and_folders_are_checked(tmp_path):
+    assert kernel_ab.parse_cases("qwen3-30b-a3b:2048, deepseek-v3:16384") == [
+        ("qwen3-30b-a3b", 2048),
+        ("deepseek-v3", 16384),
+    ]
+    for bad, message in (("qwen3-30b-a3b", "SHAPE:TOKENS"), ("qwen3-30b-a3b:0", "SHAPE:TOKENS"),
+                         ("llama:2048", "unknown shape 'llama'"), ("", "no case")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            kernel_ab.parse_cases(bad)
+    with pytest.raises(ValueError, match="no manifest.json"):
+        kernel_ab.parse_dirs([f"x={tmp_path}"])
+    with pytest.raises(ValueError, match="NAME=DIR"):
+        kernel_ab.parse_dirs([str(tmp_path)])
+    (tmp_path / "manifest.json").write_text("{}")
+    dirs = kernel_ab.parse_dirs([f"x={tmp_path}"])
+    assert [name for name, _ in dirs] == ["shipped", "x"]
+    assert (dirs[0][1] / "manifest.json").is_file()  # the installed cubins
+    with pytest.raises(ValueError, match="is taken"):
+        kernel_ab.parse_dirs([f"shipped={tmp_path}"])
+
+
+def test_a_case_runs_and_hashes_its_bits_on_the_cpu():
+    """The worker's whole path (inputs, schedule, forward, backward, hash) at the quick sizes on
+    mok's CPU path: two runs give the same bits."""
+    first = kernel_ab.time_case("qwen3-30b-a3b", 64, reps=1, device="cpu", quick=True)
+    again = kernel_ab.time_case("qwen3-30b-a3b", 64, reps=1, device="cpu", quick=True)
+    assert first["hash"] == again["hash"] and len(first["hash"]) == 16
+    assert first["fwd"] > 0 and first["fwdbwd"] > 0
+    shape, inputs = kernel_ab.layer_inputs("qwen3-30b-a3b", 64, "cpu", quick=True)
+    assert inputs["top_experts"].shape == (64, shape.topk)
+    ids = inputs["top_experts"].sort(dim=1).values
+    assert bool((ids[:, 1:] != ids[:, :-1]).all())  # distinct experts per token
+
+
+def test_the_whole_comparison_runs_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """Folders in turn, one worker process each, their rows gathered into the table: the
+    plumbing end to end (on the CPU every folder runs mok's reference path, so the bits match)."""
+    import shutil
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # workers run `-m tools.kernel_ab`
+    shutil.copy(kernel_ab.shipped_folder() / "manifest.json", tmp_path / "manifest.json")
+    rc = kernel_ab.main(["--dir", f"copy={tmp_path}", "--cases", "qwen3-30b-a3b:64",
+                         "--rounds", "1", "--reps", "1", "--device", "cpu", "--quick"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    table = out[out.index("shape ") :].splitlines()
+    assert len(table) == 1 + 2 * 2  # header, 2 passes x 2 folders
+    assert all(line.endswith("same") for line in table[1:])
+    assert "round 1 copy" in out

@@ -1,0 +1,285 @@
+"""Time cubin folders against the shipped cubins in one call, each in turn, with their bits checked.
+
+    python -m tools.kernel_ab --dir NAME=DIR [--dir NAME=DIR ...]
+        [--cases qwen3-30b-a3b:2048,qwen3-30b-a3b:16384,deepseek-v3:16384] [--rounds 2] [--reps 20]
+
+A folder is a copy of the shipped cubins with diagnostic variants built into it:
+
+    cp -r mok/dsl_kernels/cubins DIR
+    python -m mok.dsl_kernels.build --arch sm_90a --only moe_forward --set FIELD=VALUE --out DIR
+
+The shipped folder runs first, as `shipped`. Each round runs every folder once, in its own
+process with MOK_KERNEL_DIR set to it (the runtime loads a folder once per process). A process
+times, per case (a benchmark shape at one GPU's scale and a token count), schedule + forward and
+schedule + forward + backward through `mok.functional` (CUDA events, the median of `--reps` after
+warm-up) and hashes out and every gradient. The table gives each folder's best time over the
+rounds, its ratio to the shipped folder's, and whether its bits are the shipped ones: a build
+that changes bits says so, whatever its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SHIPPED = "shipped"
+MARK = "KERNEL_AB "  # a worker's result lines start with this
+PASSES = ("fwd", "fwdbwd")
+WARMUP = 3
+
+
+def shipped_folder() -> Path:
+    """The installed cubins' folder (whatever MOK_KERNEL_DIR says)."""
+    from importlib import resources  # noqa: PLC0415
+
+    return Path(str(resources.files("mok.dsl_kernels") / "cubins")).resolve()
+
+
+def parse_dirs(items: list[str]) -> list[tuple[str, Path]]:
+    """`NAME=DIR` items -> [(name, absolute folder)], the shipped cubins first."""
+    dirs = [(SHIPPED, shipped_folder())]
+    for item in items:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            raise ValueError(f"--dir: expected NAME=DIR, got {item!r}")
+        path = Path(folder).resolve()
+        if not (path / "manifest.json").is_file():
+            raise ValueError(f"--dir {item}: {path} holds no manifest.json (a copy of the cubins)")
+        if name in {n for n, _ in dirs}:
+            raise ValueError(f"--dir {item}: the name {name!r} is taken")
+        dirs.append((name, path))
+    return dirs
+
+
+def parse_cases(text: str) -> list[tuple[str, int]]:
+    """`shape:tokens,...` -> [(shape, tokens)], shapes from benchmarks.shapes."""
+    from benchmarks.shapes import SHAPES  # noqa: PLC0415
+
+    known = sorted(shape.name for shape in SHAPES)
+    cases = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        shape, sep, tokens = item.partition(":")
+        if not sep or not tokens.isdigit() or int(tokens) <= 0:
+            raise ValueError(f"--cases: expected SHAPE:TOKENS, got {item!r}")
+        if shape not in known:
+            raise ValueError(f"--cases: unknown shape {shape!r}; expected one of {known}")
+        cases.append((shape, int(tokens)))
+    if not cases:
+        raise ValueError("--cases: no case given")
+    return cases
+
+
+def table(results: list[dict]) -> list[str]:
+    """Rows of the comparison: per case, pass and folder its best ms over the rounds, the
+    ratio to the shipped folder's best, and whether its bits are the shipped ones."""
+    best: dict[tuple, float] = {}
+    bits: dict[tuple, set] = {}
+    names: list[str] = []
+    cases: list[tuple] = []
+    for r in results:
+        case = (r["shape"], r["tokens"])
+        if r["name"] not in names:
+            names.append(r["name"])
+        if case not in cases:
+            cases.append(case)
+        bits.setdefault((case, r["name"]), set()).add(r["hash"])
+        for p in PASSES:
+            key = (case, p, r["name"])
+            best[key] = min(best.get(key, float("inf")), r[p])
+    lines = [f"{'shape':<18} {'tokens':>6} {'pass':<7} {'folder':<12} {'best ms':>9} "
+             f"{'/ shipped':>9}  bits"]  # fmt: skip
+    for case in cases:
+        shipped_bits = bits.get((case, SHIPPED), set())
+        for p in PASSES:
+            base = best.get((case, p, SHIPPED))
+            for name in names:
+                ms = best.get((case, p, name))
+                if ms is None:
+                    continue
+                ratio = f"{ms / base:9.3f}" if base else f"{'-':>9}"
+                own = bits[(case, name)]
+                if len(own) > 1:
+                    verdict = "differ between rounds"
+                elif not shipped_bits:
+                    verdict = "no shipped run"
+                else:
+                    verdict = "same" if own == shipped_bits else "DIFFERENT"
+                lines.append(f"{case[0]:<18} {case[1]:>6} {p:<7} {name:<12} {ms:9.3f} "
+                             f"{ratio}  {verdict}")  # fmt: skip
+    return lines
+
+
+def layer_inputs(shape_name: str, tokens: int, device: str, quick: bool = False,
+                 seed: int = 0) -> tuple:  # fmt: skip
+    """(run shape, inputs) of one GPU's layer (`quick`: benchmarks.shapes' small sizes): random
+    bf16 data made on `device` (fast on a GPU at the coarse shapes' billions of weights),
+    distinct experts per token."""
+    import torch  # noqa: PLC0415
+
+    from benchmarks.shapes import scale_for_run, select_shapes  # noqa: PLC0415
+
+    shape = scale_for_run(select_shapes(shape_name)[0], 1, quick=quick)
+    h, i, e, k = shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.topk
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen, device=device) * scale).to(torch.bfloat16)
+
+    probs = torch.rand(tokens, k, generator=gen, device=device) + 0.05
+    logits = torch.rand(tokens, e, generator=gen, device=device)
+    inputs = {
+        "x": randn(tokens, h),
+        "router_weights": probs / probs.sum(dim=1, keepdim=True),
+        "top_experts": logits.topk(k, dim=1).indices,
+        "routed_gate": randn(e, i, h, scale=h**-0.5),
+        "routed_up": randn(e, i, h, scale=h**-0.5),
+        "routed_down": randn(e, h, i, scale=i**-0.5),
+        "shared_gate": None,
+        "shared_up": None,
+        "shared_down": None,
+        "grad_output": randn(tokens, h),
+    }
+    return shape, inputs
+
+
+def time_case(shape_name: str, tokens: int, reps: int, device: str = "cuda",
+              quick: bool = False) -> dict:  # fmt: skip
+    """One case in this process's folder: {pass: median ms} and the outputs' hash (CUDA events
+    on a GPU; on a CPU, where mok runs its reference path, the host clock: a smoke test)."""
+    import time  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from mok import functional as F  # noqa: PLC0415
+    from mok.testing import WEIGHT_NAMES  # noqa: PLC0415
+
+    shape, inputs = layer_inputs(shape_name, tokens, device, quick)
+    e, limit = shape.num_experts, shape.swiglu_limit
+    config = F.MoKConfig()
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ws = F.get_workspace(config, None, device=torch.device(device), num_local_tokens=tokens,
+                         hidden_size=shape.hidden_size, topk=shape.topk,
+                         num_local_experts=e)  # fmt: skip
+    weights = [inputs[n] for n in WEIGHT_NAMES]
+    x, rw = inputs["x"], inputs["router_weights"]
+
+    def forward():
+        schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
+        out, ctx = F.forward(config, ws, schedule, x, rw, *weights, swiglu_limit=limit)
+        return schedule, out, ctx
+
+    def step():
+        schedule, out, ctx = forward()
+        grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], x, rw, *weights,
+                           swiglu_limit=limit)  # fmt: skip
+        return out, grads
+
+    out, grads = step()
+    sync()
+    F.check_errors(ws)
+    digest = hashlib.sha1()
+    for t in (out, *(g for g in grads if isinstance(g, torch.Tensor))):
+        digest.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    result = {"hash": digest.hexdigest()[:16]}
+    for name, fn in (("fwd", forward), ("fwdbwd", step)):
+        for _ in range(WARMUP):
+            fn()
+        times = []
+        if cuda:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(reps)]  # fmt: skip
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            sync()
+            times = [start.elapsed_time(end) for start, end in events]
+        else:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        result[name] = sorted(times)[len(times) // 2]
+    F.check_errors(ws)
+    return result
+
+
+def worker(name: str, cases: list[tuple[str, int]], reps: int, round_: int, device: str,
+           quick: bool) -> None:  # fmt: skip
+    """Time every case in this process (MOK_KERNEL_DIR set by the caller); one line each."""
+    import torch  # noqa: PLC0415
+
+    for shape, tokens in cases:
+        result = time_case(shape, tokens, reps, device, quick)
+        row = {"name": name, "round": round_, "shape": shape, "tokens": tokens, **result}
+        print(MARK + json.dumps(row), flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", action="append", default=[], metavar="NAME=DIR",
+                        help="a cubin folder to time against the shipped one (repeatable)")  # fmt: skip
+    parser.add_argument("--cases", default="qwen3-30b-a3b:2048,qwen3-30b-a3b:16384,deepseek-v3:16384",
+                        help="comma list of SHAPE:TOKENS")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per process")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a smoke test of the plumbing on mok's CPU path (with --quick)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="the benchmarks' small sizes")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.reps < 1:
+        parser.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")
+    try:
+        cases = parse_cases(args.cases)
+        if args.worker is not None:
+            worker(args.worker, cases, args.reps, args.round, args.device, args.quick)
+            return 0
+        dirs = parse_dirs(args.dir)
+    except ValueError as error:
+        parser.error(str(error))
+    import torch  # noqa: PLC0415
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the workers time mok's kernels)")
+    results, failed = [], []
+    for round_ in range(1, args.rounds + 1):
+        for name, folder in dirs:
+            cmd = [sys.executable, "-m", "tools.kernel_ab", "--worker", name, "--round",
+                   str(round_), "--cases", args.cases, "--reps", str(args.reps), "--device",
+                   args.device, *(["--quick"] if args.quick else [])]  # fmt: skip
+            env = {**os.environ, "MOK_KERNEL_DIR": str(folder)}
+            try:
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                      timeout=args.timeout)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                failed.append(f"{name} round {round_}: over {args.timeout:.0f} s")
+                continue
+            rows = [json.loads(line[len(MARK):]) for line in done.stdout.splitlines()
+                    if line.startswith(MARK)]  # fmt: skip
+            for row in rows:
+                print(f"  round {round_} {name:<12} {row['shape']:<18} {row['tokens']:>6} "
+                      f"fwd {row['fwd']:8.3f} fwdbwd {row['fwdbwd']:8.3f} bits {row['hash']}",
+                      flush=True)  # fmt: skip
+            results.extend(rows)
+            if done.returncode != 0:
+                failed.append(f"{name} round {round_}: rc={done.returncode}, "
+                              f"{done.stderr.strip()[-500:]}")  # fmt: skip
+    print("\n".join(table(results)))
+    for line in failed:
+        print("FAILED", line)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
