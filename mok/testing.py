@@ -18,7 +18,7 @@ ROUTINGS = ("random", "one_expert", "empty_experts", "first_experts")
 def make_routing(
     num_tokens: int, num_experts: int, topk: int, routing: str, generator: torch.Generator
 ) -> torch.Tensor:
-    """Global expert ids int64 [T, k], distinct per token.
+    """Global expert ids int64 [T, k], distinct per token, on the generator's device.
 
     random: top-k of random logits. one_expert: expert 0 is every token's first choice (all
     tokens reach it). empty_experts: only the first half of the experts are ever chosen.
@@ -26,7 +26,8 @@ def make_routing(
     """
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    on = generator.device
+    logits = torch.randn(num_tokens, num_experts, generator=generator, device=on)
     if routing == "one_expert":
         logits[:, 0] = 1e9
     elif routing == "empty_experts":
@@ -34,7 +35,8 @@ def make_routing(
             raise ValueError(f"empty_experts routing needs topk <= {num_experts // 2}, got {topk}")
         logits[:, num_experts // 2 :] = -1e9
     elif routing == "first_experts":
-        logits = -torch.arange(num_experts, dtype=torch.float32).expand(num_tokens, -1).clone()
+        logits = -torch.arange(num_experts, dtype=torch.float32, device=on)
+        logits = logits.expand(num_tokens, -1).clone()
     return logits.topk(topk, dim=-1).indices.contiguous()
 
 
@@ -49,17 +51,22 @@ def make_inputs(
     routing: str = "random",
     seed: int = 0,
     device: torch.device | str = "cpu",
+    generate_on_device: bool = False,
 ) -> dict[str, torch.Tensor | None]:
-    """Random bf16 inputs of one MoE layer (weights scaled to keep activations O(1))."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random bf16 inputs of one MoE layer (weights scaled to keep activations O(1)), drawn
+    on the CPU and moved to `device`, so a seed gives the same values on every device.
+    `generate_on_device`: drawn on `device` by its own generator instead (other values; fast on
+    a GPU for the coarse shapes' billions of weights)."""
+    on = torch.device(device) if generate_on_device else torch.device("cpu")
+    gen = torch.Generator(device=on).manual_seed(seed)
     t, h, i, e = num_tokens, hidden_size, intermediate_size, num_experts
 
     def w(*shape):
-        return (torch.randn(*shape, generator=gen) / shape[-1] ** 0.5).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=gen, device=on) / shape[-1] ** 0.5).to(torch.bfloat16)
 
-    probs = torch.rand(t, topk, generator=gen) + 0.05
+    probs = torch.rand(t, topk, generator=gen, device=on) + 0.05
     inputs = {
-        "x": torch.randn(t, h, generator=gen).to(torch.bfloat16),
+        "x": torch.randn(t, h, generator=gen, device=on).to(torch.bfloat16),
         "router_weights": probs / probs.sum(dim=1, keepdim=True),
         "top_experts": make_routing(t, e, topk, routing, gen),
         "routed_gate": w(e, i, h),
@@ -68,7 +75,7 @@ def make_inputs(
         "shared_gate": w(i, h) if shared else None,
         "shared_up": w(i, h) if shared else None,
         "shared_down": w(h, i) if shared else None,
-        "grad_output": torch.randn(t, h, generator=gen).to(torch.bfloat16),
+        "grad_output": torch.randn(t, h, generator=gen, device=on).to(torch.bfloat16),
     }
     return {k: (v.to(device) if v is not None else None) for k, v in inputs.items()}
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mok.runtime.manifest import installed_cubin_dir
+from mok.testing import make_inputs
 from tools import kernel_ab
 
 
@@ -65,10 +67,13 @@ def test_a_case_runs_and_hashes_its_bits_on_the_cpu():
     again = kernel_ab.time_case("qwen3-30b-a3b", 64, reps=1, device="cpu", quick=True)
     assert first["hash"] == again["hash"] and len(first["hash"]) == 16
     assert first["fwd"] > 0 and first["fwdbwd"] > 0
-    shape, inputs = kernel_ab.layer_inputs("qwen3-30b-a3b", 64, "cpu", quick=True)
-    assert inputs["top_experts"].shape == (64, shape.topk)
+    other = kernel_ab.time_case("deepseek-v4-pro", 64, reps=1, device="cpu", quick=True)
+    assert other["hash"] != first["hash"]  # a shape with its clamp, other bits
+    # The inputs it draws on the device: distinct experts per token.
+    inputs = make_inputs(64, 128, 128, 16, 8, device="cpu", generate_on_device=True)
+    assert inputs["top_experts"].shape == (64, 8)
     ids = inputs["top_experts"].sort(dim=1).values
-    assert bool((ids[:, 1:] != ids[:, :-1]).all())  # distinct experts per token
+    assert bool((ids[:, 1:] != ids[:, :-1]).all())
 
 
 def test_the_whole_comparison_runs_on_the_cpu(tmp_path, capsys, monkeypatch):
@@ -77,7 +82,7 @@ def test_the_whole_comparison_runs_on_the_cpu(tmp_path, capsys, monkeypatch):
     import shutil
 
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # workers run `-m tools.kernel_ab`
-    shutil.copy(kernel_ab.shipped_folder() / "manifest.json", tmp_path / "manifest.json")
+    shutil.copy(installed_cubin_dir() / "manifest.json", tmp_path / "manifest.json")
     rc = kernel_ab.main(["--dir", f"copy={tmp_path}", "--cases", "qwen3-30b-a3b:64",
                          "--rounds", "1", "--reps", "1", "--device", "cpu", "--quick"])  # fmt: skip
     out = capsys.readouterr().out

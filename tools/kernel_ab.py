@@ -33,16 +33,11 @@ PASSES = ("fwd", "fwdbwd")
 WARMUP = 3
 
 
-def shipped_folder() -> Path:
-    """The installed cubins' folder (whatever MOK_KERNEL_DIR says)."""
-    from importlib import resources  # noqa: PLC0415
-
-    return Path(str(resources.files("mok.dsl_kernels") / "cubins")).resolve()
-
-
 def parse_dirs(items: list[str]) -> list[tuple[str, Path]]:
     """`NAME=DIR` items -> [(name, absolute folder)], the shipped cubins first."""
-    dirs = [(SHIPPED, shipped_folder())]
+    from mok.runtime.manifest import installed_cubin_dir  # noqa: PLC0415
+
+    dirs = [(SHIPPED, installed_cubin_dir().resolve())]
     for item in items:
         name, sep, folder = item.partition("=")
         if not sep or not name or not folder:
@@ -114,98 +109,47 @@ def table(results: list[dict]) -> list[str]:
     return lines
 
 
-def layer_inputs(shape_name: str, tokens: int, device: str, quick: bool = False,
-                 seed: int = 0) -> tuple:  # fmt: skip
-    """(run shape, inputs) of one GPU's layer (`quick`: benchmarks.shapes' small sizes): random
-    bf16 data made on `device` (fast on a GPU at the coarse shapes' billions of weights),
-    distinct experts per token."""
+def time_case(shape_name: str, tokens: int, reps: int, device: str = "cuda",
+              quick: bool = False) -> dict:  # fmt: skip
+    """One case in this process's folder: {pass: median ms} and the outputs' hash
+    (benchmarks.timing: CUDA events on a GPU; on a CPU, where mok runs its reference path,
+    the host clock: a smoke test). The inputs are drawn on `device` (`quick`: benchmarks.shapes'
+    small sizes)."""
     import torch  # noqa: PLC0415
 
     from benchmarks.shapes import scale_for_run, select_shapes  # noqa: PLC0415
+    from benchmarks.timing import TimingConfig, median, synchronize, time_ms  # noqa: PLC0415
+    from mok import functional as F  # noqa: PLC0415
+    from mok.testing import WEIGHT_NAMES, make_inputs, run_layer_step  # noqa: PLC0415
 
     shape = scale_for_run(select_shapes(shape_name)[0], 1, quick=quick)
-    h, i, e, k = shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.topk
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*size, scale=1.0):
-        return (torch.randn(*size, generator=gen, device=device) * scale).to(torch.bfloat16)
-
-    probs = torch.rand(tokens, k, generator=gen, device=device) + 0.05
-    logits = torch.rand(tokens, e, generator=gen, device=device)
-    inputs = {
-        "x": randn(tokens, h),
-        "router_weights": probs / probs.sum(dim=1, keepdim=True),
-        "top_experts": logits.topk(k, dim=1).indices,
-        "routed_gate": randn(e, i, h, scale=h**-0.5),
-        "routed_up": randn(e, i, h, scale=h**-0.5),
-        "routed_down": randn(e, h, i, scale=i**-0.5),
-        "shared_gate": None,
-        "shared_up": None,
-        "shared_down": None,
-        "grad_output": randn(tokens, h),
-    }
-    return shape, inputs
-
-
-def time_case(shape_name: str, tokens: int, reps: int, device: str = "cuda",
-              quick: bool = False) -> dict:  # fmt: skip
-    """One case in this process's folder: {pass: median ms} and the outputs' hash (CUDA events
-    on a GPU; on a CPU, where mok runs its reference path, the host clock: a smoke test)."""
-    import time  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
-
-    from mok import functional as F  # noqa: PLC0415
-    from mok.testing import WEIGHT_NAMES  # noqa: PLC0415
-
-    shape, inputs = layer_inputs(shape_name, tokens, device, quick)
-    e, limit = shape.num_experts, shape.swiglu_limit
+    e, limit, on = shape.num_experts, shape.swiglu_limit, torch.device(device)
+    inputs = make_inputs(tokens, shape.hidden_size, shape.intermediate_size, e, shape.topk,
+                         device=on, generate_on_device=True)  # fmt: skip
     config = F.MoKConfig()
-    cuda = device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    ws = F.get_workspace(config, None, device=torch.device(device), num_local_tokens=tokens,
+    ws = F.get_workspace(config, None, device=on, num_local_tokens=tokens,
                          hidden_size=shape.hidden_size, topk=shape.topk,
                          num_local_experts=e)  # fmt: skip
     weights = [inputs[n] for n in WEIGHT_NAMES]
-    x, rw = inputs["x"], inputs["router_weights"]
 
-    def forward():
+    def forward(_state=None):
         schedule = F.build_schedule(ws, config, inputs["top_experts"], num_local_experts=e)
-        out, ctx = F.forward(config, ws, schedule, x, rw, *weights, swiglu_limit=limit)
-        return schedule, out, ctx
+        return F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights,
+                         swiglu_limit=limit)  # fmt: skip
 
-    def step():
-        schedule, out, ctx = forward()
-        grads = F.backward(config, ws, schedule, ctx, inputs["grad_output"], x, rw, *weights,
-                           swiglu_limit=limit)  # fmt: skip
-        return out, grads
+    def step(_state=None):
+        return run_layer_step(config, ws, inputs, e, swiglu_limit=limit)
 
-    out, grads = step()
-    sync()
+    out, _, grads = step()
+    synchronize(on)
     F.check_errors(ws)
     digest = hashlib.sha1()
     for t in (out, *(g for g in grads if isinstance(g, torch.Tensor))):
         digest.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     result = {"hash": digest.hexdigest()[:16]}
-    for name, fn in (("fwd", forward), ("fwdbwd", step)):
-        for _ in range(WARMUP):
-            fn()
-        times = []
-        if cuda:
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(reps)]  # fmt: skip
-            for start, end in events:
-                start.record()
-                fn()
-                end.record()
-            sync()
-            times = [start.elapsed_time(end) for start, end in events]
-        else:
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        result[name] = sorted(times)[len(times) // 2]
+    timing = TimingConfig(warmup=WARMUP, reps=reps)
+    for name, run in (("fwd", forward), ("fwdbwd", step)):
+        result[name] = median(time_ms(on, timing, run))
     F.check_errors(ws)
     return result
 

@@ -150,13 +150,18 @@ class Manifest:
 KERNEL_DIR_ENV_VAR = "MOK_KERNEL_DIR"
 
 
+def installed_cubin_dir() -> Path:
+    """The installed `mok.dsl_kernels/cubins` folder, whatever MOK_KERNEL_DIR says."""
+    return Path(str(resources.files("mok.dsl_kernels") / "cubins"))
+
+
 def default_manifest_path() -> Path:
     """`manifest.json` in the installed `mok.dsl_kernels/cubins` folder, or in MOK_KERNEL_DIR
     when that is set (read when a kernel is first loaded: set it before any mok call)."""
     folder = os.environ.get(KERNEL_DIR_ENV_VAR)
     if folder:
         return Path(folder) / MANIFEST_FILENAME
-    return Path(str(resources.files("mok.dsl_kernels") / "cubins")) / MANIFEST_FILENAME
+    return installed_cubin_dir() / MANIFEST_FILENAME
 
 
 def load_manifest(path: str | os.PathLike | None = None) -> Manifest:

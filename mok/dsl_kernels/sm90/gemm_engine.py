@@ -286,7 +286,8 @@ def mma_k_tiles(
     Boolean, the same on the whole warpgroup; `from_zero` only): this warpgroup's 64 rows are
     all padding, so it issues no wgmma: it waits for and releases each of the `k_tiles` stages
     (the other warpgroup reads them) and its accumulators stay zero, what wgmma gives for zero
-    rows. Returns (read, release)."""
+    rows. `eager` (a diagnostic build's, NOTES §18 item 13): each stage is released as soon as
+    its own batch completes, none held past its batch. Returns (read, release)."""
     # A skipping warpgroup hands off what it holds: zeros only when it started from them.
     assert from_zero or skip is None, "mma_k_tiles: skip needs from_zero"
     tCrA, tCrB0, tCrB1 = operands
@@ -310,7 +311,6 @@ def mma_k_tiles(
         cute.nvgpu.warpgroup.commit_group()
         read_state.advance()
         if cutlass.const_expr(eager):
-            # Diagnostic: each stage released as soon as its own batch completes.
             cute.nvgpu.warpgroup.wait_group(0)
             ring.consumer_release(release_state)
             release_state.advance()
@@ -322,7 +322,7 @@ def mma_k_tiles(
     cute.nvgpu.warpgroup.wait_group(0)
     fence_accumulators(accumulators)
     if cutlass.const_expr(eager):
-        pass
+        pass  # the loop released every stage it read
     elif cutlass.const_expr(may_be_empty or skip is not None):
         if mma_tiles > 0:
             ring.consumer_release(release_state)
