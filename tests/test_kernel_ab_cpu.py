@@ -12,8 +12,8 @@ from tools import kernel_ab
 
 
 def _row(name, round_, fwd, fwdbwd, digest, shape="qwen3-30b-a3b", tokens=2048):
-    return {"name": name, "round": round_, "shape": shape, "tokens": tokens, "fwd": fwd,
-            "fwdbwd": fwdbwd, "hash": digest}  # fmt: skip
+    return {"name": name, "round": round_, "shape": shape, "tokens": tokens, "macrobatch": 0,
+            "replay": "gate_up", "fwd": fwd, "fwdbwd": fwdbwd, "hash": digest}  # fmt: skip
 
 
 def test_table_gives_best_times_ratios_and_bits():
@@ -40,12 +40,22 @@ def test_table_flags_bits_that_change_between_rounds():
 
 
 def test_cases_and_folders_are_checked(tmp_path):
-    assert kernel_ab.parse_cases("qwen3-30b-a3b:2048, deepseek-v3:16384") == [
-        ("qwen3-30b-a3b", 2048),
-        ("deepseek-v3", 16384),
+    cases = kernel_ab.parse_cases(
+        "qwen3-30b-a3b:2048, deepseek-v3:16384,qwen3-30b-a3b:4096:mb4096:gather,kimi-k2:64:mb256"
+    )
+    assert cases == [
+        ("qwen3-30b-a3b", 2048, 0, "gate_up"),
+        ("deepseek-v3", 16384, 0, "gate_up"),
+        ("qwen3-30b-a3b", 4096, 4096, "gather"),
+        ("kimi-k2", 64, 256, "gate_up"),
     ]
+    assert [case.label() for case in cases] == ["2048", "16384", "4096/mb4096g", "64/mb256"]
     for bad, message in (("qwen3-30b-a3b", "SHAPE:TOKENS"), ("qwen3-30b-a3b:0", "SHAPE:TOKENS"),
-                         ("llama:2048", "unknown shape 'llama'"), ("", "no case")):  # fmt: skip
+                         ("llama:2048", "unknown shape 'llama'"), ("", "no case"),
+                         ("qwen3-30b-a3b:2048:4096", "mbROWS"),
+                         ("qwen3-30b-a3b:2048:mb4096:all", "mbROWS"),
+                         ("qwen3-30b-a3b:2048:mb1000", "multiple of 256 below TOKENS x k = 16384"),
+                         ("qwen3-30b-a3b:2048:mb16384", "below TOKENS x k = 16384, got 16384")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             kernel_ab.parse_cases(bad)
     with pytest.raises(ValueError, match="no manifest.json"):
@@ -63,12 +73,17 @@ def test_cases_and_folders_are_checked(tmp_path):
 def test_a_case_runs_and_hashes_its_bits_on_the_cpu():
     """The worker's whole path (inputs, schedule, forward, backward, hash) at the quick sizes on
     mok's CPU path: two runs give the same bits."""
-    first = kernel_ab.time_case("qwen3-30b-a3b", 64, reps=1, device="cpu", quick=True)
-    again = kernel_ab.time_case("qwen3-30b-a3b", 64, reps=1, device="cpu", quick=True)
+    case = kernel_ab.Case("qwen3-30b-a3b", 64)
+    first = kernel_ab.time_case(case, reps=1, device="cpu", quick=True)
+    again = kernel_ab.time_case(case, reps=1, device="cpu", quick=True)
     assert first["hash"] == again["hash"] and len(first["hash"]) == 16
     assert first["fwd"] > 0 and first["fwdbwd"] > 0
-    other = kernel_ab.time_case("deepseek-v4-pro", 64, reps=1, device="cpu", quick=True)
+    other = kernel_ab.time_case(kernel_ab.Case("deepseek-v4-pro", 64), reps=1, device="cpu",
+                                quick=True)  # fmt: skip
     assert other["hash"] != first["hash"]  # a shape with its clamp, other bits
+    # Macrobatches: the same bits as every row at once.
+    ring = kernel_ab.time_case(case._replace(macrobatch=256), reps=1, device="cpu", quick=True)
+    assert ring["hash"] == first["hash"]
     # The inputs it draws on the device: distinct experts per token.
     inputs = make_inputs(64, 128, 128, 16, 8, device="cpu", generate_on_device=True)
     assert inputs["top_experts"].shape == (64, 8)

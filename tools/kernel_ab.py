@@ -1,7 +1,8 @@
 """Time cubin folders against the shipped cubins in one call, each in turn, with their bits checked.
 
     python -m tools.kernel_ab --dir NAME=DIR [--dir NAME=DIR ...]
-        [--cases qwen3-30b-a3b:2048,qwen3-30b-a3b:16384,deepseek-v3:16384] [--rounds 2] [--reps 20]
+        [--cases qwen3-30b-a3b:2048,qwen3-30b-a3b:16384:mb16384,deepseek-v3:16384] [--rounds 2]
+        [--reps 20]
 
 A folder is a copy of the shipped cubins with diagnostic variants built into it:
 
@@ -10,7 +11,8 @@ A folder is a copy of the shipped cubins with diagnostic variants built into it:
 
 The shipped folder runs first, as `shipped`. Each round runs every folder once, in its own
 process with MOK_KERNEL_DIR set to it (the runtime loads a folder once per process). A process
-times, per case (a benchmark shape at one GPU's scale and a token count), schedule + forward and
+times, per case (a benchmark shape at one GPU's scale, a token count and, with `:mbROWS`,
+macrobatches of ROWS routed rows, `:gather` for that replay), schedule + forward and
 schedule + forward + backward through `mok.functional` (CUDA events, the median of `--reps` after
 warm-up) and hashes out and every gradient. The table gives each folder's best time over the
 rounds, its ratio to the shipped folder's, and whether its bits are the shipped ones: a build
@@ -26,6 +28,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 SHIPPED = "shipped"
 MARK = "KERNEL_AB "  # a worker's result lines start with this
@@ -51,19 +54,51 @@ def parse_dirs(items: list[str]) -> list[tuple[str, Path]]:
     return dirs
 
 
-def parse_cases(text: str) -> list[tuple[str, int]]:
-    """`shape:tokens,...` -> [(shape, tokens)], shapes from benchmarks.shapes."""
+class Case(NamedTuple):
+    """A benchmark shape at one GPU's scale, a token count and, where `macrobatch` > 0, ring
+    reuse: MoKConfig minibatch_size = macrobatch_size = `macrobatch` with `replay`."""
+
+    shape: str
+    tokens: int
+    macrobatch: int = 0
+    replay: str = "gate_up"
+
+    def label(self) -> str:
+        """The tokens column: `2048`, or `16384/mb4096` (`g` at the end: the gather replay)."""
+        if not self.macrobatch:
+            return str(self.tokens)
+        return f"{self.tokens}/mb{self.macrobatch}" + ("g" if self.replay == "gather" else "")
+
+
+def parse_cases(text: str) -> list[Case]:
+    """`SHAPE:TOKENS[:mbROWS[:gather]],...` -> [Case], shapes from benchmarks.shapes; ROWS a
+    multiple of 256 below TOKENS x k (else every row is held at once: no ring)."""
     from benchmarks.shapes import SHAPES  # noqa: PLC0415
 
-    known = sorted(shape.name for shape in SHAPES)
+    topk = {shape.name: shape.topk for shape in SHAPES}
+    form = "SHAPE:TOKENS[:mbROWS[:gather]]"
     cases = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
-        shape, sep, tokens = item.partition(":")
-        if not sep or not tokens.isdigit() or int(tokens) <= 0:
-            raise ValueError(f"--cases: expected SHAPE:TOKENS, got {item!r}")
-        if shape not in known:
-            raise ValueError(f"--cases: unknown shape {shape!r}; expected one of {known}")
-        cases.append((shape, int(tokens)))
+        shape, _, rest = item.partition(":")
+        tokens, _, ring = rest.partition(":")
+        rows, _, replay = ring.partition(":")
+        if not tokens.isdigit() or int(tokens) <= 0:
+            raise ValueError(f"--cases: expected {form}, got {item!r}")
+        if shape not in topk:
+            raise ValueError(f"--cases: unknown shape {shape!r}; expected one of {sorted(topk)}")
+        case = Case(shape, int(tokens))
+        if ring:
+            routed = case.tokens * topk[shape]
+            if not (rows.startswith("mb") and rows[2:].isdigit()) or replay not in ("", "gather"):
+                raise ValueError(f"--cases: expected {form}, got {item!r}")
+            size = int(rows[2:])
+            if size <= 0 or size % 256 or size >= routed:
+                raise ValueError(
+                    f"--cases {item}: macrobatch rows must be a positive multiple of 256 below "
+                    f"TOKENS x k = {routed}, got {size}"
+                )
+            case = case._replace(macrobatch=size, replay=replay or "gate_up")
+        cases.append(case)
     if not cases:
         raise ValueError("--cases: no case given")
     return cases
@@ -77,7 +112,7 @@ def table(results: list[dict]) -> list[str]:
     names: list[str] = []
     cases: list[tuple] = []
     for r in results:
-        case = (r["shape"], r["tokens"])
+        case = Case(r["shape"], r["tokens"], r.get("macrobatch", 0), r.get("replay", "gate_up"))
         if r["name"] not in names:
             names.append(r["name"])
         if case not in cases:
@@ -86,7 +121,7 @@ def table(results: list[dict]) -> list[str]:
         for p in PASSES:
             key = (case, p, r["name"])
             best[key] = min(best.get(key, float("inf")), r[p])
-    lines = [f"{'shape':<18} {'tokens':>6} {'pass':<7} {'folder':<12} {'best ms':>9} "
+    lines = [f"{'shape':<18} {'tokens':>14} {'pass':<7} {'folder':<12} {'best ms':>9} "
              f"{'/ shipped':>9}  bits"]  # fmt: skip
     for case in cases:
         shipped_bits = bits.get((case, SHIPPED), set())
@@ -104,13 +139,12 @@ def table(results: list[dict]) -> list[str]:
                     verdict = "no shipped run"
                 else:
                     verdict = "same" if own == shipped_bits else "DIFFERENT"
-                lines.append(f"{case[0]:<18} {case[1]:>6} {p:<7} {name:<12} {ms:9.3f} "
+                lines.append(f"{case.shape:<18} {case.label():>14} {p:<7} {name:<12} {ms:9.3f} "
                              f"{ratio}  {verdict}")  # fmt: skip
     return lines
 
 
-def time_case(shape_name: str, tokens: int, reps: int, device: str = "cuda",
-              quick: bool = False) -> dict:  # fmt: skip
+def time_case(case: Case, reps: int, device: str = "cuda", quick: bool = False) -> dict:
     """One case in this process's folder: {pass: median ms} and the outputs' hash
     (benchmarks.timing: CUDA events on a GPU; on a CPU, where mok runs its reference path,
     the host clock: a smoke test). The inputs are drawn on `device` (`quick`: benchmarks.shapes'
@@ -122,11 +156,15 @@ def time_case(shape_name: str, tokens: int, reps: int, device: str = "cuda",
     from mok import functional as F  # noqa: PLC0415
     from mok.testing import WEIGHT_NAMES, make_inputs, run_layer_step  # noqa: PLC0415
 
+    shape_name, tokens = case.shape, case.tokens
     shape = scale_for_run(select_shapes(shape_name)[0], 1, quick=quick)
     e, limit, on = shape.num_experts, shape.swiglu_limit, torch.device(device)
     inputs = make_inputs(tokens, shape.hidden_size, shape.intermediate_size, e, shape.topk,
                          device=on, generate_on_device=True)  # fmt: skip
     config = F.MoKConfig()
+    if case.macrobatch:
+        config = F.MoKConfig(minibatch_size=case.macrobatch, macrobatch_size=case.macrobatch,
+                             macrobatch_replay=case.replay)  # fmt: skip
     ws = F.get_workspace(config, None, device=on, num_local_tokens=tokens,
                          hidden_size=shape.hidden_size, topk=shape.topk,
                          num_local_experts=e)  # fmt: skip
@@ -154,14 +192,14 @@ def time_case(shape_name: str, tokens: int, reps: int, device: str = "cuda",
     return result
 
 
-def worker(name: str, cases: list[tuple[str, int]], reps: int, round_: int, device: str,
+def worker(name: str, cases: list[Case], reps: int, round_: int, device: str,
            quick: bool) -> None:  # fmt: skip
     """Time every case in this process (MOK_KERNEL_DIR set by the caller); one line each."""
     import torch  # noqa: PLC0415
 
-    for shape, tokens in cases:
-        result = time_case(shape, tokens, reps, device, quick)
-        row = {"name": name, "round": round_, "shape": shape, "tokens": tokens, **result}
+    for case in cases:
+        result = time_case(case, reps, device, quick)
+        row = {"name": name, "round": round_, **case._asdict(), **result}
         print(MARK + json.dumps(row), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -172,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", action="append", default=[], metavar="NAME=DIR",
                         help="a cubin folder to time against the shipped one (repeatable)")  # fmt: skip
     parser.add_argument("--cases", default="qwen3-30b-a3b:2048,qwen3-30b-a3b:16384,deepseek-v3:16384",
-                        help="comma list of SHAPE:TOKENS")  # fmt: skip
+                        help="comma list of SHAPE:TOKENS[:mbROWS[:gather]] (mbROWS: macrobatches "
+                             "of ROWS routed rows, gate/up replayed, or their gather replay)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per process")
@@ -212,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = [json.loads(line[len(MARK):]) for line in done.stdout.splitlines()
                     if line.startswith(MARK)]  # fmt: skip
             for row in rows:
-                print(f"  round {round_} {name:<12} {row['shape']:<18} {row['tokens']:>6} "
+                label = Case(row["shape"], row["tokens"], row["macrobatch"], row["replay"]).label()
+                print(f"  round {round_} {name:<12} {row['shape']:<18} {label:>14} "
                       f"fwd {row['fwd']:8.3f} fwdbwd {row['fwdbwd']:8.3f} bits {row['hash']}",
                       flush=True)  # fmt: skip
             results.extend(rows)

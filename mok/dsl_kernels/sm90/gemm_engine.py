@@ -277,7 +277,7 @@ def mma_k_tiles(
     may_be_empty: bool = False,
     from_zero: bool = True,
     skip=None,
-    eager: bool = False,
+    eager=False,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
     the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
@@ -286,8 +286,10 @@ def mma_k_tiles(
     Boolean, the same on the whole warpgroup; `from_zero` only): this warpgroup's 64 rows are
     all padding, so it issues no wgmma: it waits for and releases each of the `k_tiles` stages
     (the other warpgroup reads them) and its accumulators stay zero, what wgmma gives for zero
-    rows. `eager` (a diagnostic build's, NOTES §18 item 13): each stage is released as soon as
-    its own batch completes, none held past its batch. Returns (read, release)."""
+    rows. `eager` (a bool, or a Boolean the same on the whole warpgroup): each stage is released
+    as soon as its own batch completes, none held past its batch (the megakernels' GEMM tasks,
+    and weight tasks of enough k tiles: NOTES §18 item 13); the producer refills a stage one
+    batch sooner, and the next batch waits for this one. Returns (read, release)."""
     # A skipping warpgroup hands off what it holds: zeros only when it started from them.
     assert from_zero or skip is None, "mma_k_tiles: skip needs from_zero"
     tCrA, tCrB0, tCrB1 = operands
@@ -310,19 +312,21 @@ def mma_k_tiles(
             cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
         cute.nvgpu.warpgroup.commit_group()
         read_state.advance()
-        if cutlass.const_expr(eager):
-            cute.nvgpu.warpgroup.wait_group(0)
-            ring.consumer_release(release_state)
-            release_state.advance()
-        elif k_tile > 0:
-            # The batch of k_tile - 1 is complete: its stage can be refilled.
-            cute.nvgpu.warpgroup.wait_group(1)
-            ring.consumer_release(release_state)
-            release_state.advance()
+        if cutlass.const_expr(isinstance(eager, bool)):
+            release_state = _release_behind(ring, release_state, k_tile, eager)
+        elif eager:
+            release_state = _release_behind(ring, release_state, k_tile, True)
+        else:
+            release_state = _release_behind(ring, release_state, k_tile, False)
     cute.nvgpu.warpgroup.wait_group(0)
     fence_accumulators(accumulators)
-    if cutlass.const_expr(eager):
-        pass  # the loop released every stage it read
+    # The last stage read is still held unless it was released eagerly.
+    if cutlass.const_expr(eager is True):
+        pass
+    elif cutlass.const_expr(eager is not False):
+        if not eager and mma_tiles > 0:
+            ring.consumer_release(release_state)
+            release_state.advance()
     elif cutlass.const_expr(may_be_empty or skip is not None):
         if mma_tiles > 0:
             ring.consumer_release(release_state)
@@ -337,6 +341,23 @@ def mma_k_tiles(
             ring.consumer_release(release_state)
             release_state.advance()
     return read_state, release_state
+
+
+@cute.jit
+def _release_behind(ring, release_state, k_tile: Int32, eager: cutlass.Constexpr):
+    """After k tile `k_tile`'s batch is committed: release its stage once it completes
+    (`eager`), else the stage of the batch before it (none after the first). Returns the
+    release state."""
+    if cutlass.const_expr(eager):
+        cute.nvgpu.warpgroup.wait_group(0)
+        ring.consumer_release(release_state)
+        release_state.advance()
+    elif k_tile > 0:
+        # The batch of k_tile - 1 is complete: its stage can be refilled.
+        cute.nvgpu.warpgroup.wait_group(1)
+        ring.consumer_release(release_state)
+        release_state.advance()
+    return release_state
 
 
 @cute.jit

@@ -206,9 +206,6 @@ class Sm90MoeBackward:
     # One macrobatch of ring reuse: its weight tasks go on from and into fp32 partials
     # (weight_phase.WeightWindow, the last parameters, which the other variants do not read).
     window: bool = False
-    # Diagnostic: the d_hidden and d_x consumers release each stage when its own wgmma batch
-    # completes (gemm_engine.mma_k_tiles `eager`).
-    eager_release: bool = False
     # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
     timeline: bool = False
 
@@ -482,7 +479,7 @@ class Sm90MoeBackward:
                     operands,
                     accs,
                     skip=(flag == PADDED_HALF) & second_half,
-                    eager=self.eager_release,
+                    eager=True,
                 )
                 for j in cutlass.range_constexpr(2):
                     d_hidden_phase.swiglu_backward(
@@ -515,7 +512,7 @@ class Sm90MoeBackward:
                     operands,
                     accs,
                     skip=(flag == PADDED_HALF) & second_half,
-                    eager=self.eager_release,
+                    eager=True,
                 )
                 CREW.hand_off(d_x_thr, accs, buffers)
                 return read_state, release_state

@@ -165,8 +165,6 @@ class Sm90MoeForward:
 
     stages: int = 3
     mxfp8: bool = False
-    # Diagnostic: consumers release each stage when its own wgmma batch completes.
-    eager_release: bool = False
     # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
     timeline: bool = False
 
@@ -369,7 +367,7 @@ class Sm90MoeForward:
                     operands,
                     accs,
                     skip=skip,
-                    eager=self.eager_release,
+                    eager=True,
                 )
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state

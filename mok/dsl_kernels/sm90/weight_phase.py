@@ -239,21 +239,40 @@ def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size
     return walk_weight_tasks(tasks, window, task, grid_size, load_task, state)
 
 
+# From this many k tiles (of the expert's tokens) on, a weight task releases each stage as soon
+# as its own wgmma batch completes (gemm_engine.mma_k_tiles `eager`), as the GEMM tasks do; below
+# it, one batch stays in flight behind the next. Measured (docs/NOTES.md §18 item 13): eager
+# everywhere gained 2-4% forward + backward at 4096 and 16384 tokens and on Kimi-K2 at 2048, and
+# lost 3% on Qwen3-30B-A3B at 2048 tokens, whose weight tasks run 2-3 k tiles.
+EAGER_MIN_K_TILES = 4
+
+
+@cute.jit
+def weight_k_loop(tiled_mma, ring, read_state, release_state, k_tiles: Int32, operands, accs,
+                  from_zero: cutlass.Constexpr):  # fmt: skip
+    """One weight task's K loop (k_tiles may be 0), eager from EAGER_MIN_K_TILES on; `from_zero`
+    False: on from the accumulators' values. Returns (read, release)."""
+    return engine.mma_k_tiles(
+        tiled_mma, ring, read_state, release_state, k_tiles, operands, accs, may_be_empty=True,
+        from_zero=from_zero, eager=k_tiles >= EAGER_MIN_K_TILES,
+    )  # fmt: skip
+
+
 @cute.jit
 def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int32, tiled_mma,
                          ring, operands, accs, crew, thr_mma, buffers, window=None):  # fmt: skip
     """Consumer warpgroups: each weight task's K loop over the expert's tokens (none for an
-    expert without tokens: the tile stays zero), the tile to the crew. `window` (a
-    WeightWindow): from and into the fp32 partials, tiles outside the macrobatch skipped.
-    Returns the states."""
+    expert without tokens: the tile stays zero), the tile to the crew (weight_k_loop).
+    `window` (a WeightWindow): from and into the fp32 partials, tiles outside the macrobatch
+    skipped. Returns the states."""
     read_state, release_state = states
     total = num_weight_tasks(tasks)
     if cutlass.const_expr(window is None):
         while task < total:
             _, expert, _, _, _ = locate_weight_task(tasks, task)
-            read_state, release_state = engine.mma_k_tiles(
+            read_state, release_state = weight_k_loop(
                 tiled_mma, ring, read_state, release_state,
-                tasks.tokens_per_expert[expert] // TILE_K, operands, accs, may_be_empty=True,
+                tasks.tokens_per_expert[expert] // TILE_K, operands, accs, True,
             )  # fmt: skip
             crew.hand_off(thr_mma, accs, buffers)
             task = task + grid_size
@@ -271,9 +290,8 @@ def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int
                 offset = partial_offset(tasks, gemm)
                 load_partial(thr_mma, accs, window.partial_in_ptr, offset, from_partial,
                              first_row, first_col, n_size)  # fmt: skip
-                read_state, release_state = engine.mma_k_tiles(
-                    tiled_mma, ring, read_state, release_state, k_tiles, operands, accs,
-                    may_be_empty=True, from_zero=False,
+                read_state, release_state = weight_k_loop(
+                    tiled_mma, ring, read_state, release_state, k_tiles, operands, accs, False,
                 )  # fmt: skip
                 if into_partial:
                     copy_tile(thr_mma, accs, window.partial_out_ptr, offset, first_row, first_col,
