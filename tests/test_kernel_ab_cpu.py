@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,31 @@ def test_the_whole_comparison_runs_on_the_cpu(tmp_path, capsys, monkeypatch):
     assert len(table) == 1 + 2 * 2  # header, 2 passes x 2 folders
     assert all(line.endswith("same") for line in table[1:])
     assert "round 1 copy" in out
+
+
+def test_a_budget_keeps_what_ran_and_starts_nothing_that_cannot_fit(tmp_path, capsys, monkeypatch):
+    """--budget-s: a process cut by it still gives the cases it finished; no process starts
+    once the longest so far no longer fits; the table and the list of what did not run print."""
+    import subprocess
+    import time
+
+    (tmp_path / "manifest.json").write_text("{}")
+    row = {"name": "shipped", "round": 1, **kernel_ab.Case("qwen3-30b-a3b", 64)._asdict(),
+           "fwd": 1.0, "fwdbwd": 3.0, "hash": "aa"}  # fmt: skip
+    calls = []
+
+    def cut_worker(cmd, timeout, **_):
+        calls.append(cmd[cmd.index("--worker") + 1])
+        time.sleep(0.3)
+        raise subprocess.TimeoutExpired(
+            cmd, timeout, output=(kernel_ab.MARK + json.dumps(row) + "\n").encode()
+        )
+
+    monkeypatch.setattr(kernel_ab.subprocess, "run", cut_worker)
+    rc = kernel_ab.main(["--dir", f"copy={tmp_path}", "--cases", "qwen3-30b-a3b:64", "--rounds", "2",
+                         "--device", "cpu", "--budget-s", "0.5"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 1 and calls == ["shipped"], out
+    assert "round 1 shipped" in out and "qwen3-30b-a3b                  64 fwd     shipped" in out
+    assert "not run (--budget-s 0.5): copy round 1, shipped round 2, copy round 2" in out
+    assert "FAILED shipped round 1: over 1 s" in out

@@ -94,8 +94,8 @@ for b in ${BENCH:-}; do
         # KERNEL_DIRS="NAME=DIR ...", KERNEL_CASES="SHAPE:TOKENS,..." (its default if unset)
         dirs=(); for d in ${KERNEL_DIRS:-}; do dirs+=(--dir "$d"); done
         timeout "$left" python3 -m tools.kernel_ab "${dirs[@]}" ${KERNEL_CASES:+--cases "$KERNEL_CASES"} \
-          > "$LOGS/kernel_ab.log" 2>&1
-        note "kernel_ab rc=$?"; grep -A100 "^shape " "$LOGS/kernel_ab.log" >> "$LOGS/summary.txt" ;;
+          --budget-s $(( left - 10 )) > "$LOGS/kernel_ab.log" 2>&1
+        note "kernel_ab rc=$?"; sed -n '/^shape /,$p' "$LOGS/kernel_ab.log" >> "$LOGS/summary.txt" ;;
     ab) # the same benchmark in $BASELINE (another tree of mok: A) and here (B), in turn, twice
         for i in 1 2; do
           for side in a b; do

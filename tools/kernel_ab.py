@@ -16,7 +16,9 @@ macrobatches of ROWS routed rows, `:gather` for that replay), schedule + forward
 schedule + forward + backward through `mok.functional` (CUDA events, the median of `--reps` after
 warm-up) and hashes out and every gradient. The table gives each folder's best time over the
 rounds, its ratio to the shipped folder's, and whether its bits are the shipped ones: a build
-that changes bits says so, whatever its time.
+that changes bits says so, whatever its time. `--budget-s` bounds the whole comparison: no
+process starts once the longest so far no longer fits, a process cut by it still gives the
+cases it finished, and the table shows what ran.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -205,6 +208,13 @@ def worker(name: str, cases: list[Case], reps: int, round_: int, device: str,
             torch.cuda.empty_cache()
 
 
+def _text(output) -> str:
+    """A timed-out process's captured output (bytes, str or None) as text."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", action="append", default=[], metavar="NAME=DIR",
@@ -215,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per process")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for the whole comparison: a process is started only while "
+                             "the longest one so far still fits, and the table gives what ran")  # fmt: skip
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: a smoke test of the plumbing on mok's CPU path (with --quick)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="the benchmarks' small sizes")
@@ -235,20 +248,33 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the workers time mok's kernels)")
-    results, failed = [], []
+    results, failed, skipped = [], [], []
+    start, longest = time.monotonic(), 0.0
     for round_ in range(1, args.rounds + 1):
         for name, folder in dirs:
+            if args.budget_s is not None:
+                left = args.budget_s - (time.monotonic() - start)
+                if left < longest:
+                    skipped.append(f"{name} round {round_}")
+                    continue
             cmd = [sys.executable, "-m", "tools.kernel_ab", "--worker", name, "--round",
                    str(round_), "--cases", args.cases, "--reps", str(args.reps), "--device",
                    args.device, *(["--quick"] if args.quick else [])]  # fmt: skip
             env = {**os.environ, "MOK_KERNEL_DIR": str(folder)}
+            began = time.monotonic()
+            timeout = args.timeout
+            if args.budget_s is not None:
+                timeout = min(timeout, max(1.0, args.budget_s - (began - start)))
             try:
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                      timeout=args.timeout)  # fmt: skip
-            except subprocess.TimeoutExpired:
-                failed.append(f"{name} round {round_}: over {args.timeout:.0f} s")
-                continue
-            rows = [json.loads(line[len(MARK):]) for line in done.stdout.splitlines()
+                                      timeout=timeout)  # fmt: skip
+                out, problem = done.stdout, None
+                if done.returncode != 0:
+                    problem = f"rc={done.returncode}, {done.stderr.strip()[-500:]}"
+            except subprocess.TimeoutExpired as expired:  # its finished cases still count
+                out, problem = _text(expired.stdout), f"over {timeout:.0f} s"
+            longest = max(longest, time.monotonic() - began)
+            rows = [json.loads(line[len(MARK):]) for line in out.splitlines()
                     if line.startswith(MARK)]  # fmt: skip
             for row in rows:
                 label = Case(row["shape"], row["tokens"], row["macrobatch"], row["replay"]).label()
@@ -256,10 +282,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"fwd {row['fwd']:8.3f} fwdbwd {row['fwdbwd']:8.3f} bits {row['hash']}",
                       flush=True)  # fmt: skip
             results.extend(rows)
-            if done.returncode != 0:
-                failed.append(f"{name} round {round_}: rc={done.returncode}, "
-                              f"{done.stderr.strip()[-500:]}")  # fmt: skip
+            if problem:
+                failed.append(f"{name} round {round_}: {problem}")
     print("\n".join(table(results)))
+    if skipped:
+        print(f"not run (--budget-s {args.budget_s:g}): " + ", ".join(skipped))
     for line in failed:
         print("FAILED", line)
     return 1 if failed else 0

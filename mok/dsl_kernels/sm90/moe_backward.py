@@ -89,6 +89,7 @@ from . import gemm_engine as engine
 from .epilogue_warps import CREW, slot_stores
 from .gemm_engine import CONSUMER_REGISTERS, PRODUCER_REGISTERS, TILE_K, TILE_M, TILE_N
 from .weight_phase import (
+    EAGER_MIN_K_TILES,
     PhaseWait,
     WeightTasks,
     WeightWindow,
@@ -208,6 +209,9 @@ class Sm90MoeBackward:
     window: bool = False
     # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
     timeline: bool = False
+    # Diagnostic (the shipped value: weight_phase.EAGER_MIN_K_TILES): weight tasks of this many
+    # k tiles or more release each ring stage when its own wgmma batch completes.
+    eager_min_k_tiles: int = EAGER_MIN_K_TILES
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
@@ -578,6 +582,7 @@ class Sm90MoeBackward:
                 w_thr,
                 buffers,
                 window,
+                self.eager_min_k_tiles,
             )
             timeline.mark_time(*marks, engine.THREADS_PER_WARPGROUP, SLOT["weights"])
             if args.finish_tokens > 0:

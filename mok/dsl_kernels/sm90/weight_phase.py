@@ -250,18 +250,19 @@ EAGER_MIN_K_TILES = 4
 
 @cute.jit
 def weight_k_loop(tiled_mma, ring, read_state, release_state, k_tiles: Int32, operands, accs,
-                  from_zero: cutlass.Constexpr):  # fmt: skip
-    """One weight task's K loop (k_tiles may be 0), eager from EAGER_MIN_K_TILES on; `from_zero`
-    False: on from the accumulators' values. Returns (read, release)."""
+                  from_zero: cutlass.Constexpr, eager_min_k_tiles: cutlass.Constexpr):  # fmt: skip
+    """One weight task's K loop (k_tiles may be 0), eager from `eager_min_k_tiles` on;
+    `from_zero` False: on from the accumulators' values. Returns (read, release)."""
     return engine.mma_k_tiles(
         tiled_mma, ring, read_state, release_state, k_tiles, operands, accs, may_be_empty=True,
-        from_zero=from_zero, eager=k_tiles >= EAGER_MIN_K_TILES,
+        from_zero=from_zero, eager=k_tiles >= eager_min_k_tiles,
     )  # fmt: skip
 
 
 @cute.jit
 def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int32, tiled_mma,
-                         ring, operands, accs, crew, thr_mma, buffers, window=None):  # fmt: skip
+                         ring, operands, accs, crew, thr_mma, buffers, window=None,
+                         eager_min_k_tiles: cutlass.Constexpr = EAGER_MIN_K_TILES):  # fmt: skip
     """Consumer warpgroups: each weight task's K loop over the expert's tokens (none for an
     expert without tokens: the tile stays zero), the tile to the crew (weight_k_loop).
     `window` (a WeightWindow): from and into the fp32 partials, tiles outside the macrobatch
@@ -273,7 +274,7 @@ def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int
             _, expert, _, _, _ = locate_weight_task(tasks, task)
             read_state, release_state = weight_k_loop(
                 tiled_mma, ring, read_state, release_state,
-                tasks.tokens_per_expert[expert] // TILE_K, operands, accs, True,
+                tasks.tokens_per_expert[expert] // TILE_K, operands, accs, True, eager_min_k_tiles,
             )  # fmt: skip
             crew.hand_off(thr_mma, accs, buffers)
             task = task + grid_size
@@ -293,6 +294,7 @@ def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int
                              first_row, first_col, n_size)  # fmt: skip
                 read_state, release_state = weight_k_loop(
                     tiled_mma, ring, read_state, release_state, k_tiles, operands, accs, False,
+                    eager_min_k_tiles,
                 )  # fmt: skip
                 if into_partial:
                     copy_tile(thr_mma, accs, window.partial_out_ptr, offset, first_row, first_col,
