@@ -127,10 +127,12 @@ def rank_inputs(inputs: dict, rank: int, size: int) -> dict:
     return local
 
 
-def run_layer_step(config, ws, inputs: dict, num_local_experts: int, swiglu_limit=None):
+def run_layer_step(config, ws, inputs: dict, num_local_experts: int, swiglu_limit=None,
+                   main_grads=None):  # fmt: skip
     """Schedule, forward and backward of one rank through `mok.functional`, with no host sync
-    (usable inside a VirtualEPGroup's `run`): (out, context, 8 gradients)."""
-    return _layer_step(config, ws, inputs, num_local_experts, swiglu_limit)[:3]
+    (usable inside a VirtualEPGroup's `run`): (out, context, 8 gradients). `main_grads`: as
+    `mok.functional.backward` takes them."""
+    return _layer_step(config, ws, inputs, num_local_experts, swiglu_limit, main_grads)[:3]
 
 
 def _layer_step(config, ws, inputs, num_local_experts, swiglu_limit, main_grads=None):

@@ -13,8 +13,8 @@ from tools import kernel_ab
 
 
 def _row(name, round_, fwd, fwdbwd, digest, shape="qwen3-30b-a3b", tokens=2048):
-    return {"name": name, "round": round_, "shape": shape, "tokens": tokens, "macrobatch": 0,
-            "replay": "gate_up", "fwd": fwd, "fwdbwd": fwdbwd, "hash": digest}  # fmt: skip
+    return {"name": name, "round": round_, **kernel_ab.Case(shape, tokens)._asdict(), "fwd": fwd,
+            "fwdbwd": fwdbwd, "hash": digest}  # fmt: skip
 
 
 def test_table_gives_best_times_ratios_and_bits():
@@ -42,19 +42,26 @@ def test_table_flags_bits_that_change_between_rounds():
 
 def test_cases_and_folders_are_checked(tmp_path):
     cases = kernel_ab.parse_cases(
-        "qwen3-30b-a3b:2048, deepseek-v3:16384,qwen3-30b-a3b:4096:mb4096:gather,kimi-k2:64:mb256"
+        "qwen3-30b-a3b:2048, deepseek-v3:16384,qwen3-30b-a3b:4096:mb4096:gather,kimi-k2:64:mb256,"
+        "qwen3-30b-a3b:2048:main,qwen3-30b-a3b:4096:mb4096:gather:main"
     )
     assert cases == [
-        ("qwen3-30b-a3b", 2048, 0, "gate_up"),
-        ("deepseek-v3", 16384, 0, "gate_up"),
-        ("qwen3-30b-a3b", 4096, 4096, "gather"),
-        ("kimi-k2", 64, 256, "gate_up"),
+        ("qwen3-30b-a3b", 2048, 0, "gate_up", False),
+        ("deepseek-v3", 16384, 0, "gate_up", False),
+        ("qwen3-30b-a3b", 4096, 4096, "gather", False),
+        ("kimi-k2", 64, 256, "gate_up", False),
+        ("qwen3-30b-a3b", 2048, 0, "gate_up", True),
+        ("qwen3-30b-a3b", 4096, 4096, "gather", True),
     ]
-    assert [case.label() for case in cases] == ["2048", "16384", "4096/mb4096g", "64/mb256"]
+    assert [case.label() for case in cases] == [
+        "2048", "16384", "4096/mb4096g", "64/mb256", "2048+main", "4096/mb4096g+main",
+    ]  # fmt: skip
     for bad, message in (("qwen3-30b-a3b", "SHAPE:TOKENS"), ("qwen3-30b-a3b:0", "SHAPE:TOKENS"),
                          ("llama:2048", "unknown shape 'llama'"), ("", "no case"),
                          ("qwen3-30b-a3b:2048:4096", "mbROWS"),
                          ("qwen3-30b-a3b:2048:mb4096:all", "mbROWS"),
+                         ("qwen3-30b-a3b:2048:main:mb4096", "mbROWS"),
+                         ("qwen3-30b-a3b:2048:gather", "mbROWS"),
                          ("qwen3-30b-a3b:2048:mb1000", "multiple of 256 below TOKENS x k = 16384"),
                          ("qwen3-30b-a3b:2048:mb16384", "below TOKENS x k = 16384, got 16384")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
@@ -85,6 +92,9 @@ def test_a_case_runs_and_hashes_its_bits_on_the_cpu():
     # Macrobatches: the same bits as every row at once.
     ring = kernel_ab.time_case(case._replace(macrobatch=256), reps=1, device="cpu", quick=True)
     assert ring["hash"] == first["hash"]
+    # fp32 main_grads: the routed weights' gradients are the fp32 sums, other bits.
+    main = kernel_ab.time_case(case._replace(main_grads=True), reps=1, device="cpu", quick=True)
+    assert main["hash"] != first["hash"] and main["fwdbwd"] > 0
     # The inputs it draws on the device: distinct experts per token.
     inputs = make_inputs(64, 128, 128, 16, 8, device="cpu", generate_on_device=True)
     assert inputs["top_experts"].shape == (64, 8)

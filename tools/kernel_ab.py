@@ -12,7 +12,8 @@ A folder is a copy of the shipped cubins with diagnostic variants built into it:
 The shipped folder runs first, as `shipped`. Each round runs every folder once, in its own
 process with MOK_KERNEL_DIR set to it (the runtime loads a folder once per process). A process
 times, per case (a benchmark shape at one GPU's scale, a token count and, with `:mbROWS`,
-macrobatches of ROWS routed rows, `:gather` for that replay), schedule + forward and
+macrobatches of ROWS routed rows, `:gather` for that replay; with `:main`, the routed weight
+gradients accumulated into fp32 main_grads), schedule + forward and
 schedule + forward + backward through `mok.functional` (CUDA events, the median of `--reps` after
 warm-up) and hashes out and every gradient. The table gives each folder's best time over the
 rounds, its ratio to the shipped folder's, and whether its bits are the shipped ones: a build
@@ -59,48 +60,56 @@ def parse_dirs(items: list[str]) -> list[tuple[str, Path]]:
 
 class Case(NamedTuple):
     """A benchmark shape at one GPU's scale, a token count and, where `macrobatch` > 0, ring
-    reuse: MoKConfig minibatch_size = macrobatch_size = `macrobatch` with `replay`."""
+    reuse: MoKConfig minibatch_size = macrobatch_size = `macrobatch` with `replay`;
+    `main_grads`: the routed weights' gradients accumulated into fp32 main_grads."""
 
     shape: str
     tokens: int
     macrobatch: int = 0
     replay: str = "gate_up"
+    main_grads: bool = False
 
     def label(self) -> str:
-        """The tokens column: `2048`, or `16384/mb4096` (`g` at the end: the gather replay)."""
-        if not self.macrobatch:
-            return str(self.tokens)
-        return f"{self.tokens}/mb{self.macrobatch}" + ("g" if self.replay == "gather" else "")
+        """The tokens column: `2048`, `16384/mb4096` (`g` at the end: the gather replay),
+        `+main` after either with main_grads."""
+        text = str(self.tokens)
+        if self.macrobatch:
+            text += f"/mb{self.macrobatch}" + ("g" if self.replay == "gather" else "")
+        return text + ("+main" if self.main_grads else "")
+
+
+FORM = "SHAPE:TOKENS[:mbROWS[:gather]][:main]"
 
 
 def parse_cases(text: str) -> list[Case]:
-    """`SHAPE:TOKENS[:mbROWS[:gather]],...` -> [Case], shapes from benchmarks.shapes; ROWS a
-    multiple of 256 below TOKENS x k (else every row is held at once: no ring)."""
+    """`SHAPE:TOKENS[:mbROWS[:gather]][:main],...` -> [Case], shapes from benchmarks.shapes;
+    ROWS a multiple of 256 below TOKENS x k (else every row is held at once: no ring)."""
     from benchmarks.shapes import SHAPES  # noqa: PLC0415
 
     topk = {shape.name: shape.topk for shape in SHAPES}
-    form = "SHAPE:TOKENS[:mbROWS[:gather]]"
     cases = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         shape, _, rest = item.partition(":")
-        tokens, _, ring = rest.partition(":")
-        rows, _, replay = ring.partition(":")
+        tokens, *options = rest.split(":")
         if not tokens.isdigit() or int(tokens) <= 0:
-            raise ValueError(f"--cases: expected {form}, got {item!r}")
+            raise ValueError(f"--cases: expected {FORM}, got {item!r}")
         if shape not in topk:
             raise ValueError(f"--cases: unknown shape {shape!r}; expected one of {sorted(topk)}")
         case = Case(shape, int(tokens))
-        if ring:
-            routed = case.tokens * topk[shape]
-            if not (rows.startswith("mb") and rows[2:].isdigit()) or replay not in ("", "gather"):
-                raise ValueError(f"--cases: expected {form}, got {item!r}")
-            size = int(rows[2:])
+        if options and options[-1] == "main":
+            case = case._replace(main_grads=True)
+            options.pop()
+        if options:
+            rows, *replay = options
+            if not (rows.startswith("mb") and rows[2:].isdigit()) or replay not in ([], ["gather"]):
+                raise ValueError(f"--cases: expected {FORM}, got {item!r}")
+            size, routed = int(rows[2:]), case.tokens * topk[shape]
             if size <= 0 or size % 256 or size >= routed:
                 raise ValueError(
                     f"--cases {item}: macrobatch rows must be a positive multiple of 256 below "
                     f"TOKENS x k = {routed}, got {size}"
                 )
-            case = case._replace(macrobatch=size, replay=replay or "gate_up")
+            case = case._replace(macrobatch=size, replay=replay[0] if replay else "gate_up")
         cases.append(case)
     if not cases:
         raise ValueError("--cases: no case given")
@@ -115,7 +124,8 @@ def table(results: list[dict]) -> list[str]:
     names: list[str] = []
     cases: list[tuple] = []
     for r in results:
-        case = Case(r["shape"], r["tokens"], r.get("macrobatch", 0), r.get("replay", "gate_up"))
+        case = Case(r["shape"], r["tokens"], r.get("macrobatch", 0), r.get("replay", "gate_up"),
+                    r.get("main_grads", False))  # fmt: skip
         if r["name"] not in names:
             names.append(r["name"])
         if case not in cases:
@@ -178,8 +188,13 @@ def time_case(case: Case, reps: int, device: str = "cuda", quick: bool = False) 
         return F.forward(config, ws, schedule, inputs["x"], inputs["router_weights"], *weights,
                          swiglu_limit=limit)  # fmt: skip
 
+    main = None
+    if case.main_grads:  # fp32, the routed weights' (WEIGHT_NAMES[3:]) shapes; no shared expert
+        main = (*(torch.zeros(w.shape, dtype=torch.float32, device=on) for w in weights[3:]),
+                None, None, None)  # fmt: skip
+
     def step(_state=None):
-        return run_layer_step(config, ws, inputs, e, swiglu_limit=limit)
+        return run_layer_step(config, ws, inputs, e, swiglu_limit=limit, main_grads=main)
 
     out, _, grads = step()
     synchronize(on)
@@ -220,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", action="append", default=[], metavar="NAME=DIR",
                         help="a cubin folder to time against the shipped one (repeatable)")  # fmt: skip
     parser.add_argument("--cases", default="qwen3-30b-a3b:2048,qwen3-30b-a3b:16384,deepseek-v3:16384",
-                        help="comma list of SHAPE:TOKENS[:mbROWS[:gather]] (mbROWS: macrobatches "
-                             "of ROWS routed rows, gate/up replayed, or their gather replay)")  # fmt: skip
+                        help=f"comma list of {FORM} (mbROWS: macrobatches of ROWS routed rows, "
+                             "gate/up replayed, or their gather replay; main: fp32 main_grads)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per process")
@@ -277,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = [json.loads(line[len(MARK):]) for line in out.splitlines()
                     if line.startswith(MARK)]  # fmt: skip
             for row in rows:
-                label = Case(row["shape"], row["tokens"], row["macrobatch"], row["replay"]).label()
+                label = Case(row["shape"], row["tokens"], row["macrobatch"], row["replay"],
+                             row["main_grads"]).label()  # fmt: skip
                 print(f"  round {round_} {name:<12} {row['shape']:<18} {label:>14} "
                       f"fwd {row['fwd']:8.3f} fwdbwd {row['fwdbwd']:8.3f} bits {row['hash']}",
                       flush=True)  # fmt: skip

@@ -343,6 +343,18 @@ def mma_k_tiles(
     return read_state, release_state
 
 
+def eager_from(k_tiles, min_k_tiles):
+    """`mma_k_tiles`' `eager` for a task of `k_tiles` (an Int32) under a kernel's
+    `eager_min_k_tiles`: None never and 1 or less always (bools: no branch in the loop), else
+    whether k_tiles reaches it (a Boolean: a branch in the loop, which ptxas serialises the
+    wgmmas over in expert_gemm_bwd_weights_window (C7520) but not in the megakernels)."""
+    if min_k_tiles is None:
+        return False
+    if min_k_tiles <= 1:
+        return True
+    return k_tiles >= min_k_tiles
+
+
 @cute.jit
 def _release_behind(ring, release_state, k_tile: Int32, eager: cutlass.Constexpr):
     """After k tile `k_tile`'s batch is committed: release its stage once it completes

@@ -255,7 +255,7 @@ def weight_k_loop(tiled_mma, ring, read_state, release_state, k_tiles: Int32, op
     `from_zero` False: on from the accumulators' values. Returns (read, release)."""
     return engine.mma_k_tiles(
         tiled_mma, ring, read_state, release_state, k_tiles, operands, accs, may_be_empty=True,
-        from_zero=from_zero, eager=k_tiles >= eager_min_k_tiles,
+        from_zero=from_zero, eager=engine.eager_from(k_tiles, eager_min_k_tiles),
     )  # fmt: skip
 
 
