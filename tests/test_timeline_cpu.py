@@ -76,3 +76,43 @@ def test_the_stamps_and_slots_agree_on_both_sides():
     for phases, slots in ((phase_timeline.PHASES, phase_timeline.SLOTS),
                           (phase_timeline.BACKWARD_PHASES, phase_timeline.BACKWARD_SLOTS)):  # fmt: skip
         assert {slot for _, a, b in phases for slot in (a, b)} <= set(slots)
+
+
+def test_a_diagnostic_folder_takes_several_variants_in_one_build(tmp_path, capsys):
+    """`--only A,B --set F=V`: both variants rebuilt with the field into the folder's manifest
+    (merged with the copy's other entries), each with its own cubin; a name not registered,
+    or a field one of them lacks, fails before anything is written."""
+    pytest.importorskip(
+        "cutlass", reason="nvidia-cutlass-dsl is not installed (pip install -e .[dev])"
+    )
+    import json
+    import shutil
+
+    from mok.dsl_kernels import build
+    from mok.runtime.manifest import installed_cubin_dir
+
+    shipped = installed_cubin_dir()
+    folder = tmp_path / "cubins"
+    shutil.copytree(shipped, folder)
+    names = "expert_gemm_gate_up_swiglu,expert_gemm_bwd_d_x"
+    assert build.main(["--arch", "sm_90a", "--only", "expert_gemm_gate_up_swiglu,nope", "--set",
+                       "eager_release=True", "--out", str(folder)]) == 2  # fmt: skip
+    assert "['nope']: not registered variants" in capsys.readouterr().err
+    assert build.main(["--arch", "sm_90a", "--only", f"{names},moe_forward", "--set",
+                       "eager_release=True", "--out", str(folder)]) == 2  # fmt: skip
+    assert "not config fields of moe_forward" in capsys.readouterr().err
+    for name in names.split(","):  # nothing written by the refused builds
+        cubin = f"{name}.sm_90a.cubin"
+        assert (folder / cubin).read_bytes() == (shipped / cubin).read_bytes()
+    assert build.main(["--arch", "sm_90a", "--only", names, "--set", "eager_release=True",
+                       "--out", str(folder)]) == 0  # fmt: skip
+    entries = json.loads((folder / "manifest.json").read_text())["variants"]
+    shipped_entries = json.loads((shipped / "manifest.json").read_text())["variants"]
+    assert len(entries) == len(shipped_entries)
+    for name in names.split(","):
+        cubin = f"{name}.sm_90a.cubin"
+        assert (folder / cubin).read_bytes() != (shipped / cubin).read_bytes()
+        (entry,) = [e for e in entries if e["name"] == name and e["arch"] == "sm_90a"]
+        assert entry["config"]["eager_release"] is True
+    untouched = "expert_gemm_down.sm_90a.cubin"
+    assert (folder / untouched).read_bytes() == (shipped / untouched).read_bytes()

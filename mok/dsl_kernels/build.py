@@ -1,7 +1,7 @@
 """Compile every registered kernel variant to cubins + one manifest, on a machine with no GPU.
 
     python -m mok.dsl_kernels.build --arch sm_90a sm_100a [--check] [--only NAME] [--out DIR]
-    python -m mok.dsl_kernels.build --arch sm_90a --only NAME --set FIELD=VALUE --out DIR  # diagnostic
+    python -m mok.dsl_kernels.build --arch sm_90a --only NAME[,NAME] --set FIELD=VALUE --out DIR  # diagnostic
 
 Writes `mok/dsl_kernels/cubins/<variant>.<arch>.cubin` and `mok/dsl_kernels/cubins/manifest.json`.
 `--check` builds into a temporary directory and exits 1 if the committed manifest or any cubin
@@ -350,16 +350,23 @@ def build(
     archs, only=None, verbose=True, settings=None
 ) -> tuple[dict, dict[str, bytes], dict[str, str]]:
     """Compile the registry: (manifest, {cubin file name: bytes}, {cubin file name: PTX}).
-    `settings` (with `only`): config fields of that variant set for this build, e.g. a
-    diagnostic build's {"timeline": True}; each must be a field of its kernel class."""
+    `only`: a variant name, or several (comma-separated or a collection). `settings` (with
+    `only`): config fields of those variants set for this build, e.g. a diagnostic build's
+    {"timeline": True}; each must be a field of every one's kernel class."""
     from .registry import variants
 
     registry = variants()
     names = [v.name for v in registry]
     if len(set(names)) != len(names):
         raise BuildError(f"duplicate variant names in the registry: {names}")
-    if only is not None and only not in names:
-        raise BuildError(f"--only {only!r}: not a registered variant (known: {names})")
+    selected = None
+    if only is not None:
+        selected = set(only.split(",") if isinstance(only, str) else only)
+        unknown = sorted(selected - set(names))
+        if unknown or not selected:
+            raise BuildError(
+                f"--only {unknown or only!r}: not registered variants (known: {names})"
+            )
     version = dsl_version()
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -370,7 +377,7 @@ def build(
     cubins, ptxs = {}, {}
     start = time.perf_counter()
     for variant in registry:
-        if only is not None and variant.name != only:
+        if selected is not None and variant.name not in selected:
             continue
         if settings:
             fields = {f.name for f in dataclasses.fields(variant.kernel)}
@@ -467,10 +474,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), choices=SUPPORTED_ARCHS)
     parser.add_argument("--check", action="store_true", help="rebuild in a temp dir and compare")
-    parser.add_argument("--only", metavar="NAME", help="build only this variant")
+    parser.add_argument("--only", metavar="NAME[,NAME]", help="build only these variants")
     parser.add_argument("--out", type=Path, default=CUBIN_DIR, help="output directory")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="a diagnostic build: set a config field of the --only variant "
+                        help="a diagnostic build: set a config field of the --only variants "
                         "(e.g. timeline=True); never into the shipped cubins")  # fmt: skip
     args = parser.parse_args(argv)
     archs = list(dict.fromkeys(args.arch))
