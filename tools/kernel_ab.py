@@ -77,6 +77,11 @@ class Case(NamedTuple):
             text += f"/mb{self.macrobatch}" + ("g" if self.replay == "gather" else "")
         return text + ("+main" if self.main_grads else "")
 
+    @classmethod
+    def of(cls, row: dict) -> Case:
+        """The case of a worker's result row (its fields by name, defaults where absent)."""
+        return cls(**{field: row[field] for field in cls._fields if field in row})
+
 
 FORM = "SHAPE:TOKENS[:mbROWS[:gather]][:main]"
 
@@ -124,8 +129,7 @@ def table(results: list[dict]) -> list[str]:
     names: list[str] = []
     cases: list[tuple] = []
     for r in results:
-        case = Case(r["shape"], r["tokens"], r.get("macrobatch", 0), r.get("replay", "gate_up"),
-                    r.get("main_grads", False))  # fmt: skip
+        case = Case.of(r)
         if r["name"] not in names:
             names.append(r["name"])
         if case not in cases:
@@ -267,19 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     start, longest = time.monotonic(), 0.0
     for round_ in range(1, args.rounds + 1):
         for name, folder in dirs:
-            if args.budget_s is not None:
-                left = args.budget_s - (time.monotonic() - start)
-                if left < longest:
-                    skipped.append(f"{name} round {round_}")
-                    continue
+            began = time.monotonic()
+            left = float("inf") if args.budget_s is None else args.budget_s - (began - start)
+            if left < longest:
+                skipped.append(f"{name} round {round_}")
+                continue
+            timeout = min(args.timeout, max(1.0, left))
             cmd = [sys.executable, "-m", "tools.kernel_ab", "--worker", name, "--round",
                    str(round_), "--cases", args.cases, "--reps", str(args.reps), "--device",
                    args.device, *(["--quick"] if args.quick else [])]  # fmt: skip
             env = {**os.environ, "MOK_KERNEL_DIR": str(folder)}
-            began = time.monotonic()
-            timeout = args.timeout
-            if args.budget_s is not None:
-                timeout = min(timeout, max(1.0, args.budget_s - (began - start)))
             try:
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                       timeout=timeout)  # fmt: skip
@@ -292,9 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [json.loads(line[len(MARK):]) for line in out.splitlines()
                     if line.startswith(MARK)]  # fmt: skip
             for row in rows:
-                label = Case(row["shape"], row["tokens"], row["macrobatch"], row["replay"],
-                             row["main_grads"]).label()  # fmt: skip
-                print(f"  round {round_} {name:<12} {row['shape']:<18} {label:>14} "
+                print(f"  round {round_} {name:<12} {row['shape']:<18} {Case.of(row).label():>14} "
                       f"fwd {row['fwd']:8.3f} fwdbwd {row['fwdbwd']:8.3f} bits {row['hash']}",
                       flush=True)  # fmt: skip
             results.extend(rows)

@@ -261,12 +261,12 @@ def weight_k_loop(tiled_mma, ring, read_state, release_state, k_tiles: Int32, op
 
 @cute.jit
 def consume_weight_tasks(states, tasks: WeightTasks, task: Int32, grid_size: Int32, tiled_mma,
-                         ring, operands, accs, crew, thr_mma, buffers, window=None,
-                         eager_min_k_tiles: cutlass.Constexpr = EAGER_MIN_K_TILES):  # fmt: skip
+                         ring, operands, accs, crew, thr_mma, buffers, window,
+                         eager_min_k_tiles: cutlass.Constexpr):  # fmt: skip
     """Consumer warpgroups: each weight task's K loop over the expert's tokens (none for an
-    expert without tokens: the tile stays zero), the tile to the crew (weight_k_loop).
-    `window` (a WeightWindow): from and into the fp32 partials, tiles outside the macrobatch
-    skipped. Returns the states."""
+    expert without tokens: the tile stays zero), the tile to the crew (weight_k_loop, eager
+    from `eager_min_k_tiles`). `window` (a WeightWindow, or None): from and into the fp32
+    partials, tiles outside the macrobatch skipped. Returns the states."""
     read_state, release_state = states
     total = num_weight_tasks(tasks)
     if cutlass.const_expr(window is None):
