@@ -94,17 +94,17 @@ def test_a_diagnostic_folder_takes_several_variants_in_one_build(tmp_path, capsy
     shipped = installed_cubin_dir()
     folder = tmp_path / "cubins"
     shutil.copytree(shipped, folder)
-    names = "expert_gemm_gate_up_swiglu,expert_gemm_bwd_d_x"
-    assert build.main(["--arch", "sm_90a", "--only", "expert_gemm_gate_up_swiglu,nope", "--set",
-                       "eager_release=True", "--out", str(folder)]) == 2  # fmt: skip
+    names = "moe_forward,moe_backward"
+    assert build.main(["--arch", "sm_90a", "--only", "moe_forward,nope", "--set",
+                       "timeline=True", "--out", str(folder)]) == 2  # fmt: skip
     assert "['nope']: not registered variants" in capsys.readouterr().err
-    assert build.main(["--arch", "sm_90a", "--only", f"{names},moe_forward", "--set",
-                       "eager_release=True", "--out", str(folder)]) == 2  # fmt: skip
-    assert "not config fields of moe_forward" in capsys.readouterr().err
+    assert build.main(["--arch", "sm_90a", "--only", f"{names},expert_gemm_down", "--set",
+                       "timeline=True", "--out", str(folder)]) == 2  # fmt: skip
+    assert "not config fields of expert_gemm_down" in capsys.readouterr().err
     for name in names.split(","):  # nothing written by the refused builds
         cubin = f"{name}.sm_90a.cubin"
         assert (folder / cubin).read_bytes() == (shipped / cubin).read_bytes()
-    assert build.main(["--arch", "sm_90a", "--only", names, "--set", "eager_release=True",
+    assert build.main(["--arch", "sm_90a", "--only", names, "--set", "timeline=True",
                        "--out", str(folder)]) == 0  # fmt: skip
     entries = json.loads((folder / "manifest.json").read_text())["variants"]
     shipped_entries = json.loads((shipped / "manifest.json").read_text())["variants"]
@@ -113,6 +113,6 @@ def test_a_diagnostic_folder_takes_several_variants_in_one_build(tmp_path, capsy
         cubin = f"{name}.sm_90a.cubin"
         assert (folder / cubin).read_bytes() != (shipped / cubin).read_bytes()
         (entry,) = [e for e in entries if e["name"] == name and e["arch"] == "sm_90a"]
-        assert entry["config"]["eager_release"] is True
+        assert entry["config"]["timeline"] is True
     untouched = "expert_gemm_down.sm_90a.cubin"
     assert (folder / untouched).read_bytes() == (shipped / untouched).read_bytes()

@@ -99,9 +99,6 @@ class Sm90ExpertGemm:
 
     epilogue: str = "swiglu"
     stages: int = 3
-    # Diagnostic (off in the shipped cubins): each ring stage released when its own wgmma batch
-    # completes, as the megakernels' GEMM tasks do (gemm_engine.mma_k_tiles `eager`).
-    eager_release: bool = False
 
     def validate(self) -> None:
         if self.epilogue not in EPILOGUES:
@@ -218,8 +215,7 @@ class Sm90ExpertGemm:
             def run_tile(states):
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
                 states = engine.mma_k_tiles(
-                    tiled_mma, ring, states[0], states[1], k_tiles, operands, (acc0, acc1),
-                    eager=self.eager_release,
+                    tiled_mma, ring, states[0], states[1], k_tiles, operands, (acc0, acc1)
                 )  # fmt: skip
                 # ---- the rounded tile to the crew, which stores it during the next mainloop ----
                 CREW.hand_off(thr_mma, (acc0, acc1), buffers)

@@ -84,8 +84,6 @@ class Sm90ExpertGemmBwd:
 
     job: str = "d_hidden_swiglu"
     stages: int = 3
-    # Diagnostic (off in the shipped cubins): gemm_engine.mma_k_tiles `eager`.
-    eager_release: bool = False
 
     def validate(self) -> None:
         if self.job not in JOBS:
@@ -237,8 +235,7 @@ class Sm90ExpertGemmBwd:
 
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
                 read_state, release_state = engine.mma_k_tiles(
-                    tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1),
-                    eager=self.eager_release,
+                    tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
                 )  # fmt: skip
 
                 # ---- the rounded tile to the crew (d_hidden: its SwiGLU backward first) ----

@@ -119,9 +119,6 @@ class Sm90ExpertGemmBwdWeights:
 
     stages: int = 4
     output: str = "fp32"
-    # Diagnostic (None, never, in the shipped cubins): tiles of this many k tiles or more
-    # release each ring stage when its own wgmma batch completes (gemm_engine.eager_from).
-    eager_min_k_tiles: int | None = None
 
     def validate(self) -> None:
         if self.output not in OUTPUTS:
@@ -257,7 +254,6 @@ class Sm90ExpertGemmBwdWeights:
                     operands,
                     (acc0, acc1),
                     may_be_empty=True,
-                    eager=engine.eager_from(k_tiles, self.eager_min_k_tiles),
                 )
 
                 # ---- epilogue: to the crew (bf16), or registers -> global ----

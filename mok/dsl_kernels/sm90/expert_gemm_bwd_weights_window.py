@@ -183,8 +183,6 @@ class Sm90ExpertGemmBwdWeightsWindow:
 
     stages: int = 4
     output: str = "bf16"
-    # Diagnostic (None, never, in the shipped cubins): gemm_engine.eager_from.
-    eager_min_k_tiles: int | None = None
 
     def validate(self) -> None:
         if self.output not in OUTPUTS:
@@ -305,7 +303,6 @@ class Sm90ExpertGemmBwdWeightsWindow:
                     read_state, release_state = engine.mma_k_tiles(
                         tiled_mma, ring, read_state, release_state, k_tiles, operands,
                         (acc0, acc1), may_be_empty=True, from_zero=False,
-                        eager=engine.eager_from(k_tiles, self.eager_min_k_tiles),
                     )  # fmt: skip
 
                     # ---- the sums on to the next macrobatch, or the result (bf16: the crew) ----

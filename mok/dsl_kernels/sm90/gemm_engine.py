@@ -346,8 +346,8 @@ def mma_k_tiles(
 def eager_from(k_tiles, min_k_tiles):
     """`mma_k_tiles`' `eager` for a task of `k_tiles` (an Int32) under a kernel's
     `eager_min_k_tiles`: None never and 1 or less always (bools: no branch in the loop), else
-    whether k_tiles reaches it (a Boolean: a branch in the loop, which ptxas serialises the
-    wgmmas over in expert_gemm_bwd_weights_window (C7520) but not in the megakernels)."""
+    whether k_tiles reaches it (a Boolean: a branch in the loop, which ptxas serialised the
+    wgmmas over in the standalone window weight kernel (C7520) but not in the megakernels)."""
     if min_k_tiles is None:
         return False
     if min_k_tiles <= 1:

@@ -243,9 +243,9 @@ def produce_weight_tasks(ring, state, tasks: WeightTasks, task: Int32, grid_size
 # as its own wgmma batch completes (gemm_engine.mma_k_tiles `eager`), as the GEMM tasks do; below
 # it, one batch stays in flight behind the next. Measured (docs/NOTES.md §18 item 13): eager
 # everywhere gained 2-4% forward + backward at 4096 and 16384 tokens and on Kimi-K2 at 2048, and
-# lost 3% on Qwen3-30B-A3B at 2048 tokens, whose weight tasks run 2 or 4 k tiles (segments are
-# padded to 128 rows).
-EAGER_MIN_K_TILES = 4
+# lost 2-3% on Qwen3-30B-A3B at 2048 tokens, whose weight tasks run 2 or 4 k tiles (segments are
+# padded to 128 rows); from 6 k tiles on, that 2048-token loss is gone and the rest kept.
+EAGER_MIN_K_TILES = 6
 
 
 @cute.jit
