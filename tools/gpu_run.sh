@@ -5,6 +5,7 @@
 # $OUT/logs.tgz with $OUT/summary.txt beside it), the summary printed last. From the repo root:
 #   TESTS="tests/gpu/test_runtime_gpu.py tests/gpu/test_comm_gpu.py" PAR=4 bash tools/gpu_run.sh
 #   ORIGINAL=PATH_TO_ORIGINAL_CHECKOUT BENCH="main moe" bash tools/gpu_run.sh
+#   SONIC_KIT=.peers/sonic BENCH=moe MOE_ARGS="--shapes qwen3-30b-a3b --no-liger" bash tools/gpu_run.sh
 #   BASELINE=DIR BENCH=ab MOE_ARGS="--shapes qwen3-30b-a3b --tokens 2048,16384" bash tools/gpu_run.sh
 #   BENCH=phases PHASE_SHAPES="qwen3-30b-a3b kimi-k2" [TIMELINE_DIR=DIR] bash tools/gpu_run.sh
 #   BENCH=ncu NCU_TOKENS="2048 16384" [NCU_SHAPE=kimi-k2] bash tools/gpu_run.sh
@@ -15,6 +16,10 @@
 # A run leaves two files in $OUT: logs.tgz (every log) and summary.txt.
 # WHEELS=DIR: wheels installed into /tmp/site (put on PYTHONPATH) first, except TorchTitan's,
 # which tests/conftest.py installs for its own checks from the same folder (PIP_FIND_LINKS).
+# SONIC_KIT=DIR / LIGER_KIT=DIR (a peer kit's folder, carried; ../shared/peers/): installed
+# first, and `moe` gets its `--sonic-site` / `--liger-site`. The SonicMoE kit's cache folders
+# are exported, so QuACK finds its prebuilt kernels (without them it compiles each GEMM on the
+# first call, minutes a shape).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; LOGS=$(mktemp -d); mkdir -p "$OUT"; START=$(date +%s)
@@ -32,6 +37,17 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$LOGS/gpu.txt"
 python3 -m pip install --no-deps --no-build-isolation -e . > "$LOGS/install.log" 2>&1 || { tail -20 "$LOGS/install.log"; exit 1; }
+peer_args=()
+if [ -n "${SONIC_KIT:-}" ]; then
+  bash "$SONIC_KIT/install_sonic.sh" > "$LOGS/install_sonic.log" 2>&1 || note "SonicMoE kit: install failed (install_sonic.log)"
+  eval "$(grep -E '^export (SONIC_SITE|QUACK_CACHE_DIR)=' "$LOGS/install_sonic.log")"
+  peer_args+=(--sonic-site "${SONIC_SITE:-/tmp/sonic_site}")
+fi
+if [ -n "${LIGER_KIT:-}" ]; then
+  bash "$LIGER_KIT/install_liger.sh" > "$LOGS/install_liger.log" 2>&1 || note "LigerMoE kit: install failed (install_liger.log)"
+  eval "$(grep -E '^export LIGER_SITE=' "$LOGS/install_liger.log")"
+  peer_args+=(--liger-site "${LIGER_SITE:-/tmp/site}")
+fi
 
 # One test file in its own process: a trapped kernel kills its CUDA context, and must not take
 # the other files' tests with it.
@@ -61,7 +77,7 @@ for b in ${BENCH:-}; do
   case $b in
     main) timeout "$left" python3 -m mok > "$LOGS/main.log" 2>&1; note "python -m mok rc=$? $(tail -1 "$LOGS/main.log")" ;;
     memory) timeout "$left" python3 -m benchmarks.memory_kernels --json "$LOGS/memory_kernels.json" > "$LOGS/memory_kernels.log" 2>&1; note "memory_kernels rc=$?" ;;
-    moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
+    moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} "${peer_args[@]}" --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
          note "benchmarks.moe rc=$?"; grep -A60 "^shape " "$LOGS/moe.log" >> "$LOGS/summary.txt" ;;
     phases) # where a pass's time goes (tools/phase_times.py); with TIMELINE_DIR (a diagnostic build of the
         # megakernels, tools/phase_timeline.py's docstring) their phases CTA by CTA too
