@@ -19,12 +19,21 @@
 # SONIC_KIT=DIR / LIGER_KIT=DIR (a peer kit's folder, carried; ../shared/peers/): installed
 # first, and `moe` gets its `--sonic-site` / `--liger-site`. The SonicMoE kit's cache folders
 # are exported, so QuACK finds its prebuilt kernels (without them it compiles each GEMM on the
-# first call, minutes a shape).
+# first call, minutes a shape). QuACK's autotuning (about a minute a shape and token count) is
+# kept too: the run leaves its choices (*.autotune.json) in $OUT/peer_cache_<GPU>.tgz, and
+# PEER_CACHE=DIR (carried) seeds them from DIR/<GPU>/quack, where <GPU> is the card's name with
+# '_' for spaces (unpack the archive there: tar -xzf FILE -C DIR/<GPU>/quack).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; LOGS=$(mktemp -d); mkdir -p "$OUT"; START=$(date +%s)
 export LOGS DEADLINE=$(( START + ${DEADLINE_S:-540} )) TEST_TIMEOUT=${TEST_TIMEOUT:-420}
-pack() { cp "$LOGS/summary.txt" "$OUT/" 2>/dev/null; tar -czf "$OUT/logs.tgz" -C "$LOGS" . ; }
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_')
+pack() {
+  cp "$LOGS/summary.txt" "$OUT/" 2>/dev/null; tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+  if [ -n "${QUACK_CACHE_DIR:-}" ] && [ -d "$QUACK_CACHE_DIR" ]; then
+    (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/peer_cache_$GPU_NAME.tgz" -T -)
+  fi
+}
 trap pack EXIT
 : > "$LOGS/summary.txt"
 note() { echo "$*" >> "$LOGS/summary.txt"; }
@@ -41,6 +50,10 @@ peer_args=()
 if [ -n "${SONIC_KIT:-}" ]; then
   bash "$SONIC_KIT/install_sonic.sh" > "$LOGS/install_sonic.log" 2>&1 || note "SonicMoE kit: install failed (install_sonic.log)"
   eval "$(grep -E '^export (SONIC_SITE|QUACK_CACHE_DIR)=' "$LOGS/install_sonic.log")"
+  if [ -n "${PEER_CACHE:-}" ] && [ -d "$PEER_CACHE/$GPU_NAME/quack" ]; then
+    cp -r "$PEER_CACHE/$GPU_NAME/quack/." "${QUACK_CACHE_DIR:?}/"
+    note "QuACK autotuning seeded: $(find "$PEER_CACHE/$GPU_NAME/quack" -name '*.autotune.json' | wc -l) choices for $GPU_NAME"
+  fi
   peer_args+=(--sonic-site "${SONIC_SITE:-/tmp/sonic_site}")
 fi
 if [ -n "${LIGER_KIT:-}" ]; then
