@@ -11,7 +11,7 @@ from .bounded_wait import (
     OWN_MEMORY,
     atom_add_relaxed_gpu_s32,
     bounded_wait_reached,
-    fence_acq_rel_sys,
+    fence_acq_rel,
     ld_acquire_gpu_s32,
     red_add_release_gpu_s32,
 )
@@ -51,23 +51,28 @@ def schedule_task(
     tidx: Int32,
     named_barrier: cutlass.Constexpr = None,
     placed: Int64 = None,
+    variant: tuple = (False, False),
 ):
     """The task's THREADS threads: ticket `task` of the schedule, count chunk `task` (task <
     num_chunks; the task that scans releases the WORD_SCANNED word of `counters`) or place
     chunk `task - num_chunks` (after a bounded wait for that word; a timeout is written to the
     error record at `record`), then, given the address `placed`, release it by one.
-    `named_barrier`: `schedule_barrier`'s."""
+    `named_barrier`: `schedule_barrier`'s. `variant` (trace-time bools, both off in the
+    shipped kernels; diagnostic builds, docs/NOTES.md §18 item 15): (warp_scan: the scan by
+    scan_counts_by_warp up to WARP_SCAN_MAX_CHUNKS chunks, the same words; gpu_fences: the
+    arrival and the two publications after fence.acq_rel.gpu, not .sys: only this GPU's CTAs
+    read those words)."""
     scanned = counters + Int64(4 * WORD_SCANNED)
     if task < num_chunks:
         verdict = count_chunk(
             ids64, ids_ptr, counts_ptr, expert_counts_ptr, counters + Int64(4 * WORD_ARRIVALS),
             num_entries, ep_rank, num_local_experts, task, num_chunks, *count_tables,
-            named_barrier,
+            named_barrier, variant,
         )  # fmt: skip
         if verdict == num_chunks - 1:  # this task scanned: publish the offsets
             schedule_barrier(named_barrier)
             if tidx == 0:
-                fence_acq_rel_sys()
+                fence_acq_rel(variant[1])
                 red_add_release_gpu_s32(scanned, Int32(1))
     else:
         if tidx == 0:
@@ -85,7 +90,7 @@ def schedule_task(
         if cutlass.const_expr(placed is not None):
             schedule_barrier(named_barrier)
             if tidx == 0:
-                fence_acq_rel_sys()
+                fence_acq_rel(variant[1])
                 red_add_release_gpu_s32(placed, Int32(1))
 
 

@@ -67,6 +67,9 @@ class Schedule:
     """
 
     ids64: bool = False
+    # Diagnostic (off in the shipped cubins): schedule_tasks.schedule_task's `variant`.
+    warp_scan: bool = False
+    gpu_fences: bool = False
 
     @cute.jit
     def __call__(self, args: ScheduleArgs):
@@ -109,6 +112,7 @@ class Schedule:
                 count_tables,
                 place_tables,
                 tidx,
+                variant=(self.warp_scan, self.gpu_fences),
             )
             task = take_task(sTask, counters, tidx)
         retire_cta(counters, Int32(COUNTER_WORDS), tidx // WARP_SIZE, grid_size)

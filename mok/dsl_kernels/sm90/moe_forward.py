@@ -167,6 +167,9 @@ class Sm90MoeForward:
     mxfp8: bool = False
     # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
     timeline: bool = False
+    # Diagnostic (off in the shipped cubins): the schedule phase's schedule_task `variant`.
+    warp_scan: bool = False
+    gpu_fences: bool = False
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
@@ -249,6 +252,7 @@ class Sm90MoeForward:
                 args.schedule_entries,
                 cute.recast_ptr(sA.iterator, dtype=Int32),
                 tidx,
+                (self.warp_scan, self.gpu_fences),
             )
             # The tables were generic-proxy writes to the ring, which TMA writes next.
             cute.arch.fence_proxy("async.shared", space="cta")
