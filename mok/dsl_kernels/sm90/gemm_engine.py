@@ -343,13 +343,11 @@ def mma_k_tiles(
     return read_state, release_state
 
 
-def eager_from(k_tiles, min_k_tiles):
+def eager_from(k_tiles, min_k_tiles: int):
     """`mma_k_tiles`' `eager` for a task of `k_tiles` (an Int32) under a kernel's
-    `eager_min_k_tiles`: None never and 1 or less always (bools: no branch in the loop), else
-    whether k_tiles reaches it (a Boolean: a branch in the loop, which ptxas serialised the
-    wgmmas over in the standalone window weight kernel (C7520) but not in the megakernels)."""
-    if min_k_tiles is None:
-        return False
+    `eager_min_k_tiles`: 1 or less always (a bool: no branch in the loop), else whether k_tiles
+    reaches it (a Boolean: a branch in the loop, which ptxas serialised the wgmmas over in the
+    standalone window weight kernel (C7520) but not in the megakernels)."""
     if min_k_tiles <= 1:
         return True
     return k_tiles >= min_k_tiles
