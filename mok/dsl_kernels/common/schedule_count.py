@@ -10,10 +10,12 @@ from .schedule_warp import (
     CHUNK,
     ENTRIES_PER_LANE,
     MAX_LOCAL_EXPERTS,
+    SHIPPED_SCHEDULE,
     THREADS,
     WARP_CHUNK,
     WARP_SIZE,
     WARPS,
+    ScheduleVariant,
     local_expert_key,
     schedule_barrier,
     smem_vectors,
@@ -40,7 +42,7 @@ def count_chunk(
     sCount: cute.Tensor,
     sSum: cute.Tensor,
     named_barrier: cutlass.Constexpr = None,
-    variant: tuple = (False, False),
+    variant: ScheduleVariant = SHIPPED_SCHEDULE,
 ) -> Int32:
     """Every thread of the CTA: count chunk `chunk` of `num_chunks` and, if it is the last to
     arrive, scan them all. Returns the old arrivals value (num_chunks - 1: this CTA scanned).
@@ -53,8 +55,7 @@ def count_chunk(
     `arrivals` the address of an int32 that is zero before the first chunk is counted and is
     left zero by the scan. `sCount` (MAX_LOCAL_EXPERTS int32) and `sSum` (CHUNK_GROUPS *
     SUM_PITCH int32): shared memory. `named_barrier`: `schedule_barrier`'s (None: the CTA is
-    the task's THREADS threads). `variant`: (warp_scan, gpu_fences), schedule_tasks.py's
-    diagnostic choices (trace-time bools).
+    the task's THREADS threads). `variant`: the diagnostic choices (ScheduleVariant).
 
     Counting: entries [chunk * 4096, (chunk + 1) * 4096), warp w the 512 of them from
     chunk * 4096 + w * 512, lane order = entry order (schedule_warp.py). Each warp groups its 32
@@ -112,14 +113,14 @@ def count_chunk(
     # ---- count this CTA; the last one scans (its verdict through sSum[0]) ----
     schedule_barrier(named_barrier)
     if tidx == 0:
-        fence_acq_rel(variant[1])
+        fence_acq_rel(variant.gpu_fences)
         sSum[0] = atom_add_acq_rel_gpu_s32(arrivals, Int32(1))
     schedule_barrier(named_barrier)
     verdict = sSum[0]
     if verdict == num_chunks - 1:
         schedule_barrier(named_barrier)  # every thread has read the verdict before sSum is reused
         mExpertCounts = cute.make_tensor(expert_counts_ptr, cute.make_layout(num_local_experts))
-        if cutlass.const_expr(variant[0]):
+        if cutlass.const_expr(variant.warp_scan):
             if num_chunks <= WARP_SCAN_MAX_CHUNKS:
                 scan_counts_by_warp(mCounts, mExpertCounts, num_chunks, num_local_experts, warp,
                                     lane)  # fmt: skip

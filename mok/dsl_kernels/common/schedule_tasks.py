@@ -17,7 +17,7 @@ from .bounded_wait import (
 )
 from .schedule_count import count_chunk
 from .schedule_place import place_chunk
-from .schedule_warp import schedule_barrier
+from .schedule_warp import SHIPPED_SCHEDULE, ScheduleVariant, schedule_barrier
 
 PHASE_SCHEDULE = 15  # mok.runtime.WaitPhase.SCHEDULE (dsl_kernels may not import mok)
 # The launch's int32 counters (zero when it starts; its last CTA leaves them zero).
@@ -51,17 +51,13 @@ def schedule_task(
     tidx: Int32,
     named_barrier: cutlass.Constexpr = None,
     placed: Int64 = None,
-    variant: tuple = (False, False),
+    variant: ScheduleVariant = SHIPPED_SCHEDULE,
 ):
     """The task's THREADS threads: ticket `task` of the schedule, count chunk `task` (task <
     num_chunks; the task that scans releases the WORD_SCANNED word of `counters`) or place
     chunk `task - num_chunks` (after a bounded wait for that word; a timeout is written to the
     error record at `record`), then, given the address `placed`, release it by one.
-    `named_barrier`: `schedule_barrier`'s. `variant` (trace-time bools, both off in the
-    shipped kernels; diagnostic builds, docs/NOTES.md §18 item 15): (warp_scan: the scan by
-    scan_counts_by_warp up to WARP_SCAN_MAX_CHUNKS chunks, the same words; gpu_fences: the
-    arrival and the two publications after fence.acq_rel.gpu, not .sys: only this GPU's CTAs
-    read those words)."""
+    `named_barrier`: `schedule_barrier`'s. `variant`: the diagnostic choices (ScheduleVariant)."""
     scanned = counters + Int64(4 * WORD_SCANNED)
     if task < num_chunks:
         verdict = count_chunk(
@@ -72,7 +68,7 @@ def schedule_task(
         if verdict == num_chunks - 1:  # this task scanned: publish the offsets
             schedule_barrier(named_barrier)
             if tidx == 0:
-                fence_acq_rel(variant[1])
+                fence_acq_rel(variant.gpu_fences)
                 red_add_release_gpu_s32(scanned, Int32(1))
     else:
         if tidx == 0:
@@ -90,7 +86,7 @@ def schedule_task(
         if cutlass.const_expr(placed is not None):
             schedule_barrier(named_barrier)
             if tidx == 0:
-                fence_acq_rel(variant[1])
+                fence_acq_rel(variant.gpu_fences)
                 red_add_release_gpu_s32(placed, Int32(1))
 
 

@@ -29,7 +29,7 @@ from ..common.bounded_wait import (
 from ..common.schedule_count import COUNT_SMEM_SIZES, count_smem
 from ..common.schedule_place import PLACE_SMEM_SIZES, place_smem
 from ..common.schedule_tasks import PHASE_SCHEDULE, schedule_task, take_task
-from ..common.schedule_warp import CHUNK, THREADS, smem_words
+from ..common.schedule_warp import CHUNK, SHIPPED_SCHEDULE, THREADS, ScheduleVariant, smem_words
 
 SCHEDULE_SYNC = 8  # named barrier of threads 0 .. 255 (sm90/epilogue_warps.py has 3-6, combine 7)
 # The phase's int32 words in the launch's counters: the schedule kernel's ticket, count
@@ -51,7 +51,7 @@ def schedule_tasks(
     num_entries: Int32,
     smem: cute.Pointer,
     tidx: Int32,
-    variant: tuple = (False, False),
+    variant: ScheduleVariant = SHIPPED_SCHEDULE,
 ):
     """Every thread of the CTA: the schedule's tasks by ticket, then the wait for all of them
     (module docstring). `ids_ptr`: the caller's int64 [T, k] routing, 8-byte aligned (read as

@@ -216,7 +216,7 @@ class Sm90ExpertGemm:
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
                 states = engine.mma_k_tiles(
                     tiled_mma, ring, states[0], states[1], k_tiles, operands, (acc0, acc1)
-                )  # fmt: skip
+                )
                 # ---- the rounded tile to the crew, which stores it during the next mainloop ----
                 CREW.hand_off(thr_mma, (acc0, acc1), buffers)
                 return states

@@ -236,7 +236,7 @@ class Sm90ExpertGemmBwd:
                 # ---- mainloop: keep one wgmma batch in flight, release the stage before it ----
                 read_state, release_state = engine.mma_k_tiles(
                     tiled_mma, ring, read_state, release_state, k_tiles, operands, (acc0, acc1)
-                )  # fmt: skip
+                )
 
                 # ---- the rounded tile to the crew (d_hidden: its SwiGLU backward first) ----
                 if cutlass.const_expr(self.job != "d_hidden_swiglu"):
