@@ -27,7 +27,6 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; LOGS=$(mktemp -d); mkdir -p "$OUT"; START=$(date +%s)
 export LOGS DEADLINE=$(( START + ${DEADLINE_S:-540} )) TEST_TIMEOUT=${TEST_TIMEOUT:-420}
-GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_')
 pack() {
   cp "$LOGS/summary.txt" "$OUT/" 2>/dev/null; tar -czf "$OUT/logs.tgz" -C "$LOGS" .
   if [ -n "${QUACK_CACHE_DIR:-}" ] && [ -d "$QUACK_CACHE_DIR" ]; then
@@ -38,6 +37,7 @@ trap pack EXIT
 : > "$LOGS/summary.txt"
 note() { echo "$*" >> "$LOGS/summary.txt"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$LOGS/gpu.txt"
+GPU_NAME=$(head -1 "$LOGS/gpu.txt" | cut -d, -f1 | tr ' ' '_')  # the peer caches' folder name
 if [ -n "${WHEELS:-}" ]; then
   wheels=$(ls "$WHEELS"/*.whl | grep -v torchtitan)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels > "$LOGS/wheels.log" 2>&1 \
