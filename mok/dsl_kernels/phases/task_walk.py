@@ -12,7 +12,16 @@ from ..common.bounded_wait import OWN_MEMORY, bounded_wait_reached, ld_acquire_g
 from ..common.params import Int32Pointer
 from .expert_tiles import TileList, locate_first_tile, locate_tile
 from .minibatches import step_windows
-from .tickets import PADDED_HALF, TASK_SLOTS, Tickets, consumer_task, crew_task, take_ticket
+from .tickets import (
+    PADDED_HALF,
+    ROW_TILE_SHIFT,
+    STORE_ROWS,
+    TASK_SLOTS,
+    Tickets,
+    consumer_task,
+    crew_task,
+    take_ticket,
+)
 from .tiles import TILE_M, TILE_N
 
 
@@ -59,14 +68,83 @@ class RowTileWait(NamedTuple):
     timeout_ns: Int64
 
 
+class SplitTiles(NamedTuple):
+    """A phase's tile list (`tiles`, every column) walked column 0 first: in each minibatch
+    window, column 0 of every row tile in row order, then the other columns as `tiles` numbers
+    them (expert by expert, m fastest, then n from 1). The forward's `gather_first_column`
+    diagnostic build: its column-0 gate/up tasks gather their rows and store them for the
+    other columns' tasks, which then come a whole window of tasks later."""
+
+    tiles: TileList
+
+
+def tile_list(tiles) -> TileList:
+    """The TileList under `tiles` (a TileList or a SplitTiles)."""
+    return tiles.tiles if isinstance(tiles, SplitTiles) else tiles
+
+
 @cute.jit
-def locate_task(tiles: TileList, task: Int32, base: Int32, cursor: tuple, end_row=None):
+def split_cursor(first: tuple, end_row: Int32):
+    """A SplitTiles walk's cursor at its window's start, from the window's `first` cursor
+    (window_cursor): the tile cursor, the part (0: column 0), `first` again for part 1's start,
+    and the window's row tiles (part 0's tasks)."""
+    expert, tile_base, row_base, row_tiles = first
+    return (expert, tile_base, row_base, row_tiles, Int32(0), expert, row_base, row_tiles,
+            (end_row - row_base) // TILE_M)  # fmt: skip
+
+
+@cute.jit
+def _locate_split(split: SplitTiles, task: Int32, base: Int32, cursor: tuple, end_row):
+    """locate_task over a SplitTiles (cursor: split_cursor's)."""
+    expert, tile_base, row_base, row_tiles, part, f_expert, f_row, f_row_tiles, firsts = cursor
+    whole = split.tiles
+    local = task - base
+    if (part == 0) & (local >= firsts):
+        expert, tile_base, row_base, row_tiles = f_expert, Int32(0), f_row, f_row_tiles
+        part = Int32(1)
+    row_tile = Int32(0)
+    col_tile = Int32(0)
+    if part == 0:
+        column_0 = TileList(whole.tokens_per_expert, whole.num_experts, Int32(1))
+        expert, tile_base, row_base, row_tiles = locate_tile(
+            column_0, local, (expert, tile_base, row_base, row_tiles), end_row
+        )
+        row_tile = row_base // TILE_M + (local - tile_base)
+    else:
+        others = TileList(whole.tokens_per_expert, whole.num_experts, whole.col_tiles - 1)
+        expert, tile_base, row_base, row_tiles = locate_tile(
+            others, local - firsts, (expert, tile_base, row_base, row_tiles), end_row
+        )
+        rest = local - firsts - tile_base
+        row_tile = row_base // TILE_M + rest % row_tiles
+        col_tile = 1 + rest // row_tiles
+    cursor = (expert, tile_base, row_base, row_tiles, part, f_expert, f_row, f_row_tiles, firsts)
+    return cursor, expert, row_tile, col_tile
+
+
+@cute.jit
+def locate_task(tiles, task: Int32, base: Int32, cursor: tuple, end_row=None):
     """(cursor, expert, row_tile, col_tile) of task `task` of a phase numbered from `base`
-    (`end_row`: cut at a minibatch window); the cursor advanced for the next call."""
+    (`end_row`: cut at a minibatch window); the cursor advanced for the next call. `tiles`: a
+    TileList, or a SplitTiles (its cursor from split_cursor)."""
+    if cutlass.const_expr(isinstance(tiles, SplitTiles)):
+        return _locate_split(tiles, task, base, cursor, end_row)
     cursor = locate_tile(tiles, task - base, cursor, end_row)
     expert, tile_base, row_base, row_tiles = cursor
     local = task - base - tile_base
     return cursor, expert, row_base // TILE_M + local % row_tiles, local // row_tiles
+
+
+@cute.jit
+def _wait_row_tile(wait: RowTileWait, row_tile: Int32, task: Int32):
+    """Producer warp: the bounded wait for `row_tile`'s counter, then the async proxy ordered
+    after the acquire (the task's loads are TMA)."""
+    bounded_wait_reached(
+        wait.counters + Int64(4) * Int64(row_tile), wait.needed, wait.timeout_ns,
+        wait.record, Int32(0), Int32(wait.phase), row_tile, Int32(OWN_MEMORY), task,
+        ld_acquire_gpu_s32,
+    )  # fmt: skip
+    cute.arch.fence_proxy("async.global")
 
 
 @cute.jit
@@ -77,25 +155,33 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
     tile (if any), `state = load_task(state, expert, col_tile, row_tile, *load_args)`, the next
     ticket. `first`, `end_row`: a minibatch window (step_windows). `halves` = (the schedule's
     peer_rank tensor, tickets.task_flags): each task's flag says whether its tile's rows
-    64..127 are all padding (their first is: an expert's padding follows its rows). Returns
+    64..127 are all padding (their first is: an expert's padding follows its rows). A
+    SplitTiles walk's column-0 tasks wait for nothing: their flags carry STORE_ROWS and their
+    row tile (they gather, and their consumers store the rows the others wait for). Returns
     (state, seq, task)."""
+    split = isinstance(tiles, SplitTiles)
     cursor = first
     if cutlass.const_expr(first is None):
-        cursor = locate_first_tile(tiles, Int32(0))
+        cursor = locate_first_tile(tile_list(tiles), Int32(0))
+    if cutlass.const_expr(split):
+        cursor = split_cursor(cursor, end_row)
     while (task >= base) & (task < end):
         cursor, expert, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
         if cutlass.const_expr(halves is not None):
             rank_of, flags = halves
             padded = rank_of[row_tile * TILE_M + TILE_M // 2] < 0
-            flags[seq % TASK_SLOTS] = cutlass.select_(padded, Int32(PADDED_HALF), Int32(0))
+            flag = cutlass.select_(padded, Int32(PADDED_HALF), Int32(0))
+            if cutlass.const_expr(split):
+                flag = flag | cutlass.select_(
+                    col_tile == 0, Int32(STORE_ROWS) | (row_tile << ROW_TILE_SHIFT), Int32(0)
+                )
+            flags[seq % TASK_SLOTS] = flag
         if cutlass.const_expr(wait is not None):
-            bounded_wait_reached(
-                wait.counters + Int64(4) * Int64(row_tile), wait.needed, wait.timeout_ns,
-                wait.record, Int32(0), Int32(wait.phase), row_tile, Int32(OWN_MEMORY), task,
-                ld_acquire_gpu_s32,
-            )  # fmt: skip
-            # The loads are TMA (async proxy): order them after the acquire.
-            cute.arch.fence_proxy("async.global")
+            if cutlass.const_expr(split):
+                if col_tile != 0:
+                    _wait_row_tile(wait, row_tile, task)
+            else:
+                _wait_row_tile(wait, row_tile, task)
         state = load_task(state, expert, col_tile, row_tile, *load_args)
         seq = seq + 1
         task = take_ticket(tickets, seq)
@@ -113,7 +199,7 @@ def produce_steps(state, batches, tiles: tuple, tickets: Tickets, waits: tuple, 
     segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
     while task >= 0:
         segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
-            batches, tiles[0], segments, task
+            batches, tile_list(tiles[0]), segments, task
         )
         state, seq, task = produce_phase(state, tiles[0], tickets, seq, task, base, middle,
                                          waits[0], loads[0], (), first, end_row,
@@ -169,10 +255,12 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
                 end_row=None):  # fmt: skip
     """Crew: store each hand-off of this phase's tasks, as EpilogueCrew.run (sm90) does for a
     static walk (`slots`, `handoffs`, `after_tile` alike; `first`, `end_row` as in
-    produce_phase). Returns (seq, task)."""
+    produce_phase; `tiles` a TileList or a SplitTiles). Returns (seq, task)."""
     cursor = first
     if cutlass.const_expr(first is None):
-        cursor = locate_first_tile(tiles, Int32(0))
+        cursor = locate_first_tile(tile_list(tiles), Int32(0))
+    if cutlass.const_expr(isinstance(tiles, SplitTiles)):
+        cursor = split_cursor(cursor, end_row)
     while (task >= base) & (task < end):
         cursor, _, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
         first_row = row_tile * TILE_M
@@ -201,7 +289,7 @@ def store_steps(crew, batches, tiles: tuple, tickets: Tickets, buffers, lane, st
     segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
     while task >= 0:
         segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = step_windows(
-            batches, tiles[0], segments, task
+            batches, tile_list(tiles[0]), segments, task
         )
         seq, task = store_phase(crew, tiles[0], tickets, seq, task, base, middle, buffers, lane,
                                 first=first, end_row=end_row, **stores[0])  # fmt: skip

@@ -19,9 +19,13 @@ TASK_SLOTS = 8
 # (`task_flags`).
 SLOT_BYTES = 2 * 4 * TASK_SLOTS
 NO_TASK = -1
-# A task flag: rows 64..127 of its 128-row tile are all padding (the second consumer
-# warpgroup's half; gemm_engine.mma_k_tiles `skip`).
+# Task flag bits: rows 64..127 of its 128-row tile are all padding (the second consumer
+# warpgroup's half; gemm_engine.mma_k_tiles `skip`); the task's A stages are gathered and the
+# consumers store them as the rows of its row tile, whose number is the flag >> ROW_TILE_SHIFT
+# (the column-0 gate/up tasks of the forward's `gather_first_column` diagnostic build).
 PADDED_HALF = 1
+STORE_ROWS = 2
+ROW_TILE_SHIFT = 2
 
 
 def task_slots(storage, offset_bytes: int) -> cute.Tensor:

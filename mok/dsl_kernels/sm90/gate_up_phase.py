@@ -11,8 +11,9 @@ writes each hidden row's MXFP8 round trip along I (`rounded_ptr`), the down GEMM
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64
 
+from ..common.bounded_wait import trap
 from ..common.mxfp8_values import store_round_trip
 from . import gemm_engine as engine
 from .gemm_engine import TILE_K, TILE_M, TILE_N
@@ -21,10 +22,15 @@ from .gemm_engine import TILE_K, TILE_M, TILE_N
 PHASE_GATE_UP_GEMM = 6
 
 
-def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows):
+def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=None):
     """Producer: `load(state, expert, col_tile, row_tile)` of a gate/up task over `tma` = (tma_x,
     mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1). The weights' [rows, H] views
-    hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H])."""
+    hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H]).
+    `gather` (the `gather_first_column` diagnostic build) = (x's global address, the
+    schedule's peer_rank and peer_token_idx tensors, k, ep_rank, a shared Int32 [TILE_M]
+    table): a column-0 task's A rows come from x itself, row r of the tile from token
+    peer_token_idx[r] // k (a padding row, peer_rank < 0: zeros), by
+    gemm_engine.load_k_tiles_gathered; a row of another rank traps (this rank's x only)."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
     tXsX, tXgX = engine.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
@@ -34,12 +40,40 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows):
 
     def load(state, expert, col_tile, row_tile):
         weight_tile = expert * expert_tiles + col_tile
-        loads = (
-            (tma_x, tXgX, row_tile, None, tXsX),
+        weights = (
             (tma_wg, tGgG, weight_tile, None, tGsG),
             (tma_wu, tUgU, weight_tile, None, tUsU),
         )
-        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+        if cutlass.const_expr(gather is None):
+            loads = ((tma_x, tXgX, row_tile, None, tXsX), *weights)
+            return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+        return load_or_gather(state, col_tile, row_tile, weights)
+
+    @cute.jit
+    def load_or_gather(state, col_tile, row_tile, weights):
+        x_at, rank_of, token_of, topk, ep_rank, table = gather
+        if col_tile == 0:
+            # The task's source rows; the last task's copies took theirs when issued.
+            lane = cute.arch.lane_idx()
+            cute.arch.sync_warp()
+            for i in cutlass.range_constexpr(TILE_M // 32):
+                r = lane + 32 * i
+                row = row_tile * TILE_M + r
+                rank = rank_of[row]
+                if (rank >= 0) & (rank != ep_rank):
+                    trap()
+                table[r] = cutlass.select_(rank >= 0, token_of[row] // topk, Int32(-1))
+            cute.arch.sync_warp()
+            row_bytes = Int64(hidden_size) * Int64(2)
+            state = engine.load_k_tiles_gathered(
+                ring, state, hidden_size // TILE_K, weights,
+                (x_at, row_bytes, sA.iterator.toint(), table),
+            )  # fmt: skip
+        else:
+            state = engine.load_k_tiles(
+                ring, state, hidden_size // TILE_K, ((tma_x, tXgX, row_tile, None, tXsX), *weights)
+            )
+        return state
 
     return load
 

@@ -8,6 +8,8 @@ the megakernels and the MMA phases call (docs/DESIGN.md §4, "The arch boundary"
 geometry is phases/tiles.py's.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -16,6 +18,7 @@ from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.ptx import fence_operand
+from ..common.row_tma import cp_async_arrive, gather_k_tile, store_box_2d
 from ..phases.tiles import TILE_M, TILE_N
 
 # TILE_M x TILE_N (phases/tiles.py): the CTA tile's rows (two consumer warpgroups x 64 rows) and
@@ -236,6 +239,54 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads):
     return state
 
 
+# A stage's A tile and its B0 + B1 tiles in bytes (bf16; the stages of k_major_smem_layout
+# follow one another).
+A_STAGE_BYTES = TILE_M * TILE_K * 2
+B_STAGE_BYTES = 2 * TILE_N * TILE_K * 2
+
+
+@cute.jit
+def load_k_tiles_gathered(ring, state, k_tiles: Int32, loads, gather):
+    """`load_k_tiles` with A's rows gathered by the producer warp's 16-byte `cp.async`
+    (row_tma.gather_k_tile, swizzled as a 128-row TMA box lands), while the elected lane loads
+    `loads` (B only) by TMA. `gather` = (the source tensor's global address, its bytes a row,
+    the A stages' shared byte address, the task's source rows: shared Int32 [TILE_M], negative
+    for a padding row, which is zeros). Each stage's full barrier takes every lane's `cp.async`
+    arrival, counted at once (so the phase waits for its copies), then the elected lane's
+    arrival expecting B's bytes. The consumers fence the async proxy after the full barrier
+    (the copies are generic-proxy writes; wgmma reads through the async proxy)."""
+    src_at, row_bytes, stages_at, table = gather
+    for k_tile in cutlass.range(k_tiles, unroll=1):
+        ring.sync_object_empty.wait(state.index, state.phase)
+        full = ring.producer_get_barrier(state)
+        gather_k_tile(stages_at + state.index * A_STAGE_BYTES, table, src_at, row_bytes,
+                      k_tile * TILE_K)  # fmt: skip
+        cp_async_arrive(full.toint())
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(full, B_STAGE_BYTES)
+        for i in cutlass.range_constexpr(len(loads)):
+            tma, tXgX, mn_tile, _, tXsX = loads[i]
+            cute.copy(
+                tma, tXgX[(None, mn_tile, k_tile)], tXsX[(None, state.index)], tma_bar_ptr=full
+            )
+        state.advance()
+    return state
+
+
+class StageStore(NamedTuple):
+    """A gathered task's A stages stored back by TMA as they are read (`mma_k_tiles` `store`):
+    whether this task's stages are gathered (a Boolean, the same on every consumer thread),
+    whether this thread issues the stores, the TMA descriptor's generic address, the A stages'
+    shared byte address, the first row of the box."""
+
+    gathered: object
+    storer: object
+    descriptor: object
+    stages_at: object
+    row: object
+
+
 # ---------------------------------------------------------------------- consumers: wgmma
 
 
@@ -278,6 +329,7 @@ def mma_k_tiles(
     from_zero: bool = True,
     skip=None,
     eager=False,
+    store=None,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
     the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
@@ -289,7 +341,9 @@ def mma_k_tiles(
     rows. `eager` (a bool, or a Boolean the same on the whole warpgroup): each stage is released
     as soon as its own batch completes, none held past its batch (the megakernels' GEMM tasks,
     and weight tasks of enough k tiles: NOTES §18 item 13); the producer refills a stage one
-    batch sooner, and the next batch waits for this one. Returns (read, release)."""
+    batch sooner, and the next batch waits for this one. `store` (a StageStore; with `eager`
+    True): a gathered task's stages, each fenced for the async proxy once it is full and stored
+    by TMA before its release. Returns (read, release)."""
     # A skipping warpgroup hands off what it holds: zeros only when it started from them.
     assert from_zero or skip is None, "mma_k_tiles: skip needs from_zero"
     tCrA, tCrB0, tCrB1 = operands
@@ -306,12 +360,28 @@ def mma_k_tiles(
     cute.nvgpu.warpgroup.fence()
     for k_tile in cutlass.range(mma_tiles, unroll=1):
         ring.consumer_wait(read_state)
+        if cutlass.const_expr(store is not None):
+            if store.gathered:
+                # The stage's A came by cp.async (generic proxy); wgmma and the store read it
+                # through the async proxy.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                if store.storer:
+                    store_box_2d(store.descriptor, store.stages_at + read_state.index * A_STAGE_BYTES,
+                                 k_tile * TILE_K, store.row)  # fmt: skip
+                    cute.arch.cp_async_bulk_commit_group()
         for k_block in cutlass.range_constexpr(k_blocks):
             coord = (None, None, k_block, read_state.index)
             cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
             cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
         cute.nvgpu.warpgroup.commit_group()
         read_state.advance()
+        if cutlass.const_expr(store is not None):
+            assert eager is True, "mma_k_tiles: store needs eager=True"
+            if store.gathered:
+                if store.storer:
+                    # The store has read the stage before it goes back to the producer.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
         if cutlass.const_expr(isinstance(eager, bool)):
             release_state = _release_behind(ring, release_state, k_tile, eager)
         elif eager:

@@ -50,6 +50,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64
 
 from ..common import timeline
+from ..common.bounded_wait import red_add_release_gpu_s32
 from ..common.params import (
     Bf16Pointer,
     Fp32Pointer,
@@ -58,6 +59,7 @@ from ..common.params import (
 )
 from ..common.peers import COMBINE_BUFFER, X_BUFFER, peer_table
 from ..common.retire import retire_cta
+from ..common.row_tma import descriptor_address
 from ..common.schedule_warp import ScheduleVariant
 from ..phases import combine_phase, schedule_phase
 from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
@@ -65,6 +67,7 @@ from ..phases.expert_tiles import TileList
 from ..phases.minibatches import Minibatches, step_of
 from ..phases.task_walk import (
     RowTileWait,
+    SplitTiles,
     StepArgs,
     WalkArgs,
     consume_phase,
@@ -73,7 +76,9 @@ from ..phases.task_walk import (
 )
 from ..phases.tickets import (
     PADDED_HALF,
+    ROW_TILE_SHIFT,
     SLOT_BYTES,
+    STORE_ROWS,
     Tickets,
     consumer_task,
     signal_no_task,
@@ -109,6 +114,15 @@ COUNTER_TAIL = 4 + schedule_phase.WORDS
 TIMELINE_SLOTS = ("start", "schedule", "dispatch", "first_task", "last_task", "sums",
                   "producer_done", "crew_done", "exit", "tasks")  # fmt: skip
 SLOT = {name: n for n, name in enumerate(TIMELINE_SLOTS)}
+# The `gather_first_column` producer's table of a column-0 task's source rows (int32 [TILE_M]),
+# past the task slots and flags.
+GATHER_TABLE_BYTES = 4 * TILE_M
+
+
+def gather_table(storage) -> cute.Tensor:
+    """The gathering producer's shared int32 [TILE_M] table of its task's source rows."""
+    at = storage.staging.data_ptr() + handoff.BUFFER_BYTES + SLOT_BYTES
+    return cute.make_tensor(cute.recast_ptr(at, dtype=Int32), cute.make_layout(TILE_M))
 
 
 class ForwardOperands(NamedTuple):
@@ -171,9 +185,17 @@ class Sm90MoeForward:
     # Diagnostic (off in the shipped cubins): the schedule phase's ScheduleVariant.
     warp_scan: bool = False
     gpu_fences: bool = False
+    # Diagnostic (off in the shipped cubins; BF16, a group of one): no dispatch phase. Each row
+    # tile's column-0 gate/up task gathers its rows from x (the producer warp's cp.async) and
+    # its consumers store them to x_routed by TMA, then release the row tile's dispatched
+    # counter; the other columns' tasks, walked after every column-0 task of their minibatch
+    # (task_walk.SplitTiles), load x_routed as before (docs/NOTES.md §18 item 17).
+    gather_first_column: bool = False
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
+        if self.gather_first_column and self.mxfp8:
+            raise ValueError("Sm90MoeForward: gather_first_column is BF16 only")
 
     @property
     def threads(self) -> int:
@@ -220,8 +242,9 @@ class Sm90MoeForward:
         tiled_mma = engine.forward_mma()
         a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
         b_layout = engine.k_major_smem_layout(TILE_N, self.stages)
+        gathers = self.gather_first_column
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-            a_layout, b_layout, self.stages, SLOT_BYTES
+            a_layout, b_layout, self.stages, SLOT_BYTES + (GATHER_TABLE_BYTES if gathers else 0)
         )
         ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
         loaded = (sA, sB0, sB1)
@@ -270,6 +293,8 @@ class Sm90MoeForward:
             TileList(tokens_per_expert, walk.num_experts, gate_up_cols),
             TileList(tokens_per_expert, walk.num_experts, down_cols),
         )
+        if cutlass.const_expr(gathers):
+            tiles = (SplitTiles(tiles[0]), tiles[1])
         routed_rows = cute.make_tensor(walk.num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
         batches = Minibatches(steps.minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
@@ -285,6 +310,8 @@ class Sm90MoeForward:
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
+        if cutlass.const_expr(gathers):
+            dispatchers = Int32(0)  # the column-0 gate/up tasks gather instead
         if bidx < dispatchers:
             dispatch_rows(
                 (args.x_ptr, peer_table(args.peer_table_ptr, X_BUFFER), walk.ep_rank),
@@ -303,9 +330,19 @@ class Sm90MoeForward:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 # ---- producer: each task's loads after its rows' counter ----
+                gather = None
+                if cutlass.const_expr(gathers):
+                    gather = (
+                        args.x_ptr.toint(),
+                        rank_of,
+                        cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
+                        walk.topk,
+                        walk.ep_rank,
+                        gather_table(storage),
+                    )
                 loads = (
                     gate_up_phase.producer_loads(
-                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows
+                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows, gather
                     ),
                     down_phase.producer_loads(
                         ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size
@@ -360,9 +397,25 @@ class Sm90MoeForward:
             down_thr = down_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
             second_half = warpgroup == 2
+            # Gathering: a column-0 gate/up task's A stages are its rows of x_routed, which
+            # thread 128 (lane 0 of the first consumer warp) stores by TMA (tma_x's box).
+            x_routed_box = None
+            if cutlass.const_expr(gathers):
+                x_routed_box = (descriptor_address(tma.tma_x), sA.iterator.toint())
 
-            def run_task(states, flag, mma, thr, k_tiles):
+            def run_task(states, flag, mma, thr, k_tiles, gate_up=False):
                 skip = (flag == PADDED_HALF) & second_half
+                store = None
+                if cutlass.const_expr(gathers):
+                    skip = ((flag & PADDED_HALF) != 0) & second_half
+                    if cutlass.const_expr(gate_up):
+                        store = engine.StageStore(
+                            (flag & STORE_ROWS) != 0,
+                            tidx == THREADS_PER_WARPGROUP,
+                            x_routed_box[0],
+                            x_routed_box[1],
+                            (flag >> ROW_TILE_SHIFT) * TILE_M,
+                        )
                 read_state, release_state = engine.mma_k_tiles(
                     mma,
                     ring,
@@ -373,7 +426,16 @@ class Sm90MoeForward:
                     accs,
                     skip=skip,
                     eager=True,
+                    store=store,
                 )
+                if cutlass.const_expr(store is not None):
+                    if store.gathered & store.storer:
+                        # The rows are in x_routed: the other columns' tasks may load them.
+                        cute.arch.cp_async_bulk_wait_group(0)
+                        cute.arch.fence_proxy("async.global")
+                        red_add_release_gpu_s32(
+                            dispatched + Int64(4) * Int64(flag >> ROW_TILE_SHIFT), Int32(1)
+                        )
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
@@ -392,7 +454,7 @@ class Sm90MoeForward:
                     base,
                     middle,
                     run_task,
-                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K),
+                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K, True),
                     flags=flags,
                 )
                 states, seq, task = consume_phase(
