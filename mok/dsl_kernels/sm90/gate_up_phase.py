@@ -13,7 +13,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ..common.bounded_wait import trap
 from ..common.mxfp8_values import store_round_trip
 from . import gemm_engine as engine
 from .gemm_engine import TILE_K, TILE_M, TILE_N
@@ -27,10 +26,11 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=Non
     mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1). The weights' [rows, H] views
     hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H]).
     `gather` (the `gather_first_column` diagnostic build) = (x's global address, the
-    schedule's peer_rank and peer_token_idx tensors, k, ep_rank, a shared Int32 [TILE_M]
-    table): a column-0 task's A rows come from x itself, row r of the tile from token
+    schedule's peer_rank and peer_token_idx tensors, k, a shared Int32 [TILE_M] table): a
+    column-0 task's A rows come from x itself, row r of the tile from token
     peer_token_idx[r] // k (a padding row, peer_rank < 0: zeros), by
-    gemm_engine.load_k_tiles_gathered; a row of another rank traps (this rank's x only)."""
+    gemm_engine.load_k_tiles_gathered. A group of one only (every row is this rank's; the
+    launcher refuses peers for this build)."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
     tXsX, tXgX = engine.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
@@ -51,7 +51,7 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=Non
 
     @cute.jit
     def load_or_gather(state, col_tile, row_tile, weights):
-        x_at, rank_of, token_of, topk, ep_rank, table = gather
+        x_at, rank_of, token_of, topk, table = gather
         if col_tile == 0:
             # The task's source rows; the last task's copies took theirs when issued.
             lane = cute.arch.lane_idx()
@@ -59,10 +59,7 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=Non
             for i in cutlass.range_constexpr(TILE_M // 32):
                 r = lane + 32 * i
                 row = row_tile * TILE_M + r
-                rank = rank_of[row]
-                if (rank >= 0) & (rank != ep_rank):
-                    trap()
-                table[r] = cutlass.select_(rank >= 0, token_of[row] // topk, Int32(-1))
+                table[r] = cutlass.select_(rank_of[row] >= 0, token_of[row] // topk, Int32(-1))
             cute.arch.sync_warp()
             row_bytes = Int64(hidden_size) * Int64(2)
             state = engine.load_k_tiles_gathered(

@@ -185,7 +185,8 @@ class Sm90MoeForward:
     # Diagnostic (off in the shipped cubins): the schedule phase's ScheduleVariant.
     warp_scan: bool = False
     gpu_fences: bool = False
-    # Diagnostic (off in the shipped cubins; BF16, a group of one): no dispatch phase. Each row
+    # Diagnostic (off in the shipped cubins; BF16, a group of one, which the launcher checks):
+    # no dispatch phase. Each row
     # tile's column-0 gate/up task gathers its rows from x (the producer warp's cp.async) and
     # its consumers store them to x_routed by TMA, then release the row tile's dispatched
     # counter; the other columns' tasks, walked after every column-0 task of their minibatch
@@ -337,7 +338,6 @@ class Sm90MoeForward:
                         rank_of,
                         cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
                         walk.topk,
-                        walk.ep_rank,
                         gather_table(storage),
                     )
                 loads = (
