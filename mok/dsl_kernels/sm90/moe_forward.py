@@ -186,11 +186,10 @@ class Sm90MoeForward:
     warp_scan: bool = False
     gpu_fences: bool = False
     # Diagnostic (off in the shipped cubins; BF16, a group of one, which the launcher checks):
-    # no dispatch phase. Each row
-    # tile's column-0 gate/up task gathers its rows from x (the producer warp's cp.async) and
-    # its consumers store them to x_routed by TMA, then release the row tile's dispatched
-    # counter; the other columns' tasks, walked after every column-0 task of their minibatch
-    # (task_walk.SplitTiles), load x_routed as before (docs/NOTES.md §18 item 17).
+    # no dispatch phase. Each row tile's column-0 gate/up task gathers its rows from x (the
+    # producer warp's cp.async) and its consumers store them to x_routed by TMA, then release
+    # the row tile's dispatched counter; the other columns' tasks, walked after every column-0
+    # task of their minibatch (task_walk.SplitTiles), load x_routed as before (NOTES §18 item 17).
     gather_first_column: bool = False
 
     def validate(self) -> None:
