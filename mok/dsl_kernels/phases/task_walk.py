@@ -69,13 +69,19 @@ class RowTileWait(NamedTuple):
 
 
 class SplitTiles(NamedTuple):
-    """A phase's tile list (`tiles`, every column) walked column 0 first: in each minibatch
-    window, column 0 of every row tile in row order, then the other columns as `tiles` numbers
-    them (expert by expert, m fastest, then n from 1). The forward's `gather_first_column`
-    diagnostic build: its column-0 gate/up tasks gather their rows and store them for the
-    other columns' tasks, which then come a whole window of tasks later."""
+    """A phase's tile list (`tiles`, every column) with each row tile's column-0 task ahead of
+    its other columns' (the forward's `gather_first_column` diagnostic build: a column-0 gate/up
+    task gathers its rows and stores them for the others). In each minibatch window of R row
+    tiles and c columns, the column-0 tasks (A: row order) and the others (B: as `tiles`
+    numbers them, expert by expert, m fastest, then n from 1) merge as: A 0 .. P - 1 first,
+    then one A before every c - 1 B until A runs out, then the rest of B. `lead` (a
+    compile-time int): 0 makes P = R (every A first); else P = lead + the largest expert's row
+    tiles (at most R), so each B task comes at least `lead` tasks after its row tile's A (the
+    first experts' B follow the P prefix tasks; a later A leads its row tile's B by about c
+    times that), while the other gathers spread over the phase."""
 
     tiles: TileList
+    lead: int = 0
 
 
 def tile_list(tiles) -> TileList:
@@ -84,41 +90,64 @@ def tile_list(tiles) -> TileList:
 
 
 @cute.jit
-def split_cursor(first: tuple, end_row: Int32):
+def split_cursor(split: SplitTiles, first: tuple, end_row: Int32):
     """A SplitTiles walk's cursor at its window's start, from the window's `first` cursor
-    (window_cursor): the tile cursor, the part (0: column 0), `first` again for part 1's start,
-    and the window's row tiles (part 0's tasks)."""
+    (window_cursor): A's and B's tile cursors (both at `first`), P and R (SplitTiles)."""
     expert, tile_base, row_base, row_tiles = first
-    return (expert, tile_base, row_base, row_tiles, Int32(0), expert, row_base, row_tiles,
-            (end_row - row_base) // TILE_M)  # fmt: skip
+    window_tiles = (end_row - row_base) // TILE_M
+    firsts = window_tiles
+    if cutlass.const_expr(split.lead > 0):
+        whole = split.tiles
+        largest = Int32(0)
+        for e in cutlass.range(whole.num_experts, unroll=1):
+            largest = cutlass.max(largest, whole.tokens_per_expert[e] // TILE_M)
+        firsts = cutlass.min(window_tiles, split.lead + largest)
+    return (expert, tile_base, row_base, row_tiles, expert, tile_base, row_base, row_tiles,
+            firsts, window_tiles)  # fmt: skip
 
 
 @cute.jit
 def _locate_split(split: SplitTiles, task: Int32, base: Int32, cursor: tuple, end_row):
     """locate_task over a SplitTiles (cursor: split_cursor's)."""
-    expert, tile_base, row_base, row_tiles, part, f_expert, f_row, f_row_tiles, firsts = cursor
+    a_expert, a_base, a_row, a_tiles, b_expert, b_base, b_row, b_tiles, firsts, window_tiles = (
+        cursor
+    )
     whole = split.tiles
+    cols = whole.col_tiles
     local = task - base
-    if (part == 0) & (local >= firsts):
-        expert, tile_base, row_base, row_tiles = f_expert, Int32(0), f_row, f_row_tiles
-        part = Int32(1)
+    # Which stream holds merged position `local`, and its index there.
+    a_index = local
+    b_index = Int32(-1)
+    if local >= firsts:
+        q = local - firsts
+        interleaved = (window_tiles - firsts) * cols
+        if q < interleaved:
+            a_index = firsts + q // cols
+            if q % cols != 0:
+                b_index = q - q // cols - 1
+        else:
+            b_index = (window_tiles - firsts) * (cols - 1) + q - interleaved
     row_tile = Int32(0)
     col_tile = Int32(0)
-    if part == 0:
+    expert = Int32(0)
+    if b_index < 0:
         column_0 = TileList(whole.tokens_per_expert, whole.num_experts, Int32(1))
-        expert, tile_base, row_base, row_tiles = locate_tile(
-            column_0, local, (expert, tile_base, row_base, row_tiles), end_row
+        a_expert, a_base, a_row, a_tiles = locate_tile(
+            column_0, a_index, (a_expert, a_base, a_row, a_tiles), end_row
         )
-        row_tile = row_base // TILE_M + (local - tile_base)
+        expert = a_expert
+        row_tile = a_row // TILE_M + (a_index - a_base)
     else:
-        others = TileList(whole.tokens_per_expert, whole.num_experts, whole.col_tiles - 1)
-        expert, tile_base, row_base, row_tiles = locate_tile(
-            others, local - firsts, (expert, tile_base, row_base, row_tiles), end_row
+        others = TileList(whole.tokens_per_expert, whole.num_experts, cols - 1)
+        b_expert, b_base, b_row, b_tiles = locate_tile(
+            others, b_index, (b_expert, b_base, b_row, b_tiles), end_row
         )
-        rest = local - firsts - tile_base
-        row_tile = row_base // TILE_M + rest % row_tiles
-        col_tile = 1 + rest // row_tiles
-    cursor = (expert, tile_base, row_base, row_tiles, part, f_expert, f_row, f_row_tiles, firsts)
+        expert = b_expert
+        rest = b_index - b_base
+        row_tile = b_row // TILE_M + rest % b_tiles
+        col_tile = 1 + rest // b_tiles
+    cursor = (a_expert, a_base, a_row, a_tiles, b_expert, b_base, b_row, b_tiles, firsts,
+              window_tiles)  # fmt: skip
     return cursor, expert, row_tile, col_tile
 
 
@@ -164,7 +193,7 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
     if cutlass.const_expr(first is None):
         cursor = locate_first_tile(tile_list(tiles), Int32(0))
     if cutlass.const_expr(split):
-        cursor = split_cursor(cursor, end_row)
+        cursor = split_cursor(tiles, cursor, end_row)
     while (task >= base) & (task < end):
         cursor, expert, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
         if cutlass.const_expr(halves is not None):
@@ -260,7 +289,7 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
     if cutlass.const_expr(first is None):
         cursor = locate_first_tile(tile_list(tiles), Int32(0))
     if cutlass.const_expr(isinstance(tiles, SplitTiles)):
-        cursor = split_cursor(cursor, end_row)
+        cursor = split_cursor(tiles, cursor, end_row)
     while (task >= base) & (task < end):
         cursor, _, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
         first_row = row_tile * TILE_M

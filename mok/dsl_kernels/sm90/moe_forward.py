@@ -191,6 +191,9 @@ class Sm90MoeForward:
     # the row tile's dispatched counter; the other columns' tasks, walked after every column-0
     # task of their minibatch (task_walk.SplitTiles), load x_routed as before (NOTES §18 item 17).
     gather_first_column: bool = False
+    # With gather_first_column: 0 walks every column-0 task of a minibatch first; N > 0 spreads
+    # them among the others, each ~N tasks ahead of its row tile's others (SplitTiles.lead).
+    gather_lead: int = 0
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
@@ -294,7 +297,7 @@ class Sm90MoeForward:
             TileList(tokens_per_expert, walk.num_experts, down_cols),
         )
         if cutlass.const_expr(gathers):
-            tiles = (SplitTiles(tiles[0]), tiles[1])
+            tiles = (SplitTiles(tiles[0], self.gather_lead), tiles[1])
         routed_rows = cute.make_tensor(walk.num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
         batches = Minibatches(steps.minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
