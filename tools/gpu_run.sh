@@ -4,6 +4,7 @@
 # suite if $ORIGINAL names its checkout, the benchmarks in $BENCH; logs under $OUT (packed as
 # $OUT/logs.tgz with $OUT/summary.txt beside it), the summary printed last. From the repo root:
 #   TESTS="tests/gpu/test_runtime_gpu.py tests/gpu/test_comm_gpu.py" PAR=4 bash tools/gpu_run.sh
+#   TESTS=tests/gpu/test_forward_gpu.py TEST_DIRS="variant=DIR" bash tools/gpu_run.sh  (DIR too)
 #   ORIGINAL=PATH_TO_ORIGINAL_CHECKOUT BENCH="main moe" bash tools/gpu_run.sh
 #   SONIC_KIT=.peers/sonic BENCH=moe MOE_ARGS="--shapes qwen3-30b-a3b --no-liger" bash tools/gpu_run.sh
 #   BASELINE=DIR BENCH=ab MOE_ARGS="--shapes qwen3-30b-a3b --tokens 2048,16384" bash tools/gpu_run.sh
@@ -63,18 +64,26 @@ if [ -n "${LIGER_KIT:-}" ]; then
 fi
 
 # One test file in its own process: a trapped kernel kills its CUDA context, and must not take
-# the other files' tests with it.
+# the other files' tests with it. "NAME=DIR:FILE" runs FILE with MOK_KERNEL_DIR=DIR (TEST_DIRS).
 run_file() {
-  local name left start
-  name=$(basename "$1" .py); start=$(date +%s); left=$(( DEADLINE - start ))
+  local name left start file=$1 dir=
+  case $1 in *=*:*) name=${1%%=*}; dir=${1#*=}; dir=${dir%%:*}; file=${1#*:} ;; esac
+  name=${name:+${name}_}$(basename "$file" .py); start=$(date +%s); left=$(( DEADLINE - start ))
   [ "$left" -gt "$TEST_TIMEOUT" ] && left=$TEST_TIMEOUT
   if [ "$left" -lt 20 ]; then echo "$name not started (deadline)" >> "$LOGS/summary.txt"; return; fi
-  timeout "$left" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$1" ${TEST_ARGS:-} > "$LOGS/$name.log" 2>&1
+  env ${dir:+MOK_KERNEL_DIR=$PWD/$dir} timeout "$left" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    "$file" ${TEST_ARGS:-} > "$LOGS/$name.log" 2>&1
   echo "$name rc=$? $(grep -E '(passed|failed|error|skipped)' "$LOGS/$name.log" | tail -1 | cut -c1-100) [$(( $(date +%s) - start ))s]" >> "$LOGS/summary.txt"
 }
 export -f run_file
 status=0
-[ -n "${TESTS:-}" ] && printf '%s\n' $TESTS | xargs -P "${PAR:-1}" -I{} bash -c 'run_file {}'
+# TEST_DIRS="NAME=DIR ...": each of $TESTS again with that cubin folder (a diagnostic build);
+# TEST_SHIPPED=0 leaves out the shipped cubins' runs.
+jobs_list=$(for f in ${TESTS:-}; do
+  [ "${TEST_SHIPPED:-1}" = 0 ] || echo "$f"
+  for d in ${TEST_DIRS:-}; do echo "$d:$f"; done
+done)
+[ -n "${TESTS:-}" ] && printf '%s\n' $jobs_list | xargs -P "${PAR:-1}" -I{} bash -c 'run_file {}'
 grep -q " rc=[1-9]" "$LOGS/summary.txt" && status=1
 
 if [ -n "${ORIGINAL:-}" ]; then
