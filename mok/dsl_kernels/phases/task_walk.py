@@ -251,7 +251,9 @@ def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base:
     if cutlass.const_expr(tiles is not None):
         cursor = first
         if cutlass.const_expr(first is None):
-            cursor = locate_first_tile(tiles, Int32(0))
+            cursor = locate_first_tile(tile_list(tiles), Int32(0))
+        if cutlass.const_expr(isinstance(tiles, SplitTiles)):
+            cursor = split_cursor(tiles, cursor, end_row)
     while (task >= base) & (task < end):
         flag = ()
         if cutlass.const_expr(flags is not None):

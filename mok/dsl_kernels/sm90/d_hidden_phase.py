@@ -26,8 +26,13 @@ from .gemm_engine import TILE_K, TILE_M, TILE_N
 PHASE_BACKWARD_DHIDDEN_GEMM = 10
 
 
-def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up_ptr):
-    """Producer: `load(...)` of a d_hidden task (gate/up prefetched to L2, then A = dY_e, B = W_down)."""
+def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up_ptr,
+                   gather=None):  # fmt: skip
+    """Producer: `load(...)` of a d_hidden task (gate/up prefetched to L2, then A = dY_e, B = W_down).
+    `gather` (the `gather_first_column` diagnostic build) = (dY's global address, the
+    schedule's peer_rank and peer_token_idx tensors, k, a shared Int32 [TILE_M] table): a
+    column-0 task's A rows are dY's own rows (token peer_token_idx[r] // k; a padding row:
+    zeros), gathered by gemm_engine.load_k_tiles_gathered and scaled by its consumers."""
     sA, sB0, sB1 = smem
     tma_dy, mDy, tma_wd, mWd = tma
     tDYsA, tDYgA = engine.partition_tma_load(tma_dy, sA, mDy, (TILE_M, TILE_K))
@@ -39,12 +44,38 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up
         prefetch_gate_up(lane, row_tile * TILE_M, col_tile * (2 * TILE_N), gate_ptr, up_ptr,
                          i_stride, threads=32)  # fmt: skip
         b_k_base = expert * (hidden_size // TILE_K)
-        loads = (
-            (tma_dy, tDYgA, row_tile, None, tDYsA),
+        weights = (
             (tma_wd, tWDgB, 2 * col_tile, b_k_base, tWDsB0),
             (tma_wd, tWDgB, 2 * col_tile + 1, b_k_base, tWDsB1),
         )
-        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+        if cutlass.const_expr(gather is None):
+            loads = ((tma_dy, tDYgA, row_tile, None, tDYsA), *weights)
+            return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
+        return load_or_gather(state, col_tile, row_tile, weights)
+
+    @cute.jit
+    def load_or_gather(state, col_tile, row_tile, weights):
+        dy_at, rank_of, token_of, topk, table = gather
+        if col_tile == 0:
+            cute.arch.sync_warp()
+            for i in cutlass.range_constexpr(TILE_M // 32):
+                r = lane + 32 * i
+                row = row_tile * TILE_M + r
+                table[r] = cutlass.select_(rank_of[row] >= 0, token_of[row] // topk, Int32(-1))
+            cute.arch.sync_warp()
+            row_bytes = Int64(hidden_size) * Int64(2)
+            state = engine.load_k_tiles_gathered(
+                ring, state, hidden_size // TILE_K, weights,
+                (dy_at, row_bytes, sA.iterator.toint(), table),
+            )  # fmt: skip
+        else:
+            state = engine.load_k_tiles(
+                ring,
+                state,
+                hidden_size // TILE_K,
+                ((tma_dy, tDYgA, row_tile, None, tDYsA), *weights),
+            )
+        return state
 
     return load
 

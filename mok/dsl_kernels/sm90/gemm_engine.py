@@ -17,7 +17,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.ptx import fence_operand
+from ..common.ptx import fence_operand, mul_rn
 from ..common.row_tma import cp_async_arrive, gather_k_tile, store_box_2d
 from ..phases.tiles import TILE_M, TILE_N
 
@@ -266,25 +266,58 @@ def load_k_tiles_gathered(ring, state, k_tiles: Int32, loads, gather):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(full, B_STAGE_BYTES)
         for i in cutlass.range_constexpr(len(loads)):
-            tma, tXgX, mn_tile, _, tXsX = loads[i]
-            cute.copy(
-                tma, tXgX[(None, mn_tile, k_tile)], tXsX[(None, state.index)], tma_bar_ptr=full
-            )
+            tma, tXgX, mn_tile, k_base, tXsX = loads[i]
+            k = k_tile
+            if cutlass.const_expr(k_base is not None):
+                k = k_base + k_tile
+            cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)], tma_bar_ptr=full)
         state.advance()
     return state
+
+
+# The consumers' named barrier between scaling a gathered stage and its store (StageStore
+# `scale`; sm90/epilogue_warps.py has 3-6, combine 7, the forward's schedule phase 8).
+SCALED_STAGE_SYNC = 9
 
 
 class StageStore(NamedTuple):
     """A gathered task's A stages stored back by TMA as they are read (`mma_k_tiles` `store`):
     whether this task's stages are gathered (a Boolean, the same on every consumer thread),
     whether this thread issues the stores, the TMA descriptor's generic address, the A stages'
-    shared byte address, the first row of the box."""
+    shared byte address, the first row of the box; `scale`: None, or this consumer thread's
+    row weight (fp32): each stage's rows are first scaled in place, bf16(w * float(a)) (the
+    scaled dispatch's product and rounding), half a row a thread (scale_stage_rows)."""
 
     gathered: object
     storer: object
     descriptor: object
     stages_at: object
     row: object
+    scale: object = None
+
+
+@cute.jit
+def scale_stage_rows(stage_at: Int32, weight: Float32, consumer_tidx: Int32):
+    """Consumer thread c (0 .. 255) of a gathered stage (128 rows of 64 bf16, 128-byte
+    swizzled, at shared byte address `stage_at`): row c // 2, chunks 4 (c % 2) .. + 3 of its 8
+    16-byte chunks, each value a -> bf16(mul_rn(weight, float(a))). The caller meets the other
+    consumers before anything reads the stage."""
+    row = consumer_tidx // 2
+    first_chunk = 4 * (consumer_tidx % 2)
+    values = cute.make_rmem_tensor((8,), BFloat16)
+    widened = cute.make_rmem_tensor((8,), Float32)
+    for c in cutlass.range_constexpr(4):
+        # Chunk k of row r sits at chunk k ^ (r % 8) of the row's 128 bytes.
+        at = stage_at + row * 128 + ((first_chunk + c) ^ (row % 8)) * 16
+        view = cute.make_tensor(
+            cute.make_ptr(BFloat16, at, cute.AddressSpace.smem, assumed_align=16),
+            cute.make_layout(8),
+        )
+        values.store(view.load())
+        widened.store(values.load().to(Float32))
+        for i in cutlass.range_constexpr(8):
+            widened[i] = mul_rn(weight, widened[i])
+        view.store(widened.load().to(BFloat16))
 
 
 # ---------------------------------------------------------------------- consumers: wgmma
@@ -358,13 +391,24 @@ def mma_k_tiles(
     fence_accumulators(accumulators)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     cute.nvgpu.warpgroup.fence()
+    if cutlass.const_expr(store is not None and store.scale is not None):
+        consumer_tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
     for k_tile in cutlass.range(mma_tiles, unroll=1):
         ring.consumer_wait(read_state)
         if cutlass.const_expr(store is not None):
             if store.gathered:
-                # The stage's A came by cp.async (generic proxy); wgmma and the store read it
-                # through the async proxy.
+                # The stage's A came by cp.async (generic proxy), and with `scale` each thread
+                # rewrites its part; wgmma and the store read it through the async proxy: each
+                # writer fences, then (scaled) every consumer meets before any reads.
+                if cutlass.const_expr(store.scale is not None):
+                    scale_stage_rows(store.stages_at + read_state.index * A_STAGE_BYTES,
+                                     store.scale, consumer_tidx)  # fmt: skip
                 cute.arch.fence_proxy("async.shared", space="cta")
+                if cutlass.const_expr(store.scale is not None):
+                    cute.arch.barrier(
+                        barrier_id=SCALED_STAGE_SYNC,
+                        number_of_threads=NUM_CONSUMER_WARPGROUPS * THREADS_PER_WARPGROUP,
+                    )
                 if store.storer:
                     store_box_2d(store.descriptor, store.stages_at + read_state.index * A_STAGE_BYTES,
                                  k_tile * TILE_K, store.row)  # fmt: skip
