@@ -203,18 +203,20 @@ class BackwardTensors(NamedTuple):
 
 
 @cute.jit
-def router_weight(walk: WalkArgs, weight_ptr: Fp32Pointer, row: Int32) -> Float32:
-    """Routed row `row`'s router weight, 0 for a padding row: the `gather_first_column` build's
-    scale of the row, read as the dispatch reads it (a group of one: this rank's weights)."""
+def router_weight(walk: WalkArgs, weight_ptr: Fp32Pointer, row: Int32, wanted) -> Float32:
+    """Routed row `row`'s router weight, 0 for a padding row or when not `wanted` (a Boolean):
+    the `gather_first_column` build's scale of the row, read as the dispatch reads it (a group
+    of one: this rank's weights)."""
     w = Float32(0.0)
     rank_of = cute.make_tensor(walk.peer_rank_ptr, cute.make_layout(walk.capacity))
-    if rank_of[row] >= 0:
-        slot = cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity))[row]
-        at = weight_ptr.toint() + Int64(slot) * Int64(4)
-        w = cute.make_tensor(
-            cute.make_ptr(Float32, at, cute.AddressSpace.gmem, assumed_align=4),
-            cute.make_layout(1),
-        )[0]
+    if wanted:
+        if rank_of[row] >= 0:
+            slot = cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity))[row]
+            at = weight_ptr.toint() + Int64(slot) * Int64(4)
+            w = cute.make_tensor(
+                cute.make_ptr(Float32, at, cute.AddressSpace.gmem, assumed_align=4),
+                cute.make_layout(1),
+            )[0]
     return w
 
 
@@ -538,6 +540,7 @@ class Sm90MoeBackward:
                             walk,
                             args.weight_ptr,
                             first_row + (tidx - engine.THREADS_PER_WARPGROUP) // 2,
+                            (flag & STORE_ROWS) != 0,
                         ),
                     )
                 read_state, release_state = engine.mma_k_tiles(
