@@ -29,10 +29,9 @@ PHASE_BACKWARD_DHIDDEN_GEMM = 10
 def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up_ptr,
                    gather=None):  # fmt: skip
     """Producer: `load(...)` of a d_hidden task (gate/up prefetched to L2, then A = dY_e, B = W_down).
-    `gather` (the `gather_first_column` diagnostic build) = (dY's global address, the
-    schedule's peer_rank and peer_token_idx tensors, k, a shared Int32 [TILE_M] table): a
-    column-0 task's A rows are dY's own rows (token peer_token_idx[r] // k; a padding row:
-    zeros), gathered by gemm_engine.load_k_tiles_gathered and scaled by its consumers."""
+    `gather` (the `gather_first_column` diagnostic build, a gemm_engine.RowGather over dY): a
+    column-0 task's A rows are dY's own rows (gemm_engine.load_or_gather), which its consumers
+    scale."""
     sA, sB0, sB1 = smem
     tma_dy, mDy, tma_wd, mWd = tma
     tDYsA, tDYgA = engine.partition_tma_load(tma_dy, sA, mDy, (TILE_M, TILE_K))
@@ -51,31 +50,9 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up
         if cutlass.const_expr(gather is None):
             loads = ((tma_dy, tDYgA, row_tile, None, tDYsA), *weights)
             return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
-        return load_or_gather(state, col_tile, row_tile, weights)
-
-    @cute.jit
-    def load_or_gather(state, col_tile, row_tile, weights):
-        dy_at, rank_of, token_of, topk, table = gather
-        if col_tile == 0:
-            cute.arch.sync_warp()
-            for i in cutlass.range_constexpr(TILE_M // 32):
-                r = lane + 32 * i
-                row = row_tile * TILE_M + r
-                table[r] = cutlass.select_(rank_of[row] >= 0, token_of[row] // topk, Int32(-1))
-            cute.arch.sync_warp()
-            row_bytes = Int64(hidden_size) * Int64(2)
-            state = engine.load_k_tiles_gathered(
-                ring, state, hidden_size // TILE_K, weights,
-                (dy_at, row_bytes, sA.iterator.toint(), table),
-            )  # fmt: skip
-        else:
-            state = engine.load_k_tiles(
-                ring,
-                state,
-                hidden_size // TILE_K,
-                ((tma_dy, tDYgA, row_tile, None, tDYsA), *weights),
-            )
-        return state
+        return engine.load_or_gather(ring, state, hidden_size // TILE_K, col_tile, row_tile,
+                                     (tma_dy, tDYgA, row_tile, None, tDYsA), weights,
+                                     gather)  # fmt: skip
 
     return load
 

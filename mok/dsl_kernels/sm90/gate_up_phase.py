@@ -11,7 +11,7 @@ writes each hidden row's MXFP8 round trip along I (`rounded_ptr`), the down GEMM
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int64
 
 from ..common.mxfp8_values import store_round_trip
 from . import gemm_engine as engine
@@ -25,12 +25,9 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=Non
     """Producer: `load(state, expert, col_tile, row_tile)` of a gate/up task over `tma` = (tma_x,
     mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1). The weights' [rows, H] views
     hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H]).
-    `gather` (the `gather_first_column` diagnostic build) = (x's global address, the
-    schedule's peer_rank and peer_token_idx tensors, k, a shared Int32 [TILE_M] table): a
-    column-0 task's A rows come from x itself, row r of the tile from token
-    peer_token_idx[r] // k (a padding row, peer_rank < 0: zeros), by
-    gemm_engine.load_k_tiles_gathered. A group of one only (every row is this rank's; the
-    launcher refuses peers for this build)."""
+    `gather` (the `gather_first_column` diagnostic build, a gemm_engine.RowGather over x): a
+    column-0 task's A rows come from x itself (gemm_engine.load_or_gather). A group of one only
+    (every row is this rank's; the launcher refuses peers for this build)."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
     tXsX, tXgX = engine.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
@@ -47,30 +44,9 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=Non
         if cutlass.const_expr(gather is None):
             loads = ((tma_x, tXgX, row_tile, None, tXsX), *weights)
             return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
-        return load_or_gather(state, col_tile, row_tile, weights)
-
-    @cute.jit
-    def load_or_gather(state, col_tile, row_tile, weights):
-        x_at, rank_of, token_of, topk, table = gather
-        if col_tile == 0:
-            # The task's source rows; the last task's copies took theirs when issued.
-            lane = cute.arch.lane_idx()
-            cute.arch.sync_warp()
-            for i in cutlass.range_constexpr(TILE_M // 32):
-                r = lane + 32 * i
-                row = row_tile * TILE_M + r
-                table[r] = cutlass.select_(rank_of[row] >= 0, token_of[row] // topk, Int32(-1))
-            cute.arch.sync_warp()
-            row_bytes = Int64(hidden_size) * Int64(2)
-            state = engine.load_k_tiles_gathered(
-                ring, state, hidden_size // TILE_K, weights,
-                (x_at, row_bytes, sA.iterator.toint(), table),
-            )  # fmt: skip
-        else:
-            state = engine.load_k_tiles(
-                ring, state, hidden_size // TILE_K, ((tma_x, tXgX, row_tile, None, tXsX), *weights)
-            )
-        return state
+        return engine.load_or_gather(ring, state, hidden_size // TILE_K, col_tile, row_tile,
+                                     (tma_x, tXgX, row_tile, None, tXsX), weights,
+                                     gather)  # fmt: skip
 
     return load
 

@@ -17,6 +17,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.bounded_wait import red_add_release_gpu_s32
 from ..common.ptx import fence_operand, mul_rn
 from ..common.row_tma import cp_async_arrive, gather_k_tile, store_box_2d
 from ..phases.tiles import TILE_M, TILE_N
@@ -229,11 +230,7 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads):
         ring.producer_acquire(state)
         full = ring.producer_get_barrier(state)
         for i in cutlass.range_constexpr(len(loads)):
-            tma, tXgX, mn_tile, k_base, tXsX = loads[i]
-            k = k_tile
-            if cutlass.const_expr(k_base is not None):
-                k = k_base + k_tile
-            cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)], tma_bar_ptr=full)
+            _copy_box(loads[i], k_tile, state.index, full)
         ring.producer_commit(state)
         state.advance()
     return state
@@ -266,12 +263,48 @@ def load_k_tiles_gathered(ring, state, k_tiles: Int32, loads, gather):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(full, B_STAGE_BYTES)
         for i in cutlass.range_constexpr(len(loads)):
-            tma, tXgX, mn_tile, k_base, tXsX = loads[i]
-            k = k_tile
-            if cutlass.const_expr(k_base is not None):
-                k = k_base + k_tile
-            cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)], tma_bar_ptr=full)
+            _copy_box(loads[i], k_tile, state.index, full)
         state.advance()
+    return state
+
+
+class RowGather(NamedTuple):
+    """What a gathering producer reads a task's A rows by (the `gather_first_column` builds):
+    the source tensor's global address and its bytes a row, the schedule's peer_rank and
+    peer_token_idx tensors, k, a shared Int32 [TILE_M] table of the task's source rows, the A
+    stages' shared byte address. Row r of a routed row tile is source row peer_token_idx[r] //
+    k (a group of one; a padding row, peer_rank < 0: zeros)."""
+
+    src_at: object
+    row_bytes: object
+    rank_of: object
+    token_of: object
+    topk: object
+    table: object
+    stages_at: object
+
+
+@cute.jit
+def load_or_gather(ring, state, k_tiles: Int32, col_tile: Int32, row_tile: Int32, a_load, b_loads,
+                   gather: RowGather):  # fmt: skip
+    """Producer warp: a task of column 0 gathers its A rows (load_k_tiles_gathered, B by
+    `b_loads`); any other loads A by `a_load` and B as `load_k_tiles` does."""
+    if col_tile == 0:
+        # The task's source rows; the last task's copies took theirs when issued.
+        lane = cute.arch.lane_idx()
+        cute.arch.sync_warp()
+        for i in cutlass.range_constexpr(TILE_M // 32):
+            r = lane + 32 * i
+            row = row_tile * TILE_M + r
+            gather.table[r] = cutlass.select_(
+                gather.rank_of[row] >= 0, gather.token_of[row] // gather.topk, Int32(-1)
+            )
+        cute.arch.sync_warp()
+        state = load_k_tiles_gathered(ring, state, k_tiles, b_loads,
+                                      (gather.src_at, gather.row_bytes, gather.stages_at,
+                                       gather.table))  # fmt: skip
+    else:
+        state = load_k_tiles(ring, state, k_tiles, (a_load, *b_loads))
     return state
 
 
@@ -297,6 +330,18 @@ class StageStore(NamedTuple):
 
 
 @cute.jit
+def publish_stored_rows(store: StageStore, counters: tuple):
+    """After a gathered task's mainloop, its storing thread: once its stores are complete
+    (written), each int32 counter at the addresses `counters` gets 1 (release, GPU scope), so
+    tasks that load the stored rows by TMA may go on."""
+    if store.gathered & store.storer:
+        cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.fence_proxy("async.global")
+        for address in counters:
+            red_add_release_gpu_s32(address, Int32(1))
+
+
+@cute.jit
 def scale_stage_rows(stage_at: Int32, weight: Float32, consumer_tidx: Int32):
     """Consumer thread c (0 .. 255) of a gathered stage (128 rows of 64 bf16, 128-byte
     swizzled, at shared byte address `stage_at`): row c // 2, chunks 4 (c % 2) .. + 3 of its 8
@@ -318,6 +363,16 @@ def scale_stage_rows(stage_at: Int32, weight: Float32, consumer_tidx: Int32):
         for i in cutlass.range_constexpr(8):
             widened[i] = mul_rn(weight, widened[i])
         view.store(widened.load().to(BFloat16))
+
+
+@cute.jit
+def _copy_box(load, k_tile: Int32, index: Int32, full):
+    """One TMA box of a stage: `load` = (atom, gmem, MN tile, K0 or None, smem), K0 + k_tile."""
+    tma, tXgX, mn_tile, k_base, tXsX = load
+    k = k_tile
+    if cutlass.const_expr(k_base is not None):
+        k = k_base + k_tile
+    cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, index)], tma_bar_ptr=full)
 
 
 # ---------------------------------------------------------------------- consumers: wgmma

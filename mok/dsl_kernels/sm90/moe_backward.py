@@ -421,14 +421,16 @@ class Sm90MoeBackward:
                 gather = None
                 if cutlass.const_expr(gathers):
                     table_at = storage.staging.data_ptr() + handoff.BUFFER_BYTES + SLOT_BYTES
-                    gather = (
+                    gather = engine.RowGather(
                         args.dy_ptr.toint(),
+                        Int64(walk.hidden_size) * Int64(2),
                         rank_of,
                         cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
                         walk.topk,
                         cute.make_tensor(
                             cute.recast_ptr(table_at, dtype=Int32), cute.make_layout(TILE_M)
                         ),
+                        sA.iterator.toint(),
                     )
                 loads = (
                     d_hidden_phase.producer_loads(
@@ -556,15 +558,10 @@ class Sm90MoeBackward:
                     store=store,
                 )
                 if cutlass.const_expr(store is not None):
-                    if store.gathered & store.storer:
-                        # The rows are in dY_e: the other columns' tasks and the weight tasks
-                        # may load them.
-                        cute.arch.cp_async_bulk_wait_group(0)
-                        cute.arch.fence_proxy("async.global")
-                        red_add_release_gpu_s32(
-                            dispatched + Int64(4) * Int64(first_row // TILE_M), Int32(1)
-                        )
-                        red_add_release_gpu_s32(dispatch_total, Int32(1))
+                    # The rows are in dY_e: the other columns' tasks and the weight tasks may
+                    # load them.
+                    row_counter = dispatched + Int64(4) * Int64(first_row // TILE_M)
+                    engine.publish_stored_rows(store, (row_counter, dispatch_total))
                 for j in cutlass.range_constexpr(2):
                     d_hidden_phase.swiglu_backward(
                         thr_mma,

@@ -50,7 +50,6 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64
 
 from ..common import timeline
-from ..common.bounded_wait import red_add_release_gpu_s32
 from ..common.params import (
     Bf16Pointer,
     Fp32Pointer,
@@ -335,12 +334,14 @@ class Sm90MoeForward:
                 # ---- producer: each task's loads after its rows' counter ----
                 gather = None
                 if cutlass.const_expr(gathers):
-                    gather = (
+                    gather = engine.RowGather(
                         args.x_ptr.toint(),
+                        Int64(walk.hidden_size) * Int64(2),
                         rank_of,
                         cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
                         walk.topk,
                         gather_table(storage),
+                        sA.iterator.toint(),
                     )
                 loads = (
                     gate_up_phase.producer_loads(
@@ -431,13 +432,9 @@ class Sm90MoeForward:
                     store=store,
                 )
                 if cutlass.const_expr(store is not None):
-                    if store.gathered & store.storer:
-                        # The rows are in x_routed: the other columns' tasks may load them.
-                        cute.arch.cp_async_bulk_wait_group(0)
-                        cute.arch.fence_proxy("async.global")
-                        red_add_release_gpu_s32(
-                            dispatched + Int64(4) * Int64(flag >> ROW_TILE_SHIFT), Int32(1)
-                        )
+                    # The rows are in x_routed: the other columns' tasks may load them.
+                    row_tile = flag >> ROW_TILE_SHIFT
+                    engine.publish_stored_rows(store, (dispatched + Int64(4) * Int64(row_tile),))
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
