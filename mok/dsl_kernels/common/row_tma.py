@@ -11,9 +11,9 @@ With the 128-byte swizzle, TMA places a box by the shared address it writes, so 
 (64 bf16, 128 bytes) written at byte 128 r of a 1024-byte aligned stage lands where row r of a
 128-row box would: the layout wgmma reads (tests/gpu/test_row_tma_probe_gpu.py checks this on
 the GPU, sm90/row_tma_probe.py). A stage of one-row boxes, and one warp's `cp.async`, fill a
-stage far slower than one 128-row box (docs/NOTES.md §18 item 9): the probe uses both, and a
-diagnostic build of the forward megakernel (`gather_first_column`) gathers column-0 gate/up
-tasks' rows with `gather_k_tile` and stores them back by `store_box_2d`.
+stage far slower than one 128-row box (docs/NOTES.md §18 item 9): the probe uses both, and the
+megakernels' `gather_first_column` diagnostic builds gather their column-0 tasks' rows with
+`gather_k_tile` and store them back by `store_box_2d` (§18 item 17).
 """
 
 import cutlass
