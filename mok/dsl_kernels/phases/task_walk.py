@@ -70,8 +70,8 @@ class RowTileWait(NamedTuple):
 
 class SplitTiles(NamedTuple):
     """A phase's tile list (`tiles`, every column) with each row tile's column-0 task ahead of
-    its other columns' (the forward's `gather_first_column` diagnostic build: a column-0 gate/up
-    task gathers its rows and stores them for the others). In each minibatch window of R row
+    its other columns' (the megakernels' `gather_first_column` diagnostic builds: a column-0
+    gate/up or d_hidden task gathers its rows and stores them for the others). In each minibatch window of R row
     tiles and c columns, the column-0 tasks (A: row order) and the others (B: as `tiles`
     numbers them, expert by expert, m fastest, then n from 1) merge as: A 0 .. P - 1 first,
     then one A before every c - 1 B until A runs out, then the rest of B. `lead` (a
@@ -104,6 +104,18 @@ def split_cursor(split: SplitTiles, first: tuple, end_row: Int32):
         firsts = cutlass.min(window_tiles, split.lead + largest)
     return (expert, tile_base, row_base, row_tiles, expert, tile_base, row_base, row_tiles,
             firsts, window_tiles)  # fmt: skip
+
+
+@cute.jit
+def start_cursor(tiles, first, end_row):
+    """A walk's cursor at its window's start: `first` (window_cursor), or the tile list's first
+    tile when None; a SplitTiles walk's from it (split_cursor, which needs `end_row`)."""
+    cursor = first
+    if cutlass.const_expr(first is None):
+        cursor = locate_first_tile(tile_list(tiles), Int32(0))
+    if cutlass.const_expr(isinstance(tiles, SplitTiles)):
+        cursor = split_cursor(tiles, cursor, end_row)
+    return cursor
 
 
 @cute.jit
@@ -189,11 +201,7 @@ def produce_phase(state, tiles: TileList, tickets: Tickets, seq: Int32, task: In
     row tile (they gather, and their consumers store the rows the others wait for). Returns
     (state, seq, task)."""
     split = isinstance(tiles, SplitTiles)
-    cursor = first
-    if cutlass.const_expr(first is None):
-        cursor = locate_first_tile(tile_list(tiles), Int32(0))
-    if cutlass.const_expr(split):
-        cursor = split_cursor(tiles, cursor, end_row)
+    cursor = start_cursor(tiles, first, end_row)
     while (task >= base) & (task < end):
         cursor, expert, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
         if cutlass.const_expr(halves is not None):
@@ -249,11 +257,7 @@ def consume_phase(states, ring, tickets: Tickets, seq: Int32, task: Int32, base:
     (states, seq, task)."""
     cursor = (Int32(0), Int32(0), Int32(0), Int32(0))
     if cutlass.const_expr(tiles is not None):
-        cursor = first
-        if cutlass.const_expr(first is None):
-            cursor = locate_first_tile(tile_list(tiles), Int32(0))
-        if cutlass.const_expr(isinstance(tiles, SplitTiles)):
-            cursor = split_cursor(tiles, cursor, end_row)
+        cursor = start_cursor(tiles, first, end_row)
     while (task >= base) & (task < end):
         flag = ()
         if cutlass.const_expr(flags is not None):
@@ -287,11 +291,7 @@ def store_phase(crew, tiles: TileList, tickets: Tickets, seq: Int32, task: Int32
     """Crew: store each hand-off of this phase's tasks, as EpilogueCrew.run (sm90) does for a
     static walk (`slots`, `handoffs`, `after_tile` alike; `first`, `end_row` as in
     produce_phase; `tiles` a TileList or a SplitTiles). Returns (seq, task)."""
-    cursor = first
-    if cutlass.const_expr(first is None):
-        cursor = locate_first_tile(tile_list(tiles), Int32(0))
-    if cutlass.const_expr(isinstance(tiles, SplitTiles)):
-        cursor = split_cursor(tiles, cursor, end_row)
+    cursor = start_cursor(tiles, first, end_row)
     while (task >= base) & (task < end):
         cursor, _, row_tile, col_tile = locate_task(tiles, task, base, cursor, end_row)
         first_row = row_tile * TILE_M

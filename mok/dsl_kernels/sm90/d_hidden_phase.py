@@ -47,12 +47,8 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up
             (tma_wd, tWDgB, 2 * col_tile, b_k_base, tWDsB0),
             (tma_wd, tWDgB, 2 * col_tile + 1, b_k_base, tWDsB1),
         )
-        if cutlass.const_expr(gather is None):
-            loads = ((tma_dy, tDYgA, row_tile, None, tDYsA), *weights)
-            return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
         return engine.load_or_gather(ring, state, hidden_size // TILE_K, col_tile, row_tile,
-                                     (tma_dy, tDYgA, row_tile, None, tDYsA), weights,
-                                     gather)  # fmt: skip
+                                     (tma_dy, tDYgA, row_tile, None, tDYsA), weights, gather)  # fmt: skip
 
     return load
 

@@ -41,12 +41,8 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=Non
             (tma_wg, tGgG, weight_tile, None, tGsG),
             (tma_wu, tUgU, weight_tile, None, tUsU),
         )
-        if cutlass.const_expr(gather is None):
-            loads = ((tma_x, tXgX, row_tile, None, tXsX), *weights)
-            return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
         return engine.load_or_gather(ring, state, hidden_size // TILE_K, col_tile, row_tile,
-                                     (tma_x, tXgX, row_tile, None, tXsX), weights,
-                                     gather)  # fmt: skip
+                                     (tma_x, tXgX, row_tile, None, tXsX), weights, gather)  # fmt: skip
 
     return load
 

@@ -284,11 +284,35 @@ class RowGather(NamedTuple):
     stages_at: object
 
 
-@cute.jit
+def row_gather(src_ptr, walk, rank_of, table, sA) -> RowGather:
+    """A megakernel's RowGather over the [T, H] bf16 tensor at `src_ptr`, from its walk's
+    (task_walk.WalkArgs) schedule and sizes, the peer_rank tensor `rank_of`, the shared
+    `table` (tickets.gather_table) and the A stages `sA`."""
+    return RowGather(
+        src_ptr.toint(),
+        Int64(walk.hidden_size) * Int64(2),
+        rank_of,
+        cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
+        walk.topk,
+        table,
+        sA.iterator.toint(),
+    )
+
+
 def load_or_gather(ring, state, k_tiles: Int32, col_tile: Int32, row_tile: Int32, a_load, b_loads,
-                   gather: RowGather):  # fmt: skip
-    """Producer warp: a task of column 0 gathers its A rows (load_k_tiles_gathered, B by
-    `b_loads`); any other loads A by `a_load` and B as `load_k_tiles` does."""
+                   gather):  # fmt: skip
+    """Producer warp: a task's A by `a_load` and B by `b_loads`, as `load_k_tiles` does; with a
+    RowGather `gather` (not None), a task of column 0 gathers its A rows instead
+    (load_k_tiles_gathered)."""
+    if cutlass.const_expr(gather is None):
+        return load_k_tiles(ring, state, k_tiles, (a_load, *b_loads))
+    return _load_or_gather(ring, state, k_tiles, col_tile, row_tile, a_load, b_loads, gather)
+
+
+@cute.jit
+def _load_or_gather(ring, state, k_tiles: Int32, col_tile: Int32, row_tile: Int32, a_load,
+                    b_loads, gather: RowGather):  # fmt: skip
+    """load_or_gather with a RowGather."""
     if col_tile == 0:
         # The task's source rows; the last task's copies took theirs when issued.
         lane = cute.arch.lane_idx()
@@ -434,6 +458,7 @@ def mma_k_tiles(
     by TMA before its release. Returns (read, release)."""
     # A skipping warpgroup hands off what it holds: zeros only when it started from them.
     assert from_zero or skip is None, "mma_k_tiles: skip needs from_zero"
+    assert store is None or eager is True, "mma_k_tiles: store needs eager=True"
     tCrA, tCrB0, tCrB1 = operands
     acc0, acc1 = accumulators
     k_blocks = cute.size(tCrA, mode=[2])
@@ -475,7 +500,6 @@ def mma_k_tiles(
         cute.nvgpu.warpgroup.commit_group()
         read_state.advance()
         if cutlass.const_expr(store is not None):
-            assert eager is True, "mma_k_tiles: store needs eager=True"
             if store.gathered:
                 if store.storer:
                     # The store has read the stage before it goes back to the producer.

@@ -78,11 +78,13 @@ from ..phases.task_walk import (
     tile_list,
 )
 from ..phases.tickets import (
+    GATHER_TABLE_BYTES,
     PADDED_HALF,
     SLOT_BYTES,
     STORE_ROWS,
     Tickets,
     consumer_task,
+    gather_table,
     signal_no_task,
     task_flags,
     task_slots,
@@ -322,7 +324,7 @@ class Sm90MoeBackward:
         b_layout = engine.mn_major_smem_layout(TILE_N, self.stages)
         gathers = self.gather_first_column
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-            a_layout, b_layout, self.stages, SLOT_BYTES + (4 * TILE_M if gathers else 0)
+            a_layout, b_layout, self.stages, SLOT_BYTES + (GATHER_TABLE_BYTES if gathers else 0)
         )
         if warp_idx == 0:
             for atom in (*tma[::2], *weight_tma[::2]):
@@ -420,18 +422,8 @@ class Sm90MoeBackward:
                 smem = (sA, sB0, sB1)
                 gather = None
                 if cutlass.const_expr(gathers):
-                    table_at = storage.staging.data_ptr() + handoff.BUFFER_BYTES + SLOT_BYTES
-                    gather = engine.RowGather(
-                        args.dy_ptr.toint(),
-                        Int64(walk.hidden_size) * Int64(2),
-                        rank_of,
-                        cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
-                        walk.topk,
-                        cute.make_tensor(
-                            cute.recast_ptr(table_at, dtype=Int32), cute.make_layout(TILE_M)
-                        ),
-                        sA.iterator.toint(),
-                    )
+                    table = gather_table(storage, handoff.BUFFER_BYTES)
+                    gather = engine.row_gather(args.dy_ptr, walk, rank_of, table, sA)
                 loads = (
                     d_hidden_phase.producer_loads(
                         ring,

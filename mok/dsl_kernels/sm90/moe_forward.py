@@ -74,12 +74,14 @@ from ..phases.task_walk import (
     store_steps,
 )
 from ..phases.tickets import (
+    GATHER_TABLE_BYTES,
     PADDED_HALF,
     ROW_TILE_SHIFT,
     SLOT_BYTES,
     STORE_ROWS,
     Tickets,
     consumer_task,
+    gather_table,
     signal_no_task,
     task_flags,
     task_slots,
@@ -113,15 +115,6 @@ COUNTER_TAIL = 4 + schedule_phase.WORDS
 TIMELINE_SLOTS = ("start", "schedule", "dispatch", "first_task", "last_task", "sums",
                   "producer_done", "crew_done", "exit", "tasks")  # fmt: skip
 SLOT = {name: n for n, name in enumerate(TIMELINE_SLOTS)}
-# The `gather_first_column` producer's table of a column-0 task's source rows (int32 [TILE_M]),
-# past the task slots and flags.
-GATHER_TABLE_BYTES = 4 * TILE_M
-
-
-def gather_table(storage) -> cute.Tensor:
-    """The gathering producer's shared int32 [TILE_M] table of its task's source rows."""
-    at = storage.staging.data_ptr() + handoff.BUFFER_BYTES + SLOT_BYTES
-    return cute.make_tensor(cute.recast_ptr(at, dtype=Int32), cute.make_layout(TILE_M))
 
 
 class ForwardOperands(NamedTuple):
@@ -334,15 +327,8 @@ class Sm90MoeForward:
                 # ---- producer: each task's loads after its rows' counter ----
                 gather = None
                 if cutlass.const_expr(gathers):
-                    gather = engine.RowGather(
-                        args.x_ptr.toint(),
-                        Int64(walk.hidden_size) * Int64(2),
-                        rank_of,
-                        cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
-                        walk.topk,
-                        gather_table(storage),
-                        sA.iterator.toint(),
-                    )
+                    table = gather_table(storage, handoff.BUFFER_BYTES)
+                    gather = engine.row_gather(args.x_ptr, walk, rank_of, table, sA)
                 loads = (
                     gate_up_phase.producer_loads(
                         ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows, gather
