@@ -26,6 +26,7 @@ import functools
 import gc
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -456,7 +457,9 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
             **peer_job_fields(shape, num_tokens, args, device, args.liger_timeout),
             heap_gib=heap_gib,
         )
+        start = time.monotonic()
         result = liger.run_job(job, availability)
+        result["worker_s"] = time.monotonic() - start
         outcomes = liger.pass_outcomes(result, job.passes)
     return peer_rows("liger", label, outcomes, result, shape, num_tokens, args, base,
                      best_baseline, ceilings, emit)  # fmt: skip
@@ -491,7 +494,9 @@ def sonic_rows(
         outcomes, result = {p: {"status": status} for p in args.passes}, {}
     else:
         job = PeerJob(**peer_job_fields(shape, num_tokens, args, device, args.sonic_timeout))
+        start = time.monotonic()
         result = sonic.run_job(job, availability)
+        result["worker_s"] = time.monotonic() - start
         outcomes = sonic.pass_outcomes(result, job.passes)
     label = availability.label() if availability.available else "SonicMoE"
     return peer_rows("sonicmoe", label, outcomes, result, shape, num_tokens, args, base,
@@ -515,6 +520,8 @@ def peer_rows(
             row["log_tail"], log_tail = log_tail, None  # printed once, under the first failure
         if result.get("info"):
             row["peer"] = result["info"]
+        if "worker_s" in result:
+            row["worker_s"] = round(result["worker_s"], 1)
         emit(row)
         rows.append(row)
     return rows
@@ -589,12 +596,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.sonic is not None:
             where = f" at {args.sonic.site}" if args.sonic.available else ""
             print(f"sonicmoe: {args.sonic.reason or args.sonic.label() + where}")
-    rows = []
+    rows, run_start = [], time.monotonic()
     for model in select_shapes(args.shapes):
         for num_tokens in args.tokens:
-            rows += run_shape(model, num_tokens, args, device, rank, world_size, group, ceilings,
-                              probe, emit)  # fmt: skip
+            start = time.monotonic()
+            new_rows = run_shape(model, num_tokens, args, device, rank, world_size, group,
+                                 ceilings, probe, emit)  # fmt: skip
+            rows += new_rows
             gc.collect()
+            if lead:
+                print(report.progress_line(new_rows, time.monotonic() - start,
+                                           time.monotonic() - run_start), flush=True)  # fmt: skip
     extra = extra_sections(args, device, world_size) if lead else {}
     if lead:
         print()

@@ -31,6 +31,20 @@ def ceilings_line(ceilings: dict) -> str:
     return f"ceilings: {gemm}, copy {ceilings['copy_gbs']:.4g} GB/s (read + write){peer}"
 
 
+def progress_line(rows: list[dict], seconds: float, total_seconds: float) -> str:
+    """Where one shape and token count's wall time went (its rows, each peer's worker
+    process), and the run's so far: what tells whether a table fits a time limit."""
+    if not rows:
+        return f"  ({seconds:.0f} s; {total_seconds:.0f} s into the run)"
+    head = rows[0]
+    workers = {row["impl"]: row["worker_s"] for row in rows if "worker_s" in row}
+    parts = "".join(f", {impl} worker {s:.0f} s" for impl, s in workers.items())
+    return (
+        f"  ({head['shape']['name']} {head['num_tokens']} tokens: {seconds:.0f} s{parts}; "
+        f"{total_seconds:.0f} s into the run)"
+    )
+
+
 def format_row(row: dict) -> str:
     """One line per (shape, pass, impl): ms, the roofline floor and ms / floor where the run
     measured its ceilings, TFLOP/s, % of the GEMM ceiling (burst, and sustained under the power

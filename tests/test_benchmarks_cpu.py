@@ -6,6 +6,7 @@ on a 2-core CI machine; the math checked is the same at every size.
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -387,6 +388,20 @@ def test_quick_run_with_two_token_counts_has_rows_for_both(tmp_path, capsys):
         )
     printed = capsys.readouterr().out
     assert " T=32 " in printed and " T=48 " in printed
+    # Each shape and token count says how long it took and how far into the run it ended.
+    progress = re.findall(r"\(mixtral-8x7b (\d+) tokens: (\d+) s; (\d+) s into the run\)", printed)
+    assert [int(t) for t, _, _ in progress] == [32, 48], printed
+    assert int(progress[1][2]) >= int(progress[0][2]) >= int(progress[0][1])
+
+
+def test_progress_line_names_each_peer_worker_time():
+    rows = [
+        {**_row("mok", "fwd"), "num_tokens": 2048},
+        {**_row("sonicmoe", "fwd"), "num_tokens": 2048, "worker_s": 83.4},
+        {**_row("liger", "fwd"), "num_tokens": 2048, "worker_s": 41.0},
+    ]
+    line = report.progress_line(rows, 130.2, 400.0)
+    assert "2048 tokens: 130 s, sonicmoe worker 83 s, liger worker 41 s; 400 s into the run" in line
 
 
 def test_sonic_rows_say_why_when_sonicmoe_is_not_importable(tmp_path, capsys):

@@ -28,7 +28,6 @@ from .device_args import sm_count, tma_descriptor
 from .expert_gemm_bwd import N_ALIGNMENT, gate_up_gradients
 from .megakernel_walk import (
     BACKWARD_COUNTER_TAIL,
-    check_gathering_build,
     check_routed_operands,
     megakernel_counters,
     stamped_ctas,
@@ -236,7 +235,6 @@ class _BackwardPlan:
         ep_rank, table = peers if peers is not None else (0, None)
         name = KERNEL_MXFP8 if mxfp8 else KERNEL_WINDOW if window is not None else KERNEL
         kernel = get_kernel(name, device=self.device)
-        check_gathering_build(kernel, peers)
         grid = pass_config.grid or sm_count(self.device)
         # dispatched[m], dgu_done[m] per 128-row tile, then the tail (megakernel_walk.py), and a
         # diagnostic build's phase stamps (tools/phase_timeline.py).

@@ -19,7 +19,6 @@ from .device_args import sm_count
 from .expert_gemm import DOWN_N_ALIGNMENT, GATE_UP_N_ALIGNMENT, K_ALIGNMENT
 from .megakernel_walk import (
     FORWARD_COUNTER_TAIL,
-    check_gathering_build,
     check_mxfp8_routed_operands,
     check_routed_operands,
     megakernel_counters,
@@ -170,7 +169,6 @@ class _ForwardPlan:
         self.schedule_scratch = schedule_scratch  # held: the launch writes it by address
         ep_rank, table = peers if peers is not None else (0, None)
         kernel = get_kernel(KERNEL_MXFP8 if self.mxfp8 else KERNEL, device=x.device)
-        check_gathering_build(kernel, peers)
         grid = pass_config.grid or sm_count(x.device)
         # dispatched[m], hidden_done[m] per 128-row tile, the task and dispatch tickets, the exit
         # (and a diagnostic build's phase stamps, tools/phase_timeline.py).

@@ -32,17 +32,6 @@ def megakernel_counters(capacity: int, tail: int, device: torch.device, timeline
     return Counters(words, device)
 
 
-def check_gathering_build(kernel, peers) -> None:
-    """A diagnostic build with `gather_first_column` (its config in the manifest) gathers only
-    its own rank's rows: refuse it in a group of more than one (`peers` given)."""
-    if kernel.variant.config.get("gather_first_column") and peers is not None:
-        raise ValueError(
-            f"peers: this {kernel.variant.name} cubin is a diagnostic build "
-            "(gather_first_column) that gathers only its own rank's rows; run it in a group of "
-            "one (peers None)"
-        )
-
-
 def stamped_ctas(kernel, grid: int) -> int:
     """The CTAs whose phase stamps a launch of `kernel` writes: its grid for a diagnostic build
     (its config's `timeline`), else none."""

@@ -10,10 +10,8 @@ runtime passes every TMA descriptor); `descriptor_address` is its generic addres
 With the 128-byte swizzle, TMA places a box by the shared address it writes, so a one-row box
 (64 bf16, 128 bytes) written at byte 128 r of a 1024-byte aligned stage lands where row r of a
 128-row box would: the layout wgmma reads (tests/gpu/test_row_tma_probe_gpu.py checks this on
-the GPU, sm90/row_tma_probe.py). A stage of one-row boxes, and one warp's `cp.async`, fill a
-stage far slower than one 128-row box (docs/NOTES.md §18 item 9): the probe uses both, and the
-megakernels' `gather_first_column` diagnostic builds gather their column-0 tasks' rows with
-`gather_k_tile` and store them back by `store_box_2d` (§18 item 17).
+the GPU, sm90/row_tma_probe.py). Used by the probe only: a stage of one-row boxes, and one
+warp's `cp.async`, fill a stage far slower than one 128-row box (docs/NOTES.md §18 item 9).
 """
 
 import cutlass
@@ -61,22 +59,6 @@ def load_box_2d(descriptor: Int64, smem: Int32, barrier: Int32, col: Int32, row:
 
 
 @dsl_user_op
-def store_box_2d(descriptor: Int64, smem: Int32, col: Int32, row: Int32, *, loc=None,
-                 ip=None) -> None:  # fmt: skip
-    """This lane's TMA store of the box at shared byte address `smem` to (col, row), in the
-    lane's current bulk async-group (commit and wait with cute.arch.cp_async_bulk_*)."""
-    side_effect_asm(
-        None,
-        [_i64(descriptor, loc, ip), _i32(col, loc, ip), _i32(row, loc, ip),
-         _i32(smem, loc, ip)],
-        "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];",
-        "l,r,r,r,~{memory}",
-        loc,
-        ip,
-    )  # fmt: skip
-
-
-@dsl_user_op
 def cp_async_16(smem: Int32, source: Int64, size: Int32, *, loc=None, ip=None) -> None:
     """This lane's 16-byte `cp.async` global -> shared (L2 only); `size` 0 writes 16 zero bytes
     and reads nothing, `size` 16 copies."""
@@ -85,21 +67,6 @@ def cp_async_16(smem: Int32, source: Int64, size: Int32, *, loc=None, ip=None) -
         [_i32(smem, loc, ip), _i64(source, loc, ip), _i32(size, loc, ip)],
         "cp.async.cg.shared.global [$0], [$1], 16, $2;",
         "r,l,r,~{memory}",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def cp_async_arrive(barrier: Int32, *, loc=None, ip=None) -> None:
-    """An arrival on the mbarrier at shared address `barrier` once every `cp.async` this lane
-    issued before is complete, counted at once (the pending count goes up now and down then):
-    the phase cannot complete before those copies, whatever the barrier's expected count."""
-    side_effect_asm(
-        None,
-        [_i32(barrier, loc, ip)],
-        "cp.async.mbarrier.arrive.shared::cta.b64 [$0];",
-        "r,~{memory}",
         loc,
         ip,
     )

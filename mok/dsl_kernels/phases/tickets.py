@@ -13,22 +13,15 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..common.bounded_wait import atom_add_relaxed_gpu_s32
-from .tiles import TILE_M
 
 TASK_SLOTS = 8
 # The task numbers, then as many words of what the producer found about each task's rows
 # (`task_flags`).
 SLOT_BYTES = 2 * 4 * TASK_SLOTS
 NO_TASK = -1
-# Task flag bits: rows 64..127 of its 128-row tile are all padding (the second consumer
-# warpgroup's half; gemm_engine.mma_k_tiles `skip`); the task's A stages are gathered and the
-# consumers store them as the rows of its row tile, whose number is the flag >> ROW_TILE_SHIFT
-# (the column-0 tasks of the megakernels' `gather_first_column` diagnostic builds).
+# A task flag: rows 64..127 of its 128-row tile are all padding (the second consumer
+# warpgroup's half; gemm_engine.mma_k_tiles `skip`).
 PADDED_HALF = 1
-STORE_ROWS = 2
-ROW_TILE_SHIFT = 2
-# A gathering producer's table of its task's source rows (int32 [TILE_M]), after the flags.
-GATHER_TABLE_BYTES = 4 * TILE_M
 
 
 def task_slots(storage, offset_bytes: int) -> cute.Tensor:
@@ -47,15 +40,6 @@ def task_flags(storage, offset_bytes: int) -> cute.Tensor:
     return cute.make_tensor(
         cute.recast_ptr(storage.staging.data_ptr() + offset_bytes + 4 * TASK_SLOTS, dtype=Int32),
         cute.make_layout(TASK_SLOTS),
-    )
-
-
-def gather_table(storage, offset_bytes: int) -> cute.Tensor:
-    """The `gather_first_column` producer's shared int32 [TILE_M] table of its task's source
-    rows, after `task_flags`' words (the build reserves GATHER_TABLE_BYTES more)."""
-    return cute.make_tensor(
-        cute.recast_ptr(storage.staging.data_ptr() + offset_bytes + SLOT_BYTES, dtype=Int32),
-        cute.make_layout(TILE_M),
     )
 
 

@@ -26,12 +26,8 @@ from .gemm_engine import TILE_K, TILE_M, TILE_N
 PHASE_BACKWARD_DHIDDEN_GEMM = 10
 
 
-def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up_ptr,
-                   gather=None):  # fmt: skip
-    """Producer: `load(...)` of a d_hidden task (gate/up prefetched to L2, then A = dY_e, B = W_down).
-    `gather` (the `gather_first_column` diagnostic build, a gemm_engine.RowGather over dY): a
-    column-0 task's A rows are dY's own rows (gemm_engine.load_or_gather), which its consumers
-    scale."""
+def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up_ptr):
+    """Producer: `load(...)` of a d_hidden task (gate/up prefetched to L2, then A = dY_e, B = W_down)."""
     sA, sB0, sB1 = smem
     tma_dy, mDy, tma_wd, mWd = tma
     tDYsA, tDYgA = engine.partition_tma_load(tma_dy, sA, mDy, (TILE_M, TILE_K))
@@ -43,12 +39,12 @@ def producer_loads(ring, smem, tma, hidden_size, intermediate_size, gate_ptr, up
         prefetch_gate_up(lane, row_tile * TILE_M, col_tile * (2 * TILE_N), gate_ptr, up_ptr,
                          i_stride, threads=32)  # fmt: skip
         b_k_base = expert * (hidden_size // TILE_K)
-        weights = (
+        loads = (
+            (tma_dy, tDYgA, row_tile, None, tDYsA),
             (tma_wd, tWDgB, 2 * col_tile, b_k_base, tWDsB0),
             (tma_wd, tWDgB, 2 * col_tile + 1, b_k_base, tWDsB1),
         )
-        return engine.load_or_gather(ring, state, hidden_size // TILE_K, col_tile, row_tile,
-                                     (tma_dy, tDYgA, row_tile, None, tDYsA), weights, gather)  # fmt: skip
+        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
 
     return load
 

@@ -21,13 +21,10 @@ from .gemm_engine import TILE_K, TILE_M, TILE_N
 PHASE_GATE_UP_GEMM = 6
 
 
-def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=None):
+def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows):
     """Producer: `load(state, expert, col_tile, row_tile)` of a gate/up task over `tma` = (tma_x,
     mX, tma_wg, mWg, tma_wu, mWu) into `smem` = (sA, sB0, sB1). The weights' [rows, H] views
-    hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H]).
-    `gather` (the `gather_first_column` diagnostic build, a gemm_engine.RowGather over x): a
-    column-0 task's A rows come from x itself (gemm_engine.load_or_gather). A group of one only
-    (every row is this rank's; the launcher refuses peers for this build)."""
+    hold expert e's rows from e * gate_up_expert_rows (I, or 2 I in a fused [E, 2 I, H])."""
     sA, sB0, sB1 = smem
     tma_x, mX, tma_wg, mWg, tma_wu, mWu = tma
     tXsX, tXgX = engine.partition_tma_load(tma_x, sA, mX, (TILE_M, TILE_K))
@@ -37,12 +34,12 @@ def producer_loads(ring, smem, tma, hidden_size, gate_up_expert_rows, gather=Non
 
     def load(state, expert, col_tile, row_tile):
         weight_tile = expert * expert_tiles + col_tile
-        weights = (
+        loads = (
+            (tma_x, tXgX, row_tile, None, tXsX),
             (tma_wg, tGgG, weight_tile, None, tGsG),
             (tma_wu, tUgU, weight_tile, None, tUsU),
         )
-        return engine.load_or_gather(ring, state, hidden_size // TILE_K, col_tile, row_tile,
-                                     (tma_x, tXgX, row_tile, None, tXsX), weights, gather)  # fmt: skip
+        return engine.load_k_tiles(ring, state, hidden_size // TILE_K, loads)
 
     return load
 

@@ -8,8 +8,6 @@ the megakernels and the MMA phases call (docs/DESIGN.md §4, "The arch boundary"
 geometry is phases/tiles.py's.
 """
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -17,9 +15,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int8, Int32, Int64
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.bounded_wait import red_add_release_gpu_s32
-from ..common.ptx import fence_operand, mul_rn
-from ..common.row_tma import cp_async_arrive, gather_k_tile, store_box_2d
+from ..common.ptx import fence_operand
 from ..phases.tiles import TILE_M, TILE_N
 
 # TILE_M x TILE_N (phases/tiles.py): the CTA tile's rows (two consumer warpgroups x 64 rows) and
@@ -230,173 +226,14 @@ def load_k_tiles(ring, state, k_tiles: Int32, loads):
         ring.producer_acquire(state)
         full = ring.producer_get_barrier(state)
         for i in cutlass.range_constexpr(len(loads)):
-            _copy_box(loads[i], k_tile, state.index, full)
+            tma, tXgX, mn_tile, k_base, tXsX = loads[i]
+            k = k_tile
+            if cutlass.const_expr(k_base is not None):
+                k = k_base + k_tile
+            cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, state.index)], tma_bar_ptr=full)
         ring.producer_commit(state)
         state.advance()
     return state
-
-
-# A stage's A tile and its B0 + B1 tiles in bytes (bf16; the stages of k_major_smem_layout
-# follow one another).
-A_STAGE_BYTES = TILE_M * TILE_K * 2
-B_STAGE_BYTES = 2 * TILE_N * TILE_K * 2
-
-
-@cute.jit
-def load_k_tiles_gathered(ring, state, k_tiles: Int32, loads, gather):
-    """`load_k_tiles` with A's rows gathered by the producer warp's 16-byte `cp.async`
-    (row_tma.gather_k_tile, swizzled as a 128-row TMA box lands), while the elected lane loads
-    `loads` (B only) by TMA. `gather` = (the source tensor's global address, its bytes a row,
-    the A stages' shared byte address, the task's source rows: shared Int32 [TILE_M], negative
-    for a padding row, which is zeros). Each stage's full barrier takes every lane's `cp.async`
-    arrival, counted at once (so the phase waits for its copies), then the elected lane's
-    arrival expecting B's bytes. The consumers fence the async proxy after the full barrier
-    (the copies are generic-proxy writes; wgmma reads through the async proxy)."""
-    src_at, row_bytes, stages_at, table = gather
-    for k_tile in cutlass.range(k_tiles, unroll=1):
-        ring.sync_object_empty.wait(state.index, state.phase)
-        full = ring.producer_get_barrier(state)
-        gather_k_tile(stages_at + state.index * A_STAGE_BYTES, table, src_at, row_bytes,
-                      k_tile * TILE_K)  # fmt: skip
-        cp_async_arrive(full.toint())
-        cute.arch.sync_warp()
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(full, B_STAGE_BYTES)
-        for i in cutlass.range_constexpr(len(loads)):
-            _copy_box(loads[i], k_tile, state.index, full)
-        state.advance()
-    return state
-
-
-class RowGather(NamedTuple):
-    """What a gathering producer reads a task's A rows by (the `gather_first_column` builds):
-    the source tensor's global address and its bytes a row, the schedule's peer_rank and
-    peer_token_idx tensors, k, a shared Int32 [TILE_M] table of the task's source rows, the A
-    stages' shared byte address. Row r of a routed row tile is source row peer_token_idx[r] //
-    k (a group of one; a padding row, peer_rank < 0: zeros)."""
-
-    src_at: object
-    row_bytes: object
-    rank_of: object
-    token_of: object
-    topk: object
-    table: object
-    stages_at: object
-
-
-def row_gather(src_ptr, walk, rank_of, table, sA) -> RowGather:
-    """A megakernel's RowGather over the [T, H] bf16 tensor at `src_ptr`, from its walk's
-    (task_walk.WalkArgs) schedule and sizes, the peer_rank tensor `rank_of`, the shared
-    `table` (tickets.gather_table) and the A stages `sA`."""
-    return RowGather(
-        src_ptr.toint(),
-        Int64(walk.hidden_size) * Int64(2),
-        rank_of,
-        cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity)),
-        walk.topk,
-        table,
-        sA.iterator.toint(),
-    )
-
-
-def load_or_gather(ring, state, k_tiles: Int32, col_tile: Int32, row_tile: Int32, a_load, b_loads,
-                   gather):  # fmt: skip
-    """Producer warp: a task's A by `a_load` and B by `b_loads`, as `load_k_tiles` does; with a
-    RowGather `gather` (not None), a task of column 0 gathers its A rows instead
-    (load_k_tiles_gathered)."""
-    if cutlass.const_expr(gather is None):
-        return load_k_tiles(ring, state, k_tiles, (a_load, *b_loads))
-    return _load_or_gather(ring, state, k_tiles, col_tile, row_tile, a_load, b_loads, gather)
-
-
-@cute.jit
-def _load_or_gather(ring, state, k_tiles: Int32, col_tile: Int32, row_tile: Int32, a_load,
-                    b_loads, gather: RowGather):  # fmt: skip
-    """load_or_gather with a RowGather."""
-    if col_tile == 0:
-        # The task's source rows; the last task's copies took theirs when issued.
-        lane = cute.arch.lane_idx()
-        cute.arch.sync_warp()
-        for i in cutlass.range_constexpr(TILE_M // 32):
-            r = lane + 32 * i
-            row = row_tile * TILE_M + r
-            gather.table[r] = cutlass.select_(
-                gather.rank_of[row] >= 0, gather.token_of[row] // gather.topk, Int32(-1)
-            )
-        cute.arch.sync_warp()
-        state = load_k_tiles_gathered(ring, state, k_tiles, b_loads,
-                                      (gather.src_at, gather.row_bytes, gather.stages_at,
-                                       gather.table))  # fmt: skip
-    else:
-        state = load_k_tiles(ring, state, k_tiles, (a_load, *b_loads))
-    return state
-
-
-# The consumers' named barrier between scaling a gathered stage and its store (StageStore
-# `scale`; sm90/epilogue_warps.py has 3-6, combine 7, the forward's schedule phase 8).
-SCALED_STAGE_SYNC = 9
-
-
-class StageStore(NamedTuple):
-    """A gathered task's A stages stored back by TMA as they are read (`mma_k_tiles` `store`):
-    whether this task's stages are gathered (a Boolean, the same on every consumer thread),
-    whether this thread issues the stores, the TMA descriptor's generic address, the A stages'
-    shared byte address, the first row of the box; `scale`: None, or this consumer thread's
-    row weight (fp32): each stage's rows are first scaled in place, bf16(w * float(a)) (the
-    scaled dispatch's product and rounding), half a row a thread (scale_stage_rows)."""
-
-    gathered: object
-    storer: object
-    descriptor: object
-    stages_at: object
-    row: object
-    scale: object = None
-
-
-@cute.jit
-def publish_stored_rows(store: StageStore, counters: tuple):
-    """After a gathered task's mainloop, its storing thread: once its stores are complete
-    (written), each int32 counter at the addresses `counters` gets 1 (release, GPU scope), so
-    tasks that load the stored rows by TMA may go on."""
-    if store.gathered & store.storer:
-        cute.arch.cp_async_bulk_wait_group(0)
-        cute.arch.fence_proxy("async.global")
-        for address in counters:
-            red_add_release_gpu_s32(address, Int32(1))
-
-
-@cute.jit
-def scale_stage_rows(stage_at: Int32, weight: Float32, consumer_tidx: Int32):
-    """Consumer thread c (0 .. 255) of a gathered stage (128 rows of 64 bf16, 128-byte
-    swizzled, at shared byte address `stage_at`): row c // 2, chunks 4 (c % 2) .. + 3 of its 8
-    16-byte chunks, each value a -> bf16(mul_rn(weight, float(a))). The caller meets the other
-    consumers before anything reads the stage."""
-    row = consumer_tidx // 2
-    first_chunk = 4 * (consumer_tidx % 2)
-    values = cute.make_rmem_tensor((8,), BFloat16)
-    widened = cute.make_rmem_tensor((8,), Float32)
-    for c in cutlass.range_constexpr(4):
-        # Chunk k of row r sits at chunk k ^ (r % 8) of the row's 128 bytes.
-        at = stage_at + row * 128 + ((first_chunk + c) ^ (row % 8)) * 16
-        view = cute.make_tensor(
-            cute.make_ptr(BFloat16, at, cute.AddressSpace.smem, assumed_align=16),
-            cute.make_layout(8),
-        )
-        values.store(view.load())
-        widened.store(values.load().to(Float32))
-        for i in cutlass.range_constexpr(8):
-            widened[i] = mul_rn(weight, widened[i])
-        view.store(widened.load().to(BFloat16))
-
-
-@cute.jit
-def _copy_box(load, k_tile: Int32, index: Int32, full):
-    """One TMA box of a stage: `load` = (atom, gmem, MN tile, K0 or None, smem), K0 + k_tile."""
-    tma, tXgX, mn_tile, k_base, tXsX = load
-    k = k_tile
-    if cutlass.const_expr(k_base is not None):
-        k = k_base + k_tile
-    cute.copy(tma, tXgX[(None, mn_tile, k)], tXsX[(None, index)], tma_bar_ptr=full)
 
 
 # ---------------------------------------------------------------------- consumers: wgmma
@@ -441,7 +278,6 @@ def mma_k_tiles(
     from_zero: bool = True,
     skip=None,
     eager=False,
-    store=None,
 ):
     """acc0 = A @ B0, acc1 = A @ B1 over `k_tiles` stages from zero, one wgmma batch in flight and
     the stage before it released. `may_be_empty`: k_tiles may be 0. `from_zero` False: the
@@ -453,12 +289,9 @@ def mma_k_tiles(
     rows. `eager` (a bool, or a Boolean the same on the whole warpgroup): each stage is released
     as soon as its own batch completes, none held past its batch (the megakernels' GEMM tasks,
     and weight tasks of enough k tiles: NOTES §18 item 13); the producer refills a stage one
-    batch sooner, and the next batch waits for this one. `store` (a StageStore; with `eager`
-    True): a gathered task's stages, each fenced for the async proxy once it is full and stored
-    by TMA before its release. Returns (read, release)."""
+    batch sooner, and the next batch waits for this one. Returns (read, release)."""
     # A skipping warpgroup hands off what it holds: zeros only when it started from them.
     assert from_zero or skip is None, "mma_k_tiles: skip needs from_zero"
-    assert store is None or eager is True, "mma_k_tiles: store needs eager=True"
     tCrA, tCrB0, tCrB1 = operands
     acc0, acc1 = accumulators
     k_blocks = cute.size(tCrA, mode=[2])
@@ -471,40 +304,14 @@ def mma_k_tiles(
     fence_accumulators(accumulators)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     cute.nvgpu.warpgroup.fence()
-    if cutlass.const_expr(store is not None and store.scale is not None):
-        consumer_tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
     for k_tile in cutlass.range(mma_tiles, unroll=1):
         ring.consumer_wait(read_state)
-        if cutlass.const_expr(store is not None):
-            if store.gathered:
-                # The stage's A came by cp.async (generic proxy), and with `scale` each thread
-                # rewrites its part; wgmma and the store read it through the async proxy: each
-                # writer fences, then (scaled) every consumer meets before any reads.
-                if cutlass.const_expr(store.scale is not None):
-                    scale_stage_rows(store.stages_at + read_state.index * A_STAGE_BYTES,
-                                     store.scale, consumer_tidx)  # fmt: skip
-                cute.arch.fence_proxy("async.shared", space="cta")
-                if cutlass.const_expr(store.scale is not None):
-                    cute.arch.barrier(
-                        barrier_id=SCALED_STAGE_SYNC,
-                        number_of_threads=NUM_CONSUMER_WARPGROUPS * THREADS_PER_WARPGROUP,
-                    )
-                if store.storer:
-                    store_box_2d(store.descriptor, store.stages_at + read_state.index * A_STAGE_BYTES,
-                                 k_tile * TILE_K, store.row)  # fmt: skip
-                    cute.arch.cp_async_bulk_commit_group()
         for k_block in cutlass.range_constexpr(k_blocks):
             coord = (None, None, k_block, read_state.index)
             cute.gemm(tiled_mma, acc0, tCrA[coord], tCrB0[coord], acc0)
             cute.gemm(tiled_mma, acc1, tCrA[coord], tCrB1[coord], acc1)
         cute.nvgpu.warpgroup.commit_group()
         read_state.advance()
-        if cutlass.const_expr(store is not None):
-            if store.gathered:
-                if store.storer:
-                    # The store has read the stage before it goes back to the producer.
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
         if cutlass.const_expr(isinstance(eager, bool)):
             release_state = _release_behind(ring, release_state, k_tile, eager)
         elif eager:

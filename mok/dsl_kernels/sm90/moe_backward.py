@@ -49,7 +49,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 
 from ..common import timeline
 from ..common.bounded_wait import red_add_release_gpu_s32
@@ -61,30 +61,24 @@ from ..common.params import (
 )
 from ..common.peers import D_X_ROUTED_BUFFER, D_Y_BUFFER, ROUTER_WEIGHT_BUFFER, peer_table
 from ..common.retire import retire_cta
-from ..common.row_tma import descriptor_address
 from ..phases import combine_phase
 from ..phases.dispatch_phase import PHASE_BACKWARD_DISPATCH, dispatch_rows
 from ..phases.expert_tiles import TileList
 from ..phases.minibatches import Minibatches, step_windows
 from ..phases.task_walk import (
     RowTileWait,
-    SplitTiles,
     StepArgs,
     WalkArgs,
     consume_phase,
     past_last_task,
     produce_steps,
     store_steps,
-    tile_list,
 )
 from ..phases.tickets import (
-    GATHER_TABLE_BYTES,
     PADDED_HALF,
     SLOT_BYTES,
-    STORE_ROWS,
     Tickets,
     consumer_task,
-    gather_table,
     signal_no_task,
     task_flags,
     task_slots,
@@ -204,24 +198,6 @@ class BackwardTensors(NamedTuple):
     finish_tokens: Int32
 
 
-@cute.jit
-def router_weight(walk: WalkArgs, weight_ptr: Fp32Pointer, row: Int32, wanted) -> Float32:
-    """Routed row `row`'s router weight, 0 for a padding row or when not `wanted` (a Boolean):
-    the `gather_first_column` build's scale of the row, read as the dispatch reads it (a group
-    of one: this rank's weights)."""
-    w = Float32(0.0)
-    rank_of = cute.make_tensor(walk.peer_rank_ptr, cute.make_layout(walk.capacity))
-    if wanted:
-        if rank_of[row] >= 0:
-            slot = cute.make_tensor(walk.peer_token_idx_ptr, cute.make_layout(walk.capacity))[row]
-            at = weight_ptr.toint() + Int64(slot) * Int64(4)
-            w = cute.make_tensor(
-                cute.make_ptr(Float32, at, cute.AddressSpace.gmem, assumed_align=4),
-                cute.make_layout(1),
-            )[0]
-    return w
-
-
 @dataclass(frozen=True)
 class Sm90MoeBackward:
     """See the module docstring. `stages`: depth of the shared-memory operand ring."""
@@ -236,19 +212,9 @@ class Sm90MoeBackward:
     # Diagnostic (the shipped value: weight_phase.EAGER_MIN_K_TILES): weight tasks of this many
     # k tiles or more release each ring stage when its own wgmma batch completes.
     eager_min_k_tiles: int = EAGER_MIN_K_TILES
-    # Diagnostic (off in the shipped cubins; BF16, a group of one, which the launcher checks):
-    # no dispatch phase. Each row tile's column-0 d_hidden task gathers dY's rows (the producer
-    # warp's cp.async), its consumers scale them in shared memory as the dispatch does,
-    # bf16(w * dY), and store them to dY_e by TMA, then release the row tile's dispatched
-    # counter and the dispatch total; `gather_lead` orders the tasks as the forward's
-    # (task_walk.SplitTiles; NOTES §18 item 17).
-    gather_first_column: bool = False
-    gather_lead: int = 0
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
-        if self.gather_first_column and (self.mxfp8 or self.window):
-            raise ValueError("Sm90MoeBackward: gather_first_column is the BF16 variant's only")
 
     @property
     def threads(self) -> int:
@@ -322,9 +288,8 @@ class Sm90MoeBackward:
         tiled_mma = engine.backward_mma()
         a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
         b_layout = engine.mn_major_smem_layout(TILE_N, self.stages)
-        gathers = self.gather_first_column
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-            a_layout, b_layout, self.stages, SLOT_BYTES + (GATHER_TABLE_BYTES if gathers else 0)
+            a_layout, b_layout, self.stages, SLOT_BYTES
         )
         if warp_idx == 0:
             for atom in (*tma[::2], *weight_tma[::2]):
@@ -344,8 +309,6 @@ class Sm90MoeBackward:
             TileList(tokens_per_expert, walk.num_experts, d_hidden_cols),
             TileList(tokens_per_expert, walk.num_experts, d_x_cols),
         )
-        if cutlass.const_expr(gathers):
-            tiles = (SplitTiles(tiles[0], self.gather_lead), tiles[1])
         routed_rows = cute.make_tensor(walk.num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
         num_d_hidden = row_tiles_total * d_hidden_cols
@@ -379,8 +342,6 @@ class Sm90MoeBackward:
             d_w_gate_up_rows,
         )
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
-        if cutlass.const_expr(gathers):
-            dispatchers = Int32(0)  # the column-0 d_hidden tasks gather instead
         task_ticket = dgu_total + Int64(4)
         dx_done = task_ticket + Int64(8)  # after the task and dispatch tickets
         tickets = Tickets(
@@ -420,10 +381,6 @@ class Sm90MoeBackward:
             if warp_idx == 0:
                 # ---- producer: d_hidden and d_x loads after their rows, then weight loads ----
                 smem = (sA, sB0, sB1)
-                gather = None
-                if cutlass.const_expr(gathers):
-                    table = gather_table(storage, handoff.BUFFER_BYTES)
-                    gather = engine.row_gather(args.dy_ptr, walk, rank_of, table, sA)
                 loads = (
                     d_hidden_phase.producer_loads(
                         ring,
@@ -433,7 +390,6 @@ class Sm90MoeBackward:
                         walk.intermediate_size,
                         args.gate_ptr,
                         args.up_ptr,
-                        gather,
                     ),
                     d_x_phase.producer_loads(
                         ring, smem, tma[4:], walk.intermediate_size, walk.gate_up_expert_rows
@@ -518,25 +474,6 @@ class Sm90MoeBackward:
             second_half = warpgroup == 2
 
             def run_d_hidden(states, flag, first_row, col_tile):
-                skip = (flag == PADDED_HALF) & second_half
-                store = None
-                if cutlass.const_expr(gathers):
-                    # A gathered task's consumers scale its rows, all 256 of them together:
-                    # neither warpgroup skips it.
-                    skip = ((flag & PADDED_HALF) != 0) & second_half & ((flag & STORE_ROWS) == 0)
-                    store = engine.StageStore(
-                        (flag & STORE_ROWS) != 0,
-                        tidx == engine.THREADS_PER_WARPGROUP,
-                        descriptor_address(tma.tma_dy),
-                        sA.iterator.toint(),
-                        first_row,
-                        router_weight(
-                            walk,
-                            args.weight_ptr,
-                            first_row + (tidx - engine.THREADS_PER_WARPGROUP) // 2,
-                            (flag & STORE_ROWS) != 0,
-                        ),
-                    )
                 read_state, release_state = engine.mma_k_tiles(
                     tiled_mma,
                     ring,
@@ -545,15 +482,9 @@ class Sm90MoeBackward:
                     walk.hidden_size // TILE_K,
                     operands,
                     accs,
-                    skip=skip,
+                    skip=(flag == PADDED_HALF) & second_half,
                     eager=True,
-                    store=store,
                 )
-                if cutlass.const_expr(store is not None):
-                    # The rows are in dY_e: the other columns' tasks and the weight tasks may
-                    # load them.
-                    row_counter = dispatched + Int64(4) * Int64(first_row // TILE_M)
-                    engine.publish_stored_rows(store, (row_counter, dispatch_total))
                 for j in cutlass.range_constexpr(2):
                     d_hidden_phase.swiglu_backward(
                         thr_mma,
@@ -597,7 +528,7 @@ class Sm90MoeBackward:
             segments = ((Int32(0), Int32(0)), (Int32(0), Int32(0)))
             while task >= 0:
                 segments, (base, middle, first, end_row), (_, end, first_2, end_row_2) = (
-                    step_windows(batches, tile_list(tiles[0]), segments, task)
+                    step_windows(batches, tiles[0], segments, task)
                 )
                 states, seq, task = consume_phase(
                     states,

@@ -58,7 +58,6 @@ from ..common.params import (
 )
 from ..common.peers import COMBINE_BUFFER, X_BUFFER, peer_table
 from ..common.retire import retire_cta
-from ..common.row_tma import descriptor_address
 from ..common.schedule_warp import ScheduleVariant
 from ..phases import combine_phase, schedule_phase
 from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
@@ -66,7 +65,6 @@ from ..phases.expert_tiles import TileList
 from ..phases.minibatches import Minibatches, step_of
 from ..phases.task_walk import (
     RowTileWait,
-    SplitTiles,
     StepArgs,
     WalkArgs,
     consume_phase,
@@ -74,14 +72,10 @@ from ..phases.task_walk import (
     store_steps,
 )
 from ..phases.tickets import (
-    GATHER_TABLE_BYTES,
     PADDED_HALF,
-    ROW_TILE_SHIFT,
     SLOT_BYTES,
-    STORE_ROWS,
     Tickets,
     consumer_task,
-    gather_table,
     signal_no_task,
     task_flags,
     task_slots,
@@ -177,20 +171,9 @@ class Sm90MoeForward:
     # Diagnostic (off in the shipped cubins): the schedule phase's ScheduleVariant.
     warp_scan: bool = False
     gpu_fences: bool = False
-    # Diagnostic (off in the shipped cubins; BF16, a group of one, which the launcher checks):
-    # no dispatch phase. Each row tile's column-0 gate/up task gathers its rows from x (the
-    # producer warp's cp.async) and its consumers store them to x_routed by TMA, then release
-    # the row tile's dispatched counter; the other columns' tasks, walked after every column-0
-    # task of their minibatch (task_walk.SplitTiles), load x_routed as before (NOTES §18 item 17).
-    gather_first_column: bool = False
-    # With gather_first_column: 0 walks every column-0 task of a minibatch first; N > 0 spreads
-    # them among the others, each ~N tasks ahead of its row tile's others (SplitTiles.lead).
-    gather_lead: int = 0
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
-        if self.gather_first_column and self.mxfp8:
-            raise ValueError("Sm90MoeForward: gather_first_column is BF16 only")
 
     @property
     def threads(self) -> int:
@@ -237,9 +220,8 @@ class Sm90MoeForward:
         tiled_mma = engine.forward_mma()
         a_layout = engine.k_major_smem_layout(TILE_M, self.stages)
         b_layout = engine.k_major_smem_layout(TILE_N, self.stages)
-        gathers = self.gather_first_column
         storage, sA, sB0, sB1, buffers = handoff.allocate_crew_storage(
-            a_layout, b_layout, self.stages, SLOT_BYTES + (GATHER_TABLE_BYTES if gathers else 0)
+            a_layout, b_layout, self.stages, SLOT_BYTES
         )
         ring = engine.make_operand_ring(storage, a_layout, b_layout, self.stages)
         loaded = (sA, sB0, sB1)
@@ -288,8 +270,6 @@ class Sm90MoeForward:
             TileList(tokens_per_expert, walk.num_experts, gate_up_cols),
             TileList(tokens_per_expert, walk.num_experts, down_cols),
         )
-        if cutlass.const_expr(gathers):
-            tiles = (SplitTiles(tiles[0], self.gather_lead), tiles[1])
         routed_rows = cute.make_tensor(walk.num_tokens_ptr, cute.make_layout(1))[0]
         row_tiles_total = routed_rows // TILE_M
         batches = Minibatches(steps.minibatch_tiles, row_tiles_total, gate_up_cols, down_cols)
@@ -305,8 +285,6 @@ class Sm90MoeForward:
 
         # ---- dispatch: every thread of the dispatching CTAs, before the roles split ----
         dispatchers = cutlass.select_(steps.num_comm_ctas > 0, steps.num_comm_ctas, grid_size)
-        if cutlass.const_expr(gathers):
-            dispatchers = Int32(0)  # the column-0 gate/up tasks gather instead
         if bidx < dispatchers:
             dispatch_rows(
                 (args.x_ptr, peer_table(args.peer_table_ptr, X_BUFFER), walk.ep_rank),
@@ -325,13 +303,9 @@ class Sm90MoeForward:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 # ---- producer: each task's loads after its rows' counter ----
-                gather = None
-                if cutlass.const_expr(gathers):
-                    table = gather_table(storage, handoff.BUFFER_BYTES)
-                    gather = engine.row_gather(args.x_ptr, walk, rank_of, table, sA)
                 loads = (
                     gate_up_phase.producer_loads(
-                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows, gather
+                        ring, loaded, tma[:6], walk.hidden_size, walk.gate_up_expert_rows
                     ),
                     down_phase.producer_loads(
                         ring, loaded, tma[6:], walk.hidden_size, walk.intermediate_size
@@ -386,25 +360,9 @@ class Sm90MoeForward:
             down_thr = down_mma.get_slice(tidx - engine.THREADS_PER_WARPGROUP)
 
             second_half = warpgroup == 2
-            # Gathering: a column-0 gate/up task's A stages are its rows of x_routed, which
-            # thread 128 (lane 0 of the first consumer warp) stores by TMA (tma_x's box).
-            x_routed_box = None
-            if cutlass.const_expr(gathers):
-                x_routed_box = (descriptor_address(tma.tma_x), sA.iterator.toint())
 
-            def run_task(states, flag, mma, thr, k_tiles, gate_up=False):
+            def run_task(states, flag, mma, thr, k_tiles):
                 skip = (flag == PADDED_HALF) & second_half
-                store = None
-                if cutlass.const_expr(gathers):
-                    skip = ((flag & PADDED_HALF) != 0) & second_half
-                    if cutlass.const_expr(gate_up):
-                        store = engine.StageStore(
-                            (flag & STORE_ROWS) != 0,
-                            tidx == THREADS_PER_WARPGROUP,
-                            x_routed_box[0],
-                            x_routed_box[1],
-                            (flag >> ROW_TILE_SHIFT) * TILE_M,
-                        )
                 read_state, release_state = engine.mma_k_tiles(
                     mma,
                     ring,
@@ -415,12 +373,7 @@ class Sm90MoeForward:
                     accs,
                     skip=skip,
                     eager=True,
-                    store=store,
                 )
-                if cutlass.const_expr(store is not None):
-                    # The rows are in x_routed: the other columns' tasks may load them.
-                    row_tile = flag >> ROW_TILE_SHIFT
-                    engine.publish_stored_rows(store, (dispatched + Int64(4) * Int64(row_tile),))
                 crew.hand_off(thr, accs, buffers)
                 return read_state, release_state
 
@@ -439,7 +392,7 @@ class Sm90MoeForward:
                     base,
                     middle,
                     run_task,
-                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K, True),
+                    (tiled_mma, thr_mma, walk.hidden_size // TILE_K),
                     flags=flags,
                 )
                 states, seq, task = consume_phase(
