@@ -467,6 +467,7 @@ def test_sonic_found_in_a_site_and_its_worker_reports_where_it_stopped(tmp_path)
     result = sonic.run_job(job, found)
     assert result["stage"] == "import_sonicmoe" and result["status"] == "error"
     assert result["failure"].startswith("sonicmoe error in stage import_sonicmoe: ImportError")
+    assert result["wall_s"] > 0  # the worker's wall time, which its rows carry as worker_s
     outcomes = sonic.pass_outcomes(result, job.passes)
     assert [o["status"] for o in outcomes.values()] == [result["failure"]] * 2
 
