@@ -1,8 +1,8 @@
 """LigerMoE (liger-kernel's ``moe_fused``) as the ``liger`` row of ``python -m benchmarks.moe``.
 
 The row exists when ``liger_kernel`` and ``liger_cute_kernels`` are importable (installed, on
-PYTHONPATH, or in ``--liger-site DIR``) and the run is on CUDA at EP=1. Each shape runs in its
-own worker process, ``python -m benchmarks.liger --worker ...``, because:
+PYTHONPATH, or in ``--liger-site DIR``) and the run is on CUDA at EP=1. Each shape and token
+count runs in its own worker process, ``python -m benchmarks.liger --worker ...``, because:
 
 - NVSHMEM must be loaded before torch: Liger's core is built against NVSHMEM 3.6.5 (cu12) while
   torch may link its own copy, and the first ``libnvshmem_host.so.3`` mapped is the one every
@@ -165,7 +165,7 @@ def symmetric_heap_gib(
 
 @dataclass(frozen=True)
 class LigerJob(PeerJob):
-    """One shape for one Liger worker; ``heap_gib`` sizes its NVSHMEM heap."""
+    """One shape at one token count for one Liger worker; ``heap_gib`` sizes its NVSHMEM heap."""
 
     heap_gib: int = 0
 
@@ -209,14 +209,18 @@ read_result = peer_worker.read_result
 
 
 def run_job(job: LigerJob, availability: LigerAvailability) -> dict:
-    """Run one worker to its end or its timeout; its result with ``failure`` set if it failed
-    (benchmarks/peer_worker.py says how)."""
+    """Run one worker (one token count: ``configure`` fixes its capacity) to its end or its
+    timeout; its result with ``failure`` set if it failed (benchmarks/peer_worker.py says
+    how)."""
+    (num_tokens,) = job.tokens
 
-    def command_for(result_path: str) -> list[str]:
-        return worker_command(dataclasses.replace(job, result_path=result_path))
+    def command_for(folder: str, tokens: tuple[int, ...]) -> list[str]:
+        return worker_command(dataclasses.replace(job, result_path=folder, tokens=tokens))
 
     env = worker_env(job, availability, dict(os.environ))
-    return peer_worker.run_worker("liger", command_for, env, job.timeout_s, KILL_GRACE_S)
+    results = peer_worker.run_worker("liger", command_for, env, job.timeout_s, KILL_GRACE_S,
+                                     job.tokens)  # fmt: skip
+    return results[num_tokens]
 
 
 def describe_end(result: dict, returncode: int | None, timed_out: bool, timeout_s: float):
@@ -229,7 +233,7 @@ def pass_outcomes(result: dict, passes: tuple[str, ...]) -> dict[str, dict]:
     return peer_worker.pass_outcomes("liger", result, passes)
 
 
-# ─── the worker: one shape, one process ──────────────────────────────────────────────────────
+# ─── the worker: one shape and token count, one process ──────────────────────────────────────
 
 
 def _configure(device, shape, num_tokens: int) -> None:
@@ -329,8 +333,7 @@ def worker_main(job: LigerJob) -> int:
         )  # fmt: skip
         progress.stage("import_torch")
         measure_shape(job, availability, progress)
-        progress.result["status"] = "done"
-        progress.stage("done")
+        progress.done()
         code = 0
     except BaseException as error:  # the result says where it stopped and why
         progress.result.update(status="error", error=f"{type(error).__name__}: {error}")
@@ -369,7 +372,7 @@ def measure_shape(
     progress.stage("configure")
     began = time.monotonic()
     shape = scale_for_run(select_shapes(job.shape)[0], world_size=1, quick=job.quick)
-    _configure(device, shape, job.num_tokens)
+    _configure(device, shape, progress.num_tokens)
     progress.result["info"]["configure_s"] = round(time.monotonic() - began, 1)
 
     inputs, reference = peer_worker.inputs_and_reference(job, shape, device, progress)

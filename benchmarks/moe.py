@@ -99,8 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sonic-site", default=None, help="a site dir that holds SonicMoE")
     parser.add_argument(
         "--sonic-timeout", type=float, default=sonic.DEFAULT_TIMEOUT_S,
-        help="seconds per shape and token count before its SonicMoE worker is killed "
-        "(%(default)s)",
+        help="seconds a SonicMoE worker may take over one token count of a shape (its start "
+        "included for the first) before it is killed (%(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--liger-timeout", type=float, default=liger.DEFAULT_TIMEOUT_S,
@@ -454,7 +454,7 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
             num_tokens, shape.num_experts, shape.hidden_size, shape.topk, sm_count
         )
         job = liger.LigerJob(
-            **peer_job_fields(shape, num_tokens, args, device, args.liger_timeout),
+            **peer_job_fields(shape, (num_tokens,), args, device, args.liger_timeout),
             heap_gib=heap_gib,
         )
         result = liger.run_job(job, availability)
@@ -463,11 +463,11 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
                      best_baseline, ceilings, emit)  # fmt: skip
 
 
-def peer_job_fields(shape, num_tokens, args, device, timeout_s: float) -> dict:
-    """A peer worker's PeerJob fields for one shape and token count of this run."""
+def peer_job_fields(shape, tokens: tuple[int, ...], args, device, timeout_s: float) -> dict:
+    """A peer worker's PeerJob fields for one shape and token counts of this run."""
     return dict(
         shape=shape.name,
-        num_tokens=num_tokens,
+        tokens=tuple(tokens),
         quick=args.quick,
         seed=args.seed,
         passes=tuple(args.passes),
@@ -475,15 +475,16 @@ def peer_job_fields(shape, num_tokens, args, device, timeout_s: float) -> dict:
         reps=args.reps,
         device_index=device.index if device.index is not None else torch.cuda.current_device(),
         timeout_s=timeout_s,
-        result_path="",  # run_job gives it a file of its own
+        result_path="",  # run_job gives it a folder of its own
     )
 
 
 def sonic_rows(
     shape, num_tokens, args, device, world_size, base, best_baseline, ceilings, emit
 ) -> list[dict]:
-    """SonicMoE's rows of one shape, measured by its own worker process (benchmarks/sonic.py),
-    or the reason it is not run here."""
+    """SonicMoE's rows of one shape at one token count, or the reason it is not run here. The
+    shape's first call runs its worker (benchmarks/sonic.py) over every token count of the run,
+    and keeps the results in ``args.sonic_results`` for the later ones."""
     availability = args.sonic
     status = sonic.skip_reason(
         availability, device.type, world_size, shape.swiglu_limit, args.shared
@@ -491,9 +492,12 @@ def sonic_rows(
     if status is not None:
         outcomes, result = {p: {"status": status} for p in args.passes}, {}
     else:
-        job = PeerJob(**peer_job_fields(shape, num_tokens, args, device, args.sonic_timeout))
-        result = sonic.run_job(job, availability)
-        outcomes = sonic.pass_outcomes(result, job.passes)
+        results = args.sonic_results
+        if shape.name not in results:
+            fields = peer_job_fields(shape, args.tokens, args, device, args.sonic_timeout)
+            results[shape.name] = sonic.run_job(PeerJob(**fields), availability)
+        result = results[shape.name][num_tokens]
+        outcomes = sonic.pass_outcomes(result, tuple(args.passes))
     label = availability.label() if availability.available else "SonicMoE"
     return peer_rows("sonicmoe", label, outcomes, result, shape, num_tokens, args, base,
                      best_baseline, ceilings, emit)  # fmt: skip
@@ -556,6 +560,10 @@ def extra_sections(args, device, world_size) -> dict:
     return extra
 
 
+# What main keeps on args that is not an argument (left out of the JSON's "args").
+PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results")
+
+
 def main(argv: list[str] | None = None) -> int:
     # NVLink multicast (NVLS) can take shared GPU hosts out of service: never use it.
     os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -580,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = grouped_mm_works(device)
     args.liger = liger_availability(args, device, world_size)
     args.sonic = None if args.no_sonic else sonic.find_sonic(args.sonic_site)
+    args.sonic_results = {}  # shape name -> token count -> its worker's result (sonic_rows)
     if lead:
         print(f"device {device}, world size {world_size}, torch {torch.__version__}")
         print(report.ceilings_line(ceilings))
@@ -609,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report.summary_table(rows))
         record = {
             "provenance": report.provenance(device, world_size),
-            "args": {k: v for k, v in vars(args).items() if k not in ("timing", "liger", "sonic")},
+            "args": {k: v for k, v in vars(args).items() if k not in PROCESS_STATE},
             "liger": dataclasses.asdict(args.liger) if args.liger is not None else None,
             "sonic": dataclasses.asdict(args.sonic) if args.sonic is not None else None,
             "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},

@@ -1,10 +1,13 @@
 """A peer's worker process: the job it gets, how it is run to its end, what its end means.
 
 A peer layer (LigerMoE, SonicMoE) runs each shape in a process of its own, because a hang or a
-native crash in a peer must cost one shape, not the run, and because a peer may need libraries
-that cannot share mok's process (another NVSHMEM, another CuTe DSL). The worker rebuilds the
-harness' inputs from the job, writes its result file at every stage, and the harness turns that
-file and the way the process ended into the peer's rows.
+native crash in a peer must cost one shape and token count, not the run, and because a peer may
+need libraries that cannot share mok's process (another NVSHMEM, another CuTe DSL). A job may
+name several token counts of one shape: one process measures them in turn (its imports and
+kernel loads paid once), and if it hangs or dies in one, the harness gives that one the failure
+and starts a new process for the rest. The worker rebuilds the harness' inputs from the job,
+writes a result file per token count at every stage, and the harness turns those files and
+the way the process ended into the peer's rows.
 
 Only the standard library is imported: a worker may have to load a library before torch.
 """
@@ -44,10 +47,12 @@ class PeerAvailability:
 
 @dataclass(frozen=True)
 class PeerJob:
-    """One shape for one worker: everything it needs to rebuild the harness' inputs and timing."""
+    """One shape for one worker, at each of ``tokens`` in turn: everything it needs to rebuild
+    the harness' inputs and timing. ``result_path`` is the folder of its result files
+    (``result_file``)."""
 
     shape: str
-    num_tokens: int
+    tokens: tuple[int, ...]
     quick: bool
     seed: int
     passes: tuple[str, ...]
@@ -65,8 +70,8 @@ class PeerJob:
             flag = "--" + field.name.replace("_", "-")
             if field.name == "quick":
                 args += [flag] if value else []
-            elif field.name == "passes":
-                args += [flag, ",".join(value)]
+            elif field.name in ("passes", "tokens"):
+                args += [flag, ",".join(str(v) for v in value)]
             else:
                 args += [flag, str(value)]
         return args
@@ -76,7 +81,7 @@ class PeerJob:
         parser = argparse.ArgumentParser(prog="worker")
         parser.add_argument("--worker", action="store_true", required=True)
         parser.add_argument("--quick", action="store_true")
-        types = {"shape": str, "passes": str, "result_path": str, "timeout_s": float}
+        types = {"shape": str, "passes": str, "tokens": str, "result_path": str, "timeout_s": float}
         for field in dataclasses.fields(cls):
             if field.name != "quick":
                 flag = "--" + field.name.replace("_", "-")
@@ -84,7 +89,13 @@ class PeerJob:
         values = vars(parser.parse_args(argv))
         values.pop("worker")
         values["passes"] = tuple(p for p in values["passes"].split(",") if p)
+        values["tokens"] = tuple(int(t) for t in values["tokens"].split(",") if t)
         return cls(**values)
+
+
+def result_file(folder: str, num_tokens: int) -> str:
+    """Where a worker writes its result for one token count."""
+    return os.path.join(folder, f"tokens_{num_tokens}.json")
 
 
 # ─── the harness side ─────────────────────────────────────────────────────────────────────────
@@ -120,46 +131,92 @@ def read_result(path: str) -> dict:
         return {"status": "not started", "stage": "not started", "passes": {}}
 
 
+POLL_S = 0.5  # how often the harness looks at a running worker's result files
+
+
 def run_worker(
     peer: str,
-    command_for: Callable[[str], list[str]],
+    command_for: Callable[[str, tuple[int, ...]], list[str]],
     env: dict,
     timeout_s: float,
     grace_s: float,
-) -> dict:
-    """Run ``command_for(result_path)`` to its end or its timeout; its result, with ``failure``
-    set if it failed ("<peer> timeout ...", "<peer> crashed ...", "<peer> error ..." with the
-    stage it was in) and then ``log_tail``, the last lines of its output."""
+    tokens: tuple[int, ...],
+) -> dict[int, dict]:
+    """Run ``command_for(folder, tokens)`` until every token count has a result, each within
+    ``timeout_s`` of the previous one's end (the first of a process: of its start). Per token
+    count: its result, ``wall_s`` (the worker's time on it, its process start included for the
+    first), and ``failure`` if it failed ("<peer> timeout ...", "<peer> crashed ...", "<peer>
+    error ..." with the stage it was in) with ``log_tail``, the last lines of its process'
+    output. A process that fails leaves the token counts after its failed one to a new one."""
+    results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix=f"mok_{peer}_") as folder:
-        result_path = os.path.join(folder, "result.json")
-        log_path = os.path.join(folder, "worker.log")
-        timed_out, began = False, time.monotonic()
-        with open(log_path, "wb") as log:
+        remaining = tuple(tokens)
+        while remaining:
+            log_path = os.path.join(folder, f"worker_{remaining[0]}.log")
+            ended = _run_process(peer, command_for(folder, remaining), env, timeout_s, grace_s,
+                                 log_path, folder, remaining)  # fmt: skip
+            if isinstance(ended, str):  # the process could not be started
+                results.update({t: {"passes": {}, "failure": ended} for t in remaining})
+                break
+            returncode, timed_out, finished_at, last_at = ended
+            for num_tokens in remaining:
+                result = read_result(result_file(folder, num_tokens))
+                result["returncode"] = returncode
+                if num_tokens in finished_at:
+                    result["wall_s"] = finished_at[num_tokens]
+                    results[num_tokens] = result
+                    continue
+                # The first token count this process did not finish: the one it failed in.
+                result["wall_s"] = last_at
+                failure = describe_end(peer, result, returncode, timed_out, timeout_s)
+                result["failure"] = failure or f"{peer} crashed (exit {returncode}) before the end"
+                result["log_tail"] = log_tail(log_path)
+                results[num_tokens] = result
+                break
+            remaining = tuple(t for t in remaining if t not in results)
+    return results
+
+
+def _run_process(peer, command, env, timeout_s, grace_s, log_path, folder, tokens):
+    """One worker process over ``tokens``: (returncode, timed out, {token count: seconds it
+    took} for those finished, seconds since the last finished one or the start), or why it
+    could not start."""
+    last = time.monotonic()
+    finished_at: dict[int, float] = {}
+    timed_out = False
+    with open(log_path, "wb") as log:
+        try:
+            process = subprocess.Popen(
+                command,
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: a kill reaches its children
+            )
+        except OSError as error:
+            return f"{peer} not started: {error}"
+        while True:
             try:
-                process = subprocess.Popen(
-                    command_for(result_path),
-                    cwd=REPO_ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group: a kill reaches its children
-                )
-            except OSError as error:
-                return {"passes": {}, "failure": f"{peer} not started: {error}"}
-            try:
-                returncode = process.wait(timeout=timeout_s)
+                returncode = process.wait(timeout=POLL_S)
             except subprocess.TimeoutExpired:
+                returncode = None
+            now = time.monotonic()
+            for num_tokens in tokens:
+                if num_tokens not in finished_at and _finished(folder, num_tokens):
+                    finished_at[num_tokens], last = round(now - last, 1), now
+            if returncode is not None:
+                break
+            if now - last > timeout_s:
                 timed_out = True
                 stop(process, grace_s)
                 returncode = process.returncode
-        result = read_result(result_path)
-        result["returncode"] = returncode
-        result["wall_s"] = round(time.monotonic() - began, 1)
-        failure = describe_end(peer, result, returncode, timed_out, timeout_s)
-        if failure is not None:
-            result["failure"] = failure
-            result["log_tail"] = log_tail(log_path)
-    return result
+                break
+    return returncode, timed_out, finished_at, round(time.monotonic() - last, 1)
+
+
+def _finished(folder: str, num_tokens: int) -> bool:
+    return read_result(result_file(folder, num_tokens)).get("status") == "done"
 
 
 def describe_end(
@@ -194,17 +251,36 @@ def pass_outcomes(peer: str, result: dict, passes: tuple[str, ...]) -> dict[str,
 
 
 class Progress:
-    """The worker's result file, rewritten atomically at each stage: a crash leaves the last."""
+    """The worker's result file for the token count it is on, rewritten atomically at each
+    stage: a crash leaves the last. Stages before the first token count's (imports) go into
+    that one's file, so a failure there is reported against it."""
 
     def __init__(self, peer: str, job: PeerJob):
         self.peer = peer
-        self.path = job.result_path
-        self.result = {"job": dataclasses.asdict(job), "status": "running", "passes": {}}
-        self.result["info"] = {}
+        self.job = job
+        self.info: dict = {}
+        self._open(job.tokens[0])
+
+    def _open(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self.path = result_file(self.job.result_path, num_tokens)
+        self.result = {"job": dataclasses.asdict(self.job), "num_tokens": num_tokens,
+                       "status": "running", "passes": {}, "info": self.info}  # fmt: skip
+
+    def begin(self, num_tokens: int) -> None:
+        """Go on to ``num_tokens`` (the first one's file, with what was staged before it,
+        stays open for it)."""
+        if num_tokens != self.num_tokens:
+            self._open(num_tokens)
+
+    def done(self) -> None:
+        """This token count is measured: its file says so (the harness watches for it)."""
+        self.result["status"] = "done"
+        self.stage("done")
 
     def stage(self, name: str) -> None:
         self.result["stage"] = name
-        print(f"[{self.peer} worker] {name}", flush=True)
+        print(f"[{self.peer} worker] {self.num_tokens} tokens: {name}", flush=True)
         self.save()
 
     def save(self) -> None:
@@ -215,13 +291,13 @@ class Progress:
 
 
 def inputs_and_reference(job: PeerJob, shape, device, progress: Progress) -> tuple:
-    """The harness' inputs of this shape (same seed, no shared expert) and their fp32
-    reference, with gradients when a pass has a backward."""
+    """The harness' inputs of this shape at the token count ``progress`` is on (same seed, no
+    shared expert) and their fp32 reference, with gradients when a pass has a backward."""
     from benchmarks.inputs import make_inputs
     from benchmarks.reference import reference_results
 
     progress.stage("reference")
-    inputs = make_inputs(shape, job.num_tokens, rank=0, world_size=1, device=device,
+    inputs = make_inputs(shape, progress.num_tokens, rank=0, world_size=1, device=device,
                          seed=job.seed, shared=False)  # fmt: skip
     reference = reference_results(inputs, any(p != "fwd" for p in job.passes))
     inputs.release_group_tensors()

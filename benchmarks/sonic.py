@@ -2,11 +2,13 @@
 
 The row is attempted whenever the package ``sonicmoe`` is importable (installed, on PYTHONPATH,
 or in ``--sonic-site DIR``); ``--no-sonic`` leaves it out. It runs on CUDA at EP=1; elsewhere,
-and where SonicMoE is not found, its rows say why. Each (shape, tokens) runs in its own worker,
-``python -m benchmarks.sonic --worker ...`` (benchmarks/peer_worker.py), because SonicMoE's
+and where SonicMoE is not found, its rows say why. Each shape runs in a worker of its own,
+``python -m benchmarks.sonic --worker ...`` (benchmarks/peer_worker.py), which measures the
+run's token counts in turn (SonicMoE imported and its kernels loaded once), because SonicMoE's
 kernels are QuACK's, on the CuTe DSL release that sonic-moe pins, which need not be mok's: one
 process imports one ``cutlass``, so the worker puts SonicMoE's site (and the folders its
-``.pth`` files name) first on its path; and a crash or hang in a peer costs one shape.
+``.pth`` files name) first on its path; and a crash or hang in a peer costs one shape and token
+count (the harness starts a new worker for the token counts after it).
 
 The worker builds the harness' inputs (``make_inputs``, same seed), checks them against the same
 fp32 reference with the same tolerance and times them with the same timer and reps. The call is
@@ -139,21 +141,24 @@ def worker_env(availability: SonicAvailability, base: dict) -> dict:
     return env
 
 
-def run_job(job: PeerJob, availability: SonicAvailability) -> dict:
-    """One worker to its end or its timeout; its result, ``failure`` set if it failed."""
+def run_job(job: PeerJob, availability: SonicAvailability) -> dict[int, dict]:
+    """Workers over the job's token counts (benchmarks/peer_worker.py run_worker): per token
+    count, its result, ``failure`` set if it failed."""
 
-    def command_for(result_path: str) -> list[str]:
-        return worker_command(dataclasses.replace(job, result_path=result_path))
+    def command_for(folder: str, tokens: tuple[int, ...]) -> list[str]:
+        return worker_command(dataclasses.replace(job, result_path=folder, tokens=tokens))
 
     env = worker_env(availability, dict(os.environ))
-    return peer_worker.run_worker("sonicmoe", command_for, env, job.timeout_s, KILL_GRACE_S)
+    return peer_worker.run_worker(
+        "sonicmoe", command_for, env, job.timeout_s, KILL_GRACE_S, job.tokens
+    )
 
 
 def pass_outcomes(result: dict, passes: tuple[str, ...]) -> dict[str, dict]:
     return peer_worker.pass_outcomes("sonicmoe", result, passes)
 
 
-# ─── the worker: one shape, one process ──────────────────────────────────────────────────────
+# ─── the worker: one shape, its token counts in turn, one process ─────────────────────────────
 
 
 def sonic_impl(moe_general_routing_inputs, activation, inputs, stream):
@@ -200,7 +205,8 @@ def sonic_impl(moe_general_routing_inputs, activation, inputs, stream):
 
 
 def measure_shape(job: PeerJob, progress: peer_worker.Progress) -> None:
-    """Import SonicMoE, then inputs, reference, check and timing as benchmarks.moe does them."""
+    """Import SonicMoE once, then for each token count inputs, reference, check and timing as
+    benchmarks.moe does them."""
     progress.stage("import_sonicmoe")
     import torch
     from sonicmoe import moe_general_routing_inputs
@@ -218,14 +224,19 @@ def measure_shape(job: PeerJob, progress: peer_worker.Progress) -> None:
     torch.cuda.set_device(device)
     progress.result["info"]["gpu"] = torch.cuda.get_device_name(device)
     shape = scale_for_run(select_shapes(job.shape)[0], world_size=1, quick=job.quick)
-    inputs, reference = peer_worker.inputs_and_reference(job, shape, device, progress)
     stream = torch.cuda.current_stream(device).cuda_stream
-    impl = sonic_impl(moe_general_routing_inputs, ActivationType.SWIGLU, inputs, stream)
-    peer_worker.measure_passes(job, {"fwd": impl, "train": impl}, inputs, reference, progress)
+    for num_tokens in job.tokens:
+        progress.begin(num_tokens)
+        inputs, reference = peer_worker.inputs_and_reference(job, shape, device, progress)
+        impl = sonic_impl(moe_general_routing_inputs, ActivationType.SWIGLU, inputs, stream)
+        peer_worker.measure_passes(job, {"fwd": impl, "train": impl}, inputs, reference, progress)
+        progress.done()
+        del inputs, reference, impl
+        torch.cuda.empty_cache()
 
 
 def worker_main(job: PeerJob) -> int:
-    """Measure one shape; the result file says what happened."""
+    """Measure one shape at the job's token counts; the result files say what happened."""
     import faulthandler
     import signal
     import traceback
@@ -235,8 +246,6 @@ def worker_main(job: PeerJob) -> int:
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
         measure_shape(job, progress)
-        progress.result["status"] = "done"
-        progress.stage("done")
         return 0
     except BaseException as error:  # the result says where it stopped and why
         progress.result.update(status="error", error=f"{type(error).__name__}: {error}")

@@ -461,13 +461,17 @@ def test_sonic_found_in_a_site_and_its_worker_reports_where_it_stopped(tmp_path)
     env = sonic.worker_env(found, {"PYTHONPATH": "/elsewhere"})
     assert env["PYTHONPATH"].split(":") == [*found.python_path, str(sonic.peer_worker.REPO_ROOT),
                                             "/elsewhere"]  # fmt: skip
-    job = PeerJob("qwen3-30b-a3b", 64, True, 0, ("fwd", "fwdbwd"), 0, 1, 0, 120.0, "")
+    job = PeerJob("qwen3-30b-a3b", (64, 96), True, 0, ("fwd", "fwdbwd"), 0, 1, 0, 120.0, "")
     assert PeerJob.from_argv(job.argv()) == job
-    # The worker imports the site's (empty) sonicmoe: its entry point is not there.
-    result = sonic.run_job(job, found)
+    # The worker imports the site's (empty) sonicmoe: its entry point is not there. The first
+    # token count gets the failure; a second worker, for the second, fails the same way.
+    results = sonic.run_job(job, found)
+    assert sorted(results) == [64, 96]
+    result = results[64]
     assert result["stage"] == "import_sonicmoe" and result["status"] == "error"
     assert result["failure"].startswith("sonicmoe error in stage import_sonicmoe: ImportError")
     assert result["wall_s"] > 0  # the worker's wall time, which its rows carry as worker_s
+    assert results[96]["failure"] == result["failure"]
     outcomes = sonic.pass_outcomes(result, job.passes)
     assert [o["status"] for o in outcomes.values()] == [result["failure"]] * 2
 

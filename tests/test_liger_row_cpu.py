@@ -8,6 +8,7 @@ The worker's GPU path (configure, check, timing) needs an H100/H200 and Liger's 
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import liger, moe  # noqa: E402
+from benchmarks import liger, moe, peer_worker  # noqa: E402
 from benchmarks.shapes import scale_for_run, select_shapes  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -49,7 +50,7 @@ def fake_site(root: Path, *, entry=True, nvshmem=True, versions=True) -> Path:
 def job(**changes) -> liger.LigerJob:
     fields = dict(
         shape="qwen3-30b-a3b",
-        num_tokens=4096,
+        tokens=(4096,),
         quick=False,
         seed=0,
         passes=("fwd", "fwdbwd"),
@@ -58,7 +59,7 @@ def job(**changes) -> liger.LigerJob:
         device_index=0,
         heap_gib=9,
         timeout_s=300.0,
-        result_path="/tmp/result.json",
+        result_path="/tmp/results",
     )
     return liger.LigerJob(**{**fields, **changes})
 
@@ -147,6 +148,7 @@ def test_real_worker_reports_the_stage_it_failed_in(tmp_path):
 )
 def test_worker_end_becomes_failure(monkeypatch, tmp_path, script, expected):
     monkeypatch.setattr(liger, "worker_command", lambda _job: [sys.executable, "-c", script])
+    monkeypatch.setattr(peer_worker, "POLL_S", 0.05)
     monkeypatch.setattr(liger, "KILL_GRACE_S", 2.0)
     found = liger.find_liger(str(fake_site(tmp_path)))
     result = liger.run_job(job(timeout_s=1.0), found)
@@ -204,7 +206,7 @@ def test_liger_rows_from_a_worker_result(monkeypatch):
     device = torch.device("cuda", 0)
     rows = moe.liger_rows(shape, 4096, args, device, base, {"fwd": 3.0}, ceilings, lambda row: None)
     assert [one.heap_gib for one in jobs] == [liger.symmetric_heap_gib(4096, 128, 2048, 8, 132)]
-    assert jobs[0].passes == ("fwd", "fwdbwd", "bwd") and jobs[0].num_tokens == 4096
+    assert jobs[0].passes == ("fwd", "fwdbwd", "bwd") and jobs[0].tokens == (4096,)
     fwd, fwdbwd, bwd = rows
     assert fwd["impl"] == "liger" and fwd["status"] == "ok" and fwd["speedup"] == 1.5
     expected_tflops = moe.flops(shape, 4096, False, "fwd") / 2e-3 / 1e12
@@ -279,3 +281,52 @@ def test_worker_impls_check_and_time_like_the_harness():
     timing = TimingConfig(warmup=0, reps=1)
     for pass_name, impl in (("fwd", inference), ("fwdbwd", training), ("bwd", training)):
         assert moe.time_pass(impl, inputs, pass_name, timing, None) > 0
+
+
+# A worker over several token counts: writes each one's result file, and hangs in the token count
+# named by HANG until a marker file exists (so that only its first process hangs there).
+MULTI_WORKER = """
+import json, os, sys, time
+folder, hang, tokens = sys.argv[1], int(sys.argv[2]), [int(t) for t in sys.argv[3].split(",")]
+print("worker over", tokens, flush=True)
+for t in tokens:
+    path = os.path.join(folder, f"tokens_{t}.json")
+    with open(path, "w") as f:
+        json.dump({"status": "running", "stage": "check", "passes": {}}, f)
+    marker = os.path.join(folder, "hung_once")
+    if t == hang and not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(60)
+    with open(path, "w") as f:
+        json.dump({"status": "done", "stage": "done",
+                   "passes": {"fwd": {"status": "ok", "ms": t / 1000}}}, f)
+"""
+
+
+@pytest.mark.parametrize("hang", [0, 64, 128])
+def test_one_worker_over_token_counts_and_a_new_one_after_a_hang(monkeypatch, hang):
+    """A hang costs its own token count: the harness kills the worker after the timeout and
+    starts another for the token counts after it."""
+    monkeypatch.setattr(peer_worker, "POLL_S", 0.05)
+    commands = []
+
+    def command_for(folder, tokens):
+        commands.append(tokens)
+        return [sys.executable, "-c", MULTI_WORKER, folder, str(hang),
+                ",".join(str(t) for t in tokens)]  # fmt: skip
+
+    results = peer_worker.run_worker("peer", command_for, {**os.environ}, 2.0, 1.0, (32, 64, 128))
+    assert sorted(results) == [32, 64, 128]
+    for t in (32, 64, 128):
+        outcomes = peer_worker.pass_outcomes("peer", results[t], ("fwd", "bwd"))
+        if t == hang:
+            failure = "peer timeout: killed after 2 s in stage check"
+            assert results[t]["failure"] == failure and results[t]["log_tail"]
+            assert outcomes == {"fwd": {"status": failure}, "bwd": {"status": failure}}
+            assert results[t]["wall_s"] >= 2.0
+        else:
+            assert "failure" not in results[t] and results[t]["wall_s"] < 2.0
+            assert outcomes["fwd"] == {"status": "ok", "ms": t / 1000}
+            assert outcomes["bwd"] == {"status": "peer: pass not run"}
+    after = {0: [], 64: [(128,)], 128: []}[hang]
+    assert commands == [(32, 64, 128), *after]
