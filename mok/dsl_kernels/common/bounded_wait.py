@@ -291,20 +291,6 @@ def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
-    """`fence.acq_rel.gpu`: fence_acq_rel_sys for observers on this GPU only."""
-    side_effect_asm(None, [], "fence.acq_rel.gpu;", "~{memory}", loc, ip)
-
-
-def fence_acq_rel(gpu_scope: bool) -> None:
-    """fence_acq_rel_gpu, or fence_acq_rel_sys (a trace-time choice)."""
-    if gpu_scope:
-        fence_acq_rel_gpu()
-    else:
-        fence_acq_rel_sys()
-
-
-@dsl_user_op
 def wrapping_difference(value: Int32, target: Int32, *, loc=None, ip=None) -> Int32:
     """`value - target` in two's complement (`sub.s32` wraps): >= 0 means "reached"."""
     return Int32(

@@ -5,17 +5,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from .bounded_wait import atom_add_acq_rel_gpu_s32, fence_acq_rel, st_global_b32
+from .bounded_wait import atom_add_acq_rel_gpu_s32, fence_acq_rel_sys, st_global_b32
 from .schedule_warp import (
     CHUNK,
     ENTRIES_PER_LANE,
     MAX_LOCAL_EXPERTS,
-    SHIPPED_SCHEDULE,
     THREADS,
     WARP_CHUNK,
     WARP_SIZE,
     WARPS,
-    ScheduleVariant,
     local_expert_key,
     schedule_barrier,
     smem_vectors,
@@ -42,7 +40,6 @@ def count_chunk(
     sCount: cute.Tensor,
     sSum: cute.Tensor,
     named_barrier: cutlass.Constexpr = None,
-    variant: ScheduleVariant = SHIPPED_SCHEDULE,
 ) -> Int32:
     """Every thread of the CTA: count chunk `chunk` of `num_chunks` and, if it is the last to
     arrive, scan them all. Returns the old arrivals value (num_chunks - 1: this CTA scanned).
@@ -55,7 +52,7 @@ def count_chunk(
     `arrivals` the address of an int32 that is zero before the first chunk is counted and is
     left zero by the scan. `sCount` (MAX_LOCAL_EXPERTS int32) and `sSum` (CHUNK_GROUPS *
     SUM_PITCH int32): shared memory. `named_barrier`: `schedule_barrier`'s (None: the CTA is
-    the task's THREADS threads). `variant`: the diagnostic choices (ScheduleVariant).
+    the task's THREADS threads).
 
     Counting: entries [chunk * 4096, (chunk + 1) * 4096), warp w the 512 of them from
     chunk * 4096 + w * 512, lane order = entry order (schedule_warp.py). Each warp groups its 32
@@ -113,33 +110,21 @@ def count_chunk(
     # ---- count this CTA; the last one scans (its verdict through sSum[0]) ----
     schedule_barrier(named_barrier)
     if tidx == 0:
-        fence_acq_rel(variant.gpu_fences)
+        fence_acq_rel_sys()
         sSum[0] = atom_add_acq_rel_gpu_s32(arrivals, Int32(1))
     schedule_barrier(named_barrier)
     verdict = sSum[0]
     if verdict == num_chunks - 1:
         schedule_barrier(named_barrier)  # every thread has read the verdict before sSum is reused
         mExpertCounts = cute.make_tensor(expert_counts_ptr, cute.make_layout(num_local_experts))
-        if cutlass.const_expr(variant.warp_scan):
-            if num_chunks <= WARP_SCAN_MAX_CHUNKS:
-                scan_counts_by_warp(mCounts, mExpertCounts, num_chunks, num_local_experts, warp,
-                                    lane)  # fmt: skip
-            else:
-                scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_local_experts, warp,
-                            lane, named_barrier)  # fmt: skip
-        else:
-            scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_local_experts, warp, lane,
-                        named_barrier)  # fmt: skip
+        scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_local_experts, warp, lane,
+                    named_barrier)  # fmt: skip
         if tidx == 0:
             st_global_b32(arrivals, Int32(0))
     return verdict
 
 
 COUNT_SMEM_SIZES = (MAX_LOCAL_EXPERTS, CHUNK_GROUPS * SUM_PITCH)
-# warp_scan: up to this many chunks, scan_counts_by_warp (a warp reads its experts' rows
-# WARP_SCAN_ROWS at a time, so 8 dependent rounds at most); past it, scan_counts.
-WARP_SCAN_ROWS = 8
-WARP_SCAN_MAX_CHUNKS = 64
 
 
 def count_smem(base=None) -> tuple:
@@ -181,27 +166,3 @@ def scan_counts(mCounts, mExpertCounts, sSum, num_chunks, num_experts, group, la
                 mCounts[index] = running
                 running = running + count
         schedule_barrier(named_barrier)  # sSum is the next block's
-
-
-@cute.jit
-def scan_counts_by_warp(mCounts, mExpertCounts, num_chunks, num_experts, warp, lane):
-    """scan_counts' result (every thread of the CTA; the same exact integer sums in the same
-    order, so the same words) for few chunks: warp w takes blocks of 32 experts w, w + 8, ...
-    (lane = expert) and walks every chunk row of its block itself, WARP_SCAN_ROWS loads in
-    flight, with no barrier; each expert's prefix runs over the rows in order."""
-    for block in cutlass.range(warp, (num_experts + EXPERTS_PER_BLOCK - 1) // EXPERTS_PER_BLOCK,
-                               WARPS):  # fmt: skip
-        expert = block * EXPERTS_PER_BLOCK + lane
-        if expert < num_experts:
-            running = Int32(0)
-            counts = cute.make_rmem_tensor((WARP_SCAN_ROWS,), Int32)
-            for first in cutlass.range(0, num_chunks, WARP_SCAN_ROWS):
-                for i in cutlass.range_constexpr(WARP_SCAN_ROWS):
-                    counts[i] = Int32(0)
-                    if first + i < num_chunks:
-                        counts[i] = mCounts[(first + i) * num_experts + expert]
-                for i in cutlass.range_constexpr(WARP_SCAN_ROWS):
-                    if first + i < num_chunks:
-                        mCounts[(first + i) * num_experts + expert] = running
-                        running = running + counts[i]
-            mExpertCounts[expert] = running

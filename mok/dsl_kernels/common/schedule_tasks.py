@@ -11,13 +11,13 @@ from .bounded_wait import (
     OWN_MEMORY,
     atom_add_relaxed_gpu_s32,
     bounded_wait_reached,
-    fence_acq_rel,
+    fence_acq_rel_sys,
     ld_acquire_gpu_s32,
     red_add_release_gpu_s32,
 )
 from .schedule_count import count_chunk
 from .schedule_place import place_chunk
-from .schedule_warp import SHIPPED_SCHEDULE, ScheduleVariant, schedule_barrier
+from .schedule_warp import schedule_barrier
 
 PHASE_SCHEDULE = 15  # mok.runtime.WaitPhase.SCHEDULE (dsl_kernels may not import mok)
 # The launch's int32 counters (zero when it starts; its last CTA leaves them zero).
@@ -51,24 +51,23 @@ def schedule_task(
     tidx: Int32,
     named_barrier: cutlass.Constexpr = None,
     placed: Int64 = None,
-    variant: ScheduleVariant = SHIPPED_SCHEDULE,
 ):
     """The task's THREADS threads: ticket `task` of the schedule, count chunk `task` (task <
     num_chunks; the task that scans releases the WORD_SCANNED word of `counters`) or place
     chunk `task - num_chunks` (after a bounded wait for that word; a timeout is written to the
     error record at `record`), then, given the address `placed`, release it by one.
-    `named_barrier`: `schedule_barrier`'s. `variant`: the diagnostic choices (ScheduleVariant)."""
+    `named_barrier`: `schedule_barrier`'s."""
     scanned = counters + Int64(4 * WORD_SCANNED)
     if task < num_chunks:
         verdict = count_chunk(
             ids64, ids_ptr, counts_ptr, expert_counts_ptr, counters + Int64(4 * WORD_ARRIVALS),
             num_entries, ep_rank, num_local_experts, task, num_chunks, *count_tables,
-            named_barrier, variant,
+            named_barrier,
         )  # fmt: skip
         if verdict == num_chunks - 1:  # this task scanned: publish the offsets
             schedule_barrier(named_barrier)
             if tidx == 0:
-                fence_acq_rel(variant.gpu_fences)
+                fence_acq_rel_sys()
                 red_add_release_gpu_s32(scanned, Int32(1))
     else:
         if tidx == 0:
@@ -86,7 +85,7 @@ def schedule_task(
         if cutlass.const_expr(placed is not None):
             schedule_barrier(named_barrier)
             if tidx == 0:
-                fence_acq_rel(variant.gpu_fences)
+                fence_acq_rel_sys()
                 red_add_release_gpu_s32(placed, Int32(1))
 
 

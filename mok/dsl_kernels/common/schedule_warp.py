@@ -15,8 +15,6 @@ int64 array seen as int32 with stride 2), the placement loads the whole id, chec
 word, so both passes key every entry alike.
 """
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
@@ -32,19 +30,6 @@ CHUNK = WARPS * WARP_CHUNK  # 4096 entries per CTA: 256 CTAs for 8 ranks x 16384
 MAX_LOCAL_EXPERTS = 1024  # static shared-memory tables are sized for this many experts
 NOT_MINE = -1  # key of an entry routed to another rank's expert (or past the end)
 ROUTED_ROW_ALIGNMENT = 128  # = mok.config.ROUTED_ROW_ALIGNMENT (dsl_kernels may not import mok)
-
-
-class ScheduleVariant(NamedTuple):
-    """A schedule's diagnostic choices (trace-time bools, both off in the shipped kernels;
-    docs/NOTES.md §18 item 15). `warp_scan`: the count pass's scan by scan_counts_by_warp up to
-    WARP_SCAN_MAX_CHUNKS chunks (the same words); `gpu_fences`: the count arrival and the two
-    publications after fence.acq_rel.gpu, not .sys (only this GPU's CTAs read those words)."""
-
-    warp_scan: bool = False
-    gpu_fences: bool = False
-
-
-SHIPPED_SCHEDULE = ScheduleVariant()  # the shipped kernels' choices: neither
 
 
 def smem_words(sizes: tuple) -> int:

@@ -15,7 +15,7 @@ from ..common.retire import retire_cta
 from ..common.schedule_count import count_smem
 from ..common.schedule_place import place_smem
 from ..common.schedule_tasks import COUNTER_WORDS, schedule_task, take_task
-from ..common.schedule_warp import CHUNK, THREADS, WARP_SIZE, ScheduleVariant
+from ..common.schedule_warp import CHUNK, THREADS, WARP_SIZE
 
 
 def ids_pointer(kernel):
@@ -67,9 +67,6 @@ class Schedule:
     """
 
     ids64: bool = False
-    # Diagnostic (off in the shipped cubins): the schedule's ScheduleVariant.
-    warp_scan: bool = False
-    gpu_fences: bool = False
 
     @cute.jit
     def __call__(self, args: ScheduleArgs):
@@ -112,7 +109,6 @@ class Schedule:
                 count_tables,
                 place_tables,
                 tidx,
-                variant=ScheduleVariant(self.warp_scan, self.gpu_fences),
             )
             task = take_task(sTask, counters, tidx)
         retire_cta(counters, Int32(COUNTER_WORDS), tidx // WARP_SIZE, grid_size)

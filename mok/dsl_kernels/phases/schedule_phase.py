@@ -29,7 +29,7 @@ from ..common.bounded_wait import (
 from ..common.schedule_count import COUNT_SMEM_SIZES, count_smem
 from ..common.schedule_place import PLACE_SMEM_SIZES, place_smem
 from ..common.schedule_tasks import PHASE_SCHEDULE, schedule_task, take_task
-from ..common.schedule_warp import CHUNK, SHIPPED_SCHEDULE, THREADS, ScheduleVariant, smem_words
+from ..common.schedule_warp import CHUNK, THREADS, smem_words
 
 SCHEDULE_SYNC = 8  # named barrier of threads 0 .. 255 (sm90/epilogue_warps.py has 3-6, combine 7)
 # The phase's int32 words in the launch's counters: the schedule kernel's ticket, count
@@ -51,7 +51,6 @@ def schedule_tasks(
     num_entries: Int32,
     smem: cute.Pointer,
     tidx: Int32,
-    variant: ScheduleVariant = SHIPPED_SCHEDULE,
 ):
     """Every thread of the CTA: the schedule's tasks by ticket, then the wait for all of them
     (module docstring). `ids_ptr`: the caller's int64 [T, k] routing, 8-byte aligned (read as
@@ -59,7 +58,7 @@ def schedule_tasks(
     int32 [E]: scratch; `words`: the address of the phase's WORDS int32 counters (zero at the
     start); `walk` (task_walk.WalkArgs): the outputs as the schedule kernel's, the sizes and the
     bounded waits' timeout; `record`: the error record's address; `status_ptr`: the value-status words; `smem`:
-    SMEM_WORDS int32 of shared memory, 16-byte aligned; `variant`: schedule_task's."""
+    SMEM_WORDS int32 of shared memory, 16-byte aligned."""
     num_chunks = cutlass.max((num_entries + CHUNK - 1) // CHUNK, 1)
     placed = words + Int64(4 * WORD_PLACED)
     count_tables = count_smem(smem)
@@ -74,7 +73,7 @@ def schedule_tasks(
                 walk.peer_rank_ptr, walk.peer_token_idx_ptr, walk.num_tokens_ptr, walk.tokens_per_expert_ptr,
                 status_ptr, record, walk.timeout_ns, num_entries, num_entries, Int32(0),
                 walk.num_experts, walk.capacity, count_tables, place_tables, tidx, SCHEDULE_SYNC,
-                placed, variant,
+                placed,
             )  # fmt: skip
         task = take_task(sTicket, words, tidx)
     if tidx == 0:

@@ -58,7 +58,6 @@ from ..common.params import (
 )
 from ..common.peers import COMBINE_BUFFER, X_BUFFER, peer_table
 from ..common.retire import retire_cta
-from ..common.schedule_warp import ScheduleVariant
 from ..phases import combine_phase, schedule_phase
 from ..phases.dispatch_phase import PHASE_DISPATCH, dispatch_rows
 from ..phases.expert_tiles import TileList
@@ -168,9 +167,6 @@ class Sm90MoeForward:
     mxfp8: bool = False
     # A diagnostic build only: phase timestamps past the counters (common/timeline.py).
     timeline: bool = False
-    # Diagnostic (off in the shipped cubins): the schedule phase's ScheduleVariant.
-    warp_scan: bool = False
-    gpu_fences: bool = False
 
     def validate(self) -> None:
         engine.validate_stages(self.stages, engine.MAX_STAGES_WITH_CREW)
@@ -253,7 +249,6 @@ class Sm90MoeForward:
                 args.schedule_entries,
                 cute.recast_ptr(sA.iterator, dtype=Int32),
                 tidx,
-                ScheduleVariant(self.warp_scan, self.gpu_fences),
             )
             # The tables were generic-proxy writes to the ring, which TMA writes next.
             cute.arch.fence_proxy("async.shared", space="cta")
