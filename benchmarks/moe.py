@@ -520,7 +520,7 @@ def peer_rows(
             row["log_tail"], log_tail = log_tail, None  # printed once, under the first failure
         if result.get("info"):
             row["peer"] = result["info"]
-        if "wall_s" in result:  # the worker process's, from its start to its end
+        if "wall_s" in result:  # its worker's time on this token count (run_worker)
             row["worker_s"] = result["wall_s"]
         emit(row)
         rows.append(row)
