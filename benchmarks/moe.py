@@ -2,9 +2,10 @@
 
 One GPU: ``python -m benchmarks.moe --json out.json --png out.png``.
 With LigerMoE importable (installed, on PYTHONPATH, or ``--liger-site DIR``) a one-GPU run adds
-its ``liger`` rows, each shape in its own process (benchmarks/liger.py); ``--no-liger`` drops them.
-The ``sonicmoe`` rows are attempted whenever SonicMoE is importable (or in ``--sonic-site DIR``),
-each shape and token count in its own process (benchmarks/sonic.py); ``--no-sonic`` drops them.
+its ``liger`` rows, each shape and token count in its own process (benchmarks/liger.py);
+``--no-liger`` drops them. The ``sonicmoe`` rows are attempted whenever SonicMoE is importable (or
+in ``--sonic-site DIR``), each shape's token counts in one process of its own (benchmarks/sonic.py);
+``--no-sonic`` drops them.
 The MXFP8 row (CUDA only, forward and backward, against an FP8 GEMM ceiling): add ``--mxfp8``.
 Ring reuse: ``--macrobatch 16384`` adds the ``mok-mb16384`` and ``mok-mb16384-gather`` rows
 (MoKConfig.macrobatch_size 16384 with either macrobatch_replay), each against the mok row
