@@ -523,6 +523,8 @@ def peer_rows(
             row["peer"] = result["info"]
         if "wall_s" in result:  # its worker's time on this token count (run_worker)
             row["worker_s"] = result["wall_s"]
+        if result.get("stage_s"):  # where that time went: each stage's start (Progress)
+            row["worker_stage_s"] = result["stage_s"]
         emit(row)
         rows.append(row)
     return rows

@@ -264,8 +264,11 @@ class Progress:
     def _open(self, num_tokens: int) -> None:
         self.num_tokens = num_tokens
         self.path = result_file(self.job.result_path, num_tokens)
+        self.started = time.monotonic()
+        # stage_s: each stage's start, in seconds from this token count's (the process') start
         self.result = {"job": dataclasses.asdict(self.job), "num_tokens": num_tokens,
-                       "status": "running", "passes": {}, "info": self.info}  # fmt: skip
+                       "status": "running", "passes": {}, "info": self.info,
+                       "stage_s": {}}  # fmt: skip
 
     def begin(self, num_tokens: int) -> None:
         """Go on to ``num_tokens`` (the first one's file, with what was staged before it,
@@ -279,8 +282,12 @@ class Progress:
         self.stage("done")
 
     def stage(self, name: str) -> None:
+        seconds = time.monotonic() - self.started
         self.result["stage"] = name
-        print(f"[{self.peer} worker] {self.num_tokens} tokens: {name}", flush=True)
+        self.result["stage_s"][name] = round(seconds, 1)
+        print(
+            f"[{self.peer} worker] {self.num_tokens} tokens: {name} at {seconds:.1f} s", flush=True
+        )
         self.save()
 
     def save(self) -> None:

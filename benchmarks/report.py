@@ -37,12 +37,22 @@ def progress_line(rows: list[dict], seconds: float, total_seconds: float) -> str
     if not rows:
         return f"  ({seconds:.0f} s; {total_seconds:.0f} s into the run)"
     head = rows[0]
-    workers = {row["impl"]: row["worker_s"] for row in rows if "worker_s" in row}
-    parts = "".join(f", {impl} worker {s:.0f} s" for impl, s in workers.items())
+    workers = {row["impl"]: row for row in rows if "worker_s" in row}
+    parts = "".join(
+        f", {impl} worker {row['worker_s']:.0f} s{_stages(row.get('worker_stage_s'))}"
+        for impl, row in workers.items()
+    )
     return (
         f"  ({head['shape']['name']} {head['num_tokens']} tokens: {seconds:.0f} s{parts}; "
         f"{total_seconds:.0f} s into the run)"
     )
+
+
+def _stages(stage_s: dict | None) -> str:
+    """ " (stage at S s, ...)": when each of a worker's stages began on this token count."""
+    if not stage_s:
+        return ""
+    return " (" + ", ".join(f"{name} at {s:.0f}" for name, s in stage_s.items()) + ")"
 
 
 def format_row(row: dict) -> str:

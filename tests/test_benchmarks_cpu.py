@@ -398,10 +398,14 @@ def test_progress_line_names_each_peer_worker_time():
     rows = [
         {**_row("mok", "fwd"), "num_tokens": 2048},
         {**_row("sonicmoe", "fwd"), "num_tokens": 2048, "worker_s": 83.4},
-        {**_row("liger", "fwd"), "num_tokens": 2048, "worker_s": 41.0},
-    ]
+        {**_row("liger", "fwd"), "num_tokens": 2048, "worker_s": 41.0,
+         "worker_stage_s": {"reference": 12.3, "check": 20.0, "time_fwd": 38.6}},
+    ]  # fmt: skip
     line = report.progress_line(rows, 130.2, 400.0)
-    assert "2048 tokens: 130 s, sonicmoe worker 83 s, liger worker 41 s; 400 s into the run" in line
+    assert (
+        "2048 tokens: 130 s, sonicmoe worker 83 s, liger worker 41 s (reference at 12, check at "
+        "20, time_fwd at 39); 400 s into the run" in line
+    )
 
 
 def test_sonic_rows_say_why_when_sonicmoe_is_not_importable(tmp_path, capsys):
@@ -471,6 +475,8 @@ def test_sonic_found_in_a_site_and_its_worker_reports_where_it_stopped(tmp_path)
     assert result["stage"] == "import_sonicmoe" and result["status"] == "error"
     assert result["failure"].startswith("sonicmoe error in stage import_sonicmoe: ImportError")
     assert result["wall_s"] > 0  # the worker's wall time, which its rows carry as worker_s
+    assert list(result["stage_s"]) == ["import_sonicmoe"]  # when each stage began
+    assert 0 <= result["stage_s"]["import_sonicmoe"] <= result["wall_s"]
     assert results[96]["failure"] == result["failure"]
     outcomes = sonic.pass_outcomes(result, job.passes)
     assert [o["status"] for o in outcomes.values()] == [result["failure"]] * 2
