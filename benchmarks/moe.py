@@ -107,7 +107,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--liger-timeout", type=float, default=liger.DEFAULT_TIMEOUT_S,
         help="seconds per shape before its LigerMoE worker is killed (%(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--time-limit", type=float, default=None, metavar="SECONDS",
+        help="one GPU: start no shape and token count that, taking as long as the longest so "
+        "far, would end past SECONDS from the run's start (peer timeouts are cut to the time "
+        "left); those left are listed (JSON: not_reached), and the table and JSON come out",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.time_limit is not None and args.time_limit <= 0:
+        parser.error(f"--time-limit: expected seconds > 0, got {args.time_limit}")
     args.passes = [p.strip() for p in args.passes.split(",") if p.strip()]
     bad = [p for p in args.passes if p not in PASSES]
     if bad:
@@ -465,7 +473,10 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
 
 
 def peer_job_fields(shape, tokens: tuple[int, ...], args, device, timeout_s: float) -> dict:
-    """A peer worker's PeerJob fields for one shape and token counts of this run."""
+    """A peer worker's PeerJob fields for one shape and token counts of this run. Under
+    --time-limit a token count's timeout is at most the time left (at least 10 s)."""
+    if args.time_limit is not None:
+        timeout_s = min(timeout_s, max(10.0, args.run_start + args.time_limit - time.monotonic()))
     return dict(
         shape=shape.name,
         tokens=tuple(tokens),
@@ -564,7 +575,7 @@ def extra_sections(args, device, world_size) -> dict:
 
 
 # What main keeps on args that is not an argument (left out of the JSON's "args").
-PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results")
+PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results", "run_start")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -573,8 +584,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
     args = parse_args(argv)
+    args.run_start = time.monotonic()  # the run's clock (progress lines, --time-limit)
     args.timing = TimingConfig(warmup=args.warmup, reps=args.reps)
     device, rank, world_size, group = init_device(args)
+    if args.time_limit is not None and group is not None:
+        # Each rank's clock would decide alone, and a rank that skips leaves the others waiting.
+        raise SystemExit(f"--time-limit: one GPU only (world size {world_size})")
     lead = rank == 0
 
     def emit(row):
@@ -604,14 +619,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.sonic is not None:
             where = f" at {args.sonic.site}" if args.sonic.available else ""
             print(f"sonicmoe: {args.sonic.reason or args.sonic.label() + where}")
-    rows, run_start = [], time.monotonic()
+    rows, not_reached, longest, run_start = [], [], 0.0, args.run_start
     for model in select_shapes(args.shapes):
         for num_tokens in args.tokens:
             start = time.monotonic()
+            if args.time_limit is not None and start - run_start + longest > args.time_limit:
+                not_reached.append({"shape": model.name, "num_tokens": num_tokens})
+                print(f"  ({model.name} {num_tokens} tokens: not started, {start - run_start:.0f} s "
+                      f"into the run, the longest so far took {longest:.0f} s: --time-limit "
+                      f"{args.time_limit:.0f})", flush=True)  # fmt: skip
+                continue
             new_rows = run_shape(model, num_tokens, args, device, rank, world_size, group,
                                  ceilings, probe, emit)  # fmt: skip
             rows += new_rows
             gc.collect()
+            longest = max(longest, time.monotonic() - start)
             if lead:
                 print(report.progress_line(new_rows, time.monotonic() - start,
                                            time.monotonic() - run_start), flush=True)  # fmt: skip
@@ -619,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     if lead:
         print()
         print(report.summary_table(rows))
+        if not_reached:
+            left = ", ".join(f"{n['shape']} {n['num_tokens']}" for n in not_reached)
+            print(f"not reached (--time-limit {args.time_limit:.0f} s): {left}")
         record = {
             "provenance": report.provenance(device, world_size),
             "args": {k: v for k, v in vars(args).items() if k not in PROCESS_STATE},
@@ -631,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
             "grouped_mm_probe": probe[1],
             "ceilings": ceilings,
             "rows": rows,
+            "not_reached": not_reached,
             **extra,
         }
         if args.json:

@@ -394,6 +394,28 @@ def test_quick_run_with_two_token_counts_has_rows_for_both(tmp_path, capsys):
     assert int(progress[1][2]) >= int(progress[0][2]) >= int(progress[0][1])
 
 
+def test_time_limit_leaves_what_would_end_past_it_and_says_so(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--shapes", "mixtral-8x7b", "--passes", "fwd",
+            "--tokens", "32,48", "--reps", "1", "--warmup", "0", "--no-sonic"]  # fmt: skip
+    # Far off: both token counts run.
+    assert moe.main([*argv, "--time-limit", "3600", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["not_reached"] == [] and {r["num_tokens"] for r in record["rows"]} == {32, 48}
+    capsys.readouterr()
+    # Already past: nothing starts, and the JSON says what was left.
+    assert moe.main([*argv, "--time-limit", "1e-9", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["rows"] == []
+    assert record["not_reached"] == [{"shape": "mixtral-8x7b", "num_tokens": 32},
+                                     {"shape": "mixtral-8x7b", "num_tokens": 48}]  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "(mixtral-8x7b 48 tokens: not started," in printed
+    assert "not reached (--time-limit 0 s): mixtral-8x7b 32, mixtral-8x7b 48" in printed
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--time-limit", "0"])
+
+
 def test_progress_line_names_each_peer_worker_time():
     rows = [
         {**_row("mok", "fwd"), "num_tokens": 2048},

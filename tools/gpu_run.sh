@@ -99,8 +99,8 @@ for b in ${BENCH:-}; do
   case $b in
     main) timeout "$left" python3 -m mok > "$LOGS/main.log" 2>&1; note "python -m mok rc=$? $(tail -1 "$LOGS/main.log")" ;;
     memory) timeout "$left" python3 -m benchmarks.memory_kernels --json "$LOGS/memory_kernels.json" > "$LOGS/memory_kernels.log" 2>&1; note "memory_kernels rc=$?" ;;
-    moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} "${peer_args[@]}" --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
-         note "benchmarks.moe rc=$?"; grep "into the run)$" "$LOGS/moe.log" >> "$LOGS/summary.txt"
+    moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} "${peer_args[@]}" --time-limit $(( left - 25 )) --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
+         note "benchmarks.moe rc=$?"; grep -E "into the run\)$|--time-limit" "$LOGS/moe.log" >> "$LOGS/summary.txt"
          grep -A60 "^shape " "$LOGS/moe.log" >> "$LOGS/summary.txt" ;;
     phases) # where a pass's time goes (tools/phase_times.py); with TIMELINE_DIR (a diagnostic build of the
         # megakernels, tools/phase_timeline.py's docstring) their phases CTA by CTA too
