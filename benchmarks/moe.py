@@ -633,10 +633,10 @@ def main(argv: list[str] | None = None) -> int:
                                  ceilings, probe, emit)  # fmt: skip
             rows += new_rows
             gc.collect()
-            longest = max(longest, time.monotonic() - start)
+            end = time.monotonic()
+            longest = max(longest, end - start)
             if lead:
-                print(report.progress_line(new_rows, time.monotonic() - start,
-                                           time.monotonic() - run_start), flush=True)  # fmt: skip
+                print(report.progress_line(new_rows, end - start, end - run_start), flush=True)
     extra = extra_sections(args, device, world_size) if lead else {}
     if lead:
         print()
