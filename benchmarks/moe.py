@@ -109,9 +109,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--time-limit", type=float, default=None, metavar="SECONDS",
-        help="one GPU: start no shape and token count that, taking as long as the longest so "
-        "far, would end past SECONDS from the run's start (peer timeouts are cut to the time "
-        "left); those left are listed (JSON: not_reached), and the table and JSON come out",
+        help="one GPU: start no shape and token count that would end past SECONDS from the "
+        "run's start, taking as long as the longest of its kind so far (a shape's first token "
+        "count, where peer workers start and compile, or a later one); peer timeouts are cut "
+        "to the time left; those left are listed (JSON: not_reached), and the table and JSON "
+        "come out",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.time_limit is not None and args.time_limit <= 0:
@@ -536,6 +538,8 @@ def peer_rows(
             row["worker_s"] = result["wall_s"]
         if result.get("stage_s"):  # where that time went: each stage's start (Progress)
             row["worker_stage_s"] = result["stage_s"]
+        if result.get("compiles"):  # what it compiled on this token count (sonic.py)
+            row["worker_compiles"] = result["compiles"]
         emit(row)
         rows.append(row)
     return rows
@@ -575,6 +579,20 @@ def extra_sections(args, device, world_size) -> dict:
 
 
 # What main keeps on args that is not an argument (left out of the JSON's "args").
+def expected_s(longest: dict[str, float], kind: str) -> float:
+    """How long the next shape and token count is expected to take, for ``--time-limit``.
+
+    ``kind`` is ``"first"`` for a shape's first token count, where SonicMoE's worker starts
+    and compiles its kernels (docs/NOTES.md §4: minutes on a machine that has not compiled
+    them, a few seconds at a shape's later token counts), or ``"later"``. The estimate is the
+    longest of that kind so far; a later one with none of its kind yet counts as long as a
+    first.
+    """
+    if kind == "later" and longest["later"] > 0.0:
+        return longest["later"]
+    return max(longest["first"], longest["later"])
+
+
 PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results", "run_start")
 
 
@@ -619,22 +637,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.sonic is not None:
             where = f" at {args.sonic.site}" if args.sonic.available else ""
             print(f"sonicmoe: {args.sonic.reason or args.sonic.label() + where}")
-    rows, not_reached, longest, run_start = [], [], 0.0, args.run_start
+    rows, not_reached, run_start = [], [], args.run_start
+    longest = {"first": 0.0, "later": 0.0}  # the longest (shape, T) so far, by kind
     for model in select_shapes(args.shapes):
+        shape_started = False
         for num_tokens in args.tokens:
             start = time.monotonic()
-            if args.time_limit is not None and start - run_start + longest > args.time_limit:
+            kind = "later" if shape_started else "first"
+            estimate = expected_s(longest, kind)
+            if args.time_limit is not None and start - run_start + estimate > args.time_limit:
                 not_reached.append({"shape": model.name, "num_tokens": num_tokens})
                 print(f"  ({model.name} {num_tokens} tokens: not started, {start - run_start:.0f} s "
-                      f"into the run, the longest so far took {longest:.0f} s: --time-limit "
-                      f"{args.time_limit:.0f})", flush=True)  # fmt: skip
+                      f"into the run, {estimate:.0f} s expected (the longest {kind} token count "
+                      f"of a shape so far): --time-limit {args.time_limit:.0f})", flush=True)  # fmt: skip
                 continue
             new_rows = run_shape(model, num_tokens, args, device, rank, world_size, group,
                                  ceilings, probe, emit)  # fmt: skip
             rows += new_rows
             gc.collect()
             end = time.monotonic()
-            longest = max(longest, end - start)
+            longest[kind] = max(longest[kind], end - start)
+            shape_started = True
             if lead:
                 print(report.progress_line(new_rows, end - start, end - run_start), flush=True)
     extra = extra_sections(args, device, world_size) if lead else {}

@@ -40,6 +40,7 @@ def progress_line(rows: list[dict], seconds: float, total_seconds: float) -> str
     workers = {row["impl"]: row for row in rows if "worker_s" in row}
     parts = "".join(
         f", {impl} worker {row['worker_s']:.0f} s{_stages(row.get('worker_stage_s'))}"
+        f"{_compiles(row.get('worker_compiles'))}"
         for impl, row in workers.items()
     )
     return (
@@ -53,6 +54,14 @@ def _stages(stage_s: dict | None) -> str:
     if not stage_s:
         return ""
     return " (" + ", ".join(f"{name} at {s:.0f}" for name, s in stage_s.items()) + ")"
+
+
+def _compiles(compiles: dict | None) -> str:
+    """ " [compiled: NAME +N, ...]": what a worker's caches gained on this token count."""
+    grown = {name: n for name, n in (compiles or {}).items() if n}
+    if not grown:
+        return ""
+    return " [compiled: " + ", ".join(f"{name} +{n}" for name, n in grown.items()) + "]"
 
 
 def format_row(row: dict) -> str:

@@ -204,6 +204,35 @@ def sonic_impl(moe_general_routing_inputs, activation, inputs, stream):
     return Impl("sonicmoe", "SonicMoE training layer", False, forward, backward)
 
 
+CACHE_ENV = ("QUACK_CACHE_DIR", "TRITON_CACHE_DIR", "CUTE_DSL_CACHE_DIR")
+QUACK_JIT_MODULES = ("quack.gemm", "quack.gemm_act", "quack.gemm_dact")
+
+
+def compile_counts() -> dict[str, int]:
+    """What SonicMoE has compiled so far: the files in each of its caches (QuACK's kernels and
+    autotuning choices, Triton's, the CuTe DSL's; ``<VAR> files``) and QuACK's in-process
+    kernel builds (``quack builds``: misses of its ``functools`` caches, each a JIT compile
+    or a load from its file cache). The difference over a token count says whether its first
+    call's time went to compiling."""
+    counts = {}
+    for var in CACHE_ENV:
+        folder = os.environ.get(var)
+        if folder and os.path.isdir(folder):
+            counts[f"{var} files"] = sum(len(files) for _, _, files in os.walk(folder))
+    builds = 0
+    for name in QUACK_JIT_MODULES:
+        module = sys.modules.get(name)
+        for value in vars(module).values() if module is not None else ():
+            info = getattr(value, "cache_info", None)
+            if callable(info) and hasattr(value, "cache_clear"):
+                try:
+                    builds += info().misses
+                except (TypeError, AttributeError):
+                    continue
+    counts["quack builds"] = builds
+    return counts
+
+
 def measure_shape(job: PeerJob, progress: peer_worker.Progress) -> None:
     """Import SonicMoE once, then for each token count inputs, reference, check and timing as
     benchmarks.moe does them."""
@@ -227,9 +256,12 @@ def measure_shape(job: PeerJob, progress: peer_worker.Progress) -> None:
     stream = torch.cuda.current_stream(device).cuda_stream
     for num_tokens in job.tokens:
         progress.begin(num_tokens)
+        before = compile_counts()
         inputs, reference = peer_worker.inputs_and_reference(job, shape, device, progress)
         impl = sonic_impl(moe_general_routing_inputs, ActivationType.SWIGLU, inputs, stream)
         peer_worker.measure_passes(job, {"fwd": impl, "train": impl}, inputs, reference, progress)
+        after = compile_counts()
+        progress.result["compiles"] = {k: after[k] - before.get(k, 0) for k in after}
         progress.done()
         del inputs, reference, impl
         torch.cuda.empty_cache()

@@ -416,6 +416,15 @@ def test_time_limit_leaves_what_would_end_past_it_and_says_so(tmp_path, capsys):
         moe.parse_args(["--time-limit", "0"])
 
 
+def test_time_limit_expects_a_shapes_first_token_count_to_take_longest():
+    # A shape's first token count (peer workers start and compile) against its later ones.
+    assert moe.expected_s({"first": 0.0, "later": 0.0}, "first") == 0.0
+    assert moe.expected_s({"first": 219.0, "later": 0.0}, "later") == 219.0  # none later yet
+    assert moe.expected_s({"first": 219.0, "later": 27.0}, "later") == 27.0
+    assert moe.expected_s({"first": 219.0, "later": 27.0}, "first") == 219.0
+    assert moe.expected_s({"first": 2.0, "later": 27.0}, "first") == 27.0  # never below a later
+
+
 def test_progress_line_names_each_peer_worker_time():
     rows = [
         {**_row("mok", "fwd"), "num_tokens": 2048},
@@ -428,6 +437,40 @@ def test_progress_line_names_each_peer_worker_time():
         "2048 tokens: 130 s, sonicmoe worker 83 s, liger worker 41 s (reference at 12, check at "
         "20, time_fwd at 39); 400 s into the run" in line
     )
+    # What a worker compiled on this token count; caches that did not grow are left out.
+    rows[1]["worker_compiles"] = {"TRITON_CACHE_DIR files": 12, "quack builds": 0,
+                                  "QUACK_CACHE_DIR files": 4}  # fmt: skip
+    line = report.progress_line(rows, 130.2, 400.0)
+    assert (
+        "sonicmoe worker 83 s [compiled: TRITON_CACHE_DIR files +12, QUACK_CACHE_DIR files +4], "
+        "liger worker 41 s" in line
+    )
+
+
+def test_sonic_compile_counts_count_cache_files_and_quack_builds(tmp_path, monkeypatch):
+    import functools  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    from benchmarks import sonic  # noqa: PLC0415
+
+    (tmp_path / "triton" / "a").mkdir(parents=True)
+    for name in ("a/k1.cubin", "a/k1.json", "top.json"):
+        (tmp_path / "triton" / name).write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "missing"))  # not there: left out
+    monkeypatch.delenv("CUTE_DSL_CACHE_DIR", raising=False)
+    module = types.ModuleType("quack.gemm")
+
+    @functools.cache
+    def build(n):
+        return n
+
+    module.build, module.other = build, 3
+    monkeypatch.setitem(sys.modules, "quack.gemm", module)
+    assert sonic.compile_counts() == {"TRITON_CACHE_DIR files": 3, "quack builds": 0}
+    build(1), build(1), build(2)  # two misses (builds), one hit
+    (tmp_path / "triton" / "a" / "k2.cubin").write_text("")
+    assert sonic.compile_counts() == {"TRITON_CACHE_DIR files": 4, "quack builds": 2}
 
 
 def test_sonic_rows_say_why_when_sonicmoe_is_not_importable(tmp_path, capsys):
