@@ -23,11 +23,22 @@
 # first call, minutes a shape). QuACK's autotuning (about a minute a shape and token count) is
 # kept too: the run leaves its choices (*.autotune.json) in $OUT/peer_cache_<GPU>.tgz, and
 # PEER_CACHE=DIR (carried) seeds them from DIR/<GPU>/quack, where <GPU> is the card's name with
-# '_' for spaces (unpack the archive there: tar -xzf FILE -C DIR/<GPU>/quack).
+# '_' for spaces (unpack the archive there: tar -xzf FILE -C DIR/<GPU>/quack). The summary
+# ends with the size of each of SonicMoE's compile caches (files, bytes, gzipped): its first
+# call of a shape compiles for minutes on a machine that has not compiled it (docs/NOTES.md §4).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; LOGS=$(mktemp -d); mkdir -p "$OUT"; START=$(date +%s)
 export LOGS DEADLINE=$(( START + ${DEADLINE_S:-540} )) TEST_TIMEOUT=${TEST_TIMEOUT:-420}
+# SonicMoE's compile caches as the run leaves them (files, bytes, gzipped bytes): what a later
+# run would need to carry to skip a shape's first-call compiles.
+cache_sizes() {
+  for var in QUACK_CACHE_DIR TRITON_CACHE_DIR CUTE_DSL_CACHE_DIR TVM_FFI_CACHE_DIR; do
+    dir=${!var:-}; [ -n "$dir" ] && [ -d "$dir" ] || continue
+    echo "peer cache $var: $(find "$dir" -type f | wc -l) files, $(du -sb "$dir" | cut -f1) bytes," \
+      "$(tar -cf - -C "$dir" . | gzip -1 | wc -c) gzipped" >> "$LOGS/summary.txt"
+  done
+}
 pack() {
   cp "$LOGS/summary.txt" "$OUT/" 2>/dev/null; tar -czf "$OUT/logs.tgz" -C "$LOGS" .
   if [ -n "${QUACK_CACHE_DIR:-}" ] && [ -d "$QUACK_CACHE_DIR" ]; then
@@ -147,6 +158,7 @@ for b in ${BENCH:-}; do
         python3 tools/tree_ab.py --a "$LOGS"/ab_a*.json --b "$LOGS"/ab_b*.json >> "$LOGS/summary.txt" 2>&1 ;;
   esac
 done
+cache_sizes
 note "total $(( $(date +%s) - START ))s"
 echo "======== summary"; cat "$LOGS/summary.txt"
 exit $status
