@@ -578,7 +578,6 @@ def extra_sections(args, device, world_size) -> dict:
     return extra
 
 
-# What main keeps on args that is not an argument (left out of the JSON's "args").
 def expected_s(longest: dict[str, float], kind: str) -> float:
     """How long the next shape and token count is expected to take, for ``--time-limit``.
 
@@ -593,6 +592,7 @@ def expected_s(longest: dict[str, float], kind: str) -> float:
     return max(longest["first"], longest["later"])
 
 
+# What main keeps on args that is not an argument (left out of the JSON's "args").
 PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results", "run_start")
 
 
