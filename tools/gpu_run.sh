@@ -7,6 +7,7 @@
 #   TESTS=tests/gpu/test_forward_gpu.py TEST_DIRS="variant=DIR" bash tools/gpu_run.sh  (DIR too)
 #   ORIGINAL=PATH_TO_ORIGINAL_CHECKOUT BENCH="main moe" bash tools/gpu_run.sh
 #   SONIC_KIT=.peers/sonic BENCH=moe MOE_ARGS="--shapes qwen3-30b-a3b --no-liger" bash tools/gpu_run.sh
+#   SONIC_KIT=.peers/sonic BENCH="warm moe" MOE_ARGS=... bash tools/gpu_run.sh  (peer compiles first)
 #   BASELINE=DIR BENCH=ab MOE_ARGS="--shapes qwen3-30b-a3b --tokens 2048,16384" bash tools/gpu_run.sh
 #   BENCH=phases PHASE_SHAPES="qwen3-30b-a3b kimi-k2" [TIMELINE_DIR=DIR] bash tools/gpu_run.sh
 #   BENCH=ncu NCU_TOKENS="2048 16384" [NCU_SHAPE=kimi-k2] bash tools/gpu_run.sh
@@ -109,6 +110,17 @@ for b in ${BENCH:-}; do
   left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && { note "$b not started (deadline)"; continue; }
   case $b in
     main) timeout "$left" python3 -m mok > "$LOGS/main.log" 2>&1; note "python -m mok rc=$? $(tail -1 "$LOGS/main.log")" ;;
+    warm) # a peer's first call of a shape compiles for minutes (docs/NOTES.md §4): one benchmarks.moe
+        # per shape of WARM_SHAPES, all at once (compiles are CPU-bound, one core each), one rep
+        # at WARM_TOKENS, where the seeded choices need no autotuning; timings not used
+        pids=()
+        for shape in ${WARM_SHAPES:-qwen3-30b-a3b kimi-k2 deepseek-v3 mixtral-8x7b}; do
+          timeout "$left" python3 -m benchmarks.moe --shapes "$shape" --tokens "${WARM_TOKENS:-2048}" \
+            --passes fwd,fwdbwd --no-liger "${peer_args[@]}" --reps 1 --warmup 0 \
+            > "$LOGS/warm_$shape.log" 2>&1 & pids+=("$shape:$!")
+        done
+        for p in "${pids[@]}"; do wait "${p#*:}"; note "warm ${p%%:*} rc=$? $(grep -o '\[compiled:[^]]*\]' "$LOGS/warm_${p%%:*}.log" | head -1)"; done
+        note "warm done at $(( $(date +%s) - START ))s" ;;
     memory) timeout "$left" python3 -m benchmarks.memory_kernels --json "$LOGS/memory_kernels.json" > "$LOGS/memory_kernels.log" 2>&1; note "memory_kernels rc=$?" ;;
     moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} "${peer_args[@]}" --time-limit $(( left - 25 )) --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
          note "benchmarks.moe rc=$?"; grep -E "into the run\)$|--time-limit" "$LOGS/moe.log" >> "$LOGS/summary.txt"
