@@ -8,6 +8,7 @@
 #   ORIGINAL=PATH_TO_ORIGINAL_CHECKOUT BENCH="main moe" bash tools/gpu_run.sh
 #   SONIC_KIT=.peers/sonic BENCH=moe MOE_ARGS="--shapes qwen3-30b-a3b --no-liger" bash tools/gpu_run.sh
 #   SONIC_KIT=.peers/sonic BENCH="warm moe" MOE_ARGS=... bash tools/gpu_run.sh  (peer compiles first)
+#   BENCH=macro [MACRO_ARGS="--shapes qwen3-30b-a3b --tokens 16384 --macrobatch 16384"] bash tools/gpu_run.sh
 #   BASELINE=DIR BENCH=ab MOE_ARGS="--shapes qwen3-30b-a3b --tokens 2048,16384" bash tools/gpu_run.sh
 #   BENCH=phases PHASE_SHAPES="qwen3-30b-a3b kimi-k2" [TIMELINE_DIR=DIR] bash tools/gpu_run.sh
 #   BENCH=ncu NCU_TOKENS="2048 16384" [NCU_SHAPE=kimi-k2] bash tools/gpu_run.sh
@@ -125,6 +126,10 @@ for b in ${BENCH:-}; do
     moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} "${peer_args[@]}" --time-limit $(( left - 25 )) --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
          note "benchmarks.moe rc=$?"; grep -E "into the run\)$|--time-limit" "$LOGS/moe.log" >> "$LOGS/summary.txt"
          grep -A60 "^shape " "$LOGS/moe.log" >> "$LOGS/summary.txt" ;;
+    macro) # the ring's rows (--macrobatch) in a benchmarks.moe of their own, no peers
+        timeout "$left" python3 -m benchmarks.moe --no-liger --no-sonic ${MACRO_ARGS:---shapes qwen3-30b-a3b,deepseek-v3 --tokens 16384 --passes fwd,fwdbwd --macrobatch 16384} \
+          --time-limit $(( left - 25 )) --json "$LOGS/macro.json" > "$LOGS/macro.log" 2>&1
+        note "benchmarks.moe --macrobatch rc=$?"; grep -A30 "^shape " "$LOGS/macro.log" >> "$LOGS/summary.txt" ;;
     phases) # where a pass's time goes (tools/phase_times.py); with TIMELINE_DIR (a diagnostic build of the
         # megakernels, tools/phase_timeline.py's docstring) their phases CTA by CTA too
         for shape in ${PHASE_SHAPES:-qwen3-30b-a3b}; do
