@@ -12,6 +12,12 @@ count runs in its own worker process, ``python -m benchmarks.liger --worker ...`
 - a hang or a native crash in a peer must cost one shape, not the run: the worker has a hard
   timeout and the harness reports how it ended, with the last lines of its output.
 
+A worker's start (its imports, NVSHMEM and ``configure``) takes 10-15 s, most of its time on a
+token count, so the harness starts the next token count's worker as soon as one has finished
+(``start``; benchmarks.moe's ``start_next_liger``, when the GPU has room for its heap): it
+starts beside the rows measured before its turn, then waits, configured, for its gate, and its
+own GPU work (inputs, reference, check, timing) runs only in its turn.
+
 The worker builds the same inputs as the harness (``make_inputs``, same seed), checks them
 against the same fp32 reference with the same tolerance, and times them with the same timer and
 reps; it writes one JSON result that the harness turns into rows. Liger takes router weights in
@@ -165,9 +171,17 @@ def symmetric_heap_gib(
 
 @dataclass(frozen=True)
 class LigerJob(PeerJob):
-    """One shape at one token count for one Liger worker; ``heap_gib`` sizes its NVSHMEM heap."""
+    """One shape at one token count for one Liger worker; ``heap_gib`` sizes its NVSHMEM heap.
+    ``gate``: a worker started ahead of its turn (``start``) waits, once configured, for this
+    file before its first GPU stage ("" for none)."""
 
     heap_gib: int = 0
+    gate: str = ""
+
+    def same_work(self, other: LigerJob) -> bool:
+        """Whether ``other`` measures the same thing (its folder, gate and timeout aside)."""
+        aside = {"result_path": "", "gate": "", "timeout_s": 0.0}
+        return dataclasses.replace(self, **aside) == dataclasses.replace(other, **aside)
 
 
 def worker_command(job: LigerJob) -> list[str]:
@@ -208,18 +222,45 @@ def worker_env(job: LigerJob, availability: LigerAvailability, base: dict) -> di
 read_result = peer_worker.read_result
 
 
-def run_job(job: LigerJob, availability: LigerAvailability) -> dict:
+@dataclass
+class Started:
+    """A worker started ahead of its turn (``start``) for ``job``: it loads Liger and
+    configures NVSHMEM while the harness measures the rows before it, then waits for its gate."""
+
+    job: LigerJob
+    worker: peer_worker.Started
+
+    def stop(self) -> None:
+        self.worker.stop(KILL_GRACE_S)
+
+
+def start(job: LigerJob, availability: LigerAvailability) -> Started | None:
+    """Start ``job``'s worker now, to be run by ``run_job(..., started=...)`` (None if it could
+    not start: ``run_job`` then starts one itself)."""
+
+    def command_for(folder: str, gate: str) -> list[str]:
+        return worker_command(dataclasses.replace(job, result_path=folder, gate=gate))
+
+    worker = peer_worker.start(
+        "liger", command_for, worker_env(job, availability, dict(os.environ))
+    )
+    return None if isinstance(worker, str) else Started(job, worker)
+
+
+def run_job(job: LigerJob, availability: LigerAvailability, started: Started | None = None) -> dict:
     """Run one worker (one token count: ``configure`` fixes its capacity) to its end or its
     timeout; its result with ``failure`` set if it failed (benchmarks/peer_worker.py says
-    how)."""
+    how). ``started``: this job's worker, started ahead (``start``); its gate opens now."""
     (num_tokens,) = job.tokens
+    if started is not None and not started.job.same_work(job):
+        raise ValueError(f"started worker is for {started.job}, not {job}")
 
     def command_for(folder: str, tokens: tuple[int, ...]) -> list[str]:
         return worker_command(dataclasses.replace(job, result_path=folder, tokens=tokens))
 
     env = worker_env(job, availability, dict(os.environ))
     results = peer_worker.run_worker("liger", command_for, env, job.timeout_s, KILL_GRACE_S,
-                                     job.tokens)  # fmt: skip
+                                     job.tokens, started.worker if started else None)  # fmt: skip
     return results[num_tokens]
 
 
@@ -374,6 +415,8 @@ def measure_shape(
     shape = scale_for_run(select_shapes(job.shape)[0], world_size=1, quick=job.quick)
     _configure(device, shape, progress.num_tokens)
     progress.result["info"]["configure_s"] = round(time.monotonic() - began, 1)
+    if job.gate:  # started ahead of its turn: the harness is still timing other rows
+        peer_worker.wait_for_gate(job.gate, progress)
 
     inputs, reference = peer_worker.inputs_and_reference(job, shape, device, progress)
     inference, training = _liger_impls(moe_fused, inputs)

@@ -134,6 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.reps = args.reps or (3 if args.quick else 20)
     args.liger = None  # main: a LigerAvailability when the liger row is attempted
     args.sonic = None  # main: a SonicAvailability unless --no-sonic
+    args.upcoming = ()  # main: the (shape, token count) pairs after the one being run
+    args.liger_started = None  # liger_rows: the next pair's Liger worker, started ahead
     return args
 
 
@@ -457,21 +459,62 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
     availability = args.liger
     label = availability.label()
     status = availability.reason or liger.unsupported_reason(shape.swiglu_limit, args.shared)
+    started, args.liger_started = args.liger_started, None
     if status is not None:
         outcomes, result = {p: {"status": status} for p in args.passes}, {}
     else:
-        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        heap_gib = liger.symmetric_heap_gib(
-            num_tokens, shape.num_experts, shape.hidden_size, shape.topk, sm_count
-        )
-        job = liger.LigerJob(
-            **peer_job_fields(shape, (num_tokens,), args, device, args.liger_timeout),
-            heap_gib=heap_gib,
-        )
-        result = liger.run_job(job, availability)
+        job = liger_job(shape, num_tokens, args, device)
+        if started is not None and not started.job.same_work(job):
+            started.stop()
+            started = None
+        result = liger.run_job(job, availability, started=started)
+        started = None
         outcomes = liger.pass_outcomes(result, job.passes)
-    return peer_rows("liger", label, outcomes, result, shape, num_tokens, args, base,
+    if started is not None:
+        started.stop()
+    rows = peer_rows("liger", label, outcomes, result, shape, num_tokens, args, base,
                      best_baseline, ceilings, emit)  # fmt: skip
+    start_next_liger(args, device)
+    return rows
+
+
+def liger_job(shape, num_tokens, args, device) -> liger.LigerJob:
+    """The Liger worker's job for one shape at one token count, its heap sized for it."""
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    heap_gib = liger.symmetric_heap_gib(
+        num_tokens, shape.num_experts, shape.hidden_size, shape.topk, sm_count
+    )
+    return liger.LigerJob(
+        **peer_job_fields(shape, (num_tokens,), args, device, args.liger_timeout),
+        heap_gib=heap_gib,
+    )
+
+
+# GPU memory a started Liger worker must leave free beside its heap, for the rows measured
+# while it waits (the next pair's inputs, fp32 reference and mok's rows, and the SonicMoE
+# worker's), in GiB; with less free the next worker starts in its turn, as every one did before.
+LIGER_START_HEADROOM_GIB = 64
+
+
+def start_next_liger(args, device) -> None:
+    """Start the Liger worker of the next pair that has one (``args.upcoming``) now: its start
+    (imports, NVSHMEM and Liger's configure, 10-15 s a worker) then runs beside the rows
+    measured before its turn, and it waits, configured, for its gate before any GPU stage of
+    its own (inputs, reference, check, timing). Only if the GPU has its heap and
+    ``LIGER_START_HEADROOM_GIB`` free."""
+    pairs = [
+        (scale_for_run(model, 1, args.quick), num_tokens) for model, num_tokens in args.upcoming
+    ]
+    supported = [
+        p for p in pairs if liger.unsupported_reason(p[0].swiglu_limit, args.shared) is None
+    ]
+    if not supported:
+        return
+    job = liger_job(*supported[0], args, device)
+    free, _total = torch.cuda.mem_get_info(device)
+    if free < (job.heap_gib + LIGER_START_HEADROOM_GIB) * 2**30:
+        return
+    args.liger_started = liger.start(job, args.liger)
 
 
 def peer_job_fields(shape, tokens: tuple[int, ...], args, device, timeout_s: float) -> dict:
@@ -593,7 +636,39 @@ def expected_s(longest: dict[str, float], kind: str) -> float:
 
 
 # What main keeps on args that is not an argument (left out of the JSON's "args").
-PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results", "run_start")
+PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results", "run_start", "upcoming",
+                 "liger_started")  # fmt: skip
+
+
+def measure_in_order(order, args, device, rank, world_size, group, ceilings, probe, emit,
+                     rows, not_reached, lead) -> None:  # fmt: skip
+    """Every (shape, token count) of ``order`` in turn, rows into ``rows``; under --time-limit
+    each one that would end past it into ``not_reached`` instead."""
+    run_start = args.run_start
+    longest = {"first": 0.0, "later": 0.0}  # the longest (shape, T) so far, by kind
+    shape_started = False
+    for index, (model, num_tokens) in enumerate(order):
+        if index == 0 or order[index - 1][0] is not model:
+            shape_started = False
+        args.upcoming = tuple(order[index + 1 :])
+        start = time.monotonic()
+        kind = "later" if shape_started else "first"
+        estimate = expected_s(longest, kind)
+        if args.time_limit is not None and start - run_start + estimate > args.time_limit:
+            not_reached.append({"shape": model.name, "num_tokens": num_tokens})
+            print(f"  ({model.name} {num_tokens} tokens: not started, {start - run_start:.0f} s "
+                  f"into the run, {estimate:.0f} s expected (the longest {kind} token count "
+                  f"of a shape so far): --time-limit {args.time_limit:.0f})", flush=True)  # fmt: skip
+            continue
+        new_rows = run_shape(model, num_tokens, args, device, rank, world_size, group,
+                             ceilings, probe, emit)  # fmt: skip
+        rows += new_rows
+        gc.collect()
+        end = time.monotonic()
+        longest[kind] = max(longest[kind], end - start)
+        shape_started = True
+        if lead:
+            print(report.progress_line(new_rows, end - start, end - run_start), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -637,29 +712,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.sonic is not None:
             where = f" at {args.sonic.site}" if args.sonic.available else ""
             print(f"sonicmoe: {args.sonic.reason or args.sonic.label() + where}")
-    rows, not_reached, run_start = [], [], args.run_start
-    longest = {"first": 0.0, "later": 0.0}  # the longest (shape, T) so far, by kind
-    for model in select_shapes(args.shapes):
-        shape_started = False
-        for num_tokens in args.tokens:
-            start = time.monotonic()
-            kind = "later" if shape_started else "first"
-            estimate = expected_s(longest, kind)
-            if args.time_limit is not None and start - run_start + estimate > args.time_limit:
-                not_reached.append({"shape": model.name, "num_tokens": num_tokens})
-                print(f"  ({model.name} {num_tokens} tokens: not started, {start - run_start:.0f} s "
-                      f"into the run, {estimate:.0f} s expected (the longest {kind} token count "
-                      f"of a shape so far): --time-limit {args.time_limit:.0f})", flush=True)  # fmt: skip
-                continue
-            new_rows = run_shape(model, num_tokens, args, device, rank, world_size, group,
-                                 ceilings, probe, emit)  # fmt: skip
-            rows += new_rows
-            gc.collect()
-            end = time.monotonic()
-            longest[kind] = max(longest[kind], end - start)
-            shape_started = True
-            if lead:
-                print(report.progress_line(new_rows, end - start, end - run_start), flush=True)
+    rows, not_reached = [], []
+    order = [
+        (model, num_tokens) for model in select_shapes(args.shapes) for num_tokens in args.tokens
+    ]
+    try:
+        measure_in_order(order, args, device, rank, world_size, group, ceilings, probe, emit,
+                         rows, not_reached, lead)  # fmt: skip
+    finally:
+        if args.liger_started is not None:  # started for a pair the run did not reach
+            args.liger_started.stop()
     extra = extra_sections(args, device, world_size) if lead else {}
     if lead:
         print()

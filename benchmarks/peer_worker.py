@@ -15,6 +15,7 @@ Only the standard library is imported: a worker may have to load a library befor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -81,7 +82,8 @@ class PeerJob:
         parser = argparse.ArgumentParser(prog="worker")
         parser.add_argument("--worker", action="store_true", required=True)
         parser.add_argument("--quick", action="store_true")
-        types = {"shape": str, "passes": str, "tokens": str, "result_path": str, "timeout_s": float}
+        types = {"shape": str, "passes": str, "tokens": str, "result_path": str, "timeout_s": float,
+                 "gate": str}  # fmt: skip
         for field in dataclasses.fields(cls):
             if field.name != "quick":
                 flag = "--" + field.name.replace("_", "-")
@@ -134,6 +136,37 @@ def read_result(path: str) -> dict:
 POLL_S = 0.5  # how often the harness looks at a running worker's result files
 
 
+@dataclass
+class Started:
+    """A worker process started ahead of its turn (``start``): its result folder (removed by
+    ``stop``), its log, and the gate file it waits for before its first GPU stage."""
+
+    process: subprocess.Popen
+    folder: tempfile.TemporaryDirectory
+    log_path: str
+    gate: str
+
+    def open_gate(self) -> None:
+        Path(self.gate).touch()
+
+    def stop(self, grace_s: float) -> None:
+        stop(self.process, grace_s)
+        self.folder.cleanup()
+
+
+def start(peer: str, command_for: Callable[[str, str], list[str]], env: dict) -> Started | str:
+    """Start ``command_for(folder, gate)`` now; its worker waits for the gate file (``open_gate``)
+    before its first GPU stage (``wait_for_gate``). Or why it could not start."""
+    folder = tempfile.TemporaryDirectory(prefix=f"mok_{peer}_")
+    log_path = os.path.join(folder.name, "worker_started.log")
+    gate = os.path.join(folder.name, "gate")
+    process = _start_process(peer, command_for(folder.name, gate), env, log_path)
+    if isinstance(process, str):
+        folder.cleanup()
+        return process
+    return Started(process, folder, log_path, gate)
+
+
 def run_worker(
     peer: str,
     command_for: Callable[[str, tuple[int, ...]], list[str]],
@@ -141,20 +174,33 @@ def run_worker(
     timeout_s: float,
     grace_s: float,
     tokens: tuple[int, ...],
+    started: Started | None = None,
 ) -> dict[int, dict]:
     """Run ``command_for(folder, tokens)`` until every token count has a result, each within
     ``timeout_s`` of the previous one's end (the first of a process: of its start). Per token
     count: its result, ``wall_s`` (the worker's time on it, its process start included for the
     first), and ``failure`` if it failed ("<peer> timeout ...", "<peer> crashed ...", "<peer>
     error ..." with the stage it was in) with ``log_tail``, the last lines of its process'
-    output. A process that fails leaves the token counts after its failed one to a new one."""
+    output. A process that fails leaves the token counts after its failed one to a new one.
+    ``started``: a process already started over ``tokens`` (``start``), whose gate opens now;
+    it is the first, its time counted from here, and its folder is removed at the end."""
     results: dict[int, dict] = {}
-    with tempfile.TemporaryDirectory(prefix=f"mok_{peer}_") as folder:
+    with contextlib.ExitStack() as stack:
+        if started is not None:
+            folder = started.folder.name
+            stack.callback(started.folder.cleanup)
+        else:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"mok_{peer}_"))
         remaining = tuple(tokens)
         while remaining:
-            log_path = os.path.join(folder, f"worker_{remaining[0]}.log")
-            ended = _run_process(peer, command_for(folder, remaining), env, timeout_s, grace_s,
-                                 log_path, folder, remaining)  # fmt: skip
+            if started is not None:
+                log_path, process = started.log_path, started.process
+                started.open_gate()
+                started = None  # a process after it is started here
+            else:
+                log_path = os.path.join(folder, f"worker_{remaining[0]}.log")
+                process = _start_process(peer, command_for(folder, remaining), env, log_path)
+            ended = _run_process(process, timeout_s, grace_s, folder, remaining)
             if isinstance(ended, str):  # the process could not be started
                 results.update({t: {"passes": {}, "failure": ended} for t in remaining})
                 break
@@ -177,16 +223,11 @@ def run_worker(
     return results
 
 
-def _run_process(peer, command, env, timeout_s, grace_s, log_path, folder, tokens):
-    """One worker process over ``tokens``: (returncode, timed out, {token count: seconds it
-    took} for those finished, seconds since the last finished one or the start), or why it
-    could not start."""
-    last = time.monotonic()
-    finished_at: dict[int, float] = {}
-    timed_out = False
+def _start_process(peer, command, env, log_path) -> subprocess.Popen | str:
+    """The worker's process, its output into ``log_path``, or why it could not start."""
     with open(log_path, "wb") as log:
         try:
-            process = subprocess.Popen(
+            return subprocess.Popen(
                 command,
                 cwd=REPO_ROOT,
                 env=env,
@@ -196,22 +237,33 @@ def _run_process(peer, command, env, timeout_s, grace_s, log_path, folder, token
             )
         except OSError as error:
             return f"{peer} not started: {error}"
-        while True:
-            try:
-                returncode = process.wait(timeout=POLL_S)
-            except subprocess.TimeoutExpired:
-                returncode = None
-            now = time.monotonic()
-            for num_tokens in tokens:
-                if num_tokens not in finished_at and _finished(folder, num_tokens):
-                    finished_at[num_tokens], last = round(now - last, 1), now
-            if returncode is not None:
-                break
-            if now - last > timeout_s:
-                timed_out = True
-                stop(process, grace_s)
-                returncode = process.returncode
-                break
+
+
+def _run_process(process, timeout_s, grace_s, folder, tokens):
+    """Watch one worker process over ``tokens``: (returncode, timed out, {token count: seconds
+    it took} for those finished, seconds since the last finished one or the start), or why it
+    could not start (``process`` is that reason)."""
+    if isinstance(process, str):
+        return process
+    last = time.monotonic()
+    finished_at: dict[int, float] = {}
+    timed_out = False
+    while True:
+        try:
+            returncode = process.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        now = time.monotonic()
+        for num_tokens in tokens:
+            if num_tokens not in finished_at and _finished(folder, num_tokens):
+                finished_at[num_tokens], last = round(now - last, 1), now
+        if returncode is not None:
+            break
+        if now - last > timeout_s:
+            timed_out = True
+            stop(process, grace_s)
+            returncode = process.returncode
+            break
     return returncode, timed_out, finished_at, round(time.monotonic() - last, 1)
 
 
@@ -295,6 +347,26 @@ class Progress:
         with open(tmp, "w") as handle:
             json.dump(self.result, handle, indent=2, default=str)
         os.replace(tmp, self.path)
+
+
+GATE_WAIT_S = 3600.0  # the longest a started worker waits for its turn (``Started``)
+
+
+def wait_for_gate(gate: str, progress: Progress, limit_s: float | None = None) -> None:
+    """A worker started ahead of its turn (``start``) waits here, before its first GPU work, for
+    the harness to open its gate; bounded, and it gives up if the harness is gone."""
+    limit_s = GATE_WAIT_S if limit_s is None else limit_s
+    progress.stage("wait_gate")
+    harness, began = os.getppid(), time.monotonic()
+    while not os.path.exists(gate):
+        waited = time.monotonic() - began
+        if os.getppid() != harness:
+            raise RuntimeError(f"the harness (pid {harness}) ended before opening gate {gate}")
+        if waited > limit_s:
+            raise TimeoutError(f"gate {gate} not opened by the harness (pid {harness}) "
+                               f"within {limit_s:.0f} s")  # fmt: skip
+        time.sleep(0.02)
+    progress.info["gate_wait_s"] = round(time.monotonic() - began, 1)
 
 
 def inputs_and_reference(job: PeerJob, shape, device, progress: Progress) -> tuple:

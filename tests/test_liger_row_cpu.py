@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -101,7 +102,8 @@ def test_site_reasons_name_what_is_missing(tmp_path):
 
 
 def test_job_round_trips_through_the_worker_argv():
-    for one in (job(), job(quick=True, passes=("bwd",), timeout_s=12.5, device_index=3)):
+    for one in (job(), job(quick=True, passes=("bwd",), timeout_s=12.5, device_index=3),
+                job(gate="/tmp/folder/gate")):  # fmt: skip
         argv = one.argv()
         assert argv[0] == "--worker"
         assert liger.LigerJob.from_argv(argv) == one
@@ -189,7 +191,8 @@ def test_liger_rows_from_a_worker_result(monkeypatch):
     jobs = []
     check = {"rel_err": {"out": 3e-3}, "max_rel_err": 3e-3}
 
-    def fake_run(one, _availability):
+    def fake_run(one, _availability, started=None):
+        assert started is None  # nothing was started ahead in this run
         jobs.append(one)
         return {
             "info": {"gpu": "H200"},
@@ -330,3 +333,127 @@ def test_one_worker_over_token_counts_and_a_new_one_after_a_hang(monkeypatch, ha
             assert outcomes["bwd"] == {"status": "peer: pass not run"}
     after = {0: [], 64: [(128,)], 128: []}[hang]
     assert commands == [(32, 64, 128), *after]
+
+
+# A worker started ahead of its turn: it writes its stage, waits for the gate (bounded, as
+# peer_worker.wait_for_gate), then finishes its token count.
+GATED_WORKER = """
+import json, os, sys, time
+folder, gate = sys.argv[1], sys.argv[2]
+path = os.path.join(folder, "tokens_4096.json")
+with open(path, "w") as f:
+    json.dump({"status": "running", "stage": "wait_gate", "passes": {}}, f)
+began = time.monotonic()
+while not os.path.exists(gate):
+    assert time.monotonic() - began < 30, "gate never opened"
+    time.sleep(0.01)
+with open(path, "w") as f:
+    json.dump({"status": "done", "stage": "done", "passes": {"fwd": {"status": "ok", "ms": 1.5}}}, f)
+"""
+
+
+def test_started_worker_waits_for_its_gate_and_is_run_from_there(monkeypatch):
+    monkeypatch.setattr(peer_worker, "POLL_S", 0.05)
+
+    def command_for(folder, gate):
+        return [sys.executable, "-c", GATED_WORKER, folder, gate]
+
+    started = peer_worker.start("peer", command_for, {**os.environ})
+    result_path = peer_worker.result_file(started.folder.name, 4096)
+    deadline = time.monotonic() + 30
+    while peer_worker.read_result(result_path)["stage"] != "wait_gate":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.2)
+    assert started.process.poll() is None  # still waiting: nothing opened its gate
+
+    def never(*_args):
+        raise AssertionError("a started worker's token count needs no new process")
+
+    results = peer_worker.run_worker("peer", never, {**os.environ}, 20.0, 1.0, (4096,), started)
+    assert results[4096]["status"] == "done" and "failure" not in results[4096]
+    assert results[4096]["passes"]["fwd"]["ms"] == 1.5 and results[4096]["wall_s"] < 20
+    assert not os.path.exists(started.folder.name)  # removed with its results read
+
+
+def test_started_worker_stopped_unused_leaves_nothing(monkeypatch):
+    started = peer_worker.start(
+        "peer",
+        lambda folder, gate: [sys.executable, "-c", GATED_WORKER, folder, gate],
+        {**os.environ},
+    )
+    started.stop(1.0)
+    assert started.process.poll() is not None and not os.path.exists(started.folder.name)
+
+
+def test_gate_wait_is_bounded_and_names_what_it_waited_for(tmp_path):
+    progress = peer_worker.Progress("liger", job(result_path=str(tmp_path)))
+    gate = str(tmp_path / "gate")
+    with pytest.raises(
+        TimeoutError, match=f"gate {gate} not opened by the harness .pid {os.getppid()}."
+    ):
+        peer_worker.wait_for_gate(gate, progress, limit_s=0.1)
+    assert progress.result["stage"] == "wait_gate"
+    (tmp_path / "gate").touch()
+    peer_worker.wait_for_gate(gate, progress, limit_s=0.1)
+    assert progress.info["gate_wait_s"] >= 0
+
+
+def _upcoming(names_and_tokens):
+    return tuple((select_shapes(name)[0], t) for name, t in names_and_tokens)
+
+
+def test_next_liger_worker_is_started_for_the_next_pair_it_supports(monkeypatch):
+    """After a pair's Liger rows, the next pair's worker that Liger can run starts ahead, if
+    the GPU has its heap and the headroom free; liger_rows then runs it, or stops one that
+    is for another pair."""
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(multi_processor_count=132)
+    )
+    free = {"bytes": 140 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _d: (free["bytes"], 141 * 2**30))
+    events = []
+
+    class FakeStarted:
+        def __init__(self, one):
+            self.job = one
+
+        def stop(self):
+            events.append(("stop", self.job.shape, self.job.tokens))
+
+    def fake_start(one, _availability):
+        events.append(("start", one.shape, one.tokens))
+        return FakeStarted(one)
+
+    def fake_run(one, _availability, started=None):
+        events.append(("run", one.shape, one.tokens, started is not None))
+        return {"passes": {"fwd": {"status": "ok", "ms": 2.0, "rel_err": {}, "max_rel_err": 0}}}
+
+    monkeypatch.setattr(liger, "start", fake_start)
+    monkeypatch.setattr(liger, "run_job", fake_run)
+    args = _liger_args(("fwd",))
+    device = torch.device("cuda", 0)
+    qwen = scale_for_run(select_shapes("qwen3-30b-a3b")[0], world_size=1, quick=False)
+    base = {"shape": qwen.as_dict(), "num_tokens": 4096, "world_size": 1}
+
+    def rows_at(num_tokens, upcoming):
+        args.upcoming = _upcoming(upcoming)
+        ceilings = {"gemm_bf16_tflops": 800.0, "gemm_bf16_sustained_tflops": 600.0}
+        moe.liger_rows(qwen, num_tokens, args, device, base, {}, ceilings, lambda row: None)
+
+    # The clamped shape has no Liger worker: the one after it is started.
+    rows_at(2048, [("deepseek-v4-pro", 2048), ("qwen3-30b-a3b", 4096)])
+    assert events == [("run", "qwen3-30b-a3b", (2048,), False), ("start", "qwen3-30b-a3b", (4096,))]
+    assert args.liger_started.job.heap_gib == liger.symmetric_heap_gib(4096, 128, 2048, 8, 132)
+    events.clear()
+    rows_at(4096, [])  # its turn: run from where it waits; nothing after it
+    assert events == [("run", "qwen3-30b-a3b", (4096,), True)] and args.liger_started is None
+    events.clear()
+    rows_at(2048, [("qwen3-30b-a3b", 16384)])
+    events.clear()
+    rows_at(4096, [])  # started for 16384 tokens (a pair skipped, say): stopped, not used
+    assert events == [("stop", "qwen3-30b-a3b", (16384,)), ("run", "qwen3-30b-a3b", (4096,), False)]
+    events.clear()
+    free["bytes"] = (9 + moe.LIGER_START_HEADROOM_GIB) * 2**30 - 1  # 16384 tokens: a 9 GiB heap
+    rows_at(2048, [("qwen3-30b-a3b", 16384)])
+    assert events == [("run", "qwen3-30b-a3b", (2048,), False)] and args.liger_started is None
