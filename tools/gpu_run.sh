@@ -112,20 +112,20 @@ for b in ${BENCH:-}; do
   case $b in
     main) timeout "$left" python3 -m mok > "$LOGS/main.log" 2>&1; note "python -m mok rc=$? $(tail -1 "$LOGS/main.log")" ;;
     warm) # a peer's first call of a shape compiles for minutes (docs/NOTES.md §4): one benchmarks.moe
-        # per shape of WARM_SHAPES, all at once (compiles are CPU-bound, one core each), one rep
-        # at WARM_TOKENS, where the seeded choices need no autotuning; timings not used
-        pids=()
-        for shape in ${WARM_SHAPES:-qwen3-30b-a3b kimi-k2 deepseek-v3 mixtral-8x7b}; do
-          timeout "$left" python3 -m benchmarks.moe --shapes "$shape" --tokens "${WARM_TOKENS:-2048}" \
-            --passes fwd,fwdbwd --no-liger "${peer_args[@]}" --reps 1 --warmup 0 \
-            > "$LOGS/warm_$shape.log" 2>&1 & pids+=("$shape:$!")
+        # per shape of WARM_SHAPES (the longest compiles first), WARM_PAR at once (compiles are
+        # CPU-bound, one core each; each process and its peer worker hold up to ~23 GB of GPU
+        # memory, so four at once ran out on an H100), one rep at WARM_TOKENS, where the seeded
+        # choices need no autotuning; timings not used
+        for shape in ${WARM_SHAPES:-kimi-k2 deepseek-v3 qwen3-30b-a3b mixtral-8x7b}; do
+          while [ "$(jobs -rp | wc -l)" -ge "${WARM_PAR:-3}" ]; do wait -n; done
+          ( began=$(date +%s)
+            timeout "$left" python3 -m benchmarks.moe --shapes "$shape" --tokens "${WARM_TOKENS:-2048}" \
+              --passes fwd,fwdbwd --no-liger "${peer_args[@]}" --reps 1 --warmup 0 > "$LOGS/warm_$shape.log" 2>&1
+            note "warm $shape rc=$? $(( $(date +%s) - began ))s, $(grep -c ' error in stage' "$LOGS/warm_$shape.log") peer errors" \
+              "$(grep -o '\[compiled:[^]]*\]' "$LOGS/warm_$shape.log" | head -1)" ) &
         done
-        for p in "${pids[@]}"; do wait "${p#*:}"; note "warm ${p%%:*} rc=$? $(grep -o '\[compiled:[^]]*\]' "$LOGS/warm_${p%%:*}.log" | head -1)"; done
+        wait
         note "warm done at $(( $(date +%s) - START ))s" ;;
-    memory) timeout "$left" python3 -m benchmarks.memory_kernels --json "$LOGS/memory_kernels.json" > "$LOGS/memory_kernels.log" 2>&1; note "memory_kernels rc=$?" ;;
-    moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} "${peer_args[@]}" --time-limit $(( left - 25 )) --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
-         note "benchmarks.moe rc=$?"; grep -E "into the run\)$|--time-limit" "$LOGS/moe.log" >> "$LOGS/summary.txt"
-         grep -A60 "^shape " "$LOGS/moe.log" >> "$LOGS/summary.txt" ;;
     macro) # the ring's rows (--macrobatch) in a benchmarks.moe of their own, no peers
         timeout "$left" python3 -m benchmarks.moe --no-liger --no-sonic ${MACRO_ARGS:---shapes qwen3-30b-a3b,deepseek-v3 --tokens 16384 --passes fwd,fwdbwd --macrobatch 16384} \
           --time-limit $(( left - 25 )) --json "$LOGS/macro.json" > "$LOGS/macro.log" 2>&1
