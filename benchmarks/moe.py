@@ -16,7 +16,9 @@ Smoke test on a CPU in seconds: ``python -m benchmarks.moe --quick --device cpu`
 Order: ceilings of this device, then per shape: inputs, fp32 reference, each implementation
 checked against it (a failed check is reported and never timed), then timed per pass. Every
 row carries the pass's roofline floor against this run's ceilings (benchmarks/roofline.py), a
-timed one its time over that floor.
+timed one its time over that floor. On one GPU a SIGTERM (``timeout``) stops the measurements
+(and any peer worker) where they are; the table and JSON still come out, the pair it was in
+and those after it listed as not reached (JSON: ``interrupted`` says when).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import dataclasses
 import functools
 import gc
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -640,14 +644,24 @@ PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results", "run_start", "upco
                  "liger_started")  # fmt: skip
 
 
+class Interrupted(Exception):
+    """A SIGTERM during the measurements (one GPU): main stops them and reports what it has."""
+
+
+def _interrupt(signum, _frame):
+    raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
+
+
 def measure_in_order(order, args, device, rank, world_size, group, ceilings, probe, emit,
-                     rows, not_reached, lead) -> None:  # fmt: skip
+                     rows, not_reached, reached, lead) -> None:  # fmt: skip
     """Every (shape, token count) of ``order`` in turn, rows into ``rows``; under --time-limit
-    each one that would end past it into ``not_reached`` instead."""
+    each one that would end past it into ``not_reached`` instead. ``reached`` gets each pair
+    as it is started or left."""
     run_start = args.run_start
     longest = {"first": 0.0, "later": 0.0}  # the longest (shape, T) so far, by kind
     shape_started = False
     for index, (model, num_tokens) in enumerate(order):
+        reached.append((model.name, num_tokens))
         if index == 0 or order[index - 1][0] is not model:
             shape_started = False
         args.upcoming = tuple(order[index + 1 :])
@@ -712,23 +726,34 @@ def main(argv: list[str] | None = None) -> int:
         if args.sonic is not None:
             where = f" at {args.sonic.site}" if args.sonic.available else ""
             print(f"sonicmoe: {args.sonic.reason or args.sonic.label() + where}")
-    rows, not_reached = [], []
+    rows, not_reached, reached, interrupted = [], [], [], None
     order = [
         (model, num_tokens) for model in select_shapes(args.shapes) for num_tokens in args.tokens
     ]
+    # One GPU: a SIGTERM (`timeout`) stops the measurements where they are, and the run still
+    # prints its table and writes its JSON with what it measured.
+    main_thread = threading.current_thread() is threading.main_thread()
+    on_term = signal.signal(signal.SIGTERM, _interrupt) if group is None and main_thread else None
     try:
         measure_in_order(order, args, device, rank, world_size, group, ceilings, probe, emit,
-                         rows, not_reached, lead)  # fmt: skip
+                         rows, not_reached, reached, lead)  # fmt: skip
+    except Interrupted as error:
+        interrupted = f"{error} {time.monotonic() - args.run_start:.0f} s into the run"
+        for model, num_tokens in order[max(len(reached) - 1, 0) :]:  # the pair it was in, and after
+            not_reached.append({"shape": model.name, "num_tokens": num_tokens})
     finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
         if args.liger_started is not None:  # started for a pair the run did not reach
             args.liger_started.stop()
-    extra = extra_sections(args, device, world_size) if lead else {}
+    extra = extra_sections(args, device, world_size) if lead and interrupted is None else {}
     if lead:
         print()
         print(report.summary_table(rows))
         if not_reached:
             left = ", ".join(f"{n['shape']} {n['num_tokens']}" for n in not_reached)
-            print(f"not reached (--time-limit {args.time_limit:.0f} s): {left}")
+            why = interrupted or f"--time-limit {args.time_limit:.0f} s"
+            print(f"not reached ({why}): {left}")
         record = {
             "provenance": report.provenance(device, world_size),
             "args": {k: v for k, v in vars(args).items() if k not in PROCESS_STATE},
@@ -742,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
             "ceilings": ceilings,
             "rows": rows,
             "not_reached": not_reached,
+            "interrupted": interrupted,
             **extra,
         }
         if args.json:

@@ -248,22 +248,26 @@ def _run_process(process, timeout_s, grace_s, folder, tokens):
     last = time.monotonic()
     finished_at: dict[int, float] = {}
     timed_out = False
-    while True:
-        try:
-            returncode = process.wait(timeout=POLL_S)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        now = time.monotonic()
-        for num_tokens in tokens:
-            if num_tokens not in finished_at and _finished(folder, num_tokens):
-                finished_at[num_tokens], last = round(now - last, 1), now
-        if returncode is not None:
-            break
-        if now - last > timeout_s:
-            timed_out = True
-            stop(process, grace_s)
-            returncode = process.returncode
-            break
+    try:
+        while True:
+            try:
+                returncode = process.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                returncode = None
+            now = time.monotonic()
+            for num_tokens in tokens:
+                if num_tokens not in finished_at and _finished(folder, num_tokens):
+                    finished_at[num_tokens], last = round(now - last, 1), now
+            if returncode is not None:
+                break
+            if now - last > timeout_s:
+                timed_out = True
+                stop(process, grace_s)
+                returncode = process.returncode
+                break
+    except BaseException:  # the harness stops (a signal, an error): so does its worker
+        stop(process, grace_s)
+        raise
     return returncode, timed_out, finished_at, round(time.monotonic() - last, 1)
 
 

@@ -6,7 +6,10 @@ on a 2-core CI machine; the math checked is the same at every size.
 
 import importlib.util
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from benchmarks.inputs import make_inputs  # noqa: E402
 from benchmarks.reference import MAX_REL_ERR, compare, reference_results  # noqa: E402
 from benchmarks.shapes import SHAPES, scale_for_run, select_shapes  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 
 
@@ -414,6 +418,57 @@ def test_time_limit_leaves_what_would_end_past_it_and_says_so(tmp_path, capsys):
     assert "not reached (--time-limit 0 s): mixtral-8x7b 32, mixtral-8x7b 48" in printed
     with pytest.raises(SystemExit):
         moe.parse_args(["--time-limit", "0"])
+
+
+def test_sigterm_stops_the_run_and_it_still_writes_what_it_measured(tmp_path):
+    """`timeout` sends SIGTERM: the pair in progress and those after it are listed as not
+    reached, the table is printed and the JSON written, and the process exits 0."""
+    path = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "benchmarks.moe", "--quick", "--device", "cpu", "--shapes",
+               "mixtral-8x7b", "--passes", "fwd", "--tokens", ",".join(str(32 + 16 * i) for i in range(40)),
+               "--reps", "3", "--warmup", "0", "--no-sonic", "--json", str(path)]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in process.stdout:  # the first pair's progress line: one pair measured
+        lines.append(line)
+        if "into the run)" in line:
+            process.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + process.stdout.read()
+    assert process.wait(timeout=120) == 0, out
+    record = json.loads(path.read_text())
+    measured = sorted({row["num_tokens"] for row in record["rows"]})
+    left = [entry["num_tokens"] for entry in record["not_reached"]]
+    assert measured and measured[0] == 32 and left and left[-1] == 32 + 16 * 39
+    assert sorted(measured + left) == [32 + 16 * i for i in range(40)]
+    assert record["interrupted"].startswith("interrupted by SIGTERM")
+    assert "not reached (interrupted by SIGTERM" in out and "shape " in out
+
+
+def test_a_stopped_harness_stops_its_peer_worker(monkeypatch, tmp_path):
+    """An exception in the harness while a worker runs (a SIGTERM, say) ends the worker too."""
+    from benchmarks import peer_worker
+
+    monkeypatch.setattr(peer_worker, "POLL_S", 0.05)
+    pid_file = tmp_path / "pid"
+    script = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    calls = {"n": 0}
+
+    def finished(_folder, _num_tokens):
+        calls["n"] += 1
+        if pid_file.exists() and pid_file.read_text():
+            raise KeyboardInterrupt
+        return False
+
+    monkeypatch.setattr(peer_worker, "_finished", finished)
+    with pytest.raises(KeyboardInterrupt):
+        peer_worker.run_worker("peer", lambda _f, _t: [sys.executable, "-c", script],
+                               {**os.environ}, 30.0, 1.0, (32,))  # fmt: skip
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_time_limit_expects_a_shapes_first_token_count_to_take_longest():
