@@ -126,6 +126,10 @@ for b in ${BENCH:-}; do
         done
         wait
         note "warm done at $(( $(date +%s) - START ))s" ;;
+    memory) timeout "$left" python3 -m benchmarks.memory_kernels --json "$LOGS/memory_kernels.json" > "$LOGS/memory_kernels.log" 2>&1; note "memory_kernels rc=$?" ;;
+    moe) timeout "$left" python3 -m benchmarks.moe ${MOE_ARGS:-} "${peer_args[@]}" --time-limit $(( left - 25 )) --json "$LOGS/moe.json" --png "$OUT/moe.png" > "$LOGS/moe.log" 2>&1
+         note "benchmarks.moe rc=$?"; grep -E "into the run\)$|--time-limit" "$LOGS/moe.log" >> "$LOGS/summary.txt"
+         grep -A60 "^shape " "$LOGS/moe.log" >> "$LOGS/summary.txt" ;;
     macro) # the ring's rows (--macrobatch) in a benchmarks.moe of their own, no peers
         timeout "$left" python3 -m benchmarks.moe --no-liger --no-sonic ${MACRO_ARGS:---shapes qwen3-30b-a3b,deepseek-v3 --tokens 16384 --passes fwd,fwdbwd --macrobatch 16384} \
           --time-limit $(( left - 25 )) --json "$LOGS/macro.json" > "$LOGS/macro.log" 2>&1

@@ -1,0 +1,48 @@
+"""tools/gpu_run.sh on a CPU, the GPU and mok's modules stood in for: each benchmark that BENCH
+names runs its command, in the order given (a case lost from the script fails here)."""
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+STAND_IN_PYTHON = """#!/bin/sh
+# python3 on the GPU machine: the modules the script runs are logged, not run; pip is a no-op.
+case "$1 $2" in
+  "-m pip") exit 0 ;;
+  "-m benchmarks."*|"-m mok") echo "$2 $*" >> "$RAN"; echo "shape x"; exit 0 ;;
+esac
+exec {python} "$@"
+"""
+
+
+def _executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def test_each_bench_runs_its_command_in_order(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H200, 1, 2, 3, 4"\n')
+    _executable(bin_dir / "python3", STAND_IN_PYTHON.format(python=sys.executable))
+    ran = tmp_path / "ran.txt"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAN": str(ran),
+           "OUT": str(tmp_path / "out"), "BENCH": "main warm memory moe macro",
+           "WARM_SHAPES": "mixtral-8x7b qwen3-30b-a3b", "WARM_PAR": "1"}  # fmt: skip
+    done = subprocess.run(["bash", "tools/gpu_run.sh"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    modules = [line.split()[0] for line in ran.read_text().splitlines()]
+    assert modules == ["mok", "benchmarks.moe", "benchmarks.moe", "benchmarks.memory_kernels",
+                       "benchmarks.moe", "benchmarks.moe"]  # fmt: skip
+    lines = ran.read_text().splitlines()
+    assert "--shapes mixtral-8x7b" in lines[1] and "--shapes qwen3-30b-a3b" in lines[2]
+    assert "--json" in lines[4] and "--macrobatch 16384" in lines[5]
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    for note in ("warm mixtral-8x7b rc=0", "warm done at", "memory_kernels rc=0",
+                 "benchmarks.moe rc=0", "benchmarks.moe --macrobatch rc=0"):  # fmt: skip
+        assert note in summary, summary
