@@ -463,19 +463,16 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
     availability = args.liger
     label = availability.label()
     status = availability.reason or liger.unsupported_reason(shape.swiglu_limit, args.shared)
+    job = liger_job(shape, num_tokens, args, device) if status is None else None
     started, args.liger_started = args.liger_started, None
-    if status is not None:
+    if started is not None and (job is None or not started.job.same_work(job)):
+        started.stop()  # started for a pair that was skipped
+        started = None
+    if job is None:
         outcomes, result = {p: {"status": status} for p in args.passes}, {}
     else:
-        job = liger_job(shape, num_tokens, args, device)
-        if started is not None and not started.job.same_work(job):
-            started.stop()
-            started = None
         result = liger.run_job(job, availability, started=started)
-        started = None
         outcomes = liger.pass_outcomes(result, job.passes)
-    if started is not None:
-        started.stop()
     rows = peer_rows("liger", label, outcomes, result, shape, num_tokens, args, base,
                      best_baseline, ceilings, emit)  # fmt: skip
     start_next_liger(args, device)
@@ -653,36 +650,39 @@ def _interrupt(signum, _frame):
 
 
 def measure_in_order(order, args, device, rank, world_size, group, ceilings, probe, emit,
-                     rows, not_reached, reached, lead) -> None:  # fmt: skip
+                     rows, not_reached, lead) -> None:  # fmt: skip
     """Every (shape, token count) of ``order`` in turn, rows into ``rows``; under --time-limit
-    each one that would end past it into ``not_reached`` instead. ``reached`` gets each pair
-    as it is started or left."""
+    each one that would end past it into ``not_reached`` instead. Interrupted, it puts the pair
+    it was in and those after it into ``not_reached`` too, and raises on."""
     run_start = args.run_start
     longest = {"first": 0.0, "later": 0.0}  # the longest (shape, T) so far, by kind
-    shape_started = False
-    for index, (model, num_tokens) in enumerate(order):
-        reached.append((model.name, num_tokens))
-        if index == 0 or order[index - 1][0] is not model:
-            shape_started = False
-        args.upcoming = tuple(order[index + 1 :])
-        start = time.monotonic()
-        kind = "later" if shape_started else "first"
-        estimate = expected_s(longest, kind)
-        if args.time_limit is not None and start - run_start + estimate > args.time_limit:
-            not_reached.append({"shape": model.name, "num_tokens": num_tokens})
-            print(f"  ({model.name} {num_tokens} tokens: not started, {start - run_start:.0f} s "
-                  f"into the run, {estimate:.0f} s expected (the longest {kind} token count "
-                  f"of a shape so far): --time-limit {args.time_limit:.0f})", flush=True)  # fmt: skip
-            continue
-        new_rows = run_shape(model, num_tokens, args, device, rank, world_size, group,
-                             ceilings, probe, emit)  # fmt: skip
-        rows += new_rows
-        gc.collect()
-        end = time.monotonic()
-        longest[kind] = max(longest[kind], end - start)
-        shape_started = True
-        if lead:
-            print(report.progress_line(new_rows, end - start, end - run_start), flush=True)
+    shape_started, index = False, 0
+    try:
+        for index, (model, num_tokens) in enumerate(order):
+            if index and order[index - 1][0] is not model:
+                shape_started = False
+            args.upcoming = tuple(order[index + 1 :])
+            start = time.monotonic()
+            kind = "later" if shape_started else "first"
+            estimate = expected_s(longest, kind)
+            if args.time_limit is not None and start - run_start + estimate > args.time_limit:
+                print(f"  ({model.name} {num_tokens} tokens: not started, {start - run_start:.0f} s "
+                      f"into the run, {estimate:.0f} s expected (the longest {kind} token count "
+                      f"of a shape so far): --time-limit {args.time_limit:.0f})", flush=True)  # fmt: skip
+                not_reached.append({"shape": model.name, "num_tokens": num_tokens})
+                continue
+            new_rows = run_shape(model, num_tokens, args, device, rank, world_size, group,
+                                 ceilings, probe, emit)  # fmt: skip
+            rows += new_rows
+            gc.collect()
+            end = time.monotonic()
+            longest[kind] = max(longest[kind], end - start)
+            shape_started = True
+            if lead:
+                print(report.progress_line(new_rows, end - start, end - run_start), flush=True)
+    except Interrupted:
+        not_reached.extend({"shape": m.name, "num_tokens": t} for m, t in order[index:])
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sonic is not None:
             where = f" at {args.sonic.site}" if args.sonic.available else ""
             print(f"sonicmoe: {args.sonic.reason or args.sonic.label() + where}")
-    rows, not_reached, reached, interrupted = [], [], [], None
+    rows, not_reached, interrupted = [], [], None
     order = [
         (model, num_tokens) for model in select_shapes(args.shapes) for num_tokens in args.tokens
     ]
@@ -736,11 +736,9 @@ def main(argv: list[str] | None = None) -> int:
     on_term = signal.signal(signal.SIGTERM, _interrupt) if group is None and main_thread else None
     try:
         measure_in_order(order, args, device, rank, world_size, group, ceilings, probe, emit,
-                         rows, not_reached, reached, lead)  # fmt: skip
+                         rows, not_reached, lead)  # fmt: skip
     except Interrupted as error:
         interrupted = f"{error} {time.monotonic() - args.run_start:.0f} s into the run"
-        for model, num_tokens in order[max(len(reached) - 1, 0) :]:  # the pair it was in, and after
-            not_reached.append({"shape": model.name, "num_tokens": num_tokens})
     finally:
         if on_term is not None:
             signal.signal(signal.SIGTERM, on_term)

@@ -200,11 +200,12 @@ def run_worker(
             else:
                 log_path = os.path.join(folder, f"worker_{remaining[0]}.log")
                 process = _start_process(peer, command_for(folder, remaining), env, log_path)
-            ended = _run_process(process, timeout_s, grace_s, folder, remaining)
-            if isinstance(ended, str):  # the process could not be started
-                results.update({t: {"passes": {}, "failure": ended} for t in remaining})
+            if isinstance(process, str):  # the process could not be started
+                results.update({t: {"passes": {}, "failure": process} for t in remaining})
                 break
-            returncode, timed_out, finished_at, last_at = ended
+            returncode, timed_out, finished_at, last_at = _run_process(
+                process, timeout_s, grace_s, folder, remaining
+            )
             for num_tokens in remaining:
                 result = read_result(result_file(folder, num_tokens))
                 result["returncode"] = returncode
@@ -241,10 +242,7 @@ def _start_process(peer, command, env, log_path) -> subprocess.Popen | str:
 
 def _run_process(process, timeout_s, grace_s, folder, tokens):
     """Watch one worker process over ``tokens``: (returncode, timed out, {token count: seconds
-    it took} for those finished, seconds since the last finished one or the start), or why it
-    could not start (``process`` is that reason)."""
-    if isinstance(process, str):
-        return process
+    it took} for those finished, seconds since the last finished one or the start)."""
     last = time.monotonic()
     finished_at: dict[int, float] = {}
     timed_out = False
