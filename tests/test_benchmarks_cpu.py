@@ -454,10 +454,8 @@ def test_a_stopped_harness_stops_its_peer_worker(monkeypatch, tmp_path):
     script = (
         f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     )
-    calls = {"n": 0}
 
     def finished(_folder, _num_tokens):
-        calls["n"] += 1
         if pid_file.exists() and pid_file.read_text():
             raise KeyboardInterrupt
         return False
