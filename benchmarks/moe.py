@@ -114,10 +114,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--time-limit", type=float, default=None, metavar="SECONDS",
         help="one GPU: start no shape and token count that would end past SECONDS from the "
-        "run's start, taking as long as the longest of its kind so far (a shape's first token "
-        "count, where peer workers start and compile, or a later one); peer timeouts are cut "
-        "to the time left; those left are listed (JSON: not_reached), and the table and JSON "
-        "come out",
+        "run's start, expecting its own rows to take as long as the longest so far and each "
+        "peer worker that will run in it as long as that peer's longest so far; peer timeouts "
+        "are cut to the time left; those left are listed (JSON: not_reached), and the table "
+        "and JSON come out",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.time_limit is not None and args.time_limit <= 0:
@@ -140,6 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sonic = None  # main: a SonicAvailability unless --no-sonic
     args.upcoming = ()  # main: the (shape, token count) pairs after the one being run
     args.liger_started = None  # liger_rows: the next pair's Liger worker, started ahead
+    args.peer_s = {}  # liger_rows, sonic_rows: each peer worker's call in the pair being run
     return args
 
 
@@ -471,7 +472,9 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
     if job is None:
         outcomes, result = {p: {"status": status} for p in args.passes}, {}
     else:
+        began = time.monotonic()
         result = liger.run_job(job, availability, started=started)
+        args.peer_s["liger"] = time.monotonic() - began
         outcomes = liger.pass_outcomes(result, job.passes)
     rows = peer_rows("liger", label, outcomes, result, shape, num_tokens, args, base,
                      best_baseline, ceilings, emit)  # fmt: skip
@@ -553,7 +556,9 @@ def sonic_rows(
         results = args.sonic_results
         if shape.name not in results:
             fields = peer_job_fields(shape, args.tokens, args, device, args.sonic_timeout)
+            began = time.monotonic()
             results[shape.name] = sonic.run_job(PeerJob(**fields), availability)
+            args.peer_s["sonic"] = time.monotonic() - began
         result = results[shape.name][num_tokens]
         outcomes = sonic.pass_outcomes(result, tuple(args.passes))
     label = availability.label() if availability.available else "SonicMoE"
@@ -622,23 +627,58 @@ def extra_sections(args, device, world_size) -> dict:
     return extra
 
 
-def expected_s(longest: dict[str, float], kind: str) -> float:
-    """How long the next shape and token count is expected to take, for ``--time-limit``.
+@dataclasses.dataclass
+class PairClock:
+    """What ``--time-limit`` expects the next shape and token count to take, from those so far.
 
-    ``kind`` is ``"first"`` for a shape's first token count, where SonicMoE's worker starts
-    and compiles its kernels (docs/NOTES.md §4: minutes on a machine that has not compiled
-    them, a few seconds at a shape's later token counts), or ``"later"``. The estimate is the
-    longest of that kind so far; a later one with none of its kind yet counts as long as a
-    first.
+    A pair's wall time is the harness' own part (inputs, reference, baselines, mok) and each
+    peer worker's call in it: LigerMoE's at every supported pair (10-19 s, most of it its
+    start), SonicMoE's at a shape's first pair only, where it runs every token count and, on a
+    machine that has not compiled the shape, compiles for minutes (docs/NOTES.md §4). So a
+    pair is expected to take the longest harness part so far plus, for each worker that will
+    run in it, that peer's longest call so far; a peer with no call yet counts as long as the
+    longest whole pair. A pair with no peer worker (a clamped shape) is then expected to take
+    seconds, not the minutes of a shape's first pair with both.
     """
-    if kind == "later" and longest["later"] > 0.0:
-        return longest["later"]
-    return max(longest["first"], longest["later"])
+
+    harness_s: float = 0.0
+    pair_s: float = 0.0
+    peer_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def expect(self, peers: tuple[str, ...]) -> float:
+        return self.harness_s + sum(self.peer_s.get(p, self.pair_s) for p in peers)
+
+    def record(self, seconds: float, peer_s: dict[str, float]) -> None:
+        """One pair's wall time and its peer workers' calls (``args.peer_s``)."""
+        self.pair_s = max(self.pair_s, seconds)
+        self.harness_s = max(self.harness_s, seconds - sum(peer_s.values()))
+        for peer, spent in peer_s.items():
+            self.peer_s[peer] = max(self.peer_s.get(peer, 0.0), spent)
+
+    def describe(self, peers: tuple[str, ...]) -> str:
+        parts = [f"harness {self.harness_s:.0f} s"]
+        parts += [f"{p} {self.peer_s.get(p, self.pair_s):.0f} s" for p in peers]
+        return " + ".join(parts)
+
+
+def pair_peers(model, args, device, world_size: int) -> tuple[str, ...]:
+    """The peer workers that will run for ``model``'s next token count: LigerMoE's where its
+    layer computes this shape's function, SonicMoE's likewise at the shape's first pair."""
+    peers = []
+    if args.liger is not None and args.liger.reason is None:
+        if liger.unsupported_reason(model.swiglu_limit, args.shared) is None:
+            peers.append("liger")
+    if args.sonic is not None and model.name not in args.sonic_results:
+        why = sonic.skip_reason(args.sonic, device.type, world_size, model.swiglu_limit,
+                                args.shared)  # fmt: skip
+        if why is None:
+            peers.append("sonic")
+    return tuple(peers)
 
 
 # What main keeps on args that is not an argument (left out of the JSON's "args").
 PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results", "run_start", "upcoming",
-                 "liger_started")  # fmt: skip
+                 "liger_started", "peer_s")  # fmt: skip
 
 
 class Interrupted(Exception):
@@ -655,29 +695,27 @@ def measure_in_order(order, args, device, rank, world_size, group, ceilings, pro
     each one that would end past it into ``not_reached`` instead. Interrupted, it puts the pair
     it was in and those after it into ``not_reached`` too, and raises on."""
     run_start = args.run_start
-    longest = {"first": 0.0, "later": 0.0}  # the longest (shape, T) so far, by kind
-    shape_started, index = False, 0
+    clock = PairClock()
+    index = 0
     try:
         for index, (model, num_tokens) in enumerate(order):
-            if index and order[index - 1][0] is not model:
-                shape_started = False
             args.upcoming = tuple(order[index + 1 :])
             start = time.monotonic()
-            kind = "later" if shape_started else "first"
-            estimate = expected_s(longest, kind)
+            peers = pair_peers(model, args, device, world_size)
+            estimate = clock.expect(peers)
             if args.time_limit is not None and start - run_start + estimate > args.time_limit:
                 print(f"  ({model.name} {num_tokens} tokens: not started, {start - run_start:.0f} s "
-                      f"into the run, {estimate:.0f} s expected (the longest {kind} token count "
-                      f"of a shape so far): --time-limit {args.time_limit:.0f})", flush=True)  # fmt: skip
+                      f"into the run, {estimate:.0f} s expected ({clock.describe(peers)}): "
+                      f"--time-limit {args.time_limit:.0f})", flush=True)  # fmt: skip
                 not_reached.append({"shape": model.name, "num_tokens": num_tokens})
                 continue
+            args.peer_s = {}
             new_rows = run_shape(model, num_tokens, args, device, rank, world_size, group,
                                  ceilings, probe, emit)  # fmt: skip
             rows += new_rows
             gc.collect()
             end = time.monotonic()
-            longest[kind] = max(longest[kind], end - start)
-            shape_started = True
+            clock.record(end - start, args.peer_s)
             if lead:
                 print(report.progress_line(new_rows, end - start, end - run_start), flush=True)
     except Interrupted:

@@ -469,13 +469,42 @@ def test_a_stopped_harness_stops_its_peer_worker(monkeypatch, tmp_path):
         os.kill(pid, 0)
 
 
-def test_time_limit_expects_a_shapes_first_token_count_to_take_longest():
-    # A shape's first token count (peer workers start and compile) against its later ones.
-    assert moe.expected_s({"first": 0.0, "later": 0.0}, "first") == 0.0
-    assert moe.expected_s({"first": 219.0, "later": 0.0}, "later") == 219.0  # none later yet
-    assert moe.expected_s({"first": 219.0, "later": 27.0}, "later") == 27.0
-    assert moe.expected_s({"first": 219.0, "later": 27.0}, "first") == 219.0
-    assert moe.expected_s({"first": 2.0, "later": 27.0}, "first") == 27.0  # never below a later
+def test_time_limit_expects_the_harness_part_plus_each_peer_worker_that_will_run():
+    clock = moe.PairClock()
+    assert clock.expect(("liger", "sonic")) == 0.0  # nothing measured yet: the first pair starts
+    # A shape's first pair: SonicMoE compiled for 23 s and LigerMoE took 13 s of its 44 s.
+    clock.record(44.0, {"liger": 13.0, "sonic": 23.0})
+    assert clock.expect(("liger", "sonic")) == 44.0
+    assert clock.expect(("liger",)) == 21.0  # a later pair: SonicMoE's rows were kept
+    assert clock.expect(()) == 8.0  # a clamped shape: no peer runs for it
+    clock.record(17.0, {"liger": 15.0})  # each part keeps its longest
+    assert (clock.harness_s, clock.peer_s) == (8.0, {"liger": 15.0, "sonic": 23.0})
+    assert clock.describe(("liger",)) == "harness 8 s + liger 15 s"
+    # A peer with no call yet counts as long as the longest whole pair.
+    fresh = moe.PairClock()
+    fresh.record(30.0, {"liger": 12.0})
+    assert fresh.expect(("liger", "sonic")) == 18.0 + 12.0 + 30.0
+
+
+def test_pair_peers_names_the_workers_a_pair_will_start():
+    from benchmarks.liger import LigerAvailability
+    from benchmarks.shapes import select_shapes
+    from benchmarks.sonic import SonicAvailability
+
+    args = moe.parse_args(["--tokens", "2048"])
+    args.liger, args.sonic = LigerAvailability(None, "/site"), SonicAvailability(None, "/site")
+    args.sonic_results = {}
+    cuda = torch.device("cuda", 0)
+    qwen, clamped = select_shapes("qwen3-30b-a3b,deepseek-v4-pro")
+    assert moe.pair_peers(qwen, args, cuda, 1) == ("liger", "sonic")
+    args.sonic_results["qwen3-30b-a3b"] = {}  # its later token counts: SonicMoE's rows kept
+    assert moe.pair_peers(qwen, args, cuda, 1) == ("liger",)
+    assert moe.pair_peers(clamped, args, cuda, 1) == ()  # neither peer has the SwiGLU clamp
+    assert moe.pair_peers(qwen, args, torch.device("cpu"), 1) == ("liger",)
+    args.liger = LigerAvailability("not installed")  # found, but its row cannot be attempted
+    args.sonic = None  # --no-sonic
+    args.sonic_results = {}
+    assert moe.pair_peers(qwen, args, cuda, 1) == ()
 
 
 def test_progress_line_names_each_peer_worker_time():

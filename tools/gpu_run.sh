@@ -25,7 +25,9 @@
 # first call, minutes a shape). QuACK's autotuning (about a minute a shape and token count) is
 # kept too: the run leaves its choices (*.autotune.json) in $OUT/peer_cache_<GPU>.tgz, and
 # PEER_CACHE=DIR (carried) seeds them from DIR/<GPU>/quack, where <GPU> is the card's name with
-# '_' for spaces (unpack the archive there: tar -xzf FILE -C DIR/<GPU>/quack). The summary
+# '_' for spaces (unpack the archive there: tar -xzf FILE -C DIR/<GPU>/quack). The compile caches
+# live in $SONIC_CACHE (default runs/sonic_cache, git-ignored, so a later call on the same
+# machine finds them: `BENCH=warm`, then `BENCH=moe` in the next call). The summary
 # ends with the size of each of SonicMoE's compile caches (files, bytes, gzipped): its first
 # call of a shape compiles for minutes on a machine that has not compiled it (docs/NOTES.md §4).
 set -uo pipefail
@@ -62,6 +64,7 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 python3 -m pip install --no-deps --no-build-isolation -e . > "$LOGS/install.log" 2>&1 || { tail -20 "$LOGS/install.log"; exit 1; }
 peer_args=()
 if [ -n "${SONIC_KIT:-}" ]; then
+  export SONIC_CACHE=${SONIC_CACHE:-$PWD/runs/sonic_cache}
   bash "$SONIC_KIT/install_sonic.sh" > "$LOGS/install_sonic.log" 2>&1 || note "SonicMoE kit: install failed (install_sonic.log)"
   eval "$(grep -E '^export (SONIC_SITE|QUACK_CACHE_DIR)=' "$LOGS/install_sonic.log")"
   if [ -n "${PEER_CACHE:-}" ] && [ -d "$PEER_CACHE/$GPU_NAME/quack" ]; then
