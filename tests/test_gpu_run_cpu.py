@@ -43,27 +43,32 @@ def test_each_bench_runs_its_command_in_order(tmp_path):
     assert "--shapes mixtral-8x7b" in lines[1] and "--shapes qwen3-30b-a3b" in lines[2]
     assert "--json" in lines[4] and "--macrobatch 16384" in lines[5]
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    for note in ("warm mixtral-8x7b rc=0", "warm done at", "memory_kernels rc=0",
-                 "benchmarks.moe rc=0", "benchmarks.moe --macrobatch rc=0"):  # fmt: skip
+    for note in ("warm: up to 1 shapes at once (2 MiB", "warm mixtral-8x7b rc=0", "warm done at",
+                 "memory_kernels rc=0", "benchmarks.moe rc=0", "benchmarks.moe --macrobatch rc=0"):  # fmt: skip
         assert note in summary, summary
 
 
 def test_sonic_kit_caches_default_to_an_ignored_folder_of_the_tree(tmp_path):
     """A later call on the same machine keeps git-ignored folders of the tree, so SonicMoE's
-    compile caches there serve a `BENCH=moe` call after a `BENCH=warm` one."""
+    compile caches there serve a `BENCH=moe` call after a `BENCH=warm` one; a card of over
+    100 GB warms four shapes at once."""
     bin_dir, kit = tmp_path / "bin", tmp_path / "kit"
     bin_dir.mkdir()
     kit.mkdir()
-    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H200, 1, 2, 3, 4"\n')
+    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H200, 1, 143771 MiB, 3, 4"\n')
     _executable(bin_dir / "python3", STAND_IN_PYTHON.format(python=sys.executable))
     seen = tmp_path / "seen.txt"
     (kit / "install_sonic.sh").write_text(f'echo "$SONIC_CACHE" > {seen}\n')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAN": str(tmp_path / "ran"),
-           "OUT": str(tmp_path / "out"), "SONIC_KIT": str(kit), "BENCH": ""}  # fmt: skip
+           "OUT": str(tmp_path / "out"), "SONIC_KIT": str(kit), "BENCH": "warm",
+           "WARM_SHAPES": "mixtral-8x7b"}  # fmt: skip
     env.pop("SONIC_CACHE", None)
+    env.pop("WARM_PAR", None)
     done = subprocess.run(["bash", "tools/gpu_run.sh"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert seen.read_text().strip() == str(REPO / "runs" / "sonic_cache")
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "warm: up to 4 shapes at once (143771 MiB" in summary, summary
     ignored = subprocess.run(["git", "check-ignore", "-q", "runs/sonic_cache"], cwd=REPO)
     assert ignored.returncode == 0

@@ -117,10 +117,14 @@ for b in ${BENCH:-}; do
     warm) # a peer's first call of a shape compiles for minutes (docs/NOTES.md §4): one benchmarks.moe
         # per shape of WARM_SHAPES (the longest compiles first), WARM_PAR at once (compiles are
         # CPU-bound, one core each; each process and its peer worker hold up to ~23 GB of GPU
-        # memory, so four at once ran out on an H100), one rep at WARM_TOKENS, where the seeded
-        # choices need no autotuning; timings not used
+        # memory, so four at once ran out on an H100: WARM_PAR defaults to 3 there, 4 on a card
+        # of over 100 GB), one rep at WARM_TOKENS, where the seeded choices need no autotuning;
+        # timings not used
+        mem_mib=$(head -1 "$LOGS/gpu.txt" | cut -d, -f3 | tr -dc 0-9)
+        par=${WARM_PAR:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 4 || echo 3)}
+        note "warm: up to $par shapes at once (${mem_mib:-?} MiB of GPU memory)"
         for shape in ${WARM_SHAPES:-kimi-k2 deepseek-v3 qwen3-30b-a3b mixtral-8x7b}; do
-          while [ "$(jobs -rp | wc -l)" -ge "${WARM_PAR:-3}" ]; do wait -n; done
+          while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n; done
           ( began=$(date +%s)
             timeout "$left" python3 -m benchmarks.moe --shapes "$shape" --tokens "${WARM_TOKENS:-2048}" \
               --passes fwd,fwdbwd --no-liger "${peer_args[@]}" --reps 1 --warmup 0 > "$LOGS/warm_$shape.log" 2>&1
