@@ -442,11 +442,7 @@ def run_shape(
             }
             emit(row)
             rows.append(row)
-    sonic_runs = args.sonic is not None and (
-        sonic.skip_reason(args.sonic, device.type, world_size, shape.swiglu_limit, args.shared)
-        is None
-    )
-    if args.liger is not None or sonic_runs:
+    if args.liger is not None or sonic_runs(shape, args, device, world_size):
         # A worker needs the GPU's memory: free what this process holds first.
         del impls, inputs
         gc.collect()
@@ -482,6 +478,24 @@ def liger_rows(shape, num_tokens, args, device, base, best_baseline, ceilings, e
     return rows
 
 
+def liger_runs(shape, args) -> bool:
+    """Whether LigerMoE's worker runs for ``shape`` (a model or run shape): found, and its
+    layer computes this shape's function."""
+    return (
+        args.liger is not None
+        and args.liger.reason is None
+        and liger.unsupported_reason(shape.swiglu_limit, args.shared) is None
+    )
+
+
+def sonic_runs(shape, args, device, world_size: int) -> bool:
+    """Whether SonicMoE's worker runs for ``shape`` here (found, CUDA, EP=1, its function)."""
+    return args.sonic is not None and (
+        sonic.skip_reason(args.sonic, device.type, world_size, shape.swiglu_limit, args.shared)
+        is None
+    )
+
+
 def liger_job(shape, num_tokens, args, device) -> liger.LigerJob:
     """The Liger worker's job for one shape at one token count, its heap sized for it."""
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -506,15 +520,11 @@ def start_next_liger(args, device) -> None:
     measured before its turn, and it waits, configured, for its gate before any GPU stage of
     its own (inputs, reference, check, timing). Only if the GPU has its heap and
     ``LIGER_START_HEADROOM_GIB`` free."""
-    pairs = [
-        (scale_for_run(model, 1, args.quick), num_tokens) for model, num_tokens in args.upcoming
-    ]
-    supported = [
-        p for p in pairs if liger.unsupported_reason(p[0].swiglu_limit, args.shared) is None
-    ]
-    if not supported:
+    upcoming = next(((m, t) for m, t in args.upcoming if liger_runs(m, args)), None)
+    if upcoming is None:
         return
-    job = liger_job(*supported[0], args, device)
+    model, num_tokens = upcoming
+    job = liger_job(scale_for_run(model, 1, args.quick), num_tokens, args, device)
     free, _total = torch.cuda.mem_get_info(device)
     if free < (job.heap_gib + LIGER_START_HEADROOM_GIB) * 2**30:
         return
@@ -646,7 +656,10 @@ class PairClock:
     peer_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def expect(self, peers: tuple[str, ...]) -> float:
-        return self.harness_s + sum(self.peer_s.get(p, self.pair_s) for p in peers)
+        return self.harness_s + sum(self._peer(p) for p in peers)
+
+    def _peer(self, peer: str) -> float:
+        return self.peer_s.get(peer, self.pair_s)
 
     def record(self, seconds: float, peer_s: dict[str, float]) -> None:
         """One pair's wall time and its peer workers' calls (``args.peer_s``)."""
@@ -657,23 +670,17 @@ class PairClock:
 
     def describe(self, peers: tuple[str, ...]) -> str:
         parts = [f"harness {self.harness_s:.0f} s"]
-        parts += [f"{p} {self.peer_s.get(p, self.pair_s):.0f} s" for p in peers]
+        parts += [f"{p} {self._peer(p):.0f} s" for p in peers]
         return " + ".join(parts)
 
 
 def pair_peers(model, args, device, world_size: int) -> tuple[str, ...]:
     """The peer workers that will run for ``model``'s next token count: LigerMoE's where its
     layer computes this shape's function, SonicMoE's likewise at the shape's first pair."""
-    peers = []
-    if args.liger is not None and args.liger.reason is None:
-        if liger.unsupported_reason(model.swiglu_limit, args.shared) is None:
-            peers.append("liger")
-    if args.sonic is not None and model.name not in args.sonic_results:
-        why = sonic.skip_reason(args.sonic, device.type, world_size, model.swiglu_limit,
-                                args.shared)  # fmt: skip
-        if why is None:
-            peers.append("sonic")
-    return tuple(peers)
+    first = model.name not in args.sonic_results
+    return (("liger",) if liger_runs(model, args) else ()) + (
+        ("sonic",) if first and sonic_runs(model, args, device, world_size) else ()
+    )
 
 
 # What main keeps on args that is not an argument (left out of the JSON's "args").

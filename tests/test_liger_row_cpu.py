@@ -457,3 +457,9 @@ def test_next_liger_worker_is_started_for_the_next_pair_it_supports(monkeypatch)
     free["bytes"] = (9 + moe.LIGER_START_HEADROOM_GIB) * 2**30 - 1  # 16384 tokens: a 9 GiB heap
     rows_at(2048, [("qwen3-30b-a3b", 16384)])
     assert events == [("run", "qwen3-30b-a3b", (2048,), False)] and args.liger_started is None
+    # Liger found but unusable (its rows say why): none runs, and none is started ahead.
+    events.clear()
+    free["bytes"] = 140 * 2**30
+    args.liger = liger.LigerAvailability("liger_cute_kernels not importable")
+    rows_at(2048, [("qwen3-30b-a3b", 4096)])
+    assert events == [] and args.liger_started is None
