@@ -688,8 +688,10 @@ PROCESS_STATE = ("timing", "liger", "sonic", "sonic_results", "run_start", "upco
                  "liger_started", "peer_s")  # fmt: skip
 
 
-class Interrupted(Exception):
-    """A SIGTERM during the measurements (one GPU): main stops them and reports what it has."""
+class Interrupted(BaseException):
+    """A SIGTERM during the measurements (one GPU): main stops them and reports what it has.
+    Not an Exception, so the handlers that turn an implementation's error into its row's
+    status let it through, as they do KeyboardInterrupt."""
 
 
 def _interrupt(signum, _frame):
@@ -699,11 +701,11 @@ def _interrupt(signum, _frame):
 def measure_in_order(order, args, device, rank, world_size, group, ceilings, probe, emit,
                      rows, not_reached, lead) -> None:  # fmt: skip
     """Every (shape, token count) of ``order`` in turn, rows into ``rows``; under --time-limit
-    each one that would end past it into ``not_reached`` instead. Interrupted, it puts the pair
-    it was in and those after it into ``not_reached`` too, and raises on."""
+    each one that would end past it into ``not_reached`` instead. Interrupted, it puts every
+    pair neither measured nor listed yet into ``not_reached`` too, and raises on (the signal
+    may land anywhere in a pair, before or after its rows are in)."""
     run_start = args.run_start
     clock = PairClock()
-    index = 0
     try:
         for index, (model, num_tokens) in enumerate(order):
             args.upcoming = tuple(order[index + 1 :])
@@ -726,7 +728,10 @@ def measure_in_order(order, args, device, rank, world_size, group, ceilings, pro
             if lead:
                 print(report.progress_line(new_rows, end - start, end - run_start), flush=True)
     except Interrupted:
-        not_reached.extend({"shape": m.name, "num_tokens": t} for m, t in order[index:])
+        done = {(n["shape"], n["num_tokens"]) for n in not_reached}
+        done |= {(row["shape"]["name"], row["num_tokens"]) for row in rows}
+        not_reached.extend({"shape": m.name, "num_tokens": t} for m, t in order
+                           if (m.name, t) not in done)  # fmt: skip
         raise
 
 
