@@ -72,3 +72,42 @@ def test_sonic_kit_caches_default_to_an_ignored_folder_of_the_tree(tmp_path):
     assert "warm: up to 4 shapes at once (143771 MiB" in summary, summary
     ignored = subprocess.run(["git", "check-ignore", "-q", "runs/sonic_cache"], cwd=REPO)
     assert ignored.returncode == 0
+
+
+def test_a_kit_installed_by_an_earlier_call_is_not_installed_again(tmp_path):
+    """A later call on the same machine reuses a kit's site folder while its archive is the
+    same (its .sha256 file), with the exports the first install printed; a changed archive, or
+    an install whose check failed, installs again."""
+    bin_dir, kit, site = tmp_path / "bin", tmp_path / "kit", tmp_path / "site"
+    bin_dir.mkdir()
+    kit.mkdir()
+    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H200, 1, 2, 3, 4"\n')
+    _executable(bin_dir / "python3", STAND_IN_PYTHON.format(python=sys.executable))
+    installs = tmp_path / "installs.txt"
+    (kit / "install_liger.sh").write_text(
+        f'echo run >> {installs}\necho "export LIGER_SITE=$LIGER_SITE"\necho "$CHECK"\n'
+    )
+    (kit / "liger_peer.tar.xz.sha256").write_text("aaaa  liger_peer.tar.xz\n")
+    ran = tmp_path / "ran.txt"
+
+    def call(check="[install_liger] import ok"):
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAN": str(ran),
+               "OUT": str(tmp_path / "out"), "LIGER_KIT": str(kit), "LIGER_SITE": str(site),
+               "BENCH": "moe", "CHECK": check}  # fmt: skip
+        done = subprocess.run(["bash", "tools/gpu_run.sh"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"--liger-site {site}" in ran.read_text().splitlines()[-1]
+        return (tmp_path / "out" / "summary.txt").read_text()
+
+    first = call()
+    assert installs.read_text().count("run") == 1 and "earlier call" not in first
+    second = call()
+    assert installs.read_text().count("run") == 1
+    assert f"LigerMoE kit: installed in {site} by an earlier call" in second, second
+    (kit / "liger_peer.tar.xz.sha256").write_text("bbbb  liger_peer.tar.xz\n")
+    failed = call(check="[install_liger] IMPORT CHECK FAILED")
+    assert installs.read_text().count("run") == 2
+    assert "LigerMoE kit: install failed" in failed, failed
+    call()  # the failed install left no mark: installed again
+    assert installs.read_text().count("run") == 3

@@ -27,7 +27,9 @@
 # PEER_CACHE=DIR (carried) seeds them from DIR/<GPU>/quack, where <GPU> is the card's name with
 # '_' for spaces (unpack the archive there: tar -xzf FILE -C DIR/<GPU>/quack). The compile caches
 # live in $SONIC_CACHE (default runs/sonic_cache, git-ignored, so a later call on the same
-# machine finds them: `BENCH=warm`, then `BENCH=moe` in the next call). The summary
+# machine finds them: `BENCH=warm`, then `BENCH=moe` in the next call); the kits unpack into
+# $SONIC_SITE / $LIGER_SITE (default runs/sonic_site, runs/liger_site), which that later call
+# reuses without unpacking again while the archive is the same (install_kit). The summary
 # ends with the size of each of SonicMoE's compile caches (files, bytes, gzipped): its first
 # call of a shape compiles for minutes on a machine that has not compiled it (docs/NOTES.md §4).
 set -uo pipefail
@@ -62,21 +64,39 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$LOGS/gpu.txt"
 python3 -m pip install --no-deps --no-build-isolation -e . > "$LOGS/install.log" 2>&1 || { tail -20 "$LOGS/install.log"; exit 1; }
+# A peer kit (NAME: sonic or liger) installed into SITE, its install log (whose `export` lines
+# the caller reads) in $LOGS/install_NAME.log. SITE defaults to a git-ignored folder of the tree,
+# which a later call on the same machine keeps: there the same archive (its .sha256 file) is not
+# unpacked and checked again (~10 s a kit), and the log that install left is used.
+install_kit() {  # NAME KIT_DIR SITE LABEL
+  local name=$1 kit=$2 site=$3 label=$4 log="$LOGS/install_$1.log"
+  local sum="$kit/${name}_peer.tar.xz.sha256" stamp="$site/.kit_archive.sha256" kept="$site/.kit_install.log"
+  if [ -f "$sum" ] && [ -f "$kept" ] && cmp -s "$sum" "$stamp"; then
+    cp "$kept" "$log"; note "$label kit: installed in $site by an earlier call (same archive)"; return 0
+  fi
+  rm -f "$stamp" "$kept"
+  if bash "$kit/install_$name.sh" > "$log" 2>&1 && ! grep -q "FAILED" "$log"; then
+    [ -f "$sum" ] && mkdir -p "$site" && cp "$log" "$kept" && cp "$sum" "$stamp"
+  else
+    note "$label kit: install failed (install_$name.log)"
+  fi
+}
 peer_args=()
 if [ -n "${SONIC_KIT:-}" ]; then
-  export SONIC_CACHE=${SONIC_CACHE:-$PWD/runs/sonic_cache}
-  bash "$SONIC_KIT/install_sonic.sh" > "$LOGS/install_sonic.log" 2>&1 || note "SonicMoE kit: install failed (install_sonic.log)"
+  export SONIC_CACHE=${SONIC_CACHE:-$PWD/runs/sonic_cache} SONIC_SITE=${SONIC_SITE:-$PWD/runs/sonic_site}
+  install_kit sonic "$SONIC_KIT" "$SONIC_SITE" SonicMoE
   eval "$(grep -E '^export (SONIC_SITE|QUACK_CACHE_DIR)=' "$LOGS/install_sonic.log")"
   if [ -n "${PEER_CACHE:-}" ] && [ -d "$PEER_CACHE/$GPU_NAME/quack" ]; then
     cp -r "$PEER_CACHE/$GPU_NAME/quack/." "${QUACK_CACHE_DIR:?}/"
     note "QuACK autotuning seeded: $(find "$PEER_CACHE/$GPU_NAME/quack" -name '*.autotune.json' | wc -l) choices for $GPU_NAME"
   fi
-  peer_args+=(--sonic-site "${SONIC_SITE:-/tmp/sonic_site}")
+  peer_args+=(--sonic-site "$SONIC_SITE")
 fi
 if [ -n "${LIGER_KIT:-}" ]; then
-  bash "$LIGER_KIT/install_liger.sh" > "$LOGS/install_liger.log" 2>&1 || note "LigerMoE kit: install failed (install_liger.log)"
+  export LIGER_SITE=${LIGER_SITE:-$PWD/runs/liger_site}
+  install_kit liger "$LIGER_KIT" "$LIGER_SITE" LigerMoE
   eval "$(grep -E '^export LIGER_SITE=' "$LOGS/install_liger.log")"
-  peer_args+=(--liger-site "${LIGER_SITE:-/tmp/site}")
+  peer_args+=(--liger-site "$LIGER_SITE")
 fi
 
 # One test file in its own process: a trapped kernel kills its CUDA context, and must not take
