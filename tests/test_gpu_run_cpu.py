@@ -111,3 +111,32 @@ def test_a_kit_installed_by_an_earlier_call_is_not_installed_again(tmp_path):
     assert "LigerMoE kit: install failed" in failed, failed
     call()  # the failed install left no mark: installed again
     assert installs.read_text().count("run") == 3
+
+
+def test_the_sonic_kit_is_installed_again_for_another_cache_folder(tmp_path):
+    """SonicMoE's install exports its cache folder (QUACK_CACHE_DIR) and seeds it: a later call
+    with another $SONIC_CACHE installs again rather than reuse exports naming the old one."""
+    bin_dir, kit, site = tmp_path / "bin", tmp_path / "kit", tmp_path / "site"
+    bin_dir.mkdir()
+    kit.mkdir()
+    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H200, 1, 2, 3, 4"\n')
+    _executable(bin_dir / "python3", STAND_IN_PYTHON.format(python=sys.executable))
+    installs = tmp_path / "installs.txt"
+    (kit / "install_sonic.sh").write_text(
+        f'echo run >> {installs}\necho "export QUACK_CACHE_DIR=$SONIC_CACHE/quack"\n'
+    )
+    (kit / "sonic_peer.tar.xz.sha256").write_text("aaaa  sonic_peer.tar.xz\n")
+
+    def call(cache):
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAN": str(tmp_path / "ran"),
+               "OUT": str(tmp_path / "out"), "SONIC_KIT": str(kit), "SONIC_SITE": str(site),
+               "SONIC_CACHE": str(tmp_path / cache)}  # fmt: skip
+        done = subprocess.run(["bash", "tools/gpu_run.sh"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    call("cache_a")
+    call("cache_a")
+    assert installs.read_text().count("run") == 1
+    call("cache_b")
+    assert installs.read_text().count("run") == 2

@@ -66,17 +66,19 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 python3 -m pip install --no-deps --no-build-isolation -e . > "$LOGS/install.log" 2>&1 || { tail -20 "$LOGS/install.log"; exit 1; }
 # A peer kit (NAME: sonic or liger) installed into SITE, its install log (whose `export` lines
 # the caller reads) in $LOGS/install_NAME.log. SITE defaults to a git-ignored folder of the tree,
-# which a later call on the same machine keeps: there the same archive (its .sha256 file) is not
-# unpacked and checked again (~10 s a kit), and the log that install left is used.
-install_kit() {  # NAME KIT_DIR SITE LABEL
+# which a later call on the same machine keeps: there the same archive (its .sha256 file) with
+# the same ENV (what else the install's exports name: SonicMoE's $SONIC_CACHE) is not unpacked
+# and checked again (~10 s a kit), and the log that install left is used.
+install_kit() {  # NAME KIT_DIR SITE LABEL [ENV]
   local name=$1 kit=$2 site=$3 label=$4 log="$LOGS/install_$1.log"
-  local sum="$kit/${name}_peer.tar.xz.sha256" stamp="$site/.kit_archive.sha256" kept="$site/.kit_install.log"
-  if [ -f "$sum" ] && [ -f "$kept" ] && cmp -s "$sum" "$stamp"; then
+  local sum="$kit/${name}_peer.tar.xz.sha256" stamp="$site/.kit_install.key" kept="$site/.kit_install.log"
+  local key; key="$(cat "$sum" 2>/dev/null) ${5:-}"
+  if [ -f "$sum" ] && [ -f "$kept" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$key" ]; then
     cp "$kept" "$log"; note "$label kit: installed in $site by an earlier call (same archive)"; return 0
   fi
   rm -f "$stamp" "$kept"
   if bash "$kit/install_$name.sh" > "$log" 2>&1 && ! grep -q "FAILED" "$log"; then
-    [ -f "$sum" ] && mkdir -p "$site" && cp "$log" "$kept" && cp "$sum" "$stamp"
+    [ -f "$sum" ] && mkdir -p "$site" && cp "$log" "$kept" && printf '%s' "$key" > "$stamp"
   else
     note "$label kit: install failed (install_$name.log)"
   fi
@@ -84,7 +86,7 @@ install_kit() {  # NAME KIT_DIR SITE LABEL
 peer_args=()
 if [ -n "${SONIC_KIT:-}" ]; then
   export SONIC_CACHE=${SONIC_CACHE:-$PWD/runs/sonic_cache} SONIC_SITE=${SONIC_SITE:-$PWD/runs/sonic_site}
-  install_kit sonic "$SONIC_KIT" "$SONIC_SITE" SonicMoE
+  install_kit sonic "$SONIC_KIT" "$SONIC_SITE" SonicMoE "SONIC_CACHE=$SONIC_CACHE"
   eval "$(grep -E '^export (SONIC_SITE|QUACK_CACHE_DIR)=' "$LOGS/install_sonic.log")"
   if [ -n "${PEER_CACHE:-}" ] && [ -d "$PEER_CACHE/$GPU_NAME/quack" ]; then
     cp -r "$PEER_CACHE/$GPU_NAME/quack/." "${QUACK_CACHE_DIR:?}/"
