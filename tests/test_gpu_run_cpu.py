@@ -24,25 +24,44 @@ def _executable(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def test_each_bench_runs_its_command_in_order(tmp_path):
+def _gpu_run(tmp_path: Path, gpu: str = "NVIDIA H200, 1, 2, 3, 4", drop=(), **env_vars) -> str:
+    """One run of tools/gpu_run.sh on a stand-in machine (nvidia-smi printing ``gpu``, python3
+    logging the modules it runs to tmp_path/ran.txt); ``env_vars`` over the environment, names
+    in ``drop`` out of it. Returns the summary it left in tmp_path/out."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H200, 1, 2, 3, 4"\n')
+    bin_dir.mkdir(exist_ok=True)
+    _executable(bin_dir / "nvidia-smi", f'#!/bin/sh\necho "{gpu}"\n')
     _executable(bin_dir / "python3", STAND_IN_PYTHON.format(python=sys.executable))
-    ran = tmp_path / "ran.txt"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAN": str(ran),
-           "OUT": str(tmp_path / "out"), "BENCH": "main warm memory moe macro",
-           "WARM_SHAPES": "mixtral-8x7b qwen3-30b-a3b", "WARM_PAR": "1"}  # fmt: skip
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAN": str(tmp_path / "ran.txt"),
+           "OUT": str(tmp_path / "out"), **env_vars}  # fmt: skip
+    for name in drop:
+        env.pop(name, None)
     done = subprocess.run(["bash", "tools/gpu_run.sh"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    return (tmp_path / "out" / "summary.txt").read_text()
+
+
+def _counting_kit(tmp_path: Path, name: str, prints: str) -> tuple[Path, Path]:
+    """A stand-in peer kit NAME (its archive's .sha256 and an install script that prints
+    ``prints``) whose installs are counted, a line each, in the file returned beside it."""
+    kit, installs = tmp_path / "kit", tmp_path / "installs.txt"
+    kit.mkdir()
+    (kit / f"install_{name}.sh").write_text(f"echo run >> {installs}\n{prints}")
+    (kit / f"{name}_peer.tar.xz.sha256").write_text(f"aaaa  {name}_peer.tar.xz\n")
+    return kit, installs
+
+
+def test_each_bench_runs_its_command_in_order(tmp_path):
+    summary = _gpu_run(tmp_path, BENCH="main warm memory moe macro",
+                       WARM_SHAPES="mixtral-8x7b qwen3-30b-a3b", WARM_PAR="1")  # fmt: skip
+    ran = tmp_path / "ran.txt"
     modules = [line.split()[0] for line in ran.read_text().splitlines()]
     assert modules == ["mok", "benchmarks.moe", "benchmarks.moe", "benchmarks.memory_kernels",
                        "benchmarks.moe", "benchmarks.moe"]  # fmt: skip
     lines = ran.read_text().splitlines()
     assert "--shapes mixtral-8x7b" in lines[1] and "--shapes qwen3-30b-a3b" in lines[2]
     assert "--json" in lines[4] and "--macrobatch 16384" in lines[5]
-    summary = (tmp_path / "out" / "summary.txt").read_text()
     for note in ("warm: up to 1 shapes at once (2 MiB", "warm mixtral-8x7b rc=0", "warm done at",
                  "memory_kernels rc=0", "benchmarks.moe rc=0", "benchmarks.moe --macrobatch rc=0"):  # fmt: skip
         assert note in summary, summary
@@ -52,23 +71,14 @@ def test_sonic_kit_caches_default_to_an_ignored_folder_of_the_tree(tmp_path):
     """A later call on the same machine keeps git-ignored folders of the tree, so SonicMoE's
     compile caches there serve a `BENCH=moe` call after a `BENCH=warm` one; a card of over
     100 GB warms four shapes at once."""
-    bin_dir, kit = tmp_path / "bin", tmp_path / "kit"
-    bin_dir.mkdir()
+    kit = tmp_path / "kit"
     kit.mkdir()
-    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H200, 1, 143771 MiB, 3, 4"\n')
-    _executable(bin_dir / "python3", STAND_IN_PYTHON.format(python=sys.executable))
     seen = tmp_path / "seen.txt"
     (kit / "install_sonic.sh").write_text(f'echo "$SONIC_CACHE" > {seen}\n')
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAN": str(tmp_path / "ran"),
-           "OUT": str(tmp_path / "out"), "SONIC_KIT": str(kit), "BENCH": "warm",
-           "WARM_SHAPES": "mixtral-8x7b"}  # fmt: skip
-    env.pop("SONIC_CACHE", None)
-    env.pop("WARM_PAR", None)
-    done = subprocess.run(["bash", "tools/gpu_run.sh"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    summary = _gpu_run(tmp_path, gpu="NVIDIA H200, 1, 143771 MiB, 3, 4",
+                       drop=("SONIC_CACHE", "WARM_PAR"), SONIC_KIT=str(kit), BENCH="warm",
+                       WARM_SHAPES="mixtral-8x7b")  # fmt: skip
     assert seen.read_text().strip() == str(REPO / "runs" / "sonic_cache")
-    summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "warm: up to 4 shapes at once (143771 MiB" in summary, summary
     ignored = subprocess.run(["git", "check-ignore", "-q", "runs/sonic_cache"], cwd=REPO)
     assert ignored.returncode == 0
@@ -78,27 +88,16 @@ def test_a_kit_installed_by_an_earlier_call_is_not_installed_again(tmp_path):
     """A later call on the same machine reuses a kit's site folder while its archive is the
     same (its .sha256 file), with the exports the first install printed; a changed archive, or
     an install whose check failed, installs again."""
-    bin_dir, kit, site = tmp_path / "bin", tmp_path / "kit", tmp_path / "site"
-    bin_dir.mkdir()
-    kit.mkdir()
-    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H200, 1, 2, 3, 4"\n')
-    _executable(bin_dir / "python3", STAND_IN_PYTHON.format(python=sys.executable))
-    installs = tmp_path / "installs.txt"
-    (kit / "install_liger.sh").write_text(
-        f'echo run >> {installs}\necho "export LIGER_SITE=$LIGER_SITE"\necho "$CHECK"\n'
+    site = tmp_path / "site"
+    kit, installs = _counting_kit(
+        tmp_path, "liger", 'echo "export LIGER_SITE=$LIGER_SITE"\necho "$CHECK"\n'
     )
-    (kit / "liger_peer.tar.xz.sha256").write_text("aaaa  liger_peer.tar.xz\n")
-    ran = tmp_path / "ran.txt"
 
     def call(check="[install_liger] import ok"):
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAN": str(ran),
-               "OUT": str(tmp_path / "out"), "LIGER_KIT": str(kit), "LIGER_SITE": str(site),
-               "BENCH": "moe", "CHECK": check}  # fmt: skip
-        done = subprocess.run(["bash", "tools/gpu_run.sh"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert f"--liger-site {site}" in ran.read_text().splitlines()[-1]
-        return (tmp_path / "out" / "summary.txt").read_text()
+        summary = _gpu_run(tmp_path, LIGER_KIT=str(kit), LIGER_SITE=str(site), BENCH="moe",
+                           CHECK=check)  # fmt: skip
+        assert f"--liger-site {site}" in (tmp_path / "ran.txt").read_text().splitlines()[-1]
+        return summary
 
     first = call()
     assert installs.read_text().count("run") == 1 and "earlier call" not in first
@@ -116,24 +115,14 @@ def test_a_kit_installed_by_an_earlier_call_is_not_installed_again(tmp_path):
 def test_the_sonic_kit_is_installed_again_for_another_cache_folder(tmp_path):
     """SonicMoE's install exports its cache folder (QUACK_CACHE_DIR) and seeds it: a later call
     with another $SONIC_CACHE installs again rather than reuse exports naming the old one."""
-    bin_dir, kit, site = tmp_path / "bin", tmp_path / "kit", tmp_path / "site"
-    bin_dir.mkdir()
-    kit.mkdir()
-    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H200, 1, 2, 3, 4"\n')
-    _executable(bin_dir / "python3", STAND_IN_PYTHON.format(python=sys.executable))
-    installs = tmp_path / "installs.txt"
-    (kit / "install_sonic.sh").write_text(
-        f'echo run >> {installs}\necho "export QUACK_CACHE_DIR=$SONIC_CACHE/quack"\n'
+    site = tmp_path / "site"
+    kit, installs = _counting_kit(
+        tmp_path, "sonic", 'echo "export QUACK_CACHE_DIR=$SONIC_CACHE/quack"\n'
     )
-    (kit / "sonic_peer.tar.xz.sha256").write_text("aaaa  sonic_peer.tar.xz\n")
 
     def call(cache):
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAN": str(tmp_path / "ran"),
-               "OUT": str(tmp_path / "out"), "SONIC_KIT": str(kit), "SONIC_SITE": str(site),
-               "SONIC_CACHE": str(tmp_path / cache)}  # fmt: skip
-        done = subprocess.run(["bash", "tools/gpu_run.sh"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
+        _gpu_run(tmp_path, SONIC_KIT=str(kit), SONIC_SITE=str(site),
+                 SONIC_CACHE=str(tmp_path / cache))  # fmt: skip
 
     call("cache_a")
     call("cache_a")
