@@ -129,3 +129,19 @@ def test_the_sonic_kit_is_installed_again_for_another_cache_folder(tmp_path):
     assert installs.read_text().count("run") == 1
     call("cache_b")
     assert installs.read_text().count("run") == 2
+
+
+def test_each_warm_shape_gets_the_time_left_when_it_starts(tmp_path):
+    """A shape that starts after another has run gets a shorter timeout, so the warm-up ends by
+    the deadline (a shape started late with the whole budget outlasted the call)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "timeouts.txt"
+    # timeout stood in: logs its limit for each benchmarks.moe it starts, which takes 2 s
+    _executable(bin_dir / "timeout", f'#!/bin/sh\necho "$1" >> {calls}\nshift\n'
+                                     'case "$*" in *benchmarks.moe*) sleep 2 ;; esac\nexec "$@"\n')  # fmt: skip
+    summary = _gpu_run(tmp_path, BENCH="warm", WARM_SHAPES="mixtral-8x7b qwen3-30b-a3b",
+                       WARM_PAR="1", DEADLINE_S="100")  # fmt: skip
+    first, second = (int(line) for line in calls.read_text().split())
+    assert first <= 100 and second <= first - 2, (first, second)
+    assert "warm qwen3-30b-a3b rc=0" in summary, summary

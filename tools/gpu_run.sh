@@ -140,13 +140,16 @@ for b in ${BENCH:-}; do
         # per shape of WARM_SHAPES (the longest compiles first), WARM_PAR at once (compiles are
         # CPU-bound, one core each; each process and its peer worker hold up to ~23 GB of GPU
         # memory, so four at once ran out on an H100: WARM_PAR defaults to 3 there, 4 on a card
-        # of over 100 GB), one rep at WARM_TOKENS, where the seeded choices need no autotuning;
-        # timings not used
+        # of over 100 GB), one rep at each of WARM_TOKENS (default 2048; with no seeded QuACK
+        # choices, WARM_TOKENS=2048,4096,16384 makes SonicMoE autotune each token count here, and
+        # its worker then holds more memory: fewer at once); timings not used
         mem_mib=$(head -1 "$LOGS/gpu.txt" | cut -d, -f3 | tr -dc 0-9)
         par=${WARM_PAR:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 4 || echo 3)}
         note "warm: up to $par shapes at once (${mem_mib:-?} MiB of GPU memory)"
         for shape in ${WARM_SHAPES:-kimi-k2 deepseek-v3 qwen3-30b-a3b mixtral-8x7b}; do
           while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n; done
+          # each shape gets the time left when it starts, so none outlasts the deadline
+          left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && { note "warm $shape not started (deadline)"; continue; }
           ( began=$(date +%s)
             timeout "$left" python3 -m benchmarks.moe --shapes "$shape" --tokens "${WARM_TOKENS:-2048}" \
               --passes fwd,fwdbwd --no-liger "${peer_args[@]}" --reps 1 --warmup 0 > "$LOGS/warm_$shape.log" 2>&1
