@@ -114,6 +114,8 @@ run_file() {
   echo "$name rc=$? $(grep -E '(passed|failed|error|skipped)' "$LOGS/$name.log" | tail -1 | cut -c1-100) [$(( $(date +%s) - start ))s]" >> "$LOGS/summary.txt"
 }
 export -f run_file
+# $left: the seconds to the deadline; fails when under 30, too few to start anything.
+time_left() { left=$(( DEADLINE - $(date +%s) )); [ "$left" -ge 30 ]; }
 status=0
 # TEST_DIRS="NAME=DIR ...": each of $TESTS again with that cubin folder (a diagnostic build);
 # TEST_SHIPPED=0 leaves out the shipped cubins' runs.
@@ -133,7 +135,7 @@ if [ -n "${ORIGINAL:-}" ]; then
 fi
 
 for b in ${BENCH:-}; do
-  left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && { note "$b not started (deadline)"; continue; }
+  time_left || { note "$b not started (deadline)"; continue; }
   case $b in
     main) timeout "$left" python3 -m mok > "$LOGS/main.log" 2>&1; note "python -m mok rc=$? $(tail -1 "$LOGS/main.log")" ;;
     warm) # a peer's first call of a shape compiles for minutes (docs/NOTES.md §4): one benchmarks.moe
@@ -149,7 +151,7 @@ for b in ${BENCH:-}; do
         for shape in ${WARM_SHAPES:-kimi-k2 deepseek-v3 qwen3-30b-a3b mixtral-8x7b}; do
           while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n; done
           # each shape gets the time left when it starts, so none outlasts the deadline
-          left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && { note "warm $shape not started (deadline)"; continue; }
+          time_left || { note "warm $shape not started (deadline)"; continue; }
           ( began=$(date +%s)
             timeout "$left" python3 -m benchmarks.moe --shapes "$shape" --tokens "${WARM_TOKENS:-2048}" \
               --passes fwd,fwdbwd --no-liger "${peer_args[@]}" --reps 1 --warmup 0 > "$LOGS/warm_$shape.log" 2>&1
@@ -169,11 +171,11 @@ for b in ${BENCH:-}; do
     phases) # where a pass's time goes (tools/phase_times.py); with TIMELINE_DIR (a diagnostic build of the
         # megakernels, tools/phase_timeline.py's docstring) their phases CTA by CTA too
         for shape in ${PHASE_SHAPES:-qwen3-30b-a3b}; do
-          left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break
+          time_left || break
           timeout "$left" python3 -m tools.phase_times --shape "$shape" --tokens "${PHASE_TOKENS:-2048,4096,16384}" \
             > "$LOGS/phase_times_$shape.log" 2>&1; note "phase_times $shape rc=$?"
           if [ -n "${TIMELINE_DIR:-}" ]; then
-            left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break
+            time_left || break
             MOK_KERNEL_DIR=$TIMELINE_DIR timeout "$left" python3 -m tools.phase_timeline --shape "$shape" \
               --tokens "${PHASE_TOKENS:-2048,4096,16384}" > "$LOGS/phase_timeline_$shape.log" 2>&1
             note "phase_timeline $shape rc=$?"
@@ -185,7 +187,7 @@ for b in ${BENCH:-}; do
           tail -6 "$LOGS/row_tma_probe.log" >> "$LOGS/summary.txt" ;;
     ncu) # ncu's sections for each kernel of tools/ncu_step.py (NCU_SHAPE, NCU_TOKENS), SM clock not locked
         for t in ${NCU_TOKENS:-2048}; do
-          left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break
+          time_left || break
           timeout "$left" ncu --clock-control none -k "regex:moe_forward|gate_up_swiglu|moe_backward" \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
             --section SchedulerStats --section ComputeWorkloadAnalysis --section LaunchStats \
@@ -203,7 +205,7 @@ for b in ${BENCH:-}; do
         for i in 1 2; do
           for side in a b; do
             tree=.; [ $side = a ] && tree=$BASELINE
-            left=$(( DEADLINE - $(date +%s) )); [ "$left" -lt 30 ] && break 2
+            time_left || break 2
             (cd "$tree" && timeout "$left" python3 -m benchmarks.moe --no-liger --no-sonic ${MOE_ARGS:-} \
               --json "$LOGS/ab_$side$i.json" > "$LOGS/ab_$side$i.log" 2>&1)
           done
